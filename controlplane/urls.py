@@ -1,0 +1,8 @@
+"""URL routes of the control plane."""
+
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+]

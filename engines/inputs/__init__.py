@@ -1,0 +1,1 @@
+"""The ``in=`` side of ``flotilla run``: HTTP server, interactive text, batch file."""

@@ -1,0 +1,32 @@
+"""The options of ``flotilla run`` once parsed: one typed object the composition reads."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINES = ("echo_core", "echo_full", "llamacpp")
+# Engines on the road map (DESIGN.md); named so that asking for one gets a clear answer.
+PLANNED_ENGINES = ("mocker", "mistralrs", "vllm", "sglang", "trtllm", "dyn")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    input: str = "text"  # "text", "http", "batch:FILE"
+    output: str = "llamacpp"  # engine name
+    model: str | None = None  # repo id, folder or GGUF file; None means the default model
+    model_name: str | None = None
+    model_config: Path | None = None
+    context_length: int | None = None
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    max_body_bytes: int = 8 * 1024 * 1024
+    threads: int | None = None
+    batch_concurrency: int = 4
+    max_tokens: int | None = None
+    temperature: float | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def batch_file(self) -> Path | None:
+        if self.input.startswith("batch:"):
+            return Path(self.input.removeprefix("batch:"))
+        return None

@@ -1,0 +1,90 @@
+"""``flotilla run``: compose one input (``in=``) with one engine (``out=``) in a single process."""
+
+import logging
+from pathlib import Path
+
+from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
+from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
+from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
+from runtime.engine import Engine
+from runtime.errors import ConfigError
+from runtime.model_card import ModelCard
+
+log = logging.getLogger(__name__)
+
+
+def load_card(options: RunOptions) -> tuple[ModelCard, Path]:
+    """Resolve the model argument (downloading if needed) and read its card."""
+    # Imported here: echo_full needs no model, and these pull in gguf and huggingface_hub.
+    from runtime.model_loading import load_model_card
+    from runtime.model_source import resolve_model
+
+    path = resolve_model(options.model)
+    card = load_model_card(
+        path,
+        model_config=options.model_config,
+        name=options.model_name,
+        context_length=options.context_length,
+    )
+    return card, path
+
+
+def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
+    """The served model and its (not yet started) engine for ``options.output``."""
+    output = options.output
+    if output == "echo_full":
+        full = EchoFullEngine(echo_delay_seconds())
+        return TextModel(options.model_name or "echo", full, options.context_length), full
+    if output == "echo_core":
+        card, _ = load_card(options)
+        core = EchoCoreEngine(echo_delay_seconds())
+        return TokenModel(card, core), core
+    if output == "llamacpp":
+        from engines.llamacpp import LlamaCppEngine
+
+        card, path = load_card(options)
+        llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
+        return TokenModel(card, llama), llama
+    if output in PLANNED_ENGINES:
+        raise ConfigError(
+            f"out={output} is not available in this version yet; available: {', '.join(ENGINES)}"
+        )
+    raise ConfigError(f"unknown engine out={output!r}; choose one of {', '.join(ENGINES)}")
+
+
+async def run(options: RunOptions) -> int:
+    """Run until the input is done (text, batch) or until a signal (http). Returns the exit code."""
+    model, engine = build_model(options)
+    await engine.start()
+    try:
+        if options.input == "http":
+            from engines.inputs.http import serve_http
+
+            registry = ModelRegistry()
+            registry.add(model)
+            await serve_http(
+                registry,
+                host=options.http_host,
+                port=options.http_port,
+                max_body_bytes=options.max_body_bytes,
+            )
+            return 0
+        if options.input == "text":
+            from engines.inputs.text import run_text
+
+            return await run_text(model, max_tokens=options.max_tokens, temperature=options.temperature)
+        if (batch_file := options.batch_file) is not None:
+            from engines.inputs.batch import run_batch
+
+            summary = await run_batch(
+                model,
+                batch_file,
+                concurrency=options.batch_concurrency,
+                max_tokens=options.max_tokens,
+                temperature=options.temperature,
+                progress=True,
+            )
+            return 0 if summary.ok or not summary.skipped else 1
+        raise ConfigError(f"unknown input in={options.input!r}; use in=text, in=http or in=batch:FILE.jsonl")
+    finally:
+        await engine.close()

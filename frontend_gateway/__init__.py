@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: HTTP surface, pre/post-processing, and (later) routing."""

@@ -1,0 +1,73 @@
+"""Errors the gateway answers with, each carrying its HTTP status and OpenAI error type.
+
+One handler (``http_app``) turns them into the OpenAI error envelope; anything else that escapes a
+request is logged and answered with a 500 envelope, never a dropped connection.
+"""
+
+from http import HTTPStatus
+
+
+class GatewayError(Exception):
+    """Base of the errors that map to an HTTP answer."""
+
+    status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
+    error_type: str = "internal_server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(GatewayError):
+    """The request is malformed or asks for something impossible (400)."""
+
+    status = HTTPStatus.BAD_REQUEST
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus max_tokens) does not fit the model's context (400)."""
+
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(GatewayError):
+    """No served model has the requested name (404)."""
+
+    status = HTTPStatus.NOT_FOUND
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(GatewayError):
+    """No such route (404)."""
+
+    status = HTTPStatus.NOT_FOUND
+    error_type = "invalid_request_error"
+
+
+class MethodNotAllowed(GatewayError):
+    status = HTTPStatus.METHOD_NOT_ALLOWED
+    error_type = "invalid_request_error"
+
+
+class RequestTooLarge(GatewayError):
+    """The body is over the configured size limit (413)."""
+
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class EngineFailed(GatewayError):
+    """The engine failed while generating (500, with the engine's reason)."""
+
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    error_type = "internal_server_error"
+
+
+class ServiceUnavailable(GatewayError):
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    error_type = "service_unavailable"

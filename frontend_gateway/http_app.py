@@ -1,0 +1,384 @@
+"""The OpenAI HTTP surface as a plain ASGI application.
+
+A small hand-written router instead of a framework: the routes are few and fixed, and each request
+on the hot path should cost a dict lookup, one msgspec decode and pre-encoded frames (see
+docs/benchmarks.md for what that buys). Every GatewayError becomes the OpenAI error envelope with its
+status; anything unexpected is logged and answered 500, never a dropped connection.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+
+from frontend_gateway import responses
+from frontend_gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotFound,
+    RequestTooLarge,
+)
+from frontend_gateway.metrics import GatewayMetrics
+from frontend_gateway.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_decoder,
+    completion_decoder,
+)
+from frontend_gateway.pipeline import Generation, ModelRegistry, ServedModel
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Lifespan = Callable[[], contextlib.AbstractAsyncContextManager[None]]
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was complete."""
+
+
+class GatewayApp:
+    """ASGI app serving the models in ``models``. ``lifespan`` (optional) runs around serving."""
+
+    def __init__(
+        self,
+        models: ModelRegistry,
+        *,
+        metrics: GatewayMetrics | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        lifespan: Lifespan | None = None,
+    ) -> None:
+        self.models = models
+        self.metrics = metrics or GatewayMetrics()
+        self.max_body_bytes = max_body_bytes
+        self._lifespan = lifespan
+        self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/completions": ("POST", self._completions),
+            "/v1/models": ("GET", self._list_models),
+            "/health": ("GET", self._health),
+            "/live": ("GET", self._live),
+            "/metrics": ("GET", self._metrics),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._run_lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            route = self._routes.get(scope["path"].rstrip("/") or "/")
+            if route is None:
+                raise NotFound(
+                    f"no route for {scope['path']}; see /v1/models, /v1/chat/completions, /v1/completions"
+                )
+            method, handler = route
+            if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
+                raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
+            await handler(scope, receive, send)
+        except GatewayError as exc:
+            await self._send_error(send, exc)
+        except ClientDisconnected:
+            pass
+        except Exception:
+            log.exception("unexpected error serving %s", scope.get("path"))
+            await self._send_error(send, GatewayError("internal error; see the server log"))
+
+    async def _send_error(self, send: Send, exc: GatewayError) -> None:
+        self.metrics.error(exc.error_type, int(exc.status))
+        body = responses.error_body(exc.message, exc.error_type, exc.code, exc.param)
+        with contextlib.suppress(Exception):  # the response may already have started
+            await send({"type": "http.response.start", "status": int(exc.status), "headers": _JSON_HEADERS})
+            await send({"type": "http.response.body", "body": body})
+
+    async def _run_lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        assert message["type"] == "lifespan.startup"
+        stack = contextlib.AsyncExitStack()
+        try:
+            if self._lifespan is not None:
+                await stack.enter_async_context(self._lifespan())
+        except Exception as exc:
+            log.exception("start-up failed")
+            await send({"type": "lifespan.startup.failed", "message": str(exc)})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        message = await receive()
+        try:
+            await stack.aclose()
+        except Exception as exc:
+            log.exception("shutdown failed")
+            await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
+
+    # --- simple GET routes -------------------------------------------------------------------
+
+    async def _send_json(self, send: Send, body: bytes, status: int = 200) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        data = [
+            {"id": model.name, "object": "model", "created": model.created, "owned_by": "flotilla"}
+            | ({"max_model_len": model.context_length} if model.context_length else {})
+            for model in self.models.all()
+        ]
+        await self._send_json(send, msgspec.json.encode({"object": "list", "data": data}))
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        names = self.models.names()
+        status = "healthy" if names else "no models"
+        await self._send_json(
+            send, msgspec.json.encode({"status": status, "models": names}), 200 if names else 503
+        )
+
+    async def _live(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._send_json(send, b'{"status":"live"}')
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": self.metrics.exposition()})
+
+    # --- generation routes -------------------------------------------------------------------
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """Read the whole body, refusing more than ``max_body_bytes`` without buffering it all."""
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError as exc:
+                    raise InvalidRequest("the Content-Length header is not a number") from exc
+                if declared > limit:
+                    raise RequestTooLarge(f"the request body is {declared} bytes; the limit is {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"the request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _find_model(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            served = ", ".join(self.models.names()) or "none yet"
+            raise ModelNotFound(f"the model {name!r} does not exist; served models: {served}", param="model")
+        return model
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(scope, receive)
+        request: ChatCompletionRequest = _decode(chat_decoder, body)
+        model = self._find_model(request.model)
+        generation = model.prepare_chat(request)
+        await self._respond(
+            "chat",
+            "chat_completions",
+            model,
+            request.stream,
+            request.stream_options,
+            generation,
+            receive,
+            send,
+        )
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(scope, receive)
+        request: CompletionRequest = _decode(completion_decoder, body)
+        model = self._find_model(request.model)
+        generation = model.prepare_completion(request)
+        await self._respond(
+            "completion",
+            "completions",
+            model,
+            request.stream,
+            request.stream_options,
+            generation,
+            receive,
+            send,
+        )
+
+    async def _respond(
+        self,
+        kind: responses.Kind,
+        endpoint: str,
+        model: ServedModel,
+        stream: bool,
+        stream_options: Any,
+        generation: Generation,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Run the generation, streamed or whole, and stop it if the client goes away."""
+        model_metrics = self.metrics.for_model(model.name)
+        model_metrics.inflight.inc()
+        started = time.perf_counter()
+        status = "error"
+        watcher = _DisconnectWatcher(receive, generation)
+        try:
+            if stream:
+                include_usage = bool(stream_options is not None and stream_options.include_usage)
+                await self._stream(kind, model, generation, include_usage, send, started, model_metrics)
+            else:
+                await self._whole(kind, model, generation, send, started, model_metrics)
+            status = "success"
+        except asyncio.CancelledError:
+            if not watcher.disconnected:
+                raise
+            # The watcher cancelled us because the client left; the generation's finally has run.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            status = "cancelled"
+            log.debug("client disconnected; request %s cancelled", generation.request_id)
+        finally:
+            watcher.close()
+            model_metrics.inflight.dec()
+            model_metrics.finished(
+                endpoint=endpoint,
+                streaming=stream,
+                status=status,
+                duration=time.perf_counter() - started,
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=generation.completion_tokens,
+            )
+
+    async def _whole(
+        self,
+        kind: responses.Kind,
+        model: ServedModel,
+        generation: Generation,
+        send: Send,
+        started: float,
+        metrics: Any,
+    ) -> None:
+        pieces: list[str] = []
+        async for piece in generation.pieces():
+            if not pieces:
+                metrics.ttft.observe(time.perf_counter() - started)
+            pieces.append(piece)
+        body = responses.full_response(
+            kind,
+            response_id=_response_id(kind, generation),
+            created=int(time.time()),
+            model=model.name,
+            text="".join(pieces),
+            finish_reason=generation.finish_reason,
+            prompt_tokens=generation.prompt_tokens,
+            completion_tokens=generation.completion_tokens,
+        )
+        headers = [*_JSON_HEADERS, (b"x-request-id", generation.request_id.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _stream(
+        self,
+        kind: responses.Kind,
+        model: ServedModel,
+        generation: Generation,
+        include_usage: bool,
+        send: Send,
+        started: float,
+        metrics: Any,
+    ) -> None:
+        encoder = responses.StreamEncoder(
+            kind, response_id=_response_id(kind, generation), created=int(time.time()), model=model.name
+        )
+        pieces = generation.pieces()
+        # Pull the first piece before sending the status line, so that an engine that fails at once
+        # still gets a proper error status instead of a broken stream.
+        first = await anext(pieces, None)
+        headers = [*_SSE_HEADERS, (b"x-request-id", generation.request_id.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        opening = encoder.first()
+        if opening is not None:
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+        if first is not None:
+            last = time.perf_counter()
+            metrics.ttft.observe(last - started)
+            await send({"type": "http.response.body", "body": encoder.piece(first), "more_body": True})
+            itl = metrics.inter_token_latency
+            try:
+                async for piece in pieces:
+                    now = time.perf_counter()
+                    itl.observe(now - last)
+                    last = now
+                    await send(
+                        {"type": "http.response.body", "body": encoder.piece(piece), "more_body": True}
+                    )
+            except GatewayError as exc:
+                log.warning("request %s failed mid-stream: %s", generation.request_id, exc.message)
+                frame = responses.error_frame(exc.message, exc.error_type, exc.code)
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        tail = encoder.finish(generation.finish_reason)
+        if include_usage:
+            tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens)
+        await send({"type": "http.response.body", "body": tail + responses.DONE_FRAME})
+
+
+class _DisconnectWatcher:
+    """Waits for ``http.disconnect``; when it comes first, stops the generation and cancels us."""
+
+    __slots__ = ("_generation", "_owner", "_task", "disconnected")
+
+    def __init__(self, receive: Receive, generation: Generation) -> None:
+        self.disconnected = False
+        self._generation = generation
+        self._owner = asyncio.current_task()
+        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._generation.context.stop()
+        if self._owner is not None:
+            self._owner.cancel()
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
+    """Decode and validate a request body; translate msgspec's errors into a 400 that names the field."""
+    if not body:
+        raise InvalidRequest("the request body is empty; send a JSON object")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        _, _, path = message.rpartition(" - at `$.")
+        raise InvalidRequest(f"invalid request: {message}", param=path.rstrip("`") or None) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _response_id(kind: responses.Kind, generation: Generation) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id

@@ -1,0 +1,133 @@
+"""Prometheus metrics of the gateway, named in the style of Dynamo's frontend and vLLM.
+
+The collectors live in a registry owned by the app (no module globals), and labelled children are
+cached per model so that the per-token path does one dict lookup, not a label resolution.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class ModelMetrics:
+    """The per-model children, resolved once."""
+
+    __slots__ = (
+        "_parent",
+        "inflight",
+        "input_tokens",
+        "inter_token_latency",
+        "model",
+        "output_tokens",
+        "ttft",
+    )
+
+    def __init__(self, parent: "GatewayMetrics", model: str) -> None:
+        self._parent = parent
+        self.model = model
+        self.inflight = parent.inflight.labels(model=model)
+        self.ttft = parent.ttft.labels(model=model)
+        self.inter_token_latency = parent.inter_token_latency.labels(model=model)
+        self.input_tokens = parent.input_tokens.labels(model=model)
+        self.output_tokens = parent.output_tokens.labels(model=model)
+
+    def finished(
+        self,
+        *,
+        endpoint: str,
+        streaming: bool,
+        status: str,
+        duration: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        parent = self._parent
+        parent.requests.labels(
+            model=self.model,
+            endpoint=endpoint,
+            request_type="stream" if streaming else "unary",
+            status=status,
+        ).inc()
+        parent.request_duration.labels(model=self.model).observe(duration)
+        self.input_tokens.observe(prompt_tokens)
+        self.output_tokens.observe(completion_tokens)
+        parent.input_tokens_total.labels(model=self.model).inc(prompt_tokens)
+        parent.output_tokens_total.labels(model=self.model).inc(completion_tokens)
+
+
+class GatewayMetrics:
+    """All the gateway's collectors, in their own registry."""
+
+    def __init__(self, prefix: str = "flotilla_frontend") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            f"{prefix}_requests",
+            "Requests finished, by outcome.",
+            ["model", "endpoint", "request_type", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            f"{prefix}_errors",
+            "Requests answered with an error, by error type and HTTP status.",
+            ["error_type", "status_code"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            f"{prefix}_inflight_requests", "Requests being served now.", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{prefix}_time_to_first_token_seconds",
+            "Time from request to first text.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            f"{prefix}_inter_token_latency_seconds",
+            "Time between streamed pieces of text.",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            f"{prefix}_request_duration_seconds",
+            "Time from request to last byte.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Histogram(
+            f"{prefix}_input_sequence_tokens",
+            "Prompt length in tokens.",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Histogram(
+            f"{prefix}_output_sequence_tokens",
+            "Completion length in tokens.",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens_total = Counter(f"{prefix}_input_tokens", "Prompt tokens.", ["model"], registry=r)
+        self.output_tokens_total = Counter(
+            f"{prefix}_output_tokens", "Completion tokens.", ["model"], registry=r
+        )
+        self._models: dict[str, ModelMetrics] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
+
+    def error(self, error_type: str, status_code: int) -> None:
+        self.errors.labels(error_type=error_type, status_code=str(status_code)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""OpenAI request bodies as msgspec Structs.
+
+Decoding validates types and ranges in one pass (msgspec's errors name the field, e.g. "Expected
+`int`, got `str` - at `$.max_tokens`"). Unknown fields are ignored, as the OpenAI API does.
+Responses are built as plain dicts/bytes in ``responses.py``: no per-token object validation.
+"""
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class NvExt(msgspec.Struct):
+    """Dynamo's extension block; ``ignore_eos`` keeps generating past EOS (for benchmarks)."""
+
+    ignore_eos: bool | None = None
+    annotations: list[str] | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: Annotated[str, Meta(min_length=1)]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completion requests."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    min_tokens: NonNegativeInt | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Probability | None = None
+    seed: int | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    stop: StopStrings | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    nvext: NvExt | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, a one-element list of strings, or a list of token ids (checked in the preprocessor:
+    # msgspec cannot tell list[str] from list[int] inside one union); batches of prompts are refused.
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+
+
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -1,0 +1,259 @@
+"""Served models: the pre-process -> engine -> post-process pipeline behind one model name.
+
+``prepare_chat`` / ``prepare_completion`` validate and preprocess synchronously (raising
+GatewayError before any response starts) and return a ``Generation``: an async stream of text pieces
+whose usage and finish reason are known once it ends. Every front end (HTTP, text, batch) consumes
+the same ``Generation``.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from frontend_gateway import preprocessor
+from frontend_gateway.errors import EngineFailed, InvalidRequest
+from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from frontend_gateway.stop_strings import StopStringMatcher
+from runtime.engine import RequestContext, TextEngine, TokenEngine
+from runtime.errors import EngineError
+from runtime.model_card import ModelCard
+from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, TextOutput, TextRequest
+
+
+class Generation:
+    """One request's output stream. Iterate ``pieces()`` once; then read usage and finish_reason."""
+
+    __slots__ = ("_source", "completion_tokens", "context", "finish_reason", "prompt_tokens", "request_id")
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self.context = RequestContext(request_id)
+        self._source: AsyncIterator[str] | None = None
+
+    def bind(self, source: AsyncIterator[str]) -> "Generation":
+        """Attach the stream that fills this generation in (it needs the generation to count into)."""
+        self._source = source
+        return self
+
+    def pieces(self) -> AsyncIterator[str]:
+        """The non-empty text pieces, in order."""
+        assert self._source is not None, "Generation.bind() was not called"
+        return self._source
+
+
+class ServedModel(Protocol):
+    """A model name the gateway serves, and how to turn requests into generations."""
+
+    name: str
+    created: int
+    context_length: int | None
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> Generation: ...
+
+    def prepare_completion(self, request: CompletionRequest) -> Generation: ...
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class TokenModel:
+    """A model whose engine takes token ids: Flotilla templates, tokenizes and detokenizes."""
+
+    def __init__(self, card: ModelCard, engine: TokenEngine) -> None:
+        self.card = card
+        self.name = card.name
+        self.created = int(time.time())
+        self.context_length: int | None = card.context_length
+        self.engine = engine
+        self._tokenizer: Tokenizer = card.tokenizer  # built now: a bad tokenizer fails at start-up
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+        return self._prepare(request, preprocessor.chat_prompt_ids(self.card, request))
+
+    def prepare_completion(self, request: CompletionRequest) -> Generation:
+        return self._prepare(request, preprocessor.completion_prompt_ids(self.card, request))
+
+    def _prepare(self, request: SamplingFields, prompt_ids: list[int]) -> Generation:
+        stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
+        request_id = _new_request_id()
+        engine_request = PreprocessedRequest(
+            request_id=request_id,
+            model=self.name,
+            token_ids=prompt_ids,
+            sampling=preprocessor.sampling_options(request),
+            stop_conditions=stop,
+            eos_token_ids=self.card.eos_token_ids,
+        )
+        skip_special = request.skip_special_tokens
+        if skip_special is None:
+            skip_special = self.engine.skip_special_tokens
+        generation = Generation(request_id, len(prompt_ids))
+        return generation.bind(self._postprocess(generation, engine_request, skip_special))
+
+    async def _postprocess(
+        self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
+    ) -> AsyncIterator[str]:
+        """Detokenize incrementally, apply stop strings and max_tokens, count usage."""
+        tokenizer = self._tokenizer
+        decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        stops = request.stop_conditions.stop
+        matcher = StopStringMatcher(stops) if stops else None
+        max_tokens = request.stop_conditions.max_tokens
+        outputs: AsyncIterator[EngineOutput] = self.engine.generate(request, generation.context)
+        try:
+            async for output in outputs:
+                for token_id in output.token_ids:
+                    generation.completion_tokens += 1
+                    piece = decoder.step(tokenizer, token_id)
+                    if piece:
+                        if matcher is not None:
+                            piece, hit = matcher.feed(piece)
+                            if hit:
+                                generation.finish_reason = "stop"
+                                if piece:
+                                    yield piece
+                                return
+                        if piece:
+                            yield piece
+                    if generation.completion_tokens >= max_tokens:
+                        generation.finish_reason = "length"
+                        break
+                if output.finish_reason is not None and generation.finish_reason is None:
+                    generation.finish_reason = output.finish_reason
+                if generation.finish_reason is not None:
+                    break
+            if matcher is not None and (tail := matcher.flush()):
+                yield tail
+            if generation.finish_reason is None:
+                generation.finish_reason = "stop"
+            if generation.finish_reason == "error":
+                raise EngineFailed(f"the engine for {self.name!r} failed while generating")
+        except EngineError as exc:
+            generation.finish_reason = "error"
+            raise EngineFailed(str(exc)) from exc
+        finally:
+            generation.context.stop()
+            await _aclose(outputs)
+
+
+_UNBOUNDED_CONTEXT = 1 << 31
+
+
+class TextModel:
+    """A model whose engine takes OpenAI-level requests and does its own processing."""
+
+    card = None
+
+    def __init__(self, name: str, engine: TextEngine, context_length: int | None = None) -> None:
+        self.name = name
+        self.created = int(time.time())
+        self.context_length = context_length
+        self.engine = engine
+
+    def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+        messages = preprocessor.message_dicts(request.messages)
+        return self._prepare(self._text_request(request, messages=messages))
+
+    def prepare_completion(self, request: CompletionRequest) -> Generation:
+        prompt = request.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise InvalidRequest(
+                    f"model {self.name!r} takes text prompts only (a string or a list of one string)",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        return self._prepare(self._text_request(request, prompt=prompt))
+
+    def _text_request(
+        self,
+        request: SamplingFields,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+    ) -> TextRequest:
+        # Without a tokenizer the prompt cannot be counted here: the engine checks its own context.
+        stop = preprocessor.stop_conditions(request, 0, self.context_length or _UNBOUNDED_CONTEXT)
+        return TextRequest(
+            request_id=_new_request_id(),
+            model=self.name,
+            messages=messages,
+            prompt=prompt,
+            sampling=preprocessor.sampling_options(request),
+            stop_conditions=stop,
+        )
+
+    def _prepare(self, text_request: TextRequest) -> Generation:
+        generation = Generation(text_request.request_id, 0)
+        return generation.bind(self._postprocess(generation, text_request))
+
+    async def _postprocess(self, generation: Generation, request: TextRequest) -> AsyncIterator[str]:
+        stops = request.stop_conditions.stop
+        matcher = StopStringMatcher(stops) if stops else None
+        outputs: AsyncIterator[TextOutput] = self.engine.generate(request, generation.context)
+        try:
+            async for output in outputs:
+                if output.prompt_tokens is not None:
+                    generation.prompt_tokens = output.prompt_tokens
+                generation.completion_tokens += output.completion_tokens
+                piece = output.text
+                if matcher is not None and piece:
+                    piece, hit = matcher.feed(piece)
+                    if hit:
+                        generation.finish_reason = "stop"
+                        if piece:
+                            yield piece
+                        return
+                if piece:
+                    yield piece
+                if output.finish_reason is not None:
+                    generation.finish_reason = output.finish_reason
+                    break
+            if matcher is not None and (tail := matcher.flush()):
+                yield tail
+            if generation.finish_reason is None:
+                generation.finish_reason = "stop"
+            if generation.finish_reason == "error":
+                raise EngineFailed(f"the engine for {self.name!r} failed while generating")
+        except EngineError as exc:
+            generation.finish_reason = "error"
+            raise EngineFailed(str(exc)) from exc
+        finally:
+            generation.context.stop()
+            await _aclose(outputs)
+
+
+async def _aclose(iterator: AsyncIterator[object]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class ModelRegistry:
+    """The models a gateway serves, by name. Models may come and go while it runs."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+
+    def add(self, model: ServedModel) -> None:
+        self._models[model.name] = model
+
+    def remove(self, name: str) -> None:
+        self._models.pop(name, None)
+
+    def get(self, name: str) -> ServedModel | None:
+        return self._models.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def all(self) -> list[ServedModel]:
+        return list(self._models.values())

@@ -1,0 +1,154 @@
+"""OpenAI requests -> engine requests: chat template, tokenization, sampling and stop conditions.
+
+Everything here is a pure function of the request and the model card, and raises InvalidRequest /
+ContextLengthExceeded with the offending parameter named, before any response has started.
+"""
+
+from typing import Any
+
+from frontend_gateway.errors import ContextLengthExceeded, InvalidRequest
+from frontend_gateway.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from runtime.errors import TemplateError
+from runtime.model_card import ModelCard
+from runtime.protocol import SamplingOptions, StopConditions
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect; text parts are joined into one string."""
+    result: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(
+                        f"content part of type {part.type!r} is not supported by this model; "
+                        "only text parts are",
+                        param=f"messages[{index}].content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        result.append(entry)
+    return result
+
+
+def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> list[int]:
+    """Render the chat template and tokenize it as Hugging Face's apply_chat_template does."""
+    template = card.template
+    if template is None:
+        raise InvalidRequest(
+            f"model {card.name!r} has no chat template; use /v1/completions, "
+            "or pass --model-config with a tokenizer_config.json that has one",
+            param="messages",
+        )
+    try:
+        text = template.render(
+            message_dicts(request.messages), add_generation_prompt=True, tools=request.tools
+        )
+    except TemplateError as exc:
+        raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+    # The template already placed BOS and special tokens; HF encodes it without adding more.
+    ids: list[int] = card.tokenizer.encode(text, add_special_tokens=False).ids
+    return ids
+
+
+def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> list[int]:
+    """Tokenize a completion prompt: a string, a one-string list, or a list of token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if prompt and all(type(item) is int for item in prompt):
+            return check_token_ids(card, prompt)  # type: ignore[arg-type]
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        elif len(prompt) == 1 and isinstance(prompt[0], list):
+            return check_token_ids(card, prompt[0])
+        else:
+            raise InvalidRequest(
+                "prompt must be a string, a list of one string, or a list of token ids; "
+                "batches of several prompts are not supported: send one request per prompt",
+                param="prompt",
+            )
+    assert isinstance(prompt, str)
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    ids: list[int] = card.tokenizer.encode(prompt, add_special_tokens=True).ids
+    return ids
+
+
+def check_token_ids(card: ModelCard, ids: list[int]) -> list[int]:
+    vocab_size = card.tokenizer.get_vocab_size(with_added_tokens=True)
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(
+                f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param="prompt"
+            )
+    return ids
+
+
+def sampling_options(request: SamplingFields) -> SamplingOptions:
+    return SamplingOptions(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        repetition_penalty=request.repetition_penalty,
+    )
+
+
+def requested_max_tokens(request: SamplingFields) -> int | None:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens
+
+
+def stop_conditions(request: SamplingFields, prompt_tokens: int, context_length: int) -> StopConditions:
+    """Stop conditions, with max_tokens checked against (or defaulted to) the room left in context.
+
+    Raises ContextLengthExceeded when the prompt, or the prompt plus max_tokens, does not fit.
+    """
+    room = context_length - prompt_tokens
+    if room <= 0:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {context_length} tokens, "
+            f"but the prompt has {prompt_tokens} tokens; shorten the prompt",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+        )
+    max_tokens = requested_max_tokens(request)
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {context_length} tokens; the prompt has "
+            f"{prompt_tokens} tokens and max_tokens asks for {max_tokens} more; lower max_tokens "
+            f"to at most {room} or shorten the prompt",
+            param="max_tokens",
+        )
+    min_tokens = request.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
+        )
+    stop = request.stop
+    ignore_eos = bool(request.ignore_eos or (request.nvext is not None and request.nvext.ignore_eos))
+    return StopConditions(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        ignore_eos=ignore_eos,
+    )

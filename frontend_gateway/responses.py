@@ -1,0 +1,119 @@
+"""OpenAI response bodies and server-sent-event frames, encoded straight to bytes.
+
+Streaming is the hot path: each frame is a pre-encoded prefix, the JSON-escaped text piece and a
+pre-encoded suffix, so a token costs one string encode and a concatenation.
+"""
+
+from typing import Any, Literal
+
+import msgspec
+
+Kind = Literal["chat", "completion"]
+
+_encode = msgspec.json.encode
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+def _openai_finish_reason(reason: str | None) -> str | None:
+    # "cancelled" and "error" are ours; OpenAI clients know only stop/length/tool_calls/content_filter.
+    if reason is None or reason in ("stop", "length"):
+        return reason
+    return "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def full_response(
+    kind: Kind,
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    """The body of a non-streaming chat.completion or text_completion."""
+    choice: dict[str, Any]
+    if kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": _openai_finish_reason(finish_reason),
+        }
+        obj = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": _openai_finish_reason(finish_reason),
+        }
+        obj = "text_completion"
+    return _encode(
+        {
+            "id": response_id,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+    )
+
+
+class StreamEncoder:
+    """Builds the SSE frames of one streamed response."""
+
+    __slots__ = ("_head", "_kind", "_piece_prefix", "_piece_suffix")
+
+    def __init__(self, kind: Kind, *, response_id: str, created: int, model: str) -> None:
+        self._kind = kind
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        head = _encode({"id": response_id, "object": obj, "created": created, "model": model})
+        self._head = b"data: " + head[:-1] + b',"choices":['
+        if kind == "chat":
+            self._piece_prefix = self._head + b'{"index":0,"delta":{"content":'
+            self._piece_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            self._piece_prefix = self._head + b'{"index":0,"text":'
+            self._piece_suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def first(self) -> bytes | None:
+        """The opening frame (chat announces the assistant role), or None for completions."""
+        if self._kind == "chat":
+            role = b'{"index":0,"delta":{"role":"assistant","content":""},'
+            return self._head + role + b'"logprobs":null,"finish_reason":null}]}\n\n'
+        return None
+
+    def piece(self, text: str) -> bytes:
+        return self._piece_prefix + _encode(text) + self._piece_suffix
+
+    def finish(self, finish_reason: str | None) -> bytes:
+        reason = _encode(_openai_finish_reason(finish_reason))
+        if self._kind == "chat":
+            return (
+                self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
+            )
+        return self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return self._head + b'],"usage":' + _encode(usage(prompt_tokens, completion_tokens)) + b"}\n\n"
+
+
+def error_body(message: str, error_type: str, code: str | None, param: str | None) -> bytes:
+    """The OpenAI error envelope."""
+    return _encode({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+
+
+def error_frame(message: str, error_type: str, code: str | None) -> bytes:
+    """An error reported inside an already-started stream (the status line is already sent)."""
+    return b"data: " + error_body(message, error_type, code, None) + b"\n\n"

@@ -1,0 +1,128 @@
+"""Chat templates rendered exactly as Hugging Face ``transformers`` renders them.
+
+Models ship their prompt format as a Jinja template (``tokenizer_config.json`` or a GGUF's
+``tokenizer.chat_template``). Clients expect the prompt that ``apply_chat_template`` would build, so
+the environment here copies transformers' own: a sandbox (templates come from model files, which we do
+not trust), ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that
+does not escape HTML, and the ``raise_exception``/``strftime_now`` globals.
+"""
+
+import json
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.errors import FlotillaError
+
+
+class TemplateError(FlotillaError):
+    """A chat template failed to compile or to render; the gateway answers HTTP 400."""
+
+
+class _TemplateRaised(jinja2.exceptions.TemplateError):
+    """``raise_exception`` called by the template itself: its message is meant for the user as is."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise _TemplateRaised(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's built-in tojson escapes <, >, & and ' for HTML; transformers replaces it with plain
+    # json.dumps, and tool schemas in prompts must be byte-identical to what the model was trained on.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept ``{% generation %}…{% endgeneration %}`` and render its body unchanged.
+
+    transformers marks assistant text with this tag to build training masks; templates that use it must
+    still compile here, and for inference the tag has no effect.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    filters: dict[str, Callable[..., Any]] = env.filters
+    filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may refer to.
+
+    Raises TemplateError when ``source`` is not a valid Jinja template.
+    """
+
+    def __init__(self, source: str, *, bos_token: str | None, eos_token: str | None) -> None:
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise TemplateError(
+                f"chat template has a syntax error at line {exc.lineno}: {exc.message}"
+            ) from exc
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """Return the prompt for ``messages``; ``extra`` becomes template variables (e.g. ``documents``).
+
+        Raises TemplateError when the template rejects the conversation or fails while rendering.
+        """
+        variables: dict[str, Any] = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **extra,
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(**variables)
+        except _TemplateRaised as exc:
+            raise TemplateError(str(exc)) from exc
+        except jinja2.exceptions.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
+            # Templates index and concatenate message fields freely; a request with an unexpected shape
+            # (content as a list, a missing role) surfaces here and is the client's error.
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,70 @@
+"""Typed readers for configuration from the environment.
+
+Every CLI flag has an environment variable; these helpers parse them and fail loudly, naming the
+variable, when a value is malformed. A secret may also come from ``NAME_FILE`` (a path to read).
+"""
+
+import os
+from pathlib import Path
+
+from runtime.errors import ConfigError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """Return ``$NAME``, else the contents of the file named by ``$NAME_FILE``, else ``default``."""
+    value = os.environ.get(name)
+    if value is not None:
+        return value
+    file_name = os.environ.get(f"{name}_FILE")
+    if file_name:
+        try:
+            return Path(file_name).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{name}_FILE={file_name!r} cannot be read: {exc.strerror}") from exc
+    return default
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """Return ``$NAME`` as an int within ``[minimum, maximum]``; raise ConfigError otherwise."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} is below the minimum {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={value} is above the maximum {maximum}")
+    return value
+
+
+def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    """Return ``$NAME`` as a float no smaller than ``minimum``; raise ConfigError otherwise."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not a number") from exc
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={value} is below the minimum {minimum}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """Return ``$NAME`` as a bool (1/true/yes/on or 0/false/no/off); raise ConfigError otherwise."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    lowered = raw.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")

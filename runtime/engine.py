@@ -1,0 +1,65 @@
+"""The one small interface every engine implements.
+
+An engine is an object with an async ``generate`` that takes one request and yields a stream of
+outputs, plus ``start``/``close`` for its lifecycle. A *token* engine takes token ids (the gateway
+pre/post-processes for it); a *text* engine takes OpenAI-level requests and does its own. The same
+engine object runs inside ``flotilla run`` or, later, behind a networked worker.
+"""
+
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol, runtime_checkable
+
+from runtime.protocol import EngineOutput, PreprocessedRequest, TextOutput, TextRequest
+
+
+class RequestContext:
+    """Per-request control shared between the caller and the engine.
+
+    ``stop()`` may be called from any thread or task; engines poll ``stopped`` between steps (a
+    plain attribute so that engine threads can read it without touching the event loop).
+    """
+
+    __slots__ = ("request_id", "stopped")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Ask the engine to stop producing outputs for this request."""
+        self.stopped = True
+
+
+@runtime_checkable
+class TokenEngine(Protocol):
+    """An engine fed token ids by Flotilla's preprocessor."""
+
+    kind: Literal["token"]
+    #: False for engines whose point is to show special tokens (echo_core shows the chat template).
+    skip_special_tokens: bool
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        """Yield outputs until a finish reason, or until ``context.stopped`` is set."""
+        ...
+
+
+@runtime_checkable
+class TextEngine(Protocol):
+    """An engine that takes OpenAI-level requests and does its own templating and tokenizing."""
+
+    kind: Literal["text"]
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, request: TextRequest, context: RequestContext) -> AsyncIterator[TextOutput]:
+        """Yield text pieces until a finish reason, or until ``context.stopped`` is set."""
+        ...
+
+
+Engine = TokenEngine | TextEngine

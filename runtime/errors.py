@@ -1,0 +1,25 @@
+"""The error hierarchy shared by all Flotilla programs.
+
+Foreign exceptions are translated into these at the boundary (``raise ... from exc``) so that each
+program has one place that turns them into an exit message or an HTTP status.
+"""
+
+
+class FlotillaError(Exception):
+    """Base class of every error Flotilla raises on purpose."""
+
+
+class ConfigError(FlotillaError):
+    """A flag or an environment variable has a value we cannot use."""
+
+
+class ModelError(FlotillaError):
+    """A model could not be found, downloaded or loaded."""
+
+
+class EngineError(FlotillaError):
+    """An engine failed while generating."""
+
+
+class TemplateError(FlotillaError):
+    """A chat template failed to compile or render (the gateway answers 400)."""

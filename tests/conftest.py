@@ -1,0 +1,45 @@
+"""Fixtures shared by all tests: the default model file and real `flotilla run` servers."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import Server, llama_cpp_available, smollm2_path, start_server
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def echo_full_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("echo_full") / "server.log"
+    server = start_server(
+        ["out=echo_full", "--model-name", "echo", "--max-body-bytes", "65536"],
+        log,
+        env={"FLOTILLA_TOKEN_ECHO_DELAY_MS": "0"},
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def echo_core_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("echo_core") / "server.log"
+    server = start_server(
+        ["out=echo_core", "--context-length", "256"], log, env={"FLOTILLA_TOKEN_ECHO_DELAY_MS": "20"}
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed (`make install` builds it)")
+    log = tmp_path_factory.mktemp("llamacpp") / "server.log"
+    server = start_server(["out=llamacpp", "--context-length", "2048"], log)
+    yield server
+    server.stop()

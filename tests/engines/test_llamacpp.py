@@ -1,0 +1,132 @@
+"""The llama.cpp engine generates real text from SmolLM2, fed token ids by our preprocessor."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from runtime.model_loading import load_model_card
+
+from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage
+from frontend_gateway.pipeline import TokenModel
+from tests.servers import Server, llama_cpp_available
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(
+        not llama_cpp_available(), reason="llama-cpp-python is not installed (`make install`)"
+    ),
+]
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+async def model(smollm2: Path) -> AsyncIterator[TokenModel]:
+    from engines.llamacpp import LlamaCppEngine
+
+    card = load_model_card(smollm2, context_length=2048)
+    engine = LlamaCppEngine(smollm2, context_length=card.context_length, threads=2)
+    await engine.start()
+    yield TokenModel(card, engine)
+    await engine.close()
+
+
+def chat(content: str, **fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=MODEL, messages=[ChatMessage(role="user", content=content)], **fields)
+
+
+async def answer(model: TokenModel, request: ChatCompletionRequest) -> tuple[str, Any]:
+    generation = model.prepare_chat(request)
+    text = "".join([piece async for piece in generation.pieces()])
+    return text, generation
+
+
+def test_the_capital_of_france_is_paris_over_http(llamacpp_server: Server) -> None:
+    client = openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=40)  # type: ignore[arg-type]
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 40
+
+
+def test_a_streamed_answer_matches_the_unary_one(llamacpp_server: Server) -> None:
+    client = openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
+    unary = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=30)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=30, stream=True
+    )  # type: ignore[arg-type]
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == unary.choices[0].message.content
+
+
+async def test_concurrent_requests_do_not_corrupt_each_other(model: TokenModel) -> None:
+    prompts = ["What is the capital of France?", "Name a color.", "What is 2+2?"]
+    alone = [(await answer(model, chat(p, temperature=0.0, max_tokens=24)))[0] for p in prompts]
+    together = await asyncio.gather(
+        *(answer(model, chat(p, temperature=0.0, max_tokens=24)) for p in prompts)
+    )
+    assert [text for text, _ in together] == alone
+
+
+async def test_a_shared_prefix_is_not_evaluated_again(model: TokenModel) -> None:
+    llama = model.engine._llama  # type: ignore[attr-defined]
+    evaluated: list[int] = []
+    original_eval = llama.eval
+
+    def counting_eval(tokens: list[int]) -> None:
+        evaluated.append(len(tokens))
+        original_eval(tokens)
+
+    llama.eval = counting_eval
+    prefix = "You are a careful assistant. " * 20
+    await answer(model, chat(prefix + "First question: name a fruit.", temperature=0.0, max_tokens=2))
+    first_prompt = evaluated[0]
+    evaluated.clear()
+    _, second = await answer(
+        model, chat(prefix + "Second question: name a tree.", temperature=0.0, max_tokens=2)
+    )
+    assert first_prompt > 100
+    # Only the differing tail (a dozen tokens) is evaluated for the second prompt.
+    assert evaluated[0] < second.prompt_tokens - 100
+
+
+async def test_closing_the_stream_stops_generation_and_frees_the_engine(model: TokenModel) -> None:
+    generation = model.prepare_chat(chat("Tell me a very long story.", max_tokens=500, ignore_eos=True))
+    pieces = generation.pieces()
+    for _ in range(3):
+        await anext(pieces)
+    await pieces.aclose()  # type: ignore[attr-defined]
+    assert generation.context.stopped
+    assert generation.completion_tokens < 10
+    assert not model.engine._lock.locked()  # type: ignore[attr-defined]
+    text, _ = await answer(model, chat("What is the capital of France?", temperature=0.0, max_tokens=20))
+    assert "Paris" in text
+
+
+async def test_min_tokens_keeps_generating_past_eos(model: TokenModel) -> None:
+    _, short = await answer(model, chat("Reply with one word: yes or no?", temperature=0.0, max_tokens=50))
+    assert short.finish_reason == "stop"
+    _, longer = await answer(
+        model,
+        chat(
+            "Reply with one word: yes or no?",
+            temperature=0.0,
+            max_tokens=50,
+            min_tokens=short.completion_tokens + 10,
+        ),
+    )
+    assert longer.completion_tokens >= short.completion_tokens + 10
+
+
+async def test_max_tokens_ends_with_length(model: TokenModel) -> None:
+    _, generation = await answer(model, chat("Tell me a story.", max_tokens=5, ignore_eos=True))
+    assert (generation.completion_tokens, generation.finish_reason) == (5, "length")
+
+
+async def test_the_same_seed_gives_the_same_sample(model: TokenModel) -> None:
+    first, _ = await answer(model, chat("Write a word.", temperature=1.0, seed=7, max_tokens=12))
+    second, _ = await answer(model, chat("Write a word.", temperature=1.0, seed=7, max_tokens=12))
+    assert first == second

@@ -1,0 +1,132 @@
+"""Bad input gets an OpenAI error envelope with the right 4xx status, and the server keeps serving."""
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.servers import Server
+
+CHAT = "/v1/chat/completions"
+GOOD_CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def post(server: Server, path: str, body: bytes | dict[str, Any], **headers: str) -> httpx.Response:
+    if isinstance(body, dict):
+        return httpx.post(server.base_url + path, json=body, headers=headers, timeout=10)
+    return httpx.post(
+        server.base_url + path,
+        content=body,
+        headers={"content-type": "application/json", **headers},
+        timeout=10,
+    )
+
+
+def assert_error(
+    response: httpx.Response, status: int, *, param: str | None = None, contains: str = ""
+) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert contains.lower() in error["message"].lower()
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "contains"),
+    [
+        (b"{not json", None, "not valid JSON"),
+        (b"", None, "empty"),
+        (b"[1, 2]", None, "Expected `object`"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, None, "missing required field `model`"),
+        ({"model": "echo"}, None, "missing required field `messages`"),
+        ({"model": "echo", "messages": []}, "messages", "length >= 1"),
+        ({"model": "echo", "messages": "hi"}, "messages", "Expected `array`"),
+        ({"model": "echo", "messages": [{"content": "hi"}]}, "messages[0]", "role"),
+        ({**GOOD_CHAT, "max_tokens": "ten"}, "max_tokens", "Expected `int | null`, got `str`"),
+        ({**GOOD_CHAT, "max_tokens": 0}, "max_tokens", ">= 1"),
+        ({**GOOD_CHAT, "temperature": 5}, "temperature", "<= 2.0"),
+        ({**GOOD_CHAT, "top_p": 0}, "top_p", "> 0.0"),
+        ({**GOOD_CHAT, "stream": "yes"}, "stream", "Expected `bool`"),
+        ({**GOOD_CHAT, "n": 2}, "n", "<= 1"),
+        ({**GOOD_CHAT, "stop": [1, 2]}, "stop[0]", "Expected `str`"),
+        ({**GOOD_CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens", "exceeds max_tokens"),
+        (
+            {"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+            "not supported",
+        ),
+    ],
+)
+def test_malformed_chat_requests_are_400_with_the_field_named(
+    echo_full_server: Server, body: bytes | dict[str, Any], param: str | None, contains: str
+) -> None:
+    response = post(echo_full_server, CHAT, body)
+    assert_error(response, 400, param=param, contains=contains)
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_batch_of_completion_prompts_is_refused(echo_full_server: Server) -> None:
+    response = post(echo_full_server, "/v1/completions", {"model": "echo", "prompt": ["a", "b"]})
+    assert_error(response, 400, param="prompt", contains="one string")
+
+
+def test_unknown_model_is_404_model_not_found(echo_full_server: Server) -> None:
+    response = post(echo_full_server, CHAT, {**GOOD_CHAT, "model": "gpt-9"})
+    assert_error(response, 404, param="model", contains="gpt-9")
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_body_over_the_limit_is_413(echo_full_server: Server) -> None:
+    huge = {**GOOD_CHAT, "messages": [{"role": "user", "content": "x" * 70_000}]}
+    assert_error(post(echo_full_server, CHAT, huge), 413, contains="limit")
+
+
+def test_a_chunked_body_over_the_limit_is_413(echo_full_server: Server) -> None:
+    def chunks() -> Any:
+        yield b'{"model": "echo", "messages": [{"role": "user", "content": "'
+        for _ in range(100):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    response = httpx.post(echo_full_server.base_url + CHAT, content=chunks(), timeout=10)
+    assert_error(response, 413, contains="limit")
+
+
+def test_unknown_path_is_404_and_wrong_method_is_405(echo_full_server: Server) -> None:
+    assert_error(httpx.get(echo_full_server.base_url + "/v1/nothing"), 404, contains="no route")
+    assert_error(httpx.get(echo_full_server.base_url + CHAT), 405, contains="POST")
+
+
+def test_the_server_still_serves_after_bad_input(echo_full_server: Server) -> None:
+    for body in (b"\xff\xfe", b"{" * 10_000, b'{"model": null}', b"null"):
+        assert post(echo_full_server, CHAT, body).status_code == 400
+    response = post(echo_full_server, CHAT, GOOD_CHAT)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_a_prompt_longer_than_the_context_is_400(echo_core_server: Server) -> None:
+    long_prompt = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": "word " * 400}],
+    }
+    response = post(echo_core_server, CHAT, long_prompt)
+    assert_error(response, 400, param="messages", contains="maximum context length is 256")
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_past_the_context_is_400(echo_core_server: Server) -> None:
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5000,
+    }
+    assert_error(post(echo_core_server, CHAT, body), 400, param="max_tokens", contains="lower max_tokens")
+
+
+def test_out_of_vocabulary_token_ids_are_400(echo_core_server: Server) -> None:
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": [1, 2, 10_000_000]}
+    assert_error(post(echo_core_server, "/v1/completions", body), 400, param="prompt", contains="vocabulary")

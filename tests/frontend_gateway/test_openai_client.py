@@ -1,0 +1,106 @@
+"""The official openai client works unchanged against `flotilla run in=http`."""
+
+import openai
+import pytest
+
+from tests.servers import Server
+
+
+@pytest.fixture
+def client(echo_full_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=echo_full_server.api_url, api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [model.id for model in models.data] == ["echo"]
+    assert models.data[0].owned_by == "flotilla"
+
+
+def test_chat_completion_echoes_the_last_message_with_usage(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="echo",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+    )
+    assert reply.object == "chat.completion"
+    assert reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == "hello"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (5, 5, 10)
+
+
+def test_streamed_chat_completion_arrives_in_pieces_with_usage_last(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="echo",
+        messages=[{"role": "user", "content": "héllo 🌍"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == "héllo 🌍"
+    finishes = [
+        chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
+    ]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len("héllo 🌍")
+
+
+def test_streamed_chat_without_include_usage_sends_no_usage(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    assert all(chunk.usage is None for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_cuts_the_answer_with_finish_reason_length(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "abcdefgh"}], max_completion_tokens=3
+    )
+    assert reply.choices[0].message.content == "abc"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+
+
+def test_stop_string_across_pieces_ends_the_answer_and_is_not_shown(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "one two STOP three"}], stop=["STOP"]
+    )
+    assert reply.choices[0].message.content == "one two "
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_streamed_stop_string_is_held_back_then_dropped(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "abc<END>xyz"}], stop="<END>", stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == "abc"
+
+
+def test_completion_echoes_the_prompt(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="echo", prompt="The quick brown fox")
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text == "The quick brown fox"
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_streamed_completion_arrives_in_pieces(client: openai.OpenAI) -> None:
+    stream = client.completions.create(model="echo", prompt="stream me", stream=True, max_tokens=6)
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == "stream"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_unknown_model_is_a_not_found_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert "nope" in str(caught.value)
+    assert caught.value.code == "model_not_found"

