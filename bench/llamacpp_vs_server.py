@@ -17,7 +17,8 @@ the two servers wrote the same text. The same results go to bench/results/llamac
 Output tokens come from the stream's final usage chunk (``stream_options.include_usage``) where a server
 sends one. llama_cpp.server 0.3.x does not: for it, a request that ended with finish_reason "length"
 counts max_tokens (exact), any other counts its content chunks (about one token each; a few tokens may
-share a chunk). The "tokens from" column says which was used.
+share a chunk). The "tokens from" column says which was used; where one server sends usage, the
+throughput ratio is also printed with tokens counted the fallback way for both.
 """
 
 import argparse
@@ -70,6 +71,7 @@ class Sample:
     ttft_s: float | None  # None when no content arrived
     tokens: int
     tokens_from: str  # "usage", "length" (finish_reason length: max_tokens) or "chunks"
+    counted_tokens: int  # counted without usage, as for llama_cpp.server: same method for both servers
     chunks: int
     finish_reason: str | None
     text: str
@@ -166,13 +168,9 @@ async def stream_chat(client: httpx.AsyncClient, prompt: str, index: int, max_to
                     chunks += 1
                 if choice.get("finish_reason"):
                     finish_reason = choice["finish_reason"]
-    if usage_tokens is not None:
-        tokens, tokens_from = usage_tokens, "usage"
-    elif finish_reason == "length":
-        tokens, tokens_from = max_tokens, "length"
-    else:
-        tokens, tokens_from = chunks, "chunks"
-    return Sample(index, ttft, tokens, tokens_from, chunks, finish_reason, "".join(parts))
+    counted, counted_from = (max_tokens, "length") if finish_reason == "length" else (chunks, "chunks")
+    tokens, tokens_from = (usage_tokens, "usage") if usage_tokens is not None else (counted, counted_from)
+    return Sample(index, ttft, tokens, tokens_from, counted, chunks, finish_reason, "".join(parts))
 
 
 async def measure(base_url: str, server: str, round_: int, max_tokens: int, concurrency: int) -> Run:
@@ -212,6 +210,7 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     samples = [sample for run in runs for sample in run.samples]
     ttfts_ms = [sample.ttft_s * 1000.0 for sample in samples if sample.ttft_s is not None]
     tokens = sum(run.tokens for run in runs)
+    counted = sum(sample.counted_tokens for sample in samples)
     wall = sum(run.wall_s for run in runs)
     return {
         "requests": len(samples),
@@ -219,6 +218,7 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
         "content_chunks": sum(sample.chunks for sample in samples),
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "counted_tokens_per_s": counted / wall if wall > 0 else 0.0,
         "ttft_p50_ms": percentile(ttfts_ms, 50) if ttfts_ms else None,
         "ttft_p90_ms": percentile(ttfts_ms, 90) if ttfts_ms else None,
         "tokens_from": sorted({sample.tokens_from for sample in samples}),
@@ -263,6 +263,7 @@ def report(
 
     ratios = {
         "throughput": throughput_ratio,
+        "throughput_same_counting": ratio("counted_tokens_per_s"),
         "ttft_p50": ratio("ttft_p50_ms"),
         "ttft_p90": ratio("ttft_p90_ms"),
     }
@@ -294,6 +295,11 @@ def report(
         f"TTFT p50 {_fmt(ratios['ttft_p50'], '.3f')}x, p90 {_fmt(ratios['ttft_p90'], '.3f')}x "
         "(lower is better)"
     )
+    if "usage" in ours["tokens_from"] + theirs["tokens_from"]:
+        print(
+            f"  throughput with tokens counted alike for both (length: max_tokens, else content chunks): "
+            f"{_fmt(ratios['throughput_same_counting'], '.3f')}x"
+        )
     print(f"floor (throughput ratio >= {FLOOR}): {'met' if floor_met else 'NOT met'}")
     print(f"same text at temperature 0: {texts['matched']}/{texts['total']} prompts")
     unstable = [
