@@ -100,9 +100,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def request_bytes(port: int, prompt: str) -> bytes:
-    body = json.dumps(
-        {"model": "echo", "messages": [{"role": "user", "content": prompt}], "stream": True}
-    ).encode()
+    body = json.dumps({"model": "echo", "messages": [{"role": "user", "content": prompt}], "stream": True}).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -156,9 +154,7 @@ class Measure:
         return self.cpu / self.requests * 1e6
 
 
-def measure(
-    process: subprocess.Popen[bytes], port: int, prompt: str, seconds: float, concurrency: int
-) -> Measure:
+def measure(process: subprocess.Popen[bytes], port: int, prompt: str, seconds: float, concurrency: int) -> Measure:
     uvloop.run(load(port, prompt, 0.5, concurrency))  # warm-up, not counted
     cpu_before, wall_before = cpu_seconds(process.pid), time.perf_counter()
     requests = uvloop.run(load(port, prompt, seconds, concurrency))
@@ -166,9 +162,7 @@ def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=6.0, help="measured time per workload")
     parser.add_argument("--concurrency", type=int, default=32, help="connections in flight")
     parser.add_argument("--rounds", type=int, default=2, help="alternate the servers this many times")
@@ -184,9 +178,7 @@ def main() -> None:
             process = start(kind, port)
             try:
                 for tokens in (SHORT, LONG):
-                    results[kind][tokens].append(
-                        measure(process, port, "x" * tokens, args.seconds, args.concurrency)
-                    )
+                    results[kind][tokens].append(measure(process, port, "x" * tokens, args.seconds, args.concurrency))
             finally:
                 stop(process)
 
@@ -224,9 +216,7 @@ def main() -> None:
     )
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
-    raw = {
-        kind: {str(t): [asdict(m) for m in runs] for t, runs in per.items()} for kind, per in results.items()
-    }
+    raw = {kind: {str(t): [asdict(m) for m in runs] for t, runs in per.items()} for kind, per in results.items()}
     (out / "gateway_overhead.json").write_text(json.dumps({"summary": summary, "raw": raw}, indent=2))
 
 

@@ -35,9 +35,7 @@ class EchoCoreEngine:
     async def close(self) -> None:
         return None
 
-    async def generate(
-        self, request: PreprocessedRequest, context: RequestContext
-    ) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         tokens = request.token_ids[: request.stop_conditions.max_tokens]
         last = len(tokens) - 1
         finish: FinishReason = "length" if len(request.token_ids) > len(tokens) else "stop"

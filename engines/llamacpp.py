@@ -22,7 +22,7 @@ from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, Sa
 log = logging.getLogger(__name__)
 
 # llama.cpp's own defaults (those of llama_cpp.server), used where the request leaves a field unset.
-_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.0}
+_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1}
 _END = object()
 
 
@@ -86,9 +86,7 @@ class LlamaCppEngine:
             await asyncio.get_running_loop().run_in_executor(self._executor, llama.close)
         self._executor.shutdown(wait=False)
 
-    async def generate(
-        self, request: PreprocessedRequest, context: RequestContext
-    ) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         if self._llama is None:
             raise EngineError("the llama.cpp engine is not started")
         if len(request.token_ids) + request.stop_conditions.max_tokens > self.context_length:
@@ -118,9 +116,7 @@ class LlamaCppEngine:
                     with contextlib.suppress(Exception):
                         await asyncio.shield(job)
 
-    def _run(
-        self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None]
-    ) -> None:
+    def _run(self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None]) -> None:
         """Generate on the worker thread, emitting EngineOutput items and then _END."""
         try:
             self._generate_blocking(request, context, emit)
@@ -142,9 +138,7 @@ class LlamaCppEngine:
         if request.sampling.seed is not None:
             llama.set_seed(request.sampling.seed)
         if stop.min_tokens > 0 and not stop.ignore_eos:
-            kwargs["logits_processor"] = _suppress_tokens_until(
-                eos_ids, stop.min_tokens, len(request.token_ids)
-            )
+            kwargs["logits_processor"] = _suppress_tokens_until(eos_ids, stop.min_tokens, len(request.token_ids))
         generated = 0
         finish: FinishReason = "length"
         tokens = llama.generate(request.token_ids, reset=True, **kwargs)
@@ -182,9 +176,7 @@ def _sampling_kwargs(sampling: SamplingOptions) -> dict[str, Any]:
     }
 
 
-def _suppress_tokens_until(
-    token_ids: set[int], min_tokens: int, prompt_length: int
-) -> list[Callable[..., Any]]:
+def _suppress_tokens_until(token_ids: set[int], min_tokens: int, prompt_length: int) -> list[Callable[..., Any]]:
     """A llama.cpp logits processor that forbids ``token_ids`` (EOS) until min_tokens are generated."""
     ids = sorted(token_ids)
 

@@ -46,9 +46,7 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
         return TokenModel(card, llama), llama
     if output in PLANNED_ENGINES:
-        raise ConfigError(
-            f"out={output} is not available in this version yet; available: {', '.join(ENGINES)}"
-        )
+        raise ConfigError(f"out={output} is not available in this version yet; available: {', '.join(ENGINES)}")
     raise ConfigError(f"unknown engine out={output!r}; choose one of {', '.join(ENGINES)}")
 
 

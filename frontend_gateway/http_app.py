@@ -89,9 +89,7 @@ class GatewayApp:
         try:
             route = self._routes.get(scope["path"].rstrip("/") or "/")
             if route is None:
-                raise NotFound(
-                    f"no route for {scope['path']}; see /v1/models, /v1/chat/completions, /v1/completions"
-                )
+                raise NotFound(f"no route for {scope['path']}; see /v1/models, /v1/chat/completions, /v1/completions")
             method, handler = route
             if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
                 raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
@@ -149,9 +147,7 @@ class GatewayApp:
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         names = self.models.names()
         status = "healthy" if names else "no models"
-        await self._send_json(
-            send, msgspec.json.encode({"status": status, "models": names}), 200 if names else 503
-        )
+        await self._send_json(send, msgspec.json.encode({"status": status, "models": names}), 200 if names else 503)
 
     async def _live(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._send_json(send, b'{"status":"live"}')
@@ -330,9 +326,7 @@ class GatewayApp:
                     now = time.perf_counter()
                     itl.observe(now - last)
                     last = now
-                    await send(
-                        {"type": "http.response.body", "body": encoder.piece(piece), "more_body": True}
-                    )
+                    await send({"type": "http.response.body", "body": encoder.piece(piece), "more_body": True})
             except GatewayError as exc:
                 log.warning("request %s failed mid-stream: %s", generation.request_id, exc.message)
                 frame = responses.error_frame(exc.message, exc.error_type, exc.code)

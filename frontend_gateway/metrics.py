@@ -76,9 +76,7 @@ class GatewayMetrics:
             ["error_type", "status_code"],
             registry=r,
         )
-        self.inflight = Gauge(
-            f"{prefix}_inflight_requests", "Requests being served now.", ["model"], registry=r
-        )
+        self.inflight = Gauge(f"{prefix}_inflight_requests", "Requests being served now.", ["model"], registry=r)
         self.ttft = Histogram(
             f"{prefix}_time_to_first_token_seconds",
             "Time from request to first text.",
@@ -115,9 +113,7 @@ class GatewayMetrics:
             registry=r,
         )
         self.input_tokens_total = Counter(f"{prefix}_input_tokens", "Prompt tokens.", ["model"], registry=r)
-        self.output_tokens_total = Counter(
-            f"{prefix}_output_tokens", "Completion tokens.", ["model"], registry=r
-        )
+        self.output_tokens_total = Counter(f"{prefix}_output_tokens", "Completion tokens.", ["model"], registry=r)
         self._models: dict[str, ModelMetrics] = {}
 
     def for_model(self, model: str) -> ModelMetrics:

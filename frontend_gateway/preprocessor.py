@@ -28,8 +28,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             for part in content:
                 if part.type != "text" or part.text is None:
                     raise InvalidRequest(
-                        f"content part of type {part.type!r} is not supported by this model; "
-                        "only text parts are",
+                        f"content part of type {part.type!r} is not supported by this model; only text parts are",
                         param=f"messages[{index}].content",
                     )
                 texts.append(part.text)
@@ -55,9 +54,7 @@ def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> list[int
             param="messages",
         )
     try:
-        text = template.render(
-            message_dicts(request.messages), add_generation_prompt=True, tools=request.tools
-        )
+        text = template.render(message_dicts(request.messages), add_generation_prompt=True, tools=request.tools)
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already placed BOS and special tokens; HF encodes it without adding more.
@@ -92,9 +89,7 @@ def check_token_ids(card: ModelCard, ids: list[int]) -> list[int]:
     vocab_size = card.tokenizer.get_vocab_size(with_added_tokens=True)
     for token in ids:
         if not 0 <= token < vocab_size:
-            raise InvalidRequest(
-                f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param="prompt"
-            )
+            raise InvalidRequest(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
     return ids
 
 
@@ -141,9 +136,7 @@ def stop_conditions(request: SamplingFields, prompt_tokens: int, context_length:
         )
     min_tokens = request.min_tokens or 0
     if min_tokens > max_tokens:
-        raise InvalidRequest(
-            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens"
-        )
+        raise InvalidRequest(f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
     stop = request.stop
     ignore_eos = bool(request.ignore_eos or (request.nvext is not None and request.nvext.ignore_eos))
     return StopConditions(

@@ -100,9 +100,7 @@ class StreamEncoder:
     def finish(self, finish_reason: str | None) -> bytes:
         reason = _encode(_openai_finish_reason(finish_reason))
         if self._kind == "chat":
-            return (
-                self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
-            )
+            return self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
         return self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:

@@ -42,9 +42,7 @@ def _tojson(
 ) -> str:
     # Jinja's built-in tojson escapes <, >, & and ' for HTML; transformers replaces it with plain
     # json.dumps, and tool schemas in prompts must be byte-identical to what the model was trained on.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format: str) -> str:
@@ -58,7 +56,7 @@ class _GenerationTag(jinja2.ext.Extension):
     still compile here, and for inference the tag has no effect.
     """
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  # jinja2 declares it a plain set attribute
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -92,9 +90,7 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
-            raise TemplateError(
-                f"chat template has a syntax error at line {exc.lineno}: {exc.message}"
-            ) from exc
+            raise TemplateError(f"chat template has a syntax error at line {exc.lineno}: {exc.message}") from exc
 
     def render(
         self,

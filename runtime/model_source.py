@@ -143,13 +143,30 @@ def download(hub_model: HubModel, *, cache_dir: Path | None = None, timeout: flo
             return _from_cache(hub_model, cache_dir)
         info = HfApi(endpoint=endpoint, token=token).model_info(repo, timeout=timeout)
         files = [sibling.rfilename for sibling in info.siblings or []]
-        common = {"cache_dir": cache_dir, "endpoint": endpoint, "token": token, "etag_timeout": timeout}
         gguf = _pick_gguf(hub_model, files)
+        # Pin the revision model_info saw, so that every file comes from the same commit.
         if gguf is not None:
-            return Path(hf_hub_download(repo, gguf, revision=info.sha, **common))  # type: ignore[arg-type]
+            file = hf_hub_download(
+                repo,
+                gguf,
+                revision=info.sha,
+                cache_dir=cache_dir,
+                endpoint=endpoint,
+                token=token,
+                etag_timeout=timeout,
+            )
+            return Path(file)
         ignore = _SKIPPED_WITH_SAFETENSORS if any(f.endswith(".safetensors") for f in files) else []
-        folder = snapshot_download(repo, revision=info.sha, ignore_patterns=[*ignore, "*.gguf"], **common)
-        return Path(folder)  # type: ignore[arg-type]  # a str unless dry_run
+        folder = snapshot_download(
+            repo,
+            revision=info.sha,
+            ignore_patterns=[*ignore, "*.gguf"],
+            cache_dir=cache_dir,
+            endpoint=endpoint,
+            token=token,
+            etag_timeout=timeout,
+        )
+        return Path(folder)
     except GatedRepoError as exc:
         raise ModelError(
             f"Hugging Face repo {repo!r} is gated: accept its terms on the hub, then set HF_TOKEN to a "
@@ -185,15 +202,12 @@ def _unreachable(where: str, exc: BaseException) -> ModelError:
 
 def _from_cache(hub_model: HubModel, cache_dir: Path | None) -> Path:
     if hub_model.file and hub_model.file.endswith(".gguf"):
-        return Path(
-            hf_hub_download(hub_model.repo_id, hub_model.file, cache_dir=cache_dir, local_files_only=True)
-        )  # type: ignore[arg-type]
+        file = hf_hub_download(hub_model.repo_id, hub_model.file, cache_dir=cache_dir, local_files_only=True)
+        return Path(file)
     if hub_model.file:
-        raise ModelError(
-            f"with HF_HUB_OFFLINE set, name the GGUF file itself, not the tag in {str(hub_model)!r}"
-        )
+        raise ModelError(f"with HF_HUB_OFFLINE set, name the GGUF file itself, not the tag in {str(hub_model)!r}")
     folder = snapshot_download(hub_model.repo_id, cache_dir=cache_dir, local_files_only=True)
-    return Path(folder)  # type: ignore[arg-type]
+    return Path(folder)
 
 
 def _pick_gguf(hub_model: HubModel, files: list[str]) -> str | None:
@@ -203,8 +217,7 @@ def _pick_gguf(hub_model: HubModel, files: list[str]) -> str | None:
     if wanted is not None and wanted.endswith(".gguf"):
         if wanted not in files:
             raise ModelError(
-                f"Hugging Face repo {hub_model.repo_id!r} has no file {wanted!r}; its GGUF files: "
-                f"{_listing(ggufs)}"
+                f"Hugging Face repo {hub_model.repo_id!r} has no file {wanted!r}; its GGUF files: {_listing(ggufs)}"
             )
         return wanted
     if wanted is None and any(f in files for f in _HF_FOLDER_FILES):

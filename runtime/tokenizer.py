@@ -6,11 +6,12 @@ very ids llama.cpp gives: the pre-tokenizer regexes and the special-token rules 
 llama.cpp's ``llama-vocab.cpp``, keyed by ``tokenizer.ggml.pre``.
 """
 
+import mmap
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import (
     AddedToken,
     Regex,
@@ -27,68 +28,22 @@ from runtime.errors import ModelError
 # llama.cpp's token types (``tokenizer.ggml.token_type``).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
 # Tokens llama.cpp recognizes by their text alone (llama-vocab.cpp): these end generation ...
-_EOG_TEXTS = frozenset(
-    [
-        "<|eot_id|>",
-        "<|im_end|>",
-        "<|end|>",
-        "<|return|>",
-        "<|call|>",
-        "<|flush|>",
-        "<|calls|>",
-        "<end_of_turn>",
-        "<|endoftext|>",
-        "</s>",
-        "<|eom_id|>",
-        "<EOT>",
-        "_<EOT>",
-        "[EOT]",
-        "[EOS]",
-        "<|end_of_text|>",
-        "<end_of_utterance>",
-        "<eos>",
-        "<turn|>",
-        "<|tool_response>",
-    ]
+_EOG_TEXTS = _words(
+    "<|eot_id|> <|im_end|> <|end|> <|return|> <|call|> <|flush|> <|calls|> <end_of_turn> <|endoftext|> </s>"
+    " <|eom_id|> <EOT> _<EOT> [EOT] [EOS] <|end_of_text|> <end_of_utterance> <eos> <turn|> <|tool_response>"
 )
 # ... and these, with them, are made control tokens (cut out of the text before BPE) whatever their type.
-_CONTROL_TEXTS = _EOG_TEXTS | frozenset(
-    [
-        "<｜end▁of▁sentence｜>",
-        "<|fim_prefix|>",
-        "<fim-prefix>",
-        "<fim_prefix>",
-        "<｜fim▁begin｜>",
-        "<PRE>",
-        "▁<PRE>",
-        "<|code_prefix|>",
-        "<|fim_suffix|>",
-        "<fim-suffix>",
-        "<fim_suffix>",
-        "<｜fim▁hole｜>",
-        "<SUF>",
-        "▁<SUF>",
-        "<|code_suffix|>",
-        "<|fim_middle|>",
-        "<fim-middle>",
-        "<fim_middle>",
-        "<｜fim▁end｜>",
-        "<MID>",
-        "▁<MID>",
-        "<|code_middle|>",
-        "<|fim_pad|>",
-        "<fim-pad>",
-        "<fim_pad>",
-        "<PAD>",
-        "[PAD]",
-        "<|fim_repo|>",
-        "<|repo_name|>",
-        "<fim-repo>",
-        "<REPO>",
-        "<reponame>",
-        "<|file_sep|>",
-    ]
+_CONTROL_TEXTS = _EOG_TEXTS | _words(
+    "<｜end▁of▁sentence｜> <|fim_prefix|> <fim-prefix> <fim_prefix> <｜fim▁begin｜> <PRE> ▁<PRE> <|code_prefix|>"
+    " <|fim_suffix|> <fim-suffix> <fim_suffix> <｜fim▁hole｜> <SUF> ▁<SUF> <|code_suffix|> <|fim_middle|>"
+    " <fim-middle> <fim_middle> <｜fim▁end｜> <MID> ▁<MID> <|code_middle|> <|fim_pad|> <fim-pad> <fim_pad> <PAD>"
+    " [PAD] <|fim_repo|> <|repo_name|> <fim-repo> <REPO> <reponame> <|file_sep|>"
 )
 _HARMONY_TEXTS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 
@@ -100,9 +55,7 @@ def _token_kinds(tokens: list[str], types: list[int]) -> tuple[list[int], set[st
     normal: set[str] = set()
     user_defined = set(_HARMONY_TEXTS & present)
     # gpt-oss / solar-open: "<|end|>" separates messages there and must not stop generation.
-    if "<|end|>" in present and (
-        {"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present
-    ):
+    if "<|end|>" in present and ({"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present):
         eog.discard("<|end|>")
         user_defined.add("<|end|>")
     # gemma4: "</s>" is ordinary text (HTML strikethrough) there.
@@ -147,42 +100,21 @@ _SMOLLM_STYLE = _PreTokenizer((r"\p{N}", _GPT2))  # starcoder family: every digi
 _GPT2_STYLE = _PreTokenizer((_GPT2,))
 _QWEN2_STYLE = _PreTokenizer((_QWEN2,))
 
+# tokenizer.ggml.pre values, grouped as llama.cpp groups them.
 _PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "default": _PreTokenizer(_DEFAULT),
+    "falcon": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+    **dict.fromkeys(_words("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2"), _LLAMA3_STYLE),
+    **dict.fromkeys(_words("dbrx smaug-bpe"), _PreTokenizer((_LLAMA3,))),
+    **dict.fromkeys(_words("smollm starcoder refact command-r codeshell exaone minerva-7b"), _SMOLLM_STYLE),
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
-        _LLAMA3_STYLE,
-    ),
-    **dict.fromkeys(("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), _SMOLLM_STYLE
-    ),
-    **dict.fromkeys(
-        (
-            "gpt-2",
-            "gpt2",
-            "phi-2",
-            "jina-es",
-            "jina-de",
-            "gigachat",
-            "jina-v2-es",
-            "jina-v2-de",
-            "a.x-4.0",
-            "mellum",
-            "jina-v1-en",
-            "jina-v2-code",
-            "roberta-bpe",
-            "mpt",
-            "olmo",
-            "jais",
-            "trillion",
-            "granite-docling",
-            "exaone4",
+        _words(
+            "gpt-2 gpt2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum jina-v1-en"
+            " jina-v2-code roberta-bpe mpt olmo jais trillion granite-docling exaone4"
         ),
         _GPT2_STYLE,
     ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan"), _QWEN2_STYLE),
-    "falcon": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+    **dict.fromkeys(_words("qwen2 deepseek-r1-qwen kormo stablelm2 megrez hunyuan"), _QWEN2_STYLE),
 }
 
 
@@ -201,40 +133,104 @@ class GGUFMetadata:
     chat_template: str | None = None
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file for reading its metadata. Raises ModelError if it is missing or not a GGUF."""
+class GGUFFile:
+    """The metadata (key/value section) of a GGUF file, read once; tensors are not touched."""
+
+    def __init__(self, path: Path, values: dict[str, Any]) -> None:
+        self.path = path
+        self.values = values
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Read a GGUF file's metadata. Raises ModelError if it is missing or not a GGUF file."""
     if not path.is_file():
         raise ModelError(f"GGUF file {str(path)!r} does not exist")
     try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, struct and numpy errors on bad input
+        with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return GGUFFile(path, _read_key_values(data))
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
         raise ModelError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
 
 
-def _value(reader: GGUFReader, key: str) -> Any:
-    field_ = reader.fields.get(key)
-    if field_ is None:
-        return None
-    try:
-        return field_.contents()
-    except Exception as exc:
-        raise ModelError(f"GGUF metadata {key!r} in {reader.data.filename!r} is corrupt: {exc}") from exc
+# GGUF value types (gguf.GGUFValueType) as struct codes; 8 is a string and 9 an array.
+_STRUCT_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
 
 
-def _optional_int(reader: GGUFReader, key: str) -> int | None:
+def _read_key_values(data: mmap.mmap) -> dict[str, Any]:
+    """Parse the header and key/value section of a GGUF file (format version 2 or 3).
+
+    gguf's GGUFReader builds a numpy view per array element, which takes seconds for a large vocabulary;
+    a vocabulary here is read in a fraction of that.
+    """
+    if data[:4] != b"GGUF":
+        raise ValueError("it does not start with the GGUF magic number")
+    # Files written on big-endian machines read as versions like 0x03000000 in little-endian.
+    order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"
+    version, _, count = struct.unpack_from(f"{order}IQQ", data, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is too old")
+    position = 24
+
+    def string() -> str:
+        nonlocal position
+        (size,) = struct.unpack_from(f"{order}Q", data, position)
+        start, position = position + 8, position + 8 + size
+        if position > len(data):
+            raise ValueError("it is truncated")
+        return data[start:position].decode("utf-8", errors="replace")
+
+    def value(kind: int) -> Any:
+        nonlocal position
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item_kind, length = struct.unpack_from(f"{order}IQ", data, position)
+            position += 12
+            if item_kind in (_STRING, _ARRAY):
+                return [value(item_kind) for _ in range(length)]
+            if item_kind not in _STRUCT_CODES:
+                raise ValueError(f"unknown array item type {item_kind}")
+            items = struct.unpack_from(f"{order}{length}{_STRUCT_CODES[item_kind]}", data, position)
+            position += struct.calcsize(f"{order}{length}{_STRUCT_CODES[item_kind]}")
+            return list(items)
+        if kind not in _STRUCT_CODES:
+            raise ValueError(f"unknown value type {kind}")
+        (scalar,) = struct.unpack_from(f"{order}{_STRUCT_CODES[kind]}", data, position)
+        position += struct.calcsize(_STRUCT_CODES[kind])
+        return scalar
+
+    values: dict[str, Any] = {}
+    for _ in range(count):
+        key = string()
+        (kind,) = struct.unpack_from(f"{order}I", data, position)
+        position += 4
+        values[key] = value(kind)
+    return values
+
+
+def _file(reader: GGUFFile) -> str:
+    return str(reader.path)
+
+
+def _value(reader: GGUFFile, key: str) -> Any:
+    return reader.values.get(key)
+
+
+def _optional_int(reader: GGUFFile, key: str) -> int | None:
     value = _value(reader, key)
     return int(value) if value is not None else None
 
 
-def _tokens(reader: GGUFReader) -> list[str]:
+def _tokens(reader: GGUFFile) -> list[str]:
     tokens = _value(reader, "tokenizer.ggml.tokens")
     if not tokens:
-        raise ModelError(f"GGUF file {reader.data.filename!r} has no tokenizer vocabulary")
+        raise ModelError(f"GGUF file {_file(reader)!r} has no tokenizer vocabulary")
     # llama.cpp renames empty tokens so that every text maps to one id; do the same.
     return [token or f"[EMPTY_{i}]" for i, token in enumerate(tokens)]
 
 
-def gguf_metadata(reader: GGUFReader) -> GGUFMetadata:
+def gguf_metadata(reader: GGUFFile) -> GGUFMetadata:
     """Read context length, special tokens, stop ids and chat template from an open GGUF file."""
     architecture = str(_value(reader, "general.architecture") or "")
     tokens = _tokens(reader)
@@ -264,7 +260,7 @@ def gguf_metadata(reader: GGUFReader) -> GGUFMetadata:
     )
 
 
-def gguf_tokenizer(reader: GGUFReader) -> Tokenizer:
+def gguf_tokenizer(reader: GGUFFile) -> Tokenizer:
     """Build the fast tokenizer equivalent to llama.cpp's for an open GGUF file.
 
     ``encode(text, add_special_tokens=False)`` gives llama.cpp's ``tokenize(text, add_bos=False,
@@ -277,12 +273,11 @@ def gguf_tokenizer(reader: GGUFReader) -> Tokenizer:
     if model == "llama":
         return _sentencepiece_bpe(reader)
     raise ModelError(
-        f"tokenizer model {model!r} in {reader.data.filename!r} is not supported; "
-        "pass --model-config with a tokenizer.json"
+        f"tokenizer model {model!r} in {_file(reader)!r} is not supported; pass --model-config with a tokenizer.json"
     )
 
 
-def _token_types(reader: GGUFReader, count: int) -> list[int]:
+def _token_types(reader: GGUFFile, count: int) -> list[int]:
     types = _value(reader, "tokenizer.ggml.token_type")
     return [int(t) for t in types] if types else [_NORMAL] * count
 
@@ -300,7 +295,7 @@ def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
 
-def _add_bos_eos(reader: GGUFReader, tokenizer: Tokenizer, tokens: list[str], add_bos: bool) -> None:
+def _add_bos_eos(reader: GGUFFile, tokenizer: Tokenizer, tokens: list[str], add_bos: bool) -> None:
     """Install a post-processor that adds BOS/EOS the way the GGUF says llama.cpp should."""
     flag = _value(reader, "tokenizer.ggml.add_bos_token")
     add_bos = add_bos if flag is None else bool(flag)
@@ -315,12 +310,10 @@ def _add_bos_eos(reader: GGUFReader, tokenizer: Tokenizer, tokens: list[str], ad
         return
     single = [text for text, _ in prefix] + ["$A"] + [text for text, _ in suffix]
     pair = single + [f"{text}:1" for text, _ in prefix] + ["$B:1"] + [f"{text}:1" for text, _ in suffix]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=prefix + suffix
-    )
+    tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=prefix + suffix)
 
 
-def _byte_level_bpe(reader: GGUFReader) -> Tokenizer:
+def _byte_level_bpe(reader: GGUFFile) -> Tokenizer:
     tokens = _tokens(reader)
     raw_merges = _value(reader, "tokenizer.ggml.merges") or []
     merges: list[tuple[str, str]] = []
@@ -334,7 +327,7 @@ def _byte_level_bpe(reader: GGUFReader) -> Tokenizer:
     pre = _PRE_TOKENIZERS.get(pre_name, _PRE_TOKENIZERS["default"])
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ModelError(f"GGUF file {reader.data.filename!r} has duplicate tokens in its vocabulary")
+        raise ModelError(f"GGUF file {_file(reader)!r} has duplicate tokens in its vocabulary")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
     splits: list[pre_tokenizers.PreTokenizer] = [
         pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in pre.regexes
@@ -348,7 +341,7 @@ def _byte_level_bpe(reader: GGUFReader) -> Tokenizer:
     return tokenizer
 
 
-def _sentencepiece_bpe(reader: GGUFReader) -> Tokenizer:
+def _sentencepiece_bpe(reader: GGUFFile) -> Tokenizer:
     """SentencePiece BPE (Llama 2, Gemma) as a ``tokenizers`` BPE with merges derived from the scores.
 
     llama.cpp's SPM tokenizer repeatedly joins the adjacent pair whose concatenation is the token with
@@ -361,8 +354,7 @@ def _sentencepiece_bpe(reader: GGUFReader) -> Tokenizer:
     scores = _value(reader, "tokenizer.ggml.scores")
     if not scores or len(scores) != len(tokens):
         raise ModelError(
-            f"SentencePiece vocabulary in {reader.data.filename!r} has no scores; "
-            "pass --model-config with a tokenizer.json"
+            f"SentencePiece vocabulary in {_file(reader)!r} has no scores; pass --model-config with a tokenizer.json"
         )
     vocab = {token: i for i, token in enumerate(tokens)}
     kinds, _ = _token_kinds(tokens, types)

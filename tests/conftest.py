@@ -28,9 +28,7 @@ def echo_full_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
 @pytest.fixture(scope="session")
 def echo_core_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("echo_core") / "server.log"
-    server = start_server(
-        ["out=echo_core", "--context-length", "256"], log, env={"FLOTILLA_TOKEN_ECHO_DELAY_MS": "20"}
-    )
+    server = start_server(["out=echo_core", "--context-length", "256"], log, env={"FLOTILLA_TOKEN_ECHO_DELAY_MS": "20"})
     yield server
     server.stop()
 

@@ -56,9 +56,7 @@ class Server:
         return self.process.returncode
 
 
-def start_server(
-    args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 120.0
-) -> Server:
+def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:
     """Start `flotilla run in=http ARGS` and wait until /live answers (or fail with its log)."""
     port = free_port()
     command = [sys.executable, "-m", "engines.cli", "run", "in=http", "--http-port", str(port), *args]

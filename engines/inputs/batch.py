@@ -186,9 +186,7 @@ def _parse_lines(data: bytes) -> Iterator[tuple[int, str | _BadLine]]:
 class _Runner:
     """Runs the jobs ``concurrency`` at a time and writes their answers in input order."""
 
-    def __init__(
-        self, model: ServedModel, max_tokens: int | None, temperature: float | None, stderr: TextIO
-    ) -> None:
+    def __init__(self, model: ServedModel, max_tokens: int | None, temperature: float | None, stderr: TextIO) -> None:
         self.model = model
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -223,9 +221,7 @@ class _Runner:
             await asyncio.gather(*workers, return_exceptions=True)
             await asyncio.to_thread(output.close)
 
-    async def _write_in_order(
-        self, answers: list[asyncio.Future[_Record | None]], output: IO[bytes]
-    ) -> list[_Record]:
+    async def _write_in_order(self, answers: list[asyncio.Future[_Record | None]], output: IO[bytes]) -> list[_Record]:
         written: list[_Record] = []
         encoder = msgspec.json.Encoder()
         index = 0

@@ -225,9 +225,7 @@ class _LineReader:
             self._fd = stream.fileno()
         except (OSError, ValueError):
             self._fd = None
-        self._decoder = codecs.getincrementaldecoder(getattr(stream, "encoding", None) or "utf-8")(
-            errors="replace"
-        )
+        self._decoder = codecs.getincrementaldecoder(getattr(stream, "encoding", None) or "utf-8")(errors="replace")
         self._buffer = ""
         self._eof = False
 

@@ -136,9 +136,7 @@ async def test_each_prompt_is_sent_as_one_user_message_with_the_sampling_options
     model = EchoModel()
     input_path = write_input(tmp_path, prompts("abcdef"))
 
-    summary = await run_batch(
-        model, input_path, max_tokens=3, temperature=0.2, progress=False, stderr=io.StringIO()
-    )
+    summary = await run_batch(model, input_path, max_tokens=3, temperature=0.2, progress=False, stderr=io.StringIO())
 
     request = model.requests[0]
     assert [(message.role, message.content) for message in request.messages] == [("user", "abcdef")]

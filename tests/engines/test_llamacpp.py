@@ -7,17 +7,15 @@ from typing import Any
 
 import openai
 import pytest
-from runtime.model_loading import load_model_card
 
 from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage
 from frontend_gateway.pipeline import TokenModel
+from runtime.model_loading import load_model_card
 from tests.servers import Server, llama_cpp_available
 
 pytestmark = [
     pytest.mark.llamacpp,
-    pytest.mark.skipif(
-        not llama_cpp_available(), reason="llama-cpp-python is not installed (`make install`)"
-    ),
+    pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed (`make install`)"),
 ]
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -55,9 +53,7 @@ def test_the_capital_of_france_is_paris_over_http(llamacpp_server: Server) -> No
 def test_a_streamed_answer_matches_the_unary_one(llamacpp_server: Server) -> None:
     client = openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
     unary = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=30)  # type: ignore[arg-type]
-    stream = client.chat.completions.create(
-        model=MODEL, messages=PARIS, temperature=0, max_tokens=30, stream=True
-    )  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=30, stream=True)  # type: ignore[arg-type]
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert streamed == unary.choices[0].message.content
 
@@ -65,9 +61,7 @@ def test_a_streamed_answer_matches_the_unary_one(llamacpp_server: Server) -> Non
 async def test_concurrent_requests_do_not_corrupt_each_other(model: TokenModel) -> None:
     prompts = ["What is the capital of France?", "Name a color.", "What is 2+2?"]
     alone = [(await answer(model, chat(p, temperature=0.0, max_tokens=24)))[0] for p in prompts]
-    together = await asyncio.gather(
-        *(answer(model, chat(p, temperature=0.0, max_tokens=24)) for p in prompts)
-    )
+    together = await asyncio.gather(*(answer(model, chat(p, temperature=0.0, max_tokens=24)) for p in prompts))
     assert [text for text, _ in together] == alone
 
 
@@ -85,9 +79,7 @@ async def test_a_shared_prefix_is_not_evaluated_again(model: TokenModel) -> None
     await answer(model, chat(prefix + "First question: name a fruit.", temperature=0.0, max_tokens=2))
     first_prompt = evaluated[0]
     evaluated.clear()
-    _, second = await answer(
-        model, chat(prefix + "Second question: name a tree.", temperature=0.0, max_tokens=2)
-    )
+    _, second = await answer(model, chat(prefix + "Second question: name a tree.", temperature=0.0, max_tokens=2))
     assert first_prompt > 100
     # Only the differing tail (a dozen tokens) is evaluated for the second prompt.
     assert evaluated[0] < second.prompt_tokens - 100

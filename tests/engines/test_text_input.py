@@ -88,9 +88,7 @@ async def test_max_tokens_and_temperature_reach_the_request() -> None:
     model = RecordingModel()
     stdout = io.StringIO()
 
-    code = await run_text(
-        model, stdin=io.StringIO("What is 2+2?"), stdout=stdout, max_tokens=4, temperature=0.5
-    )
+    code = await run_text(model, stdin=io.StringIO("What is 2+2?"), stdout=stdout, max_tokens=4, temperature=0.5)
 
     assert code == 0
     assert stdout.getvalue() == "What\n"

@@ -16,9 +16,7 @@ def test_a_disconnected_stream_stops_the_engine(echo_core_server: Server) -> Non
     before = httpx.get(metrics_url).text
     # echo_core sends the ~60-token templated prompt back at 20 ms a token: about 1.2 s in all.
     body = {"model": MODEL, "messages": [{"role": "user", "content": "count " * 40}], "stream": True}
-    with httpx.stream(
-        "POST", echo_core_server.base_url + "/v1/chat/completions", json=body, timeout=10
-    ) as response:
+    with httpx.stream("POST", echo_core_server.base_url + "/v1/chat/completions", json=body, timeout=10) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
@@ -46,9 +44,7 @@ def test_a_disconnected_stream_stops_the_engine(echo_core_server: Server) -> Non
         before, "flotilla_frontend_input_tokens_total", model=MODEL
     )
     assert prompt > 50
-    assert 0 < produced < prompt / 2, (
-        f"the engine produced {produced} of {prompt} tokens after the disconnect"
-    )
+    assert 0 < produced < prompt / 2, f"the engine produced {produced} of {prompt} tokens after the disconnect"
     assert metric_value(after, "flotilla_frontend_inflight_requests", model=MODEL) == 0
 
 
@@ -65,8 +61,8 @@ def test_a_disconnected_unary_request_is_cancelled_too(echo_core_server: Server)
         "status": "cancelled",
     }
     deadline = time.monotonic() + 5
-    while metric_value(
-        httpx.get(metrics_url).text, "flotilla_frontend_requests_total", **cancelled
-    ) <= metric_value(before, "flotilla_frontend_requests_total", **cancelled):
+    while metric_value(httpx.get(metrics_url).text, "flotilla_frontend_requests_total", **cancelled) <= metric_value(
+        before, "flotilla_frontend_requests_total", **cancelled
+    ):
         assert time.monotonic() < deadline, "the server never noticed the disconnect"
         time.sleep(0.05)  # polling another process's metrics: no event to await

@@ -29,11 +29,7 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 def test_metrics_count_requests_tokens_and_latency(echo_full_server: Server) -> None:
     before = httpx.get(echo_full_server.base_url + "/metrics").text
     client = openai.OpenAI(base_url=echo_full_server.api_url, api_key="unused", max_retries=0)
-    list(
-        client.chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "abcd"}], stream=True
-        )
-    )
+    list(client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "abcd"}], stream=True))
     httpx.post(echo_full_server.base_url + "/v1/chat/completions", content=b"{bad")
     after = httpx.get(echo_full_server.base_url + "/metrics").text
 

@@ -22,9 +22,7 @@ def post(server: Server, path: str, body: bytes | dict[str, Any], **headers: str
     )
 
 
-def assert_error(
-    response: httpx.Response, status: int, *, param: str | None = None, contains: str = ""
-) -> None:
+def assert_error(response: httpx.Response, status: int, *, param: str | None = None, contains: str = "") -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

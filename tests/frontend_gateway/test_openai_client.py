@@ -42,9 +42,7 @@ def test_streamed_chat_completion_arrives_in_pieces_with_usage_last(client: open
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert text == "héllo 🌍"
-    finishes = [
-        chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
-    ]
+    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
     assert finishes == ["stop"]
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len("héllo 🌍")
@@ -52,9 +50,7 @@ def test_streamed_chat_completion_arrives_in_pieces_with_usage_last(client: open
 
 def test_streamed_chat_without_include_usage_sends_no_usage(client: openai.OpenAI) -> None:
     chunks = list(
-        client.chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "hi"}], stream=True
-        )
+        client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}], stream=True)
     )
     assert all(chunk.usage is None for chunk in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop"
