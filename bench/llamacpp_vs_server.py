@@ -252,9 +252,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(
-    summary: dict[str, dict[str, Any]], texts: dict[str, Any], args: argparse.Namespace
-) -> dict[str, Any]:
+def report(summary: dict[str, dict[str, Any]], texts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     ours, theirs = summary[FLOTILLA], summary[BASELINE]
     throughput_ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
 
@@ -303,9 +301,7 @@ def report(
     print(f"floor (throughput ratio >= {FLOOR}): {'met' if floor_met else 'NOT met'}")
     print(f"same text at temperature 0: {texts['matched']}/{texts['total']} prompts")
     unstable = [
-        str(i)
-        for i, p in enumerate(texts["prompts"])
-        if not (p["flotilla_repeatable"] and p["baseline_repeatable"])
+        str(i) for i, p in enumerate(texts["prompts"]) if not (p["flotilla_repeatable"] and p["baseline_repeatable"])
     ]
     if unstable:
         print(f"  (text changed between rounds for prompt(s) {', '.join(unstable)})")
@@ -319,9 +315,7 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
-    parser.add_argument(
-        "--rounds", type=int, default=2, help="A/B rounds, one start of each server (default 2)"
-    )
+    parser.add_argument("--rounds", type=int, default=2, help="A/B rounds, one start of each server (default 2)")
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     args = parser.parse_args(argv)
     if min(args.max_tokens, args.rounds, args.concurrency) < 1:
@@ -329,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gguf = gguf_path()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
 
+    # The machine is shared: a busy start (other benchmarks, test suites) makes every number suspect.
+    load_before = os.getloadavg()[0]
+    print(f"1-minute load average before starting: {load_before:.2f} on {os.cpu_count()} CPUs", flush=True)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         try:
@@ -338,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("interrupted; servers stopped", file=sys.stderr)
             return 130
-        except RuntimeError as exc:
+        except (RuntimeError, httpx.HTTPError) as exc:
             print(f"benchmark failed: {exc}", file=sys.stderr)
             return 1
 
@@ -352,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            "load_average_1m_before": load_before,
         },
         "settings": {
             "model": MODEL_NAME,

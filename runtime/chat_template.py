@@ -18,11 +18,9 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runtime.errors import FlotillaError
+from runtime.errors import TemplateError
 
-
-class TemplateError(FlotillaError):
-    """A chat template failed to compile or to render; the gateway answers HTTP 400."""
+__all__ = ["ChatTemplate", "TemplateError"]
 
 
 class _TemplateRaised(jinja2.exceptions.TemplateError):
@@ -107,6 +105,7 @@ class ChatTemplate:
         variables: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
+            "documents": None,  # transformers always defines it; RAG templates test it
             **extra,
             "messages": messages,
             "tools": tools,
