@@ -113,6 +113,9 @@ def baseline_command(gguf: Path, port: int) -> list[str]:
         # Flotilla runs llama.cpp with verbose=False and FLOTILLA_LOG=warning; keep the baseline as quiet
         # (its default prints llama.cpp's timings to stderr after every request).
         "--verbose", "False",
+        # Its default computes logits for every prompt token, which Flotilla does not: turn that off too,
+        # so that the comparison is engine settings alike, server code against server code.
+        "--logits_all", "False",
     ]  # fmt: skip
 
 

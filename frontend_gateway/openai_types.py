@@ -64,6 +64,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     nvext: NvExt | None = None
     user: str | None = None
+    # Accepted so that they can be refused with a clear message instead of silently ignored.
+    logprobs: bool | int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -93,7 +93,18 @@ def check_token_ids(card: ModelCard, ids: list[int]) -> list[int]:
     return ids
 
 
+def refuse_unsupported(request: SamplingFields) -> None:
+    """Refuse the OpenAI features this version does not implement, rather than ignore them."""
+    if request.logprobs:
+        raise InvalidRequest("logprobs are not supported yet; leave the field out", param="logprobs")
+    if request.response_format is not None and request.response_format.get("type", "text") != "text":
+        raise InvalidRequest(
+            "structured output (response_format other than text) is not supported yet", param="response_format"
+        )
+
+
 def sampling_options(request: SamplingFields) -> SamplingOptions:
+    refuse_unsupported(request)
     return SamplingOptions(
         temperature=request.temperature,
         top_p=request.top_p,

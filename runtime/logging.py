@@ -36,8 +36,7 @@ def parse_log_spec(spec: str) -> tuple[int, dict[str, int]]:
         level = _LEVELS.get(level_name.strip().lower())
         if level is None:
             raise ConfigError(
-                f"FLOTILLA_LOG directive {directive!r}: unknown level {level_name!r} "
-                f"(use one of {', '.join(_LEVELS)})"
+                f"FLOTILLA_LOG directive {directive!r}: unknown level {level_name!r} (use one of {', '.join(_LEVELS)})"
             )
         if target:
             name = target.strip().replace("::", ".")

@@ -51,6 +51,8 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
         ({**GOOD_CHAT, "n": 2}, "n", "<= 1"),
         ({**GOOD_CHAT, "stop": [1, 2]}, "stop[0]", "Expected `str`"),
         ({**GOOD_CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens", "exceeds max_tokens"),
+        ({**GOOD_CHAT, "logprobs": True}, "logprobs", "not supported yet"),
+        ({**GOOD_CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
         (
             {"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
