@@ -19,12 +19,8 @@ def echo_delay_seconds() -> float:
     return env_float("FLOTILLA_TOKEN_ECHO_DELAY_MS", 10.0, minimum=0.0) / 1000.0
 
 
-class EchoCoreEngine:
-    """Echoes the prompt's token ids one by one; stops at max_tokens, never at EOS."""
-
-    kind: Literal["token"] = "token"
-    # The point of echo_core is to show the templated prompt, special tokens included.
-    skip_special_tokens = False
+class _EchoBase:
+    """What both echo engines share: a delay between tokens, and nothing to start or close."""
 
     def __init__(self, delay_seconds: float) -> None:
         self.delay = delay_seconds
@@ -34,6 +30,14 @@ class EchoCoreEngine:
 
     async def close(self) -> None:
         return None
+
+
+class EchoCoreEngine(_EchoBase):
+    """Echoes the prompt's token ids one by one; stops at max_tokens, never at EOS."""
+
+    kind: Literal["token"] = "token"
+    # The point of echo_core is to show the templated prompt, special tokens included.
+    skip_special_tokens = False
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         tokens = request.token_ids[: request.stop_conditions.max_tokens]
@@ -55,19 +59,10 @@ def echo_text(request: TextRequest) -> str:
     return content if isinstance(content, str) else ""
 
 
-class EchoFullEngine:
+class EchoFullEngine(_EchoBase):
     """Echoes the prompt text one character at a time; each character counts as one token."""
 
     kind: Literal["text"] = "text"
-
-    def __init__(self, delay_seconds: float) -> None:
-        self.delay = delay_seconds
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
 
     async def generate(self, request: TextRequest, context: RequestContext) -> AsyncIterator[TextOutput]:
         text = echo_text(request)

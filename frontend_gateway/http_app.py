@@ -28,6 +28,7 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
+    SamplingFields,
     chat_decoder,
     completion_decoder,
 )
@@ -192,49 +193,29 @@ class GatewayApp:
         return model
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._read_body(scope, receive)
-        request: ChatCompletionRequest = _decode(chat_decoder, body)
+        request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
         generation = model.prepare_chat(request)
-        await self._respond(
-            "chat",
-            "chat_completions",
-            model,
-            request.stream,
-            request.stream_options,
-            generation,
-            receive,
-            send,
-        )
+        await self._respond("chat", "chat_completions", model, request, generation, receive, send)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._read_body(scope, receive)
-        request: CompletionRequest = _decode(completion_decoder, body)
+        request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
         generation = model.prepare_completion(request)
-        await self._respond(
-            "completion",
-            "completions",
-            model,
-            request.stream,
-            request.stream_options,
-            generation,
-            receive,
-            send,
-        )
+        await self._respond("completion", "completions", model, request, generation, receive, send)
 
     async def _respond(
         self,
         kind: responses.Kind,
         endpoint: str,
         model: ServedModel,
-        stream: bool,
-        stream_options: Any,
+        request: SamplingFields,
         generation: Generation,
         receive: Receive,
         send: Send,
     ) -> None:
         """Run the generation, streamed or whole, and stop it if the client goes away."""
+        stream, stream_options = request.stream, request.stream_options
         model_metrics = self.metrics.for_model(model.name)
         model_metrics.inflight.inc()
         started = time.perf_counter()

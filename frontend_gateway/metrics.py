@@ -4,6 +4,8 @@ The collectors live in a registry owned by the app (no module globals), and labe
 cached per model so that the per-token path does one dict lookup, not a label resolution.
 """
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
@@ -13,15 +15,19 @@ _TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 1310
 
 
 class ModelMetrics:
-    """The per-model children, resolved once."""
+    """The per-model children, resolved once (label resolution costs more than the observation)."""
 
     __slots__ = (
         "_parent",
+        "_requests",
         "inflight",
         "input_tokens",
+        "input_tokens_total",
         "inter_token_latency",
         "model",
         "output_tokens",
+        "output_tokens_total",
+        "request_duration",
         "ttft",
     )
 
@@ -31,8 +37,12 @@ class ModelMetrics:
         self.inflight = parent.inflight.labels(model=model)
         self.ttft = parent.ttft.labels(model=model)
         self.inter_token_latency = parent.inter_token_latency.labels(model=model)
+        self.request_duration = parent.request_duration.labels(model=model)
         self.input_tokens = parent.input_tokens.labels(model=model)
         self.output_tokens = parent.output_tokens.labels(model=model)
+        self.input_tokens_total = parent.input_tokens_total.labels(model=model)
+        self.output_tokens_total = parent.output_tokens_total.labels(model=model)
+        self._requests: dict[tuple[str, bool, str], Any] = {}
 
     def finished(
         self,
@@ -44,18 +54,18 @@ class ModelMetrics:
         prompt_tokens: int,
         completion_tokens: int,
     ) -> None:
-        parent = self._parent
-        parent.requests.labels(
-            model=self.model,
-            endpoint=endpoint,
-            request_type="stream" if streaming else "unary",
-            status=status,
-        ).inc()
-        parent.request_duration.labels(model=self.model).observe(duration)
+        key = (endpoint, streaming, status)
+        requests = self._requests.get(key)
+        if requests is None:
+            requests = self._requests[key] = self._parent.requests.labels(
+                model=self.model, endpoint=endpoint, request_type="stream" if streaming else "unary", status=status
+            )
+        requests.inc()
+        self.request_duration.observe(duration)
         self.input_tokens.observe(prompt_tokens)
         self.output_tokens.observe(completion_tokens)
-        parent.input_tokens_total.labels(model=self.model).inc(prompt_tokens)
-        parent.output_tokens_total.labels(model=self.model).inc(completion_tokens)
+        self.input_tokens_total.inc(prompt_tokens)
+        self.output_tokens_total.inc(completion_tokens)
 
 
 class GatewayMetrics:

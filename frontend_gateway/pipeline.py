@@ -21,7 +21,7 @@ from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
 from runtime.errors import EngineError
 from runtime.model_card import ModelCard
-from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, TextOutput, TextRequest
+from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
 
 
 class Generation:
@@ -96,51 +96,31 @@ class TokenModel:
         if skip_special is None:
             skip_special = self.engine.skip_special_tokens
         generation = Generation(request_id, len(prompt_ids))
-        return generation.bind(self._postprocess(generation, engine_request, skip_special))
+        tokens = self._postprocess(generation, engine_request, skip_special)
+        return generation.bind(_finish(generation, tokens, stop.stop))
 
     async def _postprocess(
         self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
     ) -> AsyncIterator[str]:
-        """Detokenize incrementally, apply stop strings and max_tokens, count usage."""
+        """Detokenize incrementally and enforce max_tokens; stop strings are applied by _finish."""
         tokenizer = self._tokenizer
         decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
-        stops = request.stop_conditions.stop
-        matcher = StopStringMatcher(stops) if stops else None
         max_tokens = request.stop_conditions.max_tokens
-        outputs: AsyncIterator[EngineOutput] = self.engine.generate(request, generation.context)
+        outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
                 for token_id in output.token_ids:
                     generation.completion_tokens += 1
                     piece = decoder.step(tokenizer, token_id)
                     if piece:
-                        if matcher is not None:
-                            piece, hit = matcher.feed(piece)
-                            if hit:
-                                generation.finish_reason = "stop"
-                                if piece:
-                                    yield piece
-                                return
-                        if piece:
-                            yield piece
+                        yield piece
                     if generation.completion_tokens >= max_tokens:
                         generation.finish_reason = "length"
-                        break
-                if output.finish_reason is not None and generation.finish_reason is None:
+                        return
+                if output.finish_reason is not None:
                     generation.finish_reason = output.finish_reason
-                if generation.finish_reason is not None:
-                    break
-            if matcher is not None and (tail := matcher.flush()):
-                yield tail
-            if generation.finish_reason is None:
-                generation.finish_reason = "stop"
-            if generation.finish_reason == "error":
-                raise EngineFailed(f"the engine for {self.name!r} failed while generating")
-        except EngineError as exc:
-            generation.finish_reason = "error"
-            raise EngineFailed(str(exc)) from exc
+                    return
         finally:
-            generation.context.stop()
             await _aclose(outputs)
 
 
@@ -193,42 +173,56 @@ class TextModel:
 
     def _prepare(self, text_request: TextRequest) -> Generation:
         generation = Generation(text_request.request_id, 0)
-        return generation.bind(self._postprocess(generation, text_request))
+        texts = self._postprocess(generation, text_request)
+        return generation.bind(_finish(generation, texts, text_request.stop_conditions.stop))
 
     async def _postprocess(self, generation: Generation, request: TextRequest) -> AsyncIterator[str]:
-        stops = request.stop_conditions.stop
-        matcher = StopStringMatcher(stops) if stops else None
-        outputs: AsyncIterator[TextOutput] = self.engine.generate(request, generation.context)
+        """Count usage as the engine reports it; stop strings are applied by _finish."""
+        outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
                 if output.prompt_tokens is not None:
                     generation.prompt_tokens = output.prompt_tokens
                 generation.completion_tokens += output.completion_tokens
-                piece = output.text
-                if matcher is not None and piece:
-                    piece, hit = matcher.feed(piece)
-                    if hit:
-                        generation.finish_reason = "stop"
-                        if piece:
-                            yield piece
-                        return
-                if piece:
-                    yield piece
+                if output.text:
+                    yield output.text
                 if output.finish_reason is not None:
                     generation.finish_reason = output.finish_reason
-                    break
-            if matcher is not None and (tail := matcher.flush()):
-                yield tail
-            if generation.finish_reason is None:
-                generation.finish_reason = "stop"
-            if generation.finish_reason == "error":
-                raise EngineFailed(f"the engine for {self.name!r} failed while generating")
-        except EngineError as exc:
-            generation.finish_reason = "error"
-            raise EngineFailed(str(exc)) from exc
+                    return
         finally:
-            generation.context.stop()
             await _aclose(outputs)
+
+
+async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: list[str]) -> AsyncIterator[str]:
+    """The tail every pipeline shares: stop strings, the default finish reason, engine errors, cleanup.
+
+    Whatever ends the stream (its end, a stop string, the consumer closing it, a cancellation), the
+    request's context is stopped and the engine's stream closed.
+    """
+    matcher = StopStringMatcher(stops) if stops else None
+    try:
+        async for piece in pieces:
+            if matcher is not None:
+                shown, hit = matcher.feed(piece)
+                if shown:
+                    yield shown
+                if hit:
+                    generation.finish_reason = "stop"
+                    return
+            else:
+                yield piece
+        if matcher is not None and (tail := matcher.flush()):
+            yield tail
+        if generation.finish_reason == "error":
+            raise EngineFailed("the engine failed while generating; see the server log")
+        if generation.finish_reason is None:
+            generation.finish_reason = "stop"
+    except EngineError as exc:
+        generation.finish_reason = "error"
+        raise EngineFailed(str(exc)) from exc
+    finally:
+        generation.context.stop()
+        await _aclose(pieces)
 
 
 async def _aclose(iterator: AsyncIterator[object]) -> None:
