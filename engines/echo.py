@@ -40,9 +40,13 @@ class EchoCoreEngine(_EchoBase):
     skip_special_tokens = False
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
-        tokens = request.token_ids[: request.stop_conditions.max_tokens]
+        # After a migration the prompt ends with what was already echoed: echo the rest of the original.
+        migrated = request.migrated_tokens
+        original = request.token_ids[: len(request.token_ids) - migrated] if migrated else request.token_ids
+        remaining = original[migrated:]
+        tokens = remaining[: request.stop_conditions.max_tokens]
         last = len(tokens) - 1
-        finish: FinishReason = "length" if len(request.token_ids) > len(tokens) else "stop"
+        finish: FinishReason = "length" if len(remaining) > len(tokens) else "stop"
         for index, token in enumerate(tokens):
             if context.stopped:
                 return

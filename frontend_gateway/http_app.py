@@ -222,11 +222,13 @@ class GatewayApp:
         status = "error"
         watcher = _DisconnectWatcher(receive, generation)
         try:
+            nvext = request.nvext
+            show_instance = bool(nvext is not None and nvext.annotations and "instance_id" in nvext.annotations)
             if stream:
                 include_usage = bool(stream_options is not None and stream_options.include_usage)
-                await self._stream(kind, model, generation, include_usage, send, started, model_metrics)
+                await self._stream(kind, model, generation, include_usage, show_instance, send, started, model_metrics)
             else:
-                await self._whole(kind, model, generation, send, started, model_metrics)
+                await self._whole(kind, model, generation, show_instance, send, started, model_metrics)
             status = "success"
         except asyncio.CancelledError:
             if not watcher.disconnected:
@@ -252,6 +254,7 @@ class GatewayApp:
         kind: responses.Kind,
         model: ServedModel,
         generation: Generation,
+        show_instance: bool,
         send: Send,
         started: float,
         metrics: Any,
@@ -270,8 +273,9 @@ class GatewayApp:
             finish_reason=generation.finish_reason,
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
+            nvext=_nvext(generation) if show_instance else None,
         )
-        headers = [*_JSON_HEADERS, (b"x-request-id", generation.request_id.encode())]
+        headers = _response_headers(_JSON_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -281,6 +285,7 @@ class GatewayApp:
         model: ServedModel,
         generation: Generation,
         include_usage: bool,
+        show_instance: bool,
         send: Send,
         started: float,
         metrics: Any,
@@ -292,7 +297,7 @@ class GatewayApp:
         # Pull the first piece before sending the status line, so that an engine that fails at once
         # still gets a proper error status instead of a broken stream.
         first = await anext(pieces, None)
-        headers = [*_SSE_HEADERS, (b"x-request-id", generation.request_id.encode())]
+        headers = _response_headers(_SSE_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         opening = encoder.first()
         if opening is not None:
@@ -312,7 +317,7 @@ class GatewayApp:
                 log.warning("request %s failed mid-stream: %s", generation.request_id, exc.message)
                 frame = responses.error_frame(exc.message, exc.error_type, exc.code)
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
-        tail = encoder.finish(generation.finish_reason)
+        tail = encoder.finish(generation.finish_reason, _nvext(generation) if show_instance else None)
         if include_usage:
             tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens)
         await send({"type": "http.response.body", "body": tail + responses.DONE_FRAME})
@@ -353,6 +358,17 @@ def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
         raise InvalidRequest(f"invalid request: {message}", param=path.rstrip("`") or None) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _response_headers(base: list[tuple[bytes, bytes]], generation: Generation) -> list[tuple[bytes, bytes]]:
+    headers = [*base, (b"x-request-id", generation.request_id.encode())]
+    if generation.context.served_by is not None:
+        headers.append((b"x-flotilla-instance", generation.context.served_by.encode()))
+    return headers
+
+
+def _nvext(generation: Generation) -> dict[str, Any]:
+    return {"instance_id": generation.context.served_by}
 
 
 def _response_id(kind: responses.Kind, generation: Generation) -> str:

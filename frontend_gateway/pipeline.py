@@ -15,11 +15,11 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from frontend_gateway import preprocessor
-from frontend_gateway.errors import EngineFailed, InvalidRequest
+from frontend_gateway.errors import EngineFailed, InvalidRequest, ServiceUnavailable
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
-from runtime.errors import EngineError
+from runtime.errors import EngineError, EngineUnavailable
 from runtime.model_card import ModelCard
 from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
 
@@ -217,6 +217,9 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: lis
             raise EngineFailed("the engine failed while generating; see the server log")
         if generation.finish_reason is None:
             generation.finish_reason = "stop"
+    except EngineUnavailable as exc:
+        generation.finish_reason = "error"
+        raise ServiceUnavailable(str(exc)) from exc
     except EngineError as exc:
         generation.finish_reason = "error"
         raise EngineFailed(str(exc)) from exc

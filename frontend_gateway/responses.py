@@ -39,8 +39,9 @@ def full_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    nvext: dict[str, Any] | None = None,
 ) -> bytes:
-    """The body of a non-streaming chat.completion or text_completion."""
+    """The body of a non-streaming chat.completion or text_completion (``nvext`` added when given)."""
     choice: dict[str, Any]
     if kind == "chat":
         choice = {
@@ -58,16 +59,17 @@ def full_response(
             "finish_reason": _openai_finish_reason(finish_reason),
         }
         obj = "text_completion"
-    return _encode(
-        {
-            "id": response_id,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens),
-        }
-    )
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+    if nvext is not None:
+        body["nvext"] = nvext
+    return _encode(body)
 
 
 class StreamEncoder:
@@ -97,11 +99,14 @@ class StreamEncoder:
     def piece(self, text: str) -> bytes:
         return self._piece_prefix + _encode(text) + self._piece_suffix
 
-    def finish(self, finish_reason: str | None) -> bytes:
+    def finish(self, finish_reason: str | None, nvext: dict[str, Any] | None = None) -> bytes:
         reason = _encode(_openai_finish_reason(finish_reason))
+        extra = b',"nvext":' + _encode(nvext) if nvext is not None else b""
         if self._kind == "chat":
-            return self._head + b'{"index":0,"delta":{},"logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
-        return self._head + b'{"index":0,"text":"","logprobs":null,"finish_reason":' + reason + b"}]}\n\n"
+            choice = b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'
+        else:
+            choice = b'{"index":0,"text":"","logprobs":null,"finish_reason":'
+        return self._head + choice + reason + b"}]" + extra + b"}\n\n"
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return self._head + b'],"usage":' + _encode(usage(prompt_tokens, completion_tokens)) + b"}\n\n"

@@ -21,5 +21,13 @@ class EngineError(FlotillaError):
     """An engine failed while generating."""
 
 
+class EngineUnavailable(EngineError):
+    """No engine can take the request now (no instance, or the network is down): retry later."""
+
+
 class TemplateError(FlotillaError):
     """A chat template failed to compile or render (the gateway answers 400)."""
+
+
+class DiscoveryUnavailable(FlotillaError):
+    """etcd cannot be reached ("cannot reach etcd at ...; start it with `make services` or set ETCD_ENDPOINTS")."""
