@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
+from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import FlotillaError
 from runtime.logging import configure_logging
@@ -19,10 +20,12 @@ Run a model and talk to it, in one process.
   in=text          chat in the terminal (default); a prompt piped on stdin is answered once
   in=http          serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)
   in=batch:FILE    answer each {"text": ...} line of FILE.jsonl into output.jsonl beside it
+  in=dyn://ns.comp.ep   serve the engine as a worker instance, found through etcd, reached over NATS
 
   out=llamacpp     llama.cpp on a GGUF file (default)
   out=echo_core    echo the templated prompt's tokens (shows the chat template)
   out=echo_full    echo the prompt text; needs no model (--model-name names it)
+  out=dyn          the ingress: serve every model that workers register (use with in=http)
 
 MODEL is a GGUF file, a Hugging Face folder (config.json, tokenizer.json, ...) or a Hugging Face repo
 id (downloaded into the usual cache; HF_TOKEN for gated repos). Without one, the SmolLM2-135M-Instruct
@@ -36,9 +39,13 @@ examples:
   flotilla run in=http --http-port 8080            # OpenAI server on 127.0.0.1:8080
   flotilla run in=batch:prompts.jsonl              # writes output.jsonl beside prompts.jsonl
   flotilla run in=http out=echo_full --model-name echo
+  flotilla run in=dyn://llm.backend.generate out=llamacpp   # a worker (needs etcd and NATS)
+  flotilla run in=http out=dyn --router-mode random --migration-limit 3   # the ingress
 
 logging: FLOTILLA_LOG=debug, or per module: FLOTILLA_LOG=frontend_gateway=debug,info; -v, -vv
 echo delay: FLOTILLA_TOKEN_ECHO_DELAY_MS (default 10)
+distributed: ETCD_ENDPOINTS (http://127.0.0.1:2379), NATS_SERVER (nats://127.0.0.1:4222),
+  FLOTILLA_LEASE_TTL (10 s), FLOTILLA_STREAM_SILENCE_S (5 s), FLOTILLA_STREAM_HEARTBEAT_S (1 s)
 """
 
 
@@ -49,6 +56,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
     return value
 
 
@@ -157,6 +174,18 @@ def build_run_parser() -> argparse.ArgumentParser:
         default=env_str("FLOTILLA_TEMPERATURE"),
         help="sampling temperature for in=text and in=batch [FLOTILLA_TEMPERATURE]",
     )
+    run.add_argument(
+        "--router-mode",
+        choices=("round-robin", "random"),
+        default=env_str("FLOTILLA_ROUTER_MODE", "round-robin"),
+        help="how out=dyn spreads requests over a model's instances [FLOTILLA_ROUTER_MODE]",
+    )
+    run.add_argument(
+        "--migration-limit",
+        type=_non_negative_int,
+        default=env_str("FLOTILLA_MIGRATION_LIMIT", "0"),
+        help="times out=dyn re-sends a request whose worker died mid-stream (default 0) [FLOTILLA_MIGRATION_LIMIT]",
+    )
     run.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return run
 
@@ -174,8 +203,15 @@ def parse_run_options(parser: argparse.ArgumentParser, namespace: argparse.Names
             model = word
         else:
             parser.error(f"unexpected argument {word!r}: give one MODEL (or --model-path), plus in= and out=")
-    if not (input_ in ("text", "http") or (input_.startswith("batch:") and len(input_) > len("batch:"))):
-        parser.error(f"in={input_!r} is not an input; use in=text, in=http or in=batch:FILE.jsonl")
+    if input_.startswith("dyn://"):
+        try:
+            EndpointAddress.parse(input_)
+        except FlotillaError as exc:
+            parser.error(str(exc))
+        if output == "dyn":
+            parser.error("in=dyn://... serves an engine: choose one with out=ENGINE, not out=dyn")
+    elif not (input_ in ("text", "http") or (input_.startswith("batch:") and len(input_) > len("batch:"))):
+        parser.error(f"in={input_!r} is not an input; use in=text, in=http, in=batch:FILE.jsonl or in=dyn://ns.comp.ep")
     if output not in ENGINES and output not in PLANNED_ENGINES:
         parser.error(f"out={output!r} is not an engine; use one of {', '.join(ENGINES)}")
     return RunOptions(
@@ -192,6 +228,8 @@ def parse_run_options(parser: argparse.ArgumentParser, namespace: argparse.Names
         batch_concurrency=namespace.batch_concurrency,
         max_tokens=namespace.max_tokens,
         temperature=namespace.temperature,
+        router_mode=namespace.router_mode,
+        migration_limit=namespace.migration_limit,
     )
 
 

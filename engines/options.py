@@ -3,14 +3,14 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENGINES = ("echo_core", "echo_full", "llamacpp")
+ENGINES = ("echo_core", "echo_full", "llamacpp", "dyn")
 # Engines on the road map (DESIGN.md); named so that asking for one gets a clear answer.
-PLANNED_ENGINES = ("mocker", "mistralrs", "vllm", "sglang", "trtllm", "dyn")
+PLANNED_ENGINES = ("mocker", "mistralrs", "vllm", "sglang", "trtllm")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    input: str = "text"  # "text", "http", "batch:FILE"
+    input: str = "text"  # "text", "http", "batch:FILE", "dyn://ns.comp.ep"
     output: str = "llamacpp"  # engine name
     model: str | None = None  # repo id, folder or GGUF file; None means the default model
     model_name: str | None = None
@@ -23,7 +23,14 @@ class RunOptions:
     batch_concurrency: int = 4
     max_tokens: int | None = None
     temperature: float | None = None
+    router_mode: str = "round-robin"
+    migration_limit: int = 0
     extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def worker_address(self) -> str | None:
+        """The dyn:// address to serve, for ``in=dyn://...``."""
+        return self.input if self.input.startswith("dyn://") else None
 
     @property
     def batch_file(self) -> Path | None:

@@ -1,14 +1,16 @@
 """``flotilla run``: compose one input (``in=``) with one engine (``out=``) in a single process."""
 
+import asyncio
 import logging
 from pathlib import Path
 
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
+from runtime.addressing import EndpointAddress
 from runtime.engine import Engine
 from runtime.errors import ConfigError
-from runtime.model_card import ModelCard
+from runtime.model_card import ModelCard, ModelType
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,18 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
 
 
 async def run(options: RunOptions) -> int:
-    """Run until the input is done (text, batch) or until a signal (http). Returns the exit code."""
+    """Run until the input is done (text, batch) or until a signal (http, dyn). Returns the exit code."""
+    if options.output == "dyn":
+        return await run_ingress(options)
     model, engine = build_model(options)
     await engine.start()
     try:
+        if (address := options.worker_address) is not None:
+            from engines.inputs.dyn import serve_worker
+
+            card = model.card if isinstance(model, TokenModel) else text_card(model, options)
+            await serve_worker(EndpointAddress.parse(address), engine, card)
+            return 0
         if options.input == "http":
             from engines.inputs.http import serve_http
 
@@ -86,3 +96,32 @@ async def run(options: RunOptions) -> int:
         raise ConfigError(f"unknown input in={options.input!r}; use in=text, in=http or in=batch:FILE.jsonl")
     finally:
         await engine.close()
+
+
+def text_card(model: ServedModel, options: RunOptions) -> ModelCard:
+    """The card a text engine registers: a name and a type, no tokenizer."""
+    return ModelCard(name=model.name, model_type=ModelType.CHAT, context_length=options.context_length or 0)
+
+
+async def run_ingress(options: RunOptions) -> int:
+    """``out=dyn``: serve over HTTP every model that workers register in etcd."""
+    from engines.inputs.http import serve_http
+    from frontend_gateway.remote import ModelWatcher
+    from frontend_gateway.router import RouterMode
+    from runtime.distributed import DistributedRuntime
+
+    if options.input != "http":
+        raise ConfigError("out=dyn is the ingress of a distributed deployment: use it with in=http")
+    runtime = await DistributedRuntime.connect()
+    registry = ModelRegistry()
+    watcher = ModelWatcher(
+        runtime, registry, router_mode=RouterMode(options.router_mode), migration_limit=options.migration_limit
+    )
+    runtime.own(asyncio.create_task(watcher.run(), name="model watcher"))
+    try:
+        await serve_http(
+            registry, host=options.http_host, port=options.http_port, max_body_bytes=options.max_body_bytes
+        )
+    finally:
+        await runtime.close()
+    return 0

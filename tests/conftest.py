@@ -41,3 +41,25 @@ def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     server = start_server(["out=llamacpp", "--context-length", "2048"], log)
     yield server
     server.stop()
+
+
+# Appended below the fixtures above, so imported here rather than at the top.
+from tests.infra import EtcdServer, NatsServer  # noqa: E402
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh one-member etcd for each test (it starts in ~0.2 s), so a test may restart or wipe it."""
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A fresh nats-server with JetStream for each test (it starts in ~0.03 s), so a test may restart it."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()

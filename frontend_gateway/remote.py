@@ -1,0 +1,266 @@
+"""Models served by remote workers: engines that forward over the request plane, and the watcher
+that adds and drops models as workers register in etcd and go away.
+
+A remote token model is an ordinary ``TokenModel`` whose engine is a ``RemoteTokenEngine``: the
+gateway pre/post-processes exactly as in one process, and only the token stream crosses NATS. When
+the worker dies mid-stream, the engine re-sends the prompt plus the tokens generated so far to
+another instance (``migration_limit`` times at most), so the client sees one unbroken stream.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import msgspec
+
+from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
+from frontend_gateway.router import InstanceInfo, Router, RouterMode
+from runtime.discovery import MODELS_PREFIX, WatchEvent
+from runtime.distributed import DistributedRuntime, ModelEntry
+from runtime.engine import RequestContext
+from runtime.errors import EngineError, EngineUnavailable, FlotillaError
+from runtime.model_card import ModelType
+from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest
+from runtime.request_plane import RemoteError, StreamBroken, WorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.msgpack.Encoder().encode
+_engine_output = msgspec.msgpack.Decoder(EngineOutput)
+_text_output = msgspec.msgpack.Decoder(TextOutput)
+_model_entry = msgspec.json.Decoder(ModelEntry)
+
+
+class InstanceSet:
+    """The live instances of one model, in a stable order for round-robin."""
+
+    def __init__(self) -> None:
+        self._instances: dict[int, InstanceInfo] = {}
+        self._snapshot: list[InstanceInfo] = []
+
+    def add(self, instance: InstanceInfo) -> None:
+        self._instances[instance.instance_id] = instance
+        self._snapshot = sorted(self._instances.values(), key=lambda info: info.instance_id)
+
+    def remove(self, instance_id: int) -> None:
+        self._instances.pop(instance_id, None)
+        self._snapshot = sorted(self._instances.values(), key=lambda info: info.instance_id)
+
+    def __len__(self) -> int:
+        return len(self._snapshot)
+
+    def snapshot(self) -> list[InstanceInfo]:
+        return self._snapshot
+
+
+class _RemoteBase:
+    def __init__(
+        self, name: str, instances: InstanceSet, router: Router, runtime: DistributedRuntime, migration_limit: int
+    ) -> None:
+        self.name = name
+        self.instances = instances
+        self.router = router
+        self.runtime = runtime
+        self.migration_limit = migration_limit
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def _candidates(self, tried: set[int]) -> list[InstanceInfo]:
+        instances = self.instances.snapshot()
+        return [info for info in instances if info.instance_id not in tried] if tried else instances
+
+
+class RemoteTokenEngine(_RemoteBase):
+    """A token engine that forwards to the model's instances, migrating on a broken stream."""
+
+    kind: Literal["token"] = "token"
+
+    def __init__(
+        self,
+        name: str,
+        instances: InstanceSet,
+        router: Router,
+        runtime: DistributedRuntime,
+        migration_limit: int,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        super().__init__(name, instances, router, runtime, migration_limit)
+        self.skip_special_tokens = skip_special_tokens
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        client = await self.runtime.client()
+        generated: list[int] = []
+        tried: set[int] = set()
+        migrations = 0
+        while True:
+            if not client.connected:
+                raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
+            instance = self.router.choose(request, self._candidates(tried))
+            if instance is None:
+                if generated:
+                    raise EngineError(f"the worker of {self.name!r} stopped mid-stream and no other instance is left")
+                raise EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+            tried.add(instance.instance_id)
+            context.served_by = instance.name
+            attempt = _resume(request, generated) if generated else request
+            try:
+                async for data in client.call(instance.subject, request.request_id, _encode(attempt)):
+                    output = _engine_output.decode(data)
+                    generated.extend(output.token_ids)
+                    yield output
+                    if output.finish_reason is not None:
+                        return
+                return
+            except WorkerUnavailable as exc:
+                log.info(
+                    "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
+                )
+            except StreamBroken as exc:
+                if migrations >= self.migration_limit:
+                    raise EngineError(
+                        f"the worker of {self.name!r} stopped mid-stream ({exc}) and the migration limit "
+                        f"({self.migration_limit}) is reached"
+                    ) from exc
+                migrations += 1
+                log.warning(
+                    "migrating request %s of %r after %d tokens (%s); migration %d of %d",
+                    request.request_id, self.name, len(generated), exc, migrations, self.migration_limit,
+                )  # fmt: skip
+            except RemoteError as exc:
+                raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+
+
+def _resume(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
+    """The request to send after a migration: prompt plus what was generated, and only what is left to do."""
+    stop = request.stop_conditions
+    return msgspec.structs.replace(
+        request,
+        token_ids=request.token_ids + generated,
+        migrated_tokens=request.migrated_tokens + len(generated),
+        stop_conditions=StopConditions(
+            max_tokens=stop.max_tokens - len(generated),
+            min_tokens=max(0, stop.min_tokens - len(generated)),
+            stop=stop.stop,
+            ignore_eos=stop.ignore_eos,
+        ),
+    )
+
+
+class RemoteTextEngine(_RemoteBase):
+    """A text engine that forwards OpenAI-level requests; text streams cannot be resumed elsewhere."""
+
+    kind: Literal["text"] = "text"
+
+    async def generate(self, request: TextRequest, context: RequestContext) -> AsyncIterator[TextOutput]:
+        client = await self.runtime.client()
+        tried: set[int] = set()
+        while True:
+            if not client.connected:
+                raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
+            instance = self.router.choose(request, self._candidates(tried))
+            if instance is None:
+                raise EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+            tried.add(instance.instance_id)
+            context.served_by = instance.name
+            try:
+                async for data in client.call(instance.subject, request.request_id, _encode(request)):
+                    yield _text_output.decode(data)
+                return
+            except WorkerUnavailable as exc:
+                log.info(
+                    "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
+                )
+            except (StreamBroken, RemoteError) as exc:
+                raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+
+
+class _WatchedModel:
+    def __init__(self, served: ServedModel, instances: InstanceSet) -> None:
+        self.served = served
+        self.instances = instances
+
+
+class ModelWatcher:
+    """Keeps ``registry`` in step with the models workers register in etcd."""
+
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        registry: ModelRegistry,
+        *,
+        router_mode: RouterMode = RouterMode.ROUND_ROBIN,
+        migration_limit: int = 0,
+    ) -> None:
+        self.runtime = runtime
+        self.registry = registry
+        self.router_mode = router_mode
+        self.migration_limit = migration_limit
+        self._models: dict[str, _WatchedModel] = {}
+        self._keys: dict[str, tuple[str, int]] = {}
+        self.changed = asyncio.Event()  # set after every applied change (tests await it)
+
+    async def run(self) -> None:
+        """Apply registrations and removals until cancelled."""
+        async for event in self.runtime.discovery.watch_prefix(MODELS_PREFIX):
+            try:
+                await self.apply(event)
+            except FlotillaError as exc:
+                log.warning("ignored model registration %s: %s", event.key, exc)
+            self.changed.set()
+
+    async def apply(self, event: WatchEvent) -> None:
+        if event.kind == "delete":
+            found = self._keys.pop(event.key, None)
+            if found is not None:
+                self._drop_instance(*found)
+            return
+        assert event.value is not None
+        try:
+            entry = _model_entry.decode(event.value)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"malformed model entry: {exc}") from exc
+        name = entry.card.name
+        previous = self._keys.get(event.key)
+        if previous is not None and previous[0] != name:
+            self._drop_instance(*previous)
+        watched = self._models.get(name)
+        if watched is None:
+            watched = self._models[name] = await self._build(entry)
+            self.registry.add(watched.served)
+            log.info("model %r is now served (%s)", name, entry.card.model_type.value)
+        watched.instances.add(InstanceInfo(entry.instance_id, entry.subject))
+        self._keys[event.key] = (name, entry.instance_id)
+
+    def _drop_instance(self, name: str, instance_id: int) -> None:
+        watched = self._models.get(name)
+        if watched is None:
+            return
+        watched.instances.remove(instance_id)
+        if not watched.instances:
+            del self._models[name]
+            self.registry.remove(name)
+            log.info("model %r has no instance left and is no longer served", name)
+
+    async def _build(self, entry: ModelEntry) -> _WatchedModel:
+        card = entry.card
+        instances = InstanceSet()
+        router = Router(self.router_mode)
+        if card.model_type is ModelType.TOKENS:
+            if entry.tokenizer_sha256 is None:
+                raise EngineError(f"token-level model {card.name!r} was registered without a tokenizer")
+            card = msgspec.structs.replace(
+                card, tokenizer_json=await self.runtime.fetch_tokenizer(entry.tokenizer_sha256)
+            )
+            engine = RemoteTokenEngine(
+                card.name, instances, router, self.runtime, self.migration_limit,
+                skip_special_tokens=entry.skip_special_tokens,
+            )  # fmt: skip
+            return _WatchedModel(TokenModel(card, engine), instances)
+        text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
+        return _WatchedModel(TextModel(card.name, text_engine, card.context_length or None), instances)

@@ -1,0 +1,111 @@
+"""A distributed deployment for tests: workers and an ingress as real processes on real etcd and NATS."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.infra import EtcdServer, NatsServer
+from tests.servers import Server, start_server
+
+_BANNER = re.compile(r"Flotilla worker ([0-9a-f]+) \(pid (\d+)\)")
+
+
+@dataclass
+class Worker:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    instance_id: str = ""
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdServer
+    nats: NatsServer
+    directory: Path
+    lease_ttl: float = 2.0
+    workers: list[Worker] = field(default_factory=list)
+    servers: list[Server] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "ETCD_ENDPOINTS": self.etcd.endpoint,
+            "NATS_SERVER": self.nats.url,
+            "FLOTILLA_LEASE_TTL": str(self.lease_ttl),
+            "FLOTILLA_STREAM_SILENCE_S": "1",
+            "FLOTILLA_STREAM_HEARTBEAT_S": "0.2",
+            "FLOTILLA_LOG": "info",
+            **extra,
+        }
+
+    def start_worker(self, address: str, *args: str, delay_ms: int = 0, timeout: float = 60) -> Worker:
+        """Start `flotilla run in=ADDRESS ARGS` and wait for its banner (it has registered by then)."""
+        log_path = self.directory / f"worker-{len(self.workers)}.log"
+        command = [sys.executable, "-m", "engines.cli", "run", f"in={address}", *args]
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(
+                command,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env(FLOTILLA_TOKEN_ECHO_DELAY_MS=str(delay_ms)),
+            )
+        worker = Worker(process, log_path)
+        self.workers.append(worker)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (found := _BANNER.search(worker.log())) is not None:
+                worker.instance_id = found.group(1)
+                return worker
+            if process.poll() is not None:
+                raise RuntimeError(f"worker exited with {process.returncode}:\n{worker.log()}")
+            time.sleep(0.05)  # waiting on another process's output: no event to await
+        raise RuntimeError(f"worker did not register in {timeout}s:\n{worker.log()}")
+
+    def start_ingress(self, *args: str) -> Server:
+        log_path = self.directory / f"ingress-{len(self.servers)}.log"
+        server = start_server(["out=dyn", *args], log_path, env=self.env())
+        self.servers.append(server)
+        return server
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        for server in self.servers:
+            server.stop()
+
+
+def wait_until(condition: "object", timeout: float, message: str) -> None:
+    """Poll ``condition()`` until true; other processes' state has no event to await."""
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(message)
+        time.sleep(0.05)
+
+
+def served_models(server: Server) -> list[str]:
+    data = httpx.get(server.api_url + "/models", timeout=5).json()["data"]
+    return sorted(model["id"] for model in data)

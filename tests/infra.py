@@ -1,0 +1,142 @@
+"""Real etcd and NATS servers for tests, on free loopback ports, each with its own data directory.
+
+Both keep their ports across restarts, so clients that hold the address can reconnect, which is what
+the resilience tests exercise.
+"""
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.servers import free_port
+
+START_TIMEOUT = 20.0
+
+
+class _Process:
+    """One server process with its log in ``directory/server.log``."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name = name
+        self.directory = directory
+        self.data_dir = directory / "data"
+        self.log_path = directory / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self) -> None:
+        """Start the server and return once it answers; raise RuntimeError with its log otherwise."""
+        assert self.process is None, f"{self.name} is already running"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Append, so that the log of a restarted server still shows what happened before.
+        with self.log_path.open("ab") as log_file:
+            self.process = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                self.process = None
+                raise RuntimeError(f"{self.name} exited with {code} at start:\n{self.log()}")
+            if self.ready():
+                return
+            time.sleep(0.02)  # polling a process we do not control: there is no event to await
+        self.kill()
+        raise RuntimeError(f"{self.name} did not become ready in {START_TIMEOUT}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        """Stop gracefully (SIGTERM), killing it if it does not exit in 10 s."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def kill(self) -> None:
+        """Kill it (SIGKILL), as a crash or a power cut would."""
+        if self.process is None:
+            return
+        self.process.kill()
+        self.process.wait()
+        self.process = None
+
+    def restart(self, wipe: bool = False) -> None:
+        """Stop and start again on the same ports; ``wipe`` deletes its data first (a fresh server)."""
+        self.stop()
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.start()
+
+
+class EtcdServer(_Process):
+    """A one-member etcd cluster; ``endpoint`` is ``http://127.0.0.1:PORT``."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__("etcd", directory)
+        self.port = free_port()
+        self.peer_port = free_port()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            "etcd",
+            "--name=t",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.endpoint}",
+            f"--advertise-client-urls={self.endpoint}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=t={peer}",
+        ]
+
+    def ready(self) -> bool:
+        # /health answers true only once the member has a leader and serves requests.
+        try:
+            response = httpx.get(self.endpoint + "/health", timeout=1.0)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200 and response.json().get("health") == "true"
+
+
+class NatsServer(_Process):
+    """nats-server with JetStream; ``url`` is ``nats://127.0.0.1:PORT``."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__("nats-server", directory)
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.data_dir)]
+
+    def ready(self) -> bool:
+        # The server greets every client with an INFO line once it accepts connections.
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                return sock.recv(4096).startswith(b"INFO ")
+        except OSError:
+            return False
