@@ -6,8 +6,8 @@ answer ``TextOutput`` items.
 """
 
 import asyncio
-import os
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator
 
