@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
+from engines.python_file import python_engine_file
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import FlotillaError
@@ -25,6 +26,10 @@ Run a model and talk to it, in one process.
   out=llamacpp     llama.cpp on a GGUF file (default)
   out=echo_core    echo the templated prompt's tokens (shows the chat template)
   out=echo_full    echo the prompt text; needs no model (--model-name names it)
+  out=pystr:FILE.py   your `async def generate(request)` answers chat/completion requests with text;
+                   needs no model; served as FILE's name unless --model-name
+  out=pytok:FILE.py   your `async def generate(request)` answers token ids with token ids; MODEL gives
+                   the tokenizer and chat template (see examples/README.md)
   out=dyn          the ingress: serve every model that workers register (use with in=http)
 
 MODEL is a GGUF file, a Hugging Face folder (config.json, tokenizer.json, ...) or a Hugging Face repo
@@ -39,6 +44,7 @@ examples:
   flotilla run in=http --http-port 8080            # OpenAI server on 127.0.0.1:8080
   flotilla run in=batch:prompts.jsonl              # writes output.jsonl beside prompts.jsonl
   flotilla run in=http out=echo_full --model-name echo
+  flotilla run in=http out=pystr:examples/pystr_shout.py   # your Python function as the engine
   flotilla run in=dyn://llm.backend.generate out=llamacpp   # a worker (needs etcd and NATS)
   flotilla run in=http out=dyn --router-mode random --migration-limit 3   # the ingress
 
@@ -212,8 +218,12 @@ def parse_run_options(parser: argparse.ArgumentParser, namespace: argparse.Names
             parser.error("in=dyn://... serves an engine: choose one with out=ENGINE, not out=dyn")
     elif not (input_ in ("text", "http") or (input_.startswith("batch:") and len(input_) > len("batch:"))):
         parser.error(f"in={input_!r} is not an input; use in=text, in=http, in=batch:FILE.jsonl or in=dyn://ns.comp.ep")
-    if output not in ENGINES and output not in PLANNED_ENGINES:
-        parser.error(f"out={output!r} is not an engine; use one of {', '.join(ENGINES)}")
+    if (python_engine := python_engine_file(output)) is not None:
+        kind, file = python_engine
+        if not file:
+            parser.error(f"out={output!r} needs a file: out={kind}:FILE.py")
+    elif output not in ENGINES and output not in PLANNED_ENGINES:
+        parser.error(f"out={output!r} is not an engine; use one of {', '.join(ENGINES)}, pystr:FILE.py, pytok:FILE.py")
     return RunOptions(
         input=input_,
         output=output,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
+from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from runtime.addressing import EndpointAddress
 from runtime.engine import Engine
@@ -47,9 +48,28 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         card, path = load_card(options)
         llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
         return TokenModel(card, llama), llama
+    if (python_engine := python_engine_file(output)) is not None:
+        return build_python_model(options, *python_engine)
     if output in PLANNED_ENGINES:
         raise ConfigError(f"out={output} is not available in this version yet; available: {', '.join(ENGINES)}")
-    raise ConfigError(f"unknown engine out={output!r}; choose one of {', '.join(ENGINES)}")
+    raise ConfigError(
+        f"unknown engine out={output!r}; choose one of {', '.join(ENGINES)}, pystr:FILE.py or pytok:FILE.py"
+    )
+
+
+def build_python_model(options: RunOptions, kind: str, file: str) -> tuple[ServedModel, Engine]:
+    """``out=pystr:FILE.py`` / ``out=pytok:FILE.py``: the user's ``generate`` behind a text or token model."""
+    if not file:
+        raise ConfigError(f"out={kind}: needs a file: out={kind}:FILE.py")
+    path = Path(file)
+    # The file first: its mistakes are quicker to find than a model download.
+    generate = load_generate(path)
+    if kind == "pystr":
+        text = PyStrEngine(generate, path.name)
+        return TextModel(options.model_name or path.stem, text, options.context_length), text
+    card, _ = load_card(options)
+    token = PyTokEngine(generate, path.name)
+    return TokenModel(card, token), token
 
 
 async def run(options: RunOptions) -> int:

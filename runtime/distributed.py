@@ -28,12 +28,18 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from runtime.addressing import EndpointAddress, new_instance_id
-from runtime.config import env_float, env_str
+from runtime.config import env_float, env_int, env_str
 from runtime.discovery import Discovery, instance_key, model_key
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
 from runtime.model_card import ModelCard, ModelType
-from runtime.request_plane import EndpointServer, Handler, RequestClient, connect_nats
+from runtime.request_plane import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    EndpointServer,
+    Handler,
+    RequestClient,
+    connect_nats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +216,13 @@ class Endpoint:
     async def serve_bytes(self, handler: Handler) -> None:
         """Start answering requests with a bytes-level handler and announce this instance in etcd."""
         runtime = self.runtime
-        server = EndpointServer(runtime.nc, self.subject, handler, heartbeat_interval=runtime.heartbeat_interval)
+        server = EndpointServer(
+            runtime.nc,
+            self.subject,
+            handler,
+            heartbeat_interval=runtime.heartbeat_interval,
+            max_request_bytes=env_int("FLOTILLA_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024),
+        )
         await server.start()
         self._server = server
         runtime._add_server(server)

@@ -61,7 +61,9 @@ class Cluster:
             **extra,
         }
 
-    def start_worker(self, address: str, *args: str, delay_ms: int = 0, timeout: float = 60) -> Worker:
+    def start_worker(
+        self, address: str, *args: str, delay_ms: int = 0, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> Worker:
         """Start `flotilla run in=ADDRESS ARGS` and wait for its banner (it has registered by then)."""
         log_path = self.directory / f"worker-{len(self.workers)}.log"
         command = [sys.executable, "-m", "engines.cli", "run", f"in={address}", *args]
@@ -70,7 +72,7 @@ class Cluster:
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=self.env(FLOTILLA_TOKEN_ECHO_DELAY_MS=str(delay_ms)),
+                env=self.env(FLOTILLA_TOKEN_ECHO_DELAY_MS=str(delay_ms), **(env or {})),
             )
         worker = Worker(process, log_path)
         self.workers.append(worker)
