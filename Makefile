@@ -9,12 +9,31 @@ LLAMA_CPP_VERSION := 0.3.36
 # Portable CPU flags: the default -march=native build uses AMX, which faults inside these VMs.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
 LLAMA_WHEEL := .wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
+# apt-get needs root; outside a root shell, sudo is used.
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: install run test lint typecheck bench clean
+.PHONY: install system-deps services run test lint typecheck bench clean
 
 install: $(VENV)/.installed
+
+# etcd (discovery) and NATS (request plane) from Debian's packages, for distributed serving and its tests.
+system-deps:
+	@command -v etcd >/dev/null && command -v nats-server >/dev/null || { \
+		echo "installing etcd-server and nats-server (Debian packages)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server nats-server >/dev/null; }
+
+# Start etcd and NATS (with JetStream) on loopback, in the foreground, for local distributed runs.
+services: system-deps
+	mkdir -p .services
+	@echo "etcd on http://127.0.0.1:2379, NATS on nats://127.0.0.1:4222 (Ctrl-C stops both)"
+	trap 'kill 0' INT TERM EXIT; \
+	etcd --data-dir .services/etcd --listen-client-urls http://127.0.0.1:2379 \
+		--advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
+		> .services/etcd.log 2>&1 & \
+	nats-server -js -a 127.0.0.1 -p 4222 -sd .services/nats > .services/nats.log 2>&1 & \
+	wait
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +62,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install lint typecheck
+test: install system-deps lint typecheck
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 	$(BIN)/pytest -q
@@ -51,6 +70,7 @@ test: install lint typecheck
 bench: install
 	$(BIN)/python bench/gateway_overhead.py
 	$(BIN)/python bench/llamacpp_vs_server.py
+	$(BIN)/python bench/network_path.py
 
 clean:
-	rm -rf $(VENV) .wheels .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .wheels .mypy_cache .ruff_cache .pytest_cache .services

@@ -13,7 +13,6 @@ Prints requests/s, CPU µs per request and per streamed token for both servers, 
 """
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvloop
+from loadgen import chat_request, closed_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -99,46 +99,6 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def request_bytes(port: int, prompt: str) -> bytes:
-    body = json.dumps({"model": "echo", "messages": [{"role": "user", "content": prompt}], "stream": True}).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-async def connection(port: int, request: bytes, until: float, counts: list[int]) -> None:
-    """Send requests back to back on one keep-alive connection until ``until``."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while time.perf_counter() < until:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"unexpected answer: {head[:80]!r}")
-            # Chunked body: read until the terminating zero-length chunk.
-            data = b""
-            while not data.endswith(b"\r\n0\r\n\r\n"):
-                chunk = await reader.read(1 << 16)
-                if not chunk:
-                    raise RuntimeError("connection closed mid-response")
-                data += chunk
-            if b"[DONE]" not in data:
-                raise RuntimeError("stream ended without [DONE]")
-            counts[0] += 1
-    finally:
-        writer.close()
-
-
-async def load(port: int, prompt: str, seconds: float, concurrency: int) -> int:
-    request = request_bytes(port, prompt)
-    counts = [0]
-    until = time.perf_counter() + seconds
-    await asyncio.gather(*(connection(port, request, until, counts) for _ in range(concurrency)))
-    return counts[0]
-
-
 @dataclass
 class Measure:
     requests: int
@@ -155,10 +115,11 @@ class Measure:
 
 
 def measure(process: subprocess.Popen[bytes], port: int, prompt: str, seconds: float, concurrency: int) -> Measure:
-    uvloop.run(load(port, prompt, 0.5, concurrency))  # warm-up, not counted
+    request = chat_request(port, "echo", prompt)
+    uvloop.run(closed_loop(port, request, 0.5, concurrency))  # warm-up, not counted
     cpu_before, wall_before = cpu_seconds(process.pid), time.perf_counter()
-    requests = uvloop.run(load(port, prompt, seconds, concurrency))
-    return Measure(requests, time.perf_counter() - wall_before, cpu_seconds(process.pid) - cpu_before)
+    result = uvloop.run(closed_loop(port, request, seconds, concurrency))
+    return Measure(result.requests, time.perf_counter() - wall_before, cpu_seconds(process.pid) - cpu_before)
 
 
 def main() -> None:

@@ -2,13 +2,14 @@
 
 Protocol (all messages msgpack):
 
-* The client subscribes to a fresh inbox, then sends ``Envelope(request_id, reply_to=inbox, payload)``
-  to the instance's subject as a NATS request. The worker answers that request at once with an
-  ``ACCEPTED`` frame (or an ``ERROR`` frame if it cannot take it), so a dead or missing instance is
-  known before anything is generated (NATS says "no responders" when nobody listens).
-* The worker then publishes ``Frame(kind, seq, payload)`` to the inbox: ``DATA`` frames in order,
-  then ``END`` or ``ERROR``. While it has nothing to send it publishes ``HEARTBEAT`` frames, so a
-  client that hears nothing for ``silence_timeout`` knows the worker is gone and does not wait forever.
+* The client publishes ``Envelope(request_id, payload)`` to the instance's subject, with a reply
+  subject on its own inbox. If nobody listens there, NATS itself answers "no responders" on that
+  reply subject, so a dead or missing instance is known before anything is generated.
+* The worker publishes ``Frame(kind, seq, payloads)`` to the reply subject: ``DATA`` frames in
+  order, then ``END`` (which may carry the last payloads) or ``ERROR``. Payloads produced back to back
+  travel in one frame, so a fast engine costs few messages. While it has nothing to send the worker
+  publishes ``HEARTBEAT`` frames, so a client that hears nothing for ``silence_timeout`` knows the
+  worker is gone and does not wait forever.
 * The client stops a request by publishing ``Control(request_id)`` to ``<subject>.control``.
 
 The payloads are opaque bytes here; the engines' wire types (runtime/protocol.py) go inside.
@@ -32,7 +33,7 @@ from runtime.errors import FlotillaError
 
 log = logging.getLogger(__name__)
 
-ACCEPTED, DATA, END, ERROR, HEARTBEAT = range(5)
+DATA, END, ERROR, HEARTBEAT = range(4)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # NATS's own default max_payload
 
 
@@ -41,7 +42,7 @@ class RequestPlaneError(FlotillaError):
 
 
 class WorkerUnavailable(RequestPlaneError):
-    """The instance did not take the request (gone, or not answering); nothing was generated."""
+    """No instance listens on the subject (it is gone); nothing was generated."""
 
 
 class StreamBroken(RequestPlaneError):
@@ -58,14 +59,14 @@ class RequestPlaneUnavailable(RequestPlaneError):
 
 class Envelope(msgspec.Struct, array_like=True):
     request_id: str
-    reply_to: str
     payload: bytes
 
 
 class Frame(msgspec.Struct, array_like=True):
     kind: int
     seq: int
-    payload: bytes = b""
+    payloads: list[bytes] = msgspec.field(default_factory=list)
+    error: str = ""
 
 
 class Control(msgspec.Struct, array_like=True):
@@ -146,30 +147,30 @@ class EndpointServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _on_request(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("dropped a request without a reply subject on %s", self.subject)
+            return
         if len(msg.data) > self._max_request_bytes:
             size, limit = len(msg.data), self._max_request_bytes
             log.warning("rejected a %d-byte request on %s (limit %d)", size, self.subject, limit)
-            await self._refuse(msg, f"request of {size} bytes is over the limit of {limit}")
+            await self._refuse(msg.reply, f"request of {size} bytes is over the limit of {limit}")
             return
         try:
             envelope = _envelope_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             log.warning("rejected a malformed request on %s: %s", self.subject, exc)
-            await self._refuse(msg, f"malformed request envelope: {exc}")
+            await self._refuse(msg.reply, f"malformed request envelope: {exc}")
             return
         if envelope.request_id in self._streams:
-            await self._refuse(msg, f"request id {envelope.request_id!r} is already running here")
+            await self._refuse(msg.reply, f"request id {envelope.request_id!r} is already running here")
             return
-        stream = _Stream(RequestContext(envelope.request_id), envelope.reply_to)
+        stream = _Stream(RequestContext(envelope.request_id), msg.reply)
         self._streams[envelope.request_id] = stream
         stream.task = asyncio.create_task(self._answer(envelope, stream), name=f"request {envelope.request_id}")
-        if msg.reply:
-            await self._nc.publish(msg.reply, _encode(Frame(ACCEPTED, 0)))
 
-    async def _refuse(self, msg: Msg, reason: str) -> None:
-        if msg.reply:
-            with contextlib.suppress(nats.errors.Error):
-                await self._nc.publish(msg.reply, _encode(Frame(ERROR, 0, reason.encode())))
+    async def _refuse(self, reply_to: str, reason: str) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(reply_to, _encode(Frame(ERROR, 1, error=reason)))
 
     async def _on_control(self, msg: Msg) -> None:
         try:
@@ -185,23 +186,55 @@ class EndpointServer:
                 stream.task.cancel()
 
     async def _answer(self, envelope: Envelope, stream: _Stream) -> None:
+        """Run the handler and publish what it yields, batching payloads produced back to back."""
+        pending: list[bytes] = []
+        ready = asyncio.Event()
+        failure: list[Exception] = []
+        finished = False
+
+        async def produce() -> None:
+            nonlocal finished
+            try:
+                async for payload in self._handler(envelope.payload, stream.context):
+                    pending.append(payload)
+                    ready.set()
+            except Exception as exc:
+                failure.append(exc)
+            finally:
+                finished = True
+                ready.set()
+
+        producer = asyncio.create_task(produce())
         publish = self._nc.publish
-        reply_to = envelope.reply_to
         try:
-            async for payload in self._handler(envelope.payload, stream.context):
+            while True:
+                await ready.wait()
+                ready.clear()
+                batch = pending[:]
+                pending.clear()
                 stream.seq += 1
                 stream.last_sent = time.monotonic()
-                await publish(reply_to, _encode(Frame(DATA, stream.seq, payload)))
-            stream.seq += 1
-            await publish(reply_to, _encode(Frame(END, stream.seq)))
+                if not finished:
+                    await publish(stream.reply_to, _encode(Frame(DATA, stream.seq, batch)))
+                    continue
+                if failure:
+                    exc = failure[0]
+                    log.warning(
+                        "request %s failed: %s", envelope.request_id, exc, exc_info=not isinstance(exc, FlotillaError)
+                    )
+                    await publish(stream.reply_to, _encode(Frame(ERROR, stream.seq, batch, str(exc))))
+                else:
+                    await publish(stream.reply_to, _encode(Frame(END, stream.seq, batch)))
+                return
         except asyncio.CancelledError:
             pass  # stopped by the client, or by close()
-        except Exception as exc:
-            log.warning("request %s failed: %s", envelope.request_id, exc, exc_info=not isinstance(exc, FlotillaError))
-            with contextlib.suppress(nats.errors.Error):
-                stream.seq += 1
-                await publish(reply_to, _encode(Frame(ERROR, stream.seq, str(exc).encode())))
+        except nats.errors.Error as exc:
+            log.warning("request %s: cannot publish its answer: %s", envelope.request_id, exc)
         finally:
+            if not producer.done():
+                stream.context.stop()
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
             self._streams.pop(envelope.request_id, None)
 
     async def _heartbeat_loop(self) -> None:
@@ -217,13 +250,17 @@ class EndpointServer:
                         await self._nc.publish(stream.reply_to, _encode(Frame(HEARTBEAT, stream.seq)))
 
 
+# What NATS's "no responders" status message becomes in an inbox's queue.
+NO_RESPONDERS = Frame(ERROR, 0, error="no responders")
+
+
 class _Inbox:
     """Client side of one stream: frames queued by the subscription callback, with a silence watchdog."""
 
     __slots__ = ("_last", "_loop", "_silence", "_timer", "queue")
 
     def __init__(self, silence_timeout: float) -> None:
-        self.queue: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[Frame | None] = asyncio.Queue()  # None: the worker went silent
         self._loop = asyncio.get_running_loop()
         self._silence = silence_timeout
         self._last = time.monotonic()
@@ -231,6 +268,9 @@ class _Inbox:
 
     def on_message(self, msg: Msg) -> None:
         self._last = time.monotonic()
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
+            self.queue.put_nowait(NO_RESPONDERS)
+            return
         try:
             self.queue.put_nowait(_frame_decoder.decode(msg.data))
         except msgspec.DecodeError:
@@ -255,9 +295,8 @@ class RequestClient:
     so a request costs no SUB/UNSUB round of its own.
     """
 
-    def __init__(self, nc: NATS, *, accept_timeout: float = 5.0, silence_timeout: float = 5.0) -> None:
+    def __init__(self, nc: NATS, *, silence_timeout: float = 5.0) -> None:
         self._nc = nc
-        self.accept_timeout = accept_timeout
         self.silence_timeout = silence_timeout
         self._prefix = nc.new_inbox()
         self._inboxes: dict[str, _Inbox] = {}
@@ -284,7 +323,7 @@ class RequestClient:
     async def call(self, subject: str, request_id: str, payload: bytes) -> AsyncIterator[bytes]:
         """Yield the DATA payloads of the answer, in order.
 
-        Raises WorkerUnavailable before the first payload if the instance does not take the request,
+        Raises WorkerUnavailable before the first payload if no instance listens on ``subject``,
         RemoteError if the worker reports an error, StreamBroken if it goes silent or frames are lost.
         Closing the iterator early tells the worker to stop.
         """
@@ -296,38 +335,33 @@ class RequestClient:
         inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout)
         finished = False
         try:
-            envelope = _encode(Envelope(request_id, reply_to, payload))
             try:
-                reply = await nc.request(subject, envelope, timeout=self.accept_timeout)
-            except nats.errors.NoRespondersError as exc:
-                raise WorkerUnavailable(f"no instance listens on {subject}") from exc
-            except (TimeoutError, nats.errors.TimeoutError) as exc:
-                raise WorkerUnavailable(f"{subject} did not take the request in {self.accept_timeout} s") from exc
+                await nc.publish(subject, _encode(Envelope(request_id, payload)), reply=reply_to)
             except nats.errors.MaxPayloadError as exc:
-                raise RemoteError(f"the request is over the NATS payload limit: {exc}") from exc
-            accepted = _frame_decoder.decode(reply.data)
-            if accepted.kind != ACCEPTED:
                 finished = True
-                raise RemoteError(accepted.payload.decode(errors="replace"))
+                raise RemoteError(f"the request is over the NATS payload limit: {exc}") from exc
             expected = 1
             while True:
                 frame = await inbox.queue.get()
                 if frame is None:
                     raise StreamBroken(f"{subject} went silent for {self.silence_timeout} s")
+                if frame is NO_RESPONDERS:
+                    finished = True
+                    raise WorkerUnavailable(f"no instance listens on {subject}")
                 kind = frame.kind
                 if kind == HEARTBEAT:
                     continue
                 if frame.seq != expected:
                     raise StreamBroken(f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})")
                 expected += 1
-                if kind == DATA:
-                    yield frame.payload
-                elif kind == END:
+                for item in frame.payloads:
+                    yield item
+                if kind == END:
                     finished = True
                     return
-                else:
+                if kind == ERROR:
                     finished = True
-                    raise RemoteError(frame.payload.decode(errors="replace"))
+                    raise RemoteError(frame.error)
         finally:
             inbox.close()
             del self._inboxes[reply_to]
