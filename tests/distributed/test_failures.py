@@ -174,3 +174,19 @@ def test_garbage_sent_to_a_worker_is_rejected_and_it_keeps_serving(cluster: Clus
         timeout=10,
     )
     assert reply.status_code == 200
+
+
+def test_after_etcd_loses_its_data_workers_re_register_by_themselves(cluster: Cluster) -> None:
+    ingress = cluster.start_ingress()
+    worker = cluster.start_worker(f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL)
+    wait_until(lambda: served_models(ingress) == [MODEL], 15, "the model did not appear")
+    cluster.etcd.restart(wipe=True)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    wait_until(
+        lambda: httpx.post(ingress.base_url + "/v1/chat/completions", json=body, timeout=10).status_code == 200,
+        20,
+        "the model was not served again after etcd came back empty",
+    )
+    # The new registration is leased like the first: a worker killed now still disappears.
+    worker.kill()
+    wait_until(lambda: served_models(ingress) == [], cluster.lease_ttl + 5, "the re-registered worker stayed listed")
