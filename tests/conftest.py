@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.infra import EtcdServer, NatsServer
 from tests.servers import Server, llama_cpp_available, smollm2_path, start_server
 
 
@@ -41,10 +42,6 @@ def llamacpp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     server = start_server(["out=llamacpp", "--context-length", "2048"], log)
     yield server
     server.stop()
-
-
-# Appended below the fixtures above, so imported here rather than at the top.
-from tests.infra import EtcdServer, NatsServer  # noqa: E402
 
 
 @pytest.fixture
