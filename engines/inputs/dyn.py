@@ -9,7 +9,8 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 
@@ -27,27 +28,16 @@ _text_request = msgspec.msgpack.Decoder(TextRequest)
 
 
 def engine_handler(engine: Engine) -> Handler:
-    """A bytes-level request handler around ``engine``."""
+    """A bytes-level request handler around ``engine``: decode its request type, encode its outputs."""
     encode = msgspec.msgpack.Encoder().encode
+    decoder: msgspec.msgpack.Decoder[Any] = _token_request if engine.kind == "token" else _text_request
+    generate: Callable[[Any, RequestContext], AsyncIterator[msgspec.Struct]] = engine.generate
 
-    if engine.kind == "token":
-        token_engine = engine
-
-        async def token_handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
-            request = _token_request.decode(payload)
-            async for output in token_engine.generate(request, context):
-                yield encode(output)
-
-        return token_handler
-
-    text_engine = engine
-
-    async def text_handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
-        request = _text_request.decode(payload)
-        async for output in text_engine.generate(request, context):
+    async def handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+        async for output in generate(decoder.decode(payload), context):
             yield encode(output)
 
-    return text_handler
+    return handler
 
 
 async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard) -> None:
