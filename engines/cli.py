@@ -26,10 +26,12 @@ Run a model and talk to it, in one process.
   out=llamacpp     llama.cpp on a GGUF file (default)
   out=echo_core    echo the templated prompt's tokens (shows the chat template)
   out=echo_full    echo the prompt text; needs no model (--model-name names it)
-  out=pystr:FILE.py   your `async def generate(request)` answers chat/completion requests with text;
-                   needs no model; served as FILE's name unless --model-name
-  out=pytok:FILE.py   your `async def generate(request)` answers token ids with token ids; MODEL gives
-                   the tokenizer and chat template (see examples/README.md)
+  out=pystr:FILE.py
+                   your Python: FILE's `async def generate(request)` yields text for OpenAI-level
+                   request dicts; needs no model; served as FILE's name unless --model-name
+  out=pytok:FILE.py
+                   your Python: FILE's `async def generate(request)` yields token ids for the
+                   templated prompt's; MODEL gives tokenizer and template (see examples/README.md)
   out=dyn          the ingress: serve every model that workers register (use with in=http)
 
 MODEL is a GGUF file, a Hugging Face folder (config.json, tokenizer.json, ...) or a Hugging Face repo

@@ -20,7 +20,7 @@ import inspect
 import logging
 import re
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 PYTHON_ENGINES = ("pystr", "pytok")
 
-UserGenerate = Callable[[dict[str, Any]], AsyncGenerator[Any, None]]
+#: ``async def generate(request)``; load_generate checks that it is an async generator function.
+UserGenerate = Callable[[dict[str, Any]], AsyncIterator[Any]]
 
 
 class _TokenStep(msgspec.Struct):
@@ -120,7 +121,10 @@ class _PythonEngineBase:
                     raise EngineError(f"generate in {self.source} failed: {_describe(exc)}") from exc
                 yield item
         finally:
-            await outputs.aclose()
+            # Runs the user's `finally` blocks now, not whenever the generator is collected.
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _bad_item(self, item: object, expected: str) -> EngineError:
         return EngineError(f"generate in {self.source} yielded {item!r:.200}; expected {expected}")

@@ -18,7 +18,7 @@ import inspect
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,8 @@ class Endpoint:
         self.address = address
         self.subject = address.subject(runtime.instance_id)
         self._server: EndpointServer | None = None
+        # Models registered before serve(): announced once requests can be answered.
+        self._pending_models: list[tuple[str, bytes]] = []
 
     async def serve_bytes(self, handler: Handler) -> None:
         """Start answering requests with a bytes-level handler and announce this instance in etcd."""
@@ -230,8 +232,18 @@ class Endpoint:
             instance_id=runtime.instance_id, subject=self.subject, hostname=socket.gethostname(), pid=os.getpid()
         )
         await runtime.discovery.register(instance_key(self.address, runtime.instance_id), msgspec.json.encode(entry))
+        for key, value in self._pending_models:
+            await runtime.discovery.register(key, value)
+        self._pending_models.clear()
         runtime.own(asyncio.create_task(self._publish_load(server), name=f"load metrics {self.address}"))
         log.info("serving %s as instance %x", self.address, runtime.instance_id)
+
+    async def announce(self, key: str, value: bytes) -> None:
+        """Put ``key`` in etcd now if this endpoint already answers requests, else once it does."""
+        if self._server is None:
+            self._pending_models.append((key, value))
+        else:
+            await self.runtime.discovery.register(key, value)
 
     async def serve(self, handler: Callable[..., AsyncIterator[Any]]) -> None:
         """Serve a Python handler until the runtime shuts down.
@@ -304,12 +316,12 @@ async def register_model(
         skip_special_tokens=skip_special_tokens,
         user_data=user_data,
     )
-    await runtime.discovery.register(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
+    await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
     log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)
     return card
 
 
-def worker(main: Callable[[DistributedRuntime], Coroutine[Any, Any, None]]) -> Callable[[], Awaitable[None]]:
+def worker(main: Callable[[DistributedRuntime], Coroutine[Any, Any, None]]) -> Callable[[], Coroutine[Any, Any, None]]:
     """Decorator for a worker's entry point: connects the runtime, stops on SIGINT/SIGTERM, closes it.
 
     >>> @worker

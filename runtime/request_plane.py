@@ -376,8 +376,12 @@ async def connect_nats(url: str, *, name: str, on_event: Callable[[str], Awaitab
     Raises RequestPlaneUnavailable when the first connection fails.
     """
 
+    nc = NATS()
+
     async def note(kind: str) -> None:
-        log.warning("NATS %s (%s)", kind, url)
+        # Draining on a clean shutdown also "disconnects": only an unexpected loss is a warning.
+        level = logging.DEBUG if nc.is_draining or nc.is_closed else logging.WARNING
+        log.log(level, "NATS %s (%s)", kind, url)
         if on_event is not None:
             await on_event(kind)
 
@@ -400,7 +404,6 @@ async def connect_nats(url: str, *, name: str, on_event: Callable[[str], Awaitab
         "reconnected_cb": reconnected,
         "error_cb": error,
     }
-    nc = NATS()
     try:
         await nc.connect(url, **options)
     except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
