@@ -273,8 +273,10 @@ class _Inbox:
             return
         try:
             self.queue.put_nowait(_frame_decoder.decode(msg.data))
-        except msgspec.DecodeError:
-            log.warning("ignored a malformed frame on %s", msg.subject)
+        except msgspec.DecodeError as exc:
+            # Most likely a worker of another Flotilla version: fail the request now, not after a silence.
+            log.warning("malformed frame on %s: %s", msg.subject, exc)
+            self.queue.put_nowait(Frame(ERROR, -1, error=f"the worker sent a malformed frame ({exc})"))
 
     def _check(self) -> None:
         # One timer per silence period rather than one per message: re-armed for the time left.
@@ -351,6 +353,9 @@ class RequestClient:
                 kind = frame.kind
                 if kind == HEARTBEAT:
                     continue
+                if frame.seq == -1:
+                    finished = True
+                    raise RemoteError(frame.error)
                 if frame.seq != expected:
                     raise StreamBroken(f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})")
                 expected += 1

@@ -131,3 +131,17 @@ async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connect
     with pytest.raises(StreamBroken, match="went silent"):
         await anext(client.call(SUBJECT, "f", b""))
     await silent.close()
+
+
+async def test_a_malformed_frame_fails_the_request_at_once(connections: tuple[NATS, NATS]) -> None:
+    worker, nc = connections
+
+    async def answer_garbage(msg: object) -> None:
+        await worker.publish(msg.reply, b"\xc1 not a frame")  # type: ignore[attr-defined]
+
+    await worker.subscribe(SUBJECT, cb=answer_garbage)
+    await worker.flush()
+    client = RequestClient(nc, silence_timeout=60)
+    await client.start()
+    with pytest.raises(RemoteError, match="malformed frame"):
+        await asyncio.wait_for(anext(client.call(SUBJECT, "g", b"")), 5)
