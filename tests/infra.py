@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.servers import free_port
+from tests.servers import free_port, stop_process
 
 START_TIMEOUT = 20.0
 
@@ -60,13 +60,7 @@ class _Process:
         """Stop gracefully (SIGTERM), killing it if it does not exit in 10 s."""
         if self.process is None:
             return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, signal.SIGTERM)
         self.process = None
 
     def kill(self) -> None:

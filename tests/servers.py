@@ -46,14 +46,19 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, signal.SIGINT, timeout=20)
+
+
+def stop_process(process: subprocess.Popen[bytes], signum: int, timeout: float = 10) -> int:
+    """Send ``signum``, wait up to ``timeout`` s, then kill; return the exit code."""
+    if process.poll() is None:
+        process.send_signal(signum)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:

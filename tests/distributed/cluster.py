@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from tests.infra import EtcdServer, NatsServer
-from tests.servers import Server, start_server
+from tests.servers import Server, start_server, stop_process
 
 _BANNER = re.compile(r"Flotilla worker ([0-9a-f]+) \(pid (\d+)\)")
 
@@ -31,13 +31,7 @@ class Worker:
         self.process.wait()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, signal.SIGTERM)
 
 
 @dataclass
