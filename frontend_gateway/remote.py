@@ -20,7 +20,7 @@ from runtime.discovery import MODELS_PREFIX, WatchEvent
 from runtime.distributed import DistributedRuntime, ModelEntry
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, EngineUnavailable, FlotillaError
-from runtime.model_card import ModelType
+from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest
 from runtime.request_plane import RemoteError, StreamBroken, WorkerUnavailable
 
@@ -181,9 +181,11 @@ class RemoteTextEngine(_RemoteBase):
 
 
 class _WatchedModel:
-    def __init__(self, served: ServedModel, instances: InstanceSet) -> None:
+    def __init__(self, served: ServedModel, instances: InstanceSet, card: ModelCard, first_key: str) -> None:
         self.served = served
         self.instances = instances
+        self.card = card  # as the first instance registered it
+        self.first_key = first_key
 
 
 class ModelWatcher:
@@ -231,9 +233,18 @@ class ModelWatcher:
             self._drop_instance(*previous)
         watched = self._models.get(name)
         if watched is None:
-            watched = self._models[name] = await self._build(entry)
+            watched = self._models[name] = await self._build(entry, event.key)
             self.registry.add(watched.served)
             log.info("model %r is now served (%s)", name, entry.card.model_type.value)
+        elif (
+            entry.card.model_type is not watched.card.model_type
+            or entry.card.chat_template != watched.card.chat_template
+        ):
+            # Instances are pooled by model name; one whose card differs would answer differently.
+            log.warning(
+                "instance %x registers model %r with a different card than %s; it is pooled with the others",
+                entry.instance_id, name, watched.first_key,
+            )  # fmt: skip
         watched.instances.add(InstanceInfo(entry.instance_id, entry.subject))
         self._keys[event.key] = (name, entry.instance_id)
 
@@ -247,7 +258,7 @@ class ModelWatcher:
             self.registry.remove(name)
             log.info("model %r has no instance left and is no longer served", name)
 
-    async def _build(self, entry: ModelEntry) -> _WatchedModel:
+    async def _build(self, entry: ModelEntry, key: str) -> _WatchedModel:
         card = entry.card
         instances = InstanceSet()
         router = Router(self.router_mode)
@@ -261,6 +272,6 @@ class ModelWatcher:
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
-            return _WatchedModel(TokenModel(card, engine), instances)
+            return _WatchedModel(TokenModel(card, engine), instances, entry.card, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
-        return _WatchedModel(TextModel(card.name, text_engine, card.context_length or None), instances)
+        return _WatchedModel(TextModel(card.name, text_engine, card.context_length or None), instances, entry.card, key)

@@ -21,6 +21,7 @@ from frontend_gateway.pipeline import ServedModel
 
 PROMPT: Final = "> "
 EXIT_COMMAND: Final = "/exit"
+CLEAR_COMMAND: Final = "/clear"
 
 _T = TypeVar("_T")
 
@@ -119,6 +120,12 @@ async def _chat(model: ServedModel, stdin: TextIO, stdout: TextIO, sampling: _Sa
                 continue
             if text == EXIT_COMMAND:
                 return 0
+            if text == CLEAR_COMMAND:
+                # A fresh start, e.g. when the conversation no longer fits the context.
+                conversation.clear()
+                stdout.write("(conversation cleared)\n")
+                stdout.flush()
+                continue
             conversation.append(ChatMessage(role="user", content=text))
             shown: list[str] = []
             try:

@@ -91,3 +91,11 @@ def test_a_cleanly_stopped_worker_leaves_at_once(cluster: Cluster) -> None:
     worker.stop()
     assert worker.process.returncode == 0
     wait_until(lambda: served_models(ingress) == [], 1.0, "a clean exit should deregister at once")
+
+
+def test_an_instance_with_a_different_card_for_the_same_name_is_reported(cluster: Cluster) -> None:
+    ingress = cluster.start_ingress()
+    cluster.start_worker("dyn://alpha", "out=echo_core", "--model-name", "same")
+    wait_until(lambda: served_models(ingress) == ["same"], 15, "the model did not appear")
+    cluster.start_worker("dyn://beta", "out=echo_full", "--model-name", "same")
+    wait_until(lambda: "with a different card" in ingress.log(), 15, "the mismatch was not reported")

@@ -234,3 +234,14 @@ async def test_a_real_terminal_is_read_until_ctrl_d(terminal: tuple[int, TextIO]
     assert code == 0
     assert stdout.getvalue() == "> héllo\n> \n"
     assert [conversation(request) for request in model.requests] == [[("user", "héllo")]]
+
+
+async def test_clear_starts_a_fresh_conversation() -> None:
+    model = RecordingModel()
+    stdout = io.StringIO()
+
+    code = await run_text(model, stdin=FakeTerminal("hello\n/clear\nworld\n"), stdout=stdout)
+
+    assert code == 0
+    assert "(conversation cleared)" in stdout.getvalue()
+    assert [conversation(request) for request in model.requests] == [[("user", "hello")], [("user", "world")]]
