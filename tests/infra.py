@@ -4,6 +4,7 @@ Both keep their ports across restarts, so clients that hold the address can reco
 the resilience tests exercise.
 """
 
+import abc
 import shutil
 import signal
 import socket
@@ -18,8 +19,8 @@ from tests.servers import free_port, stop_process
 START_TIMEOUT = 20.0
 
 
-class _Process:
-    """One server process with its log in ``directory/server.log``."""
+class _Process(abc.ABC):
+    """One server process with its log in ``directory/server.log``; subclasses say how to run it."""
 
     def __init__(self, name: str, directory: Path) -> None:
         self.name = name
@@ -28,11 +29,13 @@ class _Process:
         self.log_path = directory / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
 
+    @abc.abstractmethod
     def command(self) -> list[str]:
-        raise NotImplementedError
+        """The command line that starts the server."""
 
+    @abc.abstractmethod
     def ready(self) -> bool:
-        raise NotImplementedError
+        """Whether the server answers yet."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
