@@ -311,6 +311,7 @@ class RequestClient:
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch)
+        await self._nc.flush()
 
     async def close(self) -> None:
         if self._subscription is not None:
