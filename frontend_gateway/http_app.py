@@ -195,13 +195,13 @@ class GatewayApp:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
-        generation = model.prepare_chat(request)
+        generation = await model.prepare_chat(request)
         await self._respond("chat", "chat_completions", model, request, generation, receive, send)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
-        generation = model.prepare_completion(request)
+        generation = await model.prepare_completion(request)
         await self._respond("completion", "completions", model, request, generation, receive, send)
 
     async def _respond(

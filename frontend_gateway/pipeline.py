@@ -1,7 +1,7 @@
 """Served models: the pre-process -> engine -> post-process pipeline behind one model name.
 
-``prepare_chat`` / ``prepare_completion`` validate and preprocess synchronously (raising
-GatewayError before any response starts) and return a ``Generation``: an async stream of text pieces
+``prepare_chat`` / ``prepare_completion`` validate and preprocess (raising GatewayError before
+any response starts) and return a ``Generation``: an async stream of text pieces
 whose usage and finish reason are known once it ends. Every front end (HTTP, text, batch) consumes
 the same ``Generation``.
 """
@@ -55,9 +55,9 @@ class ServedModel(Protocol):
     created: int
     context_length: int | None
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Generation: ...
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation: ...
 
-    def prepare_completion(self, request: CompletionRequest) -> Generation: ...
+    async def prepare_completion(self, request: CompletionRequest) -> Generation: ...
 
 
 def _new_request_id() -> str:
@@ -75,11 +75,11 @@ class TokenModel:
         self.engine = engine
         self._tokenizer: Tokenizer = card.tokenizer  # built now: a bad tokenizer fails at start-up
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
-        return self._prepare(request, preprocessor.chat_prompt_ids(self.card, request))
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+        return self._prepare(request, await preprocessor.chat_prompt_ids(self.card, request))
 
-    def prepare_completion(self, request: CompletionRequest) -> Generation:
-        return self._prepare(request, preprocessor.completion_prompt_ids(self.card, request))
+    async def prepare_completion(self, request: CompletionRequest) -> Generation:
+        return self._prepare(request, await preprocessor.completion_prompt_ids(self.card, request))
 
     def _prepare(self, request: SamplingFields, prompt_ids: list[int]) -> Generation:
         stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
@@ -138,11 +138,11 @@ class TextModel:
         self.context_length = context_length
         self.engine = engine
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
         messages = preprocessor.message_dicts(request.messages)
         return self._prepare(self._text_request(request, messages=messages))
 
-    def prepare_completion(self, request: CompletionRequest) -> Generation:
+    async def prepare_completion(self, request: CompletionRequest) -> Generation:
         prompt = request.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):

@@ -1,9 +1,10 @@
 """OpenAI requests -> engine requests: chat template, tokenization, sampling and stop conditions.
 
-Everything here is a pure function of the request and the model card, and raises InvalidRequest /
+Everything here depends only on the request and the model card, and raises InvalidRequest /
 ContextLengthExceeded with the offending parameter named, before any response has started.
 """
 
+import asyncio
 from typing import Any
 
 from frontend_gateway.errors import ContextLengthExceeded, InvalidRequest
@@ -44,7 +45,34 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> list[int]:
+# Below this many characters a prompt is tokenized in place; above, on a thread (see tokenize()).
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+async def tokenize(card: ModelCard, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+    """Token ids of ``text``, without stalling the event loop on a long prompt.
+
+    A text too long to fit the context whatever its tokens is refused before any work (no token is
+    longer than the vocabulary's longest entry). A long one is encoded on a thread with
+    ``encode_batch``, which releases the GIL (``encode`` does not): a megabyte prompt costs seconds.
+    Raises ContextLengthExceeded.
+    """
+    if len(text) > card.context_length * card.max_token_chars:
+        raise ContextLengthExceeded(
+            f"this model's maximum context length is {card.context_length} tokens, and a prompt of "
+            f"{len(text)} characters cannot fit it; shorten the prompt",
+            param=param,
+        )
+    tokenizer = card.tokenizer
+    if len(text) <= _INLINE_TOKENIZE_CHARS:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+    encodings = await asyncio.to_thread(tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)
+    long_ids: list[int] = encodings[0].ids
+    return long_ids
+
+
+async def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> list[int]:
     """Render the chat template and tokenize it as Hugging Face's apply_chat_template does."""
     template = card.template
     if template is None:
@@ -58,11 +86,10 @@ def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> list[int
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already placed BOS and special tokens; HF encodes it without adding more.
-    ids: list[int] = card.tokenizer.encode(text, add_special_tokens=False).ids
-    return ids
+    return await tokenize(card, text, add_special_tokens=False, param="messages")
 
 
-def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> list[int]:
+async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> list[int]:
     """Tokenize a completion prompt: a string, a one-string list, or a list of token ids."""
     prompt = request.prompt
     if isinstance(prompt, list):
@@ -81,8 +108,7 @@ def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> list[i
     assert isinstance(prompt, str)
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    ids: list[int] = card.tokenizer.encode(prompt, add_special_tokens=True).ids
-    return ids
+    return await tokenize(card, prompt, add_special_tokens=True, param="prompt")
 
 
 def check_token_ids(card: ModelCard, ids: list[int]) -> list[int]:

@@ -46,6 +46,11 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
         return Tokenizer.from_str(self.tokenizer_json)
 
     @cached_property
+    def max_token_chars(self) -> int:
+        """The length of the vocabulary's longest token string: no token stands for more characters."""
+        return max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+    @cached_property
     def template(self) -> ChatTemplate | None:
         """The compiled chat template, or None when the model has none (a base model)."""
         if self.chat_template is None:

@@ -249,7 +249,7 @@ class _Runner:
         )
         started = time.perf_counter()
         try:
-            generation = self.model.prepare_chat(request)
+            generation = await self.model.prepare_chat(request)
             response = "".join([piece async for piece in generation.pieces()])
         except GatewayError as exc:
             tqdm.write(f"line {job.line}: {exc.message}, skipped", file=self.stderr)

@@ -65,7 +65,7 @@ async def _stream_answer(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
     )
-    generation = model.prepare_chat(request)
+    generation = await model.prepare_chat(request)
     pieces = generation.pieces()
     finished = False
     try:

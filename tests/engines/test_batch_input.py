@@ -32,16 +32,16 @@ class EchoModel:
         self.most_in_flight = 0
         self.finished: list[str] = []
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
         self.requests.append(request)
         prompt = request.messages[-1].content
         assert isinstance(prompt, str)
         if prompt == "boom":
             raise InvalidRequest("refused: boom")
-        generation = self.inner.prepare_chat(request)
+        generation = await self.inner.prepare_chat(request)
         return generation.bind(self._counted(prompt, generation.pieces()))
 
-    def prepare_completion(self, request: CompletionRequest) -> Generation:
+    async def prepare_completion(self, request: CompletionRequest) -> Generation:
         raise AssertionError("in=batch sends chat requests only")
 
     async def _counted(self, prompt: str, pieces: AsyncIterator[str]) -> AsyncIterator[str]:

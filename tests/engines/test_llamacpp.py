@@ -38,7 +38,7 @@ def chat(content: str, **fields: Any) -> ChatCompletionRequest:
 
 
 async def answer(model: TokenModel, request: ChatCompletionRequest) -> tuple[str, Any]:
-    generation = model.prepare_chat(request)
+    generation = await model.prepare_chat(request)
     text = "".join([piece async for piece in generation.pieces()])
     return text, generation
 
@@ -86,7 +86,7 @@ async def test_a_shared_prefix_is_not_evaluated_again(model: TokenModel) -> None
 
 
 async def test_closing_the_stream_stops_generation_and_frees_the_engine(model: TokenModel) -> None:
-    generation = model.prepare_chat(chat("Tell me a very long story.", max_tokens=500, ignore_eos=True))
+    generation = await model.prepare_chat(chat("Tell me a very long story.", max_tokens=500, ignore_eos=True))
     pieces = generation.pieces()
     for _ in range(3):
         await anext(pieces)

@@ -40,12 +40,12 @@ class RecordingModel:
         self.requests: list[ChatCompletionRequest] = []
         self.generations: list[Generation] = []
 
-    def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
         self.requests.append(request)
         last = request.messages[-1].content
         if last == "boom":
             raise InvalidRequest("refused: boom")
-        generation = self.inner.prepare_chat(request)
+        generation = await self.inner.prepare_chat(request)
         if last == "crash":
             generation.bind(_one_piece_then(EngineFailed("the engine crashed")))
         elif last == "long":
@@ -53,7 +53,7 @@ class RecordingModel:
         self.generations.append(generation)
         return generation
 
-    def prepare_completion(self, request: CompletionRequest) -> Generation:
+    async def prepare_completion(self, request: CompletionRequest) -> Generation:
         raise AssertionError("in=text sends chat requests only")
 
 

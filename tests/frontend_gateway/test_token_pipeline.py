@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from frontend_gateway.errors import EngineFailed
+from frontend_gateway.errors import ContextLengthExceeded, EngineFailed
 from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, NvExt
 from frontend_gateway.pipeline import Generation, TokenModel
 from runtime.engine import RequestContext
@@ -60,7 +60,7 @@ async def run(generation: Generation) -> list[str]:
 async def test_pieces_never_contain_broken_utf8(card: ModelCard) -> None:
     text = "héllo 🌍 中文 👩‍👩‍👧 ok"
     engine = ScriptedEngine(card.tokenizer.encode(text, add_special_tokens=False).ids)
-    pieces = await run(TokenModel(card, engine).prepare_chat(chat()))
+    pieces = await run(await TokenModel(card, engine).prepare_chat(chat()))
     assert "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)
     assert len(pieces) > 5
@@ -81,7 +81,7 @@ async def test_sampling_and_stop_conditions_reach_the_engine(card: ModelCard) ->
         min_tokens=2,
         nvext=NvExt(ignore_eos=True),
     )
-    await run(TokenModel(card, engine).prepare_chat(request))
+    await run(await TokenModel(card, engine).prepare_chat(request))
     sent = engine.requests[0]
     sampling = sent.sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.seed) == (
@@ -100,14 +100,14 @@ async def test_sampling_and_stop_conditions_reach_the_engine(card: ModelCard) ->
 
 async def test_max_tokens_defaults_to_the_room_left_in_the_context(card: ModelCard) -> None:
     engine = ScriptedEngine([])
-    generation = TokenModel(card, engine).prepare_chat(chat())
+    generation = await TokenModel(card, engine).prepare_chat(chat())
     await run(generation)
     assert engine.requests[0].stop_conditions.max_tokens == card.context_length - generation.prompt_tokens
 
 
 async def test_an_engine_that_overruns_max_tokens_is_cut_with_length(card: ModelCard) -> None:
     engine = ScriptedEngine(card.tokenizer.encode("one two three four five six").ids)
-    generation = TokenModel(card, engine).prepare_chat(chat(max_tokens=3))
+    generation = await TokenModel(card, engine).prepare_chat(chat(max_tokens=3))
     assert "".join(await run(generation)) == "one two three"
     assert (generation.completion_tokens, generation.finish_reason) == (3, "length")
     assert engine.contexts[0].stopped
@@ -115,7 +115,7 @@ async def test_an_engine_that_overruns_max_tokens_is_cut_with_length(card: Model
 
 async def test_a_stop_string_spanning_tokens_stops_the_engine(card: ModelCard) -> None:
     engine = ScriptedEngine(card.tokenizer.encode("Paris is lovely. The end.").ids)
-    generation = TokenModel(card, engine).prepare_chat(chat(stop=["ly. The"]))
+    generation = await TokenModel(card, engine).prepare_chat(chat(stop=["ly. The"]))
     assert "".join(await run(generation)) == "Paris is love"
     assert generation.finish_reason == "stop"
     assert engine.contexts[0].stopped
@@ -123,11 +123,26 @@ async def test_a_stop_string_spanning_tokens_stops_the_engine(card: ModelCard) -
 
 async def test_token_id_prompts_are_passed_through_unchanged(card: ModelCard) -> None:
     engine = ScriptedEngine([])
-    await run(TokenModel(card, engine).prepare_completion(CompletionRequest(model="m", prompt=[5, 6, 7])))
+    await run(await TokenModel(card, engine).prepare_completion(CompletionRequest(model="m", prompt=[5, 6, 7])))
     assert engine.requests[0].token_ids == [5, 6, 7]
 
 
 async def test_an_engine_failure_becomes_engine_failed(card: ModelCard) -> None:
     engine = ScriptedEngine(card.tokenizer.encode("a b c").ids, fail_after=1)
     with pytest.raises(EngineFailed, match="scripted engine broke"):
-        await run(TokenModel(card, engine).prepare_chat(chat()))
+        await run(await TokenModel(card, engine).prepare_chat(chat()))
+
+
+async def test_a_long_prompt_is_tokenized_off_the_loop_to_the_same_ids(card: ModelCard) -> None:
+    text = "hello world " * 1700  # ~20 k characters: past the inline limit, well within the context
+    engine = ScriptedEngine([])
+    generation = await TokenModel(card, engine).prepare_completion(CompletionRequest(model="m", prompt=text))
+    await run(generation)
+    assert engine.requests[0].token_ids == card.tokenizer.encode(text).ids
+    assert generation.prompt_tokens > 3000
+
+
+async def test_a_prompt_that_cannot_fit_whatever_its_tokens_is_refused_before_tokenizing(card: ModelCard) -> None:
+    text = "x" * (card.context_length * card.max_token_chars + 1)
+    with pytest.raises(ContextLengthExceeded, match="cannot fit"):
+        await TokenModel(card, ScriptedEngine([])).prepare_completion(CompletionRequest(model="m", prompt=text))
