@@ -51,7 +51,7 @@ def start(kind: str, port: int) -> subprocess.Popen[bytes]:
         command = [
             sys.executable,
             "-m",
-            "engines.cli",
+            "launcher.cli",
             "run",
             "in=http",
             "out=echo_full",

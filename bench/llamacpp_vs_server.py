@@ -100,7 +100,7 @@ def gguf_path() -> Path:
 
 def flotilla_command(gguf: Path, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "engines.cli", "run", "in=http", "out=llamacpp", str(gguf),
+        sys.executable, "-m", "launcher.cli", "run", "in=http", "out=llamacpp", str(gguf),
         "--context-length", str(CONTEXT_LENGTH), "--threads", str(THREADS), "--http-port", str(port),
     ]  # fmt: skip
 

@@ -69,7 +69,7 @@ def infrastructure(directory: Path) -> Iterator[dict[str, str]]:
 
 
 def flotilla(*args: str) -> list[str]:
-    return [sys.executable, "-m", "engines.cli", "run", *args]
+    return [sys.executable, "-m", "launcher.cli", "run", *args]
 
 
 def measure(port: int, prompt: str, seconds: float, concurrency: int) -> LoadResult:

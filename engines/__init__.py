@@ -1,1 +1,1 @@
-"""Engines (one module each) and the ``flotilla run`` composition of inputs and outputs."""
+"""Engines, one module each: a request in, a stream of outputs out (runtime/engine.py)."""

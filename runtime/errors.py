@@ -31,3 +31,7 @@ class TemplateError(FlotillaError):
 
 class DiscoveryUnavailable(FlotillaError):
     """etcd cannot be reached ("cannot reach etcd at ...; start it with `make services` or set ETCD_ENDPOINTS")."""
+
+
+class RequestPlaneUnavailable(FlotillaError):
+    """NATS cannot be reached ("cannot reach NATS at ...; start it with `make services` or set NATS_SERVER")."""

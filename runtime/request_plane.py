@@ -19,8 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import nats.errors
@@ -51,10 +50,6 @@ class StreamBroken(RequestPlaneError):
 
 class RemoteError(RequestPlaneError):
     """The worker reported an error for this request."""
-
-
-class RequestPlaneUnavailable(RequestPlaneError):
-    """NATS cannot be reached."""
 
 
 class Envelope(msgspec.Struct, array_like=True):
@@ -374,46 +369,3 @@ class RequestClient:
             if not finished:
                 with contextlib.suppress(nats.errors.Error):
                     await nc.publish(control_subject(subject), _encode(Control(request_id)))
-
-
-async def connect_nats(url: str, *, name: str, on_event: Callable[[str], Awaitable[None]] | None = None) -> NATS:
-    """Connect to NATS, reconnecting for ever after a loss (nats-py re-subscribes by itself).
-
-    Raises RequestPlaneUnavailable when the first connection fails.
-    """
-
-    nc = NATS()
-
-    async def note(kind: str) -> None:
-        # Draining on a clean shutdown also "disconnects": only an unexpected loss is a warning.
-        level = logging.DEBUG if nc.is_draining or nc.is_closed else logging.WARNING
-        log.log(level, "NATS %s (%s)", kind, url)
-        if on_event is not None:
-            await on_event(kind)
-
-    async def disconnected() -> None:
-        await note("disconnected")
-
-    async def reconnected() -> None:
-        await note("reconnected")
-
-    async def error(exc: Exception) -> None:
-        log.debug("NATS error: %s", exc)
-
-    options: dict[str, Any] = {
-        "name": name,
-        "allow_reconnect": True,
-        "max_reconnect_attempts": -1,
-        "reconnect_time_wait": 0.5,
-        "connect_timeout": 2,
-        "disconnected_cb": disconnected,
-        "reconnected_cb": reconnected,
-        "error_cb": error,
-    }
-    try:
-        await nc.connect(url, **options)
-    except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-        raise RequestPlaneUnavailable(
-            f"cannot reach NATS at {url}; start it with `make services` or set NATS_SERVER"
-        ) from exc
-    return nc

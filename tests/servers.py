@@ -64,7 +64,7 @@ def stop_process(process: subprocess.Popen[bytes], signum: int, timeout: float =
 def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:
     """Start `flotilla run in=http ARGS` and wait until /live answers (or fail with its log)."""
     port = free_port()
-    command = [sys.executable, "-m", "engines.cli", "run", "in=http", "--http-port", str(port), *args]
+    command = [sys.executable, "-m", "launcher.cli", "run", "in=http", "--http-port", str(port), *args]
     full_env = {**os.environ, "FLOTILLA_LOG": "info", **(env or {})}
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)

@@ -60,7 +60,7 @@ class Cluster:
     ) -> Worker:
         """Start `flotilla run in=ADDRESS ARGS` and wait for its banner (it has registered by then)."""
         log_path = self.directory / f"worker-{len(self.workers)}.log"
-        command = [sys.executable, "-m", "engines.cli", "run", f"in={address}", *args]
+        command = [sys.executable, "-m", "launcher.cli", "run", f"in={address}", *args]
         with log_path.open("wb") as log_file:
             process = subprocess.Popen(
                 command,

@@ -8,7 +8,7 @@ import httpx
 import msgspec
 import nats
 
-from runtime.distributed import LoadMetrics
+from runtime.load_metrics import LoadMetrics
 from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
 
 MODEL = "alpha"

@@ -203,7 +203,7 @@ async def test_pytok_cuts_a_step_that_goes_past_max_tokens() -> None:
 
 def flotilla(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "engines.cli", "run", *args],
+        [sys.executable, "-m", "launcher.cli", "run", *args],
         input="",
         capture_output=True,
         text=True,

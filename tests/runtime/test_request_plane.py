@@ -7,13 +7,13 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from runtime.engine import RequestContext
+from runtime.nats_connection import connect_nats
 from runtime.request_plane import (
     EndpointServer,
     RemoteError,
     RequestClient,
     StreamBroken,
     WorkerUnavailable,
-    connect_nats,
 )
 from tests.infra import NatsServer
 

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
 from engines.python_file import python_engine_file
+from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import FlotillaError
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_run_options(parser, namespace)
         import uvloop
 
-        from engines.run import run
+        from launcher.run import run
 
         return uvloop.run(run(options))
     except FlotillaError as exc:

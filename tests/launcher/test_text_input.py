@@ -12,10 +12,10 @@ from typing import TextIO
 import pytest
 
 from engines.echo import EchoFullEngine
-from engines.inputs.text import run_text
 from frontend_gateway.errors import EngineFailed, InvalidRequest
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from frontend_gateway.pipeline import Generation, TextModel
+from launcher.inputs.text import run_text
 
 unix_signals = pytest.mark.skipif(sys.platform == "win32", reason="Ctrl-C is delivered as SIGINT")
 

@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 
 from runtime.addressing import EndpointAddress
-from runtime.distributed import DistributedRuntime, register_model
+from runtime.distributed import DistributedRuntime
+from runtime.endpoint import register_model
 from runtime.engine import Engine, RequestContext
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest

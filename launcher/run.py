@@ -5,9 +5,9 @@ import logging
 from pathlib import Path
 
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
-from engines.options import ENGINES, PLANNED_ENGINES, RunOptions
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
+from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
 from runtime.engine import Engine
 from runtime.errors import ConfigError
@@ -80,13 +80,13 @@ async def run(options: RunOptions) -> int:
     await engine.start()
     try:
         if (address := options.worker_address) is not None:
-            from engines.inputs.dyn import serve_worker
+            from launcher.inputs.dyn import serve_worker
 
             card = model.card if isinstance(model, TokenModel) else text_card(model, options)
             await serve_worker(EndpointAddress.parse(address), engine, card)
             return 0
         if options.input == "http":
-            from engines.inputs.http import serve_http
+            from launcher.inputs.http import serve_http
 
             registry = ModelRegistry()
             registry.add(model)
@@ -98,11 +98,11 @@ async def run(options: RunOptions) -> int:
             )
             return 0
         if options.input == "text":
-            from engines.inputs.text import run_text
+            from launcher.inputs.text import run_text
 
             return await run_text(model, max_tokens=options.max_tokens, temperature=options.temperature)
         if (batch_file := options.batch_file) is not None:
-            from engines.inputs.batch import run_batch
+            from launcher.inputs.batch import run_batch
 
             summary = await run_batch(
                 model,
@@ -125,9 +125,9 @@ def text_card(model: ServedModel, options: RunOptions) -> ModelCard:
 
 async def run_ingress(options: RunOptions) -> int:
     """``out=dyn``: serve over HTTP every model that workers register in etcd."""
-    from engines.inputs.http import serve_http
-    from frontend_gateway.remote import ModelWatcher
+    from frontend_gateway.model_watcher import ModelWatcher
     from frontend_gateway.router import RouterMode
+    from launcher.inputs.http import serve_http
     from runtime.distributed import DistributedRuntime
 
     if options.input != "http":

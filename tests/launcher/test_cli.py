@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from engines.cli import build_run_parser, parse_run_options
-from engines.options import RunOptions
+from launcher.cli import build_run_parser, parse_run_options
+from launcher.options import RunOptions
 
 
 def flotilla(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "engines.cli", *args],
+        [sys.executable, "-m", "launcher.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,

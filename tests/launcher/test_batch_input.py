@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from engines.echo import EchoFullEngine
-from engines.inputs.batch import BatchSummary, percentile, run_batch
 from frontend_gateway.errors import InvalidRequest
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from frontend_gateway.pipeline import Generation, TextModel
+from launcher.inputs.batch import BatchSummary, percentile, run_batch
 from runtime.errors import ConfigError
 
 FIELDS = ["text", "response", "tokens_in", "tokens_out", "elapsed_ms", "finish_reason"]

@@ -1,0 +1,191 @@
+"""The worker API: name an endpoint, serve it, register the model it serves.
+
+``runtime.namespace("ns").component("backend").endpoint("generate")`` names an endpoint of this
+process; ``endpoint.serve(handler)`` answers its requests (an async generator) and announces the
+instance in etcd; ``register_model(...)`` announces the model it serves, so that gateways list it.
+
+etcd holds, under the process's lease: ``flotilla/instances/<ns>/<comp>/<ep>/<id>`` (an
+``InstanceEntry``: where to reach the instance) and ``flotilla/models/<ns>/<comp>/<ep>/<id>`` (a
+``ModelEntry``: the model card; the tokenizer itself is in the object store).
+"""
+
+import asyncio
+import inspect
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from runtime.addressing import EndpointAddress
+from runtime.config import env_int
+from runtime.discovery import instance_key, model_key
+from runtime.engine import RequestContext
+from runtime.errors import ConfigError, ModelError
+from runtime.load_metrics import publish_load_forever
+from runtime.model_card import ModelCard, ModelType
+from runtime.object_store import publish_tokenizer
+from runtime.request_plane import DEFAULT_MAX_REQUEST_BYTES, EndpointServer, Handler
+
+if TYPE_CHECKING:
+    from runtime.distributed import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+
+class InstanceEntry(msgspec.Struct, kw_only=True):
+    """Where an instance listens, and which process it is (for operators)."""
+
+    instance_id: int
+    subject: str
+    hostname: str
+    pid: int
+
+
+class ModelEntry(msgspec.Struct, kw_only=True):
+    """A model an instance serves: its card without the tokenizer, which is in the object store."""
+
+    instance_id: int
+    subject: str
+    card: ModelCard
+    tokenizer_sha256: str | None = None
+    #: How the gateway should detokenize for this engine (echo_core shows special tokens).
+    skip_special_tokens: bool = True
+    user_data: dict[str, Any] | None = None
+
+
+class Namespace:
+    """A namespace of this process: usually one pipeline (one model)."""
+
+    def __init__(self, runtime: "DistributedRuntime", name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+
+    def component(self, name: str) -> "Component":
+        return Component(self, name)
+
+
+class Component:
+    """A service within a namespace (backend, prefill, decode)."""
+
+    def __init__(self, namespace: Namespace, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+
+    def endpoint(self, name: str) -> "Endpoint":
+        return Endpoint(self.namespace.runtime, EndpointAddress(self.namespace.name, self.name, name))
+
+
+class Endpoint:
+    """One endpoint of this process: serve it, register a model on it."""
+
+    def __init__(self, runtime: "DistributedRuntime", address: EndpointAddress) -> None:
+        self.runtime = runtime
+        self.address = address
+        self.subject = address.subject(runtime.instance_id)
+        self._server: EndpointServer | None = None
+        # Models registered before serve(): announced once requests can be answered.
+        self._pending_models: list[tuple[str, bytes]] = []
+
+    async def serve_bytes(self, handler: Handler) -> None:
+        """Start answering requests with a bytes-level handler and announce this instance in etcd."""
+        runtime = self.runtime
+        server = EndpointServer(
+            runtime.nc,
+            self.subject,
+            handler,
+            heartbeat_interval=runtime.heartbeat_interval,
+            max_request_bytes=env_int("FLOTILLA_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024),
+        )
+        await server.start()
+        self._server = server
+        runtime._add_server(server)
+        entry = InstanceEntry(
+            instance_id=runtime.instance_id, subject=self.subject, hostname=socket.gethostname(), pid=os.getpid()
+        )
+        await runtime.discovery.register(instance_key(self.address, runtime.instance_id), msgspec.json.encode(entry))
+        for key, value in self._pending_models:
+            await runtime.discovery.register(key, value)
+        self._pending_models.clear()
+        load = publish_load_forever(
+            runtime.nc, self.address.load_metrics_subject(), runtime.instance_id, lambda: server.active_requests
+        )
+        runtime.own(asyncio.create_task(load, name=f"load metrics {self.address}"))
+        log.info("serving %s as instance %x", self.address, runtime.instance_id)
+
+    async def announce(self, key: str, value: bytes) -> None:
+        """Put ``key`` in etcd now if this endpoint already answers requests, else once it does."""
+        if self._server is None:
+            self._pending_models.append((key, value))
+        else:
+            await self.runtime.discovery.register(key, value)
+
+    async def serve(self, handler: Callable[..., AsyncIterator[Any]]) -> None:
+        """Serve a Python handler until the runtime shuts down.
+
+        The handler is an async generator taking the request (plain dicts and lists, as sent) and,
+        if it accepts a second argument, the RequestContext; each item it yields (dicts, lists,
+        strings, numbers, or msgspec Structs) is sent back as one response.
+        """
+        wants_context = len(inspect.signature(handler).parameters) >= 2
+
+        async def bytes_handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+            request = msgspec.msgpack.decode(payload)
+            outputs = handler(request, context) if wants_context else handler(request)
+            async for output in outputs:
+                yield msgspec.msgpack.encode(output)
+
+        await self.serve_bytes(bytes_handler)
+        await self.runtime.wait_for_shutdown()
+
+
+async def register_model(
+    model_type: ModelType | str,
+    endpoint: Endpoint,
+    model_path: str | Path | None = None,
+    *,
+    model_name: str | None = None,
+    context_length: int | None = None,
+    kv_cache_block_size: int | None = None,
+    user_data: dict[str, Any] | None = None,
+    card: ModelCard | None = None,
+    skip_special_tokens: bool = True,
+) -> ModelCard:
+    """Announce the model ``endpoint`` serves, so that gateways add it to ``/v1/models``.
+
+    Token-level models need their tokenizer and chat template: from ``model_path`` (a GGUF file or a
+    Hugging Face folder or repo) or a ready ``card``. Chat and completion models need only a name.
+    Returns the card as registered. Raises ModelError / ConfigError on a bad model.
+    """
+    kind = ModelType(model_type)
+    if card is None:
+        if model_path is not None:
+            from runtime.model_loading import load_model_card
+            from runtime.model_source import resolve_model
+
+            card = load_model_card(resolve_model(str(model_path)), name=model_name, context_length=context_length)
+        elif kind is ModelType.TOKENS:
+            raise ModelError("a token-level model needs model_path (its tokenizer and chat template)")
+        elif model_name is None:
+            raise ConfigError("register_model needs model_name or model_path")
+        else:
+            card = ModelCard(name=model_name, context_length=context_length or 0)
+    card = msgspec.structs.replace(card, model_type=kind)
+    if kv_cache_block_size is not None:
+        card = msgspec.structs.replace(card, kv_cache_block_size=kv_cache_block_size)
+    runtime = endpoint.runtime
+    digest = await publish_tokenizer(runtime.nc, card.tokenizer_json) if card.tokenizer_json else None
+    entry = ModelEntry(
+        instance_id=runtime.instance_id,
+        subject=endpoint.subject,
+        card=msgspec.structs.replace(card, tokenizer_json=None, source=None),
+        tokenizer_sha256=digest,
+        skip_special_tokens=skip_special_tokens,
+        user_data=user_data,
+    )
+    await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
+    log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)
+    return card
