@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: free ports, server subprocesses, percentiles."""
+"""Helpers shared by the benchmarks: free ports, server subprocesses, process CPU time, percentiles."""
 
 import contextlib
 import math
@@ -20,6 +20,15 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -22,9 +22,12 @@ class LoadResult:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
-def chat_request(port: int, model: str, prompt: str) -> bytes:
-    """The raw bytes of a streamed chat-completion request."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True}).encode()
+def chat_request(port: int, model: str, prompt: str, max_tokens: int | None = None) -> bytes:
+    """The raw bytes of a streamed chat-completion request (``max_tokens`` left out when None)."""
+    fields: dict[str, object] = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True}
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    body = json.dumps(fields).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"

@@ -1,13 +1,20 @@
-"""The network path against the single process: what etcd + NATS + a separate worker cost.
+"""The network path against the single process: what etcd + NATS + separate workers cost.
 
-Runs, one after the other, (a) ``flotilla run in=http out=echo_full`` (one process) and (b) an
-ingress ``flotilla run in=http out=dyn`` with a worker ``flotilla run in=dyn://bench out=echo_full``
-in another process, on etcd and NATS started here on free loopback ports; both echo with zero
-delay. Each is driven by the same closed-loop load (bench/loadgen.py).
+Runs, one after the other, (a) ``flotilla run in=http out=ENGINE`` (one process) and (b) an ingress
+``flotilla run in=http out=dyn`` with ``--workers`` workers ``flotilla run in=dyn://bench out=ENGINE`` in
+other processes, on etcd and NATS started here on free loopback ports; the echo engines run with zero
+delay unless ``--delay-ms`` says otherwise. Each is driven by the same closed-loop load
+(bench/loadgen.py). Each server's own CPU time is read from /proc: for (b) that is the ingress alone,
+the workers' CPU is not counted.
 
-    .venv/bin/python bench/network_path.py [--seconds 6] [--concurrency 32] [--prompt-tokens 16] [--rounds 2]
+    .venv/bin/python bench/network_path.py [--engine echo_core] [--workers 2] [--tokens 32]
+        [--seconds 6] [--concurrency 32] [--rounds 2] [--delay-ms 0]
 
-Prints requests/s and TTFT p50/p99 for both, and the ratio network/single (floor: >= 0.60).
+``--tokens`` is the answer's length: echo_full echoes a prompt of that many characters; echo_core
+echoes the templated prompt (a short chat message) cut at ``max_tokens``. Prints requests/s, TTFT p50/p99 and CPU per
+request and per token for both, and the ratio network/single. Floors: network / single >= 0.60
+requests/s (issue 3); ingress CPU <= 0.35 ms per 32-token chat request at concurrency 32 with two
+echo_core workers (issue 6).
 """
 
 import argparse
@@ -20,12 +27,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import uvloop
-from _common import free_port, percentile, running_server
-from loadgen import LoadResult, chat_request, closed_loop
+from _common import cpu_seconds, free_port, percentile, running_server
+from loadgen import chat_request, closed_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "echo"
@@ -72,75 +80,125 @@ def flotilla(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher.cli", "run", *args]
 
 
-def measure(port: int, prompt: str, seconds: float, concurrency: int) -> LoadResult:
-    request = chat_request(port, MODEL, prompt)
-    uvloop.run(closed_loop(port, request, 0.5, concurrency))  # warm-up, not counted
-    return uvloop.run(closed_loop(port, request, seconds, concurrency))
+@dataclass
+class Run:
+    """One measured run: requests completed, wall seconds, TTFTs, and the server process's CPU seconds."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    cpu: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+
+    def add(self, other: "Run") -> None:
+        self.requests += other.requests
+        self.seconds += other.seconds
+        self.cpu += other.cpu
+        self.ttfts += other.ttfts
 
 
-def single_process(directory: Path, env: dict[str, str], prompt: str, args: argparse.Namespace) -> LoadResult:
+def request_bytes(port: int, args: argparse.Namespace) -> bytes:
+    if args.engine == "echo_full":
+        return chat_request(port, MODEL, ("abcdefghijklmnopqrstuvwxyz" * 100)[: args.tokens])
+    # The default model's template adds ~30 tokens (its system prompt) around the message, one per
+    # "hello": the echo is cut at `tokens`. A short message keeps tokenizing (~0.1 ms here) a small share.
+    return chat_request(port, MODEL, " ".join(["hello"] * max(2, args.tokens - 26)), max_tokens=args.tokens)
+
+
+def measure(port: int, pid: int, args: argparse.Namespace) -> Run:
+    request = request_bytes(port, args)
+    uvloop.run(closed_loop(port, request, 0.5, args.concurrency))  # warm-up, not counted
+    cpu_before = cpu_seconds(pid)
+    result = uvloop.run(closed_loop(port, request, args.seconds, args.concurrency))
+    return Run(result.requests, result.seconds, cpu_seconds(pid) - cpu_before, result.ttfts)
+
+
+def single_process(directory: Path, env: dict[str, str], args: argparse.Namespace) -> Run:
     port = free_port()
-    command = flotilla("in=http", "out=echo_full", "--model-name", MODEL, "--http-port", str(port))
-    with running_server(command, port=port, ready_path="/live", log_path=directory / "single.log", env=env, cwd=ROOT):
-        return measure(port, prompt, args.seconds, args.concurrency)
+    command = flotilla("in=http", f"out={args.engine}", "--model-name", MODEL, "--http-port", str(port))
+    with running_server(
+        command, port=port, ready_path="/live", log_path=directory / "single.log", env=env, cwd=ROOT
+    ) as server:
+        return measure(port, server.process.pid, args)
 
 
-def network(directory: Path, env: dict[str, str], prompt: str, args: argparse.Namespace) -> LoadResult:
+def network(directory: Path, env: dict[str, str], args: argparse.Namespace) -> Run:
     port = free_port()
-    worker_log = (directory / "worker.log").open("wb")
-    worker = subprocess.Popen(
-        flotilla("in=dyn://bench", "out=echo_full", "--model-name", MODEL),
-        cwd=ROOT, env={**os.environ, **env}, stdout=worker_log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    workers: list[subprocess.Popen[bytes]] = []
     try:
+        for number in range(args.workers):
+            command = flotilla("in=dyn://bench", f"out={args.engine}", "--model-name", MODEL)
+            with (directory / f"worker-{number}.log").open("wb") as log:
+                worker = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=log)
+            workers.append(worker)
         ingress = flotilla("in=http", "out=dyn", "--http-port", str(port))
         with running_server(
             ingress, port=port, ready_path="/live", log_path=directory / "ingress.log", env=env, cwd=ROOT
-        ):
-            deadline = time.monotonic() + 60
-            while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200:
-                if time.monotonic() > deadline or worker.poll() is not None:
-                    raise RuntimeError("the worker's model never appeared:\n" + (directory / "worker.log").read_text())
-                time.sleep(0.1)
-            return measure(port, prompt, args.seconds, args.concurrency)
+        ) as server:
+            wait_for_instances(port, directory, workers)
+            return measure(port, server.process.pid, args)
     finally:
-        worker.terminate()
-        worker.wait()
-        worker_log.close()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.wait()
+
+
+def wait_for_instances(port: int, directory: Path, workers: list[subprocess.Popen[bytes]]) -> None:
+    """Wait until the ingress serves the model and every worker has printed its banner (it is registered)."""
+    deadline = time.monotonic() + 60
+    logs = [directory / f"worker-{number}.log" for number in range(len(workers))]
+    while not (
+        httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        and all("Flotilla worker" in log.read_text(errors="replace") for log in logs)
+    ):
+        if time.monotonic() > deadline or any(worker.poll() is not None for worker in workers):
+            raise RuntimeError("a worker never registered:\n" + "\n".join(log.read_text() for log in logs))
+        time.sleep(0.1)  # polling other processes: there is no event to await
+    time.sleep(0.5)  # the ingress learns of the last instance through an etcd watch: let it arrive
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["echo_core", "echo_full"], default="echo_core", help="the engine")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes behind the ingress")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--seconds", type=float, default=6.0, help="measured time per run")
     parser.add_argument("--concurrency", type=int, default=32, help="connections in flight")
-    parser.add_argument("--prompt-tokens", type=int, default=16, help="echoed characters (= tokens) per request")
     parser.add_argument("--rounds", type=int, default=2, help="alternate the two paths this many times")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="the echo engines' delay between tokens")
     args = parser.parse_args()
-    prompt = ("abcdefghijklmnopqrstuvwxyz" * 100)[: args.prompt_tokens]
-    results: dict[str, list[LoadResult]] = {"single process": [], "network": []}
+    results = {"single process": Run(), "network": Run()}
     with tempfile.TemporaryDirectory() as temp:
         directory = Path(temp)
         with infrastructure(directory) as env:
-            env = {**env, "FLOTILLA_TOKEN_ECHO_DELAY_MS": "0", "FLOTILLA_LOG": "warning"}
+            env = {**env, "FLOTILLA_TOKEN_ECHO_DELAY_MS": str(args.delay_ms), "FLOTILLA_LOG": "warning"}
             for _ in range(args.rounds):
-                results["single process"].append(single_process(directory, env, prompt, args))
-                results["network"].append(network(directory, env, prompt, args))
+                results["single process"].add(single_process(directory, env, args))
+                results["network"].add(network(directory, env, args))
 
     summary: dict[str, dict[str, float]] = {}
-    print(f"echo_full, {args.prompt_tokens} tokens per answer, concurrency {args.concurrency}, {args.rounds} rounds")
-    print(f"{'path':16}{'requests/s':>12}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
-    for name, runs in results.items():
-        requests, seconds = sum(r.requests for r in runs), sum(r.seconds for r in runs)
-        ttfts = [t for r in runs for t in r.ttfts]
-        summary[name] = {
-            "rps": requests / seconds,
-            "ttft_p50_ms": percentile(ttfts, 50) * 1000,
-            "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+    print(
+        f"{args.engine}, {args.tokens} tokens per answer, concurrency {args.concurrency}, "
+        f"{args.workers} worker(s) on the network path, {args.delay_ms:g} ms per token, "
+        f"{args.rounds} rounds of {args.seconds:g} s"
+    )
+    print(f"{'path':16}{'requests/s':>12}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'CPU ms/req':>12}{'CPU µs/tok':>12}")
+    for name, run in results.items():
+        summary[name] = row = {
+            "rps": run.requests / run.seconds,
+            "ttft_p50_ms": percentile(run.ttfts, 50) * 1000,
+            "ttft_p99_ms": percentile(run.ttfts, 99) * 1000,
+            "cpu_ms_per_request": run.cpu / run.requests * 1000,
+            "cpu_us_per_token": run.cpu / (run.requests * args.tokens) * 1e6,
         }
-        row = summary[name]
-        print(f"{name:16}{row['rps']:12.1f}{row['ttft_p50_ms']:13.2f}{row['ttft_p99_ms']:13.2f}")
+        print(
+            f"{name:16}{row['rps']:12.1f}{row['ttft_p50_ms']:13.2f}{row['ttft_p99_ms']:13.2f}"
+            f"{row['cpu_ms_per_request']:12.3f}{row['cpu_us_per_token']:12.2f}"
+        )
     ratio = summary["network"]["rps"] / summary["single process"]["rps"]
     print(f"network / single process: {ratio:.2f}x requests/s (floor 0.60: {'met' if ratio >= 0.6 else 'NOT met'})")
+    ingress_ms = summary["network"]["cpu_ms_per_request"]
+    print(f"ingress CPU per request: {ingress_ms:.3f} ms (floor 0.35 ms for 32 echo_core tokens at concurrency 32)")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     (out / "network_path.json").write_text(

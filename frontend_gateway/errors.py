@@ -13,6 +13,8 @@ class GatewayError(Exception):
     status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR
     error_type: str = "internal_server_error"
     code: str | None = None
+    #: Seconds a client should wait before retrying (sent as ``Retry-After``), or None.
+    retry_after: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -71,3 +73,22 @@ class EngineFailed(GatewayError):
 class ServiceUnavailable(GatewayError):
     status = HTTPStatus.SERVICE_UNAVAILABLE
     error_type = "service_unavailable"
+
+
+class Overloaded(GatewayError):
+    """Every generation slot is busy and the wait queue is full (429 with Retry-After).
+
+    Type and code are the ones OpenAI's own rate-limit answers carry, so clients retry as they would there.
+    """
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    error_type = "requests"
+    code = "rate_limit_exceeded"
+    retry_after = 1
+
+
+class QueueTimeout(ServiceUnavailable):
+    """The request waited in the admission queue longer than allowed (503 with Retry-After)."""
+
+    code = "queue_timeout"
+    retry_after = 2

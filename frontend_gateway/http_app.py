@@ -3,7 +3,11 @@
 A small hand-written router instead of a framework: the routes are few and fixed, and each request
 on the hot path should cost a dict lookup, one msgspec decode and pre-encoded frames (see
 docs/benchmarks.md for what that buys). Every GatewayError becomes the OpenAI error envelope with its
-status; anything unexpected is logged and answered 500, never a dropped connection.
+status; anything unexpected is logged and answered 500, never a dropped connection. A failure after a
+stream has started ends it with an error event and ``[DONE]``, never a truncated body.
+
+Generation routes pass through ``Admission`` first: beyond the in-flight limit requests wait in a
+bounded queue, and what cannot wait is refused at once with 429 or 503 and ``Retry-After``.
 """
 
 import asyncio
@@ -16,7 +20,9 @@ from typing import Any
 import msgspec
 
 from frontend_gateway import responses
+from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.errors import (
+    EngineFailed,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
@@ -65,11 +71,13 @@ class GatewayApp:
         *,
         metrics: GatewayMetrics | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        limits: AdmissionLimits | None = None,
         lifespan: Lifespan | None = None,
     ) -> None:
         self.models = models
         self.metrics = metrics or GatewayMetrics()
         self.max_body_bytes = max_body_bytes
+        self.admission = Admission(limits or AdmissionLimits(), self.metrics)
         self._lifespan = lifespan
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat),
@@ -106,8 +114,11 @@ class GatewayApp:
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         self.metrics.error(exc.error_type, int(exc.status))
         body = responses.error_body(exc.message, exc.error_type, exc.code, exc.param)
+        headers = _JSON_HEADERS
+        if exc.retry_after is not None:
+            headers = [*headers, (b"retry-after", str(exc.retry_after).encode())]
         with contextlib.suppress(Exception):  # the response may already have started
-            await send({"type": "http.response.start", "status": int(exc.status), "headers": _JSON_HEADERS})
+            await send({"type": "http.response.start", "status": int(exc.status), "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
     async def _run_lifespan(self, receive: Receive, send: Send) -> None:
@@ -189,20 +200,32 @@ class GatewayApp:
         model = self.models.get(name)
         if model is None:
             served = ", ".join(self.models.names()) or "none yet"
-            raise ModelNotFound(f"the model {name!r} does not exist; served models: {served}", param="model")
+            shown = name if len(name) <= 200 else name[:200] + "..."  # a client may send megabytes here
+            raise ModelNotFound(f"the model {shown!r} does not exist; served models: {served}", param="model")
         return model
+
+    # The slot is taken after the body is read and validated (bad requests never wait behind good
+    # ones) and before preprocessing, so the limit also bounds how many prompts are tokenized at once.
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
-        generation = await model.prepare_chat(request)
-        await self._respond("chat", "chat_completions", model, request, generation, receive, send)
+        await self.admission.acquire()
+        try:
+            generation = await model.prepare_chat(request)
+            await self._respond("chat", "chat_completions", model, request, generation, receive, send)
+        finally:
+            self.admission.release()
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
-        generation = await model.prepare_completion(request)
-        await self._respond("completion", "completions", model, request, generation, receive, send)
+        await self.admission.acquire()
+        try:
+            generation = await model.prepare_completion(request)
+            await self._respond("completion", "completions", model, request, generation, receive, send)
+        finally:
+            self.admission.release()
 
     async def _respond(
         self,
@@ -224,12 +247,18 @@ class GatewayApp:
         try:
             nvext = request.nvext
             show_instance = bool(nvext is not None and nvext.annotations and "instance_id" in nvext.annotations)
+            failure = None
             if stream:
                 include_usage = bool(stream_options is not None and stream_options.include_usage)
-                await self._stream(kind, model, generation, include_usage, show_instance, send, started, model_metrics)
+                failure = await self._stream(
+                    kind, model, generation, include_usage, show_instance, send, started, model_metrics
+                )
             else:
                 await self._whole(kind, model, generation, show_instance, send, started, model_metrics)
-            status = "success"
+            if failure is None:
+                status = "success"
+            else:
+                self.metrics.error(failure.error_type, int(failure.status))
         except asyncio.CancelledError:
             if not watcher.disconnected:
                 raise
@@ -260,10 +289,13 @@ class GatewayApp:
         metrics: Any,
     ) -> None:
         pieces: list[str] = []
-        async for piece in generation.pieces():
-            if not pieces:
-                metrics.ttft.observe(time.perf_counter() - started)
-            pieces.append(piece)
+        # aclosing: whatever ends this (a cancellation included), the pipeline is closed now, and
+        # with it the engine's stream (a remote one then tells its worker to stop), not by the GC.
+        async with contextlib.aclosing(generation):
+            async for piece in generation.pieces():
+                if not pieces:
+                    metrics.ttft.observe(time.perf_counter() - started)
+                pieces.append(piece)
         body = responses.full_response(
             kind,
             response_id=_response_id(kind, generation),
@@ -289,38 +321,59 @@ class GatewayApp:
         send: Send,
         started: float,
         metrics: Any,
-    ) -> None:
+    ) -> GatewayError | None:
+        """Stream the generation as SSE; returns the failure that ended it early, if one did.
+
+        A failure before the first piece propagates (the client gets a proper error status). After
+        the status line, any exception ends the stream with an OpenAI error event and ``[DONE]``,
+        and no finish chunk: the answer did not finish.
+        """
         encoder = responses.StreamEncoder(
             kind, response_id=_response_id(kind, generation), created=int(time.time()), model=model.name
         )
-        pieces = generation.pieces()
-        # Pull the first piece before sending the status line, so that an engine that fails at once
-        # still gets a proper error status instead of a broken stream.
-        first = await anext(pieces, None)
-        headers = _response_headers(_SSE_HEADERS, generation)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        opening = encoder.first()
-        if opening is not None:
-            await send({"type": "http.response.body", "body": opening, "more_body": True})
-        if first is not None:
-            last = time.perf_counter()
-            metrics.ttft.observe(last - started)
-            await send({"type": "http.response.body", "body": encoder.piece(first), "more_body": True})
-            itl = metrics.inter_token_latency
-            try:
-                async for piece in pieces:
-                    now = time.perf_counter()
-                    itl.observe(now - last)
-                    last = now
-                    await send({"type": "http.response.body", "body": encoder.piece(piece), "more_body": True})
-            except GatewayError as exc:
-                log.warning("request %s failed mid-stream: %s", generation.request_id, exc.message)
-                frame = responses.error_frame(exc.message, exc.error_type, exc.code)
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        # aclosing: see _whole; here a cancellation may also land inside a send to a slow client.
+        async with contextlib.aclosing(generation):
+            pieces = generation.pieces()
+            # Pull the first piece before sending the status line, so that an engine that fails at
+            # once still gets a proper error status instead of a broken stream.
+            first = await anext(pieces, None)
+            headers = _response_headers(_SSE_HEADERS, generation)
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            opening = encoder.first()
+            if opening is not None:
+                await send({"type": "http.response.body", "body": opening, "more_body": True})
+            if first is not None:
+                first_at = time.perf_counter()
+                metrics.ttft.observe(first_at - started)
+                await send({"type": "http.response.body", "body": encoder.piece(first), "more_body": True})
+                try:
+                    async for piece in pieces:
+                        await send({"type": "http.response.body", "body": encoder.piece(piece), "more_body": True})
+                except Exception as exc:
+                    failure = _as_gateway_error(exc, generation)
+                    frame = responses.error_frame(failure.message, failure.error_type, failure.code)
+                    await send({"type": "http.response.body", "body": frame + responses.DONE_FRAME})
+                    return failure
+                # One observation per request, not per token: the mean time between tokens after
+                # the first (what benchmarks call ITL or TPOT).
+                if generation.completion_tokens > 1:
+                    tokens_after_first = generation.completion_tokens - 1
+                    metrics.inter_token_latency.observe((time.perf_counter() - first_at) / tokens_after_first)
         tail = encoder.finish(generation.finish_reason, _nvext(generation) if show_instance else None)
         if include_usage:
             tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens)
         await send({"type": "http.response.body", "body": tail + responses.DONE_FRAME})
+        return None
+
+
+def _as_gateway_error(exc: Exception, generation: Generation) -> GatewayError:
+    """The error to report for a failure mid-stream, logged here (nothing else will see it)."""
+    generation.finish_reason = "error"
+    if isinstance(exc, GatewayError):
+        log.warning("request %s failed mid-stream: %s", generation.request_id, exc.message)
+        return exc
+    log.error("request %s failed mid-stream", generation.request_id, exc_info=exc)
+    return EngineFailed("internal error while generating; see the server log")
 
 
 class _DisconnectWatcher:
@@ -358,6 +411,10 @@ def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
         raise InvalidRequest(f"invalid request: {message}", param=path.rstrip("`") or None) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:  # msgspec lets invalid UTF-8 inside a string through as this
+        raise InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest("the request body nests arrays or objects too deeply") from exc
 
 
 def _response_headers(base: list[tuple[bytes, bytes]], generation: Generation) -> list[tuple[bytes, bytes]]:

@@ -96,7 +96,7 @@ class GatewayMetrics:
         )
         self.inter_token_latency = Histogram(
             f"{prefix}_inter_token_latency_seconds",
-            "Time between streamed pieces of text.",
+            "Mean time between output tokens after the first, one observation per streamed request.",
             ["model"],
             buckets=_ITL_BUCKETS,
             registry=r,
@@ -122,8 +122,23 @@ class GatewayMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+        self.queued_requests = Gauge(
+            f"{prefix}_queued_requests", "Requests waiting for a generation slot (admission queue).", registry=r
+        )
+        self.rejected = Counter(
+            f"{prefix}_admission_rejected",
+            "Requests refused by admission control: queue_full (429) or queue_timeout (503).",
+            ["reason"],
+            registry=r,
+        )
         self.input_tokens_total = Counter(f"{prefix}_input_tokens", "Prompt tokens.", ["model"], registry=r)
         self.output_tokens_total = Counter(f"{prefix}_output_tokens", "Completion tokens.", ["model"], registry=r)
+        self.refused_instances = Counter(
+            f"{prefix}_refused_instances",
+            "Worker instances kept out of a model's pool because their card differs from the pool's.",
+            ["model", "reason"],
+            registry=r,
+        )
         self._models: dict[str, ModelMetrics] = {}
 
     def for_model(self, model: str) -> ModelMetrics:
@@ -134,6 +149,13 @@ class GatewayMetrics:
 
     def error(self, error_type: str, status_code: int) -> None:
         self.errors.labels(error_type=error_type, status_code=str(status_code)).inc()
+
+    def admission_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
+    def refused_instance(self, model: str, reason: str) -> None:
+        """Count an instance refused from ``model``'s pool; ``reason`` names the differing card fields."""
+        self.refused_instances.labels(model=model, reason=reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

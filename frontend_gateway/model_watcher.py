@@ -3,13 +3,21 @@
 A model appears when its first instance registers and disappears when its last one leaves; each
 model is a TokenModel or TextModel whose engine forwards to the model's instances
 (frontend_gateway/remote_engines.py).
+
+Instances are pooled by model name, so every instance of a pool must answer the same way: one whose
+card differs from the pool's (``card_differences``) is refused, logged once and counted, and joins
+a new pool if the old one empties. A registration that cannot be applied (a malformed entry, a
+tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it never stops
+the watch.
 """
 
 import asyncio
 import logging
 
 import msgspec
+from tokenizers import Tokenizer
 
+from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from frontend_gateway.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
 from frontend_gateway.router import InstanceInfo, Router, RouterMode
@@ -22,18 +30,50 @@ from runtime.model_card import ModelCard, ModelType
 log = logging.getLogger(__name__)
 
 _model_entry = msgspec.json.Decoder(ModelEntry)
+# Tokenizers kept after their model left, by digest: building one holds the GIL (~100 ms for SmolLM2) on
+# whichever thread, so a model that comes back (its only worker restarted) must not stall the streams again.
+TOKENIZERS_KEPT = 4
 
 
-class _WatchedModel:
-    def __init__(self, served: ServedModel, instances: InstanceSet, card: ModelCard, first_key: str) -> None:
+def card_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
+    """What in ``new``'s card would make it answer differently from ``pool``'s instances.
+
+    Returns {field: "pool value vs new value"}; empty when ``new`` may join the pool.
+    """
+    first, card = pool.card, new.card
+    differences: dict[str, str] = {}
+    if card.model_type is not first.model_type:
+        differences["model_type"] = f"{first.model_type.value} vs {card.model_type.value}"
+    if new.tokenizer_sha256 != pool.tokenizer_sha256:
+        differences["tokenizer"] = f"{_short(pool.tokenizer_sha256)} vs {_short(new.tokenizer_sha256)}"
+    if card.chat_template != first.chat_template:
+        differences["chat_template"] = "the templates differ"
+    if card.context_length != first.context_length:
+        differences["context_length"] = f"{first.context_length} vs {card.context_length}"
+    if card.kv_cache_block_size != first.kv_cache_block_size:
+        differences["kv_cache_block_size"] = f"{first.kv_cache_block_size} vs {card.kv_cache_block_size}"
+    return differences
+
+
+def _short(digest: str | None) -> str:
+    return "none" if digest is None else f"sha256 {digest[:12]}"
+
+
+class _Pool:
+    """One served model and its instances; ``entry`` is the first instance's, which others must match."""
+
+    def __init__(self, served: ServedModel, instances: InstanceSet, entry: ModelEntry, first_key: str) -> None:
         self.served = served
         self.instances = instances
-        self.card = card  # as the first instance registered it
+        self.entry = entry
         self.first_key = first_key
 
 
 class ModelWatcher:
-    """Keeps ``registry`` in step with the models workers register in etcd."""
+    """Keeps ``registry`` in step with the models workers register in etcd.
+
+    ``run()`` may be restarted after a failure: it resumes from the keys it already applied.
+    """
 
     def __init__(
         self,
@@ -42,80 +82,137 @@ class ModelWatcher:
         *,
         router_mode: RouterMode = RouterMode.ROUND_ROBIN,
         migration_limit: int = 0,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.runtime = runtime
         self.registry = registry
         self.router_mode = router_mode
         self.migration_limit = migration_limit
-        self._models: dict[str, _WatchedModel] = {}
-        self._keys: dict[str, tuple[str, int]] = {}
-        self.changed = asyncio.Event()  # set after every applied change (tests await it)
+        self.metrics = metrics
+        self._pools: dict[str, _Pool] = {}
+        self._pooled: dict[str, ModelEntry] = {}  # etcd key -> the entry of an instance in a pool
+        self._refused: dict[str, ModelEntry] = {}  # etcd key -> an entry kept out of its model's pool
+        self._applied: dict[str, bytes] = {}  # etcd key -> its value, for every key pooled or refused
+        self._tokenizers: dict[str, tuple[str, Tokenizer]] = {}  # digest -> (JSON, tokenizer), oldest first
+        self.changed = asyncio.Event()  # set after every event handled (tests await it)
 
     async def run(self) -> None:
         """Apply registrations and removals until cancelled."""
-        async for event in self.runtime.discovery.watch_prefix(MODELS_PREFIX):
+        async for event in self.runtime.discovery.watch_prefix(MODELS_PREFIX, known=self._applied):
             try:
                 await self.apply(event)
             except FlotillaError as exc:
-                log.warning("ignored model registration %s: %s", event.key, exc)
+                log.warning("skipped model registration %s: %s", event.key, exc)
+            except Exception as exc:
+                # Not ours (a NATS timeout, a library's error): the traceback may tell what went wrong.
+                log.warning("skipped model registration %s: %s: %s", event.key, type(exc).__name__, exc, exc_info=True)
             self.changed.set()
 
     async def apply(self, event: WatchEvent) -> None:
+        """Apply one change. Raises for a registration that cannot be applied (it is then not kept)."""
         if event.kind == "delete":
-            found = self._keys.pop(event.key, None)
-            if found is not None:
-                self._drop_instance(*found)
+            await self._forget(event.key)
             return
         assert event.value is not None
+        if self._applied.get(event.key) == event.value:
+            return  # the same registration put again (a lease renewed): nothing changes, nothing is logged
         try:
             entry = _model_entry.decode(event.value)
         except msgspec.DecodeError as exc:
+            await self._forget(event.key)
             raise EngineError(f"malformed model entry: {exc}") from exc
+        if not self._still_fits(event.key, entry):
+            await self._forget(event.key)
+        await self._admit(event.key, entry)
+        self._applied[event.key] = event.value
+
+    def _still_fits(self, key: str, entry: ModelEntry) -> bool:
+        """Whether ``key``, pooled already, may stay in its pool with ``entry`` (else it is forgotten first)."""
+        previous = self._pooled.get(key)
+        if previous is None or previous.card.name != entry.card.name:
+            return False
+        pool = self._pools.get(entry.card.name)
+        return pool is not None and not card_differences(pool.entry, entry)
+
+    async def _admit(self, key: str, entry: ModelEntry) -> None:
+        """Add the instance to its model's pool, creating the pool, or refuse it if its card differs."""
         name = entry.card.name
-        previous = self._keys.get(event.key)
-        if previous is not None and previous[0] != name:
-            self._drop_instance(*previous)
-        watched = self._models.get(name)
-        if watched is None:
-            watched = self._models[name] = await self._build(entry, event.key)
-            self.registry.add(watched.served)
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = await self._build(entry, key)
+            self.registry.add(pool.served)
             log.info("model %r is now served (%s)", name, entry.card.model_type.value)
-        elif (
-            entry.card.model_type is not watched.card.model_type
-            or entry.card.chat_template != watched.card.chat_template
-        ):
-            # Instances are pooled by model name; one whose card differs would answer differently.
+        elif differences := card_differences(pool.entry, entry):
+            self._refused[key] = entry
+            details = ", ".join(f"{field} ({values})" for field, values in differences.items())
             log.warning(
-                "instance %x registers model %r with a different card than %s; it is pooled with the others",
-                entry.instance_id, name, watched.first_key,
+                "instance %x of model %r is refused: its card differs from the one %s registered in %s",
+                entry.instance_id, name, pool.first_key, details,
             )  # fmt: skip
-        watched.instances.add(InstanceInfo(entry.instance_id, entry.subject))
-        self._keys[event.key] = (name, entry.instance_id)
-
-    def _drop_instance(self, name: str, instance_id: int) -> None:
-        watched = self._models.get(name)
-        if watched is None:
+            if self.metrics is not None:
+                self.metrics.refused_instance(name, ",".join(differences))
             return
-        watched.instances.remove(instance_id)
-        if not watched.instances:
-            del self._models[name]
-            self.registry.remove(name)
-            log.info("model %r has no instance left and is no longer served", name)
+        pool.instances.add(InstanceInfo(entry.instance_id, entry.subject))
+        self._pooled[key] = entry
 
-    async def _build(self, entry: ModelEntry, key: str) -> _WatchedModel:
+    async def _forget(self, key: str) -> None:
+        """Drop what ``key`` registered; a model whose last instance left is no longer served."""
+        self._applied.pop(key, None)
+        if self._refused.pop(key, None) is not None:
+            return
+        entry = self._pooled.pop(key, None)
+        if entry is None:
+            return
+        name = entry.card.name
+        pool = self._pools.get(name)
+        if pool is None:
+            return
+        pool.instances.remove(entry.instance_id)
+        if pool.instances:
+            return
+        del self._pools[name]
+        self.registry.remove(name)
+        log.info("model %r has no instance left and is no longer served", name)
+        await self._readmit(name)
+
+    async def _readmit(self, name: str) -> None:
+        """Give the instances refused from ``name``'s emptied pool their turn: the first founds a new pool."""
+        for key, entry in [(key, entry) for key, entry in self._refused.items() if entry.card.name == name]:
+            del self._refused[key]
+            try:
+                await self._admit(key, entry)
+            except Exception as exc:
+                self._applied.pop(key, None)
+                log.warning("skipped model registration %s: %s: %s", key, type(exc).__name__, exc)
+
+    async def _build(self, entry: ModelEntry, key: str) -> _Pool:
         card = entry.card
         instances = InstanceSet()
         router = Router(self.router_mode)
         if card.model_type is ModelType.TOKENS:
             if entry.tokenizer_sha256 is None:
                 raise EngineError(f"token-level model {card.name!r} was registered without a tokenizer")
-            card = msgspec.structs.replace(
-                card, tokenizer_json=await self.runtime.fetch_tokenizer(entry.tokenizer_sha256)
-            )
+            card = await self._prepare(card, entry.tokenizer_sha256)
             engine = RemoteTokenEngine(
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
-            return _WatchedModel(TokenModel(card, engine), instances, entry.card, key)
+            return _Pool(TokenModel(card, engine), instances, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
-        return _WatchedModel(TextModel(card.name, text_engine, card.context_length or None), instances, entry.card, key)
+        return _Pool(TextModel(card.name, text_engine, card.context_length or None), instances, entry, key)
+
+    async def _prepare(self, card: ModelCard, digest: str) -> ModelCard:
+        """``card`` with its tokenizer (fetched and built, or kept from before) and chat template ready."""
+        kept = self._tokenizers.pop(digest, None)
+        if kept is None:
+            tokenizer_json, tokenizer = await self.runtime.fetch_tokenizer(digest), None
+        else:
+            tokenizer_json, tokenizer = kept
+        # On a thread: the template's compilation and the vocabulary scan (~30 ms) let the event loop in
+        # every few ms there. Tokenizer.from_str holds the GIL throughout; hence the tokenizers kept.
+        card = msgspec.structs.replace(card, tokenizer_json=tokenizer_json)
+        card = await asyncio.to_thread(card.prepare, tokenizer)
+        self._tokenizers[digest] = (tokenizer_json, card.tokenizer)
+        while len(self._tokenizers) > TOKENIZERS_KEPT:
+            del self._tokenizers[next(iter(self._tokenizers))]
+        return card

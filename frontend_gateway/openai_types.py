@@ -3,9 +3,14 @@
 Decoding validates types and ranges in one pass (msgspec's errors name the field, e.g. "Expected
 `int`, got `str` - at `$.max_tokens`"). Unknown fields are ignored, as the OpenAI API does.
 Responses are built as plain dicts/bytes in ``responses.py``: no per-token object validation.
+
+Every integer that travels to a worker is bounded here by the type it has on the wire: JSON numbers
+have no limit, and one that msgpack cannot encode would otherwise pass validation and fail later,
+after routing, as a 500. ``seed`` is a signed 64-bit integer (as in Dynamo and vLLM); ``top_k``,
+``max_tokens`` and ``min_tokens`` are 32-bit.
 """
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -13,8 +18,12 @@ from msgspec import Meta
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+OnlyOne = Annotated[int, Meta(ge=1, le=1)]
 StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
 
 
@@ -52,20 +61,23 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_tokens: NonNegativeInt | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Probability | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     stop: StopStrings | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] | None = None
+    n: OnlyOne | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     nvext: NvExt | None = None
     user: str | None = None
-    # Accepted so that they can be refused with a clear message instead of silently ignored.
-    logprobs: bool | int | None = None
+    # Accepted so that they can be refused with a clear message (preprocessor.refuse_unsupported)
+    # instead of silently ignored.
+    logprobs: bool | Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -73,7 +85,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -81,6 +93,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # msgspec cannot tell list[str] from list[int] inside one union); batches of prompts are refused.
     prompt: str | list[str | int | list[int]]
     echo: bool = False
+    best_of: OnlyOne | None = None
+    suffix: str | None = None
 
 
 chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

@@ -15,11 +15,11 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from frontend_gateway import preprocessor
-from frontend_gateway.errors import EngineFailed, InvalidRequest, ServiceUnavailable
+from frontend_gateway.errors import EngineFailed, InvalidRequest, RequestTooLarge, ServiceUnavailable
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
-from runtime.errors import EngineError, EngineUnavailable
+from runtime.errors import EngineError, EngineUnavailable, PayloadTooLarge
 from runtime.model_card import ModelCard
 from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
 
@@ -46,6 +46,12 @@ class Generation:
         """The non-empty text pieces, in order."""
         assert self._source is not None, "Generation.bind() was not called"
         return self._source
+
+    async def aclose(self) -> None:
+        """Close the stream now (again is harmless): the pipeline's cleanup runs and the engine is
+        told to stop, at this point rather than whenever the garbage collector finalizes it."""
+        if self._source is not None:
+            await _aclose(self._source)
 
 
 class ServedModel(Protocol):
@@ -102,21 +108,35 @@ class TokenModel:
     async def _postprocess(
         self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
     ) -> AsyncIterator[str]:
-        """Detokenize incrementally and enforce max_tokens; stop strings are applied by _finish."""
+        """Detokenize incrementally and enforce max_tokens; stop strings are applied by _finish.
+
+        Yields one piece per engine output (a remote engine's output stands for a whole network
+        frame), so the tokens that arrived together leave together, as one SSE event.
+        Raises EngineFailed when the tokens cannot be detokenized.
+        """
         tokenizer = self._tokenizer
-        decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        step = DecodeStream(skip_special_tokens=skip_special_tokens).step
         max_tokens = request.stop_conditions.max_tokens
         outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
-                for token_id in output.token_ids:
-                    generation.completion_tokens += 1
-                    piece = decoder.step(tokenizer, token_id)
-                    if piece:
-                        yield piece
-                    if generation.completion_tokens >= max_tokens:
-                        generation.finish_reason = "length"
-                        return
+                token_ids = output.token_ids
+                room = max_tokens - generation.completion_tokens
+                if len(token_ids) > room:
+                    token_ids = token_ids[:room]
+                generation.completion_tokens += len(token_ids)
+                try:
+                    if len(token_ids) == 1:
+                        piece = step(tokenizer, token_ids[0])
+                    else:
+                        piece = "".join([text for token_id in token_ids if (text := step(tokenizer, token_id))])
+                except Exception as exc:  # tokenizers raises plain Exception, e.g. "Invalid prefix encountered"
+                    raise EngineFailed(f"the engine's tokens could not be detokenized: {exc}") from exc
+                if piece:
+                    yield piece
+                if generation.completion_tokens >= max_tokens:
+                    generation.finish_reason = "length"
+                    return
                 if output.finish_reason is not None:
                     generation.finish_reason = output.finish_reason
                     return
@@ -220,9 +240,17 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: lis
     except EngineUnavailable as exc:
         generation.finish_reason = "error"
         raise ServiceUnavailable(str(exc)) from exc
+    except PayloadTooLarge as exc:
+        generation.finish_reason = "error"
+        raise RequestTooLarge(str(exc)) from exc
     except EngineError as exc:
         generation.finish_reason = "error"
         raise EngineFailed(str(exc)) from exc
+    except Exception:
+        # Anything else (a GatewayError from postprocessing, a bug in an engine) still means the
+        # answer did not finish: no consumer may report it as stopped normally.
+        generation.finish_reason = "error"
+        raise
     finally:
         generation.context.stop()
         await _aclose(pieces)

@@ -4,10 +4,14 @@ A remote token model is an ordinary ``TokenModel`` whose engine is a ``RemoteTok
 gateway pre/post-processes exactly as in one process, and only the token stream crosses NATS. When
 the worker dies mid-stream, the engine re-sends the prompt plus the tokens generated so far to
 another instance (``migration_limit`` times at most), so the client sees one unbroken stream.
+
+The outputs a worker sent in one frame become one output here (their tokens or text joined), so the
+pipeline does one detokenizing pass and one SSE event per frame rather than per engine step.
 """
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Literal
 
 import msgspec
@@ -15,9 +19,9 @@ import msgspec
 from frontend_gateway.router import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
-from runtime.errors import EngineError, EngineUnavailable
+from runtime.errors import EngineError, EngineUnavailable, PayloadTooLarge
 from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest
-from runtime.request_plane import RemoteError, StreamBroken, WorkerUnavailable
+from runtime.request_plane import RemoteError, RequestTooLarge, StreamBroken, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +108,14 @@ class RemoteTokenEngine(_RemoteBase):
             context.served_by = instance.name
             attempt = _resume(request, generated) if generated else request
             try:
-                async for data in client.call(instance.subject, request.request_id, _encode(attempt)):
-                    output = _engine_output.decode(data)
-                    generated.extend(output.token_ids)
-                    yield output
-                    if output.finish_reason is not None:
-                        return
+                # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.
+                async with aclosing(client.call(instance.subject, request.request_id, _encode(attempt))) as frames:
+                    async for frame in frames:
+                        output = merge_engine_outputs([_engine_output.decode(data) for data in frame])
+                        generated.extend(output.token_ids)
+                        yield output
+                        if output.finish_reason is not None:
+                            return
                 return
             except WorkerUnavailable as exc:
                 log.info(
@@ -126,8 +132,40 @@ class RemoteTokenEngine(_RemoteBase):
                     "migrating request %s of %r after %d tokens (%s); migration %d of %d",
                     request.request_id, self.name, len(generated), exc, migrations, self.migration_limit,
                 )  # fmt: skip
+            except RequestTooLarge as exc:
+                raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
             except RemoteError as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+
+
+def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
+    """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it."""
+    if len(outputs) == 1:
+        return outputs[0]
+    token_ids: list[int] = []
+    for output in outputs:
+        token_ids += output.token_ids
+        if output.finish_reason is not None:
+            return EngineOutput(token_ids, output.finish_reason)
+    return EngineOutput(token_ids)
+
+
+def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:
+    """One output standing for ``outputs`` in order: their text and token counts up to the first finish."""
+    if len(outputs) == 1:
+        return outputs[0]
+    merged = TextOutput(text="", completion_tokens=0)
+    texts: list[str] = []
+    for output in outputs:
+        texts.append(output.text)
+        merged.completion_tokens += output.completion_tokens
+        if output.prompt_tokens is not None:
+            merged.prompt_tokens = output.prompt_tokens
+        if output.finish_reason is not None:
+            merged.finish_reason = output.finish_reason
+            break
+    merged.text = "".join(texts)
+    return merged
 
 
 def _resume(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
@@ -163,12 +201,18 @@ class RemoteTextEngine(_RemoteBase):
             tried.add(instance.instance_id)
             context.served_by = instance.name
             try:
-                async for data in client.call(instance.subject, request.request_id, _encode(request)):
-                    yield _text_output.decode(data)
+                async with aclosing(client.call(instance.subject, request.request_id, _encode(request))) as frames:
+                    async for frame in frames:
+                        output = merge_text_outputs([_text_output.decode(data) for data in frame])
+                        yield output
+                        if output.finish_reason is not None:
+                            return
                 return
             except WorkerUnavailable as exc:
                 log.info(
                     "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
                 )
+            except RequestTooLarge as exc:
+                raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
             except (StreamBroken, RemoteError) as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc

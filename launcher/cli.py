@@ -9,12 +9,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
+from launcher.env_flags import EnvArgumentParser
 from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
-from runtime.errors import FlotillaError
+from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
 from runtime.logging import configure_logging
+from runtime.settings import check_settings
 
 RUN_DESCRIPTION = """\
 Run a model and talk to it, in one process.
@@ -54,8 +57,19 @@ examples:
 logging: FLOTILLA_LOG=debug, or per module: FLOTILLA_LOG=frontend_gateway=debug,info; -v, -vv
 echo delay: FLOTILLA_TOKEN_ECHO_DELAY_MS (default 10)
 distributed: ETCD_ENDPOINTS (http://127.0.0.1:2379), NATS_SERVER (nats://127.0.0.1:4222),
-  FLOTILLA_LEASE_TTL (10 s), FLOTILLA_STREAM_SILENCE_S (5 s), FLOTILLA_STREAM_HEARTBEAT_S (1 s)
+  FLOTILLA_LEASE_TTL (10 s), FLOTILLA_STREAM_SILENCE_S (5 s), FLOTILLA_STREAM_HEARTBEAT_S (1 s),
+  FLOTILLA_MAX_REQUEST_BYTES (1 MiB), FLOTILLA_DRAIN_S (10 s). A worker or ingress started before
+  etcd and NATS waits for them, warning every few seconds which one is missing.
+every variable is checked at start-up, as its flag would be; a bad one stops the run with exit code 2.
+
+exit codes (for supervisors: systemd units set RestartPreventExitStatus=2):
+  0    done, or stopped by SIGTERM (in=http re-raises the signal once it has shut down cleanly)
+  1    failed: a crash, a lost server or hub, an engine error; restarting may help
+  2    bad usage or configuration (a flag, a variable, a missing model); do not restart, fix it
+  130  interrupted by Ctrl-C (SIGINT)
 """
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -94,6 +108,16 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a positive number of seconds")
+    return value
+
+
 def _folder(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
@@ -111,95 +135,122 @@ commands:
 """
 
 
-def build_run_parser() -> argparse.ArgumentParser:
-    run = argparse.ArgumentParser(
+def build_run_parser() -> EnvArgumentParser:
+    """The parser of ``flotilla run``. Every option but ``-v`` has an environment variable (``add_flag``)."""
+    run = EnvArgumentParser(
         prog="flotilla run",
         description=RUN_DESCRIPTION,
         epilog=RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("args", nargs="*", metavar="in=INPUT out=ENGINE MODEL", help="input, engine and model")
-    run.add_argument(
-        "--model-path",
-        default=env_str("FLOTILLA_MODEL_PATH"),
-        help="the model, instead of the positional MODEL [FLOTILLA_MODEL_PATH]",
-    )
-    run.add_argument(
+    run.add_flag("--model-path", env="FLOTILLA_MODEL_PATH", help="the model, instead of the positional MODEL")
+    run.add_flag(
         "--model-name",
-        default=env_str("FLOTILLA_MODEL_NAME"),
-        help="the name clients use (default: repo, folder or file name) [FLOTILLA_MODEL_NAME]",
+        env="FLOTILLA_MODEL_NAME",
+        help="the name clients use (default: repo, folder or file name)",
     )
-    run.add_argument(
+    run.add_flag(
         "--model-config",
+        env="FLOTILLA_MODEL_CONFIG",
         type=_folder,
-        default=env_str("FLOTILLA_MODEL_CONFIG"),
-        help="take the tokenizer and chat template from this folder [FLOTILLA_MODEL_CONFIG]",
+        help="take the tokenizer and chat template from this folder",
     )
-    run.add_argument(
+    run.add_flag(
         "--context-length",
+        env="FLOTILLA_CONTEXT_LENGTH",
         type=_positive_int,
-        default=env_str("FLOTILLA_CONTEXT_LENGTH"),
-        help="cap the context (tokens) below the model's own [FLOTILLA_CONTEXT_LENGTH]",
+        help="cap the context (tokens) below the model's own",
     )
-    run.add_argument(
-        "--http-host",
-        default=env_str("FLOTILLA_HTTP_HOST", "127.0.0.1"),
-        help="address to listen on (default 127.0.0.1) [FLOTILLA_HTTP_HOST]",
+    run.add_flag(
+        "--http-host", env="FLOTILLA_HTTP_HOST", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
-    run.add_argument(
-        "--http-port",
-        type=_port,
-        default=env_str("FLOTILLA_HTTP_PORT", "8080"),
-        help="port to listen on (default 8080) [FLOTILLA_HTTP_PORT]",
+    run.add_flag(
+        "--http-port", env="FLOTILLA_HTTP_PORT", type=_port, default=8080, help="port to listen on (default 8080)"
     )
-    run.add_argument(
+    run.add_flag(
         "--max-body-bytes",
+        env="FLOTILLA_MAX_BODY_BYTES",
         type=_positive_int,
-        default=env_str("FLOTILLA_MAX_BODY_BYTES", str(8 * 1024 * 1024)),
-        help="largest request body accepted, else 413 (default 8 MiB) [FLOTILLA_MAX_BODY_BYTES]",
+        default=8 * 1024 * 1024,
+        help="largest request body accepted, else 413 (default 8 MiB)",
     )
-    run.add_argument(
+    run.add_flag(
         "--threads",
+        env="FLOTILLA_THREADS",
         type=_positive_int,
-        default=env_str("FLOTILLA_THREADS"),
-        help="CPU threads for llama.cpp (default: all cores) [FLOTILLA_THREADS]",
+        help="CPU threads for llama.cpp (default: all cores)",
     )
-    run.add_argument(
+    run.add_flag(
         "--batch-concurrency",
+        env="FLOTILLA_BATCH_CONCURRENCY",
         type=_positive_int,
-        default=env_str("FLOTILLA_BATCH_CONCURRENCY", "4"),
-        help="requests in flight for in=batch (default 4) [FLOTILLA_BATCH_CONCURRENCY]",
+        default=4,
+        help="requests in flight for in=batch (default 4)",
     )
-    run.add_argument(
+    run.add_flag(
         "--max-tokens",
+        env="FLOTILLA_MAX_TOKENS",
         type=_positive_int,
-        default=env_str("FLOTILLA_MAX_TOKENS"),
-        help="longest answer for in=text and in=batch [FLOTILLA_MAX_TOKENS]",
+        help="longest answer for in=text and in=batch",
     )
-    run.add_argument(
+    run.add_flag(
         "--temperature",
+        env="FLOTILLA_TEMPERATURE",
         type=_temperature,
-        default=env_str("FLOTILLA_TEMPERATURE"),
-        help="sampling temperature for in=text and in=batch [FLOTILLA_TEMPERATURE]",
+        help="sampling temperature for in=text and in=batch",
     )
-    run.add_argument(
+    run.add_flag(
         "--router-mode",
+        env="FLOTILLA_ROUTER_MODE",
         choices=("round-robin", "random"),
-        default=env_str("FLOTILLA_ROUTER_MODE", "round-robin"),
-        help="how out=dyn spreads requests over a model's instances [FLOTILLA_ROUTER_MODE]",
+        default="round-robin",
+        help="how out=dyn spreads requests over a model's instances",
     )
-    run.add_argument(
+    run.add_flag(
         "--migration-limit",
+        env="FLOTILLA_MIGRATION_LIMIT",
         type=_non_negative_int,
-        default=env_str("FLOTILLA_MIGRATION_LIMIT", "0"),
-        help="times out=dyn re-sends a request whose worker died mid-stream (default 0) [FLOTILLA_MIGRATION_LIMIT]",
+        default=0,
+        help="times out=dyn re-sends a request whose worker died mid-stream (default 0)",
+    )
+    run.add_flag(
+        "--max-inflight",
+        env="FLOTILLA_MAX_INFLIGHT",
+        type=_positive_int,
+        default=4096,
+        help="requests generating at once per HTTP process; more wait in a queue (default 4096)",
+    )
+    run.add_flag(
+        "--max-queued",
+        env="FLOTILLA_MAX_QUEUED",
+        type=_non_negative_int,
+        default=16384,
+        help="requests waiting for a slot; beyond, 429 with Retry-After (default 16384)",
+    )
+    run.add_flag(
+        "--queue-timeout",
+        env="FLOTILLA_QUEUE_TIMEOUT_S",
+        type=_positive_seconds,
+        default=30.0,
+        help="longest wait for a slot in seconds; beyond, 503 with Retry-After (default 30)",
+    )
+    run.add_flag(
+        "--reuse-port",
+        env="FLOTILLA_REUSE_PORT",
+        switch=True,
+        help="let several in=http processes share --http-port (SO_REUSEPORT) to use more cores",
     )
     run.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return run
 
 
-def parse_run_options(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> RunOptions:
-    """Split the positional ``in=``/``out=``/MODEL words and check them; parser.error() on misuse."""
+def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) -> RunOptions:
+    """Split the positional ``in=``/``out=``/MODEL words and check them; parser.error() on misuse.
+
+    Raises ConfigError for an environment variable that its flag would refuse.
+    """
+    parser.check_environment()
     input_, output, model = "text", "llamacpp", namespace.model_path
     for word in namespace.args:
         key, sep, value = word.partition("=")
@@ -242,24 +293,44 @@ def parse_run_options(parser: argparse.ArgumentParser, namespace: argparse.Names
         temperature=namespace.temperature,
         router_mode=namespace.router_mode,
         migration_limit=namespace.migration_limit,
+        max_inflight=namespace.max_inflight,
+        max_queued=namespace.max_queued,
+        queue_timeout_s=namespace.queue_timeout,
+        reuse_port=namespace.reuse_port,
     )
 
 
+def check_environment() -> None:
+    """Read every variable the run would read later, so that a bad one stops it now. Raises ConfigError."""
+    check_settings()
+    echo_delay_seconds()
+
+
+def exit_code(exc: FlotillaError) -> int:
+    """EXIT_CONFIG for what a restart cannot fix (a flag, a variable, a missing model), else EXIT_FAILED."""
+    if isinstance(exc, ModelUnreachable):
+        return EXIT_FAILED  # the network may come back
+    if isinstance(exc, (ConfigError, ModelError, TemplateError)):
+        return EXIT_CONFIG
+    return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``flotilla`` console script. Returns the process exit code."""
+    """Entry point of the ``flotilla`` console script. Returns the process exit code (see EXIT_CODES)."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
         print(TOP_HELP, end="")
-        return 0 if args else 2
+        return EXIT_OK if args else EXIT_CONFIG
     if args[0] != "run":
         print(f"flotilla: unknown command {args[0]!r}\n\n{TOP_HELP}", end="", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     try:
         parser = build_run_parser()
         # Intermixed, so that `in=http --http-port 9000 out=echo_full` works in any order.
         namespace = parser.parse_intermixed_args(args[1:])
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         options = parse_run_options(parser, namespace)
+        check_environment()
         import uvloop
 
         from launcher.run import run
@@ -267,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(run(options))
     except FlotillaError as exc:
         print(f"flotilla: {exc}", file=sys.stderr)
-        return 2
+        return exit_code(exc)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 import asyncio
 import logging
+import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
@@ -12,6 +14,9 @@ from runtime.addressing import EndpointAddress
 from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.model_card import ModelCard, ModelType
+
+if TYPE_CHECKING:
+    from runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +91,19 @@ async def run(options: RunOptions) -> int:
             await serve_worker(EndpointAddress.parse(address), engine, card)
             return 0
         if options.input == "http":
-            from launcher.inputs.http import serve_http
+            from launcher.inputs.http import admission_limits, serve_http
 
             registry = ModelRegistry()
             registry.add(model)
-            await serve_http(
+            stopped_by = await serve_http(
                 registry,
                 host=options.http_host,
                 port=options.http_port,
                 max_body_bytes=options.max_body_bytes,
+                limits=admission_limits(options),
+                reuse_port=options.reuse_port,
             )
-            return 0
+            return exit_code_after(stopped_by)
         if options.input == "text":
             from launcher.inputs.text import run_text
 
@@ -124,24 +131,60 @@ def text_card(model: ServedModel, options: RunOptions) -> ModelCard:
 
 
 async def run_ingress(options: RunOptions) -> int:
-    """``out=dyn``: serve over HTTP every model that workers register in etcd."""
+    """``out=dyn``: serve over HTTP every model that workers register in etcd.
+
+    Returns 0 after SIGINT/SIGTERM, 1 when a background task the ingress needs failed (logged).
+    """
+    from frontend_gateway.metrics import GatewayMetrics
     from frontend_gateway.model_watcher import ModelWatcher
     from frontend_gateway.router import RouterMode
-    from launcher.inputs.http import serve_http
-    from runtime.distributed import DistributedRuntime
+    from launcher.inputs.http import admission_limits, serve_http
+    from launcher.startup import connect_runtime
 
     if options.input != "http":
         raise ConfigError("out=dyn is the ingress of a distributed deployment: use it with in=http")
-    runtime = await DistributedRuntime.connect()
+    runtime = await connect_runtime()
+    if runtime is None:
+        return 0  # stopped by SIGTERM before etcd and NATS answered
     registry = ModelRegistry()
+    metrics = GatewayMetrics()
     watcher = ModelWatcher(
-        runtime, registry, router_mode=RouterMode(options.router_mode), migration_limit=options.migration_limit
+        runtime,
+        registry,
+        router_mode=RouterMode(options.router_mode),
+        migration_limit=options.migration_limit,
+        metrics=metrics,
     )
-    runtime.own(asyncio.create_task(watcher.run(), name="model watcher"))
+    # Restarted if it fails: it resumes from what it had applied, so model changes are never missed.
+    runtime.own(watcher.run, name="model watcher", restart=True)
+    # A runtime shut down by a failed task stops the HTTP server too, and the process exits non-zero.
+    stop = asyncio.Event()
+    stop_on_failure = asyncio.create_task(_set_when_shut_down(runtime, stop))
     try:
-        await serve_http(
-            registry, host=options.http_host, port=options.http_port, max_body_bytes=options.max_body_bytes
+        stopped_by = await serve_http(
+            registry,
+            host=options.http_host,
+            port=options.http_port,
+            max_body_bytes=options.max_body_bytes,
+            limits=admission_limits(options),
+            metrics=metrics,
+            stop=stop,
+            reuse_port=options.reuse_port,
         )
     finally:
+        stop_on_failure.cancel()
         await runtime.close()
-    return 0
+    if runtime.failure is not None:
+        log.error("the ingress stopped because %s", runtime.failure)
+        return 1
+    return exit_code_after(stopped_by)
+
+
+def exit_code_after(signum: int | None) -> int:
+    """0 after SIGTERM (a supervisor's stop) or the end of the input; 130 after Ctrl-C, as a shell expects."""
+    return 130 if signum == signal.SIGINT else 0
+
+
+async def _set_when_shut_down(runtime: "DistributedRuntime", stop: asyncio.Event) -> None:
+    await runtime.wait_for_shutdown()
+    stop.set()

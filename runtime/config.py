@@ -4,6 +4,7 @@ Every CLI flag has an environment variable; these helpers parse them and fail lo
 variable, when a value is malformed. A secret may also come from ``NAME_FILE`` (a path to read).
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int
 
 
 def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
-    """Return ``$NAME`` as a float no smaller than ``minimum``; raise ConfigError otherwise."""
+    """Return ``$NAME`` as a finite float no smaller than ``minimum``; raise ConfigError otherwise."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -52,6 +53,9 @@ def env_float(name: str, default: float, *, minimum: float | None = None) -> flo
         value = float(raw)
     except ValueError as exc:
         raise ConfigError(f"{name}={raw!r} is not a number") from exc
+    # float() accepts "nan" and "inf", which slip past every comparison below.
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r} is not a finite number")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={value} is below the minimum {minimum}")
     return value

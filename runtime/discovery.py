@@ -15,20 +15,19 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import aetcd
 
 from runtime.addressing import EndpointAddress
-from runtime.config import env_float, env_str
 from runtime.errors import ConfigError, DiscoveryUnavailable
+from runtime.server_wait import ServerWait
+from runtime.settings import etcd_endpoints, parse_etcd_endpoint
+from runtime.settings import lease_ttl as configured_lease_ttl
 
 log = logging.getLogger(__name__)
 
 INSTANCES_PREFIX = "flotilla/instances/"
 MODELS_PREFIX = "flotilla/models/"
-DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
-DEFAULT_LEASE_TTL = 10.0
 # Unary calls give up after this, so a hung etcd cannot stall the keepalive task for longer.
 RPC_TIMEOUT = 5
 BACKOFF_MIN, BACKOFF_MAX = 0.1, 2.0
@@ -63,22 +62,6 @@ class WatchEvent:
     kind: Literal["put", "delete"]
     key: str
     value: bytes | None = None
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``http://host:port`` (or ``host:port``; the port defaults to 2379) -> (host, port).
-
-    Raises ConfigError for anything else, https included: we do not speak TLS to etcd.
-    """
-    stripped = text.strip()
-    url = urlsplit(stripped if "://" in stripped else f"http://{stripped}")
-    try:
-        port = url.port or 2379
-    except ValueError:
-        port = -1
-    if url.scheme != "http" or not url.hostname or port < 0 or url.path not in ("", "/") or url.query:
-        raise ConfigError(f"etcd endpoint {text!r} is not of the form http://host:port (check ETCD_ENDPOINTS)")
-    return url.hostname, port
 
 
 class _Backoff:
@@ -117,38 +100,68 @@ class Discovery:
         self._keepalive = asyncio.create_task(self._keep_alive(), name="etcd-lease-keepalive")
 
     @classmethod
-    async def connect(cls, endpoints: list[str] | None = None, *, lease_ttl: float | None = None) -> "Discovery":
+    async def connect(
+        cls, endpoints: list[str] | None = None, *, lease_ttl: float | None = None, wait: float | None = None
+    ) -> "Discovery":
         """Connect to the first etcd endpoint that answers and grant this process's lease.
 
         ``endpoints`` default to ``$ETCD_ENDPOINTS`` (comma-separated), ``lease_ttl`` to
-        ``$FLOTILLA_LEASE_TTL`` (seconds, rounded up: etcd counts whole seconds).
-        Raises ConfigError for a malformed endpoint or TTL, DiscoveryUnavailable if none answers.
+        ``$FLOTILLA_LEASE_TTL`` (seconds, rounded up: etcd counts whole seconds). While no endpoint
+        answers, they are tried again with backoff, with a warning within a second that names them and
+        how to start etcd, and a reminder every few seconds (runtime/server_wait.py).
+        Raises ConfigError for a malformed endpoint or TTL, DiscoveryUnavailable if none answered
+        within ``wait`` seconds (None: wait for ever; 0: one round of attempts).
         """
         if endpoints is None:
-            endpoints = (env_str("ETCD_ENDPOINTS") or DEFAULT_ETCD_ENDPOINT).split(",")
-        targets = [parse_endpoint(endpoint) for endpoint in endpoints if endpoint.strip()]
+            endpoints = etcd_endpoints()
+        targets = [parse_etcd_endpoint(endpoint) for endpoint in endpoints if endpoint.strip()]
         if not targets:
             raise ConfigError("no etcd endpoint given (set ETCD_ENDPOINTS)")
         if lease_ttl is None:
-            lease_ttl = env_float("FLOTILLA_LEASE_TTL", DEFAULT_LEASE_TTL, minimum=1.0)
+            lease_ttl = configured_lease_ttl()
         elif lease_ttl < 1:
             raise ConfigError(f"lease TTL {lease_ttl} is below the minimum 1 s")
+        address = ", ".join(f"http://{host}:{port}" for host, port in targets)
+        waiting = ServerWait("etcd", address, variable="ETCD_ENDPOINTS", error=DiscoveryUnavailable)
+        if wait == 0:
+            discovery = await cls._try_each(targets, math.ceil(lease_ttl), waiting)
+            if discovery is None:
+                raise DiscoveryUnavailable(waiting.message())
+            return discovery
+        return await waiting.wait(cls._keep_trying(targets, math.ceil(lease_ttl), waiting), limit=wait)
+
+    @classmethod
+    async def _keep_trying(cls, targets: list[tuple[str, int]], ttl: int, waiting: ServerWait) -> "Discovery":
+        """Try every endpoint in turn, with backoff between rounds, until one grants a lease."""
+        backoff = _Backoff()
+        while True:
+            discovery = await cls._try_each(targets, ttl, waiting)
+            if discovery is not None:
+                return discovery
+            await asyncio.sleep(backoff.next())
+
+    @classmethod
+    async def _try_each(cls, targets: list[tuple[str, int]], ttl: int, waiting: ServerWait) -> "Discovery | None":
+        """One round: the first endpoint that grants a lease, or None (the failures are noted in ``waiting``)."""
         failures = []
         for host, port in targets:
             client = aetcd.Client(host=host, port=port, timeout=RPC_TIMEOUT, options=_CHANNEL_OPTIONS)
             try:
-                lease = await client.lease(math.ceil(lease_ttl))
+                lease = await client.lease(ttl)
             except aetcd.ClientError as exc:
-                failures.append(f"{host}:{port}: {exc}")
+                # gRPC's message ends with the cause ("...: Connection refused"): that is what helps.
+                reason = str(exc).rpartition(": ")[2] or str(exc)
+                failures.append(reason if len(targets) == 1 else f"{host}:{port}: {reason}")
                 await client.close()
                 continue
+            except BaseException:
+                await client.close()
+                raise
             # etcd may grant more than asked (its minimum TTL): refresh by what it granted.
-            log.info("connected to etcd at %s:%d, lease %x (ttl %d s)", host, port, lease.id, lease.ttl)
+            log.debug("etcd at %s:%d granted lease %x (ttl %d s)", host, port, lease.id, lease.ttl)
             return cls(client, f"{host}:{port}", lease.id, lease.ttl)
-        raise DiscoveryUnavailable(
-            f"cannot reach etcd at {', '.join(endpoints)} ({'; '.join(failures)}); "
-            "start it with `make services` or set ETCD_ENDPOINTS"
-        )
+        waiting.last_failure = "; ".join(failures)
+        return None
 
     async def __aenter__(self) -> "Discovery":
         return self
@@ -207,14 +220,17 @@ class Discovery:
         revision: int = response.header.revision
         return keys, revision
 
-    async def watch_prefix(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
+    async def watch_prefix(
+        self, prefix: str, known: dict[str, bytes] | None = None
+    ) -> AsyncGenerator[WatchEvent, None]:
         """Yield the keys under ``prefix`` as puts (a snapshot), then every change, until ``close()``.
 
         Never raises for etcd outages: a broken watch is re-established with backoff, the prefix is
         listed again, and the differences are yielded (deletes for keys that vanished, puts for new or
-        changed ones) before watching resumes from that listing's revision.
+        changed ones) before watching resumes from that listing's revision. ``known`` (key -> value)
+        is what the caller already has: the first snapshot is then only what differs from it.
         """
-        known: dict[str, bytes] = {}
+        known = dict(known or {})
         backoff = _Backoff()
         failing = False
         while not self._closed:

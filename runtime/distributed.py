@@ -17,12 +17,14 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from runtime.addressing import EndpointAddress, new_instance_id
-from runtime.config import env_float, env_str
 from runtime.discovery import Discovery
-from runtime.endpoint import Endpoint, Namespace, register_model
+from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
+from runtime.errors import BackgroundTaskFailed
 from runtime.nats_connection import connect_nats
 from runtime.object_store import fetch_tokenizer
 from runtime.request_plane import EndpointServer, RequestClient
+from runtime.settings import stream_heartbeat_seconds, stream_silence_seconds
+from runtime.supervision import Supervisor, TaskFactory
 
 # The worker API in one import: `from runtime.distributed import DistributedRuntime, register_model, worker`.
 __all__ = ["DistributedRuntime", "Endpoint", "Namespace", "register_model", "worker"]
@@ -37,26 +39,45 @@ class DistributedRuntime:
         self.instance_id = new_instance_id()
         self.heartbeat_interval = heartbeat_interval
         self._servers: list[EndpointServer] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self._supervisor = Supervisor(on_fatal=self.shutdown)
         self._client: RequestClient | None = None
         self._client_lock = asyncio.Lock()
         self._shutdown = asyncio.Event()
 
     @classmethod
     async def connect(
-        cls, *, nats_url: str | None = None, etcd_endpoints: list[str] | None = None, lease_ttl: float | None = None
+        cls,
+        *,
+        nats_url: str | None = None,
+        etcd_endpoints: list[str] | None = None,
+        lease_ttl: float | None = None,
+        wait: float | None = None,
     ) -> "DistributedRuntime":
-        """Connect to NATS (``NATS_SERVER``) and etcd (``ETCD_ENDPOINTS``).
+        """Connect to NATS (``NATS_SERVER``) and etcd (``ETCD_ENDPOINTS``), waiting for them if need be.
 
-        Raises RequestPlaneUnavailable / DiscoveryUnavailable with what to do when one is down.
+        Both are tried at once, so that a missing etcd is reported even while NATS is missing too; each
+        warns within a second which server does not answer and how to start it, and again every few
+        seconds, until it connects. Raises ConfigError for a malformed setting, RequestPlaneUnavailable /
+        DiscoveryUnavailable if a server did not answer within ``wait`` seconds (None: wait for ever).
         """
-        url = nats_url or env_str("NATS_SERVER", "nats://127.0.0.1:4222") or ""
-        heartbeat = env_float("FLOTILLA_STREAM_HEARTBEAT_S", 1.0, minimum=0.05)
-        nc = await connect_nats(url, name=f"flotilla-{socket.gethostname()}-{os.getpid()}")
+        heartbeat = stream_heartbeat_seconds()
+        name = f"flotilla-{socket.gethostname()}-{os.getpid()}"
+        connecting_nats = asyncio.create_task(connect_nats(nats_url, name=name, wait=wait), name="connect NATS")
+        connecting_etcd = asyncio.create_task(
+            Discovery.connect(etcd_endpoints, lease_ttl=lease_ttl, wait=wait), name="connect etcd"
+        )
+        both = (connecting_nats, connecting_etcd)
         try:
-            discovery = await Discovery.connect(etcd_endpoints, lease_ttl=lease_ttl)
+            nc, discovery = await asyncio.gather(*both)
         except BaseException:
-            await nc.close()
+            # One failed, or we were cancelled: stop the other and let go of what did connect.
+            for task in both:
+                task.cancel()
+            await asyncio.wait(both)
+            if not connecting_nats.cancelled() and connecting_nats.exception() is None:
+                await connecting_nats.result().close()
+            if not connecting_etcd.cancelled() and connecting_etcd.exception() is None:
+                await connecting_etcd.result().close()
             raise
         return cls(nc, discovery, heartbeat_interval=heartbeat)
 
@@ -75,7 +96,7 @@ class DistributedRuntime:
             return self._client
         async with self._client_lock:
             if self._client is None:
-                silence = env_float("FLOTILLA_STREAM_SILENCE_S", 5.0, minimum=0.1)
+                silence = stream_silence_seconds()
                 client = RequestClient(self.nc, silence_timeout=silence)
                 await client.start()
                 self._client = client  # published only once started
@@ -88,9 +109,41 @@ class DistributedRuntime:
     async def wait_for_shutdown(self) -> None:
         await self._shutdown.wait()
 
-    def own(self, task: asyncio.Task[None]) -> None:
-        """Keep a background task, to be cancelled on close."""
-        self._tasks.append(task)
+    def own(self, work: asyncio.Task[None] | TaskFactory, *, name: str = "", restart: bool = False) -> None:
+        """Keep a background task, supervised, until ``close()`` cancels it.
+
+        ``work`` is a running task, or a coroutine factory that starts one now. If the task ends with an
+        exception, its traceback is logged; then with ``restart`` (a factory only) a fresh coroutine is
+        started after a backoff, and without it the runtime shuts down with ``failure`` recorded, so
+        that the process exits non-zero. Raises ValueError for ``restart`` with a task.
+        """
+        if isinstance(work, asyncio.Task):
+            if restart:
+                raise ValueError("a running task cannot be restarted: pass its coroutine factory")
+            self._supervisor.own_task(work)
+        else:
+            self._supervisor.own(work, name=name or getattr(work, "__qualname__", "background task"), restart=restart)
+
+    @property
+    def failure(self) -> str | None:
+        """Why an owned task's failure shut the runtime down, or None."""
+        return self._supervisor.failure
+
+    def raise_if_failed(self) -> None:
+        """Raise BackgroundTaskFailed if an owned task's failure shut the runtime down (call it once closed)."""
+        if self._supervisor.failure is not None:
+            raise BackgroundTaskFailed(self._supervisor.failure)
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new requests and deregister at once, give those in flight up to ``grace`` s, cut the rest.
+
+        A cut request's ingress migrates it to another instance at once (runtime/request_plane.py).
+        """
+        for server in self._servers:
+            await server.stop_taking_requests()
+        with contextlib.suppress(Exception):
+            await self.discovery.close()
+        await asyncio.gather(*(server.drain(grace) for server in self._servers))
 
     async def close(self) -> None:
         """Deregister at once (revoke the lease), stop serving, drain NATS."""
@@ -99,9 +152,7 @@ class DistributedRuntime:
             await self.discovery.close()
         for server in self._servers:
             await server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._supervisor.close()
         if self._client is not None:
             await self._client.close()
         with contextlib.suppress(Exception):
@@ -116,7 +167,9 @@ class DistributedRuntime:
 
 
 def worker(main: Callable[[DistributedRuntime], Coroutine[Any, Any, None]]) -> Callable[[], Coroutine[Any, Any, None]]:
-    """Decorator for a worker's entry point: connects the runtime, stops on SIGINT/SIGTERM, closes it.
+    """Decorator for a worker's entry point: connects the runtime, drains on SIGINT/SIGTERM, closes it.
+
+    Raises BackgroundTaskFailed once closed if an owned task's failure stopped the worker.
 
     >>> @worker
     ... async def main(runtime: DistributedRuntime) -> None: ...
@@ -138,6 +191,8 @@ def worker(main: Callable[[DistributedRuntime], Coroutine[Any, Any, None]]) -> C
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
         finally:
+            await runtime.drain(drain_grace_seconds())
             await runtime.close()
+        runtime.raise_if_failed()
 
     return run

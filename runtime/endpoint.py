@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime.addressing import EndpointAddress
-from runtime.config import env_int
 from runtime.discovery import instance_key, model_key
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
 from runtime.load_metrics import publish_load_forever
 from runtime.model_card import ModelCard, ModelType
 from runtime.object_store import publish_tokenizer
-from runtime.request_plane import DEFAULT_MAX_REQUEST_BYTES, EndpointServer, Handler
+from runtime.request_plane import EndpointServer, Handler
+from runtime.settings import drain_grace_seconds as drain_grace_seconds  # re-exported for workers
+from runtime.settings import max_request_bytes
 
 if TYPE_CHECKING:
     from runtime.distributed import DistributedRuntime
@@ -98,7 +99,7 @@ class Endpoint:
             self.subject,
             handler,
             heartbeat_interval=runtime.heartbeat_interval,
-            max_request_bytes=env_int("FLOTILLA_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024),
+            max_request_bytes=max_request_bytes(),
         )
         await server.start()
         self._server = server
@@ -132,7 +133,7 @@ class Endpoint:
         """
         wants_context = len(inspect.signature(handler).parameters) >= 2
 
-        async def bytes_handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+        async def bytes_handler(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
             request = msgspec.msgpack.decode(payload)
             outputs = handler(request, context) if wants_context else handler(request)
             async for output in outputs:

@@ -17,6 +17,10 @@ class ModelError(FlotillaError):
     """A model could not be found, downloaded or loaded."""
 
 
+class ModelUnreachable(ModelError):
+    """The model's hub could not be reached (the network may come back: a supervisor should retry)."""
+
+
 class EngineError(FlotillaError):
     """An engine failed while generating."""
 
@@ -35,3 +39,11 @@ class DiscoveryUnavailable(FlotillaError):
 
 class RequestPlaneUnavailable(FlotillaError):
     """NATS cannot be reached ("cannot reach NATS at ...; start it with `make services` or set NATS_SERVER")."""
+
+
+class PayloadTooLarge(EngineError):
+    """The engine refused the request as over its size limit (the gateway answers 413)."""
+
+
+class BackgroundTaskFailed(FlotillaError):
+    """A background task a process depends on failed, so the process stops (and exits non-zero)."""

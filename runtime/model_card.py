@@ -6,6 +6,7 @@ has no files for.
 """
 
 import enum
+import time
 from functools import cached_property
 from pathlib import Path
 
@@ -13,6 +14,10 @@ import msgspec
 from tokenizers import Tokenizer
 
 from runtime.chat_template import ChatTemplate
+from runtime.errors import ModelError
+
+# Tokens scanned between two releases of the GIL in ``max_token_chars``: about 1 ms of work.
+_VOCAB_CHUNK = 1024
 
 
 class ModelType(enum.StrEnum):
@@ -40,15 +45,30 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
-        """The tokenizer, built once from ``tokenizer_json``. Raises ValueError if the card has none."""
+        """The tokenizer, built once from ``tokenizer_json`` (~100 ms, holding the GIL: see ``prepare``).
+
+        Raises ModelError if the card has none or it cannot be loaded.
+        """
         if self.tokenizer_json is None:
-            raise ValueError(f"model {self.name!r} has no tokenizer")
-        return Tokenizer.from_str(self.tokenizer_json)
+            raise ModelError(f"model {self.name!r} has no tokenizer")
+        try:
+            return Tokenizer.from_str(self.tokenizer_json)
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
+            raise ModelError(f"the tokenizer of model {self.name!r} cannot be loaded: {exc}") from exc
 
     @cached_property
     def max_token_chars(self) -> int:
         """The length of the vocabulary's longest token string: no token stands for more characters."""
-        return max((len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        tokenizer = self.tokenizer
+        # Token by token rather than get_vocab(): that one call holds the GIL for ~30 ms (SmolLM2). Run on
+        # a thread (prepare), this loop lets the GIL go after every ~1 ms chunk, so the event loop runs.
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        longest = 1
+        for start in range(0, size, _VOCAB_CHUNK):
+            chunk = range(start, min(start + _VOCAB_CHUNK, size))
+            longest = max(longest, max(len(tokenizer.id_to_token(i) or "") for i in chunk))
+            time.sleep(0)  # releases the GIL
+        return longest
 
     @cached_property
     def template(self) -> ChatTemplate | None:
@@ -56,6 +76,21 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
         if self.chat_template is None:
             return None
         return ChatTemplate(self.chat_template, bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def prepare(self, tokenizer: Tokenizer | None = None) -> "ModelCard":
+        """Build the tokenizer, its longest token and the chat template now; return this card.
+
+        ``tokenizer``, if given, was built from this very ``tokenizer_json`` earlier and is used as is.
+        Each step costs milliseconds to a hundred (docs/benchmarks.md): an event loop calls this on a
+        thread, ``await asyncio.to_thread(card.prepare)``, before the card serves requests.
+        Raises ModelError for a bad tokenizer, TemplateError for a bad chat template.
+        """
+        if tokenizer is not None:
+            self.__dict__["tokenizer"] = tokenizer  # where cached_property keeps its value
+        if self.tokenizer_json is not None or tokenizer is not None:
+            _ = self.max_token_chars  # builds the tokenizer too
+        _ = self.template
+        return self
 
     @property
     def source_path(self) -> Path | None:

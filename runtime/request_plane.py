@@ -2,24 +2,39 @@
 
 Protocol (all messages msgpack):
 
-* The client publishes ``Envelope(request_id, payload)`` to the instance's subject, with a reply
-  subject on its own inbox. If nobody listens there, NATS itself answers "no responders" on that
+* The client publishes ``Envelope(request_id, payload, window)`` to the instance's subject, with a
+  reply subject on its own inbox. If nobody listens there, NATS itself answers "no responders" on that
   reply subject, so a dead or missing instance is known before anything is generated.
 * The worker publishes ``Frame(kind, seq, payloads)`` to the reply subject: ``DATA`` frames in
   order, then ``END`` (which may carry the last payloads) or ``ERROR``. Payloads produced back to back
   travel in one frame, so a fast engine costs few messages. While it has nothing to send the worker
   publishes ``HEARTBEAT`` frames, so a client that hears nothing for ``silence_timeout`` knows the
-  worker is gone and does not wait forever.
-* The client stops a request by publishing ``Control(request_id)`` to ``<subject>.control``.
+  worker is gone (or hung) and does not wait forever.
+* Flow control: a worker keeps at most ``window`` DATA frames of a stream unacknowledged. While the
+  window is full its outputs pile up on the worker and leave later as one bigger frame, so a slow
+  reader slows its writers instead of being cut off by nats-server as a slow consumer. The client
+  acknowledges frames as its consumer takes them, every ``window // 4`` frames, and sends the acks of
+  all its streams to one instance as one ``Acks`` message per short tick.
+* Death detection: while streams to an instance are open, the client probes that instance's control
+  subject (a ``Probe`` request) every ``probe_interval``. NATS answers "no responders" at once when the
+  worker's connection is gone (a killed process's socket closes), and the client then cuts every
+  stream to that instance (StreamBroken) without waiting out the silence timeout, which stays the
+  fallback for a worker that hangs with its connection open.
+* Drain: a worker that shuts down stops taking requests, lets those in flight finish for a grace
+  period, then sends each stream still running a ``CUT`` frame, which its client treats as a broken
+  stream at once (and migrates).
+* The client stops a request by publishing ``Stop(request_id)`` to ``<subject>.control``.
 
-The payloads are opaque bytes here; the engines' wire types (runtime/protocol.py) go inside.
+Payloads are msgpack documents (the engines' wire types, runtime/protocol.py) embedded as they are
+(``msgspec.Raw``): encoded once by whoever made them, never wrapped as bytes inside bytes.
 """
 
 import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -32,8 +47,14 @@ from runtime.errors import FlotillaError
 
 log = logging.getLogger(__name__)
 
-DATA, END, ERROR, HEARTBEAT = range(4)
+DATA, END, ERROR, HEARTBEAT, CUT = range(5)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # NATS's own default max_payload
+DEFAULT_WINDOW = 16
+_UNLIMITED = 1 << 62
+
+# Frame.code values: why a worker refused a request.
+TOO_LARGE = "too_large"
+UNAVAILABLE = "unavailable"
 
 
 class RequestPlaneError(FlotillaError):
@@ -41,39 +62,60 @@ class RequestPlaneError(FlotillaError):
 
 
 class WorkerUnavailable(RequestPlaneError):
-    """No instance listens on the subject (it is gone); nothing was generated."""
+    """No instance listens on the subject, or it is shutting down; nothing was generated."""
 
 
 class StreamBroken(RequestPlaneError):
-    """The stream stopped mid-way: the worker went silent, or frames were lost."""
+    """The stream stopped mid-way: the worker died, went silent, was shut down, or frames were lost."""
 
 
 class RemoteError(RequestPlaneError):
     """The worker reported an error for this request."""
 
 
+class RequestTooLarge(RemoteError):
+    """The request is over the worker's (or NATS's) size limit; nothing was generated."""
+
+
 class Envelope(msgspec.Struct, array_like=True):
     request_id: str
-    payload: bytes
+    payload: msgspec.Raw
+    #: DATA frames the worker may send ahead of the client's acks (0: no limit).
+    window: int = 0
 
 
 class Frame(msgspec.Struct, array_like=True):
     kind: int
     seq: int
-    payloads: list[bytes] = msgspec.field(default_factory=list)
+    payloads: list[msgspec.Raw] = msgspec.field(default_factory=list)
     error: str = ""
+    code: str = ""
 
 
-class Control(msgspec.Struct, array_like=True):
+class Stop(msgspec.Struct, array_like=True, tag=0):
+    """Stop generating for this request: its client is gone."""
+
     request_id: str
+
+
+class Acks(msgspec.Struct, array_like=True, tag=1):
+    """Cumulative acknowledgements: (request id, last DATA frame taken) for streams to one instance."""
+
+    acks: list[tuple[str, int]]
+
+
+class Probe(msgspec.Struct, array_like=True, tag=2):
+    """Are you there? The worker answers with an empty message."""
 
 
 _encode = msgspec.msgpack.encode
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _frame_decoder = msgspec.msgpack.Decoder(Frame)
-_control_decoder = msgspec.msgpack.Decoder(Control)
+_control_decoder = msgspec.msgpack.Decoder(Stop | Acks | Probe)
+_PROBE = _encode(Probe())
 
-Handler = Callable[[bytes, RequestContext], AsyncIterator[bytes]]
+#: A bytes-level request handler: the request's msgpack document in, encoded msgpack documents out.
+Handler = Callable[[msgspec.Raw, RequestContext], AsyncIterator[bytes]]
 
 
 def control_subject(subject: str) -> str:
@@ -83,18 +125,25 @@ def control_subject(subject: str) -> str:
 class _Stream:
     """Server-side state of one request being answered."""
 
-    __slots__ = ("context", "last_sent", "reply_to", "seq", "task")
+    __slots__ = ("acked", "context", "last_sent", "reply_to", "seq", "task", "wake", "window")
 
-    def __init__(self, context: RequestContext, reply_to: str) -> None:
+    def __init__(self, context: RequestContext, reply_to: str, window: int) -> None:
         self.context = context
         self.reply_to = reply_to
-        self.seq = 0
+        self.window = window
+        self.seq = 0  # the last frame sent
+        self.acked = 0  # the last DATA frame the client took
         self.last_sent = time.monotonic()
         self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()  # new outputs, the end, or an ack that reopens the window
+
+    @property
+    def window_full(self) -> bool:
+        return self.seq - self.acked >= self.window
 
 
 class EndpointServer:
-    """Serves one instance subject with ``handler``; ``close()`` stops taking requests."""
+    """Serves one instance subject with ``handler``; ``drain()`` then ``close()`` shut it down."""
 
     def __init__(
         self,
@@ -111,29 +160,68 @@ class EndpointServer:
         self._heartbeat_interval = heartbeat_interval
         self._max_request_bytes = max_request_bytes
         self._streams: dict[str, _Stream] = {}
-        self._subscriptions: list[Subscription] = []
+        self._requests: Subscription | None = None
+        self._control: Subscription | None = None
         self._heartbeats: asyncio.Task[None] | None = None
+        self._draining = False
 
     @property
     def active_requests(self) -> int:
         return len(self._streams)
 
     async def start(self) -> None:
-        self._subscriptions = [
-            await self._nc.subscribe(self.subject, cb=self._on_request),
-            await self._nc.subscribe(control_subject(self.subject), cb=self._on_control),
-        ]
+        self._requests = await self._nc.subscribe(self.subject, cb=self._on_request)
+        self._control = await self._nc.subscribe(control_subject(self.subject), cb=self._on_control)
         # Make sure the server has the subscriptions before anyone is told this instance exists.
         await self._nc.flush()
         self._heartbeats = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeats {self.subject}")
 
-    async def close(self) -> None:
-        """Stop taking requests, stop the ones running and tell their clients."""
-        for subscription in self._subscriptions:
+    async def stop_taking_requests(self) -> None:
+        """Refuse new requests from now on; streams in flight, stops, acks and probes go on."""
+        self._draining = True
+        if self._requests is not None:
+            # From now on NATS answers "no responders", and clients try another instance at once.
             with contextlib.suppress(nats.errors.Error):
-                await subscription.unsubscribe()
+                await self._requests.unsubscribe()
+                await self._nc.flush()
+            self._requests = None
+
+    async def drain(self, grace: float) -> int:
+        """Stop taking requests, give those in flight up to ``grace`` s to finish, then cut the rest.
+
+        A cut stream gets a CUT frame, on which its client gives up on this worker at once (and
+        migrates the request). Returns the number of streams cut.
+        """
+        await self.stop_taking_requests()
+        running = [stream.task for stream in self._streams.values() if stream.task is not None]
+        if running:
+            log.info("draining %s: %d request(s) in flight, up to %g s", self.subject, len(running), grace)
+            await asyncio.wait(running, timeout=grace)
+        cut = list(self._streams.values())
+        if not cut:
+            return 0
+        await self._stop_streams()
+        for stream in cut:
+            frame = Frame(CUT, stream.seq + 1, error=f"the worker {self.subject} shut down")
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(stream.reply_to, _encode(frame))
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.flush()
+        log.warning("cut %d request(s) still running on %s after the %g s drain", len(cut), self.subject, grace)
+        return len(cut)
+
+    async def close(self) -> None:
+        """Stop taking requests and stop the ones running (call ``drain`` first to let them finish)."""
+        await self.stop_taking_requests()
+        if self._control is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._control.unsubscribe()
+            self._control = None
         if self._heartbeats is not None:
             self._heartbeats.cancel()
+        await self._stop_streams()
+
+    async def _stop_streams(self) -> None:
         tasks = [stream.task for stream in self._streams.values() if stream.task is not None]
         for stream in self._streams.values():
             stream.context.stop()
@@ -145,10 +233,14 @@ class EndpointServer:
         if not msg.reply:
             log.warning("dropped a request without a reply subject on %s", self.subject)
             return
+        if self._draining:
+            # Delivered just before the unsubscribe took effect: send the client elsewhere.
+            await self._refuse(msg.reply, f"{self.subject} is shutting down", UNAVAILABLE)
+            return
         if len(msg.data) > self._max_request_bytes:
             size, limit = len(msg.data), self._max_request_bytes
             log.warning("rejected a %d-byte request on %s (limit %d)", size, self.subject, limit)
-            await self._refuse(msg.reply, f"request of {size} bytes is over the limit of {limit}")
+            await self._refuse(msg.reply, f"request of {size} bytes is over the limit of {limit}", TOO_LARGE)
             return
         try:
             envelope = _envelope_decoder.decode(msg.data)
@@ -159,13 +251,13 @@ class EndpointServer:
         if envelope.request_id in self._streams:
             await self._refuse(msg.reply, f"request id {envelope.request_id!r} is already running here")
             return
-        stream = _Stream(RequestContext(envelope.request_id), msg.reply)
+        stream = _Stream(RequestContext(envelope.request_id), msg.reply, envelope.window or _UNLIMITED)
         self._streams[envelope.request_id] = stream
         stream.task = asyncio.create_task(self._answer(envelope, stream), name=f"request {envelope.request_id}")
 
-    async def _refuse(self, reply_to: str, reason: str) -> None:
+    async def _refuse(self, reply_to: str, reason: str, code: str = "") -> None:
         with contextlib.suppress(nats.errors.Error):
-            await self._nc.publish(reply_to, _encode(Frame(ERROR, 1, error=reason)))
+            await self._nc.publish(reply_to, _encode(Frame(ERROR, 1, error=reason, code=code)))
 
     async def _on_control(self, msg: Msg) -> None:
         try:
@@ -173,17 +265,32 @@ class EndpointServer:
         except msgspec.DecodeError as exc:
             log.warning("ignored a malformed control message on %s: %s", self.subject, exc)
             return
-        stream = self._streams.get(control.request_id)
-        if stream is not None:
-            log.debug("request %s stopped by its client", control.request_id)
-            stream.context.stop()
-            if stream.task is not None:
-                stream.task.cancel()
+        if isinstance(control, Acks):
+            streams = self._streams
+            for request_id, seq in control.acks:
+                stream = streams.get(request_id)
+                if stream is not None and seq > stream.acked:
+                    stream.acked = seq
+                    stream.wake.set()
+        elif isinstance(control, Probe):
+            if msg.reply:
+                with contextlib.suppress(nats.errors.Error):
+                    await self._nc.publish(msg.reply, b"")
+        else:
+            stream = self._streams.get(control.request_id)
+            if stream is not None:
+                log.debug("request %s stopped by its client", control.request_id)
+                stream.context.stop()
+                if stream.task is not None:
+                    stream.task.cancel()
 
     async def _answer(self, envelope: Envelope, stream: _Stream) -> None:
-        """Run the handler and publish what it yields, batching payloads produced back to back."""
-        pending: list[bytes] = []
-        ready = asyncio.Event()
+        """Run the handler and publish what it yields, batching payloads produced back to back.
+
+        Outputs wait on the worker while the stream's window is full, and leave as one frame.
+        """
+        pending: list[msgspec.Raw] = []
+        wake = stream.wake
         failure: list[Exception] = []
         finished = False
 
@@ -191,27 +298,34 @@ class EndpointServer:
             nonlocal finished
             try:
                 async for payload in self._handler(envelope.payload, stream.context):
-                    pending.append(payload)
-                    ready.set()
+                    pending.append(msgspec.Raw(payload))
+                    if not stream.window_full:
+                        wake.set()
             except Exception as exc:
                 failure.append(exc)
             finally:
                 finished = True
-                ready.set()
+                wake.set()
 
         producer = asyncio.create_task(produce())
         publish = self._nc.publish
         try:
             while True:
-                await ready.wait()
-                ready.clear()
+                await wake.wait()
+                wake.clear()
+                if not finished:
+                    if not pending or stream.window_full:
+                        continue
+                    batch = pending[:]
+                    pending.clear()
+                    stream.seq += 1
+                    stream.last_sent = time.monotonic()
+                    await publish(stream.reply_to, _encode(Frame(DATA, stream.seq, batch)))
+                    continue
+                # The last frame goes at once, window or not: it is one message, and it ends the stream.
                 batch = pending[:]
                 pending.clear()
                 stream.seq += 1
-                stream.last_sent = time.monotonic()
-                if not finished:
-                    await publish(stream.reply_to, _encode(Frame(DATA, stream.seq, batch)))
-                    continue
                 if failure:
                     exc = failure[0]
                     log.warning(
@@ -222,7 +336,7 @@ class EndpointServer:
                     await publish(stream.reply_to, _encode(Frame(END, stream.seq, batch)))
                 return
         except asyncio.CancelledError:
-            pass  # stopped by the client, or by close()
+            pass  # stopped by the client, or by drain() / close()
         except nats.errors.Error as exc:
             log.warning("request %s: cannot publish its answer: %s", envelope.request_id, exc)
         finally:
@@ -233,7 +347,7 @@ class EndpointServer:
             self._streams.pop(envelope.request_id, None)
 
     async def _heartbeat_loop(self) -> None:
-        """Publish a heartbeat on every stream that has been quiet for an interval."""
+        """Publish a heartbeat on every stream that has been quiet for an interval (a full window too)."""
         interval = self._heartbeat_interval
         while True:
             await asyncio.sleep(interval / 2)
@@ -292,13 +406,34 @@ class RequestClient:
     so a request costs no SUB/UNSUB round of its own.
     """
 
-    def __init__(self, nc: NATS, *, silence_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        silence_timeout: float = 5.0,
+        window: int = DEFAULT_WINDOW,
+        ack_interval: float = 0.005,
+        probe_interval: float = 0.4,
+    ) -> None:
         self._nc = nc
         self.silence_timeout = silence_timeout
+        self.window = max(1, window)
+        self._ack_every = max(1, self.window // 4)
+        self._ack_interval = ack_interval
+        self.probe_interval = probe_interval
+        # Short, so that a probe the worker took just before dying does not hold up the next one long.
+        self._probe_timeout = min(silence_timeout, max(1.0, 2 * probe_interval))
         self._prefix = nc.new_inbox()
         self._inboxes: dict[str, _Inbox] = {}
         self._subscription: Subscription | None = None
         self._next = 0
+        # Open streams by instance subject (reply subject -> request id): what the probes watch.
+        self._open: dict[str, dict[str, str]] = {}
+        self._probing: set[str] = set()
+        # Acks not yet sent, by control subject (request id -> last DATA frame taken).
+        self._acks: dict[str, dict[str, int]] = {}
+        self._ack_flush: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def connected(self) -> bool:
@@ -307,23 +442,35 @@ class RequestClient:
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch)
         await self._nc.flush()
+        self._spawn(self._probe_forever())
 
     async def close(self) -> None:
+        if self._ack_flush is not None:
+            self._ack_flush.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._subscription is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._subscription.unsubscribe()
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _dispatch(self, msg: Msg) -> None:
         inbox = self._inboxes.get(msg.subject)
         if inbox is not None:
             inbox.on_message(msg)
 
-    async def call(self, subject: str, request_id: str, payload: bytes) -> AsyncIterator[bytes]:
-        """Yield the DATA payloads of the answer, in order.
+    async def call(self, subject: str, request_id: str, payload: bytes) -> AsyncGenerator[list[msgspec.Raw], None]:
+        """Send ``payload`` (one msgpack document) and yield the answer's payloads, a frame's worth at a time.
 
-        Raises WorkerUnavailable before the first payload if no instance listens on ``subject``,
-        RemoteError if the worker reports an error, StreamBroken if it goes silent or frames are lost.
-        Closing the iterator early tells the worker to stop.
+        Raises WorkerUnavailable before the first payload if no instance listens on ``subject`` (or
+        it is shutting down), RequestTooLarge if the request is over a size limit, RemoteError if the
+        worker reports an error, StreamBroken if the worker dies, goes silent, shuts down mid-stream,
+        or frames are lost. Closing the iterator early tells the worker to stop.
         """
         if self._subscription is None:
             raise RuntimeError("RequestClient.start() was not awaited")
@@ -331,13 +478,21 @@ class RequestClient:
         self._next += 1
         reply_to = f"{self._prefix}.{self._next}"
         inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout)
+        open_streams = self._open.get(subject)
+        if open_streams is None:
+            open_streams = self._open[subject] = {}
+        open_streams[reply_to] = request_id
+        control = control_subject(subject)
+        ack_every = self._ack_every
+        acked = 0
         finished = False
         try:
             try:
-                await nc.publish(subject, _encode(Envelope(request_id, payload)), reply=reply_to)
+                envelope = _encode(Envelope(request_id, msgspec.Raw(payload), self.window))
+                await nc.publish(subject, envelope, reply=reply_to)
             except nats.errors.MaxPayloadError as exc:
                 finished = True
-                raise RemoteError(f"the request is over the NATS payload limit: {exc}") from exc
+                raise RequestTooLarge(f"the request is over the NATS payload limit: {exc}") from exc
             expected = 1
             while True:
                 frame = await inbox.queue.get()
@@ -349,23 +504,88 @@ class RequestClient:
                 kind = frame.kind
                 if kind == HEARTBEAT:
                     continue
+                if kind == CUT:
+                    finished = True
+                    raise StreamBroken(frame.error)
                 if frame.seq == -1:
                     finished = True
                     raise RemoteError(frame.error)
                 if frame.seq != expected:
                     raise StreamBroken(f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})")
                 expected += 1
-                for item in frame.payloads:
-                    yield item
+                if kind == DATA:
+                    if frame.seq - acked >= ack_every:
+                        acked = frame.seq
+                        self._ack(control, request_id, acked)
+                    yield frame.payloads
+                    continue
+                finished = True
+                if frame.payloads:
+                    yield frame.payloads
                 if kind == END:
-                    finished = True
                     return
-                if kind == ERROR:
-                    finished = True
-                    raise RemoteError(frame.error)
+                if frame.code == TOO_LARGE:
+                    raise RequestTooLarge(frame.error)
+                if frame.code == UNAVAILABLE:
+                    raise WorkerUnavailable(frame.error)
+                raise RemoteError(frame.error)
         finally:
             inbox.close()
             del self._inboxes[reply_to]
+            del open_streams[reply_to]
+            if not open_streams:
+                del self._open[subject]
             if not finished:
                 with contextlib.suppress(nats.errors.Error):
-                    await nc.publish(control_subject(subject), _encode(Control(request_id)))
+                    await nc.publish(control, _encode(Stop(request_id)))
+
+    def _ack(self, control: str, request_id: str, seq: int) -> None:
+        """Queue an ack; the acks of one tick go out as one message per instance."""
+        pending = self._acks.get(control)
+        if pending is None:
+            pending = self._acks[control] = {}
+        pending[request_id] = seq
+        if self._ack_flush is None:
+            self._ack_flush = asyncio.get_running_loop().call_later(self._ack_interval, self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        self._ack_flush = None
+        acks, self._acks = self._acks, {}
+        self._spawn(self._send_acks(acks))
+
+    async def _send_acks(self, acks: dict[str, dict[str, int]]) -> None:
+        for control, streams in acks.items():
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(control, _encode(Acks(list(streams.items()))))
+
+    async def _probe_forever(self) -> None:
+        """Probe every instance with open streams, one probe per instance at a time."""
+        while True:
+            await asyncio.sleep(self.probe_interval)
+            for subject in self._open:
+                if subject not in self._probing:
+                    self._probing.add(subject)
+                    self._spawn(self._probe(subject))
+
+    async def _probe(self, subject: str) -> None:
+        try:
+            await self._nc.request(control_subject(subject), _PROBE, timeout=self._probe_timeout)
+        except nats.errors.NoRespondersError:
+            await self._cut(subject)
+        except (TimeoutError, nats.errors.Error):
+            pass  # no answer in time: a hung worker, which the silence timeout deals with
+        finally:
+            self._probing.discard(subject)
+
+    async def _cut(self, subject: str) -> None:
+        """Break every open stream to ``subject``: its worker's connection is gone.
+
+        The CUT frames travel through NATS to our own inbox rather than straight into the queues, so
+        they arrive after every frame the worker sent before it died.
+        """
+        streams = list(self._open.get(subject, {}))
+        log.warning("instance %s is gone (its NATS connection closed): breaking %d stream(s)", subject, len(streams))
+        frame = _encode(Frame(CUT, 0, error=f"the worker {subject} is gone (its NATS connection closed)"))
+        for reply_to in streams:
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(reply_to, frame)

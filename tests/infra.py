@@ -85,9 +85,9 @@ class _Process(abc.ABC):
 class EtcdServer(_Process):
     """A one-member etcd cluster; ``endpoint`` is ``http://127.0.0.1:PORT``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, port: int | None = None) -> None:
         super().__init__("etcd", directory)
-        self.port = free_port()
+        self.port = port or free_port()
         self.peer_port = free_port()
 
     @property
@@ -119,9 +119,9 @@ class EtcdServer(_Process):
 class NatsServer(_Process):
     """nats-server with JetStream; ``url`` is ``nats://127.0.0.1:PORT``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, port: int | None = None) -> None:
         super().__init__("nats-server", directory)
-        self.port = free_port()
+        self.port = port or free_port()
 
     @property
     def url(self) -> str:

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
+from launcher.startup import connect_runtime
 from runtime.addressing import EndpointAddress
-from runtime.distributed import DistributedRuntime
-from runtime.endpoint import register_model
+from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Engine, RequestContext
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
@@ -34,7 +34,7 @@ def engine_handler(engine: Engine) -> Handler:
     decoder: msgspec.msgpack.Decoder[Any] = _token_request if engine.kind == "token" else _text_request
     generate: Callable[[Any, RequestContext], AsyncIterator[msgspec.Struct]] = engine.generate
 
-    async def handler(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+    async def handler(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
         async for output in generate(decoder.decode(payload), context):
             yield encode(output)
 
@@ -42,8 +42,14 @@ def engine_handler(engine: Engine) -> Handler:
 
 
 async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard) -> None:
-    """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM."""
-    runtime = await DistributedRuntime.connect()
+    """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
+
+    On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
+    flight finish for ``FLOTILLA_DRAIN_S`` seconds, and cuts the rest so that their ingress migrates them.
+    """
+    runtime = await connect_runtime()
+    if runtime is None:
+        return  # stopped by SIGTERM before etcd and NATS answered
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, runtime.shutdown)
@@ -59,6 +65,7 @@ async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard
         )
         await runtime.wait_for_shutdown()
         log.info("shutting down worker %x", runtime.instance_id)
+        await runtime.drain(drain_grace_seconds())
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)

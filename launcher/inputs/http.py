@@ -1,14 +1,20 @@
 """``in=http``: serve models over the OpenAI HTTP API with uvicorn (uvloop + httptools)."""
 
+import asyncio
 import logging
+import resource
+import signal
 import socket
 import sys
 from typing import TextIO
 
 import uvicorn
 
+from frontend_gateway.admission import AdmissionLimits
 from frontend_gateway.http_app import GatewayApp
+from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry
+from launcher.options import RunOptions
 from runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,29 +40,78 @@ print(r.choices[0].message.content)'
 """
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Listen on host:port, or raise ConfigError saying why not (uvicorn would exit the process)."""
+def admission_limits(options: RunOptions) -> AdmissionLimits:
+    """The admission control settings of ``--max-inflight``, ``--max-queued`` and ``--queue-timeout``."""
+    return AdmissionLimits(
+        max_inflight=options.max_inflight, max_queued=options.max_queued, queue_timeout_s=options.queue_timeout_s
+    )
+
+
+# Connections the kernel holds before we accept them: a burst of thousands of clients must not be reset.
+# (The kernel caps it at net.core.somaxconn.)
+LISTEN_BACKLOG = 8192
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; return the limit now in force.
+
+    Every client connection is a file descriptor, and the usual soft limit (1024) would refuse
+    connections long before memory or CPU run out (Go and nginx raise it the same way).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+            return soft
+    return hard
+
+
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """Listen on host:port, or raise ConfigError saying why not (uvicorn would exit the process).
+
+    With ``reuse_port`` several processes may listen on the same port (SO_REUSEPORT): the kernel
+    spreads new connections over them, so an ingress can use more than one core.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        share = "" if reuse_port else ", or give every process sharing it --reuse-port (FLOTILLA_REUSE_PORT)"
         raise ConfigError(
-            f"cannot listen on {host}:{port}: {exc.strerror}; pick another --http-port (FLOTILLA_HTTP_PORT)"
+            f"cannot listen on {host}:{port}: {exc.strerror}; pick another --http-port (FLOTILLA_HTTP_PORT){share}"
         ) from exc
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
 
 async def serve_http(
-    models: ModelRegistry, *, host: str, port: int, max_body_bytes: int, banner: TextIO | None = sys.stdout
-) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn re-raises the signal once it has shut down cleanly)."""
-    sock = bind_socket(host, port)
-    app = GatewayApp(models, max_body_bytes=max_body_bytes)
+    models: ModelRegistry,
+    *,
+    host: str,
+    port: int,
+    max_body_bytes: int,
+    limits: AdmissionLimits | None = None,
+    metrics: GatewayMetrics | None = None,
+    stop: asyncio.Event | None = None,
+    reuse_port: bool = False,
+    banner: TextIO | None = sys.stdout,
+) -> int | None:
+    """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
+
+    A first signal shuts down gracefully (streams in flight finish); a second one cuts them.
+    """
+    files = raise_open_file_limit()
+    log.debug("open-file limit %d", files)
+    sock = bind_socket(host, port, reuse_port=reuse_port)
+    app = GatewayApp(models, max_body_bytes=max_body_bytes, limits=limits, metrics=metrics)
     config = uvicorn.Config(
         app,
         loop="none",  # the caller's loop (uvloop, installed by the CLI)
@@ -65,16 +120,58 @@ async def serve_http(
         log_level="warning",
         access_log=False,
         timeout_keep_alive=30,
-        backlog=2048,
+        backlog=LISTEN_BACKLOG,
     )
     server = uvicorn.Server(config)
-    with sock, server.capture_signals():
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        # Our own handlers rather than uvicorn's capture_signals(), which re-raises the signal after
+        # shutting down and so kills the process before its caller can close what it owns (NATS, etcd).
+        received.append(signum)
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await _serve(server, sock, config, models, host, port, stop, banner)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    return received[0] if received else None
+
+
+async def _serve(
+    server: uvicorn.Server,
+    sock: socket.socket,
+    config: uvicorn.Config,
+    models: ModelRegistry,
+    host: str,
+    port: int,
+    stop: asyncio.Event | None,
+    banner: TextIO | None,
+) -> None:
+    with sock:
         config.load()
         server.lifespan = config.lifespan_class(config)
         await server.startup(sockets=[sock])
-        if server.should_exit:
+        if not server.started:
             raise ConfigError("the HTTP server failed to start; see the log above")
         if banner is not None:
             print(usage_banner(host, port, models.names()), file=banner, flush=True)
-        await server.main_loop()
+        stopper = asyncio.create_task(_exit_when_set(stop, server)) if stop is not None else None
+        try:
+            await server.main_loop()
+        finally:
+            if stopper is not None:
+                stopper.cancel()
         await server.shutdown(sockets=[sock])
+
+
+async def _exit_when_set(stop: asyncio.Event, server: uvicorn.Server) -> None:
+    """Shut ``server`` down as a signal would, once ``stop`` is set."""
+    await stop.wait()
+    server.should_exit = True

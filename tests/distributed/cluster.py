@@ -1,5 +1,6 @@
 """A distributed deployment for tests: workers and an ingress as real processes on real etcd and NATS."""
 
+import base64
 import os
 import re
 import signal
@@ -105,3 +106,17 @@ def wait_until(condition: "object", timeout: float, message: str) -> None:
 def served_models(server: Server) -> list[str]:
     data = httpx.get(server.api_url + "/models", timeout=5).json()["data"]
     return sorted(model["id"] for model in data)
+
+
+def etcd_leases(etcd: EtcdServer, prefix: str) -> dict[str, int]:
+    """The keys under ``prefix`` in etcd and the lease each is attached to (0: none), over its JSON API."""
+
+    def encode(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    # The range end is the prefix with its last byte incremented: every key that starts with it.
+    range_end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    body = {"key": encode(prefix), "range_end": encode(range_end)}
+    reply = httpx.post(etcd.endpoint + "/v3/kv/range", json=body, timeout=5)
+    reply.raise_for_status()
+    return {base64.b64decode(kv["key"]).decode(): int(kv.get("lease", 0)) for kv in reply.json().get("kvs", [])}

@@ -10,7 +10,9 @@ import pytest
 
 from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage
 from frontend_gateway.pipeline import TokenModel
+from runtime.engine import RequestContext
 from runtime.model_loading import load_model_card
+from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.servers import Server, llama_cpp_available
 
 pytestmark = [
@@ -122,3 +124,57 @@ async def test_the_same_seed_gives_the_same_sample(model: TokenModel) -> None:
     first, _ = await answer(model, chat("Write a word.", temperature=1.0, seed=7, max_tokens=12))
     second, _ = await answer(model, chat("Write a word.", temperature=1.0, seed=7, max_tokens=12))
     assert first == second
+
+
+def chatml(engine: Any, content: str) -> list[int]:
+    """SmolLM2's chat prompt for one user message, as token ids (what the gateway would send)."""
+    text = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    tokens: list[int] = engine._llama.tokenize(text.encode(), add_bos=False, special=True)
+    return tokens
+
+
+async def greedy(engine: Any, token_ids: list[int], max_tokens: int, migrated_tokens: int = 0) -> list[int]:
+    """The token ids the engine generates at temperature 0 (llama.cpp's default repeat penalty on)."""
+    request = PreprocessedRequest(
+        request_id="r",
+        model=MODEL,
+        token_ids=token_ids,
+        sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens),
+        migrated_tokens=migrated_tokens,
+    )
+    return [token async for output in engine.generate(request, RequestContext("r")) for token in output.token_ids]
+
+
+@pytest.fixture
+async def other(smollm2: Path) -> AsyncIterator[Any]:
+    """A second engine on the same model: the worker a request migrates to."""
+    from engines.llamacpp import LlamaCppEngine
+
+    engine = LlamaCppEngine(smollm2, context_length=2048, threads=2)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+async def test_a_migrated_request_continues_exactly_as_the_undisturbed_run(model: TokenModel, other: Any) -> None:
+    # Before the fix, each of these diverged: a batch-decoded migrated part rounds differently from
+    # the one-at-a-time decode it had where it was generated, and the repeat penalty forgot it.
+    for content in ("Tell me a long story about a dragon.", "Write a poem about the sea."):
+        prompt = chatml(model.engine, content)
+        undisturbed = await greedy(model.engine, prompt, 48)
+        assert len(undisturbed) == 48
+        for done in (5, 17, 33):
+            resumed = await greedy(other, prompt + undisturbed[:done], 48 - done, migrated_tokens=done)
+            assert resumed == undisturbed[done:], f"{content!r} resumed after {done} tokens"
+
+
+async def test_the_same_prompt_twice_gets_the_same_answer(model: TokenModel) -> None:
+    # The second time the whole prompt is cached; re-decoding its last token alone used to round
+    # differently from the batch it was first decoded in, and this answer changed.
+    prompt = chatml(model.engine, "Explain how photosynthesis works in detail.")
+    first = await greedy(model.engine, prompt, 48)
+    assert await greedy(model.engine, prompt, 48) == first

@@ -41,7 +41,8 @@ def test_metrics_count_requests_tokens_and_latency(echo_full_server: Server) -> 
     assert grew("flotilla_frontend_output_tokens_total", model="echo") == 4
     assert grew("flotilla_frontend_input_tokens_total", model="echo") == 4
     assert grew("flotilla_frontend_time_to_first_token_seconds_count", model="echo") == 1
-    assert grew("flotilla_frontend_inter_token_latency_seconds_count", model="echo") == 3
+    # One observation per streamed request (the mean time between its tokens), not one per token.
+    assert grew("flotilla_frontend_inter_token_latency_seconds_count", model="echo") == 1
     assert grew("flotilla_frontend_errors_total", error_type="invalid_request_error", status_code="400") == 1
     assert metric_value(after, "flotilla_frontend_inflight_requests", model="echo") == 0
     assert "# TYPE flotilla_frontend_request_duration_seconds histogram" in after

@@ -130,3 +130,77 @@ def test_max_tokens_past_the_context_is_400(echo_core_server: Server) -> None:
 def test_out_of_vocabulary_token_ids_are_400(echo_core_server: Server) -> None:
     body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": [1, 2, 10_000_000]}
     assert_error(post(echo_core_server, "/v1/completions", body), 400, param="prompt", contains="vocabulary")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "contains"),
+    [
+        ("seed", 2**63, "<= 9223372036854775807"),
+        ("seed", -(2**63) - 1, ">= -9223372036854775808"),
+        ("seed", 2**200, "<= 9223372036854775807"),
+        ("top_k", 2**31, "<= 2147483647"),
+        ("max_tokens", 2**40, "<= 2147483647"),
+        ("min_tokens", 2**64, "<= 2147483647"),
+        ("n", 2**64, "<= 1"),
+    ],
+)
+def test_integers_beyond_their_wire_type_are_400(
+    echo_full_server: Server, field: str, value: int, contains: str
+) -> None:
+    assert_error(post(echo_full_server, CHAT, {**GOOD_CHAT, field: value}), 400, param=field, contains=contains)
+
+
+def test_the_widest_accepted_seed_is_served(echo_full_server: Server) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        assert post(echo_full_server, CHAT, {**GOOD_CHAT, "seed": seed}).status_code == 200
+
+
+def test_tool_calls_holding_an_integer_beyond_64_bits_are_400(echo_full_server: Server) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}, "index": 2**64}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "hi"}]
+    response = post(echo_full_server, CHAT, {**GOOD_CHAT, "messages": messages})
+    assert_error(response, 400, param="messages[0].tool_calls", contains="beyond 64 bits")
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        (CHAT, {"logit_bias": {"50256": -100}}, "logit_bias"),
+        (CHAT, {"tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (CHAT, {"top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"logprobs": 0}, "logprobs"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": "tail"}, "suffix"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+    ],
+)
+def test_fields_that_would_not_be_honoured_are_refused(
+    echo_full_server: Server, path: str, fields: dict[str, Any], param: str
+) -> None:
+    base = GOOD_CHAT if path == CHAT else {"model": "echo", "prompt": "hi"}
+    assert_error(post(echo_full_server, path, {**base, **fields}), 400, param=param)
+
+
+def test_their_harmless_values_are_accepted(echo_full_server: Server) -> None:
+    harmless = {"logit_bias": {}, "tool_choice": "auto", "logprobs": False}
+    assert post(echo_full_server, CHAT, {**GOOD_CHAT, **harmless}).status_code == 200
+    completion = {"model": "echo", "prompt": "hi", "echo": False, "best_of": 1, "suffix": ""}
+    assert post(echo_full_server, "/v1/completions", completion).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "contains"),
+    [
+        (b'{"model": "echo", "user": "\xff"}', "not valid UTF-8"),
+        (b'{"model": "echo", "response_format": {"a": ' + b"[" * 50_000, "too deeply"),
+    ],
+)
+def test_bodies_msgspec_cannot_read_are_400(echo_full_server: Server, body: bytes, contains: str) -> None:
+    assert_error(post(echo_full_server, CHAT, body), 400, contains=contains)
+
+
+def test_a_huge_unknown_model_name_is_not_echoed_whole(echo_full_server: Server) -> None:
+    response = post(echo_full_server, CHAT, {**GOOD_CHAT, "model": "m" * 50_000})
+    assert_error(response, 404, param="model")
+    assert len(response.content) < 1000

@@ -146,3 +146,54 @@ async def test_a_prompt_that_cannot_fit_whatever_its_tokens_is_refused_before_to
     text = "x" * (card.context_length * card.max_token_chars + 1)
     with pytest.raises(ContextLengthExceeded, match="cannot fit"):
         await TokenModel(card, ScriptedEngine([])).prepare_completion(CompletionRequest(model="m", prompt=text))
+
+
+class FrameEngine:
+    """A token engine that answers with whole frames of token ids, as a remote engine does."""
+
+    kind: Literal["token"] = "token"
+    skip_special_tokens = True
+
+    def __init__(self, frames: list[list[int]]) -> None:
+        self.frames = frames
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        for frame in self.frames:
+            yield EngineOutput(frame)
+        yield EngineOutput([], "stop")
+
+
+def split_ids(card: ModelCard, text: str, frames: int) -> list[list[int]]:
+    ids: list[int] = card.tokenizer.encode(text, add_special_tokens=False).ids
+    size = -(-len(ids) // frames)
+    return [ids[start : start + size] for start in range(0, len(ids), size)]
+
+
+async def test_the_tokens_of_one_frame_leave_as_one_piece(card: ModelCard) -> None:
+    text = "The capital of France is Paris, é 中文 👍"
+    frames = split_ids(card, text, 2)
+    generation = await TokenModel(card, FrameEngine(frames)).prepare_chat(chat())
+    pieces = await run(generation)
+    assert "".join(pieces) == text
+    assert len(pieces) == 2
+    assert generation.completion_tokens == sum(len(frame) for frame in frames)
+
+
+async def test_max_tokens_cuts_exactly_inside_a_frame(card: ModelCard) -> None:
+    frames = split_ids(card, "one two three four five six", 1)
+    generation = await TokenModel(card, FrameEngine(frames)).prepare_chat(chat(max_tokens=3))
+    assert "".join(await run(generation)) == card.tokenizer.decode(frames[0][:3])
+    assert (generation.completion_tokens, generation.finish_reason) == (3, "length")
+
+
+async def test_a_stop_string_inside_a_frame_cuts_exactly_there(card: ModelCard) -> None:
+    frames = split_ids(card, "alpha beta STOP gamma delta", 2)
+    generation = await TokenModel(card, FrameEngine(frames)).prepare_chat(chat(stop=["STOP"]))
+    assert "".join(await run(generation)) == "alpha beta "
+    assert generation.finish_reason == "stop"

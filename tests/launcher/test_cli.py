@@ -8,17 +8,30 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import build_run_parser, parse_run_options
+from launcher.cli import build_run_parser, exit_code, parse_run_options
 from launcher.options import RunOptions
+from runtime.errors import (
+    BackgroundTaskFailed,
+    ConfigError,
+    DiscoveryUnavailable,
+    FlotillaError,
+    ModelError,
+    ModelUnreachable,
+    RequestPlaneUnavailable,
+    TemplateError,
+)
+from tests.servers import free_port
 
 
-def flotilla(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def flotilla(
+    *args: str, stdin: str = "", env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "launcher.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         env={**os.environ, "FLOTILLA_TOKEN_ECHO_DELAY_MS": "0", **(env or {})},
     )
 
@@ -69,7 +82,87 @@ def test_misuse_exits_2_with_a_precise_message(args: list[str], message: str) ->
 def test_a_malformed_environment_variable_is_named() -> None:
     result = flotilla("run", env={"FLOTILLA_HTTP_PORT": "eighty"})
     assert result.returncode == 2
-    assert "--http-port: 'eighty' is not an integer" in result.stderr
+    assert result.stderr == "flotilla: FLOTILLA_HTTP_PORT: 'eighty' is not an integer\n"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("FLOTILLA_ROUTER_MODE", "bogus", "FLOTILLA_ROUTER_MODE='bogus' is not one of: round-robin, random"),
+        ("FLOTILLA_MIGRATION_LIMIT", "-1", "FLOTILLA_MIGRATION_LIMIT: -1 must be at least 0"),
+        ("FLOTILLA_MODEL_CONFIG", "/nonexistent", "FLOTILLA_MODEL_CONFIG: /nonexistent is not a folder"),
+        ("ETCD_ENDPOINTS", "https://127.0.0.1:2379", "is not of the form http://host:port (check ETCD_ENDPOINTS)"),
+        ("NATS_SERVER", "redis://127.0.0.1:4222", "NATS_SERVER: 'redis://127.0.0.1:4222' is not of the form"),
+        ("FLOTILLA_LEASE_TTL", "0.5", "FLOTILLA_LEASE_TTL=0.5 is below the minimum 1.0"),
+        ("FLOTILLA_STREAM_SILENCE_S", "soon", "FLOTILLA_STREAM_SILENCE_S='soon' is not a number"),
+        ("FLOTILLA_STREAM_HEARTBEAT_S", "nan", "FLOTILLA_STREAM_HEARTBEAT_S='nan' is not a finite number"),
+        ("FLOTILLA_TOKEN_ECHO_DELAY_MS", "-5", "FLOTILLA_TOKEN_ECHO_DELAY_MS=-5.0 is below the minimum 0.0"),
+        ("FLOTILLA_MAX_REQUEST_BYTES", "1k", "FLOTILLA_MAX_REQUEST_BYTES='1k' is not an integer"),
+        ("FLOTILLA_DRAIN_S", "long", "FLOTILLA_DRAIN_S='long' is not a number"),
+        ("FLOTILLA_LOG", "loud", "FLOTILLA_LOG directive 'loud': unknown level 'loud'"),
+    ],
+)
+def test_a_bad_variable_stops_a_worker_at_start_up_with_one_line_and_exit_2(
+    variable: str, value: str, message: str
+) -> None:
+    # Servers nobody listens on: a variable that slipped through would leave the worker waiting.
+    servers = {"NATS_SERVER": f"nats://127.0.0.1:{free_port()}", "ETCD_ENDPOINTS": f"http://127.0.0.1:{free_port()}"}
+    result = flotilla("run", "in=dyn://check", "out=echo_full", env={**servers, variable: value}, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+
+
+def test_a_variable_goes_through_its_flags_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_ROUTER_MODE", "random")
+    assert options("in=http", "out=dyn").router_mode == "random"
+    monkeypatch.setenv("FLOTILLA_ROUTER_MODE", "fastest")
+    with pytest.raises(ConfigError, match="FLOTILLA_ROUTER_MODE='fastest' is not one of"):
+        options("in=http", "out=dyn")
+
+
+def test_a_bad_variable_is_an_error_even_when_its_flag_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_ROUTER_MODE", "fastest")
+    with pytest.raises(ConfigError, match="FLOTILLA_ROUTER_MODE"):
+        options("in=http", "out=dyn", "--router-mode", "random")
+
+
+def test_a_flag_wins_over_its_variable_and_a_blank_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_HTTP_PORT", "9100")
+    monkeypatch.setenv("FLOTILLA_CONTEXT_LENGTH", "")
+    parsed = options("in=http", "--http-port", "9200")
+    assert (parsed.http_port, parsed.context_length) == (9200, None)
+
+
+def test_every_option_but_verbosity_has_a_variable() -> None:
+    parser = build_run_parser()
+    flags = {action.option_strings[-1] for action in parser._actions if action.option_strings}
+    assert flags - set(parser.variables) == {"--help", "--verbose"}
+    assert all(variable.startswith("FLOTILLA_") for variable in parser.variables.values())
+
+
+def test_help_works_even_with_a_bad_variable_and_documents_the_exit_codes() -> None:
+    result = flotilla("run", "--help", env={"FLOTILLA_ROUTER_MODE": "bogus"})
+    assert result.returncode == 0
+    assert "exit codes" in result.stdout
+    assert "RestartPreventExitStatus=2" in result.stdout
+    assert "[FLOTILLA_ROUTER_MODE]" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (ConfigError("bad flag"), 2),
+        (ModelError("no such model"), 2),
+        (TemplateError("bad template"), 2),
+        (ModelUnreachable("hub down"), 1),
+        (DiscoveryUnavailable("etcd down"), 1),
+        (RequestPlaneUnavailable("NATS down"), 1),
+        (BackgroundTaskFailed("watcher died"), 1),
+    ],
+)
+def test_only_what_a_restart_cannot_fix_exits_2(error: FlotillaError, code: int) -> None:
+    assert exit_code(error) == code
 
 
 def test_an_engine_on_the_road_map_says_it_is_not_available_yet() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from runtime.config import env_bool, env_float, env_int, env_str
 from runtime.errors import ConfigError
+from runtime.settings import check_settings, parse_nats_servers
 
 
 def test_env_int_parses_and_checks_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,3 +46,30 @@ def test_a_secret_can_come_from_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("X_TOKEN_FILE", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="cannot be read"):
         env_str("X_TOKEN")
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf"])
+def test_env_float_refuses_values_that_slip_past_comparisons(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("X_SECONDS", raw)
+    with pytest.raises(ConfigError, match="not a finite number"):
+        env_float("X_SECONDS", 1.0, minimum=0.0)
+
+
+def test_nats_servers_may_be_a_list_and_get_a_scheme() -> None:
+    assert parse_nats_servers("127.0.0.1:4222, tls://nats.example:4443") == [
+        "nats://127.0.0.1:4222",
+        "tls://nats.example:4443",
+    ]
+
+
+@pytest.mark.parametrize("raw", ["", " , ", "http://127.0.0.1:4222", "nats://127.0.0.1:port", "nats://:4222"])
+def test_a_malformed_nats_server_is_a_config_error_naming_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigError, match="NATS_SERVER"):
+        parse_nats_servers(raw)
+
+
+def test_check_settings_reads_every_variable_of_the_serving_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_settings()  # the defaults are fine
+    monkeypatch.setenv("ETCD_ENDPOINTS", "http://127.0.0.1:2379,https://127.0.0.1:2379")
+    with pytest.raises(ConfigError, match="ETCD_ENDPOINTS"):
+        check_settings()

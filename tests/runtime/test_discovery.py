@@ -176,14 +176,27 @@ async def test_the_watch_reports_a_key_that_vanished_while_etcd_was_down_as_a_de
         await events.aclose()
 
 
-async def test_connecting_to_a_closed_port_raises_discovery_unavailable_quickly_with_a_helpful_message() -> None:
+async def test_a_closed_port_without_waiting_raises_discovery_unavailable_with_a_helpful_message() -> None:
     endpoint = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(DiscoveryUnavailable, match="make services") as raised:
-        await Discovery.connect([endpoint])
+        await Discovery.connect([endpoint], wait=0)
     assert time.monotonic() - start < 2
     assert endpoint in str(raised.value)
     assert "ETCD_ENDPOINTS" in str(raised.value)
+
+
+async def test_connect_waits_for_an_etcd_that_starts_later(tmp_path: Path) -> None:
+    etcd = EtcdServer(tmp_path / "etcd")  # its port chosen, the server not started yet
+    connecting = asyncio.create_task(Discovery.connect([etcd.endpoint]))
+    try:
+        await asyncio.to_thread(etcd.start)
+        async with await asyncio.wait_for(connecting, 30) as discovery:
+            await discovery.register(PREFIX + "late", b"1")
+            assert await discovery.get_prefix(PREFIX) == {PREFIX + "late": b"1"}
+    finally:
+        connecting.cancel()
+        etcd.stop()
 
 
 async def test_endpoints_and_ttl_come_from_the_environment(
@@ -199,4 +212,4 @@ async def test_endpoints_and_ttl_come_from_the_environment(
 @pytest.mark.parametrize("endpoint", ["https://127.0.0.1:2379", "http://127.0.0.1:port", "http://:2379", "ftp://x"])
 async def test_a_malformed_endpoint_is_a_config_error(endpoint: str) -> None:
     with pytest.raises(ConfigError, match="ETCD_ENDPOINTS"):
-        await Discovery.connect([endpoint])
+        await Discovery.connect([endpoint], wait=0)

@@ -1,8 +1,9 @@
-"""The request plane over a real NATS server: streams, stops, silence, refusals."""
+"""The request plane over a real NATS server: streams, stops, silence, refusals, flow control, death, drain."""
 
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -12,6 +13,7 @@ from runtime.request_plane import (
     EndpointServer,
     RemoteError,
     RequestClient,
+    RequestTooLarge,
     StreamBroken,
     WorkerUnavailable,
 )
@@ -20,12 +22,20 @@ from tests.infra import NatsServer
 SUBJECT = "flotilla.test.backend.generate.1"
 
 
-async def count(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
-    for number in range(int(payload)):
+encode = msgspec.msgpack.encode
+
+
+async def count(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+    for number in range(msgspec.msgpack.decode(payload)):
         if context.stopped:
             return
         await asyncio.sleep(0)
-        yield str(number).encode()
+        yield encode(number)
+
+
+async def items(frames: AsyncIterator[list[msgspec.Raw]]) -> list[object]:
+    """Every payload of a stream, decoded, in order."""
+    return [msgspec.msgpack.decode(payload) async for frame in frames for payload in frame]
 
 
 @pytest.fixture
@@ -48,7 +58,7 @@ async def test_a_stream_arrives_whole_and_in_order(connections: tuple[NATS, NATS
     server = await serve(worker, count)
     client = RequestClient(nc)
     await client.start()
-    assert [item async for item in client.call(SUBJECT, "a", b"200")] == [str(n).encode() for n in range(200)]
+    assert await items(client.call(SUBJECT, "a", encode(200))) == list(range(200))
     await server.close()
 
 
@@ -56,25 +66,25 @@ async def test_a_subject_nobody_serves_is_worker_unavailable(connections: tuple[
     client = RequestClient(connections[1])
     await client.start()
     with pytest.raises(WorkerUnavailable, match="no instance listens"):
-        await anext(client.call("flotilla.test.backend.generate.ff", "b", b"1"))
+        await anext(client.call("flotilla.test.backend.generate.ff", "b", encode(1)))
 
 
 async def test_closing_the_stream_stops_the_handler(connections: tuple[NATS, NATS]) -> None:
     worker, nc = connections
     stopped = asyncio.Event()
 
-    async def endless(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+    async def endless(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
         try:
             while True:
                 await asyncio.sleep(0.01)
-                yield b"x"
+                yield encode("x")
         finally:
             stopped.set()
 
     server = await serve(worker, endless)
     client = RequestClient(nc)
     await client.start()
-    stream = client.call(SUBJECT, "c", b"")
+    stream = client.call(SUBJECT, "c", encode(None))
     await anext(stream)
     await stream.aclose()  # type: ignore[attr-defined]
     await asyncio.wait_for(stopped.wait(), 5)
@@ -85,22 +95,22 @@ async def test_closing_the_stream_stops_the_handler(connections: tuple[NATS, NAT
 async def test_a_handler_error_reaches_the_client(connections: tuple[NATS, NATS]) -> None:
     worker, nc = connections
 
-    async def broken(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
-        yield b"first"
+    async def broken(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        yield encode("first")
         raise ValueError("the engine broke")
 
     server = await serve(worker, broken)
     client = RequestClient(nc)
     await client.start()
-    received: list[bytes] = []
+    received: list[object] = []
 
     async def collect() -> None:
-        async for item in client.call(SUBJECT, "d", b""):
-            received.append(item)
+        async for frame in client.call(SUBJECT, "d", encode(None)):
+            received.extend(msgspec.msgpack.decode(payload) for payload in frame)
 
     with pytest.raises(RemoteError, match="the engine broke"):
         await collect()
-    assert received == [b"first"]
+    assert received == ["first"]
     await server.close()
 
 
@@ -108,19 +118,19 @@ async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connect
     worker, nc = connections
     release = asyncio.Event()
 
-    async def slow(payload: bytes, context: RequestContext) -> AsyncIterator[bytes]:
+    async def slow(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
         await release.wait()
-        yield b"late"
+        yield encode("late")
 
     server = await serve(worker, slow, heartbeat_interval=0.05)
     client = RequestClient(nc, silence_timeout=0.3)
     await client.start()
-    stream = client.call(SUBJECT, "e", b"")
+    stream = client.call(SUBJECT, "e", encode(None))
     first = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0.8)  # several silence periods pass with only heartbeats
     assert not first.done()
     release.set()
-    assert await first == b"late"
+    assert msgspec.msgpack.decode((await first)[0]) == "late"
     await stream.aclose()  # type: ignore[attr-defined]
 
     await server.close()
@@ -129,7 +139,7 @@ async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connect
     silent = EndpointServer(worker, SUBJECT, slow, heartbeat_interval=60)
     await silent.start()
     with pytest.raises(StreamBroken, match="went silent"):
-        await anext(client.call(SUBJECT, "f", b""))
+        await anext(client.call(SUBJECT, "f", encode(None)))
     await silent.close()
 
 
@@ -144,4 +154,107 @@ async def test_a_malformed_frame_fails_the_request_at_once(connections: tuple[NA
     client = RequestClient(nc, silence_timeout=60)
     await client.start()
     with pytest.raises(RemoteError, match="malformed frame"):
-        await asyncio.wait_for(anext(client.call(SUBJECT, "g", b"")), 5)
+        await asyncio.wait_for(anext(client.call(SUBJECT, "g", encode(None))), 5)
+
+
+async def test_a_slow_reader_makes_the_worker_coalesce_its_frames(connections: tuple[NATS, NATS]) -> None:
+    worker, nc = connections
+    produced = asyncio.Event()
+
+    async def fast(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        for number in range(300):
+            await asyncio.sleep(0)  # a step boundary: without flow control each item leaves as its own frame
+            yield encode(number)
+        produced.set()
+
+    server = await serve(worker, fast)
+    client = RequestClient(nc, window=4)
+    await client.start()
+    stream = client.call(SUBJECT, "w", encode(None))
+    frames = [await anext(stream)]
+    await produced.wait()  # the reader takes nothing more until the worker has produced everything
+    frames += [frame async for frame in stream]
+    assert [msgspec.msgpack.decode(payload) for frame in frames for payload in frame] == list(range(300))
+    # At most: the window, one more for the single frame taken (and acknowledged), and the END frame.
+    assert len(frames) <= 4 + 1 + 1
+    await server.close()
+
+
+async def test_a_request_over_the_size_limit_is_refused_as_too_large(connections: tuple[NATS, NATS]) -> None:
+    worker, nc = connections
+    server = await serve(worker, count, max_request_bytes=1024)
+    client = RequestClient(nc)
+    await client.start()
+    with pytest.raises(RequestTooLarge, match="over the limit of 1024"):
+        await anext(client.call(SUBJECT, "big", encode("x" * 2000)))
+    await server.close()
+
+
+async def endless(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+    while True:
+        await asyncio.sleep(0.01)
+        yield encode("x")
+
+
+async def drain_stream(stream: AsyncIterator[list[msgspec.Raw]]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_a_worker_whose_connection_closes_breaks_its_streams_long_before_the_silence_timeout(
+    nats_server: NatsServer,
+) -> None:
+    doomed = await connect_nats(nats_server.url, name="doomed worker")
+    nc = await connect_nats(nats_server.url, name="client")
+    server = await serve(doomed, endless)
+    client = RequestClient(nc, silence_timeout=60, probe_interval=0.1)
+    await client.start()
+    stream = client.call(SUBJECT, "k", encode(None))
+    await anext(stream)
+    await doomed.close()  # to nats-server, as if the worker's process had been killed
+    with pytest.raises(StreamBroken, match="is gone"):
+        async with asyncio.timeout(10):  # far below the 60 s silence timeout
+            await drain_stream(stream)
+    await server.close()
+    await client.close()
+    await nc.close()
+
+
+async def test_a_draining_worker_refuses_new_requests_and_lets_running_ones_finish(
+    connections: tuple[NATS, NATS],
+) -> None:
+    worker, nc = connections
+    release = asyncio.Event()
+
+    async def waits(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        yield encode("started")
+        await release.wait()
+        yield encode("done")
+
+    server = await serve(worker, waits)
+    client = RequestClient(nc, silence_timeout=60)
+    await client.start()
+    stream = client.call(SUBJECT, "r1", encode(None))
+    assert msgspec.msgpack.decode((await anext(stream))[0]) == "started"
+    await server.stop_taking_requests()
+    drain = asyncio.create_task(server.drain(grace=60))
+    with pytest.raises(WorkerUnavailable):
+        await anext(client.call(SUBJECT, "r2", encode(None)))
+    release.set()
+    assert await items(stream) == ["done"]
+    assert await drain == 0
+    await server.close()
+
+
+async def test_streams_still_running_when_the_drain_ends_are_cut_at_once(connections: tuple[NATS, NATS]) -> None:
+    worker, nc = connections
+    server = await serve(worker, endless)
+    client = RequestClient(nc, silence_timeout=60)
+    await client.start()
+    stream = client.call(SUBJECT, "s", encode(None))
+    await anext(stream)
+    assert await server.drain(grace=0) == 1
+    with pytest.raises(StreamBroken, match="shut down"):
+        async with asyncio.timeout(10):  # far below the 60 s silence timeout
+            await drain_stream(stream)
+    await server.close()
