@@ -42,6 +42,9 @@ MODEL = "echo"
 # elsewhere the hard limit stays what it is and the soft limit is raised to it).
 WANTED_FILES = 200_000
 
+# Streams per client process: each socket is a file descriptor, and the hard limit may be low (20,000 here).
+STREAMS_PER_CLIENT = 8000
+
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
 
@@ -106,7 +109,7 @@ async def one_stream(port: int, request: bytes, tokens: int, start: asyncio.Even
                 if status != 200:
                     body = await reader.read()
                     refused = status in (429, 503) and b"retry-after:" in head.lower() and b'"error"' in body
-                    return Outcome("refused" if refused else "failed", f"HTTP {status}")
+                    return Outcome("refused" if refused else "failed", f"HTTP {status}: {_message(body)}")
                 first = await reader.read(1 << 16)
                 ttft = time.perf_counter() - sent
                 chunks = [first]
@@ -119,8 +122,9 @@ async def one_stream(port: int, request: bytes, tokens: int, start: asyncio.Even
         return Outcome("failed", "timed out")
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         return Outcome("failed", type(exc).__name__)
-    if b'data: {"error"' in data:
-        return Outcome("failed", "error event")
+    if (at := data.find(b'data: {"error"')) >= 0:
+        event = data[at + len(b"data: ") : data.find(b"\n", at)]
+        return Outcome("failed", f"error event: {_message(event)}")
     if not data.rstrip().endswith(b"0") or b"data: [DONE]" not in data:
         return Outcome("failed", "cut stream")
     usage = _USAGE.findall(data)
@@ -129,14 +133,60 @@ async def one_stream(port: int, request: bytes, tokens: int, start: asyncio.Even
     return Outcome("completed", ttft=ttft)
 
 
-async def run_level(port: int, request: bytes, streams: int, tokens: int, patience: float) -> LevelResult:
+def _message(body: bytes) -> str:
+    """The start of an OpenAI error envelope's message, to group failures by cause."""
+    try:
+        message = str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = body[:80].decode(errors="replace")
+    return re.sub(r"[0-9a-f]{8,}", "…", message)[:90]
+
+
+async def run_streams(
+    port: int, request: bytes, streams: int, tokens: int, patience: float, at: float
+) -> list[Outcome]:
+    """Open ``streams`` streams together at wall-clock time ``at``; their outcomes."""
     start = asyncio.Event()
     tasks = [asyncio.create_task(one_stream(port, request, tokens, start, patience)) for _ in range(streams)]
-    await asyncio.sleep(0)  # every task is waiting on `start`: they open their connections together
-    began = time.perf_counter()
+    await asyncio.sleep(max(0.0, at - time.time()))  # every task is waiting on `start` by then
     start.set()
-    outcomes = await asyncio.gather(*tasks)
-    return LevelResult(streams, time.perf_counter() - began, list(outcomes))
+    return list(await asyncio.gather(*tasks))
+
+
+def run_level(port: int, request: bytes, streams: int, tokens: int, patience: float) -> LevelResult:
+    """One level, its streams split over client processes: one process may hold only so many sockets."""
+    clients = -(-streams // STREAMS_PER_CLIENT)
+    shares = [streams // clients + (1 if number < streams % clients else 0) for number in range(clients)]
+    at = time.time() + 2.0 + streams / 5000  # time for every client to start and open its tasks
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--client", str(port), str(share), str(tokens), str(patience), str(at)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for share in shares
+    ]
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write(request)
+        process.stdin.close()
+    outcomes: list[Outcome] = []
+    for process in processes:
+        assert process.stdout is not None
+        output = process.stdout.read()
+        if process.wait() != 0:
+            raise RuntimeError(f"a client process failed with exit code {process.returncode}")
+        outcomes += [Outcome(kind, detail, ttft) for kind, detail, ttft in json.loads(output)]
+    return LevelResult(streams, time.time() - at, outcomes)
+
+
+def client_main(argv: list[str]) -> None:
+    """``--client PORT STREAMS TOKENS PATIENCE AT``: the request on stdin, the outcomes as JSON on stdout."""
+    port, streams, tokens, patience, at = int(argv[0]), int(argv[1]), int(argv[2]), float(argv[3]), float(argv[4])
+    raise_file_limit()
+    request = sys.stdin.buffer.read()
+    outcomes = uvloop.run(run_streams(port, request, streams, tokens, patience, at))
+    json.dump([[o.kind, o.detail, o.ttft] for o in outcomes], sys.stdout)
 
 
 @contextlib.contextmanager
@@ -192,16 +242,21 @@ def main() -> None:
     parser.add_argument("--ingress-processes", type=int, default=1, help="ingress processes sharing the port")
     parser.add_argument("--ingress-args", default="", help="extra flags for the ingress, e.g. '--max-inflight 4096'")
     parser.add_argument("--timeout", type=float, default=900.0, help="longest a client waits for its stream")
+    parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here (default: a temporary folder)")
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     limit = raise_file_limit()
-    if limit < max(levels) + 100:
-        sys.exit(f"the open-file limit is {limit}: too low for {max(levels)} streams (run as root, or raise it)")
+    if limit < STREAMS_PER_CLIENT + 100:
+        sys.exit(f"the open-file limit is {limit}: too low for {STREAMS_PER_CLIENT} streams per client process")
     # About 300 prompt tokens, so that echo_core has 256 to echo.
     prompt = " ".join(f"word{number % 50}" for number in range(300))
     results: list[LevelResult] = []
-    with tempfile.TemporaryDirectory() as temp:
-        directory = Path(temp)
+    with contextlib.ExitStack() as stack_of_dirs:
+        if args.log_dir is not None:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+            directory = args.log_dir
+        else:
+            directory = Path(stack_of_dirs.enter_context(tempfile.TemporaryDirectory()))
         with infrastructure(directory) as env:
             env = {
                 **env,
@@ -218,7 +273,7 @@ def main() -> None:
                 print(f"{'streams':>8}{'completed':>11}{'refused':>9}{'failed':>8}{'TTFT p50 s':>12}"
                       f"{'TTFT p99 s':>12}{'wall s':>9}  failures")  # fmt: skip
                 for level in levels:
-                    result = uvloop.run(run_level(port, request, level, args.tokens, args.timeout))
+                    result = run_level(port, request, level, args.tokens, args.timeout)
                     results.append(result)
                     ttfts = result.ttfts()
                     p50 = f"{percentile(ttfts, 50):12.2f}" if ttfts else f"{'-':>12}"
@@ -238,7 +293,7 @@ def main() -> None:
     (out / "overload.json").write_text(
         json.dumps(
             {
-                "args": vars(args),
+                "args": {key: str(value) for key, value in vars(args).items()},
                 "levels": [
                     {
                         "streams": r.streams,
@@ -267,4 +322,7 @@ def smollm2_path() -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--client"]:
+        client_main(sys.argv[2:])
+    else:
+        main()

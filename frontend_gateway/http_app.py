@@ -207,10 +207,32 @@ class GatewayApp:
     # The slot is taken after the body is read and validated (bad requests never wait behind good
     # ones) and before preprocessing, so the limit also bounds how many prompts are tokenized at once.
 
+    async def _admit(self, receive: Receive) -> None:
+        """Take a generation slot; a client that leaves while queued gives its place up at once.
+
+        Without watching for ``http.disconnect`` here, a client that gave up would hold its place
+        until the queue timeout and then take a slot for an answer no one reads.
+        """
+        if self.admission.try_acquire():
+            return
+        acquiring = asyncio.ensure_future(self.admission.acquire())
+        leaving = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait((acquiring, leaving), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not acquiring.done():
+                acquiring.cancel()  # acquire() passes on a slot it was handed meanwhile
+                with contextlib.suppress(asyncio.CancelledError):
+                    await acquiring
+        if acquiring.cancelled():
+            raise ClientDisconnected
+        acquiring.result()  # Overloaded or QueueTimeout propagate; with a slot, go on
+
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
-        await self.admission.acquire()
+        await self._admit(receive)
         try:
             generation = await model.prepare_chat(request)
             await self._respond("chat", "chat_completions", model, request, generation, receive, send)
@@ -220,7 +242,7 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         model = self._find_model(request.model)
-        await self.admission.acquire()
+        await self._admit(receive)
         try:
             generation = await model.prepare_completion(request)
             await self._respond("completion", "completions", model, request, generation, receive, send)
@@ -388,8 +410,7 @@ class _DisconnectWatcher:
         self._task = asyncio.get_running_loop().create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        await _wait_for_disconnect(receive)
         self.disconnected = True
         self._generation.context.stop()
         if self._owner is not None:
@@ -397,6 +418,11 @@ class _DisconnectWatcher:
 
     def close(self) -> None:
         self._task.cancel()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:

@@ -232,8 +232,8 @@ def build_run_parser() -> EnvArgumentParser:
         "--queue-timeout",
         env="FLOTILLA_QUEUE_TIMEOUT_S",
         type=_positive_seconds,
-        default=30.0,
-        help="longest wait for a slot in seconds; beyond, 503 with Retry-After (default 30)",
+        default=120.0,
+        help="longest wait for a slot in seconds; beyond, 503 with Retry-After (default 120)",
     )
     run.add_flag(
         "--reuse-port",

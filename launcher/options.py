@@ -27,7 +27,7 @@ class RunOptions:
     migration_limit: int = 0
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)
     max_queued: int = 16384
-    queue_timeout_s: float = 30.0
+    queue_timeout_s: float = 120.0
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
     extra: dict[str, str] = field(default_factory=dict)
 

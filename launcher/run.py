@@ -174,6 +174,7 @@ async def run_ingress(options: RunOptions) -> int:
     finally:
         stop_on_failure.cancel()
         await runtime.close()
+        log.info("the ingress closed its etcd and NATS connections")
     if runtime.failure is not None:
         log.error("the ingress stopped because %s", runtime.failure)
         return 1

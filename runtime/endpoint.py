@@ -9,12 +9,11 @@ etcd holds, under the process's lease: ``flotilla/instances/<ns>/<comp>/<ep>/<id
 ``ModelEntry``: the model card; the tokenizer itself is in the object store).
 """
 
-import asyncio
 import inspect
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,10 +110,13 @@ class Endpoint:
         for key, value in self._pending_models:
             await runtime.discovery.register(key, value)
         self._pending_models.clear()
-        load = publish_load_forever(
-            runtime.nc, self.address.load_metrics_subject(), runtime.instance_id, lambda: server.active_requests
-        )
-        runtime.own(asyncio.create_task(load, name=f"load metrics {self.address}"))
+        subject = self.address.load_metrics_subject()
+
+        def publish_load() -> Coroutine[Any, Any, None]:
+            return publish_load_forever(runtime.nc, subject, runtime.instance_id, lambda: server.active_requests)
+
+        # Restarted if it fails: the load it publishes is advisory, never a reason to stop serving.
+        runtime.own(publish_load, name=f"load metrics {self.address}", restart=True)
         log.info("serving %s as instance %x", self.address, runtime.instance_id)
 
     async def announce(self, key: str, value: bytes) -> None:

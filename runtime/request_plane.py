@@ -364,15 +364,22 @@ NO_RESPONDERS = Frame(ERROR, 0, error="no responders")
 
 
 class _Inbox:
-    """Client side of one stream: frames queued by the subscription callback, with a silence watchdog."""
+    """Client side of one stream: frames queued by the subscription callback, with a silence watchdog.
 
-    __slots__ = ("_last", "_loop", "_silence", "_timer", "queue")
+    ``behind()`` says whether the client itself is behind on reading what NATS delivered: an
+    overloaded ingress must not take its own backlog for a worker's silence and fail streams that
+    are alive (their frames and heartbeats are waiting unread), so the verdict is postponed then.
+    """
 
-    def __init__(self, silence_timeout: float) -> None:
+    __slots__ = ("_behind", "_due", "_last", "_loop", "_silence", "_timer", "queue")
+
+    def __init__(self, silence_timeout: float, behind: Callable[[], bool]) -> None:
         self.queue: asyncio.Queue[Frame | None] = asyncio.Queue()  # None: the worker went silent
         self._loop = asyncio.get_running_loop()
         self._silence = silence_timeout
+        self._behind = behind
         self._last = time.monotonic()
+        self._due = self._last + silence_timeout
         self._timer = self._loop.call_later(silence_timeout, self._check)
 
     def on_message(self, msg: Msg) -> None:
@@ -389,14 +396,23 @@ class _Inbox:
 
     def _check(self) -> None:
         # One timer per silence period rather than one per message: re-armed for the time left.
-        quiet = time.monotonic() - self._last
-        if quiet >= self._silence:
+        now = time.monotonic()
+        quiet = now - self._last
+        # A timer that fires late means a busy event loop, which reads NATS late too.
+        late = now - self._due > _LOOP_LAG_TOLERANCE
+        if quiet >= self._silence and not late and not self._behind():
             self.queue.put_nowait(None)
-        else:
-            self._timer = self._loop.call_later(self._silence - quiet, self._check)
+            return
+        wait = self._silence - quiet if quiet < self._silence else self._silence / 4
+        self._due = now + wait
+        self._timer = self._loop.call_later(wait, self._check)
 
     def close(self) -> None:
         self._timer.cancel()
+
+
+# How late a silence timer may fire before the client counts itself as behind (see _Inbox).
+_LOOP_LAG_TOLERANCE = 0.5
 
 
 class RequestClient:
@@ -454,6 +470,10 @@ class RequestClient:
             with contextlib.suppress(nats.errors.Error):
                 await self._subscription.unsubscribe()
 
+    def _behind(self) -> bool:
+        """Whether messages NATS delivered to this client still wait to be dispatched."""
+        return self._subscription is not None and self._subscription.pending_msgs > 0
+
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
@@ -477,7 +497,7 @@ class RequestClient:
         nc = self._nc
         self._next += 1
         reply_to = f"{self._prefix}.{self._next}"
-        inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout)
+        inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout, self._behind)
         open_streams = self._open.get(subject)
         if open_streams is None:
             open_streams = self._open[subject] = {}

@@ -44,6 +44,7 @@ def engine_handler(engine: Engine) -> Handler:
 async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard) -> None:
     """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
 
+    Raises BackgroundTaskFailed when a task the worker needs failed and stopped it.
     On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
     flight finish for ``FLOTILLA_DRAIN_S`` seconds, and cuts the rest so that their ingress migrates them.
     """
@@ -70,3 +71,4 @@ async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         await runtime.close()
+    runtime.raise_if_failed()  # an owned task that died stopped the worker: exit 1, so it is restarted

@@ -3,6 +3,7 @@
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -10,7 +11,11 @@ import pytest
 
 from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.errors import Overloaded, QueueTimeout
+from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
+from frontend_gateway.pipeline import ModelRegistry, TokenModel
+from runtime.model_loading import load_model_card
+from tests.frontend_gateway.asgi import Client, TokenScript, call
 from tests.frontend_gateway.test_health_and_metrics import metric_value
 from tests.servers import Server, start_server
 
@@ -110,6 +115,38 @@ async def test_a_new_arrival_takes_a_free_slot_even_while_a_handed_waiter_resume
     await gate.acquire()  # must not queue behind the waiter that already has its slot
     await waiter
     assert (gate.inflight, gate.queued) == (2, 0)
+
+
+async def test_a_client_that_leaves_while_queued_gives_its_place_up_at_once(smollm2: Path) -> None:
+    card = load_model_card(smollm2)
+    registry = ModelRegistry()
+    registry.add(TokenModel(card, TokenScript([11, 12], endless=True)))
+    app = GatewayApp(registry, limits=AdmissionLimits(max_inflight=1, max_queued=1, queue_timeout_s=60))
+    body = {"model": card.name, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    streaming, never = asyncio.Event(), asyncio.Event()
+
+    class Holder(Client):  # reads its headers, then stops reading: it keeps its slot
+        async def send(self, message: dict[str, object]) -> None:
+            await super().send(message)
+            streaming.set()
+            await never.wait()
+
+    holder, quitter = Holder(msgspec.json.encode(body)), Client(msgspec.json.encode(body))
+    holding = asyncio.create_task(call(app, "/v1/chat/completions", None, holder))
+    await streaming.wait()  # it holds the one slot now
+    queued = asyncio.create_task(call(app, "/v1/chat/completions", None, quitter))
+    await asyncio.sleep(0.1)  # nothing to await: the second request enters the queue within a few loop turns
+    assert app.admission.queued == 1
+    quitter.left.set()
+    async with asyncio.timeout(5):  # far below the 60 s queue timeout
+        await queued
+    assert (app.admission.queued, app.admission.inflight) == (0, 1)
+    assert quitter.sent == []  # nothing is written to a client that left
+    holder.left.set()
+    await holding
+    assert app.admission.inflight == 0
+    exposition = app.metrics.exposition().decode()
+    assert metric_value(exposition, "flotilla_frontend_queued_requests") == 0
 
 
 # --- through a real server --------------------------------------------------------------------

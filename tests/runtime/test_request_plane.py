@@ -258,3 +258,19 @@ async def test_streams_still_running_when_the_drain_ends_are_cut_at_once(connect
         async with asyncio.timeout(10):  # far below the 60 s silence timeout
             await drain_stream(stream)
     await server.close()
+
+
+async def test_a_client_behind_on_its_own_reading_does_not_call_a_worker_silent() -> None:
+    # An overloaded ingress reads NATS late: frames and heartbeats wait unread in its own queue. Its
+    # silence watchdog must wait until it has caught up, or it fails streams whose workers are alive.
+    from runtime.request_plane import _Inbox
+
+    behind = True
+    inbox = _Inbox(0.05, lambda: behind)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(inbox.queue.get(), 0.4)
+        behind = False
+        assert await asyncio.wait_for(inbox.queue.get(), 5) is None  # now the silence counts
+    finally:
+        inbox.close()
