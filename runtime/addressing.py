@@ -63,6 +63,14 @@ class EndpointAddress:
         """Where instances of this endpoint's component publish their load."""
         return f"flotilla.{self.namespace}.{self.component}.load_metrics"
 
+    def kv_events_subject(self) -> str:
+        """Where instances of this endpoint's component publish their KV-cache events."""
+        return f"flotilla.{self.namespace}.{self.component}.kv_events"
+
+    def kv_state_subject(self, instance_id: int) -> str:
+        """Where one instance answers requests for its whole KV-cache state."""
+        return f"flotilla.{self.namespace}.{self.component}.kv_state.{instance_id:x}"
+
 
 def new_instance_id() -> int:
     """A random 63-bit instance id, unique per process for all practical purposes."""

@@ -58,6 +58,9 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    #: On the first output of a request: how many prompt tokens the engine found already in its
+    #: cache (prefix caching); reported to clients as ``usage.prompt_tokens_details.cached_tokens``.
+    cached_tokens: int | None = None
 
 
 class TextRequest(msgspec.Struct, kw_only=True):
