@@ -171,13 +171,16 @@ class LlamaCppEngine:
             # Only greedy decoding can continue exactly; a sampled continuation gains nothing from
             # the slower one-at-a-time decoding.
             one_at_a_time = request.migrated_tokens if kwargs["temp"] == 0 else 0
-            self._prefill(request.token_ids, one_at_a_time)
-            self._sample_loop(sampler, request, context, eos_ids, emit)
+            cached = self._prefill(request.token_ids, one_at_a_time)
+            self._sample_loop(sampler, request, context, eos_ids, emit, cached)
         finally:
             sampler.close()
 
-    def _prefill(self, token_ids: list[int], one_at_a_time: int) -> None:
-        """Bring the context to ``token_ids``, decoding the last ``one_at_a_time`` of them singly."""
+    def _prefill(self, token_ids: list[int], one_at_a_time: int) -> int:
+        """Bring the context to ``token_ids``, decoding the last ``one_at_a_time`` of them singly.
+
+        Returns how many of them were already in the context (the reused prefix).
+        """
         llama = self._llama
         plan = plan_prefill(llama.input_ids[: llama.n_tokens].tolist(), token_ids, one_at_a_time, llama.n_batch)
         if plan.reuse > 0 and not llama._ctx.kv_cache_seq_rm(-1, plan.reuse, -1):
@@ -193,6 +196,7 @@ class LlamaCppEngine:
             position += size
         for token in token_ids[position:]:
             llama.eval([token])
+        return plan.reuse
 
     def _sample_loop(
         self,
@@ -201,22 +205,25 @@ class LlamaCppEngine:
         context: RequestContext,
         eos_ids: set[int],
         emit: Callable[[Any], None],
+        cached_tokens: int,
     ) -> None:
         llama = self._llama
         stop = request.stop_conditions
         generated = 0
+        cached: int | None = cached_tokens  # told once, on the first output
         while True:
             if context.stopped:
                 return
             token = sampler.sample(llama._ctx, -1)  # also accepts the token into the penalty window
             if token in eos_ids and not stop.ignore_eos:
-                emit(EngineOutput([], "stop"))
+                emit(EngineOutput([], "stop", cached))
                 return
             generated += 1
             if generated >= stop.max_tokens:
-                emit(EngineOutput([token], "length"))
+                emit(EngineOutput([token], "length", cached))
                 return
-            emit(EngineOutput([token]))
+            emit(EngineOutput([token], None, cached))
+            cached = None
             llama.eval([token])
 
 

@@ -327,6 +327,7 @@ class GatewayApp:
             finish_reason=generation.finish_reason,
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
+            cached_tokens=generation.cached_tokens,
             nvext=_nvext(generation) if show_instance else None,
         )
         headers = _response_headers(_JSON_HEADERS, generation)
@@ -383,7 +384,7 @@ class GatewayApp:
                     metrics.inter_token_latency.observe((time.perf_counter() - first_at) / tokens_after_first)
         tail = encoder.finish(generation.finish_reason, _nvext(generation) if show_instance else None)
         if include_usage:
-            tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens)
+            tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
         await send({"type": "http.response.body", "body": tail + responses.DONE_FRAME})
         return None
 

@@ -27,12 +27,22 @@ from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
 class Generation:
     """One request's output stream. Iterate ``pieces()`` once; then read usage and finish_reason."""
 
-    __slots__ = ("_source", "completion_tokens", "context", "finish_reason", "prompt_tokens", "request_id")
+    __slots__ = (
+        "_source",
+        "cached_tokens",
+        "completion_tokens",
+        "context",
+        "finish_reason",
+        "prompt_tokens",
+        "request_id",
+    )
 
     def __init__(self, request_id: str, prompt_tokens: int) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        #: Prompt tokens the engine found in its cache, when it says (usage.prompt_tokens_details).
+        self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         self.context = RequestContext(request_id)
         self._source: AsyncIterator[str] | None = None
@@ -120,6 +130,8 @@ class TokenModel:
         outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
+                if output.cached_tokens is not None and generation.cached_tokens is None:
+                    generation.cached_tokens = output.cached_tokens  # the first worker's, after a migration
                 token_ids = output.token_ids
                 room = max_tokens - generation.completion_tokens
                 if len(token_ids) > room:

@@ -21,12 +21,17 @@ def _openai_finish_reason(reason: str | None) -> str | None:
     return "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` when the engine reported cache hits
+    (as vLLM reports them, and benchmark clients such as AIPerf read them)."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def full_response(
@@ -39,6 +44,7 @@ def full_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int | None = None,
     nvext: dict[str, Any] | None = None,
 ) -> bytes:
     """The body of a non-streaming chat.completion or text_completion (``nvext`` added when given)."""
@@ -65,7 +71,7 @@ def full_response(
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
     if nvext is not None:
         body["nvext"] = nvext
@@ -108,8 +114,8 @@ class StreamEncoder:
             choice = b'{"index":0,"text":"","logprobs":null,"finish_reason":'
         return self._head + choice + reason + b"}]" + extra + b"}\n\n"
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._head + b'],"usage":' + _encode(usage(prompt_tokens, completion_tokens)) + b"}\n\n"
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        return self._head + b'],"usage":' + _encode(usage(prompt_tokens, completion_tokens, cached_tokens)) + b"}\n\n"
 
 
 def error_body(message: str, error_type: str, code: str | None, param: str | None) -> bytes:

@@ -52,6 +52,16 @@ def test_the_capital_of_france_is_paris_over_http(llamacpp_server: Server) -> No
     assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 40
 
 
+def test_cached_prompt_tokens_reach_the_client_in_usage(llamacpp_server: Server) -> None:
+    client = openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You answer in one word. " * 30}, *PARIS]
+    client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2)  # type: ignore[arg-type]
+    again = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2)  # type: ignore[arg-type]
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and again.usage.prompt_tokens - 2 <= cached < again.usage.prompt_tokens
+
+
 def test_a_streamed_answer_matches_the_unary_one(llamacpp_server: Server) -> None:
     client = openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
     unary = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=30)  # type: ignore[arg-type]
@@ -85,6 +95,8 @@ async def test_a_shared_prefix_is_not_evaluated_again(model: TokenModel) -> None
     assert first_prompt > 100
     # Only the differing tail (a dozen tokens) is evaluated for the second prompt.
     assert evaluated[0] < second.prompt_tokens - 100
+    # ... and the client is told so, as vLLM tells it (usage.prompt_tokens_details.cached_tokens).
+    assert second.cached_tokens == second.prompt_tokens - evaluated[0]  # one batch: the tail
 
 
 async def test_closing_the_stream_stops_generation_and_frees_the_engine(model: TokenModel) -> None:
