@@ -50,10 +50,11 @@ def infrastructure(directory: Path) -> Iterator[dict[str, str]]:
              "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
              "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=(directory / "etcd.log").open("wb"),
         ),
         subprocess.Popen(
-            ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(directory / "nats")],
+            ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(directory / "nats"),
+             "-l", str(directory / "nats.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         ),
     ]  # fmt: skip

@@ -139,15 +139,19 @@ class RemoteTokenEngine(_RemoteBase):
 
 
 def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
-    """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it."""
+    """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it.
+
+    The first reported ``cached_tokens`` is kept (engines report it on a request's first output).
+    """
     if len(outputs) == 1:
         return outputs[0]
     token_ids: list[int] = []
+    cached_tokens = next((output.cached_tokens for output in outputs if output.cached_tokens is not None), None)
     for output in outputs:
         token_ids += output.token_ids
         if output.finish_reason is not None:
-            return EngineOutput(token_ids, output.finish_reason)
-    return EngineOutput(token_ids)
+            return EngineOutput(token_ids, output.finish_reason, cached_tokens)
+    return EngineOutput(token_ids, cached_tokens=cached_tokens)
 
 
 def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:

@@ -1,6 +1,7 @@
 """The NATS connection of a process: waited for at start-up, reconnecting for ever after a loss."""
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +16,8 @@ log = logging.getLogger(__name__)
 
 # nats-py retries a server this often, for the first connection as after a loss.
 RECONNECT_WAIT = 0.5
+# Messages dropped because a subscription fell behind are reported at most this often.
+SLOW_CONSUMER_REPORT_S = 5.0
 
 
 async def connect_nats(
@@ -51,10 +54,21 @@ async def connect_nats(
     async def reconnected() -> None:
         await note("reconnected")
 
+    slow_consumer = _DropCounter()
+
     async def error(exc: Exception) -> None:
         if not nc.is_connected:
             waiting.failed(exc)  # shown in the next "cannot reach" warning
-        log.debug("NATS error: %s", exc)
+            log.debug("NATS error: %s", exc)
+        elif isinstance(exc, nats.errors.SlowConsumerError):
+            # nats-py drops what a subscription cannot queue: the streams waiting for it will break.
+            if (dropped := slow_consumer.add()) is not None:
+                log.warning(
+                    "NATS: this process reads too slowly and dropped %d message(s) (subject %s) in the last "
+                    "%.0f s; it is overloaded", dropped, exc.subject, SLOW_CONSUMER_REPORT_S,
+                )  # fmt: skip
+        else:
+            log.warning("NATS error (%s): %s", address, exc)
 
     options: dict[str, Any] = {
         "name": name,
@@ -77,3 +91,19 @@ async def connect_nats(
         await nc.close()
         raise
     return nc
+
+
+class _DropCounter:
+    """Counts dropped messages; ``add`` returns the count to report when a report is due, else None."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._reported = -SLOW_CONSUMER_REPORT_S
+
+    def add(self) -> int | None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._reported < SLOW_CONSUMER_REPORT_S:
+            return None
+        count, self._count, self._reported = self._count, 0, now
+        return count

@@ -9,6 +9,7 @@ import pytest
 
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.pipeline import ModelRegistry, TokenModel
+from frontend_gateway.remote_engines import merge_engine_outputs
 from runtime.engine import RequestContext
 from runtime.model_card import ModelCard
 from runtime.model_loading import load_model_card
@@ -66,3 +67,8 @@ async def test_a_stream_reports_them_in_its_usage_chunk(card: ModelCard) -> None
 async def test_an_engine_that_does_not_say_adds_no_details(card: ModelCard) -> None:
     client = await call(app_with(card, None), "/v1/chat/completions", body(card))
     assert "prompt_tokens_details" not in msgspec.json.decode(client.content)["usage"]
+
+
+def test_outputs_merged_from_one_frame_keep_the_cached_token_count() -> None:
+    merged = merge_engine_outputs([EngineOutput([1], cached_tokens=32), EngineOutput([2]), EngineOutput([3], "stop")])
+    assert merged == EngineOutput([1, 2, 3], "stop", cached_tokens=32)

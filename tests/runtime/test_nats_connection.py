@@ -1,0 +1,43 @@
+"""The NATS connection says what goes wrong on it: messages dropped by a slow subscription are a warning."""
+
+import asyncio
+import logging
+
+from runtime.nats_connection import connect_nats
+from tests.infra import NatsServer
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.arrived = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        self.arrived.set()
+
+
+async def test_messages_dropped_by_a_slow_subscription_are_reported(nats_server: NatsServer) -> None:
+    warnings = _Warnings()
+    logger = logging.getLogger("runtime.nats_connection")
+    logger.addHandler(warnings)
+    nc = await connect_nats(nats_server.url, name="slow reader")
+    release = asyncio.Event()
+
+    async def stuck(_: object) -> None:
+        await release.wait()
+
+    try:
+        await nc.subscribe("slow", cb=stuck, pending_msgs_limit=2)
+        for number in range(10):
+            await nc.publish("slow", str(number).encode())
+        await nc.flush()
+        async with asyncio.timeout(5):
+            await warnings.arrived.wait()
+        assert len(warnings.messages) == 1  # one report, not one line per message
+        assert "reads too slowly" in warnings.messages[0] and "subject slow" in warnings.messages[0]
+    finally:
+        release.set()
+        logger.removeHandler(warnings)
+        await nc.close()
