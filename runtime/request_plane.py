@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -366,18 +366,20 @@ NO_RESPONDERS = Frame(ERROR, 0, error="no responders")
 class _Inbox:
     """Client side of one stream: frames queued by the subscription callback, with a silence watchdog.
 
-    ``behind()`` says whether the client itself is behind on reading what NATS delivered: an
-    overloaded ingress must not take its own backlog for a worker's silence and fail streams that
-    are alive (their frames and heartbeats are waiting unread), so the verdict is postponed then.
+    ``caught_up()`` says whether the client has read everything NATS had for it (a PING round trip:
+    the server answers it after all it had queued for us). An overloaded ingress must not take its
+    own backlog for a worker's silence and fail streams that are alive (their frames and heartbeats
+    are waiting unread, in its own queue or in the server's buffers), so the verdict waits for it.
     """
 
-    __slots__ = ("_behind", "_due", "_last", "_loop", "_silence", "_timer", "queue")
+    __slots__ = ("_caught_up", "_confirming", "_due", "_last", "_loop", "_silence", "_timer", "queue")
 
-    def __init__(self, silence_timeout: float, behind: Callable[[], bool]) -> None:
+    def __init__(self, silence_timeout: float, caught_up: Callable[[], Awaitable[bool]]) -> None:
         self.queue: asyncio.Queue[Frame | None] = asyncio.Queue()  # None: the worker went silent
         self._loop = asyncio.get_running_loop()
         self._silence = silence_timeout
-        self._behind = behind
+        self._caught_up = caught_up
+        self._confirming: asyncio.Task[None] | None = None
         self._last = time.monotonic()
         self._due = self._last + silence_timeout
         self._timer = self._loop.call_later(silence_timeout, self._check)
@@ -397,18 +399,30 @@ class _Inbox:
     def _check(self) -> None:
         # One timer per silence period rather than one per message: re-armed for the time left.
         now = time.monotonic()
-        quiet = now - self._last
         # A timer that fires late means a busy event loop, which reads NATS late too.
         late = now - self._due > _LOOP_LAG_TOLERANCE
-        if quiet >= self._silence and not late and not self._behind():
+        if now - self._last >= self._silence and not late:
+            self._confirming = self._loop.create_task(self._confirm(self._last))
+        else:
+            self._rearm(now)
+
+    async def _confirm(self, last: float) -> None:
+        """Call the silence only once the client has caught up and still nothing arrived."""
+        if await self._caught_up() and self._last == last:
             self.queue.put_nowait(None)
-            return
+        else:
+            self._rearm(time.monotonic())
+
+    def _rearm(self, now: float) -> None:
+        quiet = now - self._last
         wait = self._silence - quiet if quiet < self._silence else self._silence / 4
         self._due = now + wait
         self._timer = self._loop.call_later(wait, self._check)
 
     def close(self) -> None:
         self._timer.cancel()
+        if self._confirming is not None:
+            self._confirming.cancel()
 
 
 # How late a silence timer may fire before the client counts itself as behind (see _Inbox).
@@ -450,6 +464,7 @@ class RequestClient:
         self._acks: dict[str, dict[str, int]] = {}
         self._ack_flush: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ping: asyncio.Future[bool] | None = None  # the PING round trip silence verdicts wait for
 
     @property
     def connected(self) -> bool:
@@ -463,6 +478,8 @@ class RequestClient:
     async def close(self) -> None:
         if self._ack_flush is not None:
             self._ack_flush.cancel()
+        if self._ping is not None:
+            self._ping.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -470,9 +487,26 @@ class RequestClient:
             with contextlib.suppress(nats.errors.Error):
                 await self._subscription.unsubscribe()
 
-    def _behind(self) -> bool:
-        """Whether messages NATS delivered to this client still wait to be dispatched."""
-        return self._subscription is not None and self._subscription.pending_msgs > 0
+    async def _caught_up(self) -> bool:
+        """Whether this client has read all NATS had queued for it: one PING round trip, shared by all asking.
+
+        False when the PONG takes longer than the silence timeout (we are far behind) or messages
+        still wait for dispatch; True without a connection (nothing is on its way then).
+        """
+        if not self._nc.is_connected:
+            return True
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.ensure_future(self._round_trip())
+        return await asyncio.shield(self._ping)
+
+    async def _round_trip(self) -> bool:
+        try:
+            await self._nc.flush(timeout=self.silence_timeout)  # type: ignore[arg-type]  # int in its stubs, any number works
+        except nats.errors.TimeoutError:
+            return False
+        except nats.errors.Error:
+            return True
+        return self._subscription is None or self._subscription.pending_msgs == 0
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
@@ -497,7 +531,7 @@ class RequestClient:
         nc = self._nc
         self._next += 1
         reply_to = f"{self._prefix}.{self._next}"
-        inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout, self._behind)
+        inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout, self._caught_up)
         open_streams = self._open.get(subject)
         if open_streams is None:
             open_streams = self._open[subject] = {}

@@ -22,6 +22,8 @@ async def test_messages_dropped_by_a_slow_subscription_are_reported(nats_server:
     warnings = _Warnings()
     logger = logging.getLogger("runtime.nats_connection")
     logger.addHandler(warnings)
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # earlier tests may have configured logging more quietly
     nc = await connect_nats(nats_server.url, name="slow reader")
     release = asyncio.Event()
 
@@ -40,4 +42,5 @@ async def test_messages_dropped_by_a_slow_subscription_are_reported(nats_server:
     finally:
         release.set()
         logger.removeHandler(warnings)
+        logger.setLevel(level)
         await nc.close()

@@ -261,12 +261,17 @@ async def test_streams_still_running_when_the_drain_ends_are_cut_at_once(connect
 
 
 async def test_a_client_behind_on_its_own_reading_does_not_call_a_worker_silent() -> None:
-    # An overloaded ingress reads NATS late: frames and heartbeats wait unread in its own queue. Its
-    # silence watchdog must wait until it has caught up, or it fails streams whose workers are alive.
+    # An overloaded ingress reads NATS late: frames and heartbeats wait unread in its own queue or in
+    # the server's buffers. Its silence watchdog must wait until it has caught up (a PING round trip),
+    # or it fails streams whose workers are alive.
     from runtime.request_plane import _Inbox
 
     behind = True
-    inbox = _Inbox(0.05, lambda: behind)
+
+    async def caught_up() -> bool:
+        return not behind
+
+    inbox = _Inbox(0.05, caught_up)
     try:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(inbox.queue.get(), 0.4)
