@@ -1,5 +1,6 @@
 """The NATS connection of a process: waited for at start-up, reconnecting for ever after a loss."""
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -107,3 +108,18 @@ class _DropCounter:
             return None
         count, self._count, self._reported = self._count, 0, now
         return count
+
+
+async def flush(nc: NATS, within: float = 10.0) -> None:
+    """Wait until the server has processed all we sent (a PING round trip), up to ``within`` s.
+
+    Use this, not ``nc.flush(timeout)``: nats-py 2.16 cancels the PONG's future when a flush times
+    out, and when that PONG arrives later its reader raises InvalidStateError and stops for good;
+    the connection then looks alive and delivers nothing. Here only our wait ends; the PING's own
+    wait has no limit. Raises TimeoutError, or nats.errors.Error when there is no connection.
+    """
+    await asyncio.wait_for(asyncio.shield(nc.flush(timeout=_NO_LIMIT)), within)
+
+
+# nats-py's flush takes a number of seconds; this one outlasts any process.
+_NO_LIMIT = 10**9

@@ -44,6 +44,7 @@ from nats.aio.subscription import Subscription
 
 from runtime.engine import RequestContext
 from runtime.errors import FlotillaError
+from runtime.nats_connection import flush
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class EndpointServer:
         self._requests = await self._nc.subscribe(self.subject, cb=self._on_request)
         self._control = await self._nc.subscribe(control_subject(self.subject), cb=self._on_control)
         # Make sure the server has the subscriptions before anyone is told this instance exists.
-        await self._nc.flush()
+        await flush(self._nc)
         self._heartbeats = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeats {self.subject}")
 
     async def stop_taking_requests(self) -> None:
@@ -181,9 +182,9 @@ class EndpointServer:
         self._draining = True
         if self._requests is not None:
             # From now on NATS answers "no responders", and clients try another instance at once.
-            with contextlib.suppress(nats.errors.Error):
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
                 await self._requests.unsubscribe()
-                await self._nc.flush()
+                await flush(self._nc)
             self._requests = None
 
     async def drain(self, grace: float) -> int:
@@ -205,8 +206,8 @@ class EndpointServer:
             frame = Frame(CUT, stream.seq + 1, error=f"the worker {self.subject} shut down")
             with contextlib.suppress(nats.errors.Error):
                 await self._nc.publish(stream.reply_to, _encode(frame))
-        with contextlib.suppress(nats.errors.Error):
-            await self._nc.flush()
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await flush(self._nc)
         log.warning("cut %d request(s) still running on %s after the %g s drain", len(cut), self.subject, grace)
         return len(cut)
 
@@ -464,7 +465,11 @@ class RequestClient:
         self._acks: dict[str, dict[str, int]] = {}
         self._ack_flush: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._ping: asyncio.Future[bool] | None = None  # the PING round trip silence verdicts wait for
+        # The marker silence verdicts wait for (see _caught_up).
+        self._marker: asyncio.Future[None] | None = None
+        self._marker_subject = ""
+        self._marker_sent = 0.0
+        self._markers_sent = 0
 
     @property
     def connected(self) -> bool:
@@ -472,14 +477,14 @@ class RequestClient:
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch)
-        await self._nc.flush()
+        await flush(self._nc)
         self._spawn(self._probe_forever())
 
     async def close(self) -> None:
         if self._ack_flush is not None:
             self._ack_flush.cancel()
-        if self._ping is not None:
-            self._ping.cancel()
+        if self._marker is not None:
+            self._marker.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -488,25 +493,32 @@ class RequestClient:
                 await self._subscription.unsubscribe()
 
     async def _caught_up(self) -> bool:
-        """Whether this client has read all NATS had queued for it: one PING round trip, shared by all asking.
+        """Whether this client has taken in all that NATS had queued for it when asked.
 
-        False when the PONG takes longer than the silence timeout (we are far behind) or messages
-        still wait for dispatch; True without a connection (nothing is on its way then).
+        A marker message published to our own inbox queues up behind everything already on its way
+        to us, and our subscription dispatches in order: once the marker is dispatched, so is all
+        that came before it. One marker at a time is shared by all who ask. False when the marker
+        takes longer than the silence timeout (we are far behind); True without a connection.
+        (Not ``nc.flush()``: in nats-py 2.16 a flush that times out breaks the connection's reader.)
         """
         if not self._nc.is_connected:
             return True
-        if self._ping is None or self._ping.done():
-            self._ping = asyncio.ensure_future(self._round_trip())
-        return await asyncio.shield(self._ping)
-
-    async def _round_trip(self) -> bool:
+        marker = self._marker
+        if marker is None or marker.done() or time.monotonic() - self._marker_sent > self.silence_timeout:
+            # The last one arrived, or was lost (a reconnection): send a new one.
+            self._markers_sent += 1
+            subject = f"{self._prefix}.m{self._markers_sent}"
+            marker = self._marker = asyncio.get_running_loop().create_future()
+            self._marker_subject, self._marker_sent = subject, time.monotonic()
+            try:
+                await self._nc.publish(subject, b"")
+            except nats.errors.Error:
+                return True
         try:
-            await self._nc.flush(timeout=self.silence_timeout)  # type: ignore[arg-type]  # int in its stubs, any number works
-        except nats.errors.TimeoutError:
-            return False
-        except nats.errors.Error:
-            return True
-        return self._subscription is None or self._subscription.pending_msgs == 0
+            await asyncio.wait_for(asyncio.shield(marker), self.silence_timeout)
+        except TimeoutError:
+            return not self._nc.is_connected
+        return True
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
@@ -517,6 +529,8 @@ class RequestClient:
         inbox = self._inboxes.get(msg.subject)
         if inbox is not None:
             inbox.on_message(msg)
+        elif msg.subject == self._marker_subject and self._marker is not None and not self._marker.done():
+            self._marker.set_result(None)
 
     async def call(self, subject: str, request_id: str, payload: bytes) -> AsyncGenerator[list[msgspec.Raw], None]:
         """Send ``payload`` (one msgpack document) and yield the answer's payloads, a frame's worth at a time.

@@ -3,7 +3,10 @@
 import asyncio
 import logging
 
-from runtime.nats_connection import connect_nats
+import pytest
+from nats.aio.msg import Msg
+
+from runtime.nats_connection import connect_nats, flush
 from tests.infra import NatsServer
 
 
@@ -43,4 +46,24 @@ async def test_messages_dropped_by_a_slow_subscription_are_reported(nats_server:
         release.set()
         logger.removeHandler(warnings)
         logger.setLevel(level)
+        await nc.close()
+
+
+async def test_a_flush_that_times_out_leaves_the_connection_reading(nats_server: NatsServer) -> None:
+    # nats-py's own flush(timeout) cancels the PONG's future; the late PONG then stops its reader.
+    nc = await connect_nats(nats_server.url, name="flusher")
+    received = asyncio.Queue[bytes]()
+
+    async def on_message(msg: Msg) -> None:
+        await received.put(msg.data)
+
+    try:
+        await nc.subscribe("after", cb=on_message)
+        with pytest.raises(TimeoutError):
+            await flush(nc, within=1e-6)  # the PONG cannot be back this soon
+        await flush(nc)  # the late PONG has arrived by now
+        await nc.publish("after", b"still reading")
+        async with asyncio.timeout(5):
+            assert await received.get() == b"still reading"
+    finally:
         await nc.close()
