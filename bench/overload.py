@@ -139,7 +139,7 @@ def _message(body: bytes) -> str:
         message = str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = body[:80].decode(errors="replace")
-    return re.sub(r"[0-9a-f]{8,}", "…", message)[:90]
+    return re.sub(r"[0-9a-f]{8,}", "…", message)[:200]
 
 
 async def run_streams(

@@ -104,6 +104,8 @@ class GatewayApp:
                 raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
             await handler(scope, receive, send)
         except GatewayError as exc:
+            if exc.status >= 500 and exc.retry_after is None:  # refusals under load are counted, not logged
+                log.warning("%s %s failed: %s (HTTP %d)", scope["method"], scope["path"], exc.message, exc.status)
             await self._send_error(send, exc)
         except ClientDisconnected:
             pass

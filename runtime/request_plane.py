@@ -477,7 +477,12 @@ class RequestClient:
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch)
-        await flush(self._nc)
+        try:
+            await flush(self._nc)
+        except TimeoutError:
+            # A burst of requests on a cold ingress queues ahead of the PONG; the SUB went out before
+            # any request will, and the server keeps a connection's order, so requests may go on.
+            log.warning("NATS is slow to confirm this ingress's inbox subscription (over 10 s); going on")
         self._spawn(self._probe_forever())
 
     async def close(self) -> None:
