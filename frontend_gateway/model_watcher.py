@@ -6,7 +6,11 @@ model is a TokenModel or TextModel whose engine forwards to the model's instance
 
 Instances are pooled by model name, so every instance of a pool must answer the same way: one whose
 card differs from the pool's (``card_differences``) is refused, logged once and counted, and joins
-a new pool if the old one empties. A registration that cannot be applied (a malformed entry, a
+a new pool if the old one empties.
+
+Each pool has its own router (frontend_gateway/routing/), built from the watcher's
+``RouterSettings`` with the pool's card block size, started with the pool and closed when the pool
+goes; it hears of every instance that joins or leaves. A registration that cannot be applied (a malformed entry, a
 tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it never stops
 the watch.
 """
@@ -20,7 +24,9 @@ from tokenizers import Tokenizer
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from frontend_gateway.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
-from frontend_gateway.router import InstanceInfo, Router, RouterMode
+from frontend_gateway.routing.factory import build_router
+from frontend_gateway.routing.protocol import InstanceInfo, Router, RouterSettings
+from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX, WatchEvent
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
@@ -62,9 +68,12 @@ def _short(digest: str | None) -> str:
 class _Pool:
     """One served model and its instances; ``entry`` is the first instance's, which others must match."""
 
-    def __init__(self, served: ServedModel, instances: InstanceSet, entry: ModelEntry, first_key: str) -> None:
+    def __init__(
+        self, served: ServedModel, instances: InstanceSet, router: Router, entry: ModelEntry, first_key: str
+    ) -> None:
         self.served = served
         self.instances = instances
+        self.router = router
         self.entry = entry
         self.first_key = first_key
 
@@ -80,13 +89,13 @@ class ModelWatcher:
         runtime: DistributedRuntime,
         registry: ModelRegistry,
         *,
-        router_mode: RouterMode = RouterMode.ROUND_ROBIN,
+        router: RouterSettings | None = None,
         migration_limit: int = 0,
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.runtime = runtime
         self.registry = registry
-        self.router_mode = router_mode
+        self.router_settings = router or RouterSettings()
         self.migration_limit = migration_limit
         self.metrics = metrics
         self._pools: dict[str, _Pool] = {}
@@ -95,6 +104,7 @@ class ModelWatcher:
         self._applied: dict[str, bytes] = {}  # etcd key -> its value, for every key pooled or refused
         self._tokenizers: dict[str, tuple[str, Tokenizer]] = {}  # digest -> (JSON, tokenizer), oldest first
         self.changed = asyncio.Event()  # set after every event handled (tests await it)
+        self._closed = False
 
     async def run(self) -> None:
         """Apply registrations and removals until cancelled."""
@@ -107,6 +117,16 @@ class ModelWatcher:
                 # Not ours (a NATS timeout, a library's error): the traceback may tell what went wrong.
                 log.warning("skipped model registration %s: %s: %s", event.key, type(exc).__name__, exc, exc_info=True)
             self.changed.set()
+
+    async def close(self) -> None:
+        """Close every pool's router (the ingress is stopping); the registry keeps its models.
+
+        Registrations that arrive afterwards build no pool (their router would never be closed).
+        """
+        self._closed = True
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await _close_router(pool)
 
     async def apply(self, event: WatchEvent) -> None:
         """Apply one change. Raises for a registration that cannot be applied (it is then not kept)."""
@@ -139,9 +159,18 @@ class ModelWatcher:
         name = entry.card.name
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = await self._build(entry, key)
+            if self._closed:
+                return
+            pool = await self._build(entry, key)
+            try:
+                await pool.router.start()
+            except BaseException:
+                await _close_router(pool)
+                raise
+            self._pools[name] = pool
             self.registry.add(pool.served)
-            log.info("model %r is now served (%s)", name, entry.card.model_type.value)
+            mode = self.router_settings.mode.value
+            log.info("model %r is now served (%s, %s routing)", name, entry.card.model_type.value, mode)
         elif differences := card_differences(pool.entry, entry):
             self._refused[key] = entry
             details = ", ".join(f"{field} ({values})" for field, values in differences.items())
@@ -152,7 +181,9 @@ class ModelWatcher:
             if self.metrics is not None:
                 self.metrics.refused_instance(name, ",".join(differences))
             return
-        pool.instances.add(InstanceInfo(entry.instance_id, entry.subject))
+        instance = InstanceInfo(entry.instance_id, entry.subject)
+        pool.instances.add(instance)
+        pool.router.instance_added(instance)
         self._pooled[key] = entry
 
     async def _forget(self, key: str) -> None:
@@ -168,10 +199,12 @@ class ModelWatcher:
         if pool is None:
             return
         pool.instances.remove(entry.instance_id)
+        pool.router.instance_removed(entry.instance_id)
         if pool.instances:
             return
         del self._pools[name]
         self.registry.remove(name)
+        await _close_router(pool)
         log.info("model %r has no instance left and is no longer served", name)
         await self._readmit(name)
 
@@ -186,9 +219,10 @@ class ModelWatcher:
                 log.warning("skipped model registration %s: %s: %s", key, type(exc).__name__, exc)
 
     async def _build(self, entry: ModelEntry, key: str) -> _Pool:
+        """A pool for ``entry``'s model, its router built but not started. Raises EngineError if it cannot be."""
         card = entry.card
         instances = InstanceSet()
-        router = Router(self.router_mode)
+        router = self._router(entry, key)
         if card.model_type is ModelType.TOKENS:
             if entry.tokenizer_sha256 is None:
                 raise EngineError(f"token-level model {card.name!r} was registered without a tokenizer")
@@ -197,9 +231,20 @@ class ModelWatcher:
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
-            return _Pool(TokenModel(card, engine), instances, entry, key)
+            return _Pool(TokenModel(card, engine), instances, router, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
-        return _Pool(TextModel(card.name, text_engine, card.context_length or None), instances, entry, key)
+        served = TextModel(card.name, text_engine, card.context_length or None)
+        return _Pool(served, instances, router, entry, key)
+
+    def _router(self, entry: ModelEntry, key: str) -> Router:
+        """The pool's router, listening on the component of the endpoint ``key`` was registered under."""
+        address = endpoint_of_model_key(key)
+        try:
+            return build_router(
+                self.router_settings, block_size=entry.card.kv_cache_block_size, nc=self.runtime.nc, address=address
+            )
+        except ValueError as exc:
+            raise EngineError(f"model {entry.card.name!r} cannot be routed: {exc}") from exc
 
     async def _prepare(self, card: ModelCard, digest: str) -> ModelCard:
         """``card`` with its tokenizer (fetched and built, or kept from before) and chat template ready."""
@@ -216,3 +261,22 @@ class ModelWatcher:
         while len(self._tokenizers) > TOKENIZERS_KEPT:
             del self._tokenizers[next(iter(self._tokenizers))]
         return card
+
+
+def endpoint_of_model_key(key: str) -> EndpointAddress | None:
+    """The endpoint of ``flotilla/models/{ns}/{comp}/{ep}/{id}``, or None for a key not of that shape."""
+    parts = key.removeprefix(MODELS_PREFIX).split("/")
+    if not key.startswith(MODELS_PREFIX) or len(parts) != 4:
+        return None
+    try:
+        return EndpointAddress(*parts[:3])
+    except FlotillaError:
+        return None
+
+
+async def _close_router(pool: _Pool) -> None:
+    """Close ``pool``'s router; a failure is logged, never raised (the pool is going either way)."""
+    try:
+        await pool.router.close()
+    except Exception:
+        log.exception("closing the router of model %r failed", pool.served.name)

@@ -7,6 +7,11 @@ another instance (``migration_limit`` times at most), so the client sees one unb
 
 The outputs a worker sent in one frame become one output here (their tokens or text joined), so the
 pipeline does one detokenizing pass and one SSE event per frame rather than per engine step.
+
+Each attempt at a request is one routing decision, and the router hears how it went: ``prefill_done``
+at its first output and ``finished`` exactly once when the attempt is over, however it ends (finished,
+failed, cancelled by the client, or broken and about to migrate), so that a router tracking load
+never keeps a request that is gone.
 """
 
 import logging
@@ -16,7 +21,7 @@ from typing import Literal
 
 import msgspec
 
-from frontend_gateway.router import InstanceInfo, Router
+from frontend_gateway.routing.protocol import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, EngineUnavailable, PayloadTooLarge
@@ -99,18 +104,23 @@ class RemoteTokenEngine(_RemoteBase):
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
-            instance = self.router.choose(request, self._candidates(tried))
-            if instance is None:
+            attempt = _resume(request, generated) if generated else request
+            decision = self.router.choose(attempt, self._candidates(tried))
+            if decision is None:
                 if generated:
                     raise EngineError(f"the worker of {self.name!r} stopped mid-stream and no other instance is left")
                 raise EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+            instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
-            attempt = _resume(request, generated) if generated else request
+            prefilling = True
             try:
                 # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.
                 async with aclosing(client.call(instance.subject, request.request_id, _encode(attempt))) as frames:
                     async for frame in frames:
+                        if prefilling:
+                            prefilling = False
+                            self.router.prefill_done(request.request_id)
                         output = merge_engine_outputs([_engine_output.decode(data) for data in frame])
                         generated.extend(output.token_ids)
                         yield output
@@ -136,6 +146,8 @@ class RemoteTokenEngine(_RemoteBase):
                 raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
             except RemoteError as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+            finally:
+                self.router.finished(request.request_id)
 
 
 def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
@@ -199,14 +211,19 @@ class RemoteTextEngine(_RemoteBase):
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
-            instance = self.router.choose(request, self._candidates(tried))
-            if instance is None:
+            decision = self.router.choose(request, self._candidates(tried))
+            if decision is None:
                 raise EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+            instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
+            prefilling = True
             try:
                 async with aclosing(client.call(instance.subject, request.request_id, _encode(request))) as frames:
                     async for frame in frames:
+                        if prefilling:
+                            prefilling = False
+                            self.router.prefill_done(request.request_id)
                         output = merge_text_outputs([_text_output.decode(data) for data in frame])
                         yield output
                         if output.finish_reason is not None:
@@ -220,3 +237,5 @@ class RemoteTextEngine(_RemoteBase):
                 raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
             except (StreamBroken, RemoteError) as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+            finally:
+                self.router.finished(request.request_id)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
-from launcher.env_flags import EnvArgumentParser
+from launcher.env_flags import EnvArgumentParser, parse_boolean
 from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
@@ -118,6 +118,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _non_negative_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number, 0 or more")
+    return value
+
+
 def _folder(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
@@ -203,9 +213,41 @@ def build_run_parser() -> EnvArgumentParser:
     run.add_flag(
         "--router-mode",
         env="FLOTILLA_ROUTER_MODE",
-        choices=("round-robin", "random"),
+        choices=("round-robin", "random", "kv"),
         default="round-robin",
-        help="how out=dyn spreads requests over a model's instances",
+        help="how out=dyn spreads requests over a model's instances; kv: to the worker whose KV cache "
+        "already holds most of the prompt, weighed against its load",
+    )
+    run.add_flag(
+        "--kv-overlap-score-weight",
+        env="FLOTILLA_KV_OVERLAP_SCORE_WEIGHT",
+        type=_non_negative_number,
+        default=1.0,
+        help="--router-mode kv: weight of the prefill left after the cache hit against active decode blocks; "
+        "0 balances load only (default 1.0)",
+    )
+    run.add_flag(
+        "--router-temperature",
+        env="FLOTILLA_ROUTER_TEMPERATURE",
+        type=_non_negative_number,
+        default=0.0,
+        help="--router-mode kv: 0 always takes the cheapest worker; above 0 draws from a softmax over "
+        "normalised costs (default 0)",
+    )
+    run.add_flag(
+        "--use-kv-events",
+        env="FLOTILLA_USE_KV_EVENTS",
+        type=parse_boolean,
+        default=True,
+        help="--router-mode kv: true learns caches from the workers' KV events; false predicts them from "
+        "routing decisions, for engines that publish none (default true)",
+    )
+    run.add_flag(
+        "--router-ttl",
+        env="FLOTILLA_ROUTER_TTL_S",
+        type=_positive_seconds,
+        default=120.0,
+        help="--use-kv-events false: seconds a routed prompt is assumed to stay cached (default 120)",
     )
     run.add_flag(
         "--migration-limit",
@@ -292,6 +334,10 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         max_tokens=namespace.max_tokens,
         temperature=namespace.temperature,
         router_mode=namespace.router_mode,
+        kv_overlap_score_weight=namespace.kv_overlap_score_weight,
+        router_temperature=namespace.router_temperature,
+        use_kv_events=namespace.use_kv_events,
+        router_ttl_s=namespace.router_ttl,
         migration_limit=namespace.migration_limit,
         max_inflight=namespace.max_inflight,
         max_queued=namespace.max_queued,

@@ -23,7 +23,11 @@ class RunOptions:
     batch_concurrency: int = 4
     max_tokens: int | None = None
     temperature: float | None = None
-    router_mode: str = "round-robin"
+    router_mode: str = "round-robin"  # "random", "round-robin" or "kv" (frontend_gateway/routing/)
+    kv_overlap_score_weight: float = 1.0
+    router_temperature: float = 0.0
+    use_kv_events: bool = True
+    router_ttl_s: float = 120.0  # how long --use-kv-events false assumes a routed prefix stays cached
     migration_limit: int = 0
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)
     max_queued: int = 16384

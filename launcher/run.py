@@ -137,7 +137,7 @@ async def run_ingress(options: RunOptions) -> int:
     """
     from frontend_gateway.metrics import GatewayMetrics
     from frontend_gateway.model_watcher import ModelWatcher
-    from frontend_gateway.router import RouterMode
+    from frontend_gateway.routing.protocol import RouterMode, RouterSettings
     from launcher.inputs.http import admission_limits, serve_http
     from launcher.startup import connect_runtime
 
@@ -151,7 +151,13 @@ async def run_ingress(options: RunOptions) -> int:
     watcher = ModelWatcher(
         runtime,
         registry,
-        router_mode=RouterMode(options.router_mode),
+        router=RouterSettings(
+            mode=RouterMode(options.router_mode),
+            overlap_score_weight=options.kv_overlap_score_weight,
+            temperature=options.router_temperature,
+            use_kv_events=options.use_kv_events,
+            predicted_ttl_s=options.router_ttl_s,
+        ),
         migration_limit=options.migration_limit,
         metrics=metrics,
     )
@@ -173,6 +179,7 @@ async def run_ingress(options: RunOptions) -> int:
         )
     finally:
         stop_on_failure.cancel()
+        await watcher.close()
         await runtime.close()
         log.info("the ingress closed its etcd and NATS connections")
     if runtime.failure is not None:

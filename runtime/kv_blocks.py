@@ -9,6 +9,7 @@ which worker already holds the longest prefix of them (frontend_gateway's KV ind
 xxHash3 (64-bit, seed 1337) over the tokens as little-endian uint32, as NVIDIA Dynamo hashes blocks.
 """
 
+import struct
 from array import array
 from collections.abc import Sequence
 
@@ -38,9 +39,25 @@ def chain_hash(parent: int | None, local: int) -> int:
 
 
 def sequence_block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
-    """The sequence hash of each full block of ``tokens``, chained from ``parent`` (None: the start)."""
+    """The sequence hash of each full block of ``tokens``, chained from ``parent`` (None: the start).
+
+    The same as chaining ``local_block_hashes`` with ``chain_hash``, in one loop: the router runs this
+    for every request (an 8k-token prompt is 128 blocks of 64).
+    """
+    full = len(tokens) - len(tokens) % block_size
+    if full == 0:
+        return []
+    data = memoryview(array("I", tokens[:full])).cast("B")
+    step = block_size * 4
+    hash64 = xxhash.xxh3_64_intdigest
+    pair = _PAIR.pack
     hashes: list[int] = []
-    for local in local_block_hashes(tokens, block_size):
-        parent = chain_hash(parent, local)
+    for start in range(0, full * 4, step):
+        local = hash64(data[start : start + step], seed=HASH_SEED)
+        parent = local if parent is None else hash64(pair(parent, local), seed=HASH_SEED)
         hashes.append(parent)
     return hashes
+
+
+# A (parent, local) pair as chain_hash lays it out: two little-endian uint64.
+_PAIR = struct.Struct("<QQ")

@@ -1,0 +1,194 @@
+"""Which worker holds which KV-cache blocks: the KV router's index.
+
+Blocks are named by their *sequence* hash (runtime/kv_blocks.py), which covers the block's whole
+prefix; so the index can be a flat map from hash to the workers (instance id, dp rank) that hold it,
+and a request's cache hit on a worker is the number of its leading block hashes found there in a row.
+A stored block's parent is therefore not needed to place it: a block stored under a parent the index
+never saw is still exactly the block its hash names (a later lookup simply stops at the missing parent).
+
+Two variants answer ``find_matches`` the same way:
+
+* ``KvIndexer`` learns from the workers' KV events (stored, removed, all cleared, and whole-state
+  answers); events about blocks it does not know, and duplicates, change nothing.
+* ``PredictedKvIndexer`` is for engines that publish no events (``--use-kv-events false``): it assumes
+  that a worker keeps the blocks of the requests routed to it for a while (a TTL, 120 s by default),
+  and keeps at most a bounded number of them, dropping the least recently routed first.
+"""
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent
+
+#: A worker as the router sees it: (instance id, dp rank).
+Worker = tuple[int, int]
+
+
+def leading_matches(holders: dict[int, set[Worker]], hashes: Sequence[int]) -> dict[Worker, int]:
+    """For each worker holding ``hashes[0]``, how many of ``hashes`` it holds in a row from the start.
+
+    Walks the chain once and stops as soon as no worker is left, so a miss costs one lookup.
+    """
+    if not hashes or (alive := holders.get(hashes[0])) is None or not alive:
+        return {}
+    matches: dict[Worker, int] = {}
+    depth = 1
+    get = holders.get
+    for block_hash in hashes[1:]:
+        here = get(block_hash)
+        if here is None:
+            break
+        # Usually every worker still in the walk holds the next block too: check without building a set.
+        if not alive <= here:
+            still = alive & here
+            for worker in alive - still:
+                matches[worker] = depth
+            alive = still
+            if not alive:
+                return matches
+        depth += 1
+    for worker in alive:
+        matches[worker] = depth
+    return matches
+
+
+class KvIndexer:
+    """The blocks each worker holds, as its KV events tell them."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[Worker]] = {}
+        self._blocks: dict[Worker, set[int]] = {}
+
+    def find_matches(self, hashes: Sequence[int]) -> dict[Worker, int]:
+        """{worker: number of leading blocks of ``hashes`` it holds}, for workers holding at least one."""
+        return leading_matches(self._holders, hashes)
+
+    def apply(self, worker: Worker, events: Iterable[KvEvent]) -> None:
+        """Apply ``worker``'s events in order; unknown blocks and repeated events change nothing."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(worker, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._remove(worker, event.block_hashes)
+            elif isinstance(event, AllCleared):
+                self.clear_worker(worker)
+
+    def replace(self, worker: Worker, events: Iterable[KvEvent]) -> None:
+        """Make ``events`` (a worker's answer describing its whole cache) the worker's entire state."""
+        self.clear_worker(worker)
+        self.apply(worker, events)
+
+    def clear_worker(self, worker: Worker) -> None:
+        """Forget every block of ``worker``."""
+        blocks = self._blocks.pop(worker, None)
+        if blocks is not None:
+            self._unlink(worker, blocks)
+
+    def remove_instance(self, instance_id: int) -> None:
+        """Forget every block of every dp rank of ``instance_id``."""
+        for worker in [worker for worker in self._blocks if worker[0] == instance_id]:
+            self.clear_worker(worker)
+
+    def block_count(self, worker: Worker) -> int:
+        return len(self._blocks.get(worker, ()))
+
+    def workers(self) -> list[Worker]:
+        """The workers holding at least one block."""
+        return [worker for worker, blocks in self._blocks.items() if blocks]
+
+    def _store(self, worker: Worker, hashes: list[int]) -> None:
+        blocks = self._blocks.setdefault(worker, set())
+        holders = self._holders
+        for block_hash in hashes:
+            if block_hash in blocks:
+                continue
+            blocks.add(block_hash)
+            if (here := holders.get(block_hash)) is None:
+                holders[block_hash] = {worker}
+            else:
+                here.add(worker)
+
+    def _remove(self, worker: Worker, hashes: list[int]) -> None:
+        blocks = self._blocks.get(worker)
+        if blocks is None:
+            return
+        removed = [block_hash for block_hash in hashes if block_hash in blocks]
+        blocks.difference_update(removed)
+        self._unlink(worker, removed)
+
+    def _unlink(self, worker: Worker, hashes: Iterable[int]) -> None:
+        holders = self._holders
+        for block_hash in hashes:
+            here = holders.get(block_hash)
+            if here is None:
+                continue
+            here.discard(worker)
+            if not here:
+                del holders[block_hash]
+
+
+class PredictedKvIndexer:
+    """The blocks each worker is assumed to hold, from the requests routed to it lately.
+
+    An entry lives ``ttl_s`` seconds from the last time a request with that block went to that
+    worker; beyond ``max_blocks`` entries the least recently routed are dropped first.
+    """
+
+    def __init__(self, *, ttl_s: float, max_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0 or max_blocks < 1:
+            raise ValueError(f"ttl_s must be > 0 and max_blocks >= 1, not {ttl_s} and {max_blocks}")
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        self._clock = clock
+        self._holders: dict[int, set[Worker]] = {}
+        # (block hash, worker) -> expiry, soonest first: every entry gets the same TTL when touched, so
+        # moving a touched entry to the end keeps the order by expiry and by recency at once.
+        self._expiry: OrderedDict[tuple[int, Worker], float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def find_matches(self, hashes: Sequence[int]) -> dict[Worker, int]:
+        """{worker: number of leading blocks of ``hashes`` it is assumed to hold}."""
+        self._expire(self._clock())
+        return leading_matches(self._holders, hashes)
+
+    def record(self, worker: Worker, hashes: Sequence[int]) -> None:
+        """A request with blocks ``hashes`` was routed to ``worker``: assume it holds them from now."""
+        expires = self._clock() + self.ttl_s
+        expiry, holders = self._expiry, self._holders
+        for block_hash in hashes:
+            key = (block_hash, worker)
+            if key in expiry:
+                expiry.move_to_end(key)
+            elif (here := holders.get(block_hash)) is None:
+                holders[block_hash] = {worker}
+            else:
+                here.add(worker)
+            expiry[key] = expires
+        while len(expiry) > self.max_blocks:
+            self._drop(*expiry.popitem(last=False)[0])
+
+    def remove_instance(self, instance_id: int) -> None:
+        """Forget every block assumed of every dp rank of ``instance_id``."""
+        for key in [key for key in self._expiry if key[1][0] == instance_id]:
+            del self._expiry[key]
+            self._drop(*key)
+
+    def _expire(self, now: float) -> None:
+        expiry = self._expiry
+        while expiry:
+            key = next(iter(expiry))
+            if expiry[key] > now:
+                return
+            del expiry[key]
+            self._drop(*key)
+
+    def _drop(self, block_hash: int, worker: Worker) -> None:
+        here = self._holders.get(block_hash)
+        if here is None:
+            return
+        here.discard(worker)
+        if not here:
+            del self._holders[block_hash]

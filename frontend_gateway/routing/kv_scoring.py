@@ -1,0 +1,100 @@
+"""The KV router's decision: a pure function of the request's size, its cache hits and the workers' load.
+
+For each worker, in blocks of the model's block size::
+
+    cost = overlap_score_weight × prefill blocks + decode blocks
+
+where *prefill blocks* is the prompt left to compute there after its cache hit plus the prompt tokens
+already in flight to that worker and not yet computed, and *decode blocks* the KV blocks its active
+requests hold. The cheapest worker wins, ties at random. With a temperature above zero the worker is
+drawn instead, with probability ∝ exp(−normalised cost / temperature), where costs are normalised to
+0..1 across the candidates (so that the temperature means the same at any load).
+"""
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from frontend_gateway.routing.kv_indexer import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    """What the router knows of one candidate worker when a request arrives."""
+
+    worker: Worker
+    overlap_blocks: int  # leading blocks of this request it holds
+    prefill_tokens_in_flight: int  # prompt tokens sent to it and not yet computed
+    decode_blocks: float  # KV blocks its active requests hold
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A worker's cost for one request, and what that request would ask of it."""
+
+    worker: Worker
+    cost: float
+    overlap_blocks: int
+    prefill_tokens: int  # this request's prompt tokens to compute there
+
+
+def worker_costs(
+    prompt_tokens: int, block_size: int, workers: Sequence[WorkerSnapshot], *, overlap_score_weight: float
+) -> list[Scored]:
+    """The cost of sending a ``prompt_tokens``-token request to each of ``workers``, in their order."""
+    scored: list[Scored] = []
+    for snapshot in workers:
+        to_compute = max(0, prompt_tokens - snapshot.overlap_blocks * block_size)
+        prefill_blocks = (to_compute + snapshot.prefill_tokens_in_flight) / block_size
+        cost = overlap_score_weight * prefill_blocks + snapshot.decode_blocks
+        scored.append(Scored(snapshot.worker, cost, snapshot.overlap_blocks, to_compute))
+    return scored
+
+
+def pick(scored: Sequence[Scored], *, temperature: float, rng: random.Random) -> Scored:
+    """The cheapest of ``scored`` (ties at random), or a softmax draw when ``temperature`` > 0.
+
+    Raises ValueError when ``scored`` is empty.
+    """
+    if not scored:
+        raise ValueError("no worker to pick from")
+    lowest = min(entry.cost for entry in scored)
+    if temperature <= 0.0:
+        cheapest = [entry for entry in scored if entry.cost == lowest]
+        return cheapest[0] if len(cheapest) == 1 else rng.choice(cheapest)
+    return scored[_softmax_draw(softmax_weights([entry.cost for entry in scored], temperature), rng)]
+
+
+def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:
+    """Unnormalised probabilities exp(−(cost − min) / (max − min) / temperature); all 1.0 if costs are equal."""
+    lowest, highest = min(costs), max(costs)
+    spread = highest - lowest
+    if spread == 0.0:
+        return [1.0] * len(costs)
+    return [math.exp(-(cost - lowest) / spread / temperature) for cost in costs]
+
+
+def _softmax_draw(weights: Sequence[float], rng: random.Random) -> int:
+    point = rng.random() * sum(weights)
+    for index, weight in enumerate(weights):
+        point -= weight
+        if point < 0.0:
+            return index
+    return len(weights) - 1  # rounding left a sliver past the last weight
+
+
+def choose_worker(
+    prompt_tokens: int,
+    block_size: int,
+    workers: Sequence[WorkerSnapshot],
+    *,
+    overlap_score_weight: float,
+    temperature: float,
+    rng: random.Random,
+) -> Scored | None:
+    """The worker for a ``prompt_tokens``-token request among ``workers``, or None when there is none."""
+    if not workers:
+        return None
+    scored = worker_costs(prompt_tokens, block_size, workers, overlap_score_weight=overlap_score_weight)
+    return pick(scored, temperature=temperature, rng=rng)

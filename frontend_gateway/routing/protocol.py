@@ -1,0 +1,120 @@
+"""The router seam: what every router of a model pool offers, and the decision it returns.
+
+A router is created per model pool by the model watcher (frontend_gateway/model_watcher.py) from
+``RouterSettings``, started when the pool is built and closed when it goes. The engine that forwards
+requests (frontend_gateway/remote_engines.py) asks it to ``choose`` an instance for each attempt at a
+request, and tells it when that attempt's prefill is done (its first output) and when it is over
+(``finished``: exactly once per decision, whether the stream ended, failed, was cancelled or is about
+to be migrated), so that a router can track the load it put on each worker.
+
+``choose`` is a pure decision over the router's own state: no I/O, no awaiting, so that it is cheap
+and testable. Routers that learn from the network (the KV router) do that I/O in tasks they start in
+``start`` and stop in ``close``.
+"""
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime.protocol import PreprocessedRequest, TextRequest
+
+#: Defaults of the KV router's settings (the flags of launcher/cli.py show them too).
+DEFAULT_OVERLAP_SCORE_WEIGHT = 1.0
+DEFAULT_PREDICTED_TTL_S = 120.0
+# Entries (block, worker) the predicting indexer keeps: 16 workers' worth of 16k blocks each, ~50 MB at most.
+DEFAULT_PREDICTED_MAX_BLOCKS = 1 << 18
+
+
+class RouterMode(enum.StrEnum):
+    RANDOM = "random"
+    ROUND_ROBIN = "round-robin"
+    KV = "kv"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """A routable instance: its id and the subject it listens on."""
+
+    instance_id: int
+    subject: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.instance_id:x}"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, and what the router expects it to cost there.
+
+    ``overlap_blocks`` is the number of the prompt's leading blocks the router believes the worker
+    already holds; ``prefill_tokens`` the prompt tokens it will still have to compute.
+    """
+
+    instance: InstanceInfo
+    dp_rank: int = 0
+    overlap_blocks: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterSettings:
+    """How the model watcher builds each pool's router (the ``--router-*`` flags)."""
+
+    mode: RouterMode = RouterMode.ROUND_ROBIN
+    #: Weight of the prefill work still to do (in blocks) against the decode blocks already active.
+    overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT
+    #: 0: always the cheapest worker; above: sample from a softmax over normalised costs.
+    temperature: float = 0.0
+    #: True: learn caches from the workers' KV events; False: predict them from the router's own decisions.
+    use_kv_events: bool = True
+    predicted_ttl_s: float = DEFAULT_PREDICTED_TTL_S
+    predicted_max_blocks: int = DEFAULT_PREDICTED_MAX_BLOCKS
+    seed: int | None = None  # for tests: repeatable random choices
+
+    def __post_init__(self) -> None:
+        # Checked here too, not only by the flags: a bad value from code must not route silently wrong.
+        if not self.overlap_score_weight >= 0.0:
+            raise ValueError(f"overlap_score_weight must be >= 0, not {self.overlap_score_weight}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not self.predicted_ttl_s > 0.0:
+            raise ValueError(f"predicted_ttl_s must be > 0, not {self.predicted_ttl_s}")
+        if self.predicted_max_blocks < 1:
+            raise ValueError(f"predicted_max_blocks must be >= 1, not {self.predicted_max_blocks}")
+
+
+class Router(Protocol):
+    """Chooses among a model pool's instances and tracks what it sent where."""
+
+    async def start(self) -> None:
+        """Begin listening for what the router learns from (nothing for the basic routers)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop every task ``start`` began; the router is not used afterwards."""
+        ...
+
+    def choose(self, request: PreprocessedRequest | TextRequest, candidates: Sequence[InstanceInfo]) -> Decision | None:
+        """Where ``request`` goes among ``candidates`` (in a stable order), or None when there is none.
+
+        Never blocks and does no I/O. Every Decision returned must be followed by one ``finished``.
+        """
+        ...
+
+    def prefill_done(self, request_id: str) -> None:
+        """The chosen worker sent its first output: the prompt is computed (no-op for unknown ids)."""
+        ...
+
+    def finished(self, request_id: str) -> None:
+        """The attempt ``choose`` decided is over, however it ended (no-op for unknown ids)."""
+        ...
+
+    def instance_added(self, instance: InstanceInfo) -> None:
+        """A new instance joined the pool (the KV router asks it for its cache)."""
+        ...
+
+    def instance_removed(self, instance_id: int) -> None:
+        """An instance left the pool: forget what is known about it."""
+        ...

@@ -1,0 +1,253 @@
+"""KV-aware routing end to end: an ingress in ``--router-mode kv`` over real etcd and NATS.
+
+The workers are ``out=echo_core`` processes, which publish no KV events; the test publishes the
+events (and answers the ``kv_state`` asks) on their behalf, exactly as a KV-publishing engine would,
+and checks where the ingress sends requests (the ``x-flotilla-instance`` header).
+"""
+
+import asyncio
+import base64
+import itertools
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from launcher.cli import build_run_parser, exit_code, parse_run_options
+from runtime.addressing import EndpointAddress
+from runtime.discovery import MODELS_PREFIX
+from runtime.endpoint import ModelEntry
+from runtime.errors import ConfigError
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv_events import BlockStored, KvEventBatch
+from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
+from tests.infra import EtcdServer
+from tests.servers import Server
+
+MODEL = "llm"
+ADDRESS = EndpointAddress(MODEL)
+_fresh = itertools.count(20_000)
+
+
+def prefix_tokens(blocks: int, block_size: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + blocks * block_size))
+
+
+def unique_tokens(count: int) -> list[int]:
+    """Tokens no other request starts with: each request gets its own first block."""
+    first = next(_fresh)
+    return [first] * count
+
+
+def complete(ingress: Server, tokens: list[int], max_tokens: int = 2) -> str:
+    """Send a completion of ``tokens``; returns the hex id of the instance that served it."""
+    body = {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens}
+    reply = httpx.post(ingress.base_url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.headers["x-flotilla-instance"]
+
+
+def block_size_of(etcd: EtcdServer) -> int:
+    """The block size the workers registered in their model card (over etcd's JSON API)."""
+
+    def encode(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    prefix = MODELS_PREFIX
+    body = {"key": encode(prefix), "range_end": encode(prefix[:-1] + chr(ord(prefix[-1]) + 1)), "limit": 1}
+    kvs = httpx.post(etcd.endpoint + "/v3/kv/range", json=body, timeout=5).json()["kvs"]
+    entry = msgspec.json.decode(base64.b64decode(kvs[0]["value"]), type=ModelEntry)
+    return entry.card.kv_cache_block_size
+
+
+def start_pool(
+    cluster: Cluster, *ingress_args: str, workers: int = 3, delay_ms: int = 0
+) -> tuple[Server, list[Worker]]:
+    """An ingress with ``ingress_args`` and ``workers`` echo_core workers, every one of them routed to."""
+    ingress = cluster.start_ingress(*ingress_args)
+    pool = [
+        cluster.start_worker(f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL, delay_ms=delay_ms)
+        for _ in range(workers)
+    ]
+    wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
+    wait_for_every_worker(ingress, pool)
+    return ingress, pool
+
+
+def wait_for_every_worker(ingress: Server, pool: list[Worker]) -> None:
+    # With nothing cached and nothing running, the KV router breaks its ties at random.
+    seen: set[str] = set()
+    wanted = {worker.instance_id for worker in pool}
+
+    def every_worker_served() -> bool:
+        seen.add(complete(ingress, unique_tokens(4)))
+        return seen >= wanted
+
+    wait_until(every_worker_served, 30, "some worker never got a request")
+
+
+def publish(nats_url: str, *batches: KvEventBatch) -> None:
+    """Publish KV event batches as the workers would (msgpack on the component's kv_events subject)."""
+
+    async def send() -> None:
+        nc = NATS()
+        await nc.connect(nats_url)
+        for batch in batches:
+            await nc.publish(ADDRESS.kv_events_subject(), msgspec.msgpack.encode(batch))
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(send())
+
+
+def publish_held(cluster: Cluster, holder: Worker, hashes: list[int]) -> None:
+    """Publish that ``holder`` stored the blocks ``hashes`` (its first KV event batch)."""
+    batch = KvEventBatch(instance_id=int(holder.instance_id, 16), event_id=1, events=[BlockStored(hashes)])
+    publish(cluster.nats.url, batch)
+
+
+class StateResponder:
+    """Answers one worker's ``kv_state`` asks with a fixed cache, from a thread of its own."""
+
+    def __init__(self, nats_url: str, instance_id: int, blocks: list[int]) -> None:
+        self.nats_url = nats_url
+        self.instance_id = instance_id
+        self.blocks = blocks
+        self.asked = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> "StateResponder":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._nc.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    async def _serve(self) -> None:
+        self._nc = NATS()
+        await self._nc.connect(self.nats_url)
+
+        async def answer(message: Msg) -> None:
+            self.asked += 1
+            state = KvEventBatch(instance_id=self.instance_id, event_id=0, events=[BlockStored(self.blocks)])
+            await message.respond(msgspec.msgpack.encode(state))
+
+        await self._nc.subscribe(ADDRESS.kv_state_subject(self.instance_id), cb=answer)
+        await self._nc.flush()
+
+
+def test_requests_sharing_a_long_prefix_go_to_the_worker_holding_it(cluster: Cluster) -> None:
+    ingress, pool = start_pool(cluster, "--router-mode", "kv")
+    block_size = block_size_of(cluster.etcd)
+    holder = pool[1]
+    prefix = prefix_tokens(8, block_size)
+    hashes = sequence_block_hashes(prefix, block_size)
+    publish(
+        cluster.nats.url,
+        KvEventBatch(instance_id=int(holder.instance_id, 16), event_id=1, events=[BlockStored(hashes)]),
+    )
+
+    def suffixed(n: int) -> list[int]:
+        return prefix + [500 + n] * block_size
+
+    wait_until(lambda: complete(ingress, suffixed(0)) == holder.instance_id, 15, "the prefix never reached its holder")
+    assert [complete(ingress, suffixed(n)) for n in range(1, 11)] == [holder.instance_id] * 10
+    # Requests without that prefix still go anywhere: not everything lands on the holder.
+    others = Counter(complete(ingress, unique_tokens(4 * block_size)) for _ in range(30))
+    assert len(others) > 1
+
+
+def test_load_still_spreads_when_every_request_shares_one_prefix(cluster: Cluster) -> None:
+    # Each request streams 30 tokens at 30 ms: all 12 are running at once.
+    ingress, pool = start_pool(cluster, "--router-mode", "kv", delay_ms=30)
+    block_size = block_size_of(cluster.etcd)
+    holder = pool[0]
+    prefix = prefix_tokens(8, block_size)
+    hashes = sequence_block_hashes(prefix, block_size)
+    publish(
+        cluster.nats.url,
+        KvEventBatch(instance_id=int(holder.instance_id, 16), event_id=1, events=[BlockStored(hashes)]),
+    )
+    wait_until(lambda: complete(ingress, [*prefix, 7]) == holder.instance_id, 15, "the prefix never reached its holder")
+
+    with ThreadPoolExecutor(12) as threads:
+        served = Counter(threads.map(lambda n: complete(ingress, [*prefix, 100 + n], max_tokens=30), range(12)))
+    assert set(served) == {worker.instance_id for worker in pool}, served
+    assert max(served.values()) <= 6, served
+    assert served[holder.instance_id] == max(served.values()), served
+
+
+def test_without_kv_events_requests_follow_the_router_s_own_earlier_decisions(cluster: Cluster) -> None:
+    ingress, _ = start_pool(cluster, "--router-mode", "kv", "--use-kv-events", "false")
+    block_size = block_size_of(cluster.etcd)
+    prefix = prefix_tokens(8, block_size, start=3000)
+    first = complete(ingress, [*prefix, 1])
+    assert [complete(ingress, [*prefix, n]) for n in range(2, 12)] == [first] * 10
+
+
+def test_a_restarted_ingress_and_a_second_replica_route_by_the_workers_cache_state(cluster: Cluster) -> None:
+    workers = [cluster.start_worker(f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL) for _ in range(3)]
+    holder = workers[2]
+    block_size = 16
+    prefix = prefix_tokens(8, block_size, start=6000)
+    with StateResponder(
+        cluster.nats.url, int(holder.instance_id, 16), sequence_block_hashes(prefix, block_size)
+    ) as state:
+        first = cluster.start_ingress("--router-mode", "kv")
+        wait_until(lambda: served_models(first) == [MODEL], 30, "the model did not appear")
+        assert block_size_of(cluster.etcd) == block_size
+        # The holder's cache was never published as events: the ingress learned it by asking.
+        wait_until(lambda: complete(first, [*prefix, 1]) == holder.instance_id, 15, "the first ingress never asked")
+        second = cluster.start_ingress("--router-mode", "kv")
+        wait_until(lambda: served_models(second) == [MODEL], 30, "the model did not appear")
+        first.stop()
+        wait_until(lambda: complete(second, [*prefix, 2]) == holder.instance_id, 15, "the second ingress never asked")
+        assert [complete(second, [*prefix, n]) for n in range(3, 9)] == [holder.instance_id] * 6
+        assert state.asked >= 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--router-mode", "kvv", "argument --router-mode: invalid choice: 'kvv'"),
+        ("--kv-overlap-score-weight", "-1", "argument --kv-overlap-score-weight: -1.0 must be a finite number"),
+        ("--router-temperature", "hot", "argument --router-temperature: 'hot' is not a number"),
+        ("--use-kv-events", "maybe", "argument --use-kv-events: 'maybe' is not a boolean"),
+        ("--router-ttl", "0", "argument --router-ttl: 0.0 must be a positive number of seconds"),
+    ],
+)
+def test_a_bad_router_flag_exits_2_naming_it(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_run_parser().parse_intermixed_args(["in=http", "out=dyn", flag, value])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_router_variable_exits_2_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_USE_KV_EVENTS", "perhaps")
+    parser = build_run_parser()
+    with pytest.raises(ConfigError, match="FLOTILLA_USE_KV_EVENTS: 'perhaps' is not a boolean") as refused:
+        parse_run_options(parser, parser.parse_intermixed_args(["in=http", "out=dyn"]))
+    assert exit_code(refused.value) == 2
+
+
+def test_the_router_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_ROUTER_TTL_S", "30")
+    parser = build_run_parser()
+    args = ["in=http", "out=dyn", "--router-mode", "kv", "--kv-overlap-score-weight", "2.5"]
+    args += ["--router-temperature", "0.7", "--use-kv-events", "false"]
+    options = parse_run_options(parser, parser.parse_intermixed_args(args))
+    assert (options.router_mode, options.kv_overlap_score_weight, options.router_temperature) == ("kv", 2.5, 0.7)
+    assert (options.use_kv_events, options.router_ttl_s) == (False, 30.0)

@@ -1,0 +1,85 @@
+"""Active load per worker: the router's own decisions, corrected by the workers' reports."""
+
+from frontend_gateway.routing.kv_load import ActiveLoad
+from runtime.kv_events import WorkerLoad
+
+A, B = (1, 0), (2, 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_prompt_tokens_are_in_flight_until_prefill_done_and_blocks_active_until_finished() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=100, blocks=7)
+    load.started("r2", A, prefill_tokens=20, blocks=2)
+    assert (load.prefill_tokens(A), load.decode_blocks(A), load.requests(A)) == (120, 9, 2)
+    load.prefill_done("r1")
+    load.prefill_done("r1")  # repeated: counted once
+    assert (load.prefill_tokens(A), load.decode_blocks(A)) == (20, 9)
+    load.finished("r1")
+    load.finished("r2")  # finished before its prefill was done (an error, a cancellation)
+    assert (load.prefill_tokens(A), load.decode_blocks(A), load.requests(A), load.in_flight()) == (0, 0, 0, 0)
+
+
+def test_notices_for_unknown_requests_change_nothing() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=10, blocks=1)
+    load.prefill_done("other")
+    load.finished("other")
+    load.finished("r1")
+    load.finished("r1")
+    assert (load.prefill_tokens(A), load.decode_blocks(A), load.requests(A)) == (0, 0, 0)
+    assert load.prefill_tokens(B) == 0 and load.decode_blocks(B) == 0
+
+
+def test_a_request_started_again_without_finishing_is_never_counted_twice() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=10, blocks=3)
+    load.started("r1", B, prefill_tokens=12, blocks=4)  # a migration whose finish notice was lost
+    assert (load.decode_blocks(A), load.decode_blocks(B)) == (0, 4)
+
+
+def test_a_fresh_report_replaces_the_count_and_later_decisions_add_to_it() -> None:
+    clock = Clock()
+    load = ActiveLoad(clock=clock, report_fresh_s=5)
+    load.started("r1", A, prefill_tokens=0, blocks=10)
+    # The worker holds 25 blocks: other routers' requests, or fewer if requests share blocks.
+    load.observe(WorkerLoad(instance_id=1, active_requests=3, kv_active_blocks=25))
+    assert load.decode_blocks(A) == 25
+    load.started("r2", A, prefill_tokens=0, blocks=4)
+    assert load.decode_blocks(A) == 29
+    load.finished("r1")
+    assert load.decode_blocks(A) == 19
+    clock.now += 6  # the report is stale: the router's own count again
+    assert load.decode_blocks(A) == 4
+
+
+def test_a_report_without_block_counts_does_not_correct_anything() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=0, blocks=10)
+    load.observe(WorkerLoad(instance_id=1, active_requests=40))
+    assert load.decode_blocks(A) == 10
+
+
+def test_a_corrected_count_never_goes_below_zero() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=0, blocks=10)
+    load.observe(WorkerLoad(instance_id=1, active_requests=1, kv_active_blocks=2))
+    load.finished("r1")
+    assert load.decode_blocks(A) == 0
+
+
+def test_removing_an_instance_forgets_its_load_and_requests() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=5, blocks=1)
+    load.started("r2", B, prefill_tokens=5, blocks=1)
+    load.remove_instance(1)
+    assert (load.decode_blocks(A), load.in_flight()) == (0, 1)
+    load.finished("r1")  # the stream's notice after the instance left: a no-op
+    assert load.decode_blocks(B) == 1

@@ -1,0 +1,88 @@
+"""The KV router's decision against hand-computed costs, ties and temperature."""
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from frontend_gateway.routing.kv_scoring import (
+    Scored,
+    WorkerSnapshot,
+    choose_worker,
+    pick,
+    softmax_weights,
+    worker_costs,
+)
+
+A, B, C = (1, 0), (2, 0), (3, 0)
+
+
+def test_costs_weigh_the_prefill_left_after_the_hit_against_active_decode_blocks() -> None:
+    # A 100-token prompt in blocks of 16. A holds 4 blocks (64 tokens): 36 tokens to compute, plus 32
+    # already in flight there → (36 + 32) / 16 = 4.25 prefill blocks; 10 decode blocks active.
+    # B holds nothing: 100 / 16 = 6.25 prefill blocks, 2 decode blocks.
+    workers = [WorkerSnapshot(A, 4, 32, 10), WorkerSnapshot(B, 0, 0, 2)]
+    scored = worker_costs(100, 16, workers, overlap_score_weight=2.0)
+    assert scored == [Scored(A, 2.0 * 4.25 + 10, 4, 36), Scored(B, 2.0 * 6.25 + 2, 0, 100)]
+    # Weight 2: A costs 18.5, B 14.5, so B wins; weight 4: A 27, B 27 - a tie; weight 5: A 31.25 < B 33.25.
+    for weight, winner in ((2.0, B), (5.0, A)):
+        chosen = choose_worker(100, 16, workers, overlap_score_weight=weight, temperature=0.0, rng=random.Random(0))
+        assert chosen is not None and chosen.worker == winner
+
+
+def test_weight_zero_balances_on_decode_blocks_alone() -> None:
+    workers = [WorkerSnapshot(A, 8, 0, 5), WorkerSnapshot(B, 0, 500, 4)]
+    chosen = choose_worker(128, 16, workers, overlap_score_weight=0.0, temperature=0.0, rng=random.Random(0))
+    assert chosen is not None and chosen.worker == B and chosen.cost == 4
+
+
+def test_the_longest_cached_prefix_wins_when_loads_are_equal() -> None:
+    workers = [WorkerSnapshot(A, 1, 0, 0), WorkerSnapshot(B, 6, 0, 0), WorkerSnapshot(C, 3, 0, 0)]
+    chosen = choose_worker(128, 16, workers, overlap_score_weight=1.0, temperature=0.0, rng=random.Random(0))
+    assert chosen == Scored(B, 2.0, 6, 32)
+
+
+def test_a_fully_cached_prompt_has_nothing_left_to_compute() -> None:
+    scored = worker_costs(32, 16, [WorkerSnapshot(A, 2, 0, 0)], overlap_score_weight=1.0)
+    assert scored == [Scored(A, 0.0, 2, 0)]
+
+
+def test_ties_are_broken_at_random_among_the_cheapest_only() -> None:
+    scored = [Scored(A, 3.0, 0, 0), Scored(B, 3.0, 0, 0), Scored(C, 3.5, 0, 0)]
+    rng = random.Random(1)
+    picks = Counter(pick(scored, temperature=0.0, rng=rng).worker for _ in range(400))
+    assert set(picks) == {A, B}
+    assert min(picks.values()) > 150  # about even: 200 each
+
+
+def test_softmax_weights_follow_normalised_costs() -> None:
+    # Costs 10, 20, 30 normalise to 0, 0.5, 1: at temperature 0.5 the weights are e^0, e^-1, e^-2.
+    assert softmax_weights([10.0, 20.0, 30.0], 0.5) == pytest.approx([1.0, math.exp(-1), math.exp(-2)])
+    # Normalisation makes the weights independent of the scale of the costs.
+    assert softmax_weights([1000.0, 2000.0, 3000.0], 0.5) == pytest.approx(softmax_weights([1.0, 2.0, 3.0], 0.5))
+    assert softmax_weights([7.0, 7.0], 1.0) == [1.0, 1.0]
+
+
+def test_with_a_temperature_workers_are_drawn_in_softmax_proportions() -> None:
+    scored = [Scored(A, 10.0, 0, 0), Scored(B, 20.0, 0, 0), Scored(C, 30.0, 0, 0)]
+    rng = random.Random(7)
+    draws = 20_000
+    picks = Counter(pick(scored, temperature=0.5, rng=rng).worker for _ in range(draws))
+    total = 1 + math.exp(-1) + math.exp(-2)
+    for worker, weight in ((A, 1.0), (B, math.exp(-1)), (C, math.exp(-2))):
+        assert picks[worker] / draws == pytest.approx(weight / total, abs=0.02)
+
+
+def test_a_tiny_temperature_is_practically_the_cheapest_and_a_huge_one_practically_uniform() -> None:
+    scored = [Scored(A, 10.0, 0, 0), Scored(B, 11.0, 0, 0)]
+    rng = random.Random(3)
+    assert {pick(scored, temperature=0.01, rng=rng).worker for _ in range(200)} == {A}
+    picks = Counter(pick(scored, temperature=1000.0, rng=rng).worker for _ in range(4000))
+    assert picks[B] / 4000 == pytest.approx(0.5, abs=0.04)
+
+
+def test_no_workers_means_no_choice() -> None:
+    assert choose_worker(10, 16, [], overlap_score_weight=1.0, temperature=0.0, rng=random.Random()) is None
+    with pytest.raises(ValueError, match="no worker"):
+        pick([], temperature=0.0, rng=random.Random())

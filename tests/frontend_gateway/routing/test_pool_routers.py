@@ -1,0 +1,188 @@
+"""Each model pool's router: built by the watcher from the settings, told of instances, closed with the pool."""
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+
+from frontend_gateway import model_watcher
+from frontend_gateway.model_watcher import ModelWatcher, endpoint_of_model_key
+from frontend_gateway.pipeline import ModelRegistry
+from frontend_gateway.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.routing.kv_router import KvRouter
+from frontend_gateway.routing.protocol import Decision, InstanceInfo, Router, RouterMode, RouterSettings
+from runtime.addressing import EndpointAddress
+from runtime.discovery import MODELS_PREFIX
+from runtime.distributed import DistributedRuntime
+from runtime.endpoint import ModelEntry
+from runtime.model_card import ModelCard, ModelType
+from runtime.protocol import PreprocessedRequest, TextRequest
+from tests.infra import EtcdServer, NatsServer
+
+
+class RecordingRouter:
+    """A router that routes round-robin and notes every call the watcher makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def start(self) -> None:
+        self.calls.append("start")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+    def choose(self, request: PreprocessedRequest | TextRequest, candidates: Sequence[InstanceInfo]) -> Decision | None:
+        return Decision(candidates[0]) if candidates else None
+
+    def prefill_done(self, request_id: str) -> None:
+        self.calls.append(f"prefill_done {request_id}")
+
+    def finished(self, request_id: str) -> None:
+        self.calls.append(f"finished {request_id}")
+
+    def instance_added(self, instance: InstanceInfo) -> None:
+        self.calls.append(f"added {instance.instance_id}")
+
+    def instance_removed(self, instance_id: int) -> None:
+        self.calls.append(f"removed {instance_id}")
+
+
+@pytest.fixture
+async def runtime(etcd_server: EtcdServer, nats_server: NatsServer) -> AsyncIterator[DistributedRuntime]:
+    connected = await DistributedRuntime.connect(nats_url=nats_server.url, etcd_endpoints=[etcd_server.endpoint])
+    yield connected
+    await connected.close()
+
+
+def key(instance_id: int, component: str = "backend") -> str:
+    return f"{MODELS_PREFIX}llm/{component}/generate/{instance_id:x}"
+
+
+def chat_entry(name: str, instance_id: int, block_size: int = 32) -> bytes:
+    card = ModelCard(name=name, model_type=ModelType.CHAT, context_length=256, kv_cache_block_size=block_size)
+    return msgspec.json.encode(ModelEntry(instance_id=instance_id, subject=f"s.{instance_id:x}", card=card))
+
+
+async def until(watcher: ModelWatcher, condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(30):
+        while True:
+            watcher.changed.clear()
+            if condition():
+                return
+            await watcher.changed.wait()
+
+
+def router_of(registry: ModelRegistry, name: str) -> Router:
+    model = registry.get(name)
+    assert model is not None and isinstance(model.engine, RemoteTextEngine | RemoteTokenEngine)
+    return model.engine.router
+
+
+async def test_a_pools_router_is_started_told_of_instances_and_closed_when_the_pool_goes(
+    runtime: DistributedRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[tuple[RecordingRouter, RouterSettings, int, EndpointAddress | None]] = []
+
+    def build(settings: RouterSettings, *, block_size: int, nc: Any, address: EndpointAddress | None) -> Router:
+        router = RecordingRouter()
+        built.append((router, settings, block_size, address))
+        return router
+
+    monkeypatch.setattr(model_watcher, "build_router", build)
+    settings = RouterSettings(mode=RouterMode.KV, overlap_score_weight=2.0)
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry, router=settings)
+    watch = asyncio.create_task(watcher.run())
+    try:
+        await runtime.discovery.register(key(1), chat_entry("m", 1, block_size=64))
+        await runtime.discovery.register(key(2), chat_entry("m", 2, block_size=64))
+        await until(watcher, lambda: len(built) == 1 and "added 2" in built[0][0].calls)
+        router, used_settings, block_size, address = built[0]
+        assert (used_settings, block_size, address) == (settings, 64, EndpointAddress("llm", "backend", "generate"))
+        assert router_of(registry, "m") is router
+        assert router.calls == ["start", "added 1", "added 2"]
+        await runtime.discovery.deregister(key(1))
+        await runtime.discovery.deregister(key(2))
+        await until(watcher, lambda: registry.names() == [])
+        assert router.calls[3:] == ["removed 1", "removed 2", "close"]
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def test_closing_the_watcher_closes_every_router_and_builds_no_more(
+    runtime: DistributedRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    routers: list[RecordingRouter] = []
+
+    def build(settings: RouterSettings, **kwargs: Any) -> Router:
+        routers.append(RecordingRouter())
+        return routers[-1]
+
+    monkeypatch.setattr(model_watcher, "build_router", build)
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry)
+    watch = asyncio.create_task(watcher.run())
+    try:
+        await runtime.discovery.register(key(1), chat_entry("a", 1))
+        await runtime.discovery.register(key(2), chat_entry("b", 2))
+        await until(watcher, lambda: registry.names() == ["a", "b"])
+        await watcher.close()
+        assert [router.calls[-1] for router in routers] == ["close", "close"]
+        await runtime.discovery.register(key(3), chat_entry("c", 3))
+        await until(watcher, lambda: key(3) in watcher._applied)
+        assert len(routers) == 2
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def test_in_kv_mode_each_pool_gets_a_kv_router_on_its_component_with_the_cards_block_size(
+    runtime: DistributedRuntime,
+) -> None:
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry, router=RouterSettings(mode=RouterMode.KV))
+    watch = asyncio.create_task(watcher.run())
+    try:
+        await runtime.discovery.register(key(1, component="prefill"), chat_entry("m", 1, block_size=48))
+        await until(watcher, lambda: registry.names() == ["m"])
+        router = router_of(registry, "m")
+        assert isinstance(router, KvRouter)
+        assert (router.block_size, router.address) == (48, EndpointAddress("llm", "prefill", "generate"))
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await watcher.close()
+
+
+async def test_a_card_whose_block_size_cannot_be_routed_by_kv_is_skipped_with_a_reason(
+    runtime: DistributedRuntime, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry, router=RouterSettings(mode=RouterMode.KV))
+    watch = asyncio.create_task(watcher.run())
+    try:
+        await runtime.discovery.register(key(1), chat_entry("broken", 1, block_size=0))
+        await runtime.discovery.register(key(2), chat_entry("fine", 2))
+        await until(watcher, lambda: registry.names() == ["fine"])
+        assert "model 'broken' cannot be routed: the KV block size must be at least 1, not 0" in caplog.text
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await watcher.close()
+
+
+@pytest.mark.parametrize(
+    ("model_key", "address"),
+    [
+        (f"{MODELS_PREFIX}ns/comp/ep/1f", EndpointAddress("ns", "comp", "ep")),
+        (f"{MODELS_PREFIX}ns/comp/1f", None),
+        (f"{MODELS_PREFIX}ns/c.mp/ep/1f", None),
+        ("elsewhere/ns/comp/ep/1f", None),
+    ],
+)
+def test_the_endpoint_of_a_model_key_is_read_from_its_path(model_key: str, address: EndpointAddress | None) -> None:
+    assert endpoint_of_model_key(model_key) == address
