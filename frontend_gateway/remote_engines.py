@@ -113,6 +113,8 @@ class RemoteTokenEngine(_RemoteBase):
             instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
+            if decision.dp_rank != attempt.dp_rank:
+                attempt = msgspec.structs.replace(attempt, dp_rank=decision.dp_rank)
             prefilling = True
             try:
                 # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.

@@ -49,11 +49,12 @@ class Decision:
     """Where a request goes, and what the router expects it to cost there.
 
     ``overlap_blocks`` is the number of the prompt's leading blocks the router believes the worker
-    already holds; ``prefill_tokens`` the prompt tokens it will still have to compute.
+    already holds; ``prefill_tokens`` the prompt tokens it will still have to compute. ``dp_rank``
+    is the data-parallel rank of the instance to use, or None to let the engine pick.
     """
 
     instance: InstanceInfo
-    dp_rank: int = 0
+    dp_rank: int | None = None
     overlap_blocks: int = 0
     prefill_tokens: int = 0
 

@@ -36,9 +36,9 @@ def test_no_candidates_means_no_choice() -> None:
     assert RandomRouter().choose(REQUEST, []) is None
 
 
-def test_a_basic_decision_expects_no_cache_hit_on_rank_zero() -> None:
+def test_a_basic_decision_expects_no_cache_hit_and_leaves_the_rank_to_the_engine() -> None:
     decision = RoundRobinRouter().choose(REQUEST, INSTANCES)
-    assert decision == Decision(INSTANCES[1], dp_rank=0, overlap_blocks=0, prefill_tokens=3)
+    assert decision == Decision(INSTANCES[1], dp_rank=None, overlap_blocks=0, prefill_tokens=3)
 
 
 async def test_the_notices_are_accepted_and_change_nothing() -> None:

@@ -160,3 +160,22 @@ async def test_a_text_stream_gives_the_same_notices() -> None:
         async for _ in engine.generate(request, RequestContext("t")):
             pass
     assert router.log == ["choose 1", "prefill_done", "finished"]
+
+
+async def test_the_chosen_dp_rank_travels_with_the_request() -> None:
+    class RankRouter(ListRouter):
+        def choose(self, request: PreprocessedRequest | TextRequest, candidates: Sequence[InstanceInfo]) -> Decision:
+            return Decision(candidates[0], dp_rank=3)
+
+    sent: list[PreprocessedRequest] = []
+
+    class RecordingClient(ScriptedClient):
+        async def call(self, subject: str, request_id: str, payload: bytes) -> AsyncIterator[list[bytes]]:
+            sent.append(msgspec.msgpack.decode(payload, type=PreprocessedRequest))
+            async for frame in super().call(subject, request_id, payload):
+                yield frame
+
+    client = RecordingClient({A.subject: ([EngineOutput([5], finish_reason="stop")], None)})
+    engine = RemoteTokenEngine("m", instances(A), RankRouter(), Runtime(client), 0)  # type: ignore[arg-type]
+    await drain(engine)
+    assert [request.dp_rank for request in sent] == [3]
