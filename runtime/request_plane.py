@@ -9,7 +9,10 @@ Protocol (all messages msgpack):
   order, then ``END`` (which may carry the last payloads) or ``ERROR``. Payloads produced back to back
   travel in one frame, so a fast engine costs few messages. While it has nothing to send the worker
   publishes ``HEARTBEAT`` frames, so a client that hears nothing for ``silence_timeout`` knows the
-  worker is gone (or hung) and does not wait forever.
+  worker is gone (or hung) and does not wait forever. Before it says so, the client makes sure the
+  silence is not its own: it first catches up on what NATS holds for it (a marker through its own
+  inbox), then asks the worker (a ``Probe`` listing its open requests) whether it still runs the
+  request; an overloaded worker that answers yes is slow, not gone, and is waited for.
 * Flow control: a worker keeps at most ``window`` DATA frames of a stream unacknowledged. While the
   window is full its outputs pile up on the worker and leave later as one bigger frame, so a slow
   reader slows its writers instead of being cut off by nats-server as a slow consumer. The client
@@ -106,7 +109,9 @@ class Acks(msgspec.Struct, array_like=True, tag=1):
 
 
 class Probe(msgspec.Struct, array_like=True, tag=2):
-    """Are you there? The worker answers with an empty message."""
+    """Are you there? The worker answers with the msgpack list of those ``request_ids`` it does not know."""
+
+    request_ids: list[str] = msgspec.field(default_factory=list)
 
 
 _encode = msgspec.msgpack.encode
@@ -114,6 +119,7 @@ _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _frame_decoder = msgspec.msgpack.Decoder(Frame)
 _control_decoder = msgspec.msgpack.Decoder(Stop | Acks | Probe)
 _PROBE = _encode(Probe())
+_unknown_decoder = msgspec.msgpack.Decoder(list[str])
 
 #: A bytes-level request handler: the request's msgpack document in, encoded msgpack documents out.
 Handler = Callable[[msgspec.Raw, RequestContext], AsyncIterator[bytes]]
@@ -275,8 +281,9 @@ class EndpointServer:
                     stream.wake.set()
         elif isinstance(control, Probe):
             if msg.reply:
+                unknown = [request_id for request_id in control.request_ids if request_id not in self._streams]
                 with contextlib.suppress(nats.errors.Error):
-                    await self._nc.publish(msg.reply, b"")
+                    await self._nc.publish(msg.reply, _encode(unknown))
         else:
             stream = self._streams.get(control.request_id)
             if stream is not None:
@@ -373,13 +380,19 @@ class _Inbox:
     are waiting unread, in its own queue or in the server's buffers), so the verdict waits for it.
     """
 
-    __slots__ = ("_caught_up", "_confirming", "_due", "_last", "_loop", "_silence", "_timer", "queue")
+    __slots__ = ("_caught_up", "_confirming", "_due", "_last", "_loop", "_running", "_silence", "_timer", "queue")
 
-    def __init__(self, silence_timeout: float, caught_up: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        silence_timeout: float,
+        caught_up: Callable[[], Awaitable[bool]],
+        running: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
         self.queue: asyncio.Queue[Frame | None] = asyncio.Queue()  # None: the worker went silent
         self._loop = asyncio.get_running_loop()
         self._silence = silence_timeout
         self._caught_up = caught_up
+        self._running = running
         self._confirming: asyncio.Task[None] | None = None
         self._last = time.monotonic()
         self._due = self._last + silence_timeout
@@ -408,11 +421,13 @@ class _Inbox:
             self._rearm(now)
 
     async def _confirm(self, last: float) -> None:
-        """Call the silence only once the client has caught up and still nothing arrived."""
-        if await self._caught_up() and self._last == last:
+        """Call the silence once the client has caught up and nothing arrived, unless the worker says
+        it runs the request (an overloaded worker is slow, not gone)."""
+        silent = await self._caught_up() and self._last == last
+        if silent and (self._running is None or not await self._running()):
             self.queue.put_nowait(None)
-        else:
-            self._rearm(time.monotonic())
+            return
+        self._rearm(time.monotonic())
 
     def _rearm(self, now: float) -> None:
         quiet = now - self._last
@@ -467,6 +482,8 @@ class RequestClient:
         self._tasks: set[asyncio.Task[None]] = set()
         # The marker silence verdicts wait for (see _caught_up).
         self._marker: asyncio.Future[None] | None = None
+        # Liveness probes before a silence verdict, one per instance at a time (see _still_running).
+        self._liveness: dict[str, asyncio.Future[set[str] | None]] = {}
         self._marker_subject = ""
         self._marker_sent = 0.0
         self._markers_sent = 0
@@ -525,6 +542,27 @@ class RequestClient:
             return not self._nc.is_connected
         return True
 
+    async def _still_running(self, subject: str, request_id: str) -> bool:
+        """Whether the worker behind ``subject`` answers, within the silence timeout, that it runs ``request_id``.
+
+        One probe per instance at a time carries the ids of all its open streams; those who ask
+        meanwhile share its answer.
+        """
+        probe = self._liveness.get(subject)
+        if probe is None or probe.done():
+            request_ids = list(self._open.get(subject, {}).values())
+            probe = self._liveness[subject] = asyncio.ensure_future(self._unknown_to(subject, request_ids))
+        unknown = await asyncio.shield(probe)
+        return unknown is not None and request_id not in unknown
+
+    async def _unknown_to(self, subject: str, request_ids: list[str]) -> set[str] | None:
+        """Which of ``request_ids`` the worker says it does not run; None if it does not answer in time."""
+        try:
+            answer = await self._nc.request(control_subject(subject), _encode(Probe(request_ids)), self.silence_timeout)
+            return set(_unknown_decoder.decode(answer.data))
+        except (TimeoutError, nats.errors.Error, msgspec.DecodeError):
+            return None
+
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coroutine)
         self._tasks.add(task)
@@ -550,7 +588,9 @@ class RequestClient:
         nc = self._nc
         self._next += 1
         reply_to = f"{self._prefix}.{self._next}"
-        inbox = self._inboxes[reply_to] = _Inbox(self.silence_timeout, self._caught_up)
+        inbox = self._inboxes[reply_to] = _Inbox(
+            self.silence_timeout, self._caught_up, lambda: self._still_running(subject, request_id)
+        )
         open_streams = self._open.get(subject)
         if open_streams is None:
             open_streams = self._open[subject] = {}
@@ -608,6 +648,7 @@ class RequestClient:
             del open_streams[reply_to]
             if not open_streams:
                 del self._open[subject]
+                self._liveness.pop(subject, None)
             if not finished:
                 with contextlib.suppress(nats.errors.Error):
                     await nc.publish(control, _encode(Stop(request_id)))

@@ -6,11 +6,13 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from runtime.engine import RequestContext
 from runtime.nats_connection import connect_nats
 from runtime.request_plane import (
     EndpointServer,
+    Probe,
     RemoteError,
     RequestClient,
     RequestTooLarge,
@@ -134,13 +136,56 @@ async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connect
     await stream.aclose()  # type: ignore[attr-defined]
 
     await server.close()
-    # A worker that takes the request and then says nothing (no heartbeats): silence, then StreamBroken.
-    release.clear()
-    silent = EndpointServer(worker, SUBJECT, slow, heartbeat_interval=60)
-    await silent.start()
+    # A hung worker: it takes the request and then answers nothing, not even probes.
+    hung = [await worker.subscribe(subject) for subject in (SUBJECT, SUBJECT + ".control")]
+    await worker.flush()
     with pytest.raises(StreamBroken, match="went silent"):
         await anext(client.call(SUBJECT, "f", encode(None)))
-    await silent.close()
+    for subscription in hung:
+        await subscription.unsubscribe()
+
+
+async def test_a_worker_that_says_it_runs_the_request_is_waited_for_without_heartbeats(
+    connections: tuple[NATS, NATS],
+) -> None:
+    # An overloaded worker may send nothing for longer than the silence timeout; it is slow, not gone.
+    worker, nc = connections
+    release = asyncio.Event()
+
+    async def slow(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        await release.wait()
+        yield encode("late")
+
+    server = await serve(worker, slow, heartbeat_interval=60)
+    client = RequestClient(nc, silence_timeout=0.2)
+    await client.start()
+    stream = client.call(SUBJECT, "g", encode(None))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(1.0)  # five silence periods
+    assert not first.done()
+    release.set()
+    assert msgspec.msgpack.decode((await first)[0]) == "late"
+    await stream.aclose()  # type: ignore[attr-defined]
+    await server.close()
+
+
+async def test_a_request_the_worker_does_not_know_is_called_silent(connections: tuple[NATS, NATS]) -> None:
+    # The worker answers probes but never got the request (it was lost on the way): waiting is futile.
+    worker, nc = connections
+
+    async def answer_probe(msg: Msg) -> None:
+        probe = msgspec.msgpack.decode(msg.data, type=Probe)
+        await worker.publish(msg.reply, msgspec.msgpack.encode(probe.request_ids))
+
+    lost = [await worker.subscribe(SUBJECT), await worker.subscribe(SUBJECT + ".control", cb=answer_probe)]
+    await worker.flush()
+    client = RequestClient(nc, silence_timeout=0.2)
+    await client.start()
+    with pytest.raises(StreamBroken, match="went silent"):
+        async with asyncio.timeout(10):
+            await anext(client.call(SUBJECT, "h", encode(None)))
+    for subscription in lost:
+        await subscription.unsubscribe()
 
 
 async def test_a_malformed_frame_fails_the_request_at_once(connections: tuple[NATS, NATS]) -> None:
