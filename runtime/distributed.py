@@ -20,6 +20,7 @@ from runtime.addressing import EndpointAddress, new_instance_id
 from runtime.discovery import Discovery
 from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
 from runtime.errors import BackgroundTaskFailed
+from runtime.loop_lag import watch_loop_lag
 from runtime.nats_connection import connect_nats
 from runtime.object_store import fetch_tokenizer
 from runtime.request_plane import EndpointServer, RequestClient
@@ -79,7 +80,9 @@ class DistributedRuntime:
             if not connecting_etcd.cancelled() and connecting_etcd.exception() is None:
                 await connecting_etcd.result().close()
             raise
-        return cls(nc, discovery, heartbeat_interval=heartbeat)
+        runtime = cls(nc, discovery, heartbeat_interval=heartbeat)
+        runtime.own(watch_loop_lag, name="event loop lag", restart=True)
+        return runtime
 
     def namespace(self, name: str) -> "Namespace":
         return Namespace(self, name)
