@@ -441,6 +441,9 @@ class _Inbox:
             self._confirming.cancel()
 
 
+# How many silence timeouts a worker is given to answer the probe that confirms a silence.
+LIVENESS_WAIT = 6
+
 # How late a silence timer may fire before the client counts itself as behind (see _Inbox).
 _LOOP_LAG_TOLERANCE = 0.5
 
@@ -543,7 +546,10 @@ class RequestClient:
         return True
 
     async def _still_running(self, subject: str, request_id: str) -> bool:
-        """Whether the worker behind ``subject`` answers, within the silence timeout, that it runs ``request_id``.
+        """Whether the worker behind ``subject`` answers that it runs ``request_id``.
+
+        The worker gets LIVENESS_WAIT silence timeouts to answer: one whose event loop runs seconds
+        behind (thousands of streams) answers late but answers; a hung one does not.
 
         One probe per instance at a time carries the ids of all its open streams; those who ask
         meanwhile share its answer.
@@ -558,7 +564,8 @@ class RequestClient:
     async def _unknown_to(self, subject: str, request_ids: list[str]) -> set[str] | None:
         """Which of ``request_ids`` the worker says it does not run; None if it does not answer in time."""
         try:
-            answer = await self._nc.request(control_subject(subject), _encode(Probe(request_ids)), self.silence_timeout)
+            probe = _encode(Probe(request_ids))
+            answer = await self._nc.request(control_subject(subject), probe, LIVENESS_WAIT * self.silence_timeout)
             return set(_unknown_decoder.decode(answer.data))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError):
             return None
