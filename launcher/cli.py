@@ -12,7 +12,7 @@ from pathlib import Path
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
 from launcher.env_flags import EnvArgumentParser, parse_boolean
-from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
+from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
@@ -30,6 +30,8 @@ Run a model and talk to it, in one process.
   out=llamacpp     llama.cpp on a GGUF file (default)
   out=echo_core    echo the templated prompt's tokens (shows the chat template)
   out=echo_full    echo the prompt text; needs no model (--model-name names it)
+  out=mocker       a simulated vLLM (no weights, MODEL gives the tokenizer): paged KV cache with
+                   prefix caching, batching, timing, KV events; settings in --extra-engine-args
   out=pystr:FILE.py
                    your Python: FILE's `async def generate(request)` yields text for OpenAI-level
                    request dicts; needs no model; served as FILE's name unless --model-name
@@ -52,6 +54,7 @@ examples:
   flotilla run in=http out=echo_full --model-name echo
   flotilla run in=http out=pystr:examples/pystr_shout.py   # your Python function as the engine
   flotilla run in=dyn://llm.backend.generate out=llamacpp   # a worker (needs etcd and NATS)
+  flotilla run in=dyn://llm.backend.generate out=mocker --extra-engine-args mocker.json
   flotilla run in=http out=dyn --router-mode random --migration-limit 3   # the ingress
 
 logging: FLOTILLA_LOG=debug, or per module: FLOTILLA_LOG=frontend_gateway=debug,info; -v, -vv
@@ -192,6 +195,13 @@ def build_run_parser() -> EnvArgumentParser:
         help="CPU threads for llama.cpp (default: all cores)",
     )
     run.add_flag(
+        "--extra-engine-args",
+        env="FLOTILLA_EXTRA_ENGINE_ARGS",
+        type=Path,
+        help="out=mocker: a JSON file of settings, with the key names of Dynamo's mocker "
+        '(e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64})',
+    )
+    run.add_flag(
         "--batch-concurrency",
         env="FLOTILLA_BATCH_CONCURRENCY",
         type=_positive_int,
@@ -319,6 +329,9 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             parser.error(f"out={output!r} needs a file: out={kind}:FILE.py")
     elif output not in ENGINES and output not in PLANNED_ENGINES:
         parser.error(f"out={output!r} is not an engine; use one of {', '.join(ENGINES)}, pystr:FILE.py, pytok:FILE.py")
+    if namespace.extra_engine_args is not None and output not in EXTRA_ARGS_ENGINES:
+        engines = " or ".join(f"out={engine}" for engine in EXTRA_ARGS_ENGINES)
+        parser.error(f"--extra-engine-args (FLOTILLA_EXTRA_ENGINE_ARGS) configures {engines}, not out={output}")
     return RunOptions(
         input=input_,
         output=output,
@@ -343,6 +356,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         max_queued=namespace.max_queued,
         queue_timeout_s=namespace.queue_timeout,
         reuse_port=namespace.reuse_port,
+        extra_engine_args=namespace.extra_engine_args,
     )
 
 

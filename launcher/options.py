@@ -3,9 +3,11 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENGINES = ("echo_core", "echo_full", "llamacpp", "dyn")
+ENGINES = ("echo_core", "echo_full", "llamacpp", "mocker", "dyn")
 # Engines on the road map (DESIGN.md); named so that asking for one gets a clear answer.
-PLANNED_ENGINES = ("mocker", "mistralrs", "vllm", "sglang", "trtllm")
+PLANNED_ENGINES = ("mistralrs", "vllm", "sglang", "trtllm")
+# Engines configured by --extra-engine-args FILE.json.
+EXTRA_ARGS_ENGINES = ("mocker",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +35,7 @@ class RunOptions:
     max_queued: int = 16384
     queue_timeout_s: float = 120.0
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
+    extra_engine_args: Path | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

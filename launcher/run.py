@@ -6,6 +6,8 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
@@ -53,6 +55,8 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         card, path = load_card(options)
         llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
         return TokenModel(card, llama), llama
+    if output == "mocker":
+        return build_mocker_model(options)
     if (python_engine := python_engine_file(output)) is not None:
         return build_python_model(options, *python_engine)
     if output in PLANNED_ENGINES:
@@ -60,6 +64,19 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     raise ConfigError(
         f"unknown engine out={output!r}; choose one of {', '.join(ENGINES)}, pystr:FILE.py or pytok:FILE.py"
     )
+
+
+def build_mocker_model(options: RunOptions) -> tuple[ServedModel, Engine]:
+    """``out=mocker``: a simulated vLLM with the model's tokenizer; its card names the mocker's KV block size."""
+    from engines.mocker.config import load_mocker_config
+    from engines.mocker.engine import MockerEngine
+
+    # The settings first: their mistakes are quicker to find than a model download.
+    config = load_mocker_config(options.extra_engine_args)
+    card, _ = load_card(options)
+    card = msgspec.structs.replace(card, kv_cache_block_size=config.block_size)
+    mocker = MockerEngine(config, vocab_size=card.tokenizer.get_vocab_size())
+    return TokenModel(card, mocker), mocker
 
 
 def build_python_model(options: RunOptions, kind: str, file: str) -> tuple[ServedModel, Engine]:

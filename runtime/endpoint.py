@@ -23,7 +23,9 @@ from runtime.addressing import EndpointAddress
 from runtime.discovery import instance_key, model_key
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
-from runtime.load_metrics import publish_load_forever
+from runtime.kv_events import KvEventSource
+from runtime.kv_publisher import start_kv_publishing
+from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever
 from runtime.model_card import ModelCard, ModelType
 from runtime.object_store import publish_tokenizer
 from runtime.request_plane import EndpointServer, Handler
@@ -90,9 +92,17 @@ class Endpoint:
         # Models registered before serve(): announced once requests can be answered.
         self._pending_models: list[tuple[str, bytes]] = []
 
-    async def serve_bytes(self, handler: Handler) -> None:
-        """Start answering requests with a bytes-level handler and announce this instance in etcd."""
+    async def serve_bytes(self, handler: Handler, *, kv_source: KvEventSource | None = None) -> None:
+        """Start answering requests with a bytes-level handler and announce this instance in etcd.
+
+        With ``kv_source`` (an engine that reports its KV cache), its KV events, cache state and
+        per-rank load are published for KV routers (runtime/kv_publisher.py), from before the first request.
+        """
         runtime = self.runtime
+        load_reports: LoadReports | None = None
+        if kv_source is not None:
+            await start_kv_publishing(runtime, self.address, kv_source)
+            load_reports = engine_load(runtime.instance_id, kv_source)
         server = EndpointServer(
             runtime.nc,
             self.subject,
@@ -111,9 +121,10 @@ class Endpoint:
             await runtime.discovery.register(key, value)
         self._pending_models.clear()
         subject = self.address.load_metrics_subject()
+        reports = load_reports or active_requests_load(runtime.instance_id, lambda: server.active_requests)
 
         def publish_load() -> Coroutine[Any, Any, None]:
-            return publish_load_forever(runtime.nc, subject, runtime.instance_id, lambda: server.active_requests)
+            return publish_load_forever(runtime.nc, subject, reports)
 
         # Restarted if it fails: the load it publishes is advisory, never a reason to stop serving.
         runtime.own(publish_load, name=f"load metrics {self.address}", restart=True)
@@ -126,12 +137,15 @@ class Endpoint:
         else:
             await self.runtime.discovery.register(key, value)
 
-    async def serve(self, handler: Callable[..., AsyncIterator[Any]]) -> None:
+    async def serve(
+        self, handler: Callable[..., AsyncIterator[Any]], *, kv_source: KvEventSource | None = None
+    ) -> None:
         """Serve a Python handler until the runtime shuts down.
 
         The handler is an async generator taking the request (plain dicts and lists, as sent) and,
         if it accepts a second argument, the RequestContext; each item it yields (dicts, lists,
-        strings, numbers, or msgspec Structs) is sent back as one response.
+        strings, numbers, or msgspec Structs) is sent back as one response. An engine that reports
+        its KV cache passes itself as ``kv_source`` (see ``serve_bytes``).
         """
         wants_context = len(inspect.signature(handler).parameters) >= 2
 
@@ -141,7 +155,7 @@ class Endpoint:
             async for output in outputs:
                 yield msgspec.msgpack.encode(output)
 
-        await self.serve_bytes(bytes_handler)
+        await self.serve_bytes(bytes_handler, kv_source=kv_source)
         await self.runtime.wait_for_shutdown()
 
 

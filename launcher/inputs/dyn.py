@@ -18,6 +18,7 @@ from launcher.startup import connect_runtime
 from runtime.addressing import EndpointAddress
 from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Engine, RequestContext
+from runtime.kv_events import KvEventSource
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
 from runtime.request_plane import Handler
@@ -56,7 +57,9 @@ async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard
         loop.add_signal_handler(signum, runtime.shutdown)
     try:
         endpoint = runtime.endpoint(address)
-        await endpoint.serve_bytes(engine_handler(engine))
+        # An engine that reports its KV cache has its events, cache state and load published for KV routers.
+        kv_source = engine if isinstance(engine, KvEventSource) else None
+        await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source)
         if engine.kind == "token":
             await register_model(ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens)
         else:

@@ -10,11 +10,11 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
-from runtime.load_metrics import LoadMetrics
+from runtime.kv_events import WorkerLoad
 
 
 class LoadWatcher:
-    """Records every ``LoadMetrics`` published on ``subject``, per instance, on a background thread.
+    """Records every ``WorkerLoad`` published on ``subject``, per instance, on a background thread.
 
     Use as a context manager: on entry the subscription is live, on exit it is closed.
     """
@@ -76,7 +76,7 @@ class LoadWatcher:
         connection = await nats.connect(self._url)
 
         async def on_metrics(msg: Msg) -> None:
-            metrics = msgspec.json.decode(msg.data, type=LoadMetrics)
+            metrics = msgspec.json.decode(msg.data, type=WorkerLoad)
             with self._changed:
                 self._seen[f"{metrics.instance_id:x}"].append(metrics.active_requests)
                 self._changed.notify_all()

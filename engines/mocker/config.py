@@ -1,0 +1,91 @@
+"""The mocker's settings: ``--extra-engine-args FILE.json``, with the key names of Dynamo's mocker.
+
+Defaults are vLLM's (and Dynamo's mocker's): 16384 blocks of 64 tokens, 256 sequences and 8192
+tokens per step, prefix caching and chunked prefill on, a 1% watermark, real time (speedup 1).
+"""
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from runtime.errors import ConfigError
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class MockerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """How the simulated engine behaves; every field is a key of ``--extra-engine-args``."""
+
+    #: KV-cache blocks per dp rank.
+    num_gpu_blocks: PositiveInt = 16384
+    #: Tokens per KV block (also the block size the card announces to KV routers).
+    block_size: PositiveInt = 64
+    #: Sequences running at once per dp rank.
+    max_num_seqs: PositiveInt = 256
+    #: Tokens computed per step per dp rank (prefill chunks plus one per decoding sequence).
+    max_num_batched_tokens: PositiveInt = 8192
+    enable_prefix_caching: bool = True
+    #: Prefill a long prompt over several steps instead of waiting for a step with room for all of it.
+    enable_chunked_prefill: bool = True
+    #: Fraction of the blocks a new request may not take (kept for the running ones to grow into).
+    watermark: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.01
+    #: Simulated time runs this many times faster than real time; 0: no waiting at all.
+    speedup_ratio: NonNegativeFloat = 1.0
+    #: An extra speed-up of decode steps only (speculative decoding); 0: decode steps take no time.
+    decode_speedup_ratio: NonNegativeFloat = 1.0
+    #: Data-parallel ranks in this process, each with its own KV cache and scheduler.
+    dp_size: PositiveInt = 1
+    #: Seconds ``start()`` waits, as a real engine loads its weights.
+    startup_time: NonNegativeFloat | None = None
+    #: Which running sequence makes room when blocks run out: the newest (vLLM v1) or the oldest.
+    preemption_mode: Literal["lifo", "fifo"] = "lifo"
+
+
+KNOWN_KEYS: tuple[str, ...] = MockerConfig.__struct_fields__
+
+
+def parse_mocker_config(values: Any, source: str = "--extra-engine-args") -> MockerConfig:
+    """``values`` (a decoded JSON object) as a MockerConfig.
+
+    Raises ConfigError naming ``source`` and the offending key, and listing the known keys.
+    """
+    known = ", ".join(KNOWN_KEYS)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: expected a JSON object of mocker settings (keys: {known})")
+    for key in values:
+        if key not in KNOWN_KEYS:
+            raise ConfigError(f"{source}: unknown key {key!r}; known keys: {known}")
+    try:
+        config = msgspec.convert(values, MockerConfig)
+    except msgspec.ValidationError as exc:
+        # msgspec says "Expected `int` >= 1, got `0` - at `$.num_gpu_blocks`": name the key up front.
+        message, _, where = str(exc).rpartition(" - at `$.")
+        key = where.rstrip("`").split("[")[0].split(".")[0]
+        if not message:
+            raise ConfigError(f"{source}: {exc}; known keys: {known}") from None
+        raise ConfigError(f"{source}: bad value for key {key!r}: {message}; known keys: {known}") from None
+    if config.max_num_batched_tokens < config.max_num_seqs:
+        # As vLLM refuses it: a step must have room for a token of every running sequence.
+        raise ConfigError(
+            f"{source}: max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
+            f"max_num_seqs ({config.max_num_seqs})"
+        )
+    return config
+
+
+def load_mocker_config(path: Path | None) -> MockerConfig:
+    """The settings in JSON file ``path``; the defaults when None. Raises ConfigError (see parse_mocker_config)."""
+    if path is None:
+        return MockerConfig()
+    source = f"--extra-engine-args {path}"
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot be read: {exc.strerror}") from None
+    try:
+        values = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid JSON: {exc}") from None
+    return parse_mocker_config(values, source)

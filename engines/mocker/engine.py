@@ -1,0 +1,256 @@
+"""The mocker engine (``out=mocker``): a vLLM-like engine with no weights, for testing and benchmarks.
+
+It takes token ids like any token engine and answers with pseudo-random tokens, at the pace the
+timing model (timing.py) gives a real engine on a GPU, divided by ``speedup_ratio``. Each of its
+``dp_size`` ranks has its own scheduler and KV cache (scheduler.py, kv_cache.py) and its own step
+loop: plan a step, wait its simulated time, apply it, hand each sequence's new tokens to its
+consumer. A request goes to the rank the router chose (``dp_rank``), else to the least loaded one.
+
+It is a ``KvEventSource``: once a sink is attached, every step's KV events (blocks stored,
+removed, all cleared) go to it per rank, and ``load()`` / ``cache_state()`` say what each rank
+holds, so that the worker publishes them as a real engine's would (runtime/kv_publisher.py).
+
+A step loop that fails is logged, every request it held fails with an EngineError, and the rank
+starts again with an empty cache (routers are told: all cleared); nothing waits forever.
+"""
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterable
+from typing import Literal
+
+from engines.mocker.config import MockerConfig
+from engines.mocker.scheduler import Scheduler, Sequence
+from engines.mocker.timing import StepTimer
+from runtime.engine import RequestContext
+from runtime.errors import EngineError
+from runtime.kv_events import AllCleared, BlockStored, KvEventSink, WorkerLoad
+from runtime.protocol import EngineOutput, PreprocessedRequest
+
+log = logging.getLogger(__name__)
+
+#: Longest run of steps without letting other tasks run, when the steps are behind their simulated
+#: time (the CPU, not the simulated GPU, is the limit: high speed-ups). Consumers then take the
+#: tokens of several steps at once, as a real engine's output stage does when its reader lags.
+MAX_BURST_S = 0.0002
+
+
+class _Rank:
+    """One dp rank: its scheduler, the event that wakes its idle step loop, and that loop."""
+
+    __slots__ = ("index", "scheduler", "task", "wake")
+
+    def __init__(self, index: int, scheduler: Scheduler) -> None:
+        self.index = index
+        self.scheduler = scheduler
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class MockerEngine:
+    """A token engine that simulates vLLM's scheduling, KV cache and timing. ``start()`` runs its ranks."""
+
+    kind: Literal["token"] = "token"
+    skip_special_tokens = True
+
+    def __init__(self, config: MockerConfig, *, vocab_size: int) -> None:
+        """Raises ValueError for a vocabulary below two tokens (one must be left besides an end)."""
+        if vocab_size < 2:
+            raise ValueError(f"the mocker needs a vocabulary of at least 2 tokens, not {vocab_size}")
+        self.config = config
+        self.vocab_size = vocab_size
+        self._timer = StepTimer(config)
+        self._ranks = [_Rank(index, Scheduler(config)) for index in range(config.dp_size)]
+        self._sink: KvEventSink | None = None
+        self._running = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Wait ``startup_time`` (a real engine loads weights meanwhile), then start a step loop per rank."""
+        if self.config.startup_time:
+            await asyncio.sleep(self.config.startup_time)
+        for rank in self._ranks:
+            rank.task = asyncio.create_task(self._supervise(rank), name=f"mocker dp rank {rank.index}")
+        self._running = True
+
+    async def close(self) -> None:
+        """Stop the step loops; requests still in flight end with an EngineError."""
+        self._running = False
+        tasks = [rank.task for rank in self._ranks if rank.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rank in self._ranks:
+            rank.task = None
+            _wake(rank.scheduler.fail_all("the mocker engine was closed"))
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        """Yield the request's tokens step by step until ``max_tokens`` (finish "length").
+
+        The first output carries ``cached_tokens``. Raises EngineError for a prompt the engine could
+        never schedule, for an engine not started, and when the rank's step loop failed.
+        """
+        if not self._running:
+            raise EngineError("the mocker engine is not running")
+        max_tokens = request.stop_conditions.max_tokens
+        if max_tokens <= 0:
+            yield EngineOutput([], "length", cached_tokens=0)
+            return
+        seed = request.sampling.seed
+        sequence = Sequence(
+            request.request_id,
+            request.token_ids,
+            max_tokens,
+            seed=zlib.crc32(request.request_id.encode()) if seed is None else seed,
+            vocab_size=self.vocab_size,
+            stop=context,
+            eos_token_ids=request.eos_token_ids,
+        )
+        rank = self._pick_rank(request.dp_rank)
+        scheduler = rank.scheduler
+        scheduler.add(sequence)
+        rank.wake.set()
+        loop = asyncio.get_running_loop()
+        first = True
+        try:
+            while True:
+                if not sequence.outbox and not sequence.done:
+                    waiter = loop.create_future()
+                    sequence.waiter = waiter
+                    await waiter
+                if sequence.error is not None:
+                    raise EngineError(sequence.error)
+                finish = sequence.finish_reason
+                if finish == "cancelled":
+                    return  # the client went away: nobody reads any more
+                tokens = sequence.outbox
+                sequence.outbox = []
+                yield EngineOutput(tokens, finish, sequence.cached_tokens if first else None)
+                first = False
+                if finish is not None or context.stopped:
+                    return
+        finally:
+            # Stopped, cancelled or closed early: the blocks go back now, not at the next step.
+            if not sequence.done:
+                scheduler.abort(sequence)
+
+    def _pick_rank(self, dp_rank: int | None) -> _Rank:
+        ranks = self._ranks
+        if dp_rank is not None and 0 <= dp_rank < len(ranks):
+            return ranks[dp_rank]
+        if len(ranks) == 1:
+            return ranks[0]
+        return min(ranks, key=_rank_load)
+
+    # -- the step loops ----------------------------------------------------------------------------
+
+    async def _supervise(self, rank: _Rank) -> None:
+        """Run ``rank``'s step loop; if it fails, fail its requests, start it afresh and go on."""
+        while True:
+            try:
+                await self._step_loop(rank)
+            except Exception as exc:
+                log.exception("the step loop of mocker dp rank %d failed; its requests fail", rank.index)
+                failed = rank.scheduler.fail_all(f"the mocker's dp rank {rank.index} failed: {exc!r}")
+                rank.scheduler = self._fresh_scheduler()
+                if self._sink is not None:
+                    self._sink.publish(rank.index, [AllCleared()])
+                _wake(failed)
+
+    async def _step_loop(self, rank: _Rank) -> None:
+        scheduler = rank.scheduler
+        cache = scheduler.cache
+        step_seconds = self._timer.step_seconds
+        wake = rank.wake
+        now = time.monotonic  # the loop's own clock has millisecond resolution under uvloop
+        # Simulated time: where the steps run so far would have ended. Sleeps aim at it, so that steps
+        # shorter than the timer's resolution add up instead of each rounding to nothing.
+        clock = yielded = now()
+        while True:
+            if not scheduler.has_work:
+                wake.clear()
+                await wake.wait()
+                yielded = now()
+            started = now()
+            step = scheduler.schedule()
+            duration = step_seconds(step.prefill_chunks(), step.decodes(), cache.usage) if step.scheduled else 0.0
+            clock = max(clock, started) + duration
+            ahead = clock - now()
+            if ahead > 0 or started - yielded >= MAX_BURST_S:
+                await asyncio.sleep(ahead if ahead > 0 else 0)
+                yielded = now()
+            touched = scheduler.complete(step)
+            sink = self._sink
+            if sink is not None and (events := cache.take_events()):
+                sink.publish(rank.index, events)
+            _wake(touched)
+
+    def _fresh_scheduler(self) -> Scheduler:
+        scheduler = Scheduler(self.config)
+        scheduler.cache.record_events = self._sink is not None
+        return scheduler
+
+    # -- KvEventSource ------------------------------------------------------------------------------
+
+    def attach_kv_events(self, sink: KvEventSink) -> None:
+        """Send every rank's KV events to ``sink`` from now on."""
+        self._sink = sink
+        for rank in self._ranks:
+            rank.scheduler.cache.record_events = True
+
+    def load(self) -> list[WorkerLoad]:
+        """Each rank's requests, KV usage and prefix hit rate (over its last admissions); ``instance_id`` 0."""
+        loads: list[WorkerLoad] = []
+        for rank in self._ranks:
+            scheduler = rank.scheduler
+            cache = scheduler.cache
+            running, waiting = len(scheduler.running), len(scheduler.waiting)
+            loads.append(
+                WorkerLoad(
+                    instance_id=0,
+                    dp_rank=rank.index,
+                    active_requests=running + waiting,
+                    running=running,
+                    waiting=waiting,
+                    kv_active_blocks=cache.active_blocks,
+                    kv_total_blocks=cache.num_blocks,
+                    kv_usage=cache.usage,
+                    prefix_hit_rate=scheduler.stats.hit_rate,
+                )
+            )
+        return loads
+
+    def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
+        """Every cached block of rank ``dp_rank`` (None: of every rank), as stored events in prefix order."""
+        ranks = self._ranks if dp_rank is None else self._ranks[dp_rank : dp_rank + 1] if dp_rank >= 0 else []
+        return {rank.index: rank.scheduler.cache.cache_state() for rank in ranks}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every idle cached block of every rank (routers are told); returns how many were dropped."""
+        dropped = 0
+        for rank in self._ranks:
+            cache = rank.scheduler.cache
+            dropped += cache.reset_prefix_cache()
+            if self._sink is not None and (events := cache.take_events()):
+                self._sink.publish(rank.index, events)
+        return dropped
+
+
+def _rank_load(rank: _Rank) -> tuple[int, int]:
+    scheduler = rank.scheduler
+    return len(scheduler.running) + len(scheduler.waiting), scheduler.cache.active_blocks
+
+
+def _wake(sequences: Iterable[Sequence]) -> None:
+    """Wake the consumers of ``sequences`` that wait for news."""
+    for sequence in sequences:
+        waiter = sequence.waiter
+        if waiter is not None:
+            sequence.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)

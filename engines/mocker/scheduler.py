@@ -1,0 +1,388 @@
+"""The scheduler of one simulated dp rank, after vLLM v1's: which sequences compute what in a step.
+
+Each step has a budget of ``max_num_batched_tokens`` tokens. Running sequences come first, in the
+order they were admitted: one that decodes computes one token; one still prefilling computes what
+is left of its prompt, or a chunk of it that fits the budget. Then, if no sequence had to be
+preempted, waiting sequences are admitted in arrival order while the budget, ``max_num_seqs`` and
+the KV cache allow (a new sequence may not eat into the watermark); an admitted sequence starts
+after its longest cached prefix (at most all of its tokens but the last, as in vLLM), and that
+prefix is its ``cached_tokens``. With ``enable_chunked_prefill`` off, a prompt waits until a step
+has room for all of it.
+
+When a running sequence needs a block and none is left, another running sequence is preempted
+(the newest, or the oldest with ``preemption_mode`` "fifo"): its blocks are freed, and it goes
+back to the front of the waiting queue to be recomputed — its prompt and the tokens it generated,
+much of which the prefix cache usually still holds.
+
+A sequence produces a token in the step in which it has computed all of its tokens: the step
+that ends its prefill, then every step after (decode). The token ids are pseudo-random from the
+vocabulary, seeded by the request, never an end-of-sequence id; a sequence ends at ``max_tokens``.
+``schedule()`` plans a step and ``complete()`` applies it once its simulated time has passed.
+"""
+
+from collections import deque
+from collections.abc import Sequence as Tokens
+from typing import Any, Protocol
+
+from engines.mocker.config import MockerConfig
+from engines.mocker.kv_cache import KvCache, SequenceBlocks
+from runtime.errors import EngineError
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.protocol import FinishReason
+
+_MASK64 = (1 << 64) - 1
+# The LCG of Knuth's MMIX: cheap, and good enough to look like text to a benchmark.
+_LCG_MULTIPLIER, _LCG_INCREMENT = 6364136223846793005, 1442695040888963407
+#: Admissions over which the prefix hit rate is reported.
+HIT_RATE_WINDOW = 1000
+
+
+class StopFlag(Protocol):
+    """What a sequence polls to learn that its client went away (a RequestContext)."""
+
+    stopped: bool
+
+
+class Sequence:
+    """One request on one rank: its tokens, its blocks, and what it has produced for its consumer."""
+
+    __slots__ = (
+        "block_hashes",
+        "blocks",
+        "cached_tokens",
+        "done",
+        "eos",
+        "error",
+        "finish_reason",
+        "max_tokens",
+        "num_computed",
+        "num_tokens",
+        "outbox",
+        "output",
+        "prefilling",
+        "prompt",
+        "request_id",
+        "rng",
+        "stop",
+        "vocab_size",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Tokens[int],
+        max_tokens: int,
+        *,
+        seed: int,
+        vocab_size: int,
+        stop: StopFlag,
+        eos_token_ids: Tokens[int] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.output: list[int] = []
+        #: len(prompt) + len(output), kept as a plain attribute: the scheduler reads it every step.
+        self.num_tokens = len(prompt)
+        #: Sequence hashes of the full blocks known so far (filled when prefix caching is on).
+        self.block_hashes: list[int] = []
+        self.blocks = SequenceBlocks()
+        self.num_computed = 0
+        self.prefilling = True
+        #: Prompt tokens found cached when first admitted; None until then.
+        self.cached_tokens: int | None = None
+        self.rng = seed & _MASK64
+        self.vocab_size = vocab_size
+        self.eos = frozenset(eos_token_ids)
+        self.stop = stop
+        #: Tokens produced and not yet taken by the consumer.
+        self.outbox: list[int] = []
+        #: The consumer's wake-up, owned by the engine (the scheduler never touches it).
+        self.waiter: Any = None
+        self.done = False
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start`` to ``end`` of prompt + output."""
+        prompt = self.prompt
+        split = len(prompt)
+        if end <= split:
+            return list(prompt[start:end])
+        if start >= split:
+            return self.output[start - split : end - split]
+        return [*prompt[start:], *self.output[: end - split]]
+
+    def next_token(self) -> int:
+        """The next pseudo-random token id: never one of the end-of-sequence ids."""
+        state = (self.rng * _LCG_MULTIPLIER + _LCG_INCREMENT) & _MASK64
+        self.rng = state
+        token = (state >> 33) % self.vocab_size
+        if self.eos:
+            # Walk to the next id that is not an end; bounded: the vocabulary is larger than the ends.
+            while token in self.eos:
+                token = (token + 1) % self.vocab_size
+        return token
+
+
+class Step:
+    """What one step computes: tokens per sequence, and what ended before it ran."""
+
+    __slots__ = ("dropped", "scheduled")
+
+    def __init__(self) -> None:
+        #: Sequence -> tokens it computes in this step, in scheduling order.
+        self.scheduled: dict[Sequence, int] = {}
+        #: Sequences that ended while being scheduled (stopped by their client, or unable ever to fit).
+        self.dropped: list[Sequence] = []
+
+    def prefill_chunks(self) -> list[int]:
+        """Tokens computed by each sequence still prefilling (what the prefill time depends on)."""
+        return [tokens for sequence, tokens in self.scheduled.items() if sequence.prefilling]
+
+    def decodes(self) -> bool:
+        """Whether some sequence produces a token in this step."""
+        return any(sequence.num_computed + tokens == sequence.num_tokens for sequence, tokens in self.scheduled.items())
+
+
+class PrefixStats:
+    """Prompt tokens found cached, over the last ``HIT_RATE_WINDOW`` admissions and in total."""
+
+    __slots__ = ("_window", "_window_cached", "_window_prompt", "cached_tokens", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self._window: deque[tuple[int, int]] = deque()
+        self._window_prompt = 0
+        self._window_cached = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+        self._window.append((prompt_tokens, cached_tokens))
+        self._window_prompt += prompt_tokens
+        self._window_cached += cached_tokens
+        if len(self._window) > HIT_RATE_WINDOW:
+            old_prompt, old_cached = self._window.popleft()
+            self._window_prompt -= old_prompt
+            self._window_cached -= old_cached
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Cached over prompt tokens in the window; None before any admission."""
+        if not self._window_prompt:
+            return None
+        return self._window_cached / self._window_prompt
+
+
+class Scheduler:
+    """Waiting and running sequences of one rank, and its KV cache."""
+
+    def __init__(self, config: MockerConfig) -> None:
+        self.config = config
+        self.cache = KvCache(
+            config.num_gpu_blocks,
+            config.block_size,
+            prefix_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = PrefixStats()
+        self.preemptions = 0
+        self._lifo = config.preemption_mode == "lifo"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, sequence: Sequence) -> None:
+        """Queue ``sequence``. Raises EngineError for a prompt this rank could never schedule."""
+        config = self.config
+        prompt_tokens = len(sequence.prompt)
+        if prompt_tokens == 0:
+            raise EngineError("the mocker needs a prompt of at least one token")
+        blocks = -(-prompt_tokens // config.block_size)
+        if blocks > self.cache.admission_limit:
+            raise EngineError(
+                f"a prompt of {prompt_tokens} tokens needs {blocks} KV blocks of {config.block_size} tokens; "
+                f"a request may use {self.cache.admission_limit} (num_gpu_blocks {config.num_gpu_blocks} "
+                f"less the watermark)"
+            )
+        if not config.enable_chunked_prefill and prompt_tokens > config.max_num_batched_tokens:
+            raise EngineError(
+                f"a prompt of {prompt_tokens} tokens is longer than max_num_batched_tokens "
+                f"({config.max_num_batched_tokens}) and enable_chunked_prefill is off"
+            )
+        if config.enable_prefix_caching:
+            sequence.block_hashes = sequence_block_hashes(sequence.prompt, config.block_size)
+        self.waiting.append(sequence)
+
+    def abort(self, sequence: Sequence) -> None:
+        """End ``sequence`` now (its client is gone) and free its blocks at once."""
+        if sequence.done:
+            return
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+        else:
+            self.running.remove(sequence)
+        self._finish(sequence, "cancelled")
+
+    def fail_all(self, message: str) -> list[Sequence]:
+        """End every sequence with ``message`` as its error (the step loop died); returns them."""
+        failed = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        for sequence in failed:
+            sequence.done = True
+            sequence.error = message
+        return failed
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        """Plan the next step: tokens per sequence, preempting and admitting as vLLM v1 does."""
+        step = Step()
+        scheduled = step.scheduled
+        cache = self.cache
+        running = self.running
+        budget = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
+        preempted = False
+        index = 0
+        while index < len(running):
+            sequence = running[index]
+            if sequence.stop.stopped:
+                running.pop(index)
+                self._finish(sequence, "cancelled")
+                step.dropped.append(sequence)
+                continue
+            if budget == 0:
+                index += 1
+                continue
+            computed = sequence.num_computed
+            tokens = sequence.num_tokens - computed
+            if tokens > budget:
+                tokens = budget
+            # Most steps stay inside the blocks a sequence has: only a crossing asks the cache.
+            while computed + tokens > sequence.blocks.count * block_size and not cache.allocate(
+                sequence.blocks, computed + tokens
+            ):
+                victim = running.pop() if self._lifo else running.pop(0)
+                if victim is not sequence and not self._lifo:
+                    index -= 1  # the oldest went from before this one
+                    budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is sequence:
+                    break
+            else:
+                scheduled[sequence] = tokens
+                budget -= tokens
+                index += 1
+        if not preempted:
+            budget = self._admit(step, budget)
+        return step
+
+    def _admit(self, step: Step, budget: int) -> int:
+        config = self.config
+        block_size = config.block_size
+        cache = self.cache
+        waiting, running = self.waiting, self.running
+        while waiting and budget > 0 and len(running) < config.max_num_seqs:
+            sequence = waiting[0]
+            if sequence.stop.stopped:
+                waiting.popleft()
+                self._finish(sequence, "cancelled")
+                step.dropped.append(sequence)
+                continue
+            total = sequence.num_tokens
+            # vLLM computes at least the last token, even when the whole prompt is cached.
+            hit, idle_hit = cache.prefix_hit(sequence.block_hashes, (total - 1) // block_size)
+            cached = hit * block_size
+            tokens = total - cached
+            if tokens > budget:
+                if not config.enable_chunked_prefill:
+                    break
+                tokens = budget
+            more_blocks = -(-total // block_size) - hit + idle_hit
+            if not cache.can_admit(more_blocks):
+                if not running:
+                    # Nothing will ever free a block for it: a preempted sequence outgrew the cache.
+                    waiting.popleft()
+                    sequence.error = (
+                        f"the sequence grew to {total} tokens, more than the KV cache "
+                        f"({config.num_gpu_blocks} blocks of {block_size}) holds"
+                    )
+                    self._finish(sequence, "error")
+                    step.dropped.append(sequence)
+                    continue
+                break
+            waiting.popleft()
+            cache.acquire_prefix(sequence.blocks, sequence.block_hashes, hit)
+            cache.allocate(sequence.blocks, cached + tokens)
+            sequence.num_computed = cached
+            sequence.prefilling = True
+            if sequence.cached_tokens is None:
+                sequence.cached_tokens = cached
+                self.stats.record(total, cached)
+            running.append(sequence)
+            step.scheduled[sequence] = tokens
+            budget -= tokens
+        return budget
+
+    def complete(self, step: Step) -> list[Sequence]:
+        """Apply ``step`` (its time has passed): returns the sequences with new tokens or an end."""
+        touched = list(step.dropped)
+        cache = self.cache
+        block_size = self.config.block_size
+        prefix_caching = self.config.enable_prefix_caching
+        finished = False
+        for sequence, tokens in step.scheduled.items():
+            if sequence.done:
+                continue  # aborted while the step ran
+            computed = sequence.num_computed + tokens
+            sequence.num_computed = computed
+            if prefix_caching:
+                full = computed // block_size
+                if full > len(sequence.blocks.cached):
+                    self._name_blocks(sequence, full)
+                    cache.commit(sequence.blocks, sequence.block_hashes, full)
+            if computed != sequence.num_tokens:
+                continue  # a prefill chunk: no token yet
+            token = sequence.next_token()
+            output = sequence.output
+            output.append(token)
+            sequence.num_tokens = computed + 1
+            sequence.outbox.append(token)
+            sequence.prefilling = False
+            touched.append(sequence)
+            if len(output) >= sequence.max_tokens:
+                self._finish(sequence, "length")
+                finished = True
+        if finished:
+            self.running = [sequence for sequence in self.running if not sequence.done]
+        return touched
+
+    def _name_blocks(self, sequence: Sequence, full: int) -> None:
+        """Extend ``sequence.block_hashes`` to its first ``full`` blocks (those holding generated tokens)."""
+        hashes = sequence.block_hashes
+        block_size = self.config.block_size
+        while len(hashes) < full:
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else None
+            hashes.extend(sequence_block_hashes(sequence.tokens(start, start + block_size), block_size, parent))
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.cache.free(sequence.blocks)
+        sequence.num_computed = 0
+        sequence.prefilling = True
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
+
+    def _finish(self, sequence: Sequence, reason: FinishReason) -> None:
+        self.cache.free(sequence.blocks)
+        sequence.done = True
+        sequence.finish_reason = reason

@@ -1,0 +1,156 @@
+"""A worker's side of KV-aware routing: its engine's KV events and cache state, on NATS.
+
+When a worker's engine is a ``KvEventSource`` (runtime/kv_events.py), the worker gives it a
+``KvEventPublisher`` as its sink before serving. The publisher gathers the engine's events per dp
+rank and publishes them every ``KV_EVENTS_INTERVAL`` seconds as one ``KvEventBatch`` per rank
+(msgpack, on the component's ``kv_events`` subject), numbered 1, 2, 3 ... per rank. A batch that
+NATS does not take (a reconnect, a full buffer) is lost but still numbered, so routers see the gap
+and ask for the whole state; publishing goes on. The publisher also answers ``KvStateRequest`` on
+the instance's ``kv_state`` subject with a batch (``event_id`` 0) that describes every cached block
+of the rank asked for (one batch per rank when none is named).
+"""
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from runtime.addressing import EndpointAddress
+from runtime.kv_events import KvEvent, KvEventBatch, KvEventSource, KvStateRequest
+
+if TYPE_CHECKING:
+    from runtime.distributed import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+#: How long events gather before they leave as one batch per rank (seconds).
+KV_EVENTS_INTERVAL = 0.005
+#: Lost batches are logged at most this often (the rest at debug level).
+LOSS_REPORT_S = 10.0
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_state_request = msgspec.msgpack.Decoder(KvStateRequest).decode
+
+
+class KvEventPublisher:
+    """The ``KvEventSink`` of one worker instance: batches per dp rank, published every few ms."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        address: EndpointAddress,
+        instance_id: int,
+        source: KvEventSource,
+        *,
+        interval: float = KV_EVENTS_INTERVAL,
+    ) -> None:
+        self._nc = nc
+        self._instance_id = instance_id
+        self._source = source
+        self.interval = interval
+        self.events_subject = address.kv_events_subject()
+        self.state_subject = address.kv_state_subject(instance_id)
+        self._pending: dict[int, list[KvEvent]] = {}
+        self._next_event_id: dict[int, int] = {}
+        self._ready = asyncio.Event()
+        # One flush at a time: batches of a rank must leave in the order of their ids.
+        self._flushing = asyncio.Lock()
+        self._subscription: Subscription | None = None
+        self._last_loss_report = -LOSS_REPORT_S
+        #: Counters for tests and metrics.
+        self.batches_published = 0
+        self.batches_lost = 0
+        self.state_answers = 0
+
+    # -- KvEventSink -------------------------------------------------------------------------------
+
+    def publish(self, dp_rank: int, events: list[KvEvent]) -> None:
+        """Queue ``events`` of ``dp_rank`` for the next batch (never blocks)."""
+        pending = self._pending.get(dp_rank)
+        if pending is None:
+            self._pending[dp_rank] = list(events)
+        else:
+            pending.extend(events)
+        self._ready.set()
+
+    # -- the worker's tasks ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Answer cache state asks from now on (nats-py subscribes again by itself after a reconnect)."""
+        self._subscription = await self._nc.subscribe(self.state_subject, cb=self._answer_state)
+
+    async def publish_forever(self) -> None:
+        """Publish what gathered every ``interval`` seconds while events come, until cancelled."""
+        while True:
+            await self._ready.wait()
+            await asyncio.sleep(self.interval)  # let the next few steps' events join the batch
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Publish the events gathered so far, one batch per rank."""
+        async with self._flushing:
+            self._ready.clear()
+            pending, self._pending = self._pending, {}
+            for dp_rank, events in pending.items():
+                event_id = self._next_event_id.get(dp_rank, 1)
+                self._next_event_id[dp_rank] = event_id + 1
+                batch = KvEventBatch(instance_id=self._instance_id, dp_rank=dp_rank, event_id=event_id, events=events)
+                try:
+                    await self._nc.publish(self.events_subject, _encode(batch))
+                except nats.errors.Error as exc:
+                    self.batches_lost += 1
+                    self._report_loss(dp_rank, event_id, exc)
+                else:
+                    self.batches_published += 1
+
+    async def _answer_state(self, msg: Msg) -> None:
+        try:
+            ask = _decode_state_request(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("a malformed KV state request on %s: %s", self.state_subject, exc)
+            return
+        if not msg.reply:
+            return
+        # Events from before the answer go first, so that a router applies them before the state.
+        await self.flush()
+        state = self._source.cache_state(ask.dp_rank)
+        ranks = sorted(state) if ask.dp_rank is None else [ask.dp_rank]
+        for dp_rank in ranks:
+            batch = KvEventBatch(
+                instance_id=self._instance_id, dp_rank=dp_rank, event_id=0, events=list(state.get(dp_rank, []))
+            )
+            try:
+                await msg.respond(_encode(batch))
+            except nats.errors.Error as exc:
+                log.info("could not answer a KV state request on %s: %r", self.state_subject, exc)
+                return
+            self.state_answers += 1
+
+    def _report_loss(self, dp_rank: int, event_id: int, exc: Exception) -> None:
+        now = time.monotonic()
+        level = logging.DEBUG
+        if now - self._last_loss_report >= LOSS_REPORT_S:
+            self._last_loss_report = now
+            level = logging.WARNING
+        log.log(
+            level,
+            "KV event batch %d of rank %d was not published (%r); routers will ask for the whole cache",
+            event_id, dp_rank, exc,
+        )  # fmt: skip
+
+
+async def start_kv_publishing(
+    runtime: "DistributedRuntime", address: EndpointAddress, source: KvEventSource
+) -> KvEventPublisher:
+    """Attach a publisher to ``source``, answer state asks, and own its publishing task (restarted if it fails)."""
+    publisher = KvEventPublisher(runtime.nc, address, runtime.instance_id, source)
+    source.attach_kv_events(publisher)
+    await publisher.start()
+    runtime.own(publisher.publish_forever, name=f"KV events {address}", restart=True)
+    return publisher

@@ -1,0 +1,65 @@
+"""The mocker's settings file: Dynamo's key names, vLLM's defaults, clear refusals."""
+
+from pathlib import Path
+
+import pytest
+
+from engines.mocker.config import KNOWN_KEYS, MockerConfig, load_mocker_config, parse_mocker_config
+from runtime.errors import ConfigError
+
+
+def test_defaults_are_vllms() -> None:
+    config = load_mocker_config(None)
+    assert (config.num_gpu_blocks, config.block_size) == (16384, 64)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 8192)
+    assert config.enable_prefix_caching and config.enable_chunked_prefill
+    assert (config.watermark, config.speedup_ratio, config.dp_size) == (0.01, 1.0, 1)
+
+
+def test_a_file_sets_the_keys_it_names(tmp_path: Path) -> None:
+    path = tmp_path / "mocker.json"
+    path.write_text('{"speedup_ratio": 1000, "dp_size": 2, "block_size": 16, "enable_prefix_caching": false}')
+    config = load_mocker_config(path)
+    assert config == MockerConfig(speedup_ratio=1000, dp_size=2, block_size=16, enable_prefix_caching=False)
+
+
+def test_an_unknown_key_is_named_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_mocker_config({"num_gpu_block": 10})
+    message = str(raised.value)
+    assert "unknown key 'num_gpu_block'" in message
+    assert all(key in message for key in KNOWN_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks"),
+        ({"watermark": 1.0}, "watermark"),
+        ({"speedup_ratio": -1}, "speedup_ratio"),
+        ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
+        ({"preemption_mode": "random"}, "preemption_mode"),
+    ],
+)
+def test_a_bad_value_names_its_key(values: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"bad value for key '{key}'"):
+        parse_mocker_config(values)
+
+
+def test_a_file_that_is_not_a_json_object_is_refused(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.json"
+    broken.write_text("{speedup_ratio: 10")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_mocker_config(broken)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        load_mocker_config(listed)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_mocker_config(tmp_path / "missing.json")
+
+
+def test_a_step_must_have_room_for_a_token_of_every_running_sequence() -> None:
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(100\) must be at least max_num_seqs \(256\)"):
+        parse_mocker_config({"max_num_batched_tokens": 100})
+    assert parse_mocker_config({"max_num_batched_tokens": 100, "max_num_seqs": 100}).max_num_seqs == 100

@@ -1,0 +1,39 @@
+"""The step timing model: Dynamo's mocker polynomials, summed per step, divided by the speed-ups."""
+
+import pytest
+
+from engines.mocker.config import MockerConfig
+from engines.mocker.timing import StepTimer, decode_ms, prefill_ms
+
+
+def test_prefill_grows_with_the_new_tokens_as_dynamos_polynomial() -> None:
+    assert prefill_ms(0) == 0.0
+    assert prefill_ms(1000) == pytest.approx(4.209989e-07 * 1000**2 + 1.518344e-02 * 1000 + 16.50142)
+    assert prefill_ms(8192) == pytest.approx(4.209989e-07 * 8192**2 + 1.518344e-02 * 8192 + 16.50142)
+
+
+def test_decode_grows_with_kv_usage_and_never_drops_below_a_millisecond() -> None:
+    assert decode_ms(0.0) == pytest.approx(5.74)
+    assert decode_ms(0.5) == pytest.approx(-25.74 * 0.25 + 54.01 * 0.5 + 5.74)
+    assert decode_ms(1.0) == pytest.approx(-25.74 + 54.01 + 5.74)
+    assert decode_ms(2.0) == decode_ms(1.0)  # usage is clamped to 0..1
+    assert decode_ms(-1.0) == decode_ms(0.0)
+
+
+def test_a_mixed_step_sums_each_prefill_and_one_decode_pass() -> None:
+    timer = StepTimer(MockerConfig())
+    seconds = timer.step_seconds([100, 2000], decoding=True, kv_usage=0.25)
+    assert seconds == pytest.approx((prefill_ms(100) + prefill_ms(2000) + decode_ms(0.25)) / 1000)
+    assert timer.step_seconds([500], decoding=False, kv_usage=0.9) == pytest.approx(prefill_ms(500) / 1000)
+
+
+def test_speedups_divide_the_time() -> None:
+    timer = StepTimer(MockerConfig(speedup_ratio=100, decode_speedup_ratio=2))
+    assert timer.step_seconds([64], decoding=False, kv_usage=0) == pytest.approx(prefill_ms(64) / 1000 / 100)
+    assert timer.step_seconds([], decoding=True, kv_usage=0) == pytest.approx(decode_ms(0) / 1000 / 200)
+
+
+def test_a_speedup_of_zero_means_no_waiting() -> None:
+    assert StepTimer(MockerConfig(speedup_ratio=0)).step_seconds([4000], decoding=True, kv_usage=0.5) == 0.0
+    decode_free = StepTimer(MockerConfig(decode_speedup_ratio=0))
+    assert decode_free.step_seconds([], decoding=True, kv_usage=0.5) == 0.0
