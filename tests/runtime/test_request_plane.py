@@ -116,26 +116,36 @@ async def test_a_handler_error_reaches_the_client(connections: tuple[NATS, NATS]
     await server.close()
 
 
-async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connections: tuple[NATS, NATS]) -> None:
-    worker, nc = connections
+async def outlives_silences(
+    nc: NATS, worker: NATS, *, heartbeat_interval: float, silence_timeout: float
+) -> RequestClient:
+    """Serve a request that yields only when released; check it survives several silence timeouts.
+
+    Returns the (started) client for more checks.
+    """
     release = asyncio.Event()
 
     async def slow(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
         await release.wait()
         yield encode("late")
 
-    server = await serve(worker, slow, heartbeat_interval=0.05)
-    client = RequestClient(nc, silence_timeout=0.3)
+    server = await serve(worker, slow, heartbeat_interval=heartbeat_interval)
+    client = RequestClient(nc, silence_timeout=silence_timeout)
     await client.start()
-    stream = client.call(SUBJECT, "e", encode(None))
+    stream = client.call(SUBJECT, "slow", encode(None))
     first = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.8)  # several silence periods pass with only heartbeats
+    await asyncio.sleep(4 * silence_timeout)
     assert not first.done()
     release.set()
     assert msgspec.msgpack.decode((await first)[0]) == "late"
     await stream.aclose()  # type: ignore[attr-defined]
-
     await server.close()
+    return client
+
+
+async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connections: tuple[NATS, NATS]) -> None:
+    worker, nc = connections
+    client = await outlives_silences(nc, worker, heartbeat_interval=0.05, silence_timeout=0.3)
     # A hung worker: it takes the request and then answers nothing, not even probes.
     hung = [await worker.subscribe(subject) for subject in (SUBJECT, SUBJECT + ".control")]
     await worker.flush()
@@ -150,23 +160,7 @@ async def test_a_worker_that_says_it_runs_the_request_is_waited_for_without_hear
 ) -> None:
     # An overloaded worker may send nothing for longer than the silence timeout; it is slow, not gone.
     worker, nc = connections
-    release = asyncio.Event()
-
-    async def slow(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
-        await release.wait()
-        yield encode("late")
-
-    server = await serve(worker, slow, heartbeat_interval=60)
-    client = RequestClient(nc, silence_timeout=0.2)
-    await client.start()
-    stream = client.call(SUBJECT, "g", encode(None))
-    first = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(1.0)  # five silence periods
-    assert not first.done()
-    release.set()
-    assert msgspec.msgpack.decode((await first)[0]) == "late"
-    await stream.aclose()  # type: ignore[attr-defined]
-    await server.close()
+    await outlives_silences(nc, worker, heartbeat_interval=60, silence_timeout=0.2)
 
 
 async def test_a_request_the_worker_does_not_know_is_called_silent(connections: tuple[NATS, NATS]) -> None:
