@@ -131,6 +131,16 @@ def _non_negative_number(text: str) -> float:
     return value
 
 
+def _labels(text: str) -> dict[str, str]:
+    # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
+    from runtime.endpoint import parse_labels
+
+    try:
+        return parse_labels(text)
+    except FlotillaError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _folder(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
@@ -200,6 +210,13 @@ def build_run_parser() -> EnvArgumentParser:
         type=Path,
         help="out=mocker: a JSON file of settings, with the key names of Dynamo's mocker "
         '(e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64})',
+    )
+    run.add_flag(
+        "--labels",
+        env="FLOTILLA_LABELS",
+        type=_labels,
+        help="in=dyn://...: k=v,... put into the worker's etcd registration, so that whoever started it "
+        "(the node agent: pipeline, group, replica, node) can tell which instance it is",
     )
     run.add_flag(
         "--batch-concurrency",
@@ -332,6 +349,10 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
     if namespace.extra_engine_args is not None and output not in EXTRA_ARGS_ENGINES:
         engines = " or ".join(f"out={engine}" for engine in EXTRA_ARGS_ENGINES)
         parser.error(f"--extra-engine-args (FLOTILLA_EXTRA_ENGINE_ARGS) configures {engines}, not out={output}")
+    if namespace.labels and not input_.startswith("dyn://"):
+        parser.error(
+            f"--labels (FLOTILLA_LABELS) labels a worker's registration: use it with in=dyn://..., not in={input_}"
+        )
     return RunOptions(
         input=input_,
         output=output,
@@ -357,6 +378,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         queue_timeout_s=namespace.queue_timeout,
         reuse_port=namespace.reuse_port,
         extra_engine_args=namespace.extra_engine_args,
+        labels=namespace.labels or {},
     )
 
 

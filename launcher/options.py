@@ -36,6 +36,7 @@ class RunOptions:
     queue_timeout_s: float = 120.0
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
     extra_engine_args: Path | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
+    labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -12,6 +12,7 @@ etcd holds, under the process's lease: ``flotilla/instances/<ns>/<comp>/<ep>/<id
 import inspect
 import logging
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -38,13 +39,50 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# A label's key and value: no "," or "=" (they separate labels on the command line), nothing blank.
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./-]{0,62}")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9_./:@-]{0,253}")
+
+
 class InstanceEntry(msgspec.Struct, kw_only=True):
-    """Where an instance listens, and which process it is (for operators)."""
+    """Where an instance listens, and which process it is (for operators and the node agent)."""
 
     instance_id: int
     subject: str
     hostname: str
     pid: int
+    #: Whose instance this is, set by whoever started it (the agent: pipeline, group, replica, node, instance).
+    labels: dict[str, str] = {}
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``k=v,k2=v2`` -> a dict; blank text is no labels. Raises ConfigError naming the bad label."""
+    labels: dict[str, str] = {}
+    if not text.strip():
+        return labels
+    for item in (part.strip() for part in text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"label {item!r} is not key=value")
+        _check_label(key, value)
+        if key in labels:
+            raise ConfigError(f"label {key!r} is given twice")
+        labels[key] = value
+    return labels
+
+
+def format_labels(labels: dict[str, str]) -> str:
+    """The ``k=v,...`` text of ``labels``, as ``parse_labels`` reads it. Raises ConfigError for a bad label."""
+    for key, value in labels.items():
+        _check_label(key, value)
+    return ",".join(f"{key}={value}" for key, value in labels.items())
+
+
+def _check_label(key: str, value: str) -> None:
+    if not _LABEL_KEY.fullmatch(key):
+        raise ConfigError(f"label key {key!r} must be 1-63 letters, digits, '_', '.', '/' or '-'")
+    if not _LABEL_VALUE.fullmatch(value):
+        raise ConfigError(f"label {key}={value!r}: a value may hold only letters, digits, '_', '.', '/', ':', '@', '-'")
 
 
 class ModelEntry(msgspec.Struct, kw_only=True):
@@ -92,8 +130,13 @@ class Endpoint:
         # Models registered before serve(): announced once requests can be answered.
         self._pending_models: list[tuple[str, bytes]] = []
 
-    async def serve_bytes(self, handler: Handler, *, kv_source: KvEventSource | None = None) -> None:
+    async def serve_bytes(
+        self, handler: Handler, *, kv_source: KvEventSource | None = None, labels: dict[str, str] | None = None
+    ) -> None:
         """Start answering requests with a bytes-level handler and announce this instance in etcd.
+
+        ``labels`` go into the instance's registration (``InstanceEntry.labels``): the node agent finds
+        its workers by them.
 
         With ``kv_source`` (an engine that reports its KV cache), its KV events, cache state and
         per-rank load are published for KV routers (runtime/kv_publisher.py), from before the first request.
@@ -114,7 +157,11 @@ class Endpoint:
         self._server = server
         runtime._add_server(server)
         entry = InstanceEntry(
-            instance_id=runtime.instance_id, subject=self.subject, hostname=socket.gethostname(), pid=os.getpid()
+            instance_id=runtime.instance_id,
+            subject=self.subject,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            labels=dict(labels or {}),
         )
         await runtime.discovery.register(instance_key(self.address, runtime.instance_id), msgspec.json.encode(entry))
         for key, value in self._pending_models:

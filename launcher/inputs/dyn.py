@@ -42,8 +42,12 @@ def engine_handler(engine: Engine) -> Handler:
     return handler
 
 
-async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard) -> None:
+async def serve_worker(
+    address: EndpointAddress, engine: Engine, card: ModelCard, *, labels: dict[str, str] | None = None
+) -> None:
     """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
+
+    ``labels`` go into the instance's etcd registration (``--labels``).
 
     Raises BackgroundTaskFailed when a task the worker needs failed and stopped it.
     On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
@@ -59,7 +63,7 @@ async def serve_worker(address: EndpointAddress, engine: Engine, card: ModelCard
         endpoint = runtime.endpoint(address)
         # An engine that reports its KV cache has its events, cache state and load published for KV routers.
         kv_source = engine if isinstance(engine, KvEventSource) else None
-        await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source)
+        await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source, labels=labels)
         if engine.kind == "token":
             await register_model(ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens)
         else:

@@ -1,0 +1,277 @@
+"""Model downloads: local models checked, hub repos fetched under a lock with progress, errors explained.
+
+The hub cannot be reached from the tests. Where a download must succeed, huggingface_hub's network
+calls (``HfApi.model_info``, ``snapshot_download``, ``hf_hub_download``) are replaced by fakes that
+write files as the hub cache would; the error tests raise huggingface_hub's own exceptions from those
+calls. An unreachable hub and offline mode go through the real library.
+"""
+
+import asyncio
+import errno
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx2
+import pytest
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+from agent import downloads
+from agent.downloads import DownloadProgress, HubSettings, HubSource, LocalSource, ModelDownloader
+from agent.errors import (
+    DiskFull,
+    DownloadError,
+    HubUnreachable,
+    LocalModelInvalid,
+    RepoNotFound,
+    RepoUnauthorized,
+)
+from tests.servers import free_port
+
+REPO = "acme/tiny-llm"
+HUB = HubSettings(endpoint="http://hub.invalid", token=None, offline=False, timeout_s=1)
+
+
+class FakeHub:
+    """The hub calls the downloader makes, over a repo of ``files`` (name -> size)."""
+
+    def __init__(self, models_dir: Path, files: dict[str, int]) -> None:
+        self.models_dir = models_dir
+        self.files = files
+        self.snapshot_calls: list[dict[str, Any]] = []
+        self.file_calls: list[str] = []
+        self.inside = 0
+        self.most_inside = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+        self.error: BaseException | None = None
+        self.halfway: threading.Event | None = None  # set: write half, wait for it, write the rest
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        hub = self
+
+        class FakeApi:
+            def __init__(self, **kwargs: Any) -> None:
+                pass
+
+            def model_info(self, repo_id: str, **kwargs: Any) -> SimpleNamespace:
+                if hub.error is not None:
+                    raise hub.error
+                siblings = [SimpleNamespace(rfilename=name, size=size) for name, size in hub.files.items()]
+                return SimpleNamespace(sha="c0ffee" * 6 + "abcd", siblings=siblings)
+
+        monkeypatch.setattr(downloads, "HfApi", FakeApi)
+        monkeypatch.setattr(downloads, "snapshot_download", self.snapshot_download)
+        monkeypatch.setattr(downloads, "hf_hub_download", self.hf_hub_download)
+
+    def _write(self, repo_id: str, names: list[str]) -> Path:
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        self.entered.set()
+        try:
+            assert self.release.wait(30)
+            storage = self.models_dir / ("models--" + repo_id.replace("/", "--"))
+            blobs = storage / "blobs"
+            blobs.mkdir(parents=True, exist_ok=True)
+            for index, name in enumerate(names):
+                if self.halfway is not None and index == len(names) // 2:
+                    assert self.halfway.wait(30)
+                (blobs / f"blob-{index}").write_bytes(b"x" * self.files[name])
+            snapshot = storage / "snapshots" / "abc"
+            snapshot.mkdir(parents=True, exist_ok=True)
+            return snapshot
+        finally:
+            self.inside -= 1
+
+    def snapshot_download(self, repo_id: str, **kwargs: Any) -> str:
+        self.snapshot_calls.append(kwargs)
+        ignore = kwargs.get("ignore_patterns") or []
+        names = [name for name in self.files if not any(Path(name).match(pattern) for pattern in ignore)]
+        return str(self._write(repo_id, names))
+
+    def hf_hub_download(self, repo_id: str, filename: str, **kwargs: Any) -> str:
+        self.file_calls.append(filename)
+        return str(self._write(repo_id, [filename]) / filename)
+
+
+# -- local models --------------------------------------------------------------------------------
+
+
+async def test_a_local_model_folder_or_gguf_file_is_checked_and_returned(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    downloader = ModelDownloader(tmp_path / "models", hub=HUB)
+    assert await downloader.fetch(LocalSource(str(folder))) == folder
+    assert await downloader.fetch(LocalSource(str(gguf))) == gguf
+
+
+@pytest.mark.parametrize(
+    ("make", "complaint"),
+    [
+        (lambda path: None, "does not exist on this node"),
+        (lambda path: path.mkdir(), "neither config.json nor tokenizer.json"),
+        (lambda path: path.write_bytes(b"PK\x03\x04"), "not a GGUF file"),
+    ],
+)
+async def test_a_local_path_that_is_no_model_says_why(tmp_path: Path, make: Any, complaint: str) -> None:
+    path = tmp_path / "thing"
+    make(path)
+    with pytest.raises(LocalModelInvalid, match=complaint):
+        await ModelDownloader(tmp_path / "models", hub=HUB).fetch(LocalSource(str(path)))
+
+
+# -- hub downloads (the hub faked) ---------------------------------------------------------------
+
+
+async def test_a_snapshot_skips_other_weight_formats_and_reports_progress_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = tmp_path / "models"
+    hub = FakeHub(
+        models, {"config.json": 100, "tokenizer.json": 400, "model.safetensors": 5000, "pytorch_model.bin": 9999}
+    )
+    hub.install(monkeypatch)
+    hub.halfway = threading.Event()
+    reports: list[DownloadProgress] = []
+
+    def on_progress(progress: DownloadProgress) -> None:
+        reports.append(progress)
+        # The poller saw the first file on disk: let the fake write the rest.
+        if progress.bytes_done > 0:
+            hub.halfway.set()  # type: ignore[union-attr]
+
+    downloader = ModelDownloader(models, hub=HUB, progress_interval_s=0.01)
+    path = await downloader.fetch(HubSource(REPO, revision="v1"), on_progress)
+    assert path == models / "models--acme--tiny-llm" / "snapshots" / "abc"
+    [call] = hub.snapshot_calls
+    assert "*.bin" in call["ignore_patterns"] and "*.gguf" in call["ignore_patterns"]
+    assert call["revision"] == "c0ffee" * 6 + "abcd"  # pinned to the commit model_info saw
+    assert call["cache_dir"] == str(models)
+    assert reports[-1] == DownloadProgress(5500, 5500)
+    assert all(report.bytes_total == 5500 for report in reports)
+    done = [report.bytes_done for report in reports]
+    assert done == sorted(done) and 0 < done[0] < 5500  # a report came before the end
+
+
+async def test_a_gguf_repo_fetches_its_one_gguf_or_the_file_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = tmp_path / "models"
+    hub = FakeHub(models, {"model-Q4_K_M.gguf": 300, "README.md": 10})
+    hub.install(monkeypatch)
+    downloader = ModelDownloader(models, hub=HUB)
+    path = await downloader.fetch(HubSource(REPO))
+    assert path.name == "model-Q4_K_M.gguf" and hub.file_calls == ["model-Q4_K_M.gguf"]
+    hub.files["model-Q8_0.gguf"] = 600
+    with pytest.raises(DownloadError, match="holds 2 GGUF files: name the one"):
+        await downloader.fetch(HubSource(REPO))
+    assert (await downloader.fetch(HubSource(REPO, file="model-Q8_0.gguf"))).name == "model-Q8_0.gguf"
+    with pytest.raises(RepoNotFound, match=r"has no file 'nope\.gguf'"):
+        await downloader.fetch(HubSource(REPO, file="nope.gguf"))
+
+
+async def test_concurrent_fetches_of_one_model_share_one_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = tmp_path / "models"
+    hub = FakeHub(models, {"config.json": 10, "model.safetensors": 90})
+    hub.install(monkeypatch)
+    hub.release.clear()
+    downloader = ModelDownloader(models, hub=HUB)
+    first = asyncio.create_task(downloader.fetch(HubSource(REPO)))
+    second = asyncio.create_task(downloader.fetch(HubSource(REPO)))
+    assert await asyncio.to_thread(hub.entered.wait, 30)
+    hub.release.set()
+    assert await first == await second
+    assert len(hub.snapshot_calls) == 1
+
+
+async def test_two_agents_sharing_a_models_folder_download_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = tmp_path / "models"
+    hub = FakeHub(models, {"config.json": 10, "model.safetensors": 90})
+    hub.install(monkeypatch)
+    hub.release.clear()
+    one, other = ModelDownloader(models, hub=HUB), ModelDownloader(models, hub=HUB)
+    first = asyncio.create_task(one.fetch(HubSource(REPO)))
+    assert await asyncio.to_thread(hub.entered.wait, 30)
+    waiting = asyncio.Event()
+    second = asyncio.create_task(
+        other.fetch(HubSource(REPO), lambda progress: waiting.set() if progress.waiting else None)
+    )
+    async with asyncio.timeout(30):
+        await waiting.wait()  # it found the repo's lock held and said so
+    assert not second.done()
+    hub.release.set()
+    assert await first == await second
+    assert hub.most_inside == 1  # never two writers in the repo's files at once
+
+
+async def test_a_model_bigger_than_the_free_space_is_refused_before_downloading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub = FakeHub(tmp_path / "models", {"config.json": 10, "model.safetensors": 1 << 60})
+    hub.install(monkeypatch)
+    with pytest.raises(DiskFull, match=r"needs .* GiB more in"):
+        await ModelDownloader(tmp_path / "models", hub=HUB).fetch(HubSource(REPO))
+    assert hub.snapshot_calls == []
+
+
+def _response(status: int) -> httpx2.Response:
+    return httpx2.Response(status, request=httpx2.Request("GET", f"http://hub.invalid/api/models/{REPO}"))
+
+
+@pytest.mark.parametrize(
+    ("error", "translated", "says"),
+    [
+        (RepositoryNotFoundError("404", response=_response(404)), RepoNotFound, "does not exist, or is private"),
+        (GatedRepoError("403", response=_response(403)), RepoUnauthorized, "is gated"),
+        (HfHubHTTPError("401", response=_response(401)), RepoUnauthorized, "HF_TOKEN"),
+        (RevisionNotFoundError("404", response=_response(404)), RepoNotFound, "has no revision 'main'"),
+        (HfHubHTTPError("503", response=_response(503)), HubUnreachable, "try again later"),
+        (httpx2.ConnectError("Name or service not known"), HubUnreachable, "HF_HUB_OFFLINE=1"),
+        (OSError(errno.ENOSPC, "No space left on device"), DiskFull, "no space left"),
+    ],
+)
+async def test_hub_errors_become_errors_that_say_what_to_do(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    error: BaseException,
+    translated: type[DownloadError],
+    says: str,
+) -> None:
+    hub = FakeHub(tmp_path / "models", {})
+    hub.error = error
+    hub.install(monkeypatch)
+    with pytest.raises(translated, match=says) as raised:
+        await ModelDownloader(tmp_path / "models", hub=HUB).fetch(HubSource(REPO))
+    assert raised.value.__cause__ is error
+    assert raised.value.retryable is (translated is HubUnreachable)
+
+
+async def test_a_bad_repo_id_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DownloadError, match="is not a Hugging Face repo id"):
+        await ModelDownloader(tmp_path, hub=HUB).fetch(HubSource("not a repo"))
+
+
+# -- the real library, no network ----------------------------------------------------------------
+
+
+async def test_an_unreachable_hub_is_reported_with_the_way_out(tmp_path: Path) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    downloader = ModelDownloader(tmp_path / "models", hub=HubSettings(endpoint=closed, timeout_s=2))
+    with pytest.raises(HubUnreachable, match=r"cannot reach the Hugging Face hub at http://127\.0\.0\.1") as raised:
+        await downloader.fetch(HubSource(REPO))
+    assert "HF_HUB_OFFLINE=1" in str(raised.value) and "local path" in str(raised.value)
+
+
+async def test_offline_a_model_not_in_the_models_folder_says_so(tmp_path: Path) -> None:
+    downloader = ModelDownloader(tmp_path / "models", hub=HubSettings(offline=True))
+    with pytest.raises(LocalModelInvalid, match="HF_HUB_OFFLINE is set and 'acme/tiny-llm'"):
+        await downloader.fetch(HubSource(REPO))

@@ -1,0 +1,112 @@
+"""A worker's command line, environment and labels, and the `--labels` flag of `flotilla run` that carries them."""
+
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from agent.worker_spec import WorkerSpec, worker_argv, worker_env, worker_labels
+from runtime.endpoint import InstanceEntry, format_labels, parse_labels
+from runtime.errors import ConfigError
+
+SPEC = WorkerSpec(
+    instance_id=42,
+    pipeline="smollm",
+    group="aggregated",
+    replica=3,
+    engine="mocker",
+    model_path="/models/smollm.gguf",
+    model_name="smollm",
+    engine_args=["--extra-engine-args", "/etc/flotilla/mocker.json"],
+    gpu_indexes=[1, 3],
+    labels={"team": "search", "node": "spoofed"},
+    env={"FLOTILLA_DRAIN_S": "5"},
+)
+
+
+def test_the_worker_command_line_is_flotilla_run_with_its_address_model_and_labels() -> None:
+    argv = worker_argv(SPEC, "gpu-a", command=["flotilla"])
+    assert argv[:6] == [
+        "flotilla",
+        "run",
+        "in=dyn://smollm.backend.generate",
+        "out=mocker",
+        "/models/smollm.gguf",
+        "--model-name",
+    ]
+    assert argv[6:9] == ["smollm", "--extra-engine-args", "/etc/flotilla/mocker.json"]
+    assert argv[-2] == "--labels"
+    assert parse_labels(argv[-1]) == {
+        "team": "search",
+        "pipeline": "smollm",
+        "group": "aggregated",
+        "replica": "3",
+        "node": "gpu-a",
+        "instance": "42",
+    }
+
+
+def test_a_spec_label_cannot_pose_as_the_agents_own() -> None:
+    assert worker_labels(SPEC, "gpu-a")["node"] == "gpu-a"
+
+
+def test_a_worker_sees_only_its_gpus_and_its_own_variables() -> None:
+    env = worker_env(SPEC, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "FLOTILLA_LABELS": "x=y"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert env["FLOTILLA_DRAIN_S"] == "5"
+    assert env["PATH"] == "/usr/bin"
+    assert "FLOTILLA_LABELS" not in env
+    cpu_only = msgspec.structs.replace(SPEC, gpu_indexes=[])
+    assert worker_env(cpu_only, {"CUDA_VISIBLE_DEVICES": "0"})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_spec_whose_pipeline_is_no_namespace_is_refused() -> None:
+    with pytest.raises(ConfigError, match="namespace"):
+        worker_argv(msgspec.structs.replace(SPEC, pipeline="my pipeline"), "gpu-a")
+    with pytest.raises(ConfigError, match="label"):
+        worker_argv(msgspec.structs.replace(SPEC, group="a,b=c"), "gpu-a")
+
+
+def test_a_spec_decodes_from_the_json_a_task_carries() -> None:
+    assert msgspec.json.decode(msgspec.json.encode(SPEC), type=WorkerSpec) == SPEC
+
+
+def test_labels_parse_and_format_both_ways() -> None:
+    labels = {"pipeline": "p", "replica": "0", "model": "org/name:Q4_K_M"}
+    assert parse_labels(format_labels(labels)) == labels
+    assert parse_labels("") == {}
+    for bad in ("a", "a=b,", "=b", "a=b,a=c", "a=b c"):
+        with pytest.raises(ConfigError):
+            parse_labels(bad)
+
+
+def test_an_instance_registered_before_labels_existed_still_decodes() -> None:
+    old = b'{"instance_id": 1, "subject": "s", "hostname": "h", "pid": 2}'
+    assert msgspec.json.decode(old, type=InstanceEntry).labels == {}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_bad_labels_stop_flotilla_run_with_exit_code_2_naming_the_flag_or_variable() -> None:
+    result = run_cli("in=dyn://m", "out=echo_full", "--labels", "pipeline")
+    assert result.returncode == 2
+    assert "--labels" in result.stderr and "'pipeline' is not key=value" in result.stderr
+    result = run_cli("in=dyn://m", "out=echo_full", env={"FLOTILLA_LABELS": "a=b,,"})
+    assert result.returncode == 2
+    assert "FLOTILLA_LABELS" in result.stderr
+
+
+def test_labels_are_refused_for_an_input_that_registers_nothing() -> None:
+    result = run_cli("in=http", "out=echo_full", "--labels", "a=b")
+    assert result.returncode == 2
+    assert "use it with in=dyn://" in result.stderr
