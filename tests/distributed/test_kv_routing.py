@@ -6,89 +6,29 @@ and checks where the ingress sends requests (the ``x-flotilla-instance`` header)
 """
 
 import asyncio
-import base64
-import itertools
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from launcher.cli import build_run_parser, exit_code, parse_run_options
-from runtime.addressing import EndpointAddress
-from runtime.discovery import MODELS_PREFIX
-from runtime.endpoint import ModelEntry
 from runtime.errors import ConfigError
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import BlockStored, KvEventBatch
-from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
-from tests.infra import EtcdServer
-from tests.servers import Server
-
-MODEL = "llm"
-ADDRESS = EndpointAddress(MODEL)
-_fresh = itertools.count(20_000)
-
-
-def prefix_tokens(blocks: int, block_size: int, start: int = 1000) -> list[int]:
-    return list(range(start, start + blocks * block_size))
-
-
-def unique_tokens(count: int) -> list[int]:
-    """Tokens no other request starts with: each request gets its own first block."""
-    first = next(_fresh)
-    return [first] * count
-
-
-def complete(ingress: Server, tokens: list[int], max_tokens: int = 2) -> str:
-    """Send a completion of ``tokens``; returns the hex id of the instance that served it."""
-    body = {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens}
-    reply = httpx.post(ingress.base_url + "/v1/completions", json=body, timeout=60)
-    assert reply.status_code == 200, reply.text
-    return reply.headers["x-flotilla-instance"]
-
-
-def block_size_of(etcd: EtcdServer) -> int:
-    """The block size the workers registered in their model card (over etcd's JSON API)."""
-
-    def encode(text: str) -> str:
-        return base64.b64encode(text.encode()).decode()
-
-    prefix = MODELS_PREFIX
-    body = {"key": encode(prefix), "range_end": encode(prefix[:-1] + chr(ord(prefix[-1]) + 1)), "limit": 1}
-    kvs = httpx.post(etcd.endpoint + "/v3/kv/range", json=body, timeout=5).json()["kvs"]
-    entry = msgspec.json.decode(base64.b64decode(kvs[0]["value"]), type=ModelEntry)
-    return entry.card.kv_cache_block_size
-
-
-def start_pool(
-    cluster: Cluster, *ingress_args: str, workers: int = 3, delay_ms: int = 0
-) -> tuple[Server, list[Worker]]:
-    """An ingress with ``ingress_args`` and ``workers`` echo_core workers, every one of them routed to."""
-    ingress = cluster.start_ingress(*ingress_args)
-    pool = [
-        cluster.start_worker(f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL, delay_ms=delay_ms)
-        for _ in range(workers)
-    ]
-    wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
-    wait_for_every_worker(ingress, pool)
-    return ingress, pool
-
-
-def wait_for_every_worker(ingress: Server, pool: list[Worker]) -> None:
-    # With nothing cached and nothing running, the KV router breaks its ties at random.
-    seen: set[str] = set()
-    wanted = {worker.instance_id for worker in pool}
-
-    def every_worker_served() -> bool:
-        seen.add(complete(ingress, unique_tokens(4)))
-        return seen >= wanted
-
-    wait_until(every_worker_served, 30, "some worker never got a request")
+from tests.distributed.cluster import Cluster, served_models, wait_until
+from tests.distributed.kv_pool import (
+    ADDRESS,
+    MODEL,
+    complete,
+    prefix_tokens,
+    registered_block_size,
+    start_pool,
+    unique_tokens,
+)
 
 
 def publish(nats_url: str, *batches: KvEventBatch) -> None:
@@ -103,12 +43,6 @@ def publish(nats_url: str, *batches: KvEventBatch) -> None:
         await nc.close()
 
     asyncio.run(send())
-
-
-def publish_held(cluster: Cluster, holder: Worker, hashes: list[int]) -> None:
-    """Publish that ``holder`` stored the blocks ``hashes`` (its first KV event batch)."""
-    batch = KvEventBatch(instance_id=int(holder.instance_id, 16), event_id=1, events=[BlockStored(hashes)])
-    publish(cluster.nats.url, batch)
 
 
 class StateResponder:
@@ -148,7 +82,7 @@ class StateResponder:
 
 def test_requests_sharing_a_long_prefix_go_to_the_worker_holding_it(cluster: Cluster) -> None:
     ingress, pool = start_pool(cluster, "--router-mode", "kv")
-    block_size = block_size_of(cluster.etcd)
+    block_size = registered_block_size(cluster.etcd)
     holder = pool[1]
     prefix = prefix_tokens(8, block_size)
     hashes = sequence_block_hashes(prefix, block_size)
@@ -170,7 +104,7 @@ def test_requests_sharing_a_long_prefix_go_to_the_worker_holding_it(cluster: Clu
 def test_load_still_spreads_when_every_request_shares_one_prefix(cluster: Cluster) -> None:
     # Each request streams 30 tokens at 30 ms: all 12 are running at once.
     ingress, pool = start_pool(cluster, "--router-mode", "kv", delay_ms=30)
-    block_size = block_size_of(cluster.etcd)
+    block_size = registered_block_size(cluster.etcd)
     holder = pool[0]
     prefix = prefix_tokens(8, block_size)
     hashes = sequence_block_hashes(prefix, block_size)
@@ -189,7 +123,7 @@ def test_load_still_spreads_when_every_request_shares_one_prefix(cluster: Cluste
 
 def test_without_kv_events_requests_follow_the_router_s_own_earlier_decisions(cluster: Cluster) -> None:
     ingress, _ = start_pool(cluster, "--router-mode", "kv", "--use-kv-events", "false")
-    block_size = block_size_of(cluster.etcd)
+    block_size = registered_block_size(cluster.etcd)
     prefix = prefix_tokens(8, block_size, start=3000)
     first = complete(ingress, [*prefix, 1])
     assert [complete(ingress, [*prefix, n]) for n in range(2, 12)] == [first] * 10
@@ -205,7 +139,7 @@ def test_a_restarted_ingress_and_a_second_replica_route_by_the_workers_cache_sta
     ) as state:
         first = cluster.start_ingress("--router-mode", "kv")
         wait_until(lambda: served_models(first) == [MODEL], 30, "the model did not appear")
-        assert block_size_of(cluster.etcd) == block_size
+        assert registered_block_size(cluster.etcd) == block_size
         # The holder's cache was never published as events: the ingress learned it by asking.
         wait_until(lambda: complete(first, [*prefix, 1]) == holder.instance_id, 15, "the first ingress never asked")
         second = cluster.start_ingress("--router-mode", "kv")
