@@ -4,8 +4,14 @@ The router counts its own decisions: a request's prompt tokens still to compute 
 the decision until its first output (``prefill_done``), and its KV blocks are *active* until it
 finishes. That count is exact and immediate but sees only this router's traffic; the workers' own
 reports (``WorkerLoad.kv_active_blocks``, once a second) see every router's traffic and the blocks
-that requests share, but late. So when a fresh report exists, a worker's active blocks are the
-reported number plus what this router's decisions changed since it arrived.
+that requests share, but late, and without the requests still on their way to the worker. So when a
+fresh report exists, a worker's active blocks are the reported number plus what this router's
+decisions changed since it arrived, and never fewer than this router's own count: a report sent
+before a burst reached the worker must not make it look idle and draw the next burst as well.
+
+This router counts every request's whole prompt, shared prefix included: a shared block is held once
+in memory, but each request running on a worker still costs it a decode slot and attention over its
+whole context, so identical requests must still spread.
 """
 
 import time
@@ -97,13 +103,14 @@ class ActiveLoad:
         return 0 if load is None else load.prefill_tokens
 
     def decode_blocks(self, worker: Worker) -> int:
-        """Active blocks: the fresh report plus this router's changes since, else this router's count."""
+        """Active blocks: the fresh report plus this router's changes since, never fewer than this
+        router's own count; this router's count alone when no report is fresh."""
         load = self._workers.get(worker)
         if load is None:
             return 0
         if load.reported_blocks is None or self._clock() - load.reported_at > self._report_fresh_s:
             return load.blocks
-        return max(0, load.reported_blocks + load.blocks - load.blocks_at_report)
+        return max(load.blocks, load.reported_blocks + load.blocks - load.blocks_at_report)
 
     def requests(self, worker: Worker) -> int:
         """This router's requests active on ``worker``."""

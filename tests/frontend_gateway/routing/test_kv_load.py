@@ -83,3 +83,13 @@ def test_removing_an_instance_forgets_its_load_and_requests() -> None:
     assert (load.decode_blocks(A), load.in_flight()) == (0, 1)
     load.finished("r1")  # the stream's notice after the instance left: a no-op
     assert load.decode_blocks(B) == 1
+
+
+def test_a_report_that_missed_requests_on_their_way_never_lowers_the_router_s_own_count() -> None:
+    load = ActiveLoad()
+    load.started("r1", A, prefill_tokens=160, blocks=10)
+    # The worker reports before r1 reached it: nothing active.
+    load.observe(WorkerLoad(instance_id=1, active_requests=0, kv_active_blocks=0))
+    assert load.decode_blocks(A) == 10
+    load.started("r2", A, prefill_tokens=160, blocks=10)
+    assert load.decode_blocks(A) == 20
