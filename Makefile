@@ -18,11 +18,15 @@ PORT ?= 8080
 
 install: $(VENV)/.installed
 
-# etcd (discovery) and NATS (request plane) from Debian's packages, for distributed serving and its tests.
+# etcd (discovery) and NATS (request plane) from Debian's packages, for distributed serving and its tests;
+# PostgreSQL 15, on which the control-plane tests run a second time.
 system-deps:
 	@command -v etcd >/dev/null && command -v nats-server >/dev/null || { \
 		echo "installing etcd-server and nats-server (Debian packages)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server nats-server >/dev/null; }
+	@test -x /usr/lib/postgresql/15/bin/initdb || { \
+		echo "installing postgresql (Debian package; its service is not needed: tests start their own)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
 
 # Start etcd and NATS (with JetStream) on loopback, in the foreground, for local distributed runs.
 services: system-deps

@@ -2,7 +2,10 @@
 
 import os
 
+from django.conf import settings
 from django.core.asgi import get_asgi_application
 
+from controlplane.body_limit import limit_body
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-application = get_asgi_application()
+application = limit_body(get_asgi_application(), settings.API_MAX_BODY_BYTES)

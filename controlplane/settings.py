@@ -1,15 +1,24 @@
-"""Django settings, read from the environment (see runtime.config for the typed helpers)."""
+"""Django settings, read from the environment (see runtime.config for the typed helpers).
+
+* ``FLOTILLA_DATA_DIR``: the secret key file and the default SQLite database (default
+  ``~/.local/share/flotilla``).
+* ``FLOTILLA_SECRET_KEY`` / ``FLOTILLA_SECRET_KEY_FILE``: see controlplane/secret_key.py.
+* ``DATABASE_URL``: ``postgres://…`` for PostgreSQL; SQLite in the data directory when unset.
+* ``FLOTILLA_DEBUG``, ``FLOTILLA_ALLOWED_HOSTS`` (comma-separated), ``FLOTILLA_API_MAX_BODY_BYTES``.
+"""
 
 from pathlib import Path
 
-from runtime.config import env_bool, env_str
+from controlplane.database import database_config
+from controlplane.secret_key import default_data_dir, load_secret_key
+from runtime.config import env_bool, env_int, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir())
 
 DEBUG = env_bool("FLOTILLA_DEBUG", False)
-# Deployments set FLOTILLA_SECRET_KEY (or FLOTILLA_SECRET_KEY_FILE); the fallback is for development.
-SECRET_KEY = env_str("FLOTILLA_SECRET_KEY") or "insecure-development-key"
-ALLOWED_HOSTS = (env_str("FLOTILLA_ALLOWED_HOSTS", "localhost,127.0.0.1") or "").split(",")
+SECRET_KEY = load_secret_key(DATA_DIR, debug=DEBUG)
+ALLOWED_HOSTS = [host.strip() for host in (env_str("FLOTILLA_ALLOWED_HOSTS") or "localhost,127.0.0.1").split(",")]
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -18,10 +27,22 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "controlplane.accounts",
+    "controlplane.audit",
+    "controlplane.catalog",
+    "controlplane.fleet",
+    "controlplane.deployments",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files (the Swagger page's scripts, the admin's, the dashboard's) straight from the packages
+    # under uvicorn: no collectstatic step, no second web server.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -49,13 +70,9 @@ TEMPLATES = [
 
 ASGI_APPLICATION = "controlplane.asgi.application"
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": env_str("FLOTILLA_SQLITE_PATH", str(BASE_DIR / "db.sqlite3")),
-    }
-}
+DATABASES = {"default": database_config(env_str("DATABASE_URL"), DATA_DIR)}
 
+AUTH_USER_MODEL = "accounts.User"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -63,3 +80,44 @@ USE_I18N = True
 USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+
+# The API reads request bodies itself (controlplane/api/parsers.py), so it has its own limit.
+API_MAX_BODY_BYTES = env_int("FLOTILLA_API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.accounts.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["controlplane.api.permissions.RolePermission"],
+    "DEFAULT_PARSER_CLASSES": ["controlplane.api.parsers.LimitedJSONParser"],
+    "DEFAULT_PAGINATION_CLASS": "controlplane.api.pagination.Pagination",
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "controlplane.api.exceptions.exception_handler",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Flotilla control plane API",
+    "DESCRIPTION": "Models, nodes, pipelines, instances and the audit log of a Flotilla fleet.",
+    "VERSION": "1",
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    # The Swagger page's scripts come from the drf-spectacular-sidecar package: GPU clusters are often offline.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # Several records have a "state" with their own choices: name each set after its record.
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStateEnum": "controlplane.fleet.models.Node.State",
+        "InstanceStateEnum": "controlplane.fleet.models.InstanceState",
+        "ReportedInstanceStateEnum": "controlplane.fleet.actions.AGENT_REPORTABLE_CHOICES",
+        "DownloadStateEnum": "controlplane.fleet.models.Download.State",
+        "PipelineStateEnum": "controlplane.deployments.models.Pipeline.State",
+    },
+}

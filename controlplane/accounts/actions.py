@@ -1,0 +1,69 @@
+"""Creating and revoking API tokens and people. Each runs in one transaction with an audit entry
+(the key itself is never recorded: it is shown once, to whoever created it)."""
+
+from django.db import transaction
+
+from controlplane.accounts.models import TOKEN_DISPLAY_CHARS, ApiToken, Role, User, hash_token
+from controlplane.audit.records import Actor, record, snapshot
+from controlplane.errors import Conflict, Invalid
+
+_TOKEN_AUDIT_EXCLUDE = ("key_hash", "last_used_at")
+
+
+@transaction.atomic
+def create_person_token(actor: Actor, user: User, description: str = "") -> tuple[ApiToken, str]:
+    """A new token acting as ``user``; returns the row and the key (shown once, stored hashed)."""
+    return _create(actor, ApiToken(kind=ApiToken.Kind.PERSON, user=user, description=description))
+
+
+@transaction.atomic
+def create_agent_token(actor: Actor, node_name: str, description: str = "") -> tuple[ApiToken, str]:
+    """A new token for the agent of node ``node_name`` (the node need not be registered yet)."""
+    if not node_name:
+        raise Invalid("an agent token names its node", field="node_name")
+    return _create(actor, ApiToken(kind=ApiToken.Kind.AGENT, node_name=node_name, description=description))
+
+
+@transaction.atomic
+def revoke_token(actor: Actor, token: ApiToken) -> None:
+    """Delete a token; requests with it fail from now on."""
+    record(actor, "token.revoke", token, before=snapshot(token, exclude=_TOKEN_AUDIT_EXCLUDE), after=None)
+    token.delete()
+
+
+@transaction.atomic
+def create_user(actor: Actor, username: str, role: Role, *, password: str | None = None) -> User:
+    """Add a person with a role; without a password they can use tokens but not log in to the dashboard.
+
+    Raises Conflict when the username is taken.
+    """
+    if User.objects.filter(username=username).exists():
+        raise Conflict(f"a user named {username!r} exists already")
+    user = User(username=username, role=role, is_staff=role == Role.ADMIN)
+    if password:
+        user.set_password(password)
+    else:
+        user.set_unusable_password()
+    user.save()
+    record(actor, "user.create", user, before=None, after=snapshot(user, exclude=("password", "last_login")))
+    return user
+
+
+@transaction.atomic
+def set_role(actor: Actor, user: User, role: Role) -> User:
+    """Change a person's role."""
+    before = snapshot(user, exclude=("password", "last_login"))
+    user.role = role
+    user.is_staff = role == Role.ADMIN or user.is_superuser
+    user.save(update_fields=["role", "is_staff"])
+    record(actor, "user.role", user, before=before, after=snapshot(user, exclude=("password", "last_login")))
+    return user
+
+
+def _create(actor: Actor, token: ApiToken) -> tuple[ApiToken, str]:
+    key = ApiToken.new_key()
+    token.key_hash = hash_token(key)
+    token.key_start = key[:TOKEN_DISPLAY_CHARS]
+    token.save()
+    record(actor, "token.create", token, before=None, after=snapshot(token, exclude=_TOKEN_AUDIT_EXCLUDE))
+    return token, key

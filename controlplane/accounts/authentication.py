@@ -1,0 +1,75 @@
+"""Token authentication for the API: ``Authorization: Bearer <key>`` (or ``Token <key>``).
+
+A person's token authenticates as that person; an agent's token authenticates as an ``AgentPrincipal``
+(not a user: agents have no role and may only use the agent endpoints of their own node).
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.utils import timezone
+from rest_framework import authentication, exceptions
+from rest_framework.request import Request
+
+from controlplane.accounts.models import ApiToken, User, hash_token
+
+# Writing last_used_at on every request would turn each heartbeat into two writes; once a minute is enough
+# to tell a forgotten token from a live one.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
+_SCHEMES = (b"bearer", b"token")
+
+
+@dataclass(frozen=True)
+class AgentPrincipal:
+    """Who a request with an agent token is: the agent of one node."""
+
+    node_name: str
+    token_id: int
+
+    is_authenticated = True
+    is_anonymous = False
+    is_active = True
+
+    @property
+    def username(self) -> str:
+        return f"agent:{self.node_name}"
+
+    def __str__(self) -> str:
+        return self.username
+
+
+class TokenAuthentication(authentication.BaseAuthentication):
+    """Looks the token's hash up; refuses unknown tokens and tokens of inactive people with 401."""
+
+    keyword = "Bearer"
+
+    def authenticate(self, request: Request) -> tuple[User | AgentPrincipal, ApiToken] | None:
+        header = authentication.get_authorization_header(request).split()
+        if not header or header[0].lower() not in _SCHEMES:
+            return None
+        if len(header) != 2:
+            raise exceptions.AuthenticationFailed("the Authorization header must be 'Bearer <token>'")
+        try:
+            key = header[1].decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise exceptions.AuthenticationFailed("the token must be ASCII") from exc
+        token = ApiToken.objects.select_related("user").filter(key_hash=hash_token(key)).first()
+        if token is None:
+            raise exceptions.AuthenticationFailed("unknown or revoked token")
+        self._touch(token)
+        if token.kind == ApiToken.Kind.AGENT:
+            return AgentPrincipal(node_name=token.node_name, token_id=token.pk), token
+        assert token.user is not None  # the check constraint ties person tokens to a user
+        if not token.user.is_active:
+            raise exceptions.AuthenticationFailed("this token's user is inactive")
+        return token.user, token
+
+    def authenticate_header(self, request: Request) -> str:
+        return self.keyword
+
+    @staticmethod
+    def _touch(token: ApiToken) -> None:
+        now = timezone.now()
+        if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
+            ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+            token.last_used_at = now

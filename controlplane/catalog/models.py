@@ -1,0 +1,64 @@
+"""The model catalog: what can be deployed, where its files come from, and what it needs."""
+
+import re
+from typing import ClassVar
+
+from django.core.validators import RegexValidator
+from django.db import models
+
+from controlplane.catalog.engines import Engine
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+validate_model_name = RegexValidator(
+    re.compile(NAME_PATTERN), "1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+)
+
+
+class LanguageModel(models.Model):
+    """A model in the catalog (named ``model`` in the API).
+
+    ``source`` depends on ``source_kind``: a Hugging Face repo id (with ``revision`` and, for a repo of
+    GGUF files, the ``filename`` to use), or an absolute path on the nodes to a folder or a GGUF file.
+    ``memory_bytes`` is the estimated memory one replica needs (GPU memory, split evenly over its GPUs;
+    system memory for CPU engines); None means unknown, which makes placement give each GPU replica whole
+    GPUs to itself.
+    """
+
+    class SourceKind(models.TextChoices):
+        HUGGING_FACE = "hf", "Hugging Face repo"
+        FOLDER = "folder", "local folder"
+        GGUF = "gguf", "GGUF file"
+
+    name = models.CharField(max_length=100, unique=True, validators=[validate_model_name])
+    source_kind = models.CharField(max_length=8, choices=SourceKind.choices)
+    source = models.CharField(max_length=1024)
+    revision = models.CharField(max_length=255, blank=True)
+    filename = models.CharField(max_length=255, blank=True)
+    engine = models.CharField(max_length=16, choices=Engine.choices)
+    default_engine_args = models.JSONField(default=dict, blank=True)
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_bytes = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering: ClassVar = ["name"]
+        verbose_name = "model"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_gguf(self) -> bool:
+        """Whether the files are GGUF: a GGUF source, or a Hugging Face repo's GGUF file."""
+        if self.source_kind == self.SourceKind.GGUF:
+            return True
+        return self.source_kind == self.SourceKind.HUGGING_FACE and self.filename.lower().endswith(".gguf")
+
+    @property
+    def source_display(self) -> str:
+        """``repo@revision[/filename]`` or the path, as a person would write it."""
+        if self.source_kind == self.SourceKind.HUGGING_FACE:
+            text = f"{self.source}@{self.revision or 'main'}"
+            return f"{text}/{self.filename}" if self.filename else text
+        return self.source

@@ -1,0 +1,345 @@
+"""Changes to pipelines: deploy, update, scale, stop, start, delete, and placing their pending instances.
+
+Each action runs in one transaction and writes audit entries. Actions record desired state (a group's
+replica count, the pipeline's running/stopped state) together with the instance rows it implies: new
+instances are pending and unplaced; instances no longer wanted are stopping (or stopped when nothing
+runs). ``place_pending_instances`` is the reconciler's entry point: it places what is pending with
+``placement.place`` and leaves the reason on whatever does not fit; dispatching the placed instances to
+their nodes' agents is the reconciler's next step.
+"""
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from controlplane.audit.records import JSON, Actor, record, snapshot
+from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
+from controlplane.catalog.models import LanguageModel
+from controlplane.deployments.models import Pipeline, WorkerGroup
+from controlplane.deployments.placement import Demand, Placement, Unschedulable, place
+from controlplane.errors import Conflict, Invalid
+from controlplane.fleet.actions import add_instances, stop_instance
+from controlplane.fleet.inventory import fleet_inventory
+from controlplane.fleet.models import LIVE_STATES, PROCESS_STATES, Instance, InstanceState, Node
+
+MAX_REPLICAS = 512
+MAX_GPUS_PER_REPLICA = 16
+MAX_ROUTER_WEIGHT = 1000.0
+MAX_ROUTER_TEMPERATURE = 100.0
+# Fields of a pipeline that deploy sets and update may change (name, namespace and model are fixed).
+SETTING_FIELDS = frozenset(
+    {
+        "router_mode",
+        "kv_overlap_score_weight",
+        "router_temperature",
+        "use_kv_events",
+        "placement_policy",
+        "pinned_nodes",
+        "pinned_gpus",
+    }
+)
+_VALID_ROLE_SETS = ({WorkerGroup.Role.AGGREGATED}, {WorkerGroup.Role.PREFILL, WorkerGroup.Role.DECODE})
+_NAMESPACE_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+# Scaling down stops the instances that got least far first, the newest first among equals.
+_STOP_ORDER = {
+    InstanceState.PENDING: 0,
+    InstanceState.FAILED: 1,
+    InstanceState.DOWNLOADING: 2,
+    InstanceState.STARTING: 3,
+    InstanceState.READY: 4,
+}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One worker group as deploy takes it; ``engine`` None means the model's engine."""
+
+    role: str = WorkerGroup.Role.AGGREGATED
+    replicas: int = 1
+    gpus_per_replica: int = 0
+    engine: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+def pipeline_snapshot(pipeline: Pipeline) -> JSON:
+    """The pipeline's fields and its groups, for audit entries."""
+    values = snapshot(pipeline, exclude=("updated_at",))
+    values["groups"] = [snapshot(group) for group in pipeline.groups.order_by("role")]
+    return values
+
+
+@transaction.atomic
+def deploy_pipeline(
+    actor: Actor,
+    *,
+    name: str,
+    model: LanguageModel,
+    groups: Sequence[GroupSpec],
+    namespace: str | None = None,
+    **settings: Any,
+) -> Pipeline:
+    """Create a running pipeline with its worker groups and their (pending, unplaced) instances.
+
+    Raises Invalid naming the field (groups, pins, router settings, namespace), Conflict when the name or
+    the namespace is taken.
+    """
+    _check_settings(settings)
+    _check_groups(model, groups, settings.get("pinned_gpus") or [])
+    if namespace is None:
+        namespace = _free_namespace(name)
+    elif Pipeline.objects.filter(namespace=namespace).exists():
+        raise Conflict(f"namespace {namespace!r} belongs to another pipeline")
+    pipeline = Pipeline(name=name, namespace=namespace, model=model, **settings)
+    try:
+        pipeline.save()
+    except IntegrityError as exc:
+        raise Conflict(f"a pipeline named {name!r} (or namespace {namespace!r}) already exists") from exc
+    for spec in groups:
+        group = WorkerGroup.objects.create(
+            pipeline=pipeline,
+            role=spec.role,
+            engine=spec.engine or model.engine,
+            replicas=spec.replicas,
+            gpus_per_replica=spec.gpus_per_replica,
+            engine_args=spec.engine_args,
+        )
+        add_instances(actor, group, spec.replicas)
+    record(actor, "pipeline.deploy", pipeline, before=None, after=pipeline_snapshot(pipeline))
+    return pipeline
+
+
+@transaction.atomic
+def update_pipeline(actor: Actor, pipeline: Pipeline, **changes: Any) -> Pipeline:
+    """Change router settings, placement policy or pins; running instances stay where they are.
+
+    Raises Invalid naming the field.
+    """
+    _check_settings(changes)
+    pipeline = Pipeline.objects.select_for_update().get(pk=pipeline.pk)
+    if "pinned_gpus" in changes:
+        _check_pinned_gpus(changes["pinned_gpus"], pipeline.groups.all())
+    before = pipeline_snapshot(pipeline)
+    for name, value in changes.items():
+        setattr(pipeline, name, value)
+    pipeline.save()
+    record(actor, "pipeline.update", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    return pipeline
+
+
+@transaction.atomic
+def scale_pipeline(actor: Actor, pipeline: Pipeline, replicas: int, role: str | None = None) -> WorkerGroup:
+    """Set a worker group's replica count; a running pipeline gets new pending instances or stops some.
+
+    ``role`` picks the group and may be left out when the pipeline has one. Raises Invalid naming
+    ``replicas`` or ``role``.
+    """
+    if not 0 <= replicas <= MAX_REPLICAS:
+        raise Invalid(f"replicas must be between 0 and {MAX_REPLICAS}", field="replicas")
+    pipeline = Pipeline.objects.select_for_update().get(pk=pipeline.pk)
+    group = _group(pipeline, role)
+    before = pipeline_snapshot(pipeline)
+    WorkerGroup.objects.filter(pk=group.pk).update(replicas=replicas)
+    group.replicas = replicas
+    if pipeline.state == Pipeline.State.RUNNING:
+        live = _live_instances(group)
+        if len(live) < replicas:
+            add_instances(actor, group, replicas - len(live))
+        for instance in _to_stop(live, len(live) - replicas):
+            stop_instance(actor, instance, f"scaled down to {replicas} by {actor.name}")
+    record(actor, "pipeline.scale", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    return group
+
+
+@transaction.atomic
+def stop_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
+    """Stop every instance; the replica counts are kept for ``start_pipeline``. Raises Conflict if stopped."""
+    pipeline = Pipeline.objects.select_for_update().get(pk=pipeline.pk)
+    if pipeline.state == Pipeline.State.STOPPED:
+        raise Conflict(f"pipeline {pipeline.name} is stopped already")
+    before = pipeline_snapshot(pipeline)
+    pipeline.state = Pipeline.State.STOPPED
+    pipeline.save(update_fields=["state", "updated_at"])
+    for group in pipeline.groups.all():
+        for instance in _live_instances(group):
+            stop_instance(actor, instance, f"pipeline stopped by {actor.name}")
+    record(actor, "pipeline.stop", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    return pipeline
+
+
+@transaction.atomic
+def start_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
+    """Run a stopped pipeline again with its groups' replica counts. Raises Conflict if it is running."""
+    pipeline = Pipeline.objects.select_for_update().get(pk=pipeline.pk)
+    if pipeline.state == Pipeline.State.RUNNING:
+        raise Conflict(f"pipeline {pipeline.name} is running already")
+    before = pipeline_snapshot(pipeline)
+    pipeline.state = Pipeline.State.RUNNING
+    pipeline.save(update_fields=["state", "updated_at"])
+    for group in pipeline.groups.all():
+        add_instances(actor, group, group.replicas - len(_live_instances(group)))
+    record(actor, "pipeline.start", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    return pipeline
+
+
+@transaction.atomic
+def delete_pipeline(actor: Actor, pipeline: Pipeline) -> None:
+    """Delete a stopped pipeline whose instances have all stopped (their rows go with it).
+
+    Raises Conflict while it runs or while its instances are still stopping.
+    """
+    pipeline = Pipeline.objects.select_for_update().get(pk=pipeline.pk)
+    if pipeline.state != Pipeline.State.STOPPED:
+        raise Conflict(f"pipeline {pipeline.name} is running; stop it first")
+    stopping = pipeline.instances.filter(state__in=PROCESS_STATES).count()
+    if stopping:
+        raise Conflict(f"pipeline {pipeline.name} still has {stopping} instance(s) stopping; wait for them")
+    record(actor, "pipeline.delete", pipeline, before=pipeline_snapshot(pipeline), after=None)
+    pipeline.delete()
+
+
+@transaction.atomic
+def place_pending_instances(
+    actor: Actor, pipeline: Pipeline | None = None
+) -> list[tuple[WorkerGroup, Placement | Unschedulable]]:
+    """Place the unplaced pending instances of running pipelines (or of one), group by group.
+
+    Placed instances get their node and GPU indexes (still pending: dispatching them is the reconciler's
+    job); the rest keep a reason a person can act on. Audited per instance placed, and when an
+    instance's reason changes. Returns each group's placement result.
+    """
+    groups = WorkerGroup.objects.select_related("pipeline__model").filter(
+        pipeline__state=Pipeline.State.RUNNING,
+        instances__state=InstanceState.PENDING,
+        instances__node__isnull=True,
+    )
+    if pipeline is not None:
+        groups = groups.filter(pipeline=pipeline)
+    results: list[tuple[WorkerGroup, Placement | Unschedulable]] = []
+    for group in groups.distinct().order_by("pipeline__created_at", "role"):
+        waiting = list(group.instances.filter(state=InstanceState.PENDING, node__isnull=True).order_by("replica"))
+        # The inventory is read again for each group, so that it includes the groups placed before.
+        result = place(_demand(group, len(waiting)), fleet_inventory())
+        chosen = result.replicas if isinstance(result, Placement) else result.placed
+        nodes = {node.name: node for node in Node.objects.filter(name__in={r.node for r in chosen})}
+        for instance, where in zip(waiting, chosen, strict=False):
+            before = snapshot(instance)
+            claimed = Instance.objects.filter(pk=instance.pk, state=InstanceState.PENDING, node__isnull=True).update(
+                node=nodes[where.node], gpu_indexes=list(where.gpu_indexes), reason=""
+            )
+            if claimed:
+                instance.refresh_from_db()
+                record(actor, "instance.place", instance, before=before, after=snapshot(instance))
+        if isinstance(result, Unschedulable):
+            for instance in waiting[len(chosen) :]:
+                if instance.reason != result.reason:
+                    before = snapshot(instance)
+                    Instance.objects.filter(pk=instance.pk, node__isnull=True).update(reason=result.reason)
+                    instance.reason = result.reason
+                    record(actor, "instance.unschedulable", instance, before=before, after=snapshot(instance))
+        results.append((group, result))
+    return results
+
+
+def _demand(group: WorkerGroup, count: int) -> Demand:
+    pipeline = group.pipeline
+    existing = Counter(
+        group.instances.filter(state__in=LIVE_STATES, node__isnull=False).values_list("node__name", flat=True)
+    )
+    return Demand(
+        replicas=count,
+        gpus_per_replica=group.gpus_per_replica,
+        memory_per_replica_bytes=pipeline.model.memory_bytes,
+        policy=pipeline.placement_policy,  # a PlacementPolicy value
+        pinned_nodes=frozenset(pipeline.pinned_nodes),
+        pinned_gpus=frozenset(pipeline.pinned_gpus),
+        existing_replicas_by_node=dict(existing),
+    )
+
+
+def _group(pipeline: Pipeline, role: str | None) -> WorkerGroup:
+    groups = list(pipeline.groups.all())
+    if role is None:
+        if len(groups) > 1:
+            roles = ", ".join(group.role for group in groups)
+            raise Invalid(f"pipeline {pipeline.name} has several worker groups ({roles}): say which", field="role")
+        return groups[0]
+    for group in groups:
+        if group.role == role:
+            return group
+    raise Invalid(f"pipeline {pipeline.name} has no {role} worker group", field="role")
+
+
+def _live_instances(group: WorkerGroup) -> list[Instance]:
+    return list(group.instances.select_related("pipeline", "group").filter(state__in=LIVE_STATES))
+
+
+def _to_stop(live: list[Instance], count: int) -> list[Instance]:
+    if count <= 0:
+        return []
+    ranked = sorted(live, key=lambda i: (_STOP_ORDER[i.state], i.node_id is not None, -i.replica))
+    return ranked[:count]
+
+
+def _free_namespace(name: str) -> str:
+    """A dyn:// namespace for a served name: unsafe characters become '-', and a suffix keeps it unique."""
+    base = _NAMESPACE_UNSAFE.sub("-", name).strip("-")[:60] or "pipeline"
+    candidate, suffix = base, 2
+    while Pipeline.objects.filter(namespace=candidate).exists():
+        candidate, suffix = f"{base}-{suffix}", suffix + 1
+    return candidate
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
+    unknown = sorted(set(settings) - SETTING_FIELDS)
+    if unknown:
+        raise Invalid(f"a pipeline has no setting {unknown[0]!r}", field=unknown[0])
+    weight = settings.get("kv_overlap_score_weight")
+    if weight is not None and not (math.isfinite(weight) and 0 <= weight <= MAX_ROUTER_WEIGHT):
+        raise Invalid(f"must be between 0 and {MAX_ROUTER_WEIGHT:g}", field="kv_overlap_score_weight")
+    temperature = settings.get("router_temperature")
+    if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_ROUTER_TEMPERATURE):
+        raise Invalid(f"must be between 0 and {MAX_ROUTER_TEMPERATURE:g}", field="router_temperature")
+    pinned_nodes = settings.get("pinned_nodes")
+    if pinned_nodes:
+        known = set(Node.objects.filter(name__in=pinned_nodes).values_list("name", flat=True))
+        unknown_nodes = [name for name in pinned_nodes if name not in known]
+        if unknown_nodes:
+            raise Invalid(f"no node is named {unknown_nodes[0]!r}", field="pinned_nodes")
+
+
+def _check_groups(model: LanguageModel, groups: Sequence[GroupSpec], pinned_gpus: Sequence[int]) -> None:
+    if not groups:
+        raise Invalid("a pipeline needs at least one worker group", field="groups")
+    roles = [spec.role for spec in groups]
+    if len(set(roles)) != len(roles) or set(roles) not in _VALID_ROLE_SETS:
+        raise Invalid(
+            f"worker groups must be one aggregated group, or one prefill and one decode group, not {', '.join(roles)}",
+            field="groups",
+        )
+    for spec in groups:
+        engine = spec.engine or model.engine
+        where = f"the {spec.role} group"
+        if not 0 <= spec.replicas <= MAX_REPLICAS:
+            raise Invalid(f"{where}: replicas must be between 0 and {MAX_REPLICAS}", field="groups")
+        if not 0 <= spec.gpus_per_replica <= MAX_GPUS_PER_REPLICA:
+            raise Invalid(f"{where}: gpus_per_replica must be between 0 and {MAX_GPUS_PER_REPLICA}", field="groups")
+        if engine in GPU_ONLY_ENGINES and spec.gpus_per_replica == 0:
+            raise Invalid(f"{where}: {engine} runs on GPUs; set gpus_per_replica to 1 or more", field="groups")
+        if engine in GGUF_ONLY_ENGINES and not model.is_gguf:
+            raise Invalid(f"{where}: {engine} loads GGUF files and model {model.name} is not one", field="groups")
+    _check_pinned_gpus(pinned_gpus, groups)
+
+
+def _check_pinned_gpus(pinned_gpus: Sequence[int], groups: Sequence[GroupSpec] | Any) -> None:
+    if not pinned_gpus:
+        return
+    needed = max((spec.gpus_per_replica for spec in groups), default=0)
+    if len(set(pinned_gpus)) < needed:
+        raise Invalid(
+            f"{len(set(pinned_gpus))} pinned GPU(s) cannot hold a replica that needs {needed}", field="pinned_gpus"
+        )

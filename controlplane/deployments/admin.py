@@ -1,0 +1,7 @@
+from django.contrib import admin
+
+from controlplane.deployments.models import Pipeline, WorkerGroup
+from controlplane.readonly_admin import ReadOnlyAdmin
+
+admin.site.register(Pipeline, ReadOnlyAdmin)
+admin.site.register(WorkerGroup, ReadOnlyAdmin)

@@ -1,0 +1,192 @@
+from typing import Any, ClassVar
+
+from rest_framework import serializers
+
+from controlplane.api.fields import JsonObjectField
+from controlplane.catalog.engines import Engine
+from controlplane.catalog.models import LanguageModel
+from controlplane.deployments.actions import (
+    MAX_GPUS_PER_REPLICA,
+    MAX_REPLICAS,
+    MAX_ROUTER_TEMPERATURE,
+    MAX_ROUTER_WEIGHT,
+    GroupSpec,
+)
+from controlplane.deployments.models import (
+    NAMESPACE_PATTERN,
+    SERVED_NAME_PATTERN,
+    Pipeline,
+    PlacementPolicy,
+    RouterMode,
+    WorkerGroup,
+)
+from controlplane.fleet.models import NODE_NAME_PATTERN, InstanceState, Node
+
+MAX_PINS = 64
+
+
+class RouterSerializer(serializers.Serializer):
+    """How the gateway spreads requests over the pipeline's workers (``--router-mode`` and friends)."""
+
+    mode = serializers.ChoiceField(source="router_mode", choices=RouterMode.choices, default=RouterMode.ROUND_ROBIN)
+    kv_overlap_score_weight = serializers.FloatField(min_value=0.0, max_value=MAX_ROUTER_WEIGHT, default=1.0)
+    temperature = serializers.FloatField(
+        source="router_temperature", min_value=0.0, max_value=MAX_ROUTER_TEMPERATURE, default=0.0
+    )
+    use_kv_events = serializers.BooleanField(default=True)
+
+
+class PlacementSerializer(serializers.Serializer):
+    """Where replicas go: the policy, and optional pins to node names and GPU indexes."""
+
+    policy = serializers.ChoiceField(
+        source="placement_policy", choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD
+    )
+    nodes = serializers.ListField(
+        source="pinned_nodes",
+        child=serializers.RegexField(NODE_NAME_PATTERN, max_length=63),
+        max_length=MAX_PINS,
+        default=list,
+    )
+    gpus = serializers.ListField(
+        source="pinned_gpus",
+        child=serializers.IntegerField(min_value=0, max_value=63),
+        max_length=MAX_PINS,
+        default=list,
+    )
+
+    def validate_nodes(self, names: list[str]) -> list[str]:
+        if len(set(names)) != len(names):
+            raise serializers.ValidationError("Each node once.")
+        known = set(Node.objects.filter(name__in=names).values_list("name", flat=True))
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise serializers.ValidationError(f"No node is named {unknown[0]!r}.")
+        return names
+
+    def validate_gpus(self, indexes: list[int]) -> list[int]:
+        if len(set(indexes)) != len(indexes):
+            raise serializers.ValidationError("Each GPU index once.")
+        return sorted(indexes)
+
+
+class WorkerGroupSerializer(serializers.ModelSerializer):
+    engine = serializers.ChoiceField(choices=Engine.choices, required=False, help_text="Left out: the model's engine.")
+    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS, default=1)
+    gpus_per_replica = serializers.IntegerField(
+        min_value=0, max_value=MAX_GPUS_PER_REPLICA, default=0, help_text="Tensor-parallel size; 0 runs on CPU."
+    )
+    engine_args = JsonObjectField(required=False, default=dict, help_text="Laid over the model's default args.")
+    component = serializers.CharField(read_only=True)
+    endpoint = serializers.CharField(read_only=True)
+    instances = serializers.SerializerMethodField(help_text="How many of the group's instances are in each state.")
+
+    class Meta:
+        model = WorkerGroup
+        fields: ClassVar = [
+            "role",
+            "engine",
+            "replicas",
+            "gpus_per_replica",
+            "engine_args",
+            "component",
+            "endpoint",
+            "instances",
+        ]
+        extra_kwargs: ClassVar = {"role": {"default": WorkerGroup.Role.AGGREGATED}}
+
+    def get_instances(self, group: WorkerGroup) -> dict[str, int]:
+        # The viewsets annotate n_<state> counts in one query; other callers get them counted here.
+        if hasattr(group, f"n_{InstanceState.PENDING}"):
+            counts = {state: getattr(group, f"n_{state}") for state in InstanceState.values}
+        else:
+            counts = {state: group.instances.filter(state=state).count() for state in InstanceState.values}
+        return {state: count for state, count in counts.items() if count}
+
+
+class PipelineSerializer(serializers.ModelSerializer):
+    """A pipeline; POST deploys one (groups, router and placement given once, at deploy)."""
+
+    name = serializers.RegexField(
+        SERVED_NAME_PATTERN, max_length=200, help_text="The served model name clients ask for."
+    )
+    namespace = serializers.RegexField(
+        NAMESPACE_PATTERN, max_length=64, required=False, help_text="dyn:// namespace; derived from the name."
+    )
+    model = serializers.SlugRelatedField(slug_field="name", queryset=LanguageModel.objects.all())
+    router = RouterSerializer(source="*", required=False)
+    placement = PlacementSerializer(source="*", required=False)
+    groups = WorkerGroupSerializer(many=True, min_length=1, max_length=2)
+
+    class Meta:
+        model = Pipeline
+        fields: ClassVar = [
+            "id",
+            "name",
+            "namespace",
+            "model",
+            "state",
+            "router",
+            "placement",
+            "groups",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields: ClassVar = ["id", "state", "created_at", "updated_at"]
+
+    def validate_name(self, name: str) -> str:
+        if Pipeline.objects.filter(name=name).exists():
+            raise serializers.ValidationError(f"A pipeline named {name!r} exists already.")
+        return name
+
+    def validate_namespace(self, namespace: str) -> str:
+        if Pipeline.objects.filter(namespace=namespace).exists():
+            raise serializers.ValidationError(f"Namespace {namespace!r} belongs to another pipeline.")
+        return namespace
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        _check_pins_hold_a_replica(
+            data.get("pinned_gpus") or [], [group["gpus_per_replica"] for group in data["groups"]]
+        )
+        return data
+
+    def deploy_arguments(self) -> dict[str, Any]:
+        """The validated body as ``deploy_pipeline``'s keyword arguments."""
+        data = dict(self.validated_data)
+        data["groups"] = [GroupSpec(**group) for group in data["groups"]]
+        return data
+
+
+class PipelineUpdateSerializer(serializers.Serializer):
+    """What PATCH may change: router settings and placement (name, model and groups are fixed; scale
+    changes replicas)."""
+
+    router = RouterSerializer(source="*", required=False)
+    placement = PlacementSerializer(source="*", required=False)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        fixed = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
+        if fixed:
+            raise serializers.ValidationError(
+                {name: ["Cannot be changed; deploy a new pipeline (replicas: use scale)."] for name in fixed}
+            )
+        pipeline: Pipeline = self.context["pipeline"]
+        if data.get("pinned_gpus"):
+            sizes = list(pipeline.groups.values_list("gpus_per_replica", flat=True))
+            _check_pins_hold_a_replica(data["pinned_gpus"], sizes)
+        return data
+
+
+def _check_pins_hold_a_replica(pinned_gpus: list[int], gpus_per_replica: list[int]) -> None:
+    needed = max(gpus_per_replica, default=0)
+    if pinned_gpus and len(pinned_gpus) < needed:
+        raise serializers.ValidationError(
+            {"placement": {"gpus": [f"{len(pinned_gpus)} pinned GPU(s) cannot hold a replica that needs {needed}."]}}
+        )
+
+
+class ScaleSerializer(serializers.Serializer):
+    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS)
+    role = serializers.ChoiceField(
+        choices=WorkerGroup.Role.choices, required=False, help_text="Which group; needed when there are several."
+    )

@@ -1,0 +1,88 @@
+from typing import Any, ClassVar
+
+from django.db.models import Count, Prefetch, Q, QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from controlplane.api.base import FlotillaViewSet
+from controlplane.deployments import actions
+from controlplane.deployments.api.filters import PipelineFilter
+from controlplane.deployments.api.serializers import PipelineSerializer, PipelineUpdateSerializer, ScaleSerializer
+from controlplane.deployments.models import Pipeline, WorkerGroup
+from controlplane.fleet.models import InstanceState
+
+
+def _groups_with_state_counts() -> QuerySet[WorkerGroup]:
+    counts = {f"n_{state}": Count("instances", filter=Q(instances__state=state)) for state in InstanceState.values}
+    return WorkerGroup.objects.select_related("pipeline").annotate(**counts).order_by("role")
+
+
+class PipelineViewSet(
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.DestroyModelMixin,
+    FlotillaViewSet,
+):
+    """Pipelines: POST deploys, PATCH changes router and placement; scale, stop and start are actions.
+    All changes need operator. DELETE removes a stopped pipeline whose instances have stopped."""
+
+    queryset = Pipeline.objects.select_related("model")
+    serializer_class = PipelineSerializer
+    filterset_class = PipelineFilter
+    ordering_fields: ClassVar = ["name", "created_at", "updated_at"]
+
+    def get_queryset(self) -> QuerySet[Pipeline]:
+        return super().get_queryset().prefetch_related(Prefetch("groups", queryset=_groups_with_state_counts()))
+
+    def perform_create(self, serializer: Any) -> None:
+        serializer.instance = actions.deploy_pipeline(self.actor, **serializer.deploy_arguments())
+
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        self.perform_create(serializer)
+        return Response(self._fresh(serializer.instance), status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=PipelineUpdateSerializer, responses=PipelineSerializer)
+    def partial_update(self, request: Request, pk: str) -> Response:
+        """Change router settings or placement (policy, pins); running instances stay where they are."""
+        pipeline = self.get_object()
+        serializer = PipelineUpdateSerializer(data=request.data, partial=True, context={"pipeline": pipeline})
+        serializer.is_valid(raise_exception=True)
+        actions.update_pipeline(self.actor, pipeline, **serializer.validated_data)
+        return Response(self._fresh(pipeline))
+
+    def perform_destroy(self, instance: Pipeline) -> None:
+        actions.delete_pipeline(self.actor, instance)
+
+    @extend_schema(request=ScaleSerializer, responses=PipelineSerializer)
+    @action(detail=True, methods=["post"])
+    def scale(self, request: Request, pk: str) -> Response:
+        """Set a worker group's replicas (``role`` picks the group when there are several)."""
+        pipeline = self.get_object()
+        serializer = ScaleSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        actions.scale_pipeline(self.actor, pipeline, **serializer.validated_data)
+        return Response(self._fresh(pipeline))
+
+    @extend_schema(request=None, responses=PipelineSerializer)
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, pk: str) -> Response:
+        """Stop all instances; replica counts are kept for start."""
+        pipeline = actions.stop_pipeline(self.actor, self.get_object())
+        return Response(self._fresh(pipeline))
+
+    @extend_schema(request=None, responses=PipelineSerializer)
+    @action(detail=True, methods=["post"])
+    def start(self, request: Request, pk: str) -> Response:
+        """Run a stopped pipeline again with its replica counts."""
+        pipeline = actions.start_pipeline(self.actor, self.get_object())
+        return Response(self._fresh(pipeline))
+
+    def _fresh(self, pipeline: Pipeline) -> Any:
+        """The pipeline as it is now, instance counts included (it was just changed)."""
+        return self.get_serializer(self.get_queryset().get(pk=pipeline.pk)).data

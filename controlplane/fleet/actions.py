@@ -1,0 +1,364 @@
+"""Changes to nodes, GPUs, instances and downloads. Each action runs in one transaction with an audit entry.
+
+Agents call ``register_node``, ``heartbeat``, ``report_instance_state`` and ``report_download``; people
+call ``drain_node``, ``undrain_node``, ``delete_node`` and ``restart_instance``. The instance helpers at
+the end (``add_instances``, ``stop_instance``, ``transition``) are building blocks for actions here and
+in deployments; they expect to run inside the caller's transaction.
+
+Two kinds of agent news are deliberately not audited, because 200 nodes heartbeating every 5 s would
+bury the log: a heartbeat that changes only usage figures (memory used, utilisation), and an instance
+report that repeats the state it is in (download progress, a pid). Changes of state or of hardware are.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from controlplane.audit.records import JSON, Actor, record, snapshot
+from controlplane.catalog.models import LanguageModel
+from controlplane.deployments.models import WorkerGroup
+from controlplane.errors import Conflict, Forbidden, Invalid, Missing
+from controlplane.fleet.models import (
+    LIVE_STATES,
+    PROCESS_STATES,
+    Download,
+    Gpu,
+    Instance,
+    InstanceState,
+    Node,
+    check_transition,
+)
+from controlplane.fleet.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
+
+# States an agent may report; pending and stopping are the control plane's to set.
+AGENT_REPORTABLE_STATES = frozenset(
+    {
+        InstanceState.DOWNLOADING,
+        InstanceState.STARTING,
+        InstanceState.READY,
+        InstanceState.STOPPED,
+        InstanceState.FAILED,
+    }
+)
+AGENT_REPORTABLE_CHOICES = sorted(AGENT_REPORTABLE_STATES)
+
+
+def node_snapshot(node: Node) -> JSON:
+    """The node's fields and its GPUs, for audit entries."""
+    values = snapshot(node, exclude=("updated_at", "last_heartbeat_at", "memory_available_bytes"))
+    values["gpus"] = [
+        {"index": gpu.index, "name": gpu.name, "memory_total_bytes": gpu.memory_total_bytes}
+        for gpu in node.gpus.order_by("index")
+    ]
+    return values
+
+
+@transaction.atomic
+def register_node(actor: Actor, name: str, report: NodeReport) -> Node:
+    """Create the node, or update it when its agent registers again (after a restart); it comes online.
+
+    A re-registering node keeps its ``draining`` flag and its instances: the agent resumes them.
+    """
+    node = Node.objects.select_for_update().filter(name=name).first()
+    before = node_snapshot(node) if node else None
+    if node is None:
+        node = Node(name=name)
+    _apply_report(node, report)
+    node.state = Node.State.ONLINE
+    try:
+        node.save()
+    except IntegrityError as exc:  # a second registration of a new name raced this one
+        raise Conflict(f"node {name!r} registered twice at once; retry") from exc
+    _sync_gpus(node, report.gpus)
+    record(actor, "node.register", node, before=before, after=node_snapshot(node))
+    return node
+
+
+@transaction.atomic
+def heartbeat(actor: Actor, name: str, report: NodeReport) -> Node:
+    """Record a node's current inventory; an offline node comes back online.
+
+    Raises Missing when the node never registered (the agent should register first).
+    """
+    node = Node.objects.select_for_update().filter(name=name).first()
+    if node is None:
+        raise Missing(f"node {name!r} is not registered; register it first")
+    old_hardware = _hardware(node)
+    before = node_snapshot(node)
+    came_back = node.state != Node.State.ONLINE
+    _apply_report(node, report)
+    node.state = Node.State.ONLINE
+    node.save()
+    _sync_gpus(node, report.gpus)
+    if came_back or old_hardware != report.hardware():
+        record(actor, "node.heartbeat", node, before=before, after=node_snapshot(node))
+    return node
+
+
+@transaction.atomic
+def drain_node(actor: Actor, node: Node) -> Node:
+    """Place nothing new on the node and move its instances off it.
+
+    Each live instance there is stopped (reason: the drain) and a replacement, not yet placed, is added
+    to its group, so the group keeps its replica count; the reconciler places the replacements on other
+    nodes. The replacements and the stops are recorded together: for a while the group may run one
+    replica short. Raises Conflict when the node is draining already.
+    """
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.draining:
+        raise Conflict(f"node {node.name} is draining already")
+    before = node_snapshot(node)
+    node.draining = True
+    node.save(update_fields=["draining", "updated_at"])
+    moved = []
+    for instance in _live_instances_on(node):
+        stop_instance(actor, instance, f"node {node.name} was drained by {actor.name}")
+        (replacement,) = add_instances(actor, instance.group, 1, reason=f"replaces {instance.name}")
+        moved.append({"stopped": instance.pk, "replacement": replacement.pk})
+    after = node_snapshot(node) | {"moved_instances": moved}
+    record(actor, "node.drain", node, before=before, after=after)
+    return node
+
+
+@transaction.atomic
+def undrain_node(actor: Actor, node: Node) -> Node:
+    """Let new instances be placed on the node again. Raises Conflict when it is not draining."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if not node.draining:
+        raise Conflict(f"node {node.name} is not draining")
+    before = node_snapshot(node)
+    node.draining = False
+    node.save(update_fields=["draining", "updated_at"])
+    record(actor, "node.undrain", node, before=before, after=node_snapshot(node))
+    return node
+
+
+@transaction.atomic
+def delete_node(actor: Actor, node: Node) -> None:
+    """Forget a node (its agent would register it again). Raises Conflict while instances are on it."""
+    busy = Instance.objects.filter(node=node, state__in=LIVE_STATES | PROCESS_STATES).count()
+    if busy:
+        raise Conflict(f"node {node.name} has {busy} instance(s) that are not stopped; drain it first")
+    record(actor, "node.delete", node, before=node_snapshot(node), after=None)
+    node.delete()
+
+
+@transaction.atomic
+def report_instance_state(actor: Actor, node_name: str, instance_id: int, report: InstanceReport) -> Instance:
+    """Apply an agent's report about one of its node's instances.
+
+    A report of the state the instance is in already updates the details (pid, endpoint id, progress).
+    Reported "stopped" while a restart is requested makes the instance pending again (restarts + 1); an
+    instance that fails while being stopped is stopped. Raises Missing for an unknown instance, Forbidden
+    when it is not placed on ``node_name``, InvalidTransition when the state cannot follow the current one
+    (the agent should then act on the current state, e.g. stop the process of a stopping instance).
+    """
+    if report.state not in AGENT_REPORTABLE_STATES:
+        allowed = ", ".join(sorted(AGENT_REPORTABLE_STATES))
+        raise Invalid(f"an agent reports one of {allowed}, not {str(report.state)!r}", field="state")
+    instance = Instance.objects.select_related("node", "pipeline", "group").filter(pk=instance_id).first()
+    if instance is None:
+        raise Missing(f"there is no instance {instance_id}")
+    if instance.node is None or instance.node.name != node_name:
+        where = f"on node {instance.node.name}" if instance.node else "not placed yet"
+        raise Forbidden(f"instance {instance.name} is {where}, not on node {node_name}")
+    details = _details(report)
+    target = report.state
+    if instance.state == InstanceState.STOPPING and target == InstanceState.FAILED:
+        target = InstanceState.STOPPED
+    if target == instance.state:
+        if details:
+            Instance.objects.filter(pk=instance.pk).update(**details, updated_at=timezone.now())
+            for name, value in details.items():
+                setattr(instance, name, value)
+        return instance
+    before = snapshot(instance)
+    if target == InstanceState.FAILED:
+        details["reason"] = report.reason or "the agent gave no reason"
+    elif target == InstanceState.STOPPED:
+        details["reason"] = report.reason or instance.reason
+    else:
+        details["reason"] = ""
+    if target == InstanceState.STOPPED and instance.restart_requested:
+        target = InstanceState.PENDING
+        details.update(reason="", pid=None, endpoint_instance_id=None, download_progress=None)
+        details.update(restart_requested=False, restarts=instance.restarts + 1)
+    if target != InstanceState.DOWNLOADING:
+        details["download_progress"] = None
+    transition(instance, target, **details)
+    record(actor, "instance.state", instance, before=before, after=snapshot(instance))
+    return instance
+
+
+@transaction.atomic
+def report_download(actor: Actor, node_name: str, model_id: int, report: DownloadReport) -> Download:
+    """Record a node's download of a model's files; audited when its state changes.
+
+    Raises Missing for an unregistered node or an unknown model, Invalid for an impossible report.
+    """
+    if report.state not in Download.State.values:
+        raise Invalid(
+            f"a download is one of {', '.join(Download.State.values)}, not {str(report.state)!r}", field="state"
+        )
+    if report.bytes_total is not None and report.bytes_done > report.bytes_total:
+        raise Invalid("bytes_done is more than bytes_total", field="bytes_done")
+    node = Node.objects.filter(name=node_name).first()
+    if node is None:
+        raise Missing(f"node {node_name!r} is not registered; register it first")
+    model = LanguageModel.objects.filter(pk=model_id).first()
+    if model is None:
+        raise Missing(f"there is no model {model_id}")
+    download, created = Download.objects.select_for_update().get_or_create(node=node, model=model)
+    before = None if created else snapshot(download)
+    old_state = None if created else download.state
+    download.state = report.state
+    download.bytes_done = report.bytes_done
+    download.bytes_total = report.bytes_total
+    download.error = report.error if report.state == Download.State.FAILED else ""
+    download.save()
+    if old_state != download.state:
+        record(actor, "download.state", download, before=before, after=snapshot(download))
+    return download
+
+
+@transaction.atomic
+def restart_instance(actor: Actor, instance: Instance) -> Instance:
+    """Restart an instance where it is: a running one is stopped and started again, a failed one restarted.
+
+    Raises Conflict when there is nothing to restart (pending, stopping or stopped).
+    """
+    instance = Instance.objects.select_related("pipeline", "group", "node").get(pk=instance.pk)
+    before = snapshot(instance)
+    if instance.state in (InstanceState.DOWNLOADING, InstanceState.STARTING, InstanceState.READY):
+        transition(instance, InstanceState.STOPPING, restart_requested=True, reason=f"restart by {actor.name}")
+    elif instance.state == InstanceState.FAILED:
+        transition(instance, InstanceState.PENDING, restarts=instance.restarts + 1, reason="", pid=None)
+    elif instance.state == InstanceState.STOPPING and instance.restart_requested:
+        raise Conflict(f"instance {instance.name} is restarting already")
+    else:
+        raise Conflict(f"instance {instance.name} is {instance.state}: there is no process to restart")
+    record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
+    return instance
+
+
+# Building blocks for actions (here and in deployments); they run inside the caller's transaction.
+
+
+def add_instances(actor: Actor, group: WorkerGroup, count: int, *, reason: str = "") -> list[Instance]:
+    """Add ``count`` pending, unplaced instances to a worker group, with new replica ordinals."""
+    if count <= 0:
+        return []
+    WorkerGroup.objects.filter(pk=group.pk).update(next_replica=F("next_replica") + count)
+    group.refresh_from_db(fields=["next_replica"])
+    first = group.next_replica - count
+    instances = [
+        Instance(pipeline_id=group.pipeline_id, group=group, replica=first + offset, reason=reason)
+        for offset in range(count)
+    ]
+    for instance in instances:
+        instance.save()
+        record(actor, "instance.create", instance, before=None, after=snapshot(instance))
+    return instances
+
+
+def stop_instance(actor: Actor, instance: Instance, reason: str) -> Instance:
+    """Stop a live instance: ``stopping`` when its agent may run a process for it, else ``stopped`` at once.
+
+    A pending instance that was placed may already be starting on its node, so it goes through stopping
+    too; a failed one and an unplaced one have no process.
+    """
+    before = snapshot(instance)
+    has_process = instance.state in PROCESS_STATES or (
+        instance.state == InstanceState.PENDING and instance.node_id is not None
+    )
+    target = InstanceState.STOPPING if has_process else InstanceState.STOPPED
+    transition(instance, target, reason=reason, restart_requested=False)
+    record(actor, "instance.stop", instance, before=before, after=snapshot(instance))
+    return instance
+
+
+def transition(instance: Instance, new_state: str, **fields: Any) -> None:
+    """Move an instance to ``new_state`` (with other field changes) if nobody moved it meanwhile.
+
+    The update is conditional on the state we read, so two racing changes cannot both apply. Raises
+    InvalidTransition when the state machine forbids the move, Conflict when the row changed meanwhile.
+    """
+    check_transition(instance.state, new_state)
+    now = timezone.now()
+    changes = {"state": new_state, "state_changed_at": now, "updated_at": now, **fields}
+    updated = Instance.objects.filter(pk=instance.pk, state=instance.state).update(**changes)
+    if updated != 1:
+        current = Instance.objects.filter(pk=instance.pk).values_list("state", flat=True).first()
+        raise Conflict(f"instance {instance.pk} changed meanwhile (it is {current or 'gone'} now); retry")
+    for name, value in changes.items():
+        setattr(instance, name, value)
+
+
+def _live_instances_on(node: Node) -> list[Instance]:
+    return list(
+        Instance.objects.select_related("pipeline", "group").filter(node=node, state__in=LIVE_STATES).order_by("id")
+    )
+
+
+def _details(report: InstanceReport) -> dict[str, Any]:
+    details: dict[str, Any] = {}
+    if report.pid is not None:
+        details["pid"] = report.pid
+    if report.endpoint_instance_id is not None:
+        details["endpoint_instance_id"] = report.endpoint_instance_id
+    if report.download_progress is not None and report.state == InstanceState.DOWNLOADING:
+        details["download_progress"] = report.download_progress
+    return details
+
+
+def _apply_report(node: Node, report: NodeReport) -> None:
+    node.address = report.address
+    node.labels = dict(report.labels)
+    node.cpu_count = report.cpu_count
+    node.memory_total_bytes = report.memory_total_bytes
+    node.memory_available_bytes = report.memory_available_bytes
+    node.agent_version = report.agent_version
+    node.last_heartbeat_at = timezone.now()
+
+
+def _hardware(node: Node) -> dict[str, Any]:
+    return {
+        "cpu_count": node.cpu_count,
+        "memory_total_bytes": node.memory_total_bytes,
+        "gpus": [list(row) for row in node.gpus.order_by("index").values_list("index", "name", "memory_total_bytes")],
+    }
+
+
+def _sync_gpus(node: Node, reports: Sequence[GpuReport]) -> None:
+    """Make the node's GPU rows match the report: update by index, add new ones, drop vanished ones."""
+    existing = {gpu.index: gpu for gpu in node.gpus.all()}
+    reported = {report.index: report for report in reports}
+    changed: list[Gpu] = []
+    for index, report in reported.items():
+        gpu = existing.get(index)
+        if gpu is None:
+            Gpu.objects.create(node=node, **_gpu_fields(report))
+            continue
+        fields = _gpu_fields(report)
+        if any(getattr(gpu, name) != value for name, value in fields.items()):
+            for name, value in fields.items():
+                setattr(gpu, name, value)
+            changed.append(gpu)
+    if changed:
+        Gpu.objects.bulk_update(changed, ["name", "memory_total_bytes", "memory_used_bytes", "utilization_percent"])
+    vanished = set(existing) - set(reported)
+    if vanished:
+        node.gpus.filter(index__in=vanished).delete()
+
+
+def _gpu_fields(report: GpuReport) -> dict[str, Any]:
+    return {
+        "index": report.index,
+        "name": report.name,
+        "memory_total_bytes": report.memory_total_bytes,
+        "memory_used_bytes": report.memory_used_bytes,
+        "utilization_percent": report.utilization_percent,
+    }

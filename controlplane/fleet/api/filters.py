@@ -1,0 +1,45 @@
+from typing import ClassVar
+
+import django_filters
+from django.db.models import CharField, QuerySet
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Cast
+
+from controlplane.fleet.models import Download, Instance, Node
+
+
+class NodeFilter(django_filters.FilterSet):
+    label = django_filters.CharFilter(method="filter_label", help_text="key=value, or key: nodes with this label")
+
+    class Meta:
+        model = Node
+        fields: ClassVar = ["name", "state", "draining"]
+
+    def filter_label(self, queryset: QuerySet[Node], name: str, value: str) -> QuerySet[Node]:
+        key, has_value, wanted = value.partition("=")
+        if not has_value:
+            return queryset.filter(labels__has_key=key)
+        # A key transform rather than labels__<key>: the key is user input and must not become a lookup path.
+        # The cast makes the comparison one of text on SQLite and PostgreSQL alike.
+        label = Cast(KeyTextTransform(key, "labels"), CharField())
+        return queryset.annotate(label_value=label).filter(label_value=wanted)
+
+
+class InstanceFilter(django_filters.FilterSet):
+    node = django_filters.CharFilter(field_name="node__name")
+    role = django_filters.CharFilter(field_name="group__role")
+    pipeline_name = django_filters.CharFilter(field_name="pipeline__name")
+    state = django_filters.MultipleChoiceFilter(choices=Instance.State.choices)
+    placed = django_filters.BooleanFilter(field_name="node", lookup_expr="isnull", exclude=True)
+
+    class Meta:
+        model = Instance
+        fields: ClassVar = ["pipeline", "node", "role", "state", "restart_requested"]
+
+
+class DownloadFilter(django_filters.FilterSet):
+    node = django_filters.CharFilter(field_name="node__name")
+
+    class Meta:
+        model = Download
+        fields: ClassVar = ["node", "model", "state"]

@@ -1,0 +1,232 @@
+from typing import Any, ClassVar
+
+from rest_framework import serializers
+
+from controlplane.api.fields import LabelsField
+from controlplane.catalog.models import LanguageModel
+from controlplane.fleet.actions import AGENT_REPORTABLE_CHOICES
+from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Instance, Node
+from controlplane.fleet.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
+
+MAX_BYTES = 2**53
+MAX_GPUS_PER_NODE = 64
+MAX_INSTANCE_ID = 2**63 - 1
+
+
+# What people read.
+
+
+class GpuSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Gpu
+        fields: ClassVar = ["index", "name", "memory_total_bytes", "memory_used_bytes", "utilization_percent"]
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    gpus = GpuSerializer(many=True, read_only=True)
+    schedulable = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = Node
+        fields: ClassVar = [
+            "id",
+            "name",
+            "address",
+            "labels",
+            "state",
+            "draining",
+            "schedulable",
+            "last_heartbeat_at",
+            "cpu_count",
+            "memory_total_bytes",
+            "memory_available_bytes",
+            "agent_version",
+            "gpus",
+            "registered_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+class InstanceSerializer(serializers.ModelSerializer):
+    name = serializers.CharField(read_only=True)
+    pipeline_name = serializers.CharField(source="pipeline.name", read_only=True)
+    role = serializers.CharField(source="group.role", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    endpoint_instance_id = serializers.SerializerMethodField(
+        help_text="The worker's instance id in etcd, in hex (as the gateway's x-flotilla-instance header shows it)"
+    )
+
+    class Meta:
+        model = Instance
+        fields: ClassVar = [
+            "id",
+            "name",
+            "pipeline",
+            "pipeline_name",
+            "role",
+            "replica",
+            "node",
+            "gpu_indexes",
+            "state",
+            "reason",
+            "pid",
+            "endpoint_instance_id",
+            "restarts",
+            "restart_requested",
+            "download_progress",
+            "created_at",
+            "state_changed_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    def get_endpoint_instance_id(self, instance: Instance) -> str | None:
+        return None if instance.endpoint_instance_id is None else f"{instance.endpoint_instance_id:x}"
+
+
+class DownloadSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    model_name = serializers.CharField(source="model.name", read_only=True)
+    progress = serializers.FloatField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = Download
+        fields: ClassVar = [
+            "id",
+            "node",
+            "model",
+            "model_name",
+            "state",
+            "bytes_done",
+            "bytes_total",
+            "progress",
+            "error",
+            "started_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+# What agents send.
+
+
+class GpuReportSerializer(serializers.Serializer):
+    index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS_PER_NODE - 1)
+    name = serializers.CharField(max_length=128, allow_blank=True, default="")
+    memory_total_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES)
+    memory_used_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
+    utilization_percent = serializers.IntegerField(min_value=0, max_value=100, default=0)
+
+
+class NodeReportSerializer(serializers.Serializer):
+    """A node's inventory; ``name``, when given, must be the token's node."""
+
+    name = serializers.RegexField(NODE_NAME_PATTERN, max_length=63, required=False)
+    address = serializers.CharField(max_length=255, allow_blank=True, default="")
+    labels = LabelsField(default=dict)
+    cpu_count = serializers.IntegerField(min_value=0, max_value=1 << 20, default=0)
+    memory_total_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
+    memory_available_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
+    agent_version = serializers.CharField(max_length=64, allow_blank=True, default="")
+    gpus = GpuReportSerializer(many=True, default=list, max_length=MAX_GPUS_PER_NODE)
+
+    def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        indexes = [gpu["index"] for gpu in gpus]
+        if len(set(indexes)) != len(indexes):
+            raise serializers.ValidationError("GPU indexes must be unique.")
+        return gpus
+
+    def to_report(self) -> NodeReport:
+        data = dict(self.validated_data)
+        data.pop("name", None)
+        gpus = tuple(GpuReport(**gpu) for gpu in data.pop("gpus"))
+        return NodeReport(gpus=gpus, **data)
+
+
+class NodeRegistrationSerializer(NodeReportSerializer):
+    name = serializers.RegexField(NODE_NAME_PATTERN, max_length=63)
+
+
+class InstanceReportSerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=AGENT_REPORTABLE_CHOICES)
+    reason = serializers.CharField(max_length=4000, allow_blank=True, default="")
+    pid = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True)
+    endpoint_instance_id = serializers.IntegerField(min_value=1, max_value=MAX_INSTANCE_ID, required=False)
+    download_progress = serializers.FloatField(min_value=0.0, max_value=1.0, required=False)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["state"] == Instance.State.FAILED and not data.get("reason"):
+            raise serializers.ValidationError({"reason": ["Say why the instance failed."]})
+        return data
+
+    def to_report(self) -> InstanceReport:
+        return InstanceReport(**self.validated_data)
+
+
+class DownloadReportSerializer(serializers.Serializer):
+    model = serializers.PrimaryKeyRelatedField(queryset=LanguageModel.objects.all())
+    state = serializers.ChoiceField(choices=Download.State.choices)
+    bytes_done = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
+    bytes_total = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, required=False, allow_null=True)
+    error = serializers.CharField(max_length=4000, allow_blank=True, default="")
+
+    def to_report(self) -> DownloadReport:
+        data = dict(self.validated_data)
+        data.pop("model")
+        return DownloadReport(**data)
+
+
+class AgentInstanceSerializer(serializers.ModelSerializer):
+    """What an agent needs to run an instance: where to serve, which engine and files, on which GPUs."""
+
+    name = serializers.CharField(read_only=True)
+    served_model_name = serializers.CharField(source="pipeline.name", read_only=True)
+    endpoint = serializers.CharField(source="group.endpoint", read_only=True)
+    role = serializers.CharField(source="group.role", read_only=True)
+    engine = serializers.CharField(source="group.engine", read_only=True)
+    engine_args = serializers.SerializerMethodField()
+    model = serializers.SerializerMethodField()
+    router = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Instance
+        fields: ClassVar = [
+            "id",
+            "name",
+            "state",
+            "restart_requested",
+            "replica",
+            "role",
+            "gpu_indexes",
+            "served_model_name",
+            "endpoint",
+            "engine",
+            "engine_args",
+            "model",
+            "router",
+        ]
+        read_only_fields = fields
+
+    def get_engine_args(self, instance: Instance) -> dict[str, Any]:
+        return {**instance.pipeline.model.default_engine_args, **instance.group.engine_args}
+
+    def get_model(self, instance: Instance) -> dict[str, Any]:
+        model = instance.pipeline.model
+        return {
+            "id": model.pk,
+            "name": model.name,
+            "source_kind": model.source_kind,
+            "source": model.source,
+            "revision": model.revision,
+            "filename": model.filename,
+        }
+
+    def get_router(self, instance: Instance) -> dict[str, Any]:
+        pipeline = instance.pipeline
+        return {
+            "mode": pipeline.router_mode,
+            "kv_overlap_score_weight": pipeline.kv_overlap_score_weight,
+            "temperature": pipeline.router_temperature,
+            "use_kv_events": pipeline.use_kv_events,
+        }

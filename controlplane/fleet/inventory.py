@@ -1,0 +1,59 @@
+"""The fleet as placement sees it: nodes, their GPUs and what is free, read from the database.
+
+Free GPU memory is the GPU's total minus the larger of what its agent reports used and what the instances
+placed on it reserve (their model's memory need, split over their GPUs). Reported use covers processes
+the control plane does not know; reservations cover instances that were placed but have not loaded yet.
+Taking the larger does not count our own running instances twice. Free system memory (for CPU replicas)
+is likewise the smaller of what the agent reports available and the total minus reservations.
+"""
+
+import math
+from collections import defaultdict
+
+from controlplane.deployments.placement import GpuInventory, NodeInventory
+from controlplane.fleet.models import LIVE_STATES, Instance, Node
+
+
+def fleet_inventory() -> list[NodeInventory]:
+    """Every registered node with its GPUs, free memory and instance counts."""
+    reserved_gpu: dict[tuple[int, int], int] = defaultdict(int)
+    gpu_instances: dict[tuple[int, int], int] = defaultdict(int)
+    reserved_memory: dict[int, int] = defaultdict(int)
+    node_instances: dict[int, int] = defaultdict(int)
+    placed = Instance.objects.filter(state__in=LIVE_STATES, node__isnull=False).values_list(
+        "node_id", "gpu_indexes", "group__gpus_per_replica", "pipeline__model__memory_bytes"
+    )
+    for node_id, gpu_indexes, gpus_per_replica, memory_bytes in placed:
+        node_instances[node_id] += 1
+        need = memory_bytes or 0
+        if not gpu_indexes:
+            reserved_memory[node_id] += need
+            continue
+        per_gpu = math.ceil(need / max(1, gpus_per_replica))
+        for index in gpu_indexes:
+            reserved_gpu[node_id, index] += per_gpu
+            gpu_instances[node_id, index] += 1
+    inventory = []
+    for node in Node.objects.prefetch_related("gpus").order_by("name"):
+        gpus = tuple(
+            GpuInventory(
+                index=gpu.index,
+                name=gpu.name,
+                memory_total_bytes=gpu.memory_total_bytes,
+                memory_free_bytes=gpu.memory_total_bytes - max(gpu.memory_used_bytes, reserved_gpu[node.pk, gpu.index]),
+                instances=gpu_instances[node.pk, gpu.index],
+            )
+            for gpu in node.gpus.all()
+        )
+        memory_free = min(node.memory_available_bytes, node.memory_total_bytes - reserved_memory[node.pk])
+        because = node.state if node.state != Node.State.ONLINE else ("draining" if node.draining else "")
+        inventory.append(
+            NodeInventory(
+                name=node.name,
+                gpus=gpus,
+                memory_free_bytes=memory_free,
+                instances=node_instances[node.pk],
+                unschedulable_because=because,
+            )
+        )
+    return inventory

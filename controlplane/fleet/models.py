@@ -1,0 +1,221 @@
+"""The fleet: nodes and their GPUs (as agents report them), the instances placed on them, and downloads."""
+
+import re
+from typing import ClassVar
+
+from django.core.validators import RegexValidator
+from django.db import models
+from django.db.models import Q
+
+from controlplane.errors import InvalidTransition
+
+# A node's name is also its Celery queue (node.<name>) and a label of its workers in etcd: a DNS label.
+NODE_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+validate_node_name = RegexValidator(
+    re.compile(NODE_NAME_PATTERN), "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
+)
+
+
+class Node(models.Model):
+    """A machine with an agent.
+
+    ``state`` is liveness, which only the agent's heartbeats and the reconciler change::
+
+        (register) ──► online ──(missed heartbeats)──► offline ──(heartbeat)──► online
+
+    ``draining`` is the operator's intent, kept apart so that a drained node that goes offline and comes
+    back is still drained: no new instances are placed on a draining node.
+    """
+
+    class State(models.TextChoices):
+        ONLINE = "online"
+        OFFLINE = "offline"
+
+    name = models.CharField(max_length=63, unique=True, validators=[validate_node_name])
+    address = models.CharField(max_length=255, blank=True)
+    labels = models.JSONField(default=dict, blank=True)
+    state = models.CharField(max_length=8, choices=State.choices, default=State.ONLINE, db_index=True)
+    draining = models.BooleanField(default=False)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    cpu_count = models.PositiveIntegerField(default=0)
+    memory_total_bytes = models.BigIntegerField(default=0)
+    memory_available_bytes = models.BigIntegerField(default=0)
+    agent_version = models.CharField(max_length=64, blank=True)
+    registered_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering: ClassVar = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == self.State.ONLINE and not self.draining
+
+
+class Gpu(models.Model):
+    """One GPU of a node, as its agent last reported it (NVML, or simulated with ``--gpus``)."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    name = models.CharField(max_length=128, blank=True)
+    memory_total_bytes = models.BigIntegerField()
+    memory_used_bytes = models.BigIntegerField(default=0)
+    utilization_percent = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        ordering: ClassVar = ["node_id", "index"]
+        constraints: ClassVar = [models.UniqueConstraint(fields=["node", "index"], name="unique_gpu_index_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node_id}:{self.index} {self.name}"
+
+
+class InstanceState(models.TextChoices):
+    PENDING = "pending"
+    DOWNLOADING = "downloading"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+# The one place that says which state may follow which (drawn in Instance's docstring). Forward skips
+# along the start path are allowed: an agent reports the latest state, and an earlier report may be lost.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    InstanceState.PENDING: frozenset(
+        {
+            InstanceState.DOWNLOADING,
+            InstanceState.STARTING,
+            InstanceState.READY,
+            InstanceState.STOPPING,
+            InstanceState.STOPPED,
+            InstanceState.FAILED,
+        }
+    ),
+    InstanceState.DOWNLOADING: frozenset(
+        {InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING, InstanceState.FAILED}
+    ),
+    InstanceState.STARTING: frozenset({InstanceState.READY, InstanceState.STOPPING, InstanceState.FAILED}),
+    InstanceState.READY: frozenset({InstanceState.STOPPING, InstanceState.FAILED}),
+    # stopping → pending: stopped in order to be restarted in place.
+    InstanceState.STOPPING: frozenset({InstanceState.STOPPED, InstanceState.FAILED, InstanceState.PENDING}),
+    InstanceState.FAILED: frozenset({InstanceState.PENDING, InstanceState.STOPPED}),
+    InstanceState.STOPPED: frozenset(),
+}
+# States in which an instance counts towards its group's replicas (it runs, or is meant to run again).
+LIVE_STATES = frozenset(
+    {
+        InstanceState.PENDING,
+        InstanceState.DOWNLOADING,
+        InstanceState.STARTING,
+        InstanceState.READY,
+        InstanceState.FAILED,
+    }
+)
+# States in which a process may exist on the node, so stopping needs the agent.
+PROCESS_STATES = frozenset(
+    {InstanceState.DOWNLOADING, InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING}
+)
+
+
+def check_transition(current: str, new: str) -> None:
+    """Raise InvalidTransition unless an instance in ``current`` may move to ``new``."""
+    if new not in TRANSITIONS[current]:
+        allowed = ", ".join(sorted(TRANSITIONS[current])) or "none (it is final)"
+        raise InvalidTransition(f"an instance cannot go from {current} to {new} (from {current}: {allowed})")
+
+
+class Instance(models.Model):
+    """One worker process of a pipeline's worker group: desired by an action, run by a node's agent.
+
+    ::
+
+                       (forward skips allowed)
+        pending ──► downloading ──► starting ──► ready
+           │             │              │          │
+           │             └──────────────┴────┬─────┘
+           │                                 ▼
+           │                              stopping ──► stopped  (final)
+           │                                 │
+           │                                 └──► pending  (stopped to be restarted in place)
+           └──► stopping, or stopped when it never started (nothing to stop)
+
+        pending … stopping ──► failed (with a reason) ──► pending  (restart)
+                                                    └──► stopped  (not wanted any more)
+
+    ``pending`` with no node means "not placed yet" (``reason`` says why, when placement failed); the
+    reconciler places it and dispatches it to the node's agent, which reports every later state.
+    ``stopped`` is final. ``restart_requested`` turns the agent's "stopped" into ``pending`` again.
+    """
+
+    State = InstanceState
+
+    pipeline = models.ForeignKey("deployments.Pipeline", on_delete=models.CASCADE, related_name="instances")
+    group = models.ForeignKey("deployments.WorkerGroup", on_delete=models.CASCADE, related_name="instances")
+    replica = models.PositiveIntegerField()  # ordinal within the group, never reused
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances")
+    gpu_indexes = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=12, choices=InstanceState.choices, default=InstanceState.PENDING)
+    reason = models.TextField(blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    endpoint_instance_id = models.BigIntegerField(null=True, blank=True)  # the worker's id in etcd (63 bits)
+    restarts = models.PositiveIntegerField(default=0)
+    restart_requested = models.BooleanField(default=False)
+    download_progress = models.FloatField(null=True, blank=True)  # 0..1 while downloading
+    created_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering: ClassVar = ["id"]
+        indexes: ClassVar = [models.Index(fields=["state", "node"]), models.Index(fields=["group", "state"])]
+        constraints: ClassVar = [
+            models.UniqueConstraint(fields=["group", "replica"], name="unique_replica_per_group"),
+            models.CheckConstraint(
+                name="instance_state_is_known", condition=Q(state__in=[value for value, _ in InstanceState.choices])
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def name(self) -> str:
+        """``<pipeline namespace>-<role>-<replica>``: stable, readable, unique."""
+        return f"{self.pipeline.namespace}-{self.group.role}-{self.replica}"
+
+
+class Download(models.Model):
+    """A model's files on one node, as that node's agent reports them."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        DOWNLOADING = "downloading"
+        DONE = "done"
+        FAILED = "failed"
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="downloads")
+    model = models.ForeignKey("catalog.LanguageModel", on_delete=models.CASCADE, related_name="downloads")
+    state = models.CharField(max_length=12, choices=State.choices, default=State.PENDING)
+    bytes_done = models.BigIntegerField(default=0)
+    bytes_total = models.BigIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    started_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering: ClassVar = ["node_id", "model_id"]
+        constraints: ClassVar = [models.UniqueConstraint(fields=["node", "model"], name="unique_download_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.model_id} on {self.node_id}: {self.state}"
+
+    @property
+    def progress(self) -> float | None:
+        if not self.bytes_total:
+            return None
+        return min(1.0, self.bytes_done / self.bytes_total)

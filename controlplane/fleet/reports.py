@@ -1,0 +1,57 @@
+"""What agents report, as plain data the fleet actions take (the API validates, then builds these)."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReport:
+    index: int
+    name: str
+    memory_total_bytes: int
+    memory_used_bytes: int = 0
+    utilization_percent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReport:
+    """A node's inventory: sent at registration and with every heartbeat."""
+
+    address: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    cpu_count: int = 0
+    memory_total_bytes: int = 0
+    memory_available_bytes: int = 0
+    agent_version: str = ""
+    gpus: tuple[GpuReport, ...] = ()
+
+    def hardware(self) -> dict[str, Any]:
+        """What changes only when the machine does (the audit log records such changes, not usage)."""
+        return {
+            "cpu_count": self.cpu_count,
+            "memory_total_bytes": self.memory_total_bytes,
+            "gpus": [[gpu.index, gpu.name, gpu.memory_total_bytes] for gpu in sorted(self.gpus, key=_by_index)],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReport:
+    """An agent's news about one instance: its state and what it knows about the process."""
+
+    state: str
+    reason: str = ""
+    pid: int | None = None
+    endpoint_instance_id: int | None = None
+    download_progress: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DownloadReport:
+    state: str
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    error: str = ""
+
+
+def _by_index(gpu: GpuReport) -> int:
+    return gpu.index

@@ -1,0 +1,113 @@
+"""An agent's conversation with the control plane over HTTP, and the people's actions it answers to."""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from controlplane.audit.models import AuditEntry
+from controlplane.deployments.actions import place_pending_instances
+from controlplane.fleet.models import Node
+from tests.controlplane.factories import TEST_ACTOR, make_model
+
+pytestmark = pytest.mark.django_db
+
+INVENTORY: dict[str, Any] = {
+    "address": "10.0.0.5",
+    "labels": {"zone": "east"},
+    "cpu_count": 32,
+    "memory_total_bytes": 256 << 30,
+    "memory_available_bytes": 200 << 30,
+    "agent_version": "0.1.0",
+    "gpus": [
+        {"index": 0, "name": "NVIDIA H100", "memory_total_bytes": 80 << 30, "memory_used_bytes": 1 << 30},
+        {"index": 1, "name": "NVIDIA H100", "memory_total_bytes": 80 << 30},
+    ],
+}
+
+
+def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
+    agent_client: Callable[[str], APIClient], operator: APIClient
+) -> None:
+    agent = agent_client("gpu-a")
+    response = agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
+    assert response.status_code == 200
+    node = response.json()
+    assert (node["state"], node["labels"], len(node["gpus"])) == ("online", {"zone": "east"}, 2)
+
+    busy = INVENTORY | {"gpus": [gpu | {"utilization_percent": 90} for gpu in INVENTORY["gpus"]]}
+    response = agent.post("/api/v1/agent/heartbeat/", busy, format="json")
+    assert response.json() == {"name": "gpu-a", "state": "online", "draining": False}
+    assert Node.objects.get().gpus.get(index=1).utilization_percent == 90
+
+    make_model("smol", default_engine_args={"speedup_ratio": 10, "dp_size": 1}, memory_bytes=8 << 30)
+    deployed = operator.post(
+        "/api/v1/pipelines/",
+        {
+            "name": "org/smol-chat",
+            "model": "smol",
+            "router": {"mode": "kv", "temperature": 0.5},
+            "groups": [{"replicas": 1, "gpus_per_replica": 1, "engine_args": {"dp_size": 2}}],
+        },
+        format="json",
+    ).json()
+    place_pending_instances(TEST_ACTOR)
+
+    [spec] = agent.get("/api/v1/agent/instances/").json()
+    assert spec["endpoint"] == "dyn://org-smol-chat.backend.generate"
+    assert spec["served_model_name"] == "org/smol-chat"
+    assert spec["gpu_indexes"] == [1]  # the emptier GPU
+    assert spec["engine_args"] == {"speedup_ratio": 10, "dp_size": 2}  # the group's args over the model's
+    assert spec["router"] == {"mode": "kv", "kv_overlap_score_weight": 1.0, "temperature": 0.5, "use_kv_events": True}
+    assert spec["model"]["source"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    state_path = f"/api/v1/agent/instances/{spec['id']}/state/"
+    for body in (
+        {"state": "downloading", "download_progress": 0.5},
+        {"state": "starting", "pid": 1234},
+        {"state": "ready", "endpoint_instance_id": 0x7FFF_FFFF_FFFF_FFFF},
+    ):
+        assert agent.post(state_path, body, format="json").status_code == 200, body
+    instance = operator.get(f"/api/v1/instances/{spec['id']}/").json()
+    assert (instance["state"], instance["pid"], instance["endpoint_instance_id"]) == ("ready", 1234, "7fffffffffffffff")
+    pipeline = operator.get(f"/api/v1/pipelines/{deployed['id']}/").json()
+    assert pipeline["groups"][0]["instances"] == {"ready": 1}
+
+    response = agent.post("/api/v1/agent/downloads/", {"model": spec["model"]["id"], "state": "done"}, format="json")
+    assert response.json()["state"] == "done"
+    assert operator.get("/api/v1/downloads/?node=gpu-a").json()["count"] == 1
+
+    actors = set(AuditEntry.objects.values_list("actor_name", flat=True))
+    assert {"agent:gpu-a", "system:tests"} <= actors
+
+
+def test_people_restart_scale_and_drain_through_the_api(
+    agent_client: Callable[[str], APIClient], operator: APIClient
+) -> None:
+    agent = agent_client("gpu-a")
+    agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
+    make_model("smol")
+    pipeline = operator.post(
+        "/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 1}]}, format="json"
+    ).json()
+    place_pending_instances(TEST_ACTOR)
+    [spec] = agent.get("/api/v1/agent/instances/").json()
+    agent.post(f"/api/v1/agent/instances/{spec['id']}/state/", {"state": "ready"}, format="json")
+
+    restarted = operator.post(f"/api/v1/instances/{spec['id']}/restart/").json()
+    assert (restarted["state"], restarted["restart_requested"]) == ("stopping", True)
+    [spec] = agent.get("/api/v1/agent/instances/").json()
+    assert (spec["state"], spec["restart_requested"]) == ("stopping", True)
+    agent.post(f"/api/v1/agent/instances/{spec['id']}/state/", {"state": "stopped"}, format="json")
+    again = operator.get(f"/api/v1/instances/{spec['id']}/").json()
+    assert (again["state"], again["restarts"], again["node"]) == ("pending", 1, "gpu-a")
+
+    scaled = operator.post(f"/api/v1/pipelines/{pipeline['id']}/scale/", {"replicas": 3}, format="json").json()
+    assert scaled["groups"][0]["replicas"] == 3
+    assert scaled["groups"][0]["instances"] == {"pending": 3}
+
+    node = Node.objects.get()
+    drained = operator.post(f"/api/v1/nodes/{node.pk}/drain/").json()
+    assert (drained["draining"], drained["schedulable"]) == (True, False)
+    assert agent.post("/api/v1/agent/heartbeat/", INVENTORY, format="json").json()["draining"] is True
