@@ -122,9 +122,12 @@ def main() -> None:
     for round_number in range(args.rounds):
         order = ["flotilla", "dynamo"] if round_number % 2 == 0 else ["dynamo", "flotilla"]
         for name in order:
-            with start(name) as stack:
-                before = runs[name].requests
-                measure(stack, args, runs[name])
+            before = runs[name].requests
+            try:
+                with start(name) as stack:
+                    measure(stack, args, runs[name])
+            except RuntimeError as exc:  # a stack that did not come up: the logs in the message say why
+                raise SystemExit(f"{name}: {exc}") from None
             print(f"round {round_number + 1}/{args.rounds} {name}: {runs[name].requests - before} requests", flush=True)
 
     print(

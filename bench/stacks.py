@@ -99,9 +99,13 @@ def _spawn(command: Sequence[str], log_path: Path, env: Mapping[str, str]) -> Se
 
 
 def _logs(directory: Path) -> str:
+    """The tail of every log in ``directory``: etcd's and NATS's first and shortest, the stack's own last."""
+    servers = ("etcd.log", "nats.log")
+    paths = sorted(directory.glob("*.log"), key=lambda path: (path.name not in servers, path.name))
     return "\n".join(
-        f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-25:])
-        for path in sorted(directory.glob("*.log"))
+        f"--- {path.name}\n"
+        + "\n".join(path.read_text(errors="replace").splitlines()[-(5 if path.name in servers else 25) :])
+        for path in paths
     )
 
 
@@ -117,6 +121,20 @@ def _wait(condition: Any, processes: Sequence[ServerProcess], directory: Path, w
             reason = f"{', '.join(exited)} exited" if exited else f"not ready after {_READY_TIMEOUT_S:.0f}s"
             raise RuntimeError(f"{what}: {reason}\n{_logs(directory)}")
         time.sleep(0.1)  # polling other processes: there is no event to await
+
+
+def _start_http(
+    stack: contextlib.ExitStack, command: Sequence[str], port: int, log_path: Path, env: Mapping[str, str]
+) -> ServerProcess:
+    """Start an HTTP ingress on ``stack`` and wait for its /live; RuntimeError with every log's tail if not."""
+    try:
+        return stack.enter_context(
+            running_server(
+                command, port=port, ready_path="/live", log_path=log_path, env=env, cwd=ROOT, timeout=_READY_TIMEOUT_S
+            )
+        )
+    except RuntimeError as exc:
+        raise RuntimeError(f"{log_path.stem}: {str(exc).splitlines()[0]}\n{_logs(log_path.parent)}") from None
 
 
 def _models(base_url: str) -> list[str]:
@@ -168,16 +186,14 @@ def flotilla_stack(
             processes.append(_spawn(command, directory / f"worker-{number}.log", env))
             stack.callback(processes[-1].stop)
         port = free_port()
-        ingress = stack.enter_context(
-            running_server(
-                flotilla(
-                    "in=http", "out=dyn", "--http-port", str(port), "--router-mode", router_mode,
-                    "--use-kv-events", "true" if use_kv_events else "false",
-                    "--kv-overlap-score-weight", str(overlap_weight), *ingress_args,
-                ),
-                port=port, ready_path="/live", log_path=directory / "ingress.log", env=env, cwd=ROOT,
-                timeout=_READY_TIMEOUT_S,
-            )
+        ingress = _start_http(
+            stack,
+            flotilla(
+                "in=http", "out=dyn", "--http-port", str(port), "--router-mode", router_mode,
+                "--use-kv-events", "true" if use_kv_events else "false",
+                "--kv-overlap-score-weight", str(overlap_weight), *ingress_args,
+            ),
+            port, directory / "ingress.log", env,
         )  # fmt: skip
         instance_ids = _worker_banners(processes, directory)
         _wait(lambda: model in _models(ingress.base_url), [*processes, ingress], directory, "flotilla: model")
@@ -362,7 +378,8 @@ def dynamo_stack(
             "DYN_TCP_RPC_HOST": "127.0.0.1",
             "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
             "HF_HUB_OFFLINE": "1",
-            # As FLOTILLA_LOG=warning: Dynamo logs every request at info, which costs CPU under load.
+            # As FLOTILLA_LOG=warning: Dynamo logs requests at info, which costs CPU under load (its
+            # frontend still writes one "route request completed" line per request).
             "DYN_LOG": "warn",
         }
         mocker = _spawn(
@@ -377,13 +394,11 @@ def dynamo_stack(
             frontend_flags += ["--router-prefill-load-scale", str(overlap_weight)]
             if not use_kv_events:
                 frontend_flags.append("--no-router-kv-events")
-        frontend = stack.enter_context(
-            running_server(
-                [str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
-                 *frontend_flags, *frontend_args],
-                port=port, ready_path="/live", log_path=directory / "frontend.log", env=env, cwd=ROOT,
-                timeout=_READY_TIMEOUT_S,
-            )
+        frontend = _start_http(
+            stack,
+            [str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
+             *frontend_flags, *frontend_args],
+            port, directory / "frontend.log", env,
         )  # fmt: skip
         _wait(
             lambda: model in _models(frontend.base_url) and len(_dynamo_instances(frontend.base_url)) == workers,

@@ -20,7 +20,9 @@ its prefix chain. Each id becomes a fixed block of token ids (seeded by the id, 
 vocabulary ids), the last block cut to ``input_length``; requests go out as streamed
 ``/v1/completions`` with the token ids as ``prompt``, ``max_tokens`` = ``output_length`` and
 ``ignore_eos``. Without ``--trace``, ``--generate`` (the default) writes a trace (see
-``generate_trace``) to bench/results/trace_replay_trace.jsonl and replays that.
+``generate_trace``; Poisson arrivals unless ``--arrivals fixed``) to
+bench/results/trace_replay_trace.jsonl and replays that. ``--overlap-weight`` sets how much both
+stacks' KV routers value a cached block against a block of decode load, alike (default 1, as both).
 
 Prints, per mode: requests done/failed, TTFT p50/p99, inter-token latency p50/p99 (gaps between
 streamed chunks that carry text: a chunk may carry several tokens), output tokens/s, prefix hit rate
@@ -557,6 +559,28 @@ def save_plots(summaries: Mapping[str, dict[str, Any]], ideal: float) -> list[Pa
 # --- main --------------------------------------------------------------------------------------------
 
 
+def run_mode(
+    mode: Mode, args: argparse.Namespace, prompts: Sequence[list[int]], trace: Sequence[TraceRequest], ideal: float
+) -> dict[str, Any]:
+    """Replay ``trace`` through a fresh stack for ``mode``; its summary. Raises RuntimeError if it does not start."""
+    started = time.monotonic()
+    with start_stack(
+        mode, args.settings, args.overlap_weight, args.ingress_args.split(), args.dynamo_args.split()
+    ) as stack:
+        up = time.monotonic() - started
+        requests = [
+            http_request(
+                stack.port, "/v1/completions",
+                {"model": stack.model, "prompt": prompt, "max_tokens": r.output_length, "ignore_eos": True,
+                 "stream": True, "stream_options": {"include_usage": True}, **stack.worker_fields},
+                keep_alive=False,
+            )
+            for prompt, r in zip(prompts, trace, strict=True)
+        ]  # fmt: skip
+        results, seconds = uvloop.run(replay(stack.port, requests, trace, args.patience))
+        return {**summarize(results, seconds, stack, ideal, trace), "stack_up_s": up}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
@@ -640,26 +664,15 @@ def main() -> None:
     began = time.monotonic()
     for number, mode in enumerate(args.mode_list, 1):
         started = time.monotonic()
-        with start_stack(
-            mode, args.settings, args.overlap_weight, args.ingress_args.split(), args.dynamo_args.split()
-        ) as stack:
-            up = time.monotonic() - started
-            requests = [
-                http_request(
-                    stack.port, "/v1/completions",
-                    {"model": stack.model, "prompt": prompt, "max_tokens": r.output_length, "ignore_eos": True,
-                     "stream": True, "stream_options": {"include_usage": True}, **stack.worker_fields},
-                    keep_alive=False,
-                )
-                for prompt, r in zip(prompts, trace, strict=True)
-            ]  # fmt: skip
-            results, seconds = uvloop.run(replay(stack.port, requests, trace, args.patience))
-            summaries[mode.name] = summarize(results, seconds, stack, ideal, trace)
+        try:
+            summaries[mode.name] = run_mode(mode, args, prompts, trace, ideal)
+        except RuntimeError as exc:  # a stack that did not come up: the logs in the message say why
+            sys.exit(f"{mode.name}: {exc}")
         s = summaries[mode.name]
         print(
             f"[{number}/{len(args.mode_list)}] {mode.name}: {s['done']} done, {s['failed']} failed, "
             f"TTFT p50 {_fmt(s['ttft_p50_ms'], '.1f')} ms, hit rate {s['hit_rate']:.3f} "
-            f"(stack up in {up:.1f} s, mode took {time.monotonic() - started:.0f} s, "
+            f"(stack up in {s['stack_up_s']:.1f} s, mode took {time.monotonic() - started:.0f} s, "
             f"{time.monotonic() - began:.0f} s so far)",
             flush=True,
         )
