@@ -51,6 +51,7 @@ from agent.errors import (
 )
 from runtime.config import env_bool, env_float, env_str
 from runtime.errors import ModelError
+from runtime.fleet_tasks import HubSource, LocalSource, ModelSource
 from runtime.model_source import parse_hub_model, resolve_model
 
 log = logging.getLogger(__name__)
@@ -59,23 +60,6 @@ _MODEL_FILES = ("config.json", "tokenizer.json")
 # Weight formats a serving engine never loads when safetensors are there (as runtime/model_source.py
 # skips them); Meta's "original/" holds a second copy of the weights.
 _SKIPPED_WITH_SAFETENSORS = ["*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ckpt", "original/*"]
-
-
-class HubSource(msgspec.Struct, frozen=True, tag="hub"):
-    """A Hugging Face repo at a revision (branch, tag or commit); ``file`` fetches only that file."""
-
-    repo_id: str
-    revision: str = "main"
-    file: str | None = None
-
-
-class LocalSource(msgspec.Struct, frozen=True, tag="local"):
-    """A model folder or GGUF file already on this node."""
-
-    path: str
-
-
-ModelSource = HubSource | LocalSource
 
 
 class DownloadProgress(msgspec.Struct, frozen=True):

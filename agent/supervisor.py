@@ -36,7 +36,8 @@ import msgspec
 from agent.errors import WorkerError
 from agent.processes import EXIT_CONFIG, ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail
 from agent.worker_records import WorkerRecord, load_records, remove_record, save_record
-from agent.worker_spec import DEFAULT_COMMAND, WorkerSpec, worker_argv, worker_env
+from agent.worker_spec import DEFAULT_COMMAND, worker_argv, worker_env
+from runtime.fleet_tasks import WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from agent.worker_spec import WorkerSpec
+from runtime.fleet_tasks import WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the agent runs for an instance: a typed spec, and the ``flotilla run`` command line built from it.
+"""The ``flotilla run`` command line and environment of an instance's worker (a ``runtime.fleet_tasks.WorkerSpec``).
 
 A worker is ``flotilla run in=dyn://<pipeline>.<component>.<endpoint> out=<engine> [MODEL] [engine args]
 --labels pipeline=…,group=…,replica=…,node=…,instance=…``: the labels go into its etcd registration,
@@ -8,38 +8,11 @@ which is how the agent (readiness) and the gateway tell whose instance it is.
 import sys
 from collections.abc import Mapping, Sequence
 
-import msgspec
-
-from runtime.addressing import EndpointAddress
 from runtime.endpoint import format_labels
+from runtime.fleet_tasks import WorkerSpec
 
 #: How the agent starts ``flotilla``: the launcher of this very installation, whatever PATH says.
 DEFAULT_COMMAND = (sys.executable, "-m", "launcher.cli")
-
-
-class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One engine worker of an instance, as the control plane dispatches it (JSON in a Celery task)."""
-
-    instance_id: int
-    pipeline: str  # the dyn:// namespace of the pipeline
-    group: str  # the worker group's role ("aggregated", later "prefill"/"decode")
-    replica: int
-    engine: str  # out=<engine>
-    model_path: str | None = None  # the local path the download gave; None for engines that need no model
-    model_name: str | None = None  # the name clients use (--model-name)
-    component: str = "backend"
-    endpoint: str = "generate"
-    engine_args: list[str] = []
-    gpu_indexes: list[int] = []
-    #: Memory the worker declares on each of its GPUs: what a simulated GPU reports as used.
-    gpu_memory_bytes: int = 0
-    labels: dict[str, str] = {}
-    env: dict[str, str] = {}
-
-    @property
-    def address(self) -> EndpointAddress:
-        """The worker's endpoint. Raises ConfigError for a pipeline, component or endpoint name it cannot use."""
-        return EndpointAddress(self.pipeline, self.component, self.endpoint)
 
 
 def worker_labels(spec: WorkerSpec, node: str) -> dict[str, str]:

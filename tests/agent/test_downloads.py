@@ -18,7 +18,7 @@ import pytest
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from agent import downloads
-from agent.downloads import DownloadProgress, HubSettings, HubSource, LocalSource, ModelDownloader
+from agent.downloads import DownloadProgress, HubSettings, ModelDownloader
 from agent.errors import (
     DiskFull,
     DownloadError,
@@ -27,6 +27,7 @@ from agent.errors import (
     RepoNotFound,
     RepoUnauthorized,
 )
+from runtime.fleet_tasks import HubSource, LocalSource
 from tests.servers import free_port
 
 REPO = "acme/tiny-llm"

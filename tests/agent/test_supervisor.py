@@ -21,7 +21,7 @@ from agent.errors import WorkerError
 from agent.processes import process_start_time
 from agent.supervisor import RestartPolicy, Supervisor, WorkerState, WorkerStatus
 from agent.worker_records import load_records
-from agent.worker_spec import WorkerSpec
+from runtime.fleet_tasks import WorkerSpec
 
 CHILD = """
 import os, signal, socket, subprocess, sys

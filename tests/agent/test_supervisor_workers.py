@@ -15,9 +15,9 @@ import pytest
 
 from agent.readiness import RegistrationWatch
 from agent.supervisor import RestartPolicy, Supervisor, WorkerState
-from agent.worker_spec import WorkerSpec
 from runtime.discovery import INSTANCES_PREFIX, Discovery
 from runtime.endpoint import InstanceEntry
+from runtime.fleet_tasks import WorkerSpec
 from tests.agent.test_supervisor import Statuses, kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer
 

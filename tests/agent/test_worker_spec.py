@@ -7,9 +7,10 @@ import sys
 import msgspec
 import pytest
 
-from agent.worker_spec import WorkerSpec, worker_argv, worker_env, worker_labels
+from agent.worker_spec import worker_argv, worker_env, worker_labels
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
 from runtime.errors import ConfigError
+from runtime.fleet_tasks import WorkerSpec
 
 SPEC = WorkerSpec(
     instance_id=42,
