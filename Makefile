@@ -19,11 +19,15 @@ PORT ?= 8080
 install: $(VENV)/.installed
 
 # etcd (discovery) and NATS (request plane) from Debian's packages, for distributed serving and its tests;
-# PostgreSQL 15, on which the control-plane tests run a second time.
+# Redis (Celery's broker between the control plane and the agents); PostgreSQL 15, on which the
+# control-plane tests run a second time.
 system-deps:
 	@command -v etcd >/dev/null && command -v nats-server >/dev/null || { \
 		echo "installing etcd-server and nats-server (Debian packages)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server nats-server >/dev/null; }
+	@command -v redis-server >/dev/null || { \
+		echo "installing redis-server (Debian package; its service is not needed: tests start their own)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 	@test -x /usr/lib/postgresql/15/bin/initdb || { \
 		echo "installing postgresql (Debian package; its service is not needed: tests start their own)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
