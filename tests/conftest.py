@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.infra import EtcdServer, NatsServer
+from tests.infra import EtcdServer, NatsServer, RedisServer
 from tests.servers import Server, llama_cpp_available, smollm2_path, start_server
 
 
@@ -57,6 +57,15 @@ def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     """A fresh nats-server with JetStream for each test (it starts in ~0.03 s), so a test may restart it."""
     server = NatsServer(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server for each test (Celery's broker), with nothing kept on disk."""
+    server = RedisServer(tmp_path / "redis")
     server.start()
     yield server
     server.stop()

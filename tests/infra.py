@@ -1,4 +1,4 @@
-"""Real etcd and NATS servers for tests, on free loopback ports, each with its own data directory.
+"""Real etcd, NATS and Redis servers for tests, on free loopback ports, each with its own data directory.
 
 Both keep their ports across restarts, so clients that hold the address can reconnect, which is what
 the resilience tests exercise.
@@ -135,5 +135,41 @@ class NatsServer(_Process):
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
                 return sock.recv(4096).startswith(b"INFO ")
+        except OSError:
+            return False
+
+
+class RedisServer(_Process):
+    """redis-server (Celery's broker); ``url`` is ``redis://127.0.0.1:PORT/0``. Persistence is off, as a
+    broker in a test needs none, so ``restart`` gives an empty server."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        super().__init__("redis-server", directory)
+        self.port = port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        return [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
         except OSError:
             return False
