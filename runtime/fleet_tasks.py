@@ -21,6 +21,10 @@ from runtime.errors import ConfigError
 TASK_START_INSTANCE = "flotilla.agent.start_instance"
 #: Stop one instance's worker gracefully (drain, terminate, kill): one StopInstance argument.
 TASK_STOP_INSTANCE = "flotilla.agent.stop_instance"
+#: The last lines of one instance's worker log: one LogTailRequest argument; returns the text (a str). The
+#: control plane waits for the result (Redis result backend) with a timeout: a node that does not answer
+#: in time is reported as such, never waited on forever.
+TASK_LOG_TAIL = "flotilla.agent.log_tail"
 #: The queue of the control plane's own Celery worker (the reconciler's periodic task).
 CONTROL_PLANE_QUEUE = "controlplane"
 
@@ -110,6 +114,13 @@ class StopInstance(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: int
     reason: str = ""
     grace_s: float = 30.0
+
+
+class LogTailRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The last ``lines`` lines of instance ``instance_id``'s worker log."""
+
+    instance_id: int
+    lines: int = 100
 
 
 def decode_task_argument(value: object, kind: type[T]) -> T:
