@@ -142,8 +142,12 @@ class Step:
         return [tokens for sequence, tokens in self.scheduled.items() if sequence.prefilling]
 
     def decodes(self) -> bool:
-        """Whether some sequence produces a token in this step."""
-        return any(sequence.num_computed + tokens == sequence.num_tokens for sequence, tokens in self.scheduled.items())
+        """Whether a sequence past its prefill produces its next token in this step (a decode pass).
+
+        A sequence whose prefill ends in the step gets its first token from that prefill's forward
+        pass, as in vLLM, and as Dynamo's mocker times it: no decode pass of its own.
+        """
+        return any(not sequence.prefilling for sequence in self.scheduled)
 
 
 class PrefixStats:

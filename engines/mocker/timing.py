@@ -2,8 +2,9 @@
 
 A step is timed as Dynamo's vLLM mocker times it: each sequence that prefills in the step costs
 ``prefill_ms`` of the tokens it computes (a chunk, or its whole uncached prompt) — the fixed part
-counted once per sequence, as Dynamo sums them — and, when any sequence produces a token in the
-step, one decode pass costs ``decode_ms`` of the KV usage. Prefill time is divided by
+counted once per sequence, as Dynamo sums them — and, when a sequence past its prefill produces a
+token in the step, one decode pass costs ``decode_ms`` of the KV usage (a prefill's last chunk gives
+its sequence's first token by itself). Prefill time is divided by
 ``speedup_ratio``; decode time by ``speedup_ratio × decode_speedup_ratio``. A ratio of 0 means no
 waiting at all.
 """

@@ -2,21 +2,24 @@
 
 The router counts its own decisions: a request's prompt tokens still to compute are *in flight* from
 the decision until its first output (``prefill_done``), and its KV blocks are *active* until it
-finishes. That count is exact and immediate but sees only this router's traffic; the workers' own
-reports (``WorkerLoad.kv_active_blocks``, once a second) see every router's traffic and the blocks
-that requests share, but late, and without the requests still on their way to the worker. So when a
-fresh report exists, a worker's active blocks are the reported number plus what this router's
-decisions changed since it arrived, and never fewer than this router's own count: a report sent
-before a burst reached the worker must not make it look idle and draw the next burst as well.
+finishes. Active blocks are counted as a worker holds them: a full prompt block (named by its chained
+hash) that several running requests share is held once, as vLLM's prefix cache and Dynamo's router
+(``--router-assume-kv-reuse``) count it; a request's last partial block and the blocks its answer will
+fill are its own. The answer's blocks are estimated from ``max_tokens`` (capped: a client that leaves
+it at the context's limit rarely writes that much), so identical prompts still spread: each running
+request grows its own blocks on its worker, and the router sees that before it happens.
 
-This router counts every request's whole prompt, shared prefix included: a shared block is held once
-in memory, but each request running on a worker still costs it a decode slot and attention over its
-whole context, so identical requests must still spread.
+That count is exact and immediate but sees only this router's traffic; the workers' own reports
+(``WorkerLoad.kv_active_blocks``, once a second) see every router's traffic, but late, and without the
+requests still on their way to the worker. So when a fresh report exists, a worker's active blocks are
+the reported number plus what this router's decisions changed since it arrived, and never fewer than
+this router's own count: a report sent before a burst reached the worker must not make it look idle
+and draw the next burst as well.
 """
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from frontend_gateway.routing.kv_indexer import Worker
 from runtime.kv_events import WorkerLoad
@@ -29,18 +32,25 @@ REPORT_FRESH_S = 5.0
 class _Request:
     worker: Worker
     prefill_tokens: int
-    blocks: int
+    hashes: Sequence[int]  # its full prompt blocks, which running requests may share
+    own_blocks: int  # its partial last block and its answer's blocks, shared with nobody
     prefilling: bool = True
 
 
 @dataclass(slots=True)
 class _Worker:
     prefill_tokens: int = 0
-    blocks: int = 0
+    held: dict[int, int] = field(default_factory=dict)  # shareable blocks -> running requests holding them
+    own_blocks: int = 0
     requests: int = 0
     reported_blocks: int | None = None
     blocks_at_report: int = 0  # this router's own count when the report arrived
     reported_at: float = 0.0
+
+    @property
+    def blocks(self) -> int:
+        """Active blocks by this router's count: each shared block once, plus the requests' own."""
+        return len(self.held) + self.own_blocks
 
 
 class ActiveLoad:
@@ -52,16 +62,23 @@ class ActiveLoad:
         self._requests: dict[str, _Request] = {}
         self._workers: dict[Worker, _Worker] = {}
 
-    def started(self, request_id: str, worker: Worker, *, prefill_tokens: int, blocks: int) -> None:
-        """A request was routed to ``worker``, with ``prefill_tokens`` to compute and ``blocks`` to hold."""
+    def started(
+        self, request_id: str, worker: Worker, *, prefill_tokens: int, hashes: Sequence[int] = (), own_blocks: int = 0
+    ) -> None:
+        """A request was routed to ``worker``, with ``prefill_tokens`` to compute; it will hold the full
+        prompt blocks ``hashes`` (shared with the worker's other requests that hold them) and
+        ``own_blocks`` more of its own."""
         if request_id in self._requests:
             self.finished(request_id)  # the previous attempt's notice was lost: never count it twice
-        self._requests[request_id] = _Request(worker, prefill_tokens, blocks)
+        self._requests[request_id] = _Request(worker, prefill_tokens, hashes, own_blocks)
         load = self._workers.get(worker)
         if load is None:
             load = self._workers[worker] = _Worker()
         load.prefill_tokens += prefill_tokens
-        load.blocks += blocks
+        held = load.held
+        for block in hashes:
+            held[block] = held.get(block, 0) + 1
+        load.own_blocks += own_blocks
         load.requests += 1
 
     def prefill_done(self, request_id: str) -> None:
@@ -83,7 +100,14 @@ class ActiveLoad:
             return
         if request.prefilling:
             load.prefill_tokens -= request.prefill_tokens
-        load.blocks -= request.blocks
+        held = load.held
+        for block in request.hashes:  # a plain dict: Counter's Python-level __delitem__ costs 5x here
+            count = held[block]
+            if count == 1:
+                del held[block]
+            else:
+                held[block] = count - 1
+        load.own_blocks -= request.own_blocks
         load.requests -= 1
 
     def observe(self, report: WorkerLoad) -> None:
@@ -97,6 +121,13 @@ class ActiveLoad:
         load.reported_blocks = max(0, report.kv_active_blocks)
         load.blocks_at_report = load.blocks
         load.reported_at = self._clock()
+
+    def new_blocks(self, worker: Worker, hashes: Sequence[int]) -> int:
+        """How many of the full prompt blocks ``hashes`` no running request on ``worker`` holds yet."""
+        load = self._workers.get(worker)
+        if load is None or not load.held:
+            return len(hashes)
+        return len(hashes) - sum(map(load.held.__contains__, hashes))  # the loop in C: this runs per worker
 
     def prefill_tokens(self, worker: Worker) -> int:
         load = self._workers.get(worker)

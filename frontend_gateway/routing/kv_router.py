@@ -52,6 +52,9 @@ STATE_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
 MALFORMED_REPORT_S = 10.0
 #: dp ranks above this are taken for garbage rather than a worker with that many ranks.
 MAX_DP_RANK = 1023
+#: The longest answer a request is expected to write, for the blocks it will hold: ``max_tokens`` is an
+#: upper bound, and a client that leaves it out gets the whole context left, which few answers fill.
+EXPECTED_ANSWER_CAP_TOKENS = 512
 #: A worker whose state was just received accepts any next event_id as its new baseline.
 _BASELINE = -1
 
@@ -128,8 +131,11 @@ class KvRouter:
             prompt_tokens = len(request.token_ids)
             hashes = sequence_block_hashes(request.token_ids, self.block_size)
             matches = self.indexer.find_matches(hashes)
-        else:  # a text engine tokenizes for itself: no blocks to match, the load alone decides
-            prompt_tokens, hashes, matches = 0, [], {}
+            # Its last partial block and its answer's blocks are its own wherever it goes.
+            answer = min(request.stop_conditions.max_tokens, EXPECTED_ANSWER_CAP_TOKENS)
+            own_blocks = math.ceil((prompt_tokens % self.block_size + answer) / self.block_size)
+        else:  # a text engine tokenizes for itself: no blocks to match; one block each, to spread by count
+            prompt_tokens, hashes, matches, own_blocks = 0, [], {}, 1
         load = self.load
         snapshots: list[WorkerSnapshot] = []
         by_id: dict[int, InstanceInfo] = {}
@@ -137,9 +143,14 @@ class KvRouter:
             by_id[info.instance_id] = info
             for rank in self._ranks.get(info.instance_id, (0,)):
                 worker = (info.instance_id, rank)
-                overlap = matches.get(worker, 0)
                 snapshots.append(
-                    WorkerSnapshot(worker, overlap, load.prefill_tokens(worker), load.decode_blocks(worker))
+                    WorkerSnapshot(
+                        worker,
+                        matches.get(worker, 0),
+                        load.prefill_tokens(worker),
+                        load.decode_blocks(worker),
+                        load.new_blocks(worker, hashes) + own_blocks,
+                    )
                 )
         settings = self.settings
         chosen = choose_worker(
@@ -152,10 +163,9 @@ class KvRouter:
         )
         assert chosen is not None  # there was at least one candidate
         worker = chosen.worker
-        # A request holds its prompt's blocks while it runs; a text request counts as one block, so
-        # that text models still spread by the number of requests.
-        blocks = max(1, math.ceil(prompt_tokens / self.block_size))
-        load.started(request.request_id, worker, prefill_tokens=chosen.prefill_tokens, blocks=blocks)
+        load.started(
+            request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
+        )
         if isinstance(self.indexer, PredictedKvIndexer) and hashes:
             self.indexer.record(worker, hashes)
         return Decision(by_id[worker[0]], worker[1], chosen.overlap_blocks, chosen.prefill_tokens)

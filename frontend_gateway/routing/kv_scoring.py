@@ -6,7 +6,9 @@ For each worker, in blocks of the model's block size::
 
 where *prefill blocks* is the prompt left to compute there after its cache hit plus the prompt tokens
 already in flight to that worker and not yet computed, and *decode blocks* the KV blocks its active
-requests hold. The cheapest worker wins, ties at random. With a temperature above zero the worker is
+requests hold plus those this request would add there (its prompt blocks that no running request there
+holds yet, and its own: see kv_load.py), as Dynamo's router projects them. The cheapest worker wins,
+ties at random. With a temperature above zero the worker is
 drawn instead, with probability ∝ exp(−normalised cost / temperature), where costs are normalised to
 0..1 across the candidates (so that the temperature means the same at any load).
 """
@@ -27,6 +29,7 @@ class WorkerSnapshot:
     overlap_blocks: int  # leading blocks of this request it holds
     prefill_tokens_in_flight: int  # prompt tokens sent to it and not yet computed
     decode_blocks: float  # KV blocks its active requests hold
+    new_blocks: int = 0  # KV blocks this request would add to them there
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,7 @@ def worker_costs(
     for snapshot in workers:
         to_compute = max(0, prompt_tokens - snapshot.overlap_blocks * block_size)
         prefill_blocks = (to_compute + snapshot.prefill_tokens_in_flight) / block_size
-        cost = overlap_score_weight * prefill_blocks + snapshot.decode_blocks
+        cost = overlap_score_weight * prefill_blocks + snapshot.decode_blocks + snapshot.new_blocks
         scored.append(Scored(snapshot.worker, cost, snapshot.overlap_blocks, to_compute))
     return scored
 

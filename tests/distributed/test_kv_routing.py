@@ -102,8 +102,11 @@ def test_requests_sharing_a_long_prefix_go_to_the_worker_holding_it(cluster: Clu
 
 
 def test_load_still_spreads_when_every_request_shares_one_prefix(cluster: Cluster) -> None:
-    # Each request streams 30 tokens at 30 ms: all 12 are running at once.
-    ingress, pool = start_pool(cluster, "--router-mode", "kv", delay_ms=30)
+    # Each request streams 100 tokens at 10 ms: all 12 are running at once. Their answers fill more blocks
+    # of their own than the 8 of prefill the holder's cache saves, so from its third request on, the
+    # holder costs more than an idle worker (running requests share the prefix's blocks, as a worker
+    # holds them, so short answers would rightly pile onto the holder).
+    ingress, pool = start_pool(cluster, "--router-mode", "kv", delay_ms=10)
     block_size = registered_block_size(cluster.etcd)
     holder = pool[0]
     prefix = prefix_tokens(8, block_size)
@@ -115,7 +118,7 @@ def test_load_still_spreads_when_every_request_shares_one_prefix(cluster: Cluste
     wait_until(lambda: complete(ingress, [*prefix, 7]) == holder.instance_id, 15, "the prefix never reached its holder")
 
     with ThreadPoolExecutor(12) as threads:
-        served = Counter(threads.map(lambda n: complete(ingress, [*prefix, 100 + n], max_tokens=30), range(12)))
+        served = Counter(threads.map(lambda n: complete(ingress, [*prefix, 100 + n], max_tokens=100), range(12)))
     assert set(served) == {worker.instance_id for worker in pool}, served
     assert max(served.values()) <= 6, served
     assert served[holder.instance_id] == max(served.values()), served

@@ -38,7 +38,8 @@ def test_a_sequence_prefills_then_decodes_one_token_per_step_until_max_tokens() 
     seq = sequence(list(range(10)), max_tokens=3)
     rank.add(seq)
     step = rank.schedule()
-    assert step.scheduled == {seq: 10} and step.prefill_chunks() == [10] and step.decodes()
+    # The prefill's forward pass gives the first token: no decode pass in this step.
+    assert step.scheduled == {seq: 10} and step.prefill_chunks() == [10] and not step.decodes()
     assert rank.complete(step) == [seq] and len(seq.output) == 1
     step = rank.schedule()
     assert step.scheduled == {seq: 1} and step.prefill_chunks() == [] and step.decodes()

@@ -16,8 +16,8 @@ class Clock:
 
 def test_prompt_tokens_are_in_flight_until_prefill_done_and_blocks_active_until_finished() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=100, blocks=7)
-    load.started("r2", A, prefill_tokens=20, blocks=2)
+    load.started("r1", A, prefill_tokens=100, own_blocks=7)
+    load.started("r2", A, prefill_tokens=20, own_blocks=2)
     assert (load.prefill_tokens(A), load.decode_blocks(A), load.requests(A)) == (120, 9, 2)
     load.prefill_done("r1")
     load.prefill_done("r1")  # repeated: counted once
@@ -29,7 +29,7 @@ def test_prompt_tokens_are_in_flight_until_prefill_done_and_blocks_active_until_
 
 def test_notices_for_unknown_requests_change_nothing() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=10, blocks=1)
+    load.started("r1", A, prefill_tokens=10, own_blocks=1)
     load.prefill_done("other")
     load.finished("other")
     load.finished("r1")
@@ -40,19 +40,19 @@ def test_notices_for_unknown_requests_change_nothing() -> None:
 
 def test_a_request_started_again_without_finishing_is_never_counted_twice() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=10, blocks=3)
-    load.started("r1", B, prefill_tokens=12, blocks=4)  # a migration whose finish notice was lost
+    load.started("r1", A, prefill_tokens=10, own_blocks=3)
+    load.started("r1", B, prefill_tokens=12, own_blocks=4)  # a migration whose finish notice was lost
     assert (load.decode_blocks(A), load.decode_blocks(B)) == (0, 4)
 
 
 def test_a_fresh_report_replaces_the_count_and_later_decisions_add_to_it() -> None:
     clock = Clock()
     load = ActiveLoad(clock=clock, report_fresh_s=5)
-    load.started("r1", A, prefill_tokens=0, blocks=10)
+    load.started("r1", A, prefill_tokens=0, own_blocks=10)
     # The worker holds 25 blocks: other routers' requests, or fewer if requests share blocks.
     load.observe(WorkerLoad(instance_id=1, active_requests=3, kv_active_blocks=25))
     assert load.decode_blocks(A) == 25
-    load.started("r2", A, prefill_tokens=0, blocks=4)
+    load.started("r2", A, prefill_tokens=0, own_blocks=4)
     assert load.decode_blocks(A) == 29
     load.finished("r1")
     assert load.decode_blocks(A) == 19
@@ -62,14 +62,14 @@ def test_a_fresh_report_replaces_the_count_and_later_decisions_add_to_it() -> No
 
 def test_a_report_without_block_counts_does_not_correct_anything() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=0, blocks=10)
+    load.started("r1", A, prefill_tokens=0, own_blocks=10)
     load.observe(WorkerLoad(instance_id=1, active_requests=40))
     assert load.decode_blocks(A) == 10
 
 
 def test_a_corrected_count_never_goes_below_zero() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=0, blocks=10)
+    load.started("r1", A, prefill_tokens=0, own_blocks=10)
     load.observe(WorkerLoad(instance_id=1, active_requests=1, kv_active_blocks=2))
     load.finished("r1")
     assert load.decode_blocks(A) == 0
@@ -77,8 +77,8 @@ def test_a_corrected_count_never_goes_below_zero() -> None:
 
 def test_removing_an_instance_forgets_its_load_and_requests() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=5, blocks=1)
-    load.started("r2", B, prefill_tokens=5, blocks=1)
+    load.started("r1", A, prefill_tokens=5, own_blocks=1)
+    load.started("r2", B, prefill_tokens=5, own_blocks=1)
     load.remove_instance(1)
     assert (load.decode_blocks(A), load.in_flight()) == (0, 1)
     load.finished("r1")  # the stream's notice after the instance left: a no-op
@@ -87,9 +87,26 @@ def test_removing_an_instance_forgets_its_load_and_requests() -> None:
 
 def test_a_report_that_missed_requests_on_their_way_never_lowers_the_router_s_own_count() -> None:
     load = ActiveLoad()
-    load.started("r1", A, prefill_tokens=160, blocks=10)
+    load.started("r1", A, prefill_tokens=160, own_blocks=10)
     # The worker reports before r1 reached it: nothing active.
     load.observe(WorkerLoad(instance_id=1, active_requests=0, kv_active_blocks=0))
     assert load.decode_blocks(A) == 10
-    load.started("r2", A, prefill_tokens=160, blocks=10)
+    load.started("r2", A, prefill_tokens=160, own_blocks=10)
     assert load.decode_blocks(A) == 20
+
+
+def test_prompt_blocks_that_running_requests_share_are_held_once() -> None:
+    load = ActiveLoad()
+    # Two requests on A share their first 3 blocks (a system prompt); each has 2 blocks of its own.
+    load.started("r1", A, prefill_tokens=0, hashes=[11, 12, 13, 21], own_blocks=2)
+    load.started("r2", A, prefill_tokens=0, hashes=[11, 12, 13, 31, 32], own_blocks=2)
+    # Held: 11, 12, 13, 21, 31, 32 once each, and 2 + 2 own.
+    assert load.decode_blocks(A) == 6 + 4
+    # A third prompt with the same system prompt adds only its other blocks on A, all of them on B.
+    assert (load.new_blocks(A, [11, 12, 13, 41]), load.new_blocks(B, [11, 12, 13, 41])) == (1, 4)
+    load.finished("r1")
+    # r2 still holds the shared blocks; r1's own ones are gone.
+    assert load.decode_blocks(A) == 5 + 2
+    assert load.new_blocks(A, [11, 21]) == 1
+    load.finished("r2")
+    assert (load.decode_blocks(A), load.new_blocks(A, [11, 12])) == (0, 2)

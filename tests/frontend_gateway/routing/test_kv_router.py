@@ -29,13 +29,13 @@ HASHES = sequence_block_hashes(PROMPT, BLOCK)
 KV = RouterSettings(mode=RouterMode.KV, seed=1)
 
 
-def request(tokens: list[int], request_id: str = "r") -> PreprocessedRequest:
+def request(tokens: list[int], request_id: str = "r", max_tokens: int = 8) -> PreprocessedRequest:
     return PreprocessedRequest(
         request_id=request_id,
         model="m",
         token_ids=tokens,
         sampling=SamplingOptions(),
-        stop_conditions=StopConditions(max_tokens=8),
+        stop_conditions=StopConditions(max_tokens=max_tokens),
     )
 
 
@@ -92,8 +92,8 @@ def blocks_of(router: KvRouter, instance: InstanceInfo, dp_rank: int = 0) -> int
     return router.indexer.block_count((instance.instance_id, dp_rank))
 
 
-def choose(router: KvRouter, tokens: list[int] = PROMPT, request_id: str = "r") -> Decision:
-    decision = router.choose(request(tokens, request_id), [A, B])
+def choose(router: KvRouter, tokens: list[int] = PROMPT, request_id: str = "r", max_tokens: int = 8) -> Decision:
+    decision = router.choose(request(tokens, request_id, max_tokens), [A, B])
     assert decision is not None
     return decision
 
@@ -114,10 +114,25 @@ async def test_load_still_spreads_when_every_request_shares_one_prefix(make_rout
     router = await make_router()
     await publish(publisher, A, 1, BlockStored(HASHES))
     await until(router, lambda: blocks_of(router, A) == 8)
-    # None of them finishes: each adds its blocks to its worker's active load.
-    served = Counter(choose(router, request_id=f"r{n}").instance for n in range(8))
+    # None of them finishes, nor its prefill. Running requests share the 8 prompt blocks on a worker, but
+    # each answer of 128 tokens fills 9 blocks of its own (5 + 128 tokens in blocks of 16), more than the
+    # 8 blocks of prefill A's cache saves: by hand, A B A A B A A B (a prompt still in flight to B, 133
+    # tokens uncached, weighs there until its prefill is done).
+    served = Counter(choose(router, request_id=f"r{n}", max_tokens=128).instance for n in range(8))
     assert served[A] >= served[B] > 0
-    assert served[A] <= 5  # with 9 blocks each, A's cache saves 8 prefill blocks: about one request's worth
+    assert served[A] <= 5
+
+
+async def test_identical_short_requests_share_their_blocks_on_the_holder(make_router: Any, publisher: NATS) -> None:
+    router = await make_router()
+    await publish(publisher, A, 1, BlockStored(HASHES))
+    await until(router, lambda: blocks_of(router, A) == 8)
+    # Answers of 8 tokens: each request's own blocks are 1 (5 + 8 tokens); its 8 prompt blocks are
+    # shared with the others on A. A costs 5/16 prefill blocks per request in flight + 8 shared + 1 each;
+    # B costs 133/16 prefill + 9: A takes requests until it runs 7, as a worker that holds the prompt
+    # once would. (Without counting shared blocks once, B would get every second one.)
+    served = [choose(router, request_id=f"r{n}").instance for n in range(8)]
+    assert served[:7] == [A] * 7
 
 
 async def test_finished_requests_stop_loading_their_worker(make_router: Any, publisher: NATS) -> None:

@@ -86,3 +86,11 @@ def test_no_workers_means_no_choice() -> None:
     assert choose_worker(10, 16, [], overlap_score_weight=1.0, temperature=0.0, rng=random.Random()) is None
     with pytest.raises(ValueError, match="no worker"):
         pick([], temperature=0.0, rng=random.Random())
+
+
+def test_blocks_the_request_would_add_count_as_decode_load() -> None:
+    # A 64-token prompt in blocks of 16, nothing cached anywhere. A runs 10 blocks, of which the prompt
+    # shares 3 (a system prompt): it adds 1 there; B runs 9, none shared: the prompt adds all 4.
+    workers = [WorkerSnapshot(A, 0, 0, 10, new_blocks=1), WorkerSnapshot(B, 0, 0, 9, new_blocks=4)]
+    scored = worker_costs(64, 16, workers, overlap_score_weight=1.0)
+    assert scored == [Scored(A, 4.0 + 10 + 1, 0, 64), Scored(B, 4.0 + 9 + 4, 0, 64)]
