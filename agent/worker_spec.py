@@ -36,6 +36,14 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
     if spec.model_name is not None:
         argv += ["--model-name", spec.model_name]
     argv += spec.engine_args
+    if (router := spec.router) is not None:
+        # Registered with the model: gateways route the pipeline so, whatever their own flags say.
+        argv += [
+            "--router-mode", router.mode,
+            "--kv-overlap-score-weight", repr(router.overlap_score_weight),
+            "--router-temperature", repr(router.temperature),
+            "--use-kv-events", "true" if router.use_kv_events else "false",
+        ]  # fmt: skip
     argv += ["--labels", format_labels(worker_labels(spec, node))]
     return argv
 

@@ -8,14 +8,16 @@ Instances are pooled by model name, so every instance of a pool must answer the 
 card differs from the pool's (``card_differences``) is refused, logged once and counted, and joins
 a new pool if the old one empties.
 
-Each pool has its own router (frontend_gateway/routing/), built from the watcher's
-``RouterSettings`` with the pool's card block size, started with the pool and closed when the pool
+Each pool has its own router (frontend_gateway/routing/), built from the router settings its first
+instance registered (its pipeline's) or else the watcher's ``RouterSettings``, with the pool's card
+block size, started with the pool and closed when the pool
 goes; it hears of every instance that joins or leaves. A registration that cannot be applied (a malformed entry, a
 tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it never stops
 the watch.
 """
 
 import asyncio
+import dataclasses
 import logging
 
 import msgspec
@@ -25,7 +27,7 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from frontend_gateway.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
 from frontend_gateway.routing.factory import build_router
-from frontend_gateway.routing.protocol import InstanceInfo, Router, RouterSettings
+from frontend_gateway.routing.protocol import InstanceInfo, Router, RouterMode, RouterSettings
 from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX, WatchEvent
 from runtime.distributed import DistributedRuntime
@@ -169,7 +171,7 @@ class ModelWatcher:
                 raise
             self._pools[name] = pool
             self.registry.add(pool.served)
-            mode = self.router_settings.mode.value
+            mode = self.settings_for(entry).mode.value
             log.info("model %r is now served (%s, %s routing)", name, entry.card.model_type.value, mode)
         elif differences := card_differences(pool.entry, entry):
             self._refused[key] = entry
@@ -236,13 +238,27 @@ class ModelWatcher:
         served = TextModel(card.name, text_engine, card.context_length or None)
         return _Pool(served, instances, router, entry, key)
 
+    def settings_for(self, entry: ModelEntry) -> RouterSettings:
+        """How to route ``entry``'s model: the settings its worker registered (its pipeline's), else this
+        gateway's own. Raises ValueError for registered settings no router takes."""
+        registered = entry.router
+        if registered is None:
+            return self.router_settings
+        return dataclasses.replace(
+            self.router_settings,
+            mode=RouterMode(registered.mode),
+            overlap_score_weight=registered.overlap_score_weight,
+            temperature=registered.temperature,
+            use_kv_events=registered.use_kv_events,
+        )
+
     def _router(self, entry: ModelEntry, key: str) -> Router:
         """The pool's router, listening on the component of the endpoint ``key`` was registered under."""
         address = endpoint_of_model_key(key)
         try:
-            return build_router(
-                self.router_settings, block_size=entry.card.kv_cache_block_size, nc=self.runtime.nc, address=address
-            )
+            settings = self.settings_for(entry)
+            block_size = entry.card.kv_cache_block_size
+            return build_router(settings, block_size=block_size, nc=self.runtime.nc, address=address)
         except ValueError as exc:
             raise EngineError(f"model {entry.card.name!r} cannot be routed: {exc}") from exc
 

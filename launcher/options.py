@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.fleet_tasks import PipelineRouter
+
 ENGINES = ("echo_core", "echo_full", "llamacpp", "mocker", "dyn")
 # Engines on the road map (DESIGN.md); named so that asking for one gets a clear answer.
 PLANNED_ENGINES = ("mistralrs", "vllm", "sglang", "trtllm")
@@ -37,6 +39,8 @@ class RunOptions:
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
     extra_engine_args: Path | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
+    #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).
+    worker_router: PipelineRouter | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -105,7 +105,9 @@ async def run(options: RunOptions) -> int:
             from launcher.inputs.dyn import serve_worker
 
             card = model.card if isinstance(model, TokenModel) else text_card(model, options)
-            await serve_worker(EndpointAddress.parse(address), engine, card, labels=options.labels)
+            await serve_worker(
+                EndpointAddress.parse(address), engine, card, labels=options.labels, router=options.worker_router
+            )
             return 0
         if options.input == "http":
             from launcher.inputs.http import admission_limits, serve_http

@@ -24,6 +24,7 @@ from runtime.addressing import EndpointAddress
 from runtime.discovery import instance_key, model_key
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
+from runtime.fleet_tasks import PipelineRouter
 from runtime.kv_events import KvEventSource
 from runtime.kv_publisher import start_kv_publishing
 from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever
@@ -95,6 +96,8 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     #: How the gateway should detokenize for this engine (echo_core shows special tokens).
     skip_special_tokens: bool = True
     user_data: dict[str, Any] | None = None
+    #: How gateways route this model (``--router-*`` flags of the worker): None leaves it to the gateway.
+    router: PipelineRouter | None = None
 
 
 class Namespace:
@@ -217,11 +220,13 @@ async def register_model(
     user_data: dict[str, Any] | None = None,
     card: ModelCard | None = None,
     skip_special_tokens: bool = True,
+    router: PipelineRouter | None = None,
 ) -> ModelCard:
     """Announce the model ``endpoint`` serves, so that gateways add it to ``/v1/models``.
 
     Token-level models need their tokenizer and chat template: from ``model_path`` (a GGUF file or a
     Hugging Face folder or repo) or a ready ``card``. Chat and completion models need only a name.
+    ``router`` asks gateways to route the model so (its pipeline's settings); the first instance's wins.
     Returns the card as registered. Raises ModelError / ConfigError on a bad model.
     """
     kind = ModelType(model_type)
@@ -249,6 +254,7 @@ async def register_model(
         tokenizer_sha256=digest,
         skip_special_tokens=skip_special_tokens,
         user_data=user_data,
+        router=router,
     )
     await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
     log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)

@@ -18,6 +18,7 @@ from launcher.startup import connect_runtime
 from runtime.addressing import EndpointAddress
 from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Engine, RequestContext
+from runtime.fleet_tasks import PipelineRouter
 from runtime.kv_events import KvEventSource
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
@@ -43,11 +44,17 @@ def engine_handler(engine: Engine) -> Handler:
 
 
 async def serve_worker(
-    address: EndpointAddress, engine: Engine, card: ModelCard, *, labels: dict[str, str] | None = None
+    address: EndpointAddress,
+    engine: Engine,
+    card: ModelCard,
+    *,
+    labels: dict[str, str] | None = None,
+    router: PipelineRouter | None = None,
 ) -> None:
     """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
 
-    ``labels`` go into the instance's etcd registration (``--labels``).
+    ``labels`` go into the instance's etcd registration (``--labels``); ``router`` (the ``--router-*`` flags
+    given to a worker) into its model's, for gateways to route it so.
 
     Raises BackgroundTaskFailed when a task the worker needs failed and stopped it.
     On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
@@ -65,9 +72,11 @@ async def serve_worker(
         kv_source = engine if isinstance(engine, KvEventSource) else None
         await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source, labels=labels)
         if engine.kind == "token":
-            await register_model(ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens)
+            await register_model(
+                ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens, router=router
+            )
         else:
-            await register_model(ModelType.CHAT, endpoint, card=card)
+            await register_model(ModelType.CHAT, endpoint, card=card, router=router)
         print(
             f"Flotilla worker {runtime.instance_id:x} (pid {os.getpid()}) serves {card.name!r} on {address}", flush=True
         )

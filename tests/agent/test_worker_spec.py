@@ -8,9 +8,11 @@ import msgspec
 import pytest
 
 from agent.worker_spec import worker_argv, worker_env, worker_labels
+from launcher.cli import build_run_parser, parse_run_options
+from launcher.options import RunOptions
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
 from runtime.errors import ConfigError
-from runtime.fleet_tasks import WorkerSpec
+from runtime.fleet_tasks import PipelineRouter, WorkerSpec
 
 SPEC = WorkerSpec(
     instance_id=42,
@@ -111,3 +113,17 @@ def test_labels_are_refused_for_an_input_that_registers_nothing() -> None:
     result = run_cli("in=http", "out=echo_full", "--labels", "a=b")
     assert result.returncode == 2
     assert "use it with in=dyn://" in result.stderr
+
+
+def test_a_pipelines_router_settings_become_the_workers_router_flags() -> None:
+    router = PipelineRouter(mode="kv", overlap_score_weight=2.5, temperature=0.1, use_kv_events=False)
+    spec = WorkerSpec(instance_id=7, pipeline="chat", group="aggregated", replica=0, engine="echo_full", router=router)
+    # What `flotilla run` makes of them (after `python -m launcher.cli run`): the same settings, which
+    # it registers with the model.
+    assert run_options(worker_argv(spec, "gpu-a")[4:]).worker_router == router
+    assert run_options(worker_argv(msgspec.structs.replace(spec, router=None), "gpu-a")[4:]).worker_router is None
+
+
+def run_options(args: list[str]) -> RunOptions:
+    parser = build_run_parser()
+    return parse_run_options(parser, parser.parse_intermixed_args(args))

@@ -17,6 +17,7 @@ from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
+from runtime.fleet_tasks import PipelineRouter
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
 from tests.infra import EtcdServer, NatsServer
@@ -61,9 +62,10 @@ def key(instance_id: int, component: str = "backend") -> str:
     return f"{MODELS_PREFIX}llm/{component}/generate/{instance_id:x}"
 
 
-def chat_entry(name: str, instance_id: int, block_size: int = 32) -> bytes:
+def chat_entry(name: str, instance_id: int, block_size: int = 32, router: PipelineRouter | None = None) -> bytes:
     card = ModelCard(name=name, model_type=ModelType.CHAT, context_length=256, kv_cache_block_size=block_size)
-    return msgspec.json.encode(ModelEntry(instance_id=instance_id, subject=f"s.{instance_id:x}", card=card))
+    entry = ModelEntry(instance_id=instance_id, subject=f"s.{instance_id:x}", card=card, router=router)
+    return msgspec.json.encode(entry)
 
 
 async def until(watcher: ModelWatcher, condition: Callable[[], bool]) -> None:
@@ -186,3 +188,37 @@ async def test_a_card_whose_block_size_cannot_be_routed_by_kv_is_skipped_with_a_
 )
 def test_the_endpoint_of_a_model_key_is_read_from_its_path(model_key: str, address: EndpointAddress | None) -> None:
     assert endpoint_of_model_key(model_key) == address
+
+
+async def test_each_model_is_routed_as_its_workers_registered_else_as_the_gateway_says(
+    runtime: DistributedRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: dict[str, RouterSettings] = {}
+
+    def build(settings: RouterSettings, *, block_size: int, nc: Any, address: EndpointAddress | None) -> Router:
+        built[f"{len(built)}"] = settings
+        return RecordingRouter()
+
+    monkeypatch.setattr(model_watcher, "build_router", build)
+    gateway = RouterSettings(mode=RouterMode.ROUND_ROBIN, predicted_ttl_s=30.0)
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry, router=gateway)
+    watch = asyncio.create_task(watcher.run())
+    try:
+        # Pipeline "a" asks for KV routing; "b" registers nothing and gets the gateway's own settings.
+        pipeline = PipelineRouter(mode="kv", overlap_score_weight=4.0, temperature=0.5, use_kv_events=False)
+        await runtime.discovery.register(key(1), chat_entry("a", 1, router=pipeline))
+        await until(watcher, lambda: registry.names() == ["a"])
+        await runtime.discovery.register(key(2), chat_entry("b", 2))
+        await until(watcher, lambda: registry.names() == ["a", "b"])
+        assert built["0"] == RouterSettings(
+            mode=RouterMode.KV, overlap_score_weight=4.0, temperature=0.5, use_kv_events=False, predicted_ttl_s=30.0
+        )
+        assert built["1"] == gateway
+        # A mode no router has: the model is not served, and the watch goes on.
+        await runtime.discovery.register(key(3), chat_entry("c", 3, router=PipelineRouter(mode="fastest")))
+        await runtime.discovery.register(key(4), chat_entry("d", 4))
+        await until(watcher, lambda: registry.names() == ["a", "b", "d"])
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
