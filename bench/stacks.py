@@ -43,7 +43,8 @@ from runtime.model_loading import load_model_card  # noqa: E402
 from runtime.tokenizer import gguf_metadata, open_gguf  # noqa: E402
 
 MODEL = "smol"
-DYNAMO_PYTHON = Path(os.environ.get("DYNAMO_PYTHON", "/work/dynamo-venv/bin/python"))
+#: Dynamo's interpreter: `make dynamo` installs it in .dynamo-venv/ (DYNAMO_PYTHON points elsewhere).
+DYNAMO_PYTHON = Path(os.environ.get("DYNAMO_PYTHON", ROOT / ".dynamo-venv" / "bin" / "python"))
 ROUTER_MODES = ("kv", "round-robin", "random")
 #: Ask Dynamo's frontend to name the worker in every streamed chunk (``nvext.worker_id``).
 DYNAMO_WORKER_FIELDS: dict[str, Any] = {"nvext": {"extra_fields": ["worker_id"]}}
@@ -365,7 +366,7 @@ def dynamo_stack(
         raise ValueError(f"router_mode {router_mode!r} is not one of {', '.join(ROUTER_MODES)}")
     mocker_flags = dynamo_mocker_flags(mocker_settings)
     if not python.exists():
-        raise RuntimeError(f"no Dynamo at {python}: install it (ENVIRONMENT.md) or set DYNAMO_PYTHON")
+        raise RuntimeError(f"no Dynamo at {python}: run `make dynamo`, or set DYNAMO_PYTHON")
     with _log_dir(log_dir) as directory, infrastructure(directory) as servers, contextlib.ExitStack() as stack:
         model_dir = build_model_folder(smollm2_path(), directory / "model")
         env = {

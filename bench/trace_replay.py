@@ -590,6 +590,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=24.0, help="--generate: requests per second")
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of trace to replay per mode")
     parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson", help="--generate: arrival gaps")
+    parser.add_argument(
+        "--document-tokens", default="2000-4000", metavar="LOW-HIGH",
+        help="--generate: tokens of the document or code a conversation opens with (default 2000-4000); "
+        "longer ones make a cache miss cost more against a hit",
+    )  # fmt: skip
     parser.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id (Mooncake: 512)")
     parser.add_argument("--dynamo", action="store_true", help="also replay through Dynamo (round-robin, kv)")
     parser.add_argument("--modes", help=f"comma-separated modes to run, in order, from: {', '.join(MODES)}")
@@ -607,6 +612,13 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.rate <= 0 or args.duration <= 0 or args.trace_block_size < 1:
         parser.error("--rate and --duration must be above 0, --trace-block-size at least 1")
+    try:
+        low, high = (int(part) for part in args.document_tokens.split("-"))
+    except ValueError:
+        parser.error(f"--document-tokens: expected LOW-HIGH token counts, like 2000-4000, not {args.document_tokens!r}")
+    if not 1 <= low <= high <= TrafficShape.max_prompt - 1000:
+        parser.error(f"--document-tokens: need 1 <= LOW <= HIGH <= {TrafficShape.max_prompt - 1000}")
+    args.shape = TrafficShape(first_message=(low, high))
     if args.modes:
         args.mode_list = [MODES[name] for name in args.modes.split(",") if name in MODES]
         if unknown := [name for name in args.modes.split(",") if name not in MODES]:
@@ -619,7 +631,7 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--mocker: not a JSON object: {exc}")
     dynamo = any(mode.stack == "dynamo" for mode in args.mode_list)
     if dynamo and not DYNAMO_PYTHON.exists():
-        parser.error(f"no Dynamo at {DYNAMO_PYTHON}: install it (/work/shared/ENVIRONMENT.md) or set DYNAMO_PYTHON")
+        parser.error(f"no Dynamo at {DYNAMO_PYTHON}: run `make dynamo`, or set DYNAMO_PYTHON")
     try:
         check_mocker_settings(args.settings, dynamo=dynamo)
     except ValueError as exc:
@@ -631,7 +643,7 @@ def parse_args() -> argparse.Namespace:
         else:
             args.trace_requests = generate_trace(
                 seed=args.seed, rate=args.rate, duration=args.duration,
-                block_size=args.trace_block_size, arrivals=args.arrivals,
+                block_size=args.trace_block_size, arrivals=args.arrivals, shape=args.shape,
             )  # fmt: skip
     except TraceError as exc:
         parser.error(str(exc))

@@ -37,7 +37,7 @@ class RunOptions:
     max_queued: int = 16384
     queue_timeout_s: float = 120.0
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
-    extra_engine_args: Path | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
+    extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
     #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).
     worker_router: PipelineRouter | None = None

@@ -75,15 +75,20 @@ def parse_mocker_config(values: Any, source: str = "--extra-engine-args") -> Moc
     return config
 
 
-def load_mocker_config(path: Path | None) -> MockerConfig:
-    """The settings in JSON file ``path``; the defaults when None. Raises ConfigError (see parse_mocker_config)."""
+def load_mocker_config(path: Path | str | None) -> MockerConfig:
+    """The settings in JSON file ``path``, or in ``path`` itself when it is a str holding a JSON object (as
+    the node agent passes a pipeline's settings); the defaults when None. Raises ConfigError (see
+    parse_mocker_config)."""
     if path is None:
         return MockerConfig()
-    source = f"--extra-engine-args {path}"
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot be read: {exc.strerror}") from None
+    if isinstance(path, str):
+        source, raw = "--extra-engine-args (inline JSON)", path.encode()
+    else:
+        source = f"--extra-engine-args {path}"
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot be read: {exc.strerror}") from None
     try:
         values = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:

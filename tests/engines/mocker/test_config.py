@@ -63,3 +63,11 @@ def test_a_step_must_have_room_for_a_token_of_every_running_sequence() -> None:
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(100\) must be at least max_num_seqs \(256\)"):
         parse_mocker_config({"max_num_batched_tokens": 100})
     assert parse_mocker_config({"max_num_batched_tokens": 100, "max_num_seqs": 100}).max_num_seqs == 100
+
+
+def test_settings_may_be_given_inline_as_a_json_object() -> None:
+    assert load_mocker_config('{"speedup_ratio": 10, "block_size": 16}') == MockerConfig(
+        speedup_ratio=10, block_size=16
+    )
+    with pytest.raises(ConfigError, match=r"--extra-engine-args \(inline JSON\): not valid JSON"):
+        load_mocker_config('{"speedup_ratio": ')
