@@ -1,4 +1,9 @@
-"""Changes to the model catalog. Each runs in one transaction and writes an audit entry."""
+"""Changes to the model catalog. Each runs in one transaction and writes an audit entry.
+
+A model whose ``memory_bytes`` the operator leaves out gets an estimate (catalog/memory.py), kept up to
+date when what it is made of changes (size, config, context length, source); a local source this
+machine can read gives its own size and config when they are not given.
+"""
 
 import re
 from typing import Any
@@ -7,6 +12,7 @@ from django.db import IntegrityError, transaction
 
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES
+from controlplane.catalog.memory import estimate_memory_bytes, read_local_model
 from controlplane.catalog.models import LanguageModel
 from controlplane.errors import Conflict, Invalid
 
@@ -22,8 +28,12 @@ MODEL_FIELDS = frozenset(
         "default_engine_args",
         "size_bytes",
         "memory_bytes",
+        "context_length",
+        "config",
     }
 )
+# What an estimate is made of: a change to any of them makes a new one.
+_ESTIMATE_INPUTS = frozenset({"size_bytes", "config", "context_length", "source", "source_kind"})
 # huggingface_hub's own rule for a repo id: "name" or "owner/name".
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
@@ -40,6 +50,9 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     _check_fields(fields)
     model = LanguageModel(**fields)
     check_model(model)
+    _fill_from_local_files(model)
+    if model.memory_bytes is None:
+        _estimate(model)
     try:
         model.save()
     except IntegrityError as exc:
@@ -60,12 +73,36 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
     for name, value in changes.items():
         setattr(model, name, value)
     check_model(model)
+    if "source" in changes or "source_kind" in changes:
+        _fill_from_local_files(model)
+    if "memory_bytes" in changes:
+        model.memory_estimated = False
+        if model.memory_bytes is None:  # "forget my figure": estimate instead
+            _estimate(model)
+    elif (model.memory_estimated or model.memory_bytes is None) and _ESTIMATE_INPUTS & set(changes):
+        _estimate(model)
     try:
         model.save()
     except IntegrityError as exc:
         raise Conflict(f"a model named {model.name!r} already exists") from exc
     record(actor, "model.update", model, before=before, after=snapshot(model))
     return model
+
+
+@transaction.atomic
+def record_model_size(actor: Actor, model: LanguageModel, size_bytes: int) -> bool:
+    """Learn a model's size on disk from a finished download, when nobody gave it; the memory estimate
+    follows. Returns whether anything changed (a known size is kept)."""
+    model = LanguageModel.objects.select_for_update().get(pk=model.pk)
+    if model.size_bytes is not None or size_bytes <= 0:
+        return False
+    before = snapshot(model)
+    model.size_bytes = size_bytes
+    if model.memory_bytes is None or model.memory_estimated:
+        _estimate(model)
+    model.save()
+    record(actor, "model.update", model, before=before, after=snapshot(model))
+    return True
 
 
 @transaction.atomic
@@ -103,6 +140,26 @@ def check_model(model: LanguageModel) -> None:
             f"{model.engine} loads GGUF files: use a gguf source, or a Hugging Face filename ending in .gguf",
             field="engine",
         )
+
+
+def _estimate(model: LanguageModel) -> None:
+    model.memory_bytes = estimate_memory_bytes(model.size_bytes, model.config or {}, model.context_length)
+    model.memory_estimated = model.memory_bytes is not None
+
+
+def _fill_from_local_files(model: LanguageModel) -> None:
+    """Take the size and config of a local source from its files, when this machine sees them."""
+    if model.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
+        return
+    if model.size_bytes is not None and model.config:
+        return
+    files = read_local_model(model.source)
+    if files is None:
+        return
+    if model.size_bytes is None:
+        model.size_bytes = files.size_bytes
+    if not model.config:
+        model.config = files.config
 
 
 def _check_fields(fields: dict[str, Any]) -> None:

@@ -19,9 +19,10 @@ class LanguageModel(models.Model):
 
     ``source`` depends on ``source_kind``: a Hugging Face repo id (with ``revision`` and, for a repo of
     GGUF files, the ``filename`` to use), or an absolute path on the nodes to a folder or a GGUF file.
-    ``memory_bytes`` is the estimated memory one replica needs (GPU memory, split evenly over its GPUs;
-    system memory for CPU engines); None means unknown, which makes placement give each GPU replica whole
-    GPUs to itself.
+    ``memory_bytes`` is the memory one replica needs (GPU memory, split evenly over its GPUs; system
+    memory for CPU engines): the operator's figure, or when they give none an estimate from
+    ``size_bytes``, ``config`` and ``context_length`` (``memory_estimated``; catalog/memory.py says how).
+    None means unknown, which makes placement give each GPU replica whole GPUs to itself.
     """
 
     class SourceKind(models.TextChoices):
@@ -38,6 +39,9 @@ class LanguageModel(models.Model):
     default_engine_args = models.JSONField(default=dict, blank=True)
     size_bytes = models.BigIntegerField(null=True, blank=True)
     memory_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_estimated = models.BooleanField(default=False)
+    context_length = models.PositiveIntegerField(null=True, blank=True)  # tokens; None: the model's own
+    config = models.JSONField(default=dict, blank=True)  # what the estimate reads of its config.json
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -3,9 +3,11 @@
 Each action runs in one transaction and writes audit entries. Actions record desired state (a group's
 replica count, the pipeline's running/stopped state) together with the instance rows it implies: new
 instances are pending and unplaced; instances no longer wanted are stopping (or stopped when nothing
-runs). ``place_pending_instances`` is the reconciler's entry point: it places what is pending with
-``placement.place`` and leaves the reason on whatever does not fit; dispatching the placed instances to
-their nodes' agents is the reconciler's next step.
+runs). Each asks for a reconciler pass once it commits (``request_reconcile``), so that the change
+reaches the agents at once rather than at the next periodic pass. ``place_pending_instances`` is the
+reconciler's placement step: it places what is pending with ``placement.place`` and leaves the reason on
+whatever does not fit; dispatching the placed instances to their nodes' agents is the reconciler's next
+step (controlplane/deployments/reconciler.py).
 """
 
 import math
@@ -20,6 +22,7 @@ from django.db import IntegrityError, transaction
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
+from controlplane.celery_app import request_reconcile
 from controlplane.deployments.models import Pipeline, WorkerGroup
 from controlplane.deployments.placement import Demand, Placement, Unschedulable, place
 from controlplane.errors import Conflict, Invalid
@@ -110,6 +113,7 @@ def deploy_pipeline(
         )
         add_instances(actor, group, spec.replicas)
     record(actor, "pipeline.deploy", pipeline, before=None, after=pipeline_snapshot(pipeline))
+    request_reconcile()
     return pipeline
 
 
@@ -128,6 +132,7 @@ def update_pipeline(actor: Actor, pipeline: Pipeline, **changes: Any) -> Pipelin
         setattr(pipeline, name, value)
     pipeline.save()
     record(actor, "pipeline.update", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    request_reconcile()  # new pins or policy may let waiting instances be placed
     return pipeline
 
 
@@ -152,6 +157,7 @@ def scale_pipeline(actor: Actor, pipeline: Pipeline, replicas: int, role: str | 
         for instance in _to_stop(live, len(live) - replicas):
             stop_instance(actor, instance, f"scaled down to {replicas} by {actor.name}")
     record(actor, "pipeline.scale", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    request_reconcile()
     return group
 
 
@@ -168,6 +174,7 @@ def stop_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
         for instance in _live_instances(group):
             stop_instance(actor, instance, f"pipeline stopped by {actor.name}")
     record(actor, "pipeline.stop", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    request_reconcile()
     return pipeline
 
 
@@ -183,6 +190,7 @@ def start_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
     for group in pipeline.groups.all():
         add_instances(actor, group, group.replicas - len(_live_instances(group)))
     record(actor, "pipeline.start", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    request_reconcile()
     return pipeline
 
 

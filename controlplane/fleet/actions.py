@@ -1,16 +1,23 @@
 """Changes to nodes, GPUs, instances and downloads. Each action runs in one transaction with an audit entry.
 
 Agents call ``register_node``, ``heartbeat``, ``report_instance_state`` and ``report_download``; people
-call ``drain_node``, ``undrain_node``, ``delete_node`` and ``restart_instance``. The instance helpers at
-the end (``add_instances``, ``stop_instance``, ``transition``) are building blocks for actions here and
-in deployments; they expect to run inside the caller's transaction.
+call ``drain_node``, ``undrain_node``, ``delete_node`` and ``restart_instance``; the reconciler calls
+``mark_node_offline``, ``evacuate_offline_node``, ``restart_failed_instance``, ``give_up_instance`` and
+``dispatch_instance``. The instance helpers at the end (``add_instances``, ``stop_instance``,
+``transition``) are building blocks for actions here and in deployments; they expect to run inside the
+caller's transaction.
+
+Actions that may give the reconciler work (a new or returning node, a drain, a failure, a restart) ask
+for a pass once they commit (``request_reconcile``); the periodic pass comes anyway, this only makes it
+sooner.
 
 Two kinds of agent news are deliberately not audited, because 200 nodes heartbeating every 5 s would
 bury the log: a heartbeat that changes only usage figures (memory used, utilisation), and an instance
 report that repeats the state it is in (download progress, a pid). Changes of state or of hardware are.
 """
 
-from collections.abc import Sequence
+import datetime
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -18,7 +25,9 @@ from django.db.models import F
 from django.utils import timezone
 
 from controlplane.audit.records import JSON, Actor, record, snapshot
+from controlplane.catalog.actions import record_model_size
 from controlplane.catalog.models import LanguageModel
+from controlplane.celery_app import request_reconcile
 from controlplane.deployments.models import WorkerGroup
 from controlplane.errors import Conflict, Forbidden, Invalid, Missing
 from controlplane.fleet.models import (
@@ -44,6 +53,13 @@ AGENT_REPORTABLE_STATES = frozenset(
     }
 )
 AGENT_REPORTABLE_CHOICES = sorted(AGENT_REPORTABLE_STATES)
+# A failure after the instance stayed ready this long starts a new streak (restart backoff from the start),
+# as Kubernetes forgets a crash loop after ten minutes of running.
+HEALTHY_RUN = datetime.timedelta(minutes=10)
+# States of an instance on a node that went offline which the reconciler fails (its process is lost).
+_LOST_WITH_NODE = frozenset(
+    {InstanceState.PENDING, InstanceState.DOWNLOADING, InstanceState.STARTING, InstanceState.READY}
+)
 
 
 def node_snapshot(node: Node) -> JSON:
@@ -74,6 +90,7 @@ def register_node(actor: Actor, name: str, report: NodeReport) -> Node:
         raise Conflict(f"node {name!r} registered twice at once; retry") from exc
     _sync_gpus(node, report.gpus)
     record(actor, "node.register", node, before=before, after=node_snapshot(node))
+    request_reconcile()  # pending instances may fit on it now
     return node
 
 
@@ -95,6 +112,8 @@ def heartbeat(actor: Actor, name: str, report: NodeReport) -> Node:
     _sync_gpus(node, report.gpus)
     if came_back or old_hardware != report.hardware():
         record(actor, "node.heartbeat", node, before=before, after=node_snapshot(node))
+    if came_back:
+        request_reconcile()
     return node
 
 
@@ -120,6 +139,7 @@ def drain_node(actor: Actor, node: Node) -> Node:
         moved.append({"stopped": instance.pk, "replacement": replacement.pk})
     after = node_snapshot(node) | {"moved_instances": moved}
     record(actor, "node.drain", node, before=before, after=after)
+    request_reconcile()
     return node
 
 
@@ -133,6 +153,7 @@ def undrain_node(actor: Actor, node: Node) -> Node:
     node.draining = False
     node.save(update_fields=["draining", "updated_at"])
     record(actor, "node.undrain", node, before=before, after=node_snapshot(node))
+    request_reconcile()
     return node
 
 
@@ -178,6 +199,7 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
     before = snapshot(instance)
     if target == InstanceState.FAILED:
         details["reason"] = report.reason or "the agent gave no reason"
+        details["failure_streak"] = _failure_streak(instance)
     elif target == InstanceState.STOPPED:
         details["reason"] = report.reason or instance.reason
     else:
@@ -190,6 +212,8 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
         details["download_progress"] = None
     transition(instance, target, **details)
     record(actor, "instance.state", instance, before=before, after=snapshot(instance))
+    if target in (InstanceState.PENDING, InstanceState.FAILED):
+        request_reconcile()  # start it again (in place, or after its backoff)
     return instance
 
 
@@ -221,6 +245,9 @@ def report_download(actor: Actor, node_name: str, model_id: int, report: Downloa
     download.save()
     if old_state != download.state:
         record(actor, "download.state", download, before=before, after=snapshot(download))
+        if download.state == Download.State.DONE and download.bytes_total:
+            # The first finished download tells the catalog a size nobody gave it, for the memory estimate.
+            record_model_size(actor, model, download.bytes_total)
     return download
 
 
@@ -235,13 +262,138 @@ def restart_instance(actor: Actor, instance: Instance) -> Instance:
     if instance.state in (InstanceState.DOWNLOADING, InstanceState.STARTING, InstanceState.READY):
         transition(instance, InstanceState.STOPPING, restart_requested=True, reason=f"restart by {actor.name}")
     elif instance.state == InstanceState.FAILED:
-        transition(instance, InstanceState.PENDING, restarts=instance.restarts + 1, reason="", pid=None)
+        # A person's restart forgives the failures so far: a given-up instance gets a fresh series.
+        transition(
+            instance, InstanceState.PENDING, restarts=instance.restarts + 1, reason="", pid=None, failure_streak=0
+        )
     elif instance.state == InstanceState.STOPPING and instance.restart_requested:
         raise Conflict(f"instance {instance.name} is restarting already")
     else:
         raise Conflict(f"instance {instance.name} is {instance.state}: there is no process to restart")
     record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
+    request_reconcile()
     return instance
+
+
+# The reconciler's actions: each is idempotent and safe against a second pass running at the same time.
+
+
+@transaction.atomic
+def mark_node_offline(actor: Actor, node: Node, silent_since: datetime.datetime) -> bool:
+    """Mark an online node offline if its last heartbeat is older than ``silent_since``.
+
+    Returns whether it did: False when a heartbeat arrived meanwhile or another pass got there first.
+    """
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    last = node.last_heartbeat_at
+    if node.state != Node.State.ONLINE or last is None or last >= silent_since:
+        return False
+    before = node_snapshot(node)
+    # Conditional on the heartbeat we read: one that lands now keeps the node online.
+    updated = Node.objects.filter(pk=node.pk, state=Node.State.ONLINE, last_heartbeat_at=last).update(
+        state=Node.State.OFFLINE, updated_at=timezone.now()
+    )
+    if not updated:
+        return False
+    node.state = Node.State.OFFLINE
+    after = node_snapshot(node) | {"reason": f"no heartbeat since {_moment(last)}"}
+    record(actor, "node.offline", node, before=before, after=after)
+    return True
+
+
+@transaction.atomic
+def evacuate_offline_node(actor: Actor, node: Node) -> list[Instance]:
+    """Give up the processes of an offline node: what ran or was about to start there fails, so that the
+    reconciler places it elsewhere; what was stopping is stopped (or pending again, for a restart).
+
+    The node's agent, should it come back, stops the workers it still runs that are no longer listed
+    for it. Returns the instances changed; those an agent report changed meanwhile are left for the
+    next pass. Does nothing for a node that is online again.
+    """
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.state != Node.State.OFFLINE:
+        return []
+    lost = f"node {node.name} stopped heartbeating at {_moment(node.last_heartbeat_at)}"
+    changed = []
+    on_node = Instance.objects.select_related("pipeline", "group").filter(
+        node=node, state__in=_LOST_WITH_NODE | {InstanceState.STOPPING}
+    )
+    for instance in on_node.order_by("id"):
+        before = snapshot(instance)
+        try:
+            if instance.state != InstanceState.STOPPING:
+                transition(instance, InstanceState.FAILED, reason=lost, pid=None, download_progress=None)
+            elif instance.restart_requested:
+                transition(instance, InstanceState.PENDING, **_fresh_start(instance), restart_requested=False)
+            else:
+                transition(instance, InstanceState.STOPPED, reason=f"{lost} while it was stopping", pid=None)
+        except Conflict:
+            continue
+        record(actor, "instance.node_lost", instance, before=before, after=snapshot(instance))
+        changed.append(instance)
+    return changed
+
+
+@transaction.atomic
+def restart_failed_instance(actor: Actor, instance: Instance) -> Instance:
+    """Make a failed instance pending again, unplaced, to be placed where it fits now (restarts + 1).
+
+    The reconciler calls it once the instance's backoff has passed. Raises Conflict when the instance
+    changed meanwhile, InvalidTransition when it is not failed.
+    """
+    before = snapshot(instance)
+    transition(instance, InstanceState.PENDING, **_fresh_start(instance))
+    record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
+    return instance
+
+
+@transaction.atomic
+def give_up_instance(actor: Actor, instance: Instance, restarts: int) -> bool:
+    """Leave a failed instance failed for good, its reason saying so; a person's restart revives it.
+
+    Returns False when it is not failed any more, or was given up already.
+    """
+    prefix = f"gave up after {restarts} restarts: "
+    if instance.state != InstanceState.FAILED or instance.reason.startswith("gave up after "):
+        return False
+    before = snapshot(instance)
+    reason = prefix + instance.reason
+    updated = Instance.objects.filter(pk=instance.pk, state=InstanceState.FAILED, reason=instance.reason).update(
+        reason=reason, updated_at=timezone.now()
+    )
+    if not updated:
+        return False
+    instance.reason = reason
+    record(actor, "instance.give_up", instance, before=before, after=snapshot(instance))
+    return True
+
+
+@transaction.atomic
+def dispatch_instance(
+    actor: Actor, instance: Instance, task: str, send: Callable[[], None], now: datetime.datetime
+) -> bool:
+    """Record that ``task`` goes to the instance's agent now, and ``send`` it, exactly once per claim.
+
+    The claim is a conditional update on the state, node, attempt and last dispatch we read, so of two
+    passes that both see the instance due only one sends. ``send`` runs inside the transaction, after the
+    claim: if it raises (the broker is unreachable), the claim and its audit entry roll back and the
+    next pass tries again. Returns False when another pass (or a state change) got there first.
+    """
+    claimed = Instance.objects.filter(
+        pk=instance.pk,
+        state=instance.state,
+        node_id=instance.node_id,
+        restarts=instance.restarts,
+        dispatched_at=instance.dispatched_at,
+    ).update(dispatched_at=now)
+    if not claimed:
+        return False
+    before = snapshot(instance)
+    instance.dispatched_at = now
+    after = snapshot(instance) | {"task": task}
+    record(actor, "instance.dispatch", instance, before=before, after=after)
+    send()
+    return True
 
 
 # Building blocks for actions (here and in deployments); they run inside the caller's transaction.
@@ -288,13 +440,37 @@ def transition(instance: Instance, new_state: str, **fields: Any) -> None:
     """
     check_transition(instance.state, new_state)
     now = timezone.now()
-    changes = {"state": new_state, "state_changed_at": now, "updated_at": now, **fields}
+    # A new state needs its own task sent (or none): what was dispatched for the old one no longer counts.
+    changes = {"state": new_state, "state_changed_at": now, "updated_at": now, "dispatched_at": None, **fields}
     updated = Instance.objects.filter(pk=instance.pk, state=instance.state).update(**changes)
     if updated != 1:
         current = Instance.objects.filter(pk=instance.pk).values_list("state", flat=True).first()
         raise Conflict(f"instance {instance.pk} changed meanwhile (it is {current or 'gone'} now); retry")
     for name, value in changes.items():
         setattr(instance, name, value)
+
+
+def _failure_streak(instance: Instance) -> int:
+    """The instance's failure count once this failure is counted: 1 after a long healthy run."""
+    healthy = instance.state == InstanceState.READY and timezone.now() - instance.state_changed_at >= HEALTHY_RUN
+    return 1 if healthy else instance.failure_streak + 1
+
+
+def _fresh_start(instance: Instance) -> dict[str, Any]:
+    """The fields of an instance that starts again from scratch, to be placed anew."""
+    return {
+        "node": None,
+        "gpu_indexes": [],
+        "pid": None,
+        "endpoint_instance_id": None,
+        "download_progress": None,
+        "restarts": instance.restarts + 1,
+        "reason": "",
+    }
+
+
+def _moment(when: datetime.datetime | None) -> str:
+    return "an unknown time" if when is None else when.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _live_instances_on(node: Node) -> list[Instance]:

@@ -1,10 +1,12 @@
 """The fleet: nodes and their GPUs (as agents report them), the instances placed on them, and downloads."""
 
+import contextlib
+import datetime
 import re
 from typing import ClassVar
 
 from django.core.validators import RegexValidator
-from django.db import models
+from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 
 from controlplane.errors import InvalidTransition
@@ -150,6 +152,11 @@ class Instance(models.Model):
     ``pending`` with no node means "not placed yet" (``reason`` says why, when placement failed); the
     reconciler places it and dispatches it to the node's agent, which reports every later state.
     ``stopped`` is final. ``restart_requested`` turns the agent's "stopped" into ``pending`` again.
+
+    ``dispatched_at`` is when the reconciler last sent the agent the task the current state needs (start
+    for a placed pending instance, stop for a stopping one); every state change clears it. ``restarts``
+    counts every start after the first and is the ``attempt`` an agent sees. ``failure_streak`` counts
+    the failures since the instance last ran well; it sets the restart backoff and the give-up point.
     """
 
     State = InstanceState
@@ -165,6 +172,8 @@ class Instance(models.Model):
     endpoint_instance_id = models.BigIntegerField(null=True, blank=True)  # the worker's id in etcd (63 bits)
     restarts = models.PositiveIntegerField(default=0)
     restart_requested = models.BooleanField(default=False)
+    failure_streak = models.PositiveIntegerField(default=0)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
     download_progress = models.FloatField(null=True, blank=True)  # 0..1 while downloading
     created_at = models.DateTimeField(auto_now_add=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)
@@ -219,3 +228,56 @@ class Download(models.Model):
         if not self.bytes_total:
             return None
         return min(1.0, self.bytes_done / self.bytes_total)
+
+
+class Lease(models.Model):
+    """A named lease that one process at a time holds until ``expires_at``: the reconciler's pass lock.
+
+    Taking it is one conditional update (free, expired, or ours already), so it works the same on SQLite
+    and PostgreSQL and frees itself when its holder dies. ``rerun_requested`` is set by whoever found it
+    taken, so that the holder runs once more instead of the request being lost. Not audited: it is
+    coordination between processes, not desired state.
+    """
+
+    name = models.CharField(max_length=64, unique=True)
+    holder = models.CharField(max_length=255, blank=True)
+    expires_at = models.DateTimeField()
+    rerun_requested = models.BooleanField(default=False)
+
+    class Meta:
+        ordering: ClassVar = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} held by {self.holder or 'nobody'} until {self.expires_at.isoformat()}"
+
+    @classmethod
+    def acquire(cls, name: str, holder: str, now: datetime.datetime, ttl: datetime.timedelta) -> bool:
+        """Take (or renew) lease ``name`` for ``holder`` until ``now + ttl``. When another holds it, ask
+        that holder to run once more and return False."""
+        with contextlib.suppress(IntegrityError), transaction.atomic():
+            cls.objects.get_or_create(name=name, defaults={"expires_at": now})
+        for _ in range(2):
+            free_or_ours = Q(expires_at__lte=now) | Q(holder=holder)
+            if cls.objects.filter(free_or_ours, name=name).update(
+                holder=holder, expires_at=now + ttl, rerun_requested=False
+            ):
+                return True
+            # Still held: the flag is set only on a held lease, else its release may have crossed our try.
+            if cls.objects.filter(name=name, expires_at__gt=now).exclude(holder=holder).update(rerun_requested=True):
+                return False
+        return False
+
+    @classmethod
+    def extend(cls, name: str, holder: str, now: datetime.datetime, ttl: datetime.timedelta) -> bool:
+        """Renew ``holder``'s lease; False when it expired and someone else took it."""
+        return bool(cls.objects.filter(name=name, holder=holder).update(expires_at=now + ttl))
+
+    @classmethod
+    def release(cls, name: str, holder: str, now: datetime.datetime) -> bool:
+        """Let go of ``holder``'s lease, unless a rerun was asked for meanwhile: then the flag is cleared
+        and False says "run again" (the lease is still held)."""
+        if cls.objects.filter(name=name, holder=holder, rerun_requested=True).update(rerun_requested=False):
+            return False
+        cls.objects.filter(name=name, holder=holder, rerun_requested=False).update(holder="", expires_at=now)
+        # Still ours only if a rerun request landed between the two updates.
+        return not cls.objects.filter(name=name, holder=holder).exists()

@@ -1,0 +1,124 @@
+"""The control plane's Celery app: the reconciler's periodic task, and the broker that carries agents' tasks.
+
+* Broker and result backend: Redis at ``FLOTILLA_BROKER_URL`` (default ``redis://127.0.0.1:6379/0``);
+  results are kept only for what the control plane waits on (an agent's log tail).
+* JSON only, both ways: agents decode the payloads of ``runtime.fleet_tasks`` with msgspec.
+* Beat runs the reconcile task every ``FLOTILLA_RECONCILE_S`` seconds (default 2) on queue
+  ``controlplane`` (``runtime.fleet_tasks.CONTROL_PLANE_QUEUE``), which only the control plane's own
+  worker consumes; agents consume ``node.<name>``.
+
+Run it as ``celery -A controlplane.celery_app worker -Q controlplane`` plus ``celery -A
+controlplane.celery_app beat`` (or ``worker -B`` for one process). ``manage.py reconcile`` runs the same
+pass without Celery.
+
+Actions that change desired state call ``request_reconcile()``: a pass runs right after their commit
+instead of up to one interval later. When no broker answers, that is logged and dropped; beat comes anyway.
+"""
+
+import logging
+import os
+from pathlib import Path
+
+from celery import Celery
+from django.db import transaction
+from kombu.exceptions import OperationalError
+from kombu.utils.url import maybe_sanitize_url
+
+from controlplane.secret_key import default_data_dir
+from runtime.config import env_float, env_str
+from runtime.errors import ConfigError
+from runtime.fleet_tasks import CONTROL_PLANE_QUEUE
+
+# Celery's worker and beat import this module first: they need Django's settings to load the tasks.
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+#: The reconciler's one pass (controlplane/deployments/tasks.py).
+RECONCILE_TASK = "flotilla.controlplane.reconcile"
+# Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
+PUBLISH_CONNECT_TIMEOUT_S = 2.0
+_BROKER_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "memory://")
+
+
+def broker_url() -> str:
+    """``FLOTILLA_BROKER_URL`` or the default. Raises ConfigError for a URL Celery's Redis transport cannot use."""
+    url = env_str("FLOTILLA_BROKER_URL") or DEFAULT_BROKER_URL
+    if not url.startswith(_BROKER_SCHEMES):
+        raise ConfigError(f"FLOTILLA_BROKER_URL={url!r} is not a Redis URL (redis://HOST:PORT/DB)")
+    return url
+
+
+def reconcile_interval_s() -> float:
+    """Seconds between two reconciler passes: ``FLOTILLA_RECONCILE_S`` (default 2). Raises ConfigError."""
+    return env_float("FLOTILLA_RECONCILE_S", 2.0, minimum=0.1)
+
+
+def create_app(broker: str | None = None, *, interval_s: float | None = None) -> Celery:
+    """A Celery app on ``broker`` (default: ``broker_url()``) with the reconciler's schedule and routes."""
+    url = broker or broker_url()
+    interval = interval_s if interval_s is not None else reconcile_interval_s()
+    celery = Celery("flotilla-controlplane")
+    celery.conf.update(
+        broker_url=url,
+        result_backend=url,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        # Nothing of ours may land on Celery's default "celery" queue, which nobody consumes.
+        task_default_queue=CONTROL_PLANE_QUEUE,
+        task_routes={RECONCILE_TASK: {"queue": CONTROL_PLANE_QUEUE}},
+        beat_schedule={
+            "reconcile": {
+                "task": RECONCILE_TASK,
+                "schedule": interval,
+                # A pass that waited longer than an interval is overtaken by the next one: drop it.
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": interval},
+            }
+        },
+        beat_schedule_filename=str(Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir()) / "celerybeat-schedule"),
+        broker_connection_timeout=PUBLISH_CONNECT_TIMEOUT_S,
+        # A publish tries a lost broker twice, not kombu's default four times with sleeps (2 s) in between:
+        # it runs in an API request's commit, and the reconciler tries again on its next pass anyway.
+        broker_transport_options={"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1},
+        # Reading an answer retries a lost Redis once, not Celery's default 20 times a second apart: an
+        # API request waiting on an agent's answer must fail in seconds.
+        result_backend_transport_options={"retry_policy": {"max_retries": 1, "interval_start": 0.2}},
+        broker_connection_retry_on_startup=True,
+        result_expires=300,
+        worker_prefetch_multiplier=1,
+        timezone="UTC",
+        enable_utc=True,
+    )
+    celery.autodiscover_tasks(["controlplane.deployments"])
+    return celery
+
+
+app = create_app()
+
+
+def request_reconcile() -> None:
+    """Ask for a reconciler pass once the current transaction commits (at once outside of one)."""
+    transaction.on_commit(lambda: send_reconcile_request(app))
+
+
+def send_reconcile_request(celery: Celery) -> bool:
+    """Queue one reconciler pass on ``celery``'s broker; False (logged) when the broker does not take it."""
+    try:
+        celery.send_task(
+            RECONCILE_TASK,
+            queue=CONTROL_PLANE_QUEUE,
+            retry=False,
+            ignore_result=True,  # nobody waits for it: no subscription to its result either
+            expires=reconcile_interval_s() * 5,
+        )
+    except (OperationalError, OSError) as exc:
+        log.info(
+            "no early reconciler pass: the broker %s did not take the request (%s); the periodic pass will come",
+            maybe_sanitize_url(celery.conf.broker_url),
+            exc,
+        )
+        return False
+    return True

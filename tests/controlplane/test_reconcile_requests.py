@@ -1,0 +1,90 @@
+"""Actions that change desired state ask for a reconciler pass once they commit, and only then."""
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from controlplane import celery_app
+from controlplane.audit.records import Actor
+from controlplane.deployments import actions as deployment_actions
+from controlplane.errors import Invalid
+from controlplane.fleet import actions as fleet_actions
+from controlplane.fleet.models import Instance
+from controlplane.fleet.reports import InstanceReport
+from tests.controlplane.factories import TEST_ACTOR, deploy, make_node
+from tests.controlplane.reconciling import Clock, RecordingDispatcher, make_reconciler
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The reconcile requests that would reach the broker."""
+    sent: list[object] = []
+    monkeypatch.setattr(celery_app, "send_reconcile_request", lambda app: sent.append(app) or True)
+    return sent
+
+
+@pytest.fixture
+def committing(django_capture_on_commit_callbacks: Any) -> Callable[[], Any]:
+    """``with committing():`` runs the on-commit callbacks of what happens inside, as a commit would."""
+    return lambda: django_capture_on_commit_callbacks(execute=True)
+
+
+@pytest.fixture
+def running() -> None:
+    """A pipeline with one instance, placed and started on node gpu-a."""
+    make_node("gpu-a", (80, 80))
+    deploy("chat", gpus_per_replica=1)
+    make_reconciler(RecordingDispatcher(), Clock()).run_once()
+
+
+def test_a_scale_asks_for_one_pass_after_its_commit(
+    running: None, requests: list[object], committing: Callable[[], Any]
+) -> None:
+    pipeline = Instance.objects.get().pipeline
+    with committing():
+        deployment_actions.scale_pipeline(TEST_ACTOR, pipeline, 3)
+        assert requests == []  # not before the commit: the pass must see the new rows
+    assert requests == [celery_app.app]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda i: deployment_actions.stop_pipeline(TEST_ACTOR, i.pipeline),
+        lambda i: deployment_actions.update_pipeline(TEST_ACTOR, i.pipeline, placement_policy="binpack"),
+        lambda i: fleet_actions.drain_node(TEST_ACTOR, i.node),
+        lambda i: fleet_actions.restart_instance(TEST_ACTOR, i),
+        lambda i: fleet_actions.report_instance_state(
+            Actor.agent("gpu-a"), "gpu-a", i.pk, InstanceReport(state="failed", reason="exit code 1")
+        ),
+    ],
+    ids=["stop", "update", "drain", "restart", "agent reports a failure"],
+)
+def test_changes_that_give_the_reconciler_work_ask_for_a_pass(
+    running: None, requests: list[object], committing: Callable[[], Any], change: Callable[[Instance], Any]
+) -> None:
+    instance = Instance.objects.select_related("pipeline", "node").get()
+    fleet_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", instance.pk, InstanceReport(state="ready"))
+    with committing():
+        change(instance)
+    assert len(requests) == 1
+
+
+def test_a_refused_action_asks_for_nothing(
+    running: None, requests: list[object], committing: Callable[[], Any]
+) -> None:
+    pipeline = Instance.objects.get().pipeline
+    with committing(), pytest.raises(Invalid):
+        deployment_actions.scale_pipeline(TEST_ACTOR, pipeline, -1)
+    assert requests == []
+
+
+def test_a_pass_asks_for_no_further_pass(requests: list[object], committing: Callable[[], Any]) -> None:
+    make_node("gpu-a", (80, 80))
+    deploy("chat", gpus_per_replica=1)
+    with committing():
+        make_reconciler(RecordingDispatcher(), Clock()).run_once()
+    assert requests == []

@@ -1,0 +1,99 @@
+"""What an agent is told to run: an instance as StartInstance / StopInstance, and engine args as flags."""
+
+import msgspec
+import pytest
+
+from controlplane.deployments.actions import GroupSpec, deploy_pipeline, place_pending_instances
+from controlplane.deployments.worker_specs import engine_argv, gpu_memory_bytes, start_message, stop_message
+from controlplane.fleet.models import Instance
+from runtime.fleet_tasks import LocalSource, PipelineRouter, StartInstance, decode_task_argument
+from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node
+
+MOCKER_SETTINGS = ["--extra-engine-args", '{"speedup_ratio":10}']
+
+
+def placed(engine: str | None = None, **model_fields: object) -> Instance:
+    make_node("gpu-a", (80, 80, 80, 80))
+    model = make_model("llama", **model_fields)
+    group = GroupSpec(gpus_per_replica=2, engine=engine, engine_args={"--context-length": 2048, "dp_size": 2})
+    deploy_pipeline(
+        TEST_ACTOR,
+        name="llama+chat",
+        model=model,
+        groups=[group],
+        router_mode="kv",
+        kv_overlap_score_weight=0.5,
+        router_temperature=0.2,
+        use_kv_events=False,
+    )
+    place_pending_instances(TEST_ACTOR)
+    return Instance.objects.select_related("pipeline__model", "group", "node").get()
+
+
+@pytest.mark.django_db
+def test_a_start_message_names_the_worker_its_gpus_router_and_model_files() -> None:
+    instance = placed(
+        source_kind="gguf", source="/models/llama.gguf", engine="mocker", memory_bytes=30 * GiB,
+        default_engine_args={"speedup_ratio": 100, "dp_size": 1},
+    )  # fmt: skip
+
+    message = start_message(instance)
+
+    spec = message.spec
+    assert (spec.instance_id, spec.pipeline, spec.model_name) == (instance.pk, "llama-chat", "llama+chat")
+    assert (spec.gpu_indexes, spec.gpu_memory_bytes) == (instance.gpu_indexes, 15 * GiB)
+    assert spec.engine_args == ["--context-length", "2048", "--extra-engine-args", '{"dp_size":2,"speedup_ratio":100}']
+    assert spec.router == PipelineRouter(mode="kv", overlap_score_weight=0.5, temperature=0.2, use_kv_events=False)
+    assert spec.labels == {"model": "llama"}
+    assert message.source == LocalSource(path="/models/llama.gguf")
+    assert str(spec.address) == "dyn://llama-chat.backend.generate"
+
+
+@pytest.mark.django_db
+def test_a_start_message_survives_the_json_trip_to_the_agent() -> None:
+    message = start_message(placed())
+    assert decode_task_argument(msgspec.json.decode(msgspec.json.encode(message)), StartInstance) == message
+
+
+@pytest.mark.django_db
+def test_an_engine_that_needs_no_files_gets_no_source() -> None:
+    assert start_message(placed(engine="echo_full")).source is None
+
+
+@pytest.mark.django_db
+def test_an_instance_that_is_not_placed_has_no_start_message() -> None:
+    instance = placed()
+    Instance.objects.filter(pk=instance.pk).update(node=None)
+    instance.refresh_from_db()
+    with pytest.raises(ValueError, match="not placed on a node"):
+        start_message(instance)
+
+
+@pytest.mark.django_db
+def test_a_stop_message_says_why_and_how_long_to_drain() -> None:
+    instance = placed()
+    instance.reason = "scaled down to 0 by alice"
+    message = stop_message(instance, grace_s=5)
+    assert (message.instance_id, message.reason, message.grace_s) == (instance.pk, "scaled down to 0 by alice", 5)
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "argv"),
+    [
+        ("llamacpp", {"threads": 4, "context_length": 2048}, ["--threads", "4", "--context-length", "2048"]),
+        ("llamacpp", {"--reuse-port": True, "--verbose": False, "--x": None}, ["--reuse-port"]),
+        ("mocker", {"speedup_ratio": 10, "--context-length": 512}, ["--context-length", "512", *MOCKER_SETTINGS]),
+        ("vllm", {"extra": {"a": [1, 2]}}, ["--extra", '{"a":[1,2]}']),
+        ("mocker", {}, []),
+    ],
+)  # fmt: skip
+def test_engine_args_become_flags_or_the_engines_own_settings(
+    engine: str, args: dict[str, object], argv: list[str]
+) -> None:
+    assert engine_argv(engine, args) == argv
+
+
+def test_a_replicas_memory_is_split_over_its_gpus() -> None:
+    assert gpu_memory_bytes(30 * GiB, 4) == 30 * GiB // 4
+    assert gpu_memory_bytes(None, 2) == 0
+    assert gpu_memory_bytes(8 * GiB, 0) == 0
