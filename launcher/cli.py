@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
@@ -16,6 +17,7 @@ from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOp
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
+from runtime.fleet_tasks import PipelineRouter
 from runtime.logging import configure_logging
 from runtime.settings import check_settings
 
@@ -73,6 +75,32 @@ exit codes (for supervisors: systemd units set RestartPreventExitStatus=2):
 """
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+T = TypeVar("T")
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
+    """The ``--router-*`` flags given (by flag or variable), for a worker to register with its model;
+    None when none was: the gateway's own settings apply then."""
+    given = (namespace.router_mode, namespace.kv_overlap_score_weight, namespace.router_temperature)
+    if all(value is None for value in given) and namespace.use_kv_events is None:
+        return None
+    return PipelineRouter(
+        mode=namespace.router_mode or "round-robin",
+        overlap_score_weight=_or(namespace.kv_overlap_score_weight, 1.0),
+        temperature=_or(namespace.router_temperature, 0.0),
+        use_kv_events=_or(namespace.use_kv_events, True),
+    )
+
+
+def _file_or_json(text: str) -> Path | str:
+    """A JSON object given inline (it starts with ``{``), else the path of a file holding one."""
+    return text if text.lstrip().startswith("{") else Path(text)
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -155,6 +183,8 @@ Flotilla: serve language models.
 
 commands:
   run    run a model and talk to it (text, HTTP or batch); `flotilla run --help` for more
+  up     the whole stack on this machine: servers, control plane, agent, gateway, a first model
+  agent  this machine's node agent: runs the control plane's workers; `flotilla agent --help` for more
 """
 
 
@@ -207,9 +237,9 @@ def build_run_parser() -> EnvArgumentParser:
     run.add_flag(
         "--extra-engine-args",
         env="FLOTILLA_EXTRA_ENGINE_ARGS",
-        type=Path,
-        help="out=mocker: a JSON file of settings, with the key names of Dynamo's mocker "
-        '(e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64})',
+        type=_file_or_json,
+        help="out=mocker: a JSON file of settings, or the JSON object itself, with the key names of Dynamo's "
+        'mocker (e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64})',
     )
     run.add_flag(
         "--labels",
@@ -241,15 +271,15 @@ def build_run_parser() -> EnvArgumentParser:
         "--router-mode",
         env="FLOTILLA_ROUTER_MODE",
         choices=("round-robin", "random", "kv"),
-        default="round-robin",
         help="how out=dyn spreads requests over a model's instances; kv: to the worker whose KV cache "
-        "already holds most of the prompt, weighed against its load",
+        "already holds most of the prompt, weighed against its load (default round-robin). Given to an "
+        "in=dyn worker, these --router-* settings are registered with its model and the gateway routes "
+        "that model so, whatever its own flags say",
     )
     run.add_flag(
         "--kv-overlap-score-weight",
         env="FLOTILLA_KV_OVERLAP_SCORE_WEIGHT",
         type=_non_negative_number,
-        default=1.0,
         help="--router-mode kv: weight of the prefill left after the cache hit against active decode blocks; "
         "0 balances load only (default 1.0)",
     )
@@ -257,7 +287,6 @@ def build_run_parser() -> EnvArgumentParser:
         "--router-temperature",
         env="FLOTILLA_ROUTER_TEMPERATURE",
         type=_non_negative_number,
-        default=0.0,
         help="--router-mode kv: 0 always takes the cheapest worker; above 0 draws from a softmax over "
         "normalised costs (default 0)",
     )
@@ -265,7 +294,6 @@ def build_run_parser() -> EnvArgumentParser:
         "--use-kv-events",
         env="FLOTILLA_USE_KV_EVENTS",
         type=parse_boolean,
-        default=True,
         help="--router-mode kv: true learns caches from the workers' KV events; false predicts them from "
         "routing decisions, for engines that publish none (default true)",
     )
@@ -367,10 +395,11 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         batch_concurrency=namespace.batch_concurrency,
         max_tokens=namespace.max_tokens,
         temperature=namespace.temperature,
-        router_mode=namespace.router_mode,
-        kv_overlap_score_weight=namespace.kv_overlap_score_weight,
-        router_temperature=namespace.router_temperature,
-        use_kv_events=namespace.use_kv_events,
+        router_mode=namespace.router_mode or "round-robin",
+        kv_overlap_score_weight=_or(namespace.kv_overlap_score_weight, 1.0),
+        router_temperature=_or(namespace.router_temperature, 0.0),
+        use_kv_events=_or(namespace.use_kv_events, True),
+        worker_router=_worker_router(namespace),
         router_ttl_s=namespace.router_ttl,
         migration_limit=namespace.migration_limit,
         max_inflight=namespace.max_inflight,
@@ -403,6 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(TOP_HELP, end="")
         return EXIT_OK if args else EXIT_CONFIG
+    if args[0] == "up":
+        from launcher.stack import main as up
+
+        return up(args[1:])
+    if args[0] == "agent":
+        from launcher.agent_command import agent_main
+
+        return agent_main(args[1:])
     if args[0] != "run":
         print(f"flotilla: unknown command {args[0]!r}\n\n{TOP_HELP}", end="", file=sys.stderr)
         return EXIT_CONFIG

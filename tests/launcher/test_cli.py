@@ -20,6 +20,7 @@ from runtime.errors import (
     RequestPlaneUnavailable,
     TemplateError,
 )
+from runtime.fleet_tasks import PipelineRouter
 from tests.servers import free_port
 
 
@@ -44,6 +45,14 @@ def options(*args: str) -> RunOptions:
 def test_inputs_engines_and_model_may_come_in_any_order() -> None:
     parsed = options("model.gguf", "--http-port", "9000", "out=echo_core", "in=http")
     assert (parsed.input, parsed.output, parsed.model, parsed.http_port) == ("http", "echo_core", "model.gguf", 9000)
+
+
+def test_router_flags_given_to_a_worker_are_registered_and_absent_ones_leave_it_to_the_gateway() -> None:
+    plain = options("in=dyn://llm", "out=echo_full")
+    assert plain.worker_router is None
+    assert (plain.router_mode, plain.kv_overlap_score_weight, plain.use_kv_events) == ("round-robin", 1.0, True)
+    given = options("in=dyn://llm", "out=echo_full", "--router-mode", "kv", "--use-kv-events", "false")
+    assert given.worker_router == PipelineRouter(mode="kv", use_kv_events=False)
 
 
 def test_defaults_are_text_llamacpp_and_the_default_model() -> None:

@@ -1,0 +1,75 @@
+"""deploy/verify-units.sh (`make verify-units`): systemd-analyze verify passes on the units, and fails on a broken
+one, a warning included; and the units say what the services need."""
+
+import configparser
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+UNITS_DIR = CHECKOUT / "deploy" / "systemd"
+VERIFY = CHECKOUT / "deploy" / "verify-units.sh"
+pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="`make system-deps` installs systemd")
+
+
+def verify(units_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(VERIFY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "UNITS_DIR": str(units_dir)},
+    )
+
+
+def unit(name: str) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment, method-assign]
+    parser.read(UNITS_DIR / name)
+    return parser
+
+
+def test_every_unit_passes_systemd_analyze_verify() -> None:
+    result = verify(UNITS_DIR)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(list(UNITS_DIR.glob('*.service')))} units pass" in result.stdout
+
+
+def test_a_unit_whose_program_is_missing_fails(tmp_path: Path) -> None:
+    broken = (
+        (UNITS_DIR / "flotilla-agent.service").read_text().replace("venv/bin/flotilla agent", "venv/bin/nosuch agent")
+    )
+    (tmp_path / "flotilla-agent.service").write_text(broken)
+    result = verify(tmp_path)
+    assert result.returncode == 1
+    assert "venv/bin/nosuch is not executable" in result.stderr
+
+
+def test_a_unit_with_an_unknown_key_fails_though_systemd_only_warns(tmp_path: Path) -> None:
+    text = (UNITS_DIR / "flotilla-controlplane.service").read_text()
+    (tmp_path / "flotilla-controlplane.service").write_text(text.replace("Restart=on-failure", "Restrat=on-failure"))
+    result = verify(tmp_path)
+    assert result.returncode == 1
+    assert "Unknown key 'Restrat'" in result.stderr
+
+
+def test_the_agent_leaves_its_workers_running_when_it_stops() -> None:
+    agent = unit("flotilla-agent.service")
+    assert agent["Service"]["KillMode"] == "process"
+    assert agent["Service"]["ExecStart"] == "/opt/flotilla/venv/bin/flotilla agent"
+
+
+def test_the_control_plane_migrates_before_it_serves() -> None:
+    service = unit("flotilla-controlplane.service")["Service"]
+    assert service["ExecStartPre"].endswith("manage.py migrate --noinput")
+    assert service["ExecStart"].startswith("/opt/flotilla/venv/bin/uvicorn controlplane.asgi:application")
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in UNITS_DIR.glob("*.service")))
+def test_a_bad_configuration_is_not_restarted(name: str) -> None:
+    service = unit(name)["Service"]
+    assert service["Restart"] == "on-failure"
+    assert service["RestartPreventExitStatus"] == "2"
+    assert service["User"] == "flotilla"

@@ -1,0 +1,364 @@
+"""`flotilla up`: its refusals, the processes it runs, and the whole stack end to end (servers, control plane,
+Celery, an agent, the gateway, a mocker pipeline) up to Ctrl-C, after which no process of it is left."""
+
+import asyncio
+import fcntl
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.processes import process_start_time
+from agent.worker_records import load_records
+from launcher.stack_processes import Child, choose_port, until_readable
+from launcher.stack_servers import find_binaries
+from runtime.errors import ConfigError
+from tests.servers import free_port
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+BANNER = "Flotilla is up"
+needs_the_fleet = pytest.mark.skipif(
+    importlib.util.find_spec("agent.node_agent") is None or importlib.util.find_spec("controlplane.celery_app") is None,
+    reason="needs the agent (agent/node_agent.py) and the control plane's Celery app (controlplane/celery_app.py)",
+)
+
+
+def up_command(data_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher.cli", "up", "--data-dir", str(data_dir), *args]
+
+
+def run_up(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(up_command(data_dir, *args), capture_output=True, text=True, timeout=60)
+
+
+# -- refusals: each names what to change, with exit code 2 -------------------------------------------------
+
+
+def test_an_engine_that_needs_a_gpu_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    result = run_up(tmp_path, "--engine", "vllm")
+    assert result.returncode == 2
+    assert "--engine" in result.stderr and "'vllm'" in result.stderr
+
+
+def test_a_model_that_does_not_exist_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    result = run_up(tmp_path, "--model", str(tmp_path / "nothing.gguf"))
+    assert result.returncode == 2
+    assert result.stderr.startswith("flotilla up: --model (FLOTILLA_MODEL_PATH)")
+
+
+def test_llamacpp_with_a_model_folder_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    result = run_up(tmp_path / "data", "--model", str(folder), "--engine", "llamacpp")
+    assert result.returncode == 2
+    assert "--engine llamacpp loads a GGUF file" in result.stderr
+
+
+def test_a_bad_variable_is_refused_naming_it(tmp_path: Path) -> None:
+    env = {**os.environ, "FLOTILLA_CONTROL_PLANE_PORT": "eighty"}
+    result = subprocess.run(up_command(tmp_path), capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert "FLOTILLA_CONTROL_PLANE_PORT" in result.stderr
+
+
+def test_a_gateway_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_up(tmp_path, "--http-port", str(port), "--no-pipeline")
+    assert result.returncode == 2
+    assert f"--http-port {port}: 127.0.0.1:{port} is in use" in result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_second_up_on_the_same_data_folder_is_refused(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    with (tmp_path / "up.lock").open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242\n")
+        lock.flush()
+        result = run_up(tmp_path, "--no-pipeline", "--http-port", str(free_port()))
+    assert result.returncode == 2
+    assert f"another `flotilla up` (pid 4242) uses {tmp_path}" in result.stderr
+
+
+def test_missing_servers_point_to_make_system_deps() -> None:
+    with pytest.raises(ConfigError, match=r"no-such-server is not installed: run `make system-deps`"):
+        find_binaries(("sh", "no-such-server"))
+
+
+# -- ports ---------------------------------------------------------------------------------------------------
+
+
+def test_a_free_usual_port_is_taken_and_a_busy_one_is_replaced() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy_port = busy.getsockname()[1]
+        free = free_port()
+        assert choose_port(free, set()) == free
+        replacement = choose_port(busy_port, set())
+        assert replacement not in (busy_port, 0)
+        assert choose_port(free, {free}) != free  # already chosen for another server of the stack
+
+
+# -- children ------------------------------------------------------------------------------------------------
+
+
+async def test_stopping_a_child_that_ignores_sigterm_kills_its_whole_group(tmp_path: Path) -> None:
+    # The shell ignores SIGTERM and has a child of its own: both go, through the process group.
+    pid_file = tmp_path / "grandchild"
+    script = f"trap '' TERM; sleep 300 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; wait"
+    child = Child("stubborn", ["sh", "-c", script], {"PATH": os.environ["PATH"]}, tmp_path / "stubborn.log")
+    child.start()
+    while not pid_file.exists():  # noqa: ASYNC110 (another process's file: no event to await)
+        await asyncio.sleep(0.02)
+    grandchild = os.pidfd_open(int(pid_file.read_text()))
+    try:
+        await child.stop(0.2)
+        assert child.exited.result() == -signal.SIGKILL
+        # A pidfd turns readable when its process has ended: the grandchild was killed too.
+        await asyncio.wait_for(until_readable(grandchild), 10)
+    finally:
+        os.close(grandchild)
+
+
+async def test_a_childs_captured_output_is_kept_apart_from_its_log(tmp_path: Path) -> None:
+    child = Child("talker", ["sh", "-c", "echo secret; echo noise >&2"], {}, tmp_path / "talker.log")
+    child.start(capture_stdout=True)
+    assert await child.exited == 0
+    assert child.output() == "secret\n"
+    assert (tmp_path / "talker.log").read_text() == "noise\n"
+
+
+def test_a_child_gets_sigterm_when_flotilla_up_is_killed(tmp_path: Path) -> None:
+    parent_script = f"""
+import asyncio, sys
+sys.path.insert(0, {str(Path.cwd())!r})
+from pathlib import Path
+from launcher.stack_processes import Child
+
+async def main():
+    child = Child("sleeper", ["sleep", "300"], {{}}, Path({str(tmp_path / "sleeper.log")!r}))
+    child.start()
+    print(child.pid, flush=True)
+    await asyncio.sleep(300)
+
+asyncio.run(main())
+"""
+    parent = subprocess.Popen([sys.executable, "-c", parent_script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    sleeper = int(parent.stdout.readline())
+    assert process_start_time(sleeper) is not None
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while process_start_time(sleeper) is not None:
+        assert time.monotonic() < deadline, "the child outlived the killed parent"
+        time.sleep(0.02)  # another process's end: it is not our child, so no event to await
+
+
+# -- the whole stack -----------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """Every process under ``pid`` now, as pid -> start time (which tells a reused pid apart)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: dict[int, int] = {}
+    queue = [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            start = process_start_time(child)
+            if start is not None:
+                found[child] = start
+                queue.append(child)
+    return found
+
+
+def still_running(processes: dict[int, int]) -> list[int]:
+    return [pid for pid, start in processes.items() if process_start_time(pid) == start]
+
+
+class Up:
+    """A `flotilla up` process on free ports, with the mocker engine, its output in a file."""
+
+    def __init__(self, data_dir: Path, log_path: Path, *args: str) -> None:
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.http_port = free_port()
+        self.control_plane_port = free_port()
+        ports = ["--http-port", str(self.http_port), "--control-plane-port", str(self.control_plane_port)]
+        ports += ["--etcd-port", "0", "--nats-port", "0", "--redis-port", "0"]
+        env = {**os.environ, "FLOTILLA_LOG": "info", "FLOTILLA_RECONCILE_S": "0.5"}
+        with log_path.open("wb") as log_file:
+            self.process = subprocess.Popen(
+                up_command(data_dir, *ports, "--engine", "mocker", *args), stdout=log_file, stderr=log_file, env=env
+            )
+
+    @property
+    def gateway(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def control_plane(self) -> str:
+        return f"http://127.0.0.1:{self.control_plane_port}"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_until_up(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while BANNER not in self.output():
+            assert self.process.poll() is None, self.output()
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.1)  # another process's output: no event to await
+
+    def admin(self) -> httpx.Client:
+        token = (self.data_dir / "admin.token").read_text().strip()
+        return httpx.Client(base_url=f"{self.control_plane}/api/v1", headers={"Authorization": f"Bearer {token}"})
+
+    def stop(self, signum: int) -> int:
+        self.process.send_signal(signum)
+        return self.process.wait(timeout=120)
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Up]]:
+    """Every stack a test starts is stopped at its end, whatever happened: by SIGTERM, else by force, its engine
+    workers too (which a killed `flotilla up` cannot stop)."""
+    started: list[Up] = []
+    yield started
+    for stack in started:
+        if stack.process.poll() is None:
+            stack.process.terminate()
+            try:
+                stack.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                stack.process.kill()
+                stack.process.wait()
+        for record in load_records(stack.data_dir / "agent"):
+            if process_start_time(record.pid) == record.start_time:
+                os.killpg(record.pid, signal.SIGKILL)
+
+
+def chat(gateway: str) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+    }
+    return httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+
+
+@needs_the_fleet
+def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, stacks: list[Up]) -> None:
+    stack = Up(tmp_path / "data", tmp_path / "up.log")
+    stacks.append(stack)
+    stack.wait_until_up()
+    output = stack.output()
+
+    # The admin's password is printed once, and works.
+    password = re.search(r"Created the admin account: user 'admin', password '([^']+)'", output)
+    assert password is not None, output
+    with httpx.Client(base_url=stack.control_plane) as browser:
+        csrf = browser.get("/admin/login/").cookies["csrftoken"]
+        login = browser.post(
+            "/admin/login/",
+            data={"username": "admin", "password": password.group(1), "csrfmiddlewaretoken": csrf},
+            headers={"Referer": f"{stack.control_plane}/admin/login/"},
+        )
+        # A wrong password shows the form again (200); a right one signs in and redirects.
+        assert login.status_code == 302 and "sessionid" in browser.cookies, login.text[:500]
+
+    # The REST API: the first pipeline, its ready instance on node "local".
+    with stack.admin() as api:
+        pipelines = api.get("pipelines/").json()["results"]
+        assert [(p["name"], p["groups"][0]["engine"]) for p in pipelines] == [(MODEL, "mocker")]
+        instances = api.get("instances/", params={"state": "ready"}).json()["results"]
+        assert [(i["pipeline_name"], i["node"]) for i in instances] == [(MODEL, "local")]
+    assert oct((stack.data_dir / "agent-local.token").stat().st_mode & 0o777) == "0o600"
+
+    # The OpenAI API.
+    models = httpx.get(f"{stack.gateway}/v1/models", timeout=10).json()
+    assert [model["id"] for model in models["data"]] == [MODEL]
+    reply = chat(stack.gateway)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] > 0
+
+    # Ctrl-C: every process goes, the engine worker (which the agent leaves running when it stops) included.
+    processes = descendants(stack.process.pid)
+    workers = load_records(stack.data_dir / "agent")
+    assert len(workers) == 1 and workers[0].pid in processes
+    assert stack.stop(signal.SIGINT) == 130
+    assert still_running(processes) == []
+
+
+@needs_the_fleet
+def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and_pipeline(
+    tmp_path: Path, stacks: list[Up]
+) -> None:
+    first = Up(tmp_path / "data", tmp_path / "first.log")
+    stacks.append(first)
+    first.wait_until_up()
+    admin_token = (first.data_dir / "admin.token").read_text()
+    # Killed outright, `flotilla up` stops nothing: its own children end (the kernel sends them SIGTERM), but the
+    # engine worker, which the agent started and leaves running, is orphaned.
+    first_processes = descendants(first.process.pid)
+    first.process.kill()
+    first.process.wait()
+    [orphan] = load_records(first.data_dir / "agent")
+    assert process_start_time(orphan.pid) == orphan.start_time
+
+    second = Up(tmp_path / "data", tmp_path / "second.log")
+    stacks.append(second)
+    second.wait_until_up()
+    output = second.output()
+    assert "stopping 1 engine worker(s) left running by an earlier `flotilla up`" in output
+    assert process_start_time(orphan.pid) != orphan.start_time
+    assert "Created the admin account" not in output
+    assert (second.data_dir / "admin.token").read_text() == admin_token
+    with second.admin() as api:
+        assert [p["name"] for p in api.get("pipelines/").json()["results"]] == [MODEL]
+    assert chat(second.gateway).status_code == 200
+
+    processes = descendants(second.process.pid)
+    assert second.stop(signal.SIGTERM) == 0
+    assert still_running(processes) == []
+    assert still_running(first_processes) == []  # the killed stack's own children went with it
+
+
+@needs_the_fleet
+def test_a_part_that_dies_stops_the_stack_with_its_log(tmp_path: Path, stacks: list[Up]) -> None:
+    stack = Up(tmp_path / "data", tmp_path / "up.log", "--no-pipeline")
+    stacks.append(stack)
+    stack.wait_until_up()
+    assert "Flotilla is up: no pipeline running yet" in stack.output()
+
+    processes = descendants(stack.process.pid)
+    gateway = next(pid for pid in processes if b"out=dyn" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    os.kill(gateway, signal.SIGKILL)
+    assert stack.process.wait(timeout=120) == 1
+    output = stack.output()
+    assert "flotilla up: the gateway was killed by signal 9" in output
+    assert f"the last lines of its log ({stack.data_dir}/logs/gateway.log)" in output
+    assert still_running(processes) == []
