@@ -1,0 +1,332 @@
+"""`flotilla agent` as a real process, with a real control plane (uvicorn, SQLite), Redis, etcd and NATS.
+
+Tasks go to the agent as the reconciler sends them: a plain Celery app's ``send_task`` onto queue
+``node.node-a``. The workers are `flotilla run in=dyn://… out=mocker` processes on simulated GPUs;
+the control plane's rows are made through its API (models, pipelines, stops) and ``manage.py``
+(tokens, placement).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+
+from agent.processes import process_start_time
+from runtime.fleet_tasks import (
+    TASK_LOG_TAIL,
+    TASK_START_INSTANCE,
+    TASK_STOP_INSTANCE,
+    LocalSource,
+    LogTailRequest,
+    StartInstance,
+    StopInstance,
+    WorkerSpec,
+    node_queue,
+)
+from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, json_of, wait_for
+from tests.agent.test_supervisor import kill_recorded_workers
+from tests.infra import EtcdServer, NatsServer, RedisServer
+from tests.servers import stop_process
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+NODE = "node-a"
+GIB = 1 << 30
+PLACE = (
+    "from controlplane.audit.records import Actor;"
+    "from controlplane.deployments.actions import place_pending_instances;"
+    "place_pending_instances(Actor.system('tests'))"
+)
+
+
+@dataclass
+class Agent:
+    """A `flotilla agent` process."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, and its exit code."""
+        return stop_process(self.process, signal.SIGTERM, timeout=30)
+
+
+@dataclass
+class Fleet:
+    """The servers, the control plane with an operator's API client, and the agent's settings."""
+
+    control_plane: ControlPlaneServer
+    redis: RedisServer
+    etcd: EtcdServer
+    nats: NatsServer
+    operator: httpx.Client
+    agent_token: str
+    directory: Path
+    smollm2: Path
+    sender: Celery
+    agents: list[Agent] = field(default_factory=list)
+
+    def start_agent(self, *, token: str | None = None) -> Agent:
+        log_path = self.directory / "agent.log"
+        command = [sys.executable, "-m", "launcher.cli", "agent", "--control-plane", self.control_plane.url]
+        command += ["--name", NODE, "--gpus", "2x24GiB", "--heartbeat-s", "0.5", "--broker", self.redis.url]
+        command += ["--state-dir", str(self.directory / "state"), "--log-dir", str(self.directory / "logs")]
+        command += ["--models-dir", str(self.directory / "models")]
+        env = {
+            **os.environ,
+            "FLOTILLA_AGENT_TOKEN": token or self.agent_token,
+            "ETCD_ENDPOINTS": self.etcd.endpoint,
+            "NATS_SERVER": self.nats.url,
+            "FLOTILLA_LEASE_TTL": "3",
+            "FLOTILLA_DRAIN_S": "1",
+            "FLOTILLA_LOG": "info",
+        }
+        with log_path.open("ab") as log_file:
+            process = subprocess.Popen(command, cwd=REPOSITORY, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        agent = Agent(process, log_path)
+        self.agents.append(agent)
+        return agent
+
+    def deploy(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A pipeline of one mocker replica on one GPU, placed on node-a: (pipeline, instance) as the API shows them."""
+        wait_for("node-a to register (placement needs its GPUs)", self.node)
+        model = json_of(
+            self.operator.post(
+                "/api/v1/models/",
+                json={
+                    "name": f"{name}-model",
+                    "source_kind": "gguf",
+                    "source": str(self.smollm2),
+                    "engine": "mocker",
+                    "memory_bytes": GIB,
+                },
+            )
+        )
+        pipeline = json_of(
+            self.operator.post(
+                "/api/v1/pipelines/",
+                json={"name": name, "model": model["name"], "groups": [{"replicas": 1, "gpus_per_replica": 1}]},
+            )
+        )
+        self.control_plane.manage("shell", "-c", PLACE)
+        [instance] = json_of(self.operator.get("/api/v1/instances/", params={"pipeline": pipeline["id"]}))["results"]
+        assert instance["node"] == NODE, instance
+        return pipeline, instance
+
+    def start_message(self, pipeline: dict[str, Any], instance: dict[str, Any], attempt: int = 0) -> StartInstance:
+        spec = WorkerSpec(
+            instance_id=instance["id"],
+            pipeline=pipeline["namespace"],
+            group="aggregated",
+            replica=instance["replica"],
+            engine="mocker",
+            model_name=pipeline["name"],
+            gpu_indexes=instance["gpu_indexes"],
+            gpu_memory_bytes=GIB,
+        )
+        return StartInstance(spec=spec, source=LocalSource(path=str(self.smollm2)), attempt=attempt)
+
+    def send(self, task: str, payload: object) -> AsyncResult:
+        """Send a task to node-a's agent, as the reconciler does (a msgspec struct goes as its JSON)."""
+        argument = msgspec.to_builtins(payload)
+        return self.sender.send_task(task, args=[argument], queue=node_queue(NODE))
+
+    def instance(self, instance_id: int) -> dict[str, Any]:
+        return json_of(self.operator.get(f"/api/v1/instances/{instance_id}/"))
+
+    def node(self) -> dict[str, Any]:
+        """Node node-a as the API shows it ({} until it registers)."""
+        found = json_of(self.operator.get("/api/v1/nodes/", params={"name": NODE}))["results"]
+        return found[0] if found else {}
+
+    def wait_state(self, instance_id: int, state: str, agent: Agent, timeout_s: float = 60) -> dict[str, Any]:
+        def probe() -> dict[str, Any]:
+            instance = self.instance(instance_id)
+            return instance if instance["state"] == state else {}
+
+        return wait_for(
+            f"instance {instance_id} to be {state}",
+            probe,
+            timeout_s,
+            explain=lambda: f"instance: {self.instance(instance_id)}\nagent log:\n{agent.log()[-6000:]}",
+        )
+
+
+@pytest.fixture(scope="session")
+def migrated_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A control-plane database with its tables, copied by each test (migrating takes seconds)."""
+    template = ControlPlaneServer(tmp_path_factory.mktemp("controlplane-template"), broker_url="redis://127.0.0.1:1/0")
+    template.migrate()
+    return template.database
+
+
+@pytest.fixture
+def fleet(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    etcd_server: EtcdServer,
+    nats_server: NatsServer,
+    smollm2: Path,
+    migrated_database: Path,
+) -> Iterator[Fleet]:
+    control_plane = ControlPlaneServer(
+        tmp_path / "controlplane", broker_url=redis_server.url, template=migrated_database
+    )
+    agent_token = control_plane.agent_token(NODE)
+    operator_token = control_plane.person_token("operator", "operator")
+    control_plane.start()
+    sender = Celery("control-plane-in-tests", broker=redis_server.url, backend=redis_server.url)
+    with control_plane.client(operator_token) as operator:
+        fleet = Fleet(
+            control_plane, redis_server, etcd_server, nats_server, operator, agent_token, tmp_path, smollm2, sender
+        )
+        yield fleet
+    for agent in fleet.agents:
+        agent.stop()  # after a failed test, the agents it left running
+    sender.close()
+    control_plane.stop()
+    kill_recorded_workers(tmp_path / "state")
+
+
+def running(pid: int) -> bool:
+    return process_start_time(pid) is not None
+
+
+def test_the_agent_registers_heartbeats_runs_serves_the_log_of_and_stops_a_worker(fleet: Fleet) -> None:
+    agent = fleet.start_agent()
+    node = wait_for("node-a to register", fleet.node, explain=agent.log)
+    assert (node["state"], [gpu["memory_total_bytes"] for gpu in node["gpus"]]) == ("online", [24 * GIB, 24 * GIB])
+    first_beat = node["last_heartbeat_at"]
+    wait_for("a heartbeat", lambda: fleet.node()["last_heartbeat_at"] != first_beat)
+
+    pipeline, placed = fleet.deploy("smol")
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    ready = fleet.wait_state(placed["id"], "ready", agent)
+    assert ready["pid"] is not None and running(ready["pid"])
+    assert ready["endpoint_instance_id"] is not None
+    [gpu] = placed["gpu_indexes"]
+
+    # The simulated GPU's memory used follows the worker on it, heartbeat by heartbeat.
+    def gpu_used() -> int:
+        return next(g["memory_used_bytes"] for g in fleet.node()["gpus"] if g["index"] == gpu)
+
+    wait_for("the GPU's memory used to show the worker", lambda: gpu_used() == GIB)
+
+    tail = fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=200)).get(timeout=10)
+    assert f"--- flotilla agent: starting instance {placed['id']} ---" in tail
+
+    # Malformed tasks fail with the reason, and the consumer keeps taking tasks.
+    fleet.send(TASK_START_INSTANCE, {"spec": "not a spec"})
+    with pytest.raises(Exception, match="malformed LogTailRequest"):
+        fleet.send(TASK_LOG_TAIL, {"instance_id": "seven"}).get(timeout=10)
+    assert "malformed StartInstance task argument" in agent.log()
+    again = fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=1)).get(timeout=10)
+    assert again.strip() and again in tail + again  # one line, still answered
+
+    json_of(fleet.operator.post(f"/api/v1/pipelines/{pipeline['id']}/stop/"))
+    assert fleet.instance(placed["id"])["state"] == "stopping"
+    fleet.send(TASK_STOP_INSTANCE, StopInstance(instance_id=placed["id"], reason="pipeline stopped", grace_s=10))
+    fleet.wait_state(placed["id"], "stopped", agent)
+    wait_for("the worker to end", lambda: not running(ready["pid"]))
+    wait_for("the GPU's memory to be free again", lambda: gpu_used() == 0)
+
+    assert agent.stop() == 0, agent.log()
+
+
+def test_a_restarted_agent_adopts_its_running_worker_and_watches_it(fleet: Fleet) -> None:
+    agent = fleet.start_agent()
+    pipeline, placed = fleet.deploy("smol")
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    pid = fleet.wait_state(placed["id"], "ready", agent)["pid"]
+
+    assert agent.stop() == 0, agent.log()
+    assert running(pid), "SIGTERM stops the agent only: its workers keep serving"
+
+    agent = fleet.start_agent()
+    wait_for("the new agent to adopt the worker", lambda: f"(pid {pid})" in agent.log(), explain=agent.log)
+    # A duplicate of the start (a redelivery) changes nothing: the adopted worker is that attempt.
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=1)).get(timeout=10)
+    assert fleet.wait_state(placed["id"], "ready", agent)["pid"] == pid
+    assert running(pid)
+
+    # The new agent watches it: a worker killed under it is reported failed, with why.
+    os.kill(pid, signal.SIGKILL)
+    failed = fleet.wait_state(placed["id"], "failed", agent)
+    assert "exit code is unknown" in failed["reason"], failed
+    assert agent.stop() == 0
+
+
+def test_reports_made_while_the_control_plane_is_down_arrive_when_it_is_back(fleet: Fleet) -> None:
+    agent = fleet.start_agent()
+    wait_for("node-a to register", fleet.node, explain=agent.log)
+    pipeline, placed = fleet.deploy("smol")
+
+    fleet.control_plane.kill()
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    worker_log = fleet.directory / "logs" / f"instance-{placed['id']}.log"
+    wait_for("the worker to start", lambda: worker_log.exists() and " serves " in worker_log.read_text())
+    assert agent.process.poll() is None, agent.log()
+
+    fleet.control_plane.start()
+    ready = fleet.wait_state(placed["id"], "ready", agent)
+    assert ready["pid"] is not None and running(ready["pid"])
+    assert agent.log().count("cannot reach the control plane") == 1, "one warning per outage"
+    assert "answers again" in agent.log()
+    assert agent.stop() == 0
+
+
+def test_workers_the_control_plane_stopped_while_the_agent_was_down_are_stopped_when_it_is_back(
+    fleet: Fleet,
+) -> None:
+    agent = fleet.start_agent()
+    pipeline, placed = fleet.deploy("smol")
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    pid = fleet.wait_state(placed["id"], "ready", agent)["pid"]
+    assert agent.stop() == 0
+
+    json_of(fleet.operator.post(f"/api/v1/pipelines/{pipeline['id']}/stop/"))
+    agent = fleet.start_agent()
+    fleet.wait_state(placed["id"], "stopped", agent)
+    wait_for("the worker to end", lambda: not running(pid))
+    assert agent.stop() == 0
+
+
+def test_a_token_the_control_plane_rejects_stops_the_agent_with_exit_code_2(fleet: Fleet) -> None:
+    agent = fleet.start_agent(token="flt_not-a-token")
+    assert agent.process.wait(timeout=60) == 2
+    assert "rejected the agent token of node node-a (401: unknown or revoked token)" in agent.log()
+    assert "Traceback" not in agent.log()
+
+    other = fleet.control_plane.agent_token("node-b")
+    agent = fleet.start_agent(token=other)
+    assert agent.process.wait(timeout=60) == 2
+    assert "(403: this token belongs to node node-b, not node-a)" in agent.log()
+
+
+def test_sigterm_stops_the_agent_cleanly_while_the_control_plane_broker_and_etcd_are_down(fleet: Fleet) -> None:
+    agent = fleet.start_agent()
+    wait_for("the agent to take tasks", lambda: "taking tasks from queue node.node-a" in agent.log(), explain=agent.log)
+    fleet.control_plane.kill()
+    fleet.redis.kill()
+    fleet.etcd.kill()
+    wait_for(
+        "the agent to notice that its servers are gone",
+        lambda: "Cannot connect to redis" in agent.log() and "cannot reach the control plane" in agent.log(),
+        explain=agent.log,
+    )
+    agent.process.send_signal(signal.SIGTERM)
+    assert agent.process.wait(timeout=20) == 0, agent.log()
