@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "controlplane.catalog",
     "controlplane.fleet",
     "controlplane.deployments",
+    "controlplane.dashboard",
 ]
 
 MIDDLEWARE = [
@@ -69,6 +70,11 @@ TEMPLATES = [
 ]
 
 ASGI_APPLICATION = "controlplane.asgi.application"
+
+# The dashboard's own login page (the admin keeps its own).
+LOGIN_URL = "dashboard:login"
+LOGIN_REDIRECT_URL = "dashboard:overview"
+LOGOUT_REDIRECT_URL = "dashboard:login"
 
 DATABASES = {"default": database_config(env_str("DATABASE_URL"), DATA_DIR)}
 
