@@ -143,7 +143,14 @@ async def test_malformed_tasks_fail_with_their_reason_and_the_consumer_goes_on(
     errors = [record.getMessage() for record in caplog.records if record.name == "agent.task_consumer"]
     assert any("task flotilla.agent.start_instance refused: malformed StartInstance" in e for e in errors)
     assert any("task flotilla.agent.stop_instance refused: malformed StopInstance" in e for e in errors)
-    assert [(r.name, r.getMessage()) for r in caplog.records if r.exc_info and r.name.startswith("celery")] == []
+    # No task crashed Celery's machinery. (Celery's signals are process-wide: a control-plane worker that
+    # an earlier test ran in this process left its Django fix-up connected, which an agent never has.)
+    crashes = [
+        (record.name, record.getMessage())
+        for record in caplog.records
+        if record.exc_info and record.name.startswith("celery") and "DjangoWorkerFixup" not in record.getMessage()
+    ]
+    assert crashes == []
 
 
 async def test_only_the_nodes_own_queue_is_consumed(

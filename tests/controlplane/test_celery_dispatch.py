@@ -49,7 +49,9 @@ def agent_worker(redis_server: RedisServer) -> Iterator[list[dict[str, Any]]]:
     agent.conf.update(accept_content=["json"], result_accept_content=["json"], task_serializer="json")
     requests: list[dict[str, Any]] = []
 
-    @agent.task(name=TASK_LOG_TAIL)
+    # Not shared: a shared task would be added to every Celery app made later in this process (the
+    # agent consumer's tests too), and answer for it.
+    @agent.task(name=TASK_LOG_TAIL, shared=False)
     def log_tail(payload: dict[str, Any]) -> str:
         requests.append(payload)
         request = decode_task_argument(payload, LogTailRequest)
