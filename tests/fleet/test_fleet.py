@@ -1,0 +1,110 @@
+"""The fleet end to end: pipelines deployed, scaled, broken and healed through the control plane's API, and
+served by one gateway. Real processes throughout (tests/fleet/stack.py); the tests share one fleet and run
+in order, each leaving it whole."""
+
+import os
+import signal
+
+import pytest
+
+from tests.agent.control_plane_server import wait_for
+from tests.fleet.stack import FleetStack, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_two_replicas_become_ready_and_the_gateway_serves_both(fleet: FleetStack) -> None:
+    pipeline = fleet.deploy("smol", replicas=2)
+    ready = fleet.wait_ready(pipeline, 2)
+    assert {i["node"] for i in ready} == {"node-a", "node-b"}, "spread puts one replica on each node"
+    wait_for("the gateway to list the model", lambda: "smol" in fleet.served_models())
+    ids = {i["endpoint_instance_id"] for i in ready}
+    assert fleet.served_by("smol", ids) == ids
+    reply = fleet.complete("smol")
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+
+
+def test_scaling_up_and_down_starts_and_stops_workers(fleet: FleetStack) -> None:
+    [pipeline] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    fleet.scale(pipeline, 3)
+    three = fleet.wait_ready(pipeline, 3)
+    fleet.scale(pipeline, 1)
+    [kept] = fleet.wait_ready(pipeline, 1)
+    gone = [i for i in three if i["id"] != kept["id"]]
+    states = {i["id"]: i["state"] for i in fleet.instances(pipeline)}
+    assert all(states[i["id"]] == "stopped" for i in gone), states
+    pids = [int(i["pid"]) for i in gone]
+    wait_for(f"worker pids {pids} to end", lambda: not any(running(pid) for pid in pids))
+    assert fleet.served_by("smol", {kept["endpoint_instance_id"]}, attempts=5) == {kept["endpoint_instance_id"]}
+
+
+def test_a_killed_worker_is_reported_failed_and_restarted(fleet: FleetStack) -> None:
+    [pipeline] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    [before] = fleet.wait_ready(pipeline, 1)
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def restarted() -> dict[str, object]:
+        instance = fleet.operator.get(f"/api/v1/instances/{before['id']}/").json()
+        return instance if instance["restarts"] == 1 and instance["state"] == "ready" else {}
+
+    after = wait_for("the instance to be restarted and ready", restarted, explain=fleet.logs)
+    assert after["pid"] != before["pid"]
+    # The agent reported it failed (the API went failed -> starting -> ready between polls), with why;
+    # the reconciler restarted it.
+    agent_log = fleet.agents[str(before["node"])].log()
+    assert f"instance {before['id']}: failed (the worker killed by SIGKILL" in agent_log
+    assert "'restarted': 1" in (fleet.directory / "reconciler.log").read_text()
+    assert fleet.complete("smol").status_code == 200
+
+
+def test_a_pipeline_too_big_for_any_node_is_pending_with_its_reason(fleet: FleetStack) -> None:
+    pipeline = fleet.deploy("too-big", replicas=1, gpus=4)
+
+    def pending() -> list[dict[str, object]]:
+        found = fleet.instances(pipeline)
+        return found if found and found[0]["state"] == "pending" and found[0]["reason"] else []
+
+    [instance] = wait_for("the instance to be pending with a reason", pending, explain=fleet.logs)
+    assert "4" in str(instance["reason"]) and "GPU" in str(instance["reason"]), instance
+
+
+def test_each_pipeline_is_routed_by_its_own_router_settings(fleet: FleetStack) -> None:
+    kv = fleet.deploy("smol-kv", replicas=2, router={"mode": "kv", "temperature": 0.0})
+    rr = fleet.deploy("smol-rr", replicas=2, router={"mode": "round-robin"})
+    kv_ids = {i["endpoint_instance_id"] for i in fleet.wait_ready(kv, 2)}
+    rr_ids = {i["endpoint_instance_id"] for i in fleet.wait_ready(rr, 2)}
+    wait_for("the gateway to list both", lambda: {"smol-kv", "smol-rr"} <= set(fleet.served_models()))
+    # The same long prompt again and again: round-robin alternates, kv keeps it where its blocks are cached.
+    prompt = "the same long prompt " * 40
+    rr_seen = [fleet.complete("smol-rr", prompt).headers["x-flotilla-instance"] for _ in range(6)]
+    assert set(rr_seen) == rr_ids, rr_seen
+    fleet.complete("smol-kv", prompt)
+    kv_seen = [fleet.complete("smol-kv", prompt).headers["x-flotilla-instance"] for _ in range(6)]
+    assert len(set(kv_seen)) == 1 and set(kv_seen) <= kv_ids, kv_seen
+    assert fleet.gateway is not None
+    log = fleet.gateway.log()
+    assert "model 'smol-kv' is now served (tokens, kv routing)" in log
+    assert "model 'smol-rr' is now served (tokens, round-robin routing)" in log
+
+
+def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: FleetStack) -> None:
+    before = {i["id"]: (i["state"], i["node"], i["pid"]) for i in fleet.instances()}
+    pipelines = fleet.operator.get("/api/v1/pipelines/").json()["results"]
+    fleet.stop_control_plane()
+    fleet.start_control_plane()
+    assert {i["id"]: (i["state"], i["node"], i["pid"]) for i in fleet.instances()} == before
+    assert fleet.operator.get("/api/v1/pipelines/").json()["results"] == pipelines
+    [smol] = [p["id"] for p in pipelines if p["name"] == "smol"]
+    fleet.scale(smol, 2)
+    fleet.wait_ready(smol, 2)
+
+
+def test_a_lost_node_goes_offline_and_its_instances_move_to_the_other(fleet: FleetStack) -> None:
+    [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    on_b = [i for i in fleet.wait_ready(smol, 2) if i["node"] == "node-b"]
+    assert on_b, "spread put one of the two replicas on node-b"
+    fleet.agents["node-b"].process.kill()
+    wait_for("node-b to go offline", lambda: fleet.node("node-b")["state"] == "offline", explain=fleet.logs)
+    ready = fleet.wait_ready(smol, 2)
+    assert {i["node"] for i in ready} == {"node-a"}, ready
+    assert fleet.complete("smol").status_code == 200
