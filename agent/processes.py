@@ -172,7 +172,7 @@ class WorkerProcess:
             try:
                 # Adopted: the pid may belong to another process by now; only the recorded one counts.
                 if self._popen is not None or process_start_time(self.pid) == self.start_time:
-                    await _readable(pidfd)
+                    await until_readable(pidfd)
             finally:
                 os.close(pidfd)
         if kill_leftovers and self._popen is not None:
@@ -211,10 +211,10 @@ class WorkerProcess:
             os.killpg(self.pid, signal.SIGKILL)
 
 
-async def _readable(fd: int) -> None:
-    """Wait until ``fd`` is readable (a pidfd is, once its process has ended)."""
+async def until_readable(fd: int) -> None:
+    """Return once ``fd`` is readable (a pidfd is, once its process has ended)."""
     loop = asyncio.get_running_loop()
-    ended = loop.create_future()
+    ended: asyncio.Future[None] = loop.create_future()
 
     def on_readable() -> None:
         if not ended.done():

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from agent.processes import log_tail
+from agent.processes import log_tail, until_readable
 
 #: Lines of a dead child's log shown with the report of its death.
 LOG_TAIL_LINES = 25
@@ -141,22 +141,6 @@ class Child:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._popen.pid, signal.SIGKILL)
-
-
-async def until_readable(fd: int) -> None:
-    """Return once ``fd`` is readable (a pidfd is, once its process has ended)."""
-    loop = asyncio.get_running_loop()
-    ended: asyncio.Future[None] = loop.create_future()
-
-    def on_readable() -> None:
-        if not ended.done():
-            ended.set_result(None)
-
-    loop.add_reader(fd, on_readable)
-    try:
-        await ended
-    finally:
-        loop.remove_reader(fd)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

@@ -3,7 +3,6 @@ Celery, an agent, the gateway, a mocker pipeline) up to Ctrl-C, after which no p
 
 import asyncio
 import fcntl
-import importlib.util
 import os
 import re
 import signal
@@ -17,19 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.processes import process_start_time
+from agent.processes import process_start_time, until_readable
 from agent.worker_records import load_records
-from launcher.stack_processes import Child, choose_port, until_readable
+from launcher.stack_processes import Child, choose_port
 from launcher.stack_servers import find_binaries
 from runtime.errors import ConfigError
 from tests.servers import free_port
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 BANNER = "Flotilla is up"
-needs_the_fleet = pytest.mark.skipif(
-    importlib.util.find_spec("agent.node_agent") is None or importlib.util.find_spec("controlplane.celery_app") is None,
-    reason="needs the agent (agent/node_agent.py) and the control plane's Celery app (controlplane/celery_app.py)",
-)
 
 
 def up_command(data_dir: Path, *args: str) -> list[str]:
@@ -270,7 +265,6 @@ def chat(gateway: str) -> httpx.Response:
     return httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
 
 
-@needs_the_fleet
 def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, stacks: list[Up]) -> None:
     stack = Up(tmp_path / "data", tmp_path / "up.log")
     stacks.append(stack)
@@ -313,7 +307,6 @@ def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, 
     assert still_running(processes) == []
 
 
-@needs_the_fleet
 def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and_pipeline(
     tmp_path: Path, stacks: list[Up]
 ) -> None:
@@ -347,7 +340,6 @@ def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and
     assert still_running(first_processes) == []  # the killed stack's own children went with it
 
 
-@needs_the_fleet
 def test_a_part_that_dies_stops_the_stack_with_its_log(tmp_path: Path, stacks: list[Up]) -> None:
     stack = Up(tmp_path / "data", tmp_path / "up.log", "--no-pipeline")
     stacks.append(stack)
