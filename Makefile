@@ -30,6 +30,9 @@ system-deps:
 	@command -v systemd-analyze >/dev/null || { \
 		echo "installing systemd (Debian package: systemd-analyze checks the units in deploy/systemd/)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq systemd >/dev/null; }
+	@command -v chromium >/dev/null || { \
+		echo "installing chromium (Debian package: the dashboard's browser tests drive it through Playwright)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 	@test -x /usr/lib/postgresql/15/bin/initdb || { \
 		echo "installing postgresql (Debian package; its service is not needed: tests start their own)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
