@@ -77,6 +77,9 @@ LOGIN_REDIRECT_URL = "dashboard:overview"
 LOGOUT_REDIRECT_URL = "dashboard:login"
 
 DATABASES = {"default": database_config(env_str("DATABASE_URL"), DATA_DIR)}
+# Requests run on API_REQUEST_THREADS reused threads (controlplane/request_threads.py), so each thread
+# keeps its connection instead of opening one per request; PostgreSQL's are health-checked before reuse.
+DATABASES["default"]["CONN_MAX_AGE"] = None
 
 AUTH_USER_MODEL = "accounts.User"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -91,6 +94,8 @@ WHITENOISE_AUTOREFRESH = DEBUG
 
 # The API reads request bodies itself (controlplane/api/parsers.py), so it has its own limit.
 API_MAX_BODY_BYTES = env_int("FLOTILLA_API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+# How many requests run Django code at once; the rest wait in the event loop (controlplane/request_threads.py).
+API_REQUEST_THREADS = env_int("FLOTILLA_API_THREADS", 2, minimum=1)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
