@@ -52,3 +52,55 @@ async def test_other_scopes_pass_through_on_the_default_executor() -> None:
 def test_at_least_one_thread() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         on_request_threads(_thread_recording_app([], [0], [0]), threads=0)
+
+
+async def test_waiting_people_get_a_thread_before_waiting_agents() -> None:
+    order: list[str] = []
+    release_first = threading.Event()
+
+    @sync_to_async
+    def view(path: str) -> None:
+        order.append(path)
+        if path == "/first/":
+            release_first.wait(5)
+
+    async def app(scope, receive, send) -> None:
+        await view(scope["path"])
+
+    pooled = on_request_threads(app, threads=1)
+    first = asyncio.create_task(pooled({"type": "http", "path": "/first/"}, _noop, _noop))
+    while not order:  # the first request holds the only thread
+        await asyncio.sleep(0.001)
+    agent = asyncio.create_task(pooled({"type": "http", "path": "/api/v1/agent/heartbeat/"}, _noop, _noop))
+    person = asyncio.create_task(pooled({"type": "http", "path": "/api/v1/nodes/"}, _noop, _noop))
+    await asyncio.sleep(0.01)  # both are now waiting for the thread
+    release_first.set()
+    await asyncio.gather(first, agent, person)
+
+    assert order == ["/first/", "/api/v1/nodes/", "/api/v1/agent/heartbeat/"]
+
+
+async def test_a_request_cancelled_while_waiting_does_not_lose_the_thread() -> None:
+    release_first = threading.Event()
+    done: list[str] = []
+
+    @sync_to_async
+    def view(path: str) -> None:
+        if path == "/first/":
+            release_first.wait(5)
+        done.append(path)
+
+    async def app(scope, receive, send) -> None:
+        await view(scope["path"])
+
+    pooled = on_request_threads(app, threads=1)
+    first = asyncio.create_task(pooled({"type": "http", "path": "/first/"}, _noop, _noop))
+    await asyncio.sleep(0.01)
+    gone = asyncio.create_task(pooled({"type": "http", "path": "/gone/"}, _noop, _noop))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    release_first.set()
+    await first
+    await asyncio.wait_for(pooled({"type": "http", "path": "/after/"}, _noop, _noop), 5)
+
+    assert done == ["/first/", "/after/"]

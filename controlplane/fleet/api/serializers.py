@@ -16,18 +16,50 @@ MAX_INSTANCE_ID = 2**63 - 1
 # What people read.
 
 
+GPU_FIELDS = ("index", "name", "memory_total_bytes", "memory_used_bytes", "utilization_percent")
+
+
 class GpuSerializer(serializers.ModelSerializer):
+    """A GPU as people read it. Lists of nodes pass plain rows (see ``gpu_rows``), written as they are."""
+
     class Meta:
         model = Gpu
-        fields: ClassVar = ["index", "name", "memory_total_bytes", "memory_used_bytes", "utilization_percent"]
+        fields: ClassVar = list(GPU_FIELDS)
+
+    def to_representation(self, gpu: Gpu | dict[str, Any]) -> dict[str, Any]:
+        # DRF's field-by-field path costs ~0.1 ms a GPU: 40 ms for a page of 50 nodes with 8 GPUs each.
+        if isinstance(gpu, dict):
+            return gpu
+        return {field: getattr(gpu, field) for field in GPU_FIELDS}
+
+
+def gpu_rows(node_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """The GPUs of ``node_ids`` as plain rows by node, in index order, in one query (no model objects)."""
+    rows: dict[int, list[dict[str, Any]]] = {node_id: [] for node_id in node_ids}
+    values = Gpu.objects.filter(node_id__in=node_ids).order_by("node_id", "index").values_list("node_id", *GPU_FIELDS)
+    for node_id, *fields in values:
+        rows[node_id].append(dict(zip(GPU_FIELDS, fields, strict=True)))
+    return rows
+
+
+class NodeListSerializer(serializers.ListSerializer):
+    """A page of nodes, their GPUs read in one query for the whole page."""
+
+    def to_representation(self, data: Any) -> list[dict[str, Any]]:
+        nodes = list(data.all() if hasattr(data, "all") else data)
+        rows = gpu_rows([node.pk for node in nodes])
+        for node in nodes:
+            node.gpu_rows = rows[node.pk]
+        return super().to_representation(nodes)
 
 
 class NodeSerializer(serializers.ModelSerializer):
-    gpus = GpuSerializer(many=True, read_only=True)
+    gpus = GpuSerializer(many=True, read_only=True, source="gpu_rows")
     schedulable = serializers.BooleanField(read_only=True)
 
     class Meta:
         model = Node
+        list_serializer_class = NodeListSerializer
         fields: ClassVar = [
             "id",
             "name",
@@ -46,6 +78,11 @@ class NodeSerializer(serializers.ModelSerializer):
             "updated_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, node: Node) -> dict[str, Any]:
+        if not hasattr(node, "gpu_rows"):  # one node, not a page of them
+            node.gpu_rows = gpu_rows([node.pk])[node.pk]
+        return super().to_representation(node)
 
 
 class InstanceSerializer(serializers.ModelSerializer):

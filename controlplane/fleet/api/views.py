@@ -58,7 +58,7 @@ _LOG_REPLY = inline_serializer(
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, FlotillaViewSet):
     """Nodes as their agents report them. Drain/undrain need operator; deleting a node needs admin."""
 
-    queryset = Node.objects.prefetch_related("gpus")
+    queryset = Node.objects.all()  # the serializer reads GPUs as plain rows, one query per page
     serializer_class = NodeSerializer
     filterset_class = NodeFilter
     ordering_fields: ClassVar = ["name", "last_heartbeat_at", "registered_at"]
