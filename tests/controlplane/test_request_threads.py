@@ -57,11 +57,14 @@ def test_at_least_one_thread() -> None:
 async def test_waiting_people_get_a_thread_before_waiting_agents() -> None:
     order: list[str] = []
     release_first = threading.Event()
+    first_holds_the_thread = asyncio.Event()
+    loop = asyncio.get_running_loop()
 
     @sync_to_async
     def view(path: str) -> None:
         order.append(path)
         if path == "/first/":
+            loop.call_soon_threadsafe(first_holds_the_thread.set)
             release_first.wait(5)
 
     async def app(scope, receive, send) -> None:
@@ -69,8 +72,7 @@ async def test_waiting_people_get_a_thread_before_waiting_agents() -> None:
 
     pooled = on_request_threads(app, threads=1)
     first = asyncio.create_task(pooled({"type": "http", "path": "/first/"}, _noop, _noop))
-    while not order:  # the first request holds the only thread
-        await asyncio.sleep(0.001)
+    await first_holds_the_thread.wait()
     agent = asyncio.create_task(pooled({"type": "http", "path": "/api/v1/agent/heartbeat/"}, _noop, _noop))
     person = asyncio.create_task(pooled({"type": "http", "path": "/api/v1/nodes/"}, _noop, _noop))
     await asyncio.sleep(0.01)  # both are now waiting for the thread
