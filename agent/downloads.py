@@ -52,14 +52,10 @@ from agent.errors import (
 from runtime.config import env_bool, env_float, env_str
 from runtime.errors import ModelError
 from runtime.fleet_tasks import HubSource, LocalSource, ModelSource
-from runtime.model_source import parse_hub_model, resolve_model
+from runtime.hub_download import SKIPPED_WITH_SAFETENSORS
+from runtime.model_source import HF_FOLDER_FILES, parse_hub_model, resolve_model
 
 log = logging.getLogger(__name__)
-
-_MODEL_FILES = ("config.json", "tokenizer.json")
-# Weight formats a serving engine never loads when safetensors are there (as runtime/model_source.py
-# skips them); Meta's "original/" holds a second copy of the weights.
-_SKIPPED_WITH_SAFETENSORS = ["*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.ckpt", "original/*"]
 
 
 class DownloadProgress(msgspec.Struct, frozen=True):
@@ -252,7 +248,7 @@ def _plan(source: HubSource, files: list[str]) -> tuple[list[str], list[str] | N
             )
         return [source.file], None
     ggufs = [name for name in files if name.endswith(".gguf")]
-    if not any(name in files for name in _MODEL_FILES):
+    if not any(name in files for name in HF_FOLDER_FILES):
         if len(ggufs) == 1:
             return ggufs, None
         if ggufs:
@@ -266,7 +262,7 @@ def _plan(source: HubSource, files: list[str]) -> tuple[list[str], list[str] | N
         )
     ignore = ["*.gguf"]
     if any(name.endswith(".safetensors") for name in files):
-        ignore += _SKIPPED_WITH_SAFETENSORS
+        ignore += SKIPPED_WITH_SAFETENSORS
     # The same matching as huggingface_hub's own filter of ignore_patterns (fnmatch on the whole path).
     kept = [name for name in files if not any(fnmatch.fnmatch(name, pattern) for pattern in ignore)]
     return kept, ignore

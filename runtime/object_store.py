@@ -50,5 +50,7 @@ async def _object_store(nc: NATS) -> Any:
             return await js.create_object_store(TOKENIZER_BUCKET)
         except nats.js.errors.Error:
             return await js.object_store(TOKENIZER_BUCKET)  # created by another process meanwhile
-    except nats.errors.NoRespondersError as exc:
+    except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
+        # nats-py 2.16 answers a server without JetStream with ServiceUnavailableError, older ones with
+        # NoRespondersError.
         raise ConfigError("NATS has no JetStream: start nats-server with -js (`make services` does)") from exc

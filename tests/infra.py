@@ -117,18 +117,20 @@ class EtcdServer(_Process):
 
 
 class NatsServer(_Process):
-    """nats-server with JetStream; ``url`` is ``nats://127.0.0.1:PORT``."""
+    """nats-server with JetStream (unless ``jetstream=False``); ``url`` is ``nats://127.0.0.1:PORT``."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, *, jetstream: bool = True) -> None:
         super().__init__("nats-server", directory)
         self.port = port or free_port()
+        self.jetstream = jetstream
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.data_dir)]
+        jetstream = ["-js", "-sd", str(self.data_dir)] if self.jetstream else []
+        return ["nats-server", *jetstream, "-a", "127.0.0.1", "-p", str(self.port)]
 
     def ready(self) -> bool:
         # The server greets every client with an INFO line once it accepts connections.
