@@ -8,6 +8,7 @@ watches what workers register through ``discovery``. ``close()`` deregisters at 
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -19,13 +20,16 @@ from nats.aio.client import Client as NATS
 from runtime.addressing import EndpointAddress, new_instance_id
 from runtime.discovery import Discovery
 from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
-from runtime.errors import BackgroundTaskFailed
+from runtime.errors import BackgroundTaskFailed, Fenced
+from runtime.fencing import watch_own_fence
 from runtime.loop_lag import watch_loop_lag
 from runtime.nats_connection import connect_nats
 from runtime.object_store import fetch_tokenizer
 from runtime.request_plane import EndpointServer, RequestClient
 from runtime.settings import stream_heartbeat_seconds, stream_silence_seconds
 from runtime.supervision import Supervisor, TaskFactory
+
+log = logging.getLogger(__name__)
 
 # The worker API in one import: `from runtime.distributed import DistributedRuntime, register_model, worker`.
 __all__ = ["DistributedRuntime", "Endpoint", "Namespace", "register_model", "worker"]
@@ -44,6 +48,7 @@ class DistributedRuntime:
         self._client: RequestClient | None = None
         self._client_lock = asyncio.Lock()
         self._shutdown = asyncio.Event()
+        self._fenced: str | None = None  # why the control plane fenced this worker, once it has
 
     @classmethod
     async def connect(
@@ -133,7 +138,10 @@ class DistributedRuntime:
         return self._supervisor.failure
 
     def raise_if_failed(self) -> None:
-        """Raise BackgroundTaskFailed if an owned task's failure shut the runtime down (call it once closed)."""
+        """Raise Fenced if the control plane fenced this worker, BackgroundTaskFailed if an owned task's
+        failure shut the runtime down (call it once closed)."""
+        if self._fenced is not None:
+            raise Fenced(f"fenced by the control plane: {self._fenced}")
         if self._supervisor.failure is not None:
             raise BackgroundTaskFailed(self._supervisor.failure)
 
@@ -166,7 +174,14 @@ class DistributedRuntime:
         return await fetch_tokenizer(self.nc, digest)
 
     def _add_server(self, server: EndpointServer) -> None:
+        if not self._servers:  # a worker, not only a client: the control plane may fence it
+            self.own(lambda: watch_own_fence(self.discovery, self.instance_id, self._on_fenced), name="fence watch")
         self._servers.append(server)
+
+    def _on_fenced(self, reason: str) -> None:
+        log.error("worker %x fenced by the control plane (%s): deregistering and exiting", self.instance_id, reason)
+        self._fenced = reason
+        self.shutdown()
 
 
 def worker(main: Callable[[DistributedRuntime], Coroutine[Any, Any, None]]) -> Callable[[], Coroutine[Any, Any, None]]:

@@ -47,3 +47,7 @@ class PayloadTooLarge(EngineError):
 
 class BackgroundTaskFailed(FlotillaError):
     """A background task a process depends on failed, so the process stops (and exits non-zero)."""
+
+
+class Fenced(FlotillaError):
+    """The control plane retired this worker (its node was given up on, runtime/fencing.py): it exits."""

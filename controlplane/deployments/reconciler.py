@@ -4,6 +4,8 @@ A pass, in order (each step is an action of its own: audited, idempotent, safe b
 
 1. Nodes whose last heartbeat is older than ``node_timeout_s`` go offline; on every offline node, what
    ran or was about to start fails ("node X stopped heartbeating at T") and what was stopping is stopped.
+   The workers of those instances may still run (a dead agent, a live node): they are fenced in etcd
+   (runtime/fencing.py), so they deregister and exit instead of serving beside their replacements.
 2. Failed instances of running pipelines whose backoff has passed go back to pending, unplaced
    (restarts + 1), to be placed wherever they fit now. The backoff grows with the instance's failure
    streak: 0 s after a node loss alone, then 1, 2, 4 … up to ``backoff_max_s``. Past ``max_restarts``
@@ -20,6 +22,7 @@ Each step stays correct without the lease too (conditional updates), which is wh
 lease expires under a slow pass.
 """
 
+import asyncio
 import logging
 import os
 import socket
@@ -42,7 +45,9 @@ from controlplane.deployments.worker_specs import start_message, stop_message
 from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Instance, InstanceState, Lease, Node
-from runtime.config import env_float, env_int
+from runtime.config import env_float, env_int, env_str
+from runtime.errors import FlotillaError
+from runtime.fencing import put_fences
 from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,8 @@ class ReconcilerSettings:
     max_restarts: int = 10  # FLOTILLA_MAX_RESTARTS: failures in a row restarted before giving up
     stop_grace_s: float = 30.0  # FLOTILLA_STOP_GRACE_S: a stopping worker's time to drain before SIGKILL
     lease_s: float = 10.0  # a pass's lease, renewed at each step; a crashed pass's frees itself after it
+    # ETCD_ENDPOINTS: where the workers are registered, to fence those of offline nodes; none: no fencing
+    etcd_endpoints: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> "ReconcilerSettings":
@@ -74,6 +81,7 @@ class ReconcilerSettings:
             backoff_max_s=env_float("FLOTILLA_RESTART_BACKOFF_MAX_S", cls.backoff_max_s, minimum=0.0),
             max_restarts=env_int("FLOTILLA_MAX_RESTARTS", cls.max_restarts, minimum=0),
             stop_grace_s=env_float("FLOTILLA_STOP_GRACE_S", cls.stop_grace_s, minimum=0.0),
+            etcd_endpoints=tuple(part.strip() for part in (env_str("ETCD_ENDPOINTS") or "").split(",") if part.strip()),
         )
 
     def backoff_s(self, failure_streak: int) -> float:
@@ -89,6 +97,7 @@ class PassReport:
 
     nodes_offline: list[str] = field(default_factory=list)
     instances_lost: int = 0
+    fenced: int = 0
     restarted: int = 0
     gave_up: int = 0
     placed: int = 0
@@ -107,6 +116,7 @@ class PassReport:
         parts = [f"nodes offline: {', '.join(self.nodes_offline)}"] if self.nodes_offline else []
         counts = {
             "lost with their node": self.instances_lost,
+            "workers fenced": self.fenced,
             "restarted": self.restarted,
             "given up": self.gave_up,
             "placed": self.placed,
@@ -197,7 +207,39 @@ class Reconciler:
             ],
         ).distinct()
         for node in occupied:
-            report.instances_lost += len(fleet_actions.evacuate_offline_node(ACTOR, node))
+            lost = fleet_actions.evacuate_offline_node(ACTOR, node)
+            report.instances_lost += len(lost)
+            report.fenced += self.fence(node, [i.endpoint_instance_id for i in lost if i.endpoint_instance_id])
+
+    def fence(self, node: Node, worker_ids: list[int]) -> int:
+        """Fence the workers ``worker_ids`` of offline ``node``; returns how many were fenced.
+
+        Failing to (no etcd configured, or none answering) is logged with its consequence; the pass
+        goes on, as the replacements are placed either way.
+        """
+        if not worker_ids:
+            return 0
+        ids = ", ".join(f"{worker_id:x}" for worker_id in worker_ids)
+        if not self.settings.etcd_endpoints:
+            log.warning(
+                "cannot fence the workers of offline node %s (%s): ETCD_ENDPOINTS is not set for the control "
+                "plane; if they still run, they serve beside their replacements until their agent returns",
+                node.name,
+                ids,
+            )
+            return 0
+        reason = f"node {node.name} stopped heartbeating; the control plane placed this replica elsewhere"
+        try:
+            asyncio.run(put_fences(list(self.settings.etcd_endpoints), worker_ids, reason))
+        except FlotillaError as exc:
+            log.error(
+                "%s: the workers of offline node %s (%s) may serve until their agent returns",
+                exc,
+                node.name,
+                ids,
+            )
+            return 0
+        return len(worker_ids)
 
     def restart_failed(self, report: PassReport) -> None:
         """Step 2: failed instances back to pending once their backoff passed, or given up."""

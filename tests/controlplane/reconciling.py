@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.utils import timezone
 
@@ -81,16 +82,18 @@ class Clock:
         self.now = timezone.now()
 
 
-def make_reconciler(dispatcher: RecordingDispatcher, clock: Clock, **settings: float) -> Reconciler:
-    return Reconciler(dispatcher, ReconcilerSettings(**settings), clock=clock)  # type: ignore[arg-type]
+def make_reconciler(dispatcher: RecordingDispatcher, clock: Clock, **settings: Any) -> Reconciler:
+    return Reconciler(dispatcher, ReconcilerSettings(**settings), clock=clock)
 
 
-def agent_reports(instance: Instance, state: str, reason: str = "") -> Instance:
-    """The instance's agent reports ``state`` (as the agent API would apply it)."""
+def agent_reports(instance: Instance, state: str, reason: str = "", *, worker_id: int | None = None) -> Instance:
+    """The instance's agent reports ``state`` (as the agent API would apply it), and its worker's id in etcd."""
     instance.refresh_from_db()
     assert instance.node is not None
     node = instance.node.name
-    report = InstanceReport(state=state, reason=reason, pid=4242 if state == "ready" else None)
+    report = InstanceReport(
+        state=state, reason=reason, pid=4242 if state == "ready" else None, endpoint_instance_id=worker_id
+    )
     return fleet_actions.report_instance_state(Actor.agent(node), node, instance.pk, report)
 
 

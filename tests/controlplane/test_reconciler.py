@@ -1,6 +1,7 @@
 """Reconciler passes, with a recording Dispatcher: what is sent to which node's queue, and when."""
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -11,9 +12,13 @@ from controlplane.deployments.dispatch import DispatchError
 from controlplane.deployments.reconciler import LEASE_NAME, ReconcilerSettings
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Instance, InstanceState, Lease, Node
+from runtime.fencing import FENCES_PREFIX, fence_key
 from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node
 from tests.controlplane.reconciling import Clock, RecordingDispatcher, agent_reports, make_reconciler
+from tests.distributed.cluster import etcd_values
+from tests.infra import EtcdServer
+from tests.servers import free_port
 
 pytestmark = pytest.mark.django_db
 S = InstanceState
@@ -232,6 +237,55 @@ def test_a_silent_node_goes_offline_and_its_instances_are_placed_on_the_other_no
     assert lost.after["state"] == S.FAILED
     assert lost.after["reason"].startswith("node gpu-a stopped heartbeating at ")
     assert AuditEntry.objects.filter(action="node.offline", target_name="gpu-a").exists()
+
+
+def _lose_node_a(dispatcher: RecordingDispatcher, clock: Clock, **settings: Any) -> tuple[Instance, Instance]:
+    """Two ready replicas, one on gpu-a (worker 0xa1) and one on gpu-b (0xb1); then gpu-a falls silent."""
+    make_node("gpu-a", (80,))
+    make_node("gpu-b", (80, 80))
+    deploy("chat", replicas=2, gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock, node_timeout_s=15, **settings)
+    reconciler.run_once()
+    on_a, on_b = sorted(instances("chat"), key=lambda i: i.node.name)  # type: ignore[union-attr]
+    agent_reports(on_a, S.READY, worker_id=0xA1)
+    agent_reports(on_b, S.READY, worker_id=0xB1)
+    clock.advance(16)
+    Node.objects.filter(name="gpu-b").update(last_heartbeat_at=clock.now)
+    report = reconciler.run_once()
+    assert report is not None and report.nodes_offline == ["gpu-a"]
+    return on_a, on_b
+
+
+def test_the_workers_of_a_lost_node_are_fenced_in_etcd(
+    etcd_server: EtcdServer,  # first: the clock starts once etcd (~1 s to start) is up
+    dispatcher: RecordingDispatcher,
+    clock: Clock,
+) -> None:
+    _lose_node_a(dispatcher, clock, etcd_endpoints=(etcd_server.endpoint,))
+
+    fences = etcd_values(etcd_server, FENCES_PREFIX)
+    assert list(fences) == [fence_key(0xA1)]  # the replica on gpu-b is not touched
+    assert fences[fence_key(0xA1)].startswith("node gpu-a stopped heartbeating")
+
+
+def test_without_etcd_the_lost_workers_cannot_be_fenced_and_the_log_says_so(
+    dispatcher: RecordingDispatcher, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    on_a, _ = _lose_node_a(dispatcher, clock)
+
+    assert "cannot fence the workers of offline node gpu-a (a1): ETCD_ENDPOINTS is not set" in caplog.text
+    on_a.refresh_from_db()
+    assert on_a.node is not None and on_a.node.name == "gpu-b"  # placed elsewhere all the same
+
+
+def test_an_unreachable_etcd_is_logged_and_the_lost_instances_are_placed_all_the_same(
+    dispatcher: RecordingDispatcher, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    on_a, _ = _lose_node_a(dispatcher, clock, etcd_endpoints=(f"http://127.0.0.1:{free_port()}",))
+
+    assert "cannot reach etcd to fence workers" in caplog.text
+    on_a.refresh_from_db()
+    assert on_a.node is not None and on_a.node.name == "gpu-b"
 
 
 def test_a_stopping_instance_on_a_lost_node_is_stopped(dispatcher: RecordingDispatcher, clock: Clock) -> None:

@@ -110,7 +110,18 @@ def served_models(server: Server) -> list[str]:
 
 def etcd_leases(etcd: EtcdServer, prefix: str) -> dict[str, int]:
     """The keys under ``prefix`` in etcd and the lease each is attached to (0: none), over its JSON API."""
+    return {base64.b64decode(kv["key"]).decode(): int(kv.get("lease", 0)) for kv in _etcd_range(etcd, prefix)}
 
+
+def etcd_values(etcd: EtcdServer, prefix: str) -> dict[str, str]:
+    """The keys under ``prefix`` in etcd and their values, over its JSON API."""
+    return {
+        base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode()
+        for kv in _etcd_range(etcd, prefix)
+    }
+
+
+def _etcd_range(etcd: EtcdServer, prefix: str) -> list[dict[str, str]]:
     def encode(text: str) -> str:
         return base64.b64encode(text.encode()).decode()
 
@@ -119,4 +130,5 @@ def etcd_leases(etcd: EtcdServer, prefix: str) -> dict[str, int]:
     body = {"key": encode(prefix), "range_end": encode(range_end)}
     reply = httpx.post(etcd.endpoint + "/v3/kv/range", json=body, timeout=5)
     reply.raise_for_status()
-    return {base64.b64decode(kv["key"]).decode(): int(kv.get("lease", 0)) for kv in reply.json().get("kvs", [])}
+    kvs: list[dict[str, str]] = reply.json().get("kvs", [])
+    return kvs

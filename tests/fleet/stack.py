@@ -72,6 +72,7 @@ class FleetStack:
             "FLOTILLA_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S),
             "FLOTILLA_RESTART_BACKOFF_MAX_S": "0",
             "FLOTILLA_STOP_GRACE_S": "5",
+            "ETCD_ENDPOINTS": self.etcd.endpoint,  # to fence the workers of a lost node
         }
         self.control_plane.migrate()
         self.agent_tokens = {node: self.control_plane.agent_token(node) for node in NODES}

@@ -103,8 +103,15 @@ def test_a_lost_node_goes_offline_and_its_instances_move_to_the_other(fleet: Fle
     [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
     on_b = [i for i in fleet.wait_ready(smol, 2) if i["node"] == "node-b"]
     assert on_b, "spread put one of the two replicas on node-b"
-    fleet.agents["node-b"].process.kill()
+    fleet.agents["node-b"].process.kill()  # the agent only: its worker runs on, orphaned
+    orphan = on_b[0]["pid"]
     wait_for("node-b to go offline", lambda: fleet.node("node-b")["state"] == "offline", explain=fleet.logs)
     ready = fleet.wait_ready(smol, 2)
     assert {i["node"] for i in ready} == {"node-a"}, ready
-    assert fleet.complete("smol").status_code == 200
+    # The control plane fenced the orphan: it deregistered and exited, and no longer serves beside its
+    # replacement.
+    wait_for("the orphaned worker to exit", lambda: not running(orphan), explain=fleet.logs)
+    orphan_log = (fleet.directory / "node-b" / "logs" / f"instance-{on_b[0]['id']}.log").read_text()
+    assert "flotilla: fenced by the control plane: node node-b stopped heartbeating" in orphan_log
+    served_by = {fleet.complete("smol").headers["x-flotilla-instance"] for _ in range(6)}
+    assert served_by <= {i["endpoint_instance_id"] for i in ready}, (served_by, ready)
