@@ -8,12 +8,13 @@ machine can read gives its own size and config when they are not given.
 import re
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES
 from controlplane.catalog.memory import estimate_memory_bytes, read_local_model
-from controlplane.catalog.models import LanguageModel
+from controlplane.catalog.models import LanguageModel, validate_model_name
 from controlplane.errors import Conflict, Invalid
 
 # Fields an action may set; everything else is the database's.
@@ -49,6 +50,7 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     """
     _check_fields(fields)
     model = LanguageModel(**fields)
+    _check_name(model.name)
     check_model(model)
     _fill_from_local_files(model)
     if model.memory_bytes is None:
@@ -166,3 +168,12 @@ def _check_fields(fields: dict[str, Any]) -> None:
     unknown = sorted(set(fields) - MODEL_FIELDS)
     if unknown:
         raise Invalid(f"a model has no field {unknown[0]!r}", field=unknown[0])
+
+
+def _check_name(name: str) -> None:
+    """The model's name as its field's validator checks it (forms and the API check it first; this is
+    the check every caller gets). Raises Invalid naming ``name``."""
+    try:
+        validate_model_name(name)
+    except ValidationError as exc:
+        raise Invalid(f"{name!r}: {' '.join(exc.messages)}", field="name") from exc

@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
 from controlplane.celery_app import request_reconcile
-from controlplane.deployments.models import Pipeline, WorkerGroup
+from controlplane.deployments.models import Pipeline, WorkerGroup, validate_served_name
 from controlplane.deployments.placement import Demand, Placement, Unschedulable, place
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.actions import add_instances, stop_instance
@@ -91,6 +92,7 @@ def deploy_pipeline(
     Raises Invalid naming the field (groups, pins, router settings, namespace), Conflict when the name or
     the namespace is taken.
     """
+    _check_served_name(name)
     _check_settings(settings)
     _check_groups(model, groups, settings.get("pinned_gpus") or [])
     if namespace is None:
@@ -351,3 +353,11 @@ def _check_pinned_gpus(pinned_gpus: Sequence[int], groups: Sequence[GroupSpec] |
         raise Invalid(
             f"{len(set(pinned_gpus))} pinned GPU(s) cannot hold a replica that needs {needed}", field="pinned_gpus"
         )
+
+
+def _check_served_name(name: str) -> None:
+    """The served model name as the field's validator checks it, for every caller. Raises Invalid."""
+    try:
+        validate_served_name(name)
+    except ValidationError as exc:
+        raise Invalid(f"{name!r}: {' '.join(exc.messages)}", field="name") from exc

@@ -81,3 +81,13 @@ def test_sources_that_do_not_suit_their_kind_or_engine_name_the_field(fields: di
 )
 def test_sources_that_suit_their_kind_and_engine_are_accepted(fields: dict) -> None:
     assert make_model("ok", **fields).pk is not None
+
+
+@pytest.mark.django_db
+def test_a_model_name_the_field_would_refuse_is_invalid_for_every_caller() -> None:
+    with pytest.raises(Invalid, match="'bad name!'") as refused:
+        actions.create_model(
+            TEST_ACTOR, name="bad name!", source_kind="huggingface", source="org/model", engine="mocker"
+        )
+    assert refused.value.field == "name"
+    assert not LanguageModel.objects.exists()

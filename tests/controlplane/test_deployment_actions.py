@@ -232,3 +232,12 @@ def test_stopped_pipelines_are_not_placed() -> None:
 def test_worker_groups_name_their_dyn_component() -> None:
     assert WorkerGroup(role="aggregated").component == "backend"
     assert WorkerGroup(role="prefill").component == "prefill"
+
+
+@pytest.mark.django_db
+def test_a_served_name_the_field_would_refuse_is_invalid_for_every_caller() -> None:
+    model = make_model("smol")
+    with pytest.raises(Invalid, match="'bad name!'") as refused:
+        actions.deploy_pipeline(TEST_ACTOR, name="bad name!", model=model, groups=[GroupSpec(replicas=1)])
+    assert refused.value.field == "name"
+    assert not Pipeline.objects.exists()
