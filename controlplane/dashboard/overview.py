@@ -1,48 +1,26 @@
 """What the overview page shows, read from the records in a few queries (no state changes here)."""
 
-from collections import Counter
-from dataclasses import dataclass, field
-
-from django.db.models import Prefetch
+from dataclasses import dataclass
 
 from controlplane.audit.models import AuditEntry
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import Gpu, Instance, InstanceState, Node
+from controlplane.dashboard import queries
+from controlplane.dashboard.queries import PipelineRow
+from controlplane.fleet.models import Node
 
 RECENT_EVENTS = 15
-
-
-@dataclass(frozen=True)
-class PipelineRow:
-    pipeline: Pipeline
-    desired: int
-    ready: int
-    states: dict[str, int]  # live instances by state, for the ones not ready yet
-    reasons: list[str] = field(default_factory=list)  # why instances are pending or failed
 
 
 @dataclass(frozen=True)
 class Overview:
     nodes: list[Node]
     pipelines: list[PipelineRow]
-    events: list[AuditEntry]
+    events: list[AuditEntry] | None  # None: the person may not read the audit log
 
 
-def overview() -> Overview:
-    """Nodes with their GPUs, pipelines with ready/desired replicas and what holds the rest, recent events."""
-    nodes = list(Node.objects.prefetch_related(Prefetch("gpus", queryset=Gpu.objects.order_by("index"))))
-    pipelines = Pipeline.objects.select_related("model").prefetch_related("groups").order_by("name")
-    live = Instance.objects.exclude(state__in=[InstanceState.STOPPED, InstanceState.STOPPING])
-    by_pipeline: dict[int, list[Instance]] = {}
-    for instance in live.only("pipeline_id", "state", "reason"):
-        by_pipeline.setdefault(instance.pipeline_id, []).append(instance)
-    rows = []
-    for pipeline in pipelines:
-        instances = by_pipeline.get(pipeline.pk, [])
-        states = Counter(instance.state for instance in instances)
-        ready = states.pop(InstanceState.READY, 0)
-        reasons = sorted({instance.reason for instance in instances if instance.reason})
-        desired = sum(group.replicas for group in pipeline.groups.all()) if pipeline.state == "running" else 0
-        rows.append(PipelineRow(pipeline, desired, ready, dict(sorted(states.items())), reasons))
-    events = list(AuditEntry.objects.order_by("-created_at")[:RECENT_EVENTS])
+def overview(*, with_events: bool) -> Overview:
+    """Nodes with their GPUs, pipelines with ready/desired replicas and what holds the rest, and (when
+    ``with_events``) the latest audit entries."""
+    nodes = list(queries.nodes_with_gpus())
+    rows = queries.pipeline_rows(queries.pipelines_with_groups())
+    events = list(AuditEntry.objects.order_by("-created_at", "-id")[:RECENT_EVENTS]) if with_events else None
     return Overview(nodes, rows, events)

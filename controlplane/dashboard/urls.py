@@ -1,11 +1,39 @@
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import path, register_converter
 
-from controlplane.dashboard import views
+from controlplane.api.base import ID_PATTERN
+from controlplane.dashboard import controls, views
 
+
+class RowId:
+    """A row id in a URL: digits that fit the database's integers (more is a 404, not an overflow)."""
+
+    regex = ID_PATTERN
+
+    def to_python(self, value: str) -> int:
+        return int(value)
+
+    def to_url(self, value: int) -> str:
+        return str(value)
+
+
+register_converter(RowId, "row_id")
 app_name = "dashboard"
 urlpatterns = [
     path("", views.overview_page, name="overview"),
     path("login/", auth_views.LoginView.as_view(template_name="dashboard/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("gateway/", views.gateway_section, name="gateway"),
+    path("models/", views.models_page, name="models"),
+    path("pipelines/", views.pipelines_page, name="pipelines"),
+    path("pipelines/<row_id:pk>/", views.pipeline_page, name="pipeline"),
+    path("pipelines/<row_id:pk>/scale/", controls.pipeline_scale, name="pipeline-scale"),
+    path("pipelines/<row_id:pk>/stop/", controls.pipeline_stop, name="pipeline-stop"),
+    path("pipelines/<row_id:pk>/start/", controls.pipeline_start, name="pipeline-start"),
+    path("instances/<row_id:pk>/restart/", controls.instance_restart, name="instance-restart"),
+    path("instances/<row_id:pk>/log/", views.instance_log, name="instance-log"),
+    path("nodes/", views.nodes_page, name="nodes"),
+    path("nodes/<row_id:pk>/drain/", controls.node_drain, name="node-drain"),
+    path("nodes/<row_id:pk>/undrain/", controls.node_undrain, name="node-undrain"),
+    path("audit/", views.audit_page, name="audit"),
 ]

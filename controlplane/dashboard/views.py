@@ -1,13 +1,152 @@
-"""The dashboard's pages: server-rendered, for people who are logged in."""
+"""The dashboard's pages: server-rendered, for people who are logged in.
 
+Every page may be read by every role. The two pages with a form (models, pipelines) take its POST too,
+for operators and admins only; the buttons' POSTs are in controls.py.
+"""
+
+from typing import Any
+
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.core.cache import cache
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_http_methods
 
+from controlplane.audit.records import Actor
+from controlplane.catalog.models import LanguageModel
+from controlplane.dashboard import audit_log, gateway, logs, partials, queries
+from controlplane.dashboard.access import AUDIT_ROLE, can_act, has_role, role_required
+from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
 from controlplane.dashboard.overview import overview
+from runtime.errors import ConfigError
+
+# The previous gateway reading, for rates between two looks at the overview (see gateway.py).
+GATEWAY_READING_KEY = "dashboard:gateway-reading"
+
+
+def render_page(request: HttpRequest, template: str, context: dict[str, Any], *, status: int = 200) -> HttpResponse:
+    """Render a page with what base.html needs to know about the person's role."""
+    context = {"can_act": can_act(request), "can_read_audit": has_role(request, AUDIT_ROLE), **context}
+    return render(request, template, context, status=status)
 
 
 @login_required
+@require_GET
 def overview_page(request: HttpRequest) -> HttpResponse:
-    """Nodes and GPUs, pipelines with ready/desired replicas, and the latest audit events."""
-    return render(request, "dashboard/overview.html", {"overview": overview()})
+    """Nodes and GPUs, pipelines with ready/desired replicas, gateway traffic and the latest audit events."""
+    summary = overview(with_events=has_role(request, AUDIT_ROLE))
+    return render_page(request, "dashboard/overview.html", {"overview": summary})
+
+
+@login_required
+@require_GET
+def gateway_section(request: HttpRequest) -> HttpResponse:
+    """The overview's gateway traffic (loaded after the page, so a slow gateway does not hold it up)."""
+    context: dict[str, Any] = {"url": None, "traffic": None, "problem": None}
+    try:
+        url = gateway.gateway_url()
+    except ConfigError as exc:
+        context["problem"] = str(exc)
+        return render(request, "dashboard/partials/gateway.html", context)
+    context["url"] = url
+    if url is not None:
+        try:
+            reading = gateway.read_gateway(url)
+        except gateway.GatewayUnreachable as exc:
+            context["problem"] = str(exc)
+        else:
+            previous = cache.get(GATEWAY_READING_KEY)
+            cache.set(GATEWAY_READING_KEY, reading, timeout=int(gateway.MAX_RATE_WINDOW_S))
+            context["traffic"] = gateway.traffic(reading, previous if isinstance(previous, gateway.Reading) else None)
+    return render(request, "dashboard/partials/gateway.html", context)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def models_page(request: HttpRequest) -> HttpResponseBase:
+    """The catalog, the add-a-model form, and each model's downloads per node."""
+    form = ModelForm(initial={"source_kind": LanguageModel.SourceKind.HUGGING_FACE})
+    status = 200
+    if request.method == "POST":
+        if not can_act(request):
+            raise PermissionDenied("adding a model needs the operator role")
+        form = ModelForm(request.POST)
+        model = form.submit(Actor.person(request.user))
+        if model is not None:
+            messages.success(request, f"Model {model.name} added.")
+            return redirect("dashboard:models")
+        status = 400
+    models = LanguageModel.objects.annotate(pipeline_count=Count("pipelines")).order_by("name")
+    context = {"models": models, "downloads": queries.downloads_with_names(), "form": form}
+    return render_page(request, "dashboard/models.html", context, status=status)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def pipelines_page(request: HttpRequest) -> HttpResponseBase:
+    """Pipelines with ready/desired replicas and their controls, and the deploy form."""
+    form = PipelineForm()
+    status = 200
+    if request.method == "POST":
+        if not can_act(request):
+            raise PermissionDenied("deploying needs the operator role")
+        form = PipelineForm(request.POST)
+        pipeline = form.submit(Actor.person(request.user))
+        if pipeline is not None:
+            messages.success(request, f"Pipeline {pipeline.name} deployed.")
+            return redirect("dashboard:pipeline", pk=pipeline.pk)
+        status = 400
+    rows = queries.pipeline_rows(queries.pipelines_with_groups())
+    has_models = LanguageModel.objects.exists()
+    context = {"rows": rows, "form": form, "has_models": has_models}
+    return render_page(request, "dashboard/pipelines.html", context, status=status)
+
+
+@login_required
+@require_GET
+def pipeline_page(request: HttpRequest, pk: int) -> HttpResponse:
+    """One pipeline: its settings, its instances with their load charts, and an instance's log tail."""
+    pipeline = get_object_or_404(queries.pipelines_with_groups(), pk=pk)
+    (row,) = queries.pipeline_rows([pipeline])
+    context = {"rows": [row], "pipeline": pipeline, "groups": list(pipeline.groups.all())}
+    context |= partials.instances_context(pipeline)
+    return render_page(request, "dashboard/pipeline.html", context)
+
+
+@login_required
+@require_GET
+def nodes_page(request: HttpRequest) -> HttpResponse:
+    """Nodes with their inventory, heartbeats and the drain button."""
+    return render_page(request, "dashboard/nodes.html", {"nodes": list(queries.nodes_with_gpus())})
+
+
+@role_required(AUDIT_ROLE)
+@require_GET
+def audit_page(request: HttpRequest) -> HttpResponse:
+    """The audit log, filtered by actor, kind of action and object, newest first, a page at a time."""
+    form = AuditFilterForm(request.GET or None, target_types=audit_log.target_types())
+    filters = form.cleaned_data if form.is_bound and form.is_valid() else {}
+    entries = audit_log.filtered_entries(**{name: value for name, value in filters.items() if value})
+    page = audit_log.page_of(entries, request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    context = {"form": form, "page": page, "query": query.urlencode()}
+    return render_page(request, "dashboard/audit.html", context)
+
+
+@login_required
+@require_GET
+def instance_log(request: HttpRequest, pk: int) -> HttpResponse:
+    """The tail of an instance's worker log (or why there is none), for the pipeline page's log pane."""
+    instance = get_object_or_404(queries.instances_with_places(), pk=pk)
+    try:
+        lines = logs.parse_lines(request.GET.get("lines"))
+    except ValueError as exc:
+        tail = logs.LogTail(instance, logs.DEFAULT_LINES, problem=str(exc), status=400)
+    else:
+        tail = logs.log_tail(instance, lines)
+    # The page shows the reason as text: the status stays 200 so that htmx swaps it in.
+    return render(request, "dashboard/partials/instance_log.html", {"tail": tail, "instance": instance})

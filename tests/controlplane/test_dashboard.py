@@ -1,24 +1,46 @@
-"""The dashboard's overview page: login required, and what it shows of the fleet."""
+"""The dashboard's pages: login required, every page for every role, and what the overview shows."""
 
 import pytest
 from django.test import Client
 
+from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
 from controlplane.deployments.actions import place_pending_instances
-from controlplane.fleet.models import Instance
-from tests.controlplane.factories import deploy, make_node, make_user, run_instance
+from controlplane.fleet.actions import report_download
+from controlplane.fleet.models import Download, Instance
+from controlplane.fleet.reports import DownloadReport
+from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, make_user, run_instance
 
 pytestmark = pytest.mark.django_db
 
+PEOPLE = [Role.READ_ONLY, Role.OPERATOR, Role.ADMIN]
+PASSWORD = "a long passphrase"
 
-@pytest.fixture
-def browser() -> Client:
-    user = make_user("viewer")
-    user.set_password("a long passphrase")
+
+def logged_in(role: Role, *, enforce_csrf_checks: bool = False, username: str | None = None) -> Client:
+    """A browser logged in as a new person with ``role``."""
+    user = make_user(username or f"{role.value}-person", role)
+    user.set_password(PASSWORD)
     user.save()
-    client = Client()
-    assert client.login(username="viewer", password="a long passphrase")
+    client = Client(enforce_csrf_checks=enforce_csrf_checks)
+    assert client.login(username=user.username, password=PASSWORD)
     return client
+
+
+def a_small_fleet() -> dict[str, int]:
+    """A node with a GPU, a pipeline with a ready instance, another that cannot be placed, a download."""
+    node = make_node("gpu-a", gpus_gib=(24,))
+    chat = deploy("chat", replicas=1, gpus_per_replica=1)
+    deploy("big", replicas=1, gpus_per_replica=4)
+    place_pending_instances(Actor.system("test"))
+    instance = run_instance(Instance.objects.select_related("node", "pipeline", "group").get(pipeline=chat))
+    report_download(
+        Actor.agent("gpu-a"), "gpu-a", chat.model_id, DownloadReport(state="downloading", bytes_done=5, bytes_total=10)
+    )
+    return {"node": node.pk, "pipeline": chat.pk, "instance": instance.pk, "download": Download.objects.get().pk}
+
+
+PAGES = ["/", "/models/", "/pipelines/", "/pipelines/{pipeline}/", "/nodes/"]
 
 
 def test_anonymous_visitors_are_sent_to_the_login_page_and_come_back_after_it() -> None:
@@ -26,30 +48,110 @@ def test_anonymous_visitors_are_sent_to_the_login_page_and_come_back_after_it() 
     response = client.get("/")
     assert (response.status_code, response["Location"]) == (302, "/login/?next=/")
     user = make_user("bob")
-    user.set_password("a long passphrase")
+    user.set_password(PASSWORD)
     user.save()
     refused = client.post("/login/?next=/", {"username": "bob", "password": "wrong"})
     assert refused.status_code == 200 and b"do not match an account" in refused.content
-    accepted = client.post("/login/", {"username": "bob", "password": "a long passphrase", "next": "/"})
+    accepted = client.post("/login/", {"username": "bob", "password": PASSWORD, "next": "/"})
     assert (accepted.status_code, accepted["Location"]) == (302, "/")
 
 
-def test_an_empty_fleet_says_what_to_do_next(browser: Client) -> None:
-    page = browser.get("/").content.decode()
+@pytest.mark.parametrize("page", [*PAGES, "/audit/", "/gateway/", "/instances/{instance}/log/"])
+def test_every_page_sends_anonymous_visitors_to_the_login_page(page: str) -> None:
+    url = page.format(**a_small_fleet())
+    response = Client().get(url)
+    assert response.status_code == 302 and response["Location"].startswith("/login/?next=")
+
+
+@pytest.mark.parametrize("role", PEOPLE)
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_for_every_role(page: str, role: Role) -> None:
+    fleet = a_small_fleet()
+    response = logged_in(role).get(page.format(**fleet))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "{#" not in html and "{%" not in html  # no template syntax left over
+    # Buttons are in the page for everyone (live pushes are the same for all); only operators may see them.
+    assert ('<body class="can-act"' in html) == (role != Role.READ_ONLY)
+
+
+@pytest.mark.parametrize(
+    ("page", "form_action"), [("/models/", 'action="/models/"'), ("/pipelines/", 'action="/pipelines/"')]
+)
+def test_read_only_people_get_no_forms_and_operators_do(page: str, form_action: str) -> None:
+    make_model("smol")
+    assert form_action not in logged_in(Role.READ_ONLY).get(page).content.decode()
+    assert form_action in logged_in(Role.OPERATOR).get(page).content.decode()
+
+
+def test_the_audit_log_needs_the_operator_role_as_in_the_api() -> None:
+    assert logged_in(Role.READ_ONLY).get("/audit/").status_code == 403
+    assert logged_in(Role.OPERATOR).get("/audit/").status_code == 200
+    reader_overview = logged_in(Role.READ_ONLY, username="reader-2").get("/").content.decode()
+    assert "The audit log needs the operator role." in reader_overview and 'id="audit-feed"' not in reader_overview
+
+
+def test_an_empty_fleet_says_what_to_do_next() -> None:
+    page = logged_in(Role.OPERATOR).get("/").content.decode()
     assert "No pipelines yet" in page and "No nodes yet: start an agent with" in page
+    assert "Nothing has happened yet." in page
+    assert "No models yet: add one below" in logged_in(Role.ADMIN).get("/models/").content.decode()
+    assert "No nodes yet: start an agent with" in logged_in(Role.READ_ONLY).get("/nodes/").content.decode()
 
 
-def test_the_overview_shows_nodes_gpus_pipelines_ready_over_desired_and_why_the_rest_wait(browser: Client) -> None:
+def test_the_overview_shows_nodes_gpus_pipelines_ready_over_desired_and_why_the_rest_wait() -> None:
     make_node("gpu-a", gpus_gib=(24,))
     ready = deploy("chat", replicas=1, gpus_per_replica=1)
     waiting = deploy("big", replicas=1, gpus_per_replica=4)
     place_pending_instances(Actor.system("test"))
     run_instance(Instance.objects.get(pipeline=ready))
-    page = browser.get("/").content.decode()
+    page = logged_in(Role.OPERATOR).get("/").content.decode()
     assert "gpu-a" in page and "#0" in page and "24 GiB" in page
     # chat: its one replica is ready; big cannot be placed, and the page says why.
-    assert '<td class="full">1 / 1</td>' in page
-    assert '<td class="short">0 / 1</td>' in page and "1 pending" in page
+    assert '<div class="td full" role="cell">1 / 1</div>' in page
+    assert '<div class="td short" role="cell">0 / 1</div>' in page and "1 pending" in page
     reason = Instance.objects.get(pipeline=waiting).reason
     assert reason and reason in page
-    assert "pipeline.deploy" in page  # the audit log's latest events
+    assert "pipeline.deploy" in page  # the audit log's latest events, in the live feed
+    assert '<ul id="audit-feed" class="feed">' in page
+
+
+def test_pages_that_show_live_data_connect_to_their_websocket() -> None:
+    fleet = a_small_fleet()
+    browser = logged_in(Role.READ_ONLY)
+    for page in ("/", "/models/", "/nodes/", "/pipelines/"):
+        assert 'hx-ext="ws" ws-connect="/ws/fleet/"' in browser.get(page).content.decode()
+    detail = browser.get(f"/pipelines/{fleet['pipeline']}/").content.decode()
+    assert f'hx-ext="ws" ws-connect="/ws/pipelines/{fleet["pipeline"]}/"' in detail
+
+
+def test_the_pages_include_the_partials_the_live_updates_replace() -> None:
+    fleet = a_small_fleet()
+    browser = logged_in(Role.OPERATOR)
+    overview = browser.get("/").content.decode()
+    for element in (f"node-{fleet['node']}", f"pipeline-{fleet['pipeline']}"):
+        assert f'<div id="{element}" class="tr" role="row">' in overview
+    models = browser.get("/models/").content.decode()
+    assert f'<div id="download-{fleet["download"]}" class="tr" role="row">' in models
+    detail = browser.get(f"/pipelines/{fleet['pipeline']}/").content.decode()
+    instance = fleet["instance"]
+    assert f'<div id="instance-{instance}" class="tr" role="row">' in detail and f'<div id="load-{instance}"' in detail
+    assert f'<div id="instances-{fleet["pipeline"]}">' in detail
+    assert f'data-instance="{instance}" data-chart="cache"' in detail  # where charts.js draws
+    assert "uPlot.iife.min.js" in detail and "charts.js" in detail
+
+
+def test_the_pipeline_page_shows_its_settings_and_why_an_instance_waits() -> None:
+    make_node("gpu-a", gpus_gib=(24,))
+    big = deploy("big", replicas=1, gpus_per_replica=4, router_mode="kv", router_temperature=0.5)
+    place_pending_instances(TEST_ACTOR)
+    page = logged_in(Role.READ_ONLY).get(f"/pipelines/{big.pk}/").content.decode()
+    reason = Instance.objects.get(pipeline=big).reason
+    assert reason and page.count(reason) >= 2  # in the pipeline's row and in the instance's
+    assert "temperature 0.5" in page and "dyn://big" in page and "not placed" in page
+
+
+def test_an_unknown_pipeline_is_a_404_and_a_huge_id_is_too() -> None:
+    browser = logged_in(Role.READ_ONLY)
+    assert browser.get("/pipelines/999/").status_code == 404
+    assert browser.get("/pipelines/99999999999999999999999/").status_code == 404

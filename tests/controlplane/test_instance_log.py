@@ -8,7 +8,7 @@ from rest_framework.test import APIClient
 from controlplane.accounts.models import Role
 from controlplane.deployments.actions import place_pending_instances
 from controlplane.deployments.dispatch import AgentFailed
-from controlplane.fleet.api import views
+from controlplane.fleet import log_tail
 from controlplane.fleet.models import Instance, Node
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node
 from tests.controlplane.reconciling import RecordingDispatcher
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def dispatcher(monkeypatch: pytest.MonkeyPatch) -> RecordingDispatcher:
     recording = RecordingDispatcher()
-    monkeypatch.setattr(views, "agent_dispatcher", lambda: recording)
+    monkeypatch.setattr(log_tail, "agent_dispatcher", lambda: recording)
     return recording
 
 

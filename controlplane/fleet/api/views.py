@@ -7,15 +7,14 @@ from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from controlplane import celery_app
 from controlplane.accounts.authentication import AgentPrincipal
 from controlplane.accounts.models import Role
 from controlplane.api.base import ID_PATTERN, FlotillaViewSet
 from controlplane.api.permissions import AgentPermission
 from controlplane.audit.records import Actor
-from controlplane.deployments.dispatch import MAX_LOG_LINES, AgentFailed, CeleryDispatcher, Dispatcher, DispatchError
-from controlplane.errors import Conflict, Forbidden, Invalid
-from controlplane.fleet import actions
+from controlplane.deployments.dispatch import MAX_LOG_LINES
+from controlplane.errors import Forbidden
+from controlplane.fleet import actions, log_tail
 from controlplane.fleet.api.filters import DownloadFilter, InstanceFilter, NodeFilter
 from controlplane.fleet.api.serializers import (
     AgentInstanceSerializer,
@@ -28,21 +27,6 @@ from controlplane.fleet.api.serializers import (
     NodeSerializer,
 )
 from controlplane.fleet.models import Download, Instance, InstanceState, Node
-from runtime.config import env_float
-from runtime.fleet_tasks import LogTailRequest
-
-DEFAULT_LOG_LINES = 100
-
-
-def agent_dispatcher() -> Dispatcher:
-    """How the API reaches agents: the control plane's Celery app (``FLOTILLA_BROKER_URL``)."""
-    return CeleryDispatcher(celery_app.app)
-
-
-def log_tail_timeout_s() -> float:
-    """Seconds the API waits for an agent's log tail: ``FLOTILLA_LOG_TAIL_TIMEOUT_S`` (default 5)."""
-    return env_float("FLOTILLA_LOG_TAIL_TIMEOUT_S", 5.0, minimum=0.1)
-
 
 _LOG_REPLY = inline_serializer(
     "InstanceLog",
@@ -111,33 +95,13 @@ class InstanceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Flotilla
     @action(detail=True, methods=["get"])
     def log(self, request: Request, pk: str) -> Response:
         """The last lines of the instance's worker log, as its node's agent keeps it."""
-        lines = _log_lines(request.query_params.get("lines"))
-        instance = self.get_object()
-        node = instance.node
-        if node is None:
-            raise Conflict(f"instance {instance.name} is not placed on a node: it has no worker log")
-        if node.state != Node.State.ONLINE:
-            return _unavailable(f"node {node.name} is {node.state}: its agent cannot answer")
-        request_ = LogTailRequest(instance_id=instance.pk, lines=lines)
-        try:
-            text = agent_dispatcher().log_tail(node.name, request_, timeout_s=log_tail_timeout_s())
-        except AgentFailed as exc:
-            return Response({"detail": str(exc)}, status=status.HTTP_502_BAD_GATEWAY)
-        except DispatchError as exc:
-            return _unavailable(str(exc))
-        return Response({"instance": instance.pk, "node": node.name, "lines": lines, "text": text})
-
-
-def _log_lines(raw: str | None) -> int:
-    if raw is None:
-        return DEFAULT_LOG_LINES
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LOG_LINES:
-        raise Invalid(f"a whole number from 1 to {MAX_LOG_LINES}, not {raw[:20]!r}", field="lines")
-    return int(raw)
-
-
-def _unavailable(detail: str) -> Response:
-    return Response({"detail": detail}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        lines = log_tail.parse_lines(request.query_params.get("lines"))
+        tail = log_tail.log_tail(self.get_object(), lines)
+        if tail.problem is not None:
+            return Response({"detail": tail.problem}, status=tail.status)
+        node = tail.instance.node
+        assert node is not None  # a tail with text came from the node's agent
+        return Response({"instance": tail.instance.pk, "node": node.name, "lines": lines, "text": tail.text})
 
 
 class DownloadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FlotillaViewSet):

@@ -1,0 +1,160 @@
+"""The dashboard's buttons: scale, stop and start a pipeline, restart an instance, drain a node.
+
+Each is a POST for operators and admins (403 for read-only people, CSRF-checked like every form) that
+calls the action and answers htmx with the record's fresh partial, which replaces the one clicked, and a
+note for the page's flash area. A refusal of the action (Invalid 400, Conflict 409) answers the same way
+with the reason as the note; the page's htmx config swaps those statuses in. A request that is not from
+htmx (no JavaScript) is redirected to the record's page with the note as a message.
+"""
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.shortcuts import get_object_or_404, redirect
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from controlplane.audit.records import Actor
+from controlplane.dashboard import partials
+from controlplane.dashboard.access import ACT_ROLE, role_required
+from controlplane.dashboard.forms import ScaleForm
+from controlplane.deployments import actions as deployment_actions
+from controlplane.deployments.models import Pipeline
+from controlplane.errors import Conflict, Invalid
+from controlplane.fleet import actions as fleet_actions
+from controlplane.fleet.models import Instance, Node
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def pipeline_scale(request: HttpRequest, pk: int) -> HttpResponseBase:
+    pipeline = get_object_or_404(Pipeline, pk=pk)
+    form = ScaleForm(request.POST)
+    if not form.is_valid():
+        problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in form.errors.items())
+        return _pipeline_answer(request, pipeline, f"Not scaled: {problems}", status=400)
+    role = form.cleaned_data["role"] or None
+    replicas = form.cleaned_data["replicas"]
+    return _act(
+        request,
+        lambda actor: deployment_actions.scale_pipeline(actor, pipeline, replicas, role),
+        lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} scaled to {replicas}."),
+        lambda note, status: _pipeline_answer(request, pipeline, f"Not scaled: {note}", status=status),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def pipeline_stop(request: HttpRequest, pk: int) -> HttpResponseBase:
+    pipeline = get_object_or_404(Pipeline, pk=pk)
+    return _act(
+        request,
+        lambda actor: deployment_actions.stop_pipeline(actor, pipeline),
+        lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} stopped."),
+        lambda note, status: _pipeline_answer(request, pipeline, note, status=status),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def pipeline_start(request: HttpRequest, pk: int) -> HttpResponseBase:
+    pipeline = get_object_or_404(Pipeline, pk=pk)
+    return _act(
+        request,
+        lambda actor: deployment_actions.start_pipeline(actor, pipeline),
+        lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} started."),
+        lambda note, status: _pipeline_answer(request, pipeline, note, status=status),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def instance_restart(request: HttpRequest, pk: int) -> HttpResponseBase:
+    instance = get_object_or_404(Instance.objects.select_related("pipeline", "group"), pk=pk)
+    page = reverse("dashboard:pipeline", args=[instance.pipeline_id])
+
+    def answer(note: str, status: int = 200) -> HttpResponseBase:
+        return _answer(request, partials.render_instance(instance.pk), note, status=status, page=page)
+
+    return _act(
+        request,
+        lambda actor: fleet_actions.restart_instance(actor, instance),
+        lambda: answer(f"{instance.name} is restarting."),
+        answer,
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def node_drain(request: HttpRequest, pk: int) -> HttpResponseBase:
+    node = get_object_or_404(Node, pk=pk)
+    return _act(
+        request,
+        lambda actor: fleet_actions.drain_node(actor, node),
+        lambda: _node_answer(request, node, f"{node.name} is draining: its instances move to other nodes."),
+        lambda note, status: _node_answer(request, node, note, status=status),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def node_undrain(request: HttpRequest, pk: int) -> HttpResponseBase:
+    node = get_object_or_404(Node, pk=pk)
+    return _act(
+        request,
+        lambda actor: fleet_actions.undrain_node(actor, node),
+        lambda: _node_answer(request, node, f"New instances may be placed on {node.name} again."),
+        lambda note, status: _node_answer(request, node, note, status=status),
+    )
+
+
+def _act(
+    request: HttpRequest,
+    action: Callable[[Actor], Any],
+    done: Callable[[], HttpResponseBase],
+    refused: Callable[[str, int], HttpResponseBase],
+) -> HttpResponseBase:
+    """Run ``action`` as the person; answer with ``done()``, or ``refused(reason, status)``."""
+    try:
+        action(Actor.person(request.user))
+    except Invalid as exc:
+        return refused(exc.message, 400)
+    except Conflict as exc:
+        return refused(str(exc), 409)
+    return done()
+
+
+def _pipeline_answer(request: HttpRequest, pipeline: Pipeline, note: str, *, status: int = 200) -> HttpResponseBase:
+    """The pipeline's row; from its own page also its instances, which scale, stop and start change."""
+    page = reverse("dashboard:pipeline", args=[pipeline.pk])
+    html = partials.render_pipeline_row(pipeline.pk)
+    extra = ""
+    if _current_path(request) == page:
+        context = partials.instances_context(pipeline) | {"out_of_band": True}
+        extra = render_to_string("dashboard/partials/pipeline_instances.html", context)
+    return _answer(request, html, note, status=status, page=page, out_of_band=extra)
+
+
+def _node_answer(request: HttpRequest, node: Node, note: str, *, status: int = 200) -> HttpResponseBase:
+    return _answer(request, partials.render_node(node.pk), note, status=status, page=reverse("dashboard:nodes"))
+
+
+def _answer(
+    request: HttpRequest, html: str, note: str, *, status: int, page: str, out_of_band: str = ""
+) -> HttpResponseBase:
+    """``html`` for the clicked element, then the note and ``out_of_band`` elements, swapped by their ids."""
+    ok = status < 400
+    if not request.headers.get("HX-Request"):
+        (messages.success if ok else messages.error)(request, note)
+        return redirect(page)
+    flash = render_to_string("dashboard/partials/flash.html", {"notes": [(note, ok)], "out_of_band": True})
+    return HttpResponse(html + flash + out_of_band, status=status)
+
+
+def _current_path(request: HttpRequest) -> str:
+    """The path of the page htmx sent the request from (its ``HX-Current-URL`` header)."""
+    return urlsplit(request.headers.get("HX-Current-URL", "")).path

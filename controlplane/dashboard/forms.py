@@ -1,0 +1,175 @@
+"""The dashboard's forms: they check the shape of the input, and the actions check the rest.
+
+A form's ``submit`` calls the action; the action's Invalid becomes an error on the field it names (or on
+the whole form when the form has no such field), its Conflict an error on the field at fault, so that
+the page shows every refusal next to the input, in the action's own words.
+"""
+
+import json
+from typing import Any
+
+from django import forms
+
+from controlplane.audit.records import Actor
+from controlplane.catalog import actions as catalog_actions
+from controlplane.catalog.engines import Engine
+from controlplane.catalog.models import LanguageModel, validate_model_name
+from controlplane.deployments import actions as deployment_actions
+from controlplane.deployments.actions import (
+    MAX_GPUS_PER_REPLICA,
+    MAX_REPLICAS,
+    MAX_ROUTER_TEMPERATURE,
+    MAX_ROUTER_WEIGHT,
+    GroupSpec,
+)
+from controlplane.deployments.models import Pipeline, PlacementPolicy, RouterMode, WorkerGroup, validate_served_name
+from controlplane.errors import Conflict, Invalid
+
+MAX_ENGINE_ARGS_BYTES = 16 * 1024
+
+
+class JsonObjectField(forms.CharField):
+    """A JSON object typed into a text area (empty: ``{}``)."""
+
+    widget = forms.Textarea(attrs={"rows": 3, "spellcheck": "false", "placeholder": "{}"})
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("max_length", MAX_ENGINE_ARGS_BYTES)
+        super().__init__(**kwargs)
+
+    def to_python(self, value: Any) -> Any:
+        text = super().to_python(value).strip()
+        if not text:
+            return {}
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(f"Not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from exc
+        if not isinstance(parsed, dict):
+            raise forms.ValidationError('A JSON object, such as {"max_num_seqs": 64}.')
+        return parsed
+
+
+class ActionForm(forms.Form):
+    """A form whose ``submit`` runs an action and turns its refusals into form errors."""
+
+    # Where a Conflict goes (the field whose value collides); None: the whole form.
+    conflict_field: str | None = None
+
+    def refuse(self, error: Invalid | Conflict) -> None:
+        if isinstance(error, Invalid):
+            field = error.field if error.field in self.fields else None
+            message = error.message if field is not None or error.field is None else f"{error.field}: {error.message}"
+        else:
+            field, message = self.conflict_field, str(error)
+        self.add_error(field, message)
+
+
+class ModelForm(ActionForm):
+    """Add a model to the catalog: a Hugging Face repo (id and revision), a local folder, or a GGUF file."""
+
+    conflict_field = "name"
+
+    # The actions do not check names (the API's serializers do): the models' validators do it here.
+    name = forms.CharField(max_length=100, validators=[validate_model_name], help_text="What pipelines refer to it by.")
+    source_kind = forms.ChoiceField(label="Source", choices=LanguageModel.SourceKind.choices)
+    source = forms.CharField(
+        max_length=1024,
+        label="Repo id or path",
+        help_text="owner/name for Hugging Face; an absolute path on the nodes for a folder or a .gguf file.",
+    )
+    revision = forms.CharField(max_length=255, required=False, help_text="Hugging Face only; empty: main.")
+    filename = forms.CharField(
+        max_length=255, required=False, help_text="Hugging Face only: the GGUF file to use in a repo of several."
+    )
+    engine = forms.ChoiceField(choices=Engine.choices)
+    default_engine_args = JsonObjectField(label="Default engine args (JSON)")
+
+    def submit(self, actor: Actor) -> LanguageModel | None:
+        """Create the model; None when the input or the action refused (the errors are on the form)."""
+        if not self.is_valid():
+            return None
+        try:
+            return catalog_actions.create_model(actor, **self.cleaned_data)
+        except (Invalid, Conflict) as error:
+            self.refuse(error)
+            return None
+
+
+class PipelineForm(ActionForm):
+    """Deploy a model as a pipeline with one aggregated worker group."""
+
+    conflict_field = "name"
+
+    name = forms.CharField(
+        max_length=200,
+        validators=[validate_served_name],
+        label="Served name",
+        help_text="What clients put in a request's model.",
+    )
+    model = forms.ModelChoiceField(queryset=LanguageModel.objects.order_by("name"), to_field_name="name")
+    engine = forms.ChoiceField(
+        choices=[("", "the model's engine"), *Engine.choices], required=False, help_text="Left empty: the model's."
+    )
+    replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS, initial=1)
+    gpus_per_replica = forms.IntegerField(
+        min_value=0, max_value=MAX_GPUS_PER_REPLICA, initial=0, label="GPUs per replica", help_text="0 runs on CPU."
+    )
+    router_mode = forms.ChoiceField(choices=RouterMode.choices, initial=RouterMode.ROUND_ROBIN)
+    kv_overlap_score_weight = forms.FloatField(
+        min_value=0, max_value=MAX_ROUTER_WEIGHT, initial=1.0, label="KV overlap weight", help_text="kv mode."
+    )
+    router_temperature = forms.FloatField(
+        min_value=0, max_value=MAX_ROUTER_TEMPERATURE, initial=0.0, label="Router temperature", help_text="kv mode."
+    )
+    use_kv_events = forms.BooleanField(required=False, initial=True, label="Use KV events")
+    engine_args = JsonObjectField(label="Engine args (JSON)")
+    placement_policy = forms.ChoiceField(choices=PlacementPolicy.choices, initial=PlacementPolicy.SPREAD)
+
+    def submit(self, actor: Actor) -> Pipeline | None:
+        """Deploy the pipeline; None when the input or the action refused (the errors are on the form)."""
+        if not self.is_valid():
+            return None
+        data = self.cleaned_data
+        group = GroupSpec(
+            replicas=data["replicas"],
+            gpus_per_replica=data["gpus_per_replica"],
+            engine=data["engine"] or None,
+            engine_args=data["engine_args"],
+        )
+        try:
+            return deployment_actions.deploy_pipeline(
+                actor,
+                name=data["name"],
+                model=data["model"],
+                groups=[group],
+                router_mode=data["router_mode"],
+                kv_overlap_score_weight=data["kv_overlap_score_weight"],
+                router_temperature=data["router_temperature"],
+                use_kv_events=data["use_kv_events"],
+                placement_policy=data["placement_policy"],
+            )
+        except (Invalid, Conflict) as error:
+            self.refuse(error)
+            return None
+
+
+class ScaleForm(forms.Form):
+    """A worker group's new replica count (``role``: which group, when the pipeline has several)."""
+
+    replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS)
+    role = forms.ChoiceField(choices=WorkerGroup.Role.choices, required=False)
+
+
+class AuditFilterForm(forms.Form):
+    """The audit log's filters; every one is optional and they combine."""
+
+    actor = forms.CharField(max_length=160, required=False, help_text="alice, agent:gpu-a, system:reconciler")
+    action = forms.CharField(max_length=64, required=False, label="Kind", help_text="pipeline. or pipeline.scale")
+    target_type = forms.ChoiceField(required=False, label="Object type")
+    target = forms.CharField(max_length=255, required=False, label="Object", help_text="its name or id")
+
+    def __init__(self, *args: Any, target_types: list[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["target_type"].choices = [("", "any"), *((kind, kind) for kind in target_types)]

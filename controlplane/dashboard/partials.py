@@ -1,0 +1,143 @@
+"""The dashboard's partial templates as HTML strings: what pages include and what live pushes send.
+
+Each function renders one top-level element with a stable id (``node-<pk>``, ``pipeline-<pk>``, ...), so
+that htmx's websocket extension can swap it in place, out of band, wherever a page shows that record.
+Pages include the same templates, so a first render and a live push look the same. The functions take
+ids, do their own (few, indexed) queries and need no request: there is no CSRF token or user in them.
+Buttons in them carry the ``act`` class; the page hides those from people whose role may not act, and
+the views refuse their POSTs anyway.
+
+The partials may be joined into one websocket message in any order. That is why table rows are
+``<div class="tr" role="row">`` rather than ``<tr>``: htmx parses a message as one HTML fragment, and the
+HTML parser drops a ``<tr>`` that follows a ``<div>`` and misplaces a table that follows a ``<tr>``.
+
+A deleted record raises its model's ``DoesNotExist`` (each an ``ObjectDoesNotExist``); the caller decides
+what a deletion shows.
+"""
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.template.loader import render_to_string
+from django.utils.html import format_html
+
+from controlplane.audit.models import AuditEntry
+from controlplane.dashboard import queries
+from controlplane.deployments.models import Pipeline
+from controlplane.fleet.models import Instance
+
+# The element live audit entries are put at the top of (the overview's recent events).
+AUDIT_FEED_ID = "audit-feed"
+
+
+def render_node(node_id: int) -> str:
+    """``<div id="node-<pk>" class="tr">`` (a table row): state, last heartbeat, CPUs and memory, GPUs
+    with memory and utilisation bars, and the drain/undrain button. Raises ``Node.DoesNotExist``."""
+    node = queries.nodes_with_gpus().get(pk=node_id)
+    return render_to_string("dashboard/partials/node.html", {"node": node})
+
+
+def render_pipeline_row(pipeline_id: int) -> str:
+    """``<div id="pipeline-<pk>" class="tr">``: name, model, engine, state, ready/desired with what holds
+    the rest, router mode, and the scale/stop/start controls. Raises ``Pipeline.DoesNotExist``."""
+    pipeline = queries.pipelines_with_groups().get(pk=pipeline_id)
+    (row,) = queries.pipeline_rows([pipeline])
+    return render_to_string("dashboard/partials/pipeline_row.html", {"row": row})
+
+
+def render_pipeline_instances(pipeline_id: int) -> str:
+    """``<div id="instances-<pk>">``: the pipeline's instances (each as ``render_instance`` renders it)
+    and a chart panel per instance. Push it when instances are added or removed, since a new instance
+    has no element of its own on the page yet. Raises ``Pipeline.DoesNotExist``."""
+    pipeline = Pipeline.objects.get(pk=pipeline_id)
+    return render_to_string("dashboard/partials/pipeline_instances.html", instances_context(pipeline))
+
+
+def render_instance(instance_id: int) -> str:
+    """``<div id="instance-<pk>" class="tr">``: state, node, GPUs, uptime, restarts, reason, download
+    progress, and the restart and log buttons. Raises ``Instance.DoesNotExist``."""
+    instance = queries.instances_with_places().get(pk=instance_id)
+    return render_to_string("dashboard/partials/instance.html", {"instance": instance})
+
+
+def render_instance_load(instance_id: int, load: Mapping[str, Any]) -> str:
+    """``<div id="load-<instance pk>">``: a worker's latest load (a ``WorkerLoad`` as a dict: kv_usage,
+    prefix_hit_rate, running, waiting, active_requests, and tokens_per_s and ``at`` (epoch seconds) when
+    present) as text and as ``data-*`` attributes, from which static/dashboard/charts.js adds a point to
+    the instance's charts after each swap. Missing or non-numeric figures are left out. Raises
+    ``Instance.DoesNotExist`` (``instance_id`` is the instance's row id, not its endpoint id)."""
+    if not Instance.objects.filter(pk=instance_id).exists():
+        raise Instance.DoesNotExist(f"Instance matching query does not exist: {instance_id}")
+    return render_to_string(
+        "dashboard/partials/instance_load.html", {"instance_id": instance_id, "load": load_figures(load)}
+    )
+
+
+def render_audit_entry(entry_id: int) -> str:
+    """``<ul hx-swap-oob="afterbegin:#audit-feed"><li id="audit-<pk>">…</li></ul>``: one audit entry to
+    put at the top of the recent events. The ``<li>`` comes wrapped because htmx inserts the *children*
+    of an out-of-band element for every swap style but outerHTML. Raises ``AuditEntry.DoesNotExist``."""
+    entry = AuditEntry.objects.get(pk=entry_id)
+    item = render_to_string("dashboard/partials/audit_entry.html", {"entry": entry})
+    return format_html('<ul hx-swap-oob="afterbegin:#{}">{}</ul>', AUDIT_FEED_ID, item)
+
+
+def render_download(download_id: int) -> str:
+    """``<div id="download-<pk>" class="tr">``: model, node, a progress bar and the state (with the error,
+    if any). Raises ``Download.DoesNotExist``."""
+    download = queries.downloads_with_names().get(pk=download_id)
+    return render_to_string("dashboard/partials/download.html", {"download": download})
+
+
+def instances_context(pipeline: Pipeline) -> dict[str, Any]:
+    """What ``partials/pipeline_instances.html`` needs (the pipeline page includes it too)."""
+    return {"pipeline": pipeline, "instances": queries.pipeline_instances(pipeline)}
+
+
+@dataclass(frozen=True)
+class LoadFigures:
+    """A worker's load as the load partial shows it: text for people, attributes for charts.js."""
+
+    at: float
+    kv_usage: float | None = None
+    prefix_hit_rate: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    active_requests: float | None = None
+    tokens_per_s: float | None = None
+
+    @property
+    def data_attributes(self) -> list[tuple[str, str]]:
+        """``(name, value)`` of each ``data-*`` attribute, numbers written the same way in every locale."""
+        pairs = [("at", f"{self.at:.3f}")]
+        for name in ("kv_usage", "prefix_hit_rate", "running", "waiting", "active_requests", "tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None:
+                pairs.append((name.replace("_", "-"), f"{value:g}"))
+        return pairs
+
+
+def load_figures(load: Mapping[str, Any] | None) -> LoadFigures | None:
+    """The figures of a ``WorkerLoad`` dict that are finite numbers (None: no load reported yet)."""
+    if load is None:
+        return None
+    numbers = {name: _number(value) for name, value in load.items()}
+    at = numbers.get("at")
+    return LoadFigures(
+        at=time.time() if at is None else at,
+        kv_usage=numbers.get("kv_usage"),
+        prefix_hit_rate=numbers.get("prefix_hit_rate"),
+        running=numbers.get("running"),
+        waiting=numbers.get("waiting"),
+        active_requests=numbers.get("active_requests"),
+        tokens_per_s=numbers.get("tokens_per_s"),
+    )
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)

@@ -1,0 +1,79 @@
+"""What the dashboard reads: rows for its tables, each built in a fixed, small number of queries.
+
+Pages read many rows at once and the live bridge reads one at a time; both go through these functions,
+so a first render and a live push show the same thing. Nothing here changes state.
+"""
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from django.db.models import Prefetch, QuerySet
+
+from controlplane.deployments.models import Pipeline
+from controlplane.fleet.models import Download, Gpu, Instance, InstanceState, Node
+
+# Instances that no longer count: the page lists them only on the pipeline's own page.
+_GONE = (InstanceState.STOPPED, InstanceState.STOPPING)
+
+
+@dataclass(frozen=True)
+class PipelineRow:
+    """A pipeline with what its table row shows: replicas ready over desired, and what holds the rest."""
+
+    pipeline: Pipeline
+    engines: list[str]
+    desired: int
+    ready: int
+    states: dict[str, int]  # live instances by state, for the ones not ready yet
+    reasons: list[str] = field(default_factory=list)  # why instances are pending or failed
+
+    @property
+    def short(self) -> bool:
+        return self.ready < self.desired
+
+
+def nodes_with_gpus() -> QuerySet[Node]:
+    """Nodes with their GPUs in index order (two queries, however many nodes)."""
+    return Node.objects.prefetch_related(Prefetch("gpus", queryset=Gpu.objects.order_by("index"))).order_by("name")
+
+
+def pipelines_with_groups() -> QuerySet[Pipeline]:
+    """Pipelines with their model and worker groups, by name."""
+    return Pipeline.objects.select_related("model").prefetch_related("groups").order_by("name")
+
+
+def pipeline_rows(pipelines: Iterable[Pipeline]) -> list[PipelineRow]:
+    """One row per pipeline (from ``pipelines_with_groups``), with one more query for all their instances."""
+    pipelines = list(pipelines)
+    by_pipeline: dict[int, list[Instance]] = {}
+    live = Instance.objects.filter(pipeline__in=[p.pk for p in pipelines]).exclude(state__in=_GONE)
+    for instance in live.only("pipeline_id", "state", "reason"):
+        by_pipeline.setdefault(instance.pipeline_id, []).append(instance)
+    rows = []
+    for pipeline in pipelines:
+        instances = by_pipeline.get(pipeline.pk, [])
+        states = Counter(instance.state for instance in instances)
+        ready = states.pop(InstanceState.READY, 0)
+        reasons = sorted({instance.reason for instance in instances if instance.reason})
+        groups = list(pipeline.groups.all())
+        desired = sum(group.replicas for group in groups) if pipeline.state == Pipeline.State.RUNNING else 0
+        engines = sorted({group.engine for group in groups})
+        rows.append(PipelineRow(pipeline, engines, desired, ready, dict(sorted(states.items())), reasons))
+    return rows
+
+
+def instances_with_places() -> QuerySet[Instance]:
+    """Instances with what their name and row need (pipeline, group, node) in the same query."""
+    return Instance.objects.select_related("pipeline", "group", "node")
+
+
+def pipeline_instances(pipeline: Pipeline) -> list[Instance]:
+    """The pipeline's instances that are not stopped (stopping ones included), by group and replica."""
+    instances = instances_with_places().filter(pipeline=pipeline).exclude(state=InstanceState.STOPPED)
+    return list(instances.order_by("group__role", "replica"))
+
+
+def downloads_with_names() -> QuerySet[Download]:
+    """Downloads with their model and node, by model then node."""
+    return Download.objects.select_related("node", "model").order_by("model__name", "node__name")

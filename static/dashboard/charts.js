@@ -1,0 +1,94 @@
+// The pipeline page's load charts (uPlot). Every swap of a load element (#load-<instance>, rendered by
+// controlplane/dashboard/partials.py) adds a point from its data-* attributes to that instance's
+// history; the last KEEP points are kept. Histories live here rather than in the charts, so a
+// re-rendered panel picks its instance's series up again. No polling: points come only from pushes.
+"use strict";
+
+(() => {
+  const KEEP = 120;
+  // chart name -> its series: [label, data-* field (camelCase), scale, colour]
+  const CHARTS = {
+    cache: {
+      range: [0, 100],
+      series: [
+        ["KV cache %", "kvUsage", 100, "#3366cc"],
+        ["prefix hits %", "prefixHitRate", 100, "#2e9e5b"],
+      ],
+    },
+    requests: {
+      series: [
+        ["running", "running", 1, "#3366cc"],
+        ["waiting", "waiting", 1, "#d9822b"],
+      ],
+    },
+    tokens: { series: [["tokens/s", "tokensPerS", 1, "#7a4bc2"]] },
+  };
+  const FIELDS = Object.values(CHARTS).flatMap((chart) => chart.series.map(([, field, scale]) => [field, scale]));
+  const histories = new Map(); // instance id -> {last, times: [], values: {field: []}}
+  const plots = new WeakMap(); // chart element -> uPlot
+
+  function record(element) {
+    const data = element.dataset;
+    if (!data.at) return;
+    const at = Number(data.at);
+    let history = histories.get(data.instance);
+    if (!history) {
+      history = { last: null, times: [], values: {} };
+      for (const [field] of FIELDS) history.values[field] = [];
+      histories.set(data.instance, history);
+    }
+    if (history.last === at) return; // the same push, seen again by another swap event
+    history.last = at;
+    history.times.push(at);
+    for (const [field, scale] of FIELDS) {
+      history.values[field].push(data[field] === undefined ? null : Number(data[field]) * scale);
+    }
+    if (history.times.length > KEEP) {
+      history.times.shift();
+      for (const column of Object.values(history.values)) column.shift();
+    }
+  }
+
+  function options(chart, element) {
+    return {
+      width: Math.max(element.clientWidth, 200),
+      height: 130,
+      cursor: { drag: { x: false, y: false } },
+      scales: { x: { time: true }, y: chart.range ? { range: chart.range } : { range: (u, min, max) => [0, Math.max(1, max)] } },
+      axes: [{ size: 30 }, { size: 40 }],
+      series: [{}, ...chart.series.map(([label, , , stroke]) => ({ label, stroke, width: 1.5 }))],
+    };
+  }
+
+  function draw() {
+    for (const element of document.querySelectorAll(".chart[data-instance][data-chart]")) {
+      const chart = CHARTS[element.dataset.chart];
+      const history = histories.get(element.dataset.instance);
+      if (!chart || !history) continue;
+      const data = [history.times, ...chart.series.map(([, field]) => history.values[field])];
+      const plot = plots.get(element);
+      if (plot) {
+        plot.setData(data);
+      } else {
+        plots.set(element, new uPlot(options(chart, element), data, element));
+      }
+    }
+  }
+
+  let drawing = false;
+  function refresh() {
+    // Record at once (a later push may replace the element), draw once per frame.
+    for (const element of document.querySelectorAll(".load[data-instance]")) record(element);
+    if (drawing) return;
+    drawing = true;
+    requestAnimationFrame(() => {
+      drawing = false;
+      draw();
+    });
+  }
+
+  for (const name of ["htmx:oobAfterSwap", "htmx:afterSwap", "htmx:wsAfterMessage"]) {
+    document.addEventListener(name, refresh);
+  }
+  refresh();
+})();

@@ -1,0 +1,170 @@
+"""The dashboard's forms (add a model, deploy a pipeline): they call the actions, show the actions'
+refusals next to the field, and refuse read-only people and requests without a CSRF token."""
+
+import json
+
+import pytest
+
+from controlplane.accounts.models import Role
+from controlplane.audit.models import AuditEntry
+from controlplane.catalog.models import LanguageModel
+from controlplane.deployments.models import Pipeline
+from controlplane.fleet.models import Instance
+from tests.controlplane.factories import make_model
+from tests.controlplane.test_dashboard import logged_in
+
+pytestmark = pytest.mark.django_db
+
+A_MODEL = {
+    "name": "smol",
+    "source_kind": "hf",
+    "source": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "revision": "main",
+    "filename": "",
+    "engine": "mocker",
+    "default_engine_args": '{"max_num_seqs": 64}',
+}
+A_PIPELINE = {
+    "name": "chat",
+    "model": "smol",
+    "engine": "",
+    "replicas": "2",
+    "gpus_per_replica": "0",
+    "router_mode": "kv",
+    "kv_overlap_score_weight": "1.5",
+    "router_temperature": "0.2",
+    "use_kv_events": "on",
+    "engine_args": "",
+    "placement_policy": "binpack",
+}
+
+
+def field_errors(html: str, text: str) -> bool:
+    """Whether ``text`` is in one of the page's form error lists."""
+    return any(text in block.split("</ul>", 1)[0] for block in html.split('class="errorlist')[1:])
+
+
+def test_an_operator_adds_a_model_and_the_audit_log_says_who() -> None:
+    response = logged_in(Role.OPERATOR, username="olga").post("/models/", A_MODEL)
+    assert (response.status_code, response["Location"]) == (302, "/models/")
+    model = LanguageModel.objects.get()
+    assert (model.name, model.revision, model.default_engine_args) == ("smol", "main", {"max_num_seqs": 64})
+    entry = AuditEntry.objects.get(action="model.create")
+    assert (entry.actor_name, entry.target_name) == ("olga", "smol")
+
+
+def test_a_gguf_file_and_a_local_folder_are_sources_too() -> None:
+    browser = logged_in(Role.ADMIN)
+    gguf = {**A_MODEL, "name": "tiny", "source_kind": "gguf", "source": "/models/tiny.gguf", "revision": ""}
+    gguf["engine"] = "llamacpp"
+    folder = {**A_MODEL, "name": "local", "source_kind": "folder", "source": "/models/smol", "revision": ""}
+    assert browser.post("/models/", gguf).status_code == 302
+    assert browser.post("/models/", folder).status_code == 302
+    assert sorted(LanguageModel.objects.values_list("name", "source_kind")) == [("local", "folder"), ("tiny", "gguf")]
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"source": "not a repo id"}, "is not a Hugging Face repo id"),  # the action's Invalid, on its field
+        ({"source_kind": "gguf", "source": "/models/smol.bin", "revision": ""}, "a path ending in .gguf"),
+        ({"engine": "llamacpp"}, "llamacpp loads GGUF files"),
+        ({"default_engine_args": "[1, 2]"}, "A JSON object"),  # the form's own check
+        ({"default_engine_args": "{not json"}, "Not JSON"),
+        ({"name": ""}, "This field is required."),
+        ({"name": "-smol"}, "starting with a letter or digit"),
+    ],
+)
+def test_an_invalid_model_is_shown_again_with_the_error_by_its_field_and_nothing_is_created(
+    change: dict[str, str], error: str
+) -> None:
+    response = logged_in(Role.OPERATOR).post("/models/", {**A_MODEL, **change})
+    assert response.status_code == 400
+    html = response.content.decode()
+    assert field_errors(html, error), html
+    assert 'value="HuggingFaceTB' in html or change.get("source")  # what was typed comes back
+    assert not LanguageModel.objects.exists()
+    assert not AuditEntry.objects.filter(action="model.create").exists()
+
+
+def test_a_taken_model_name_is_an_error_on_the_name() -> None:
+    make_model("smol")
+    response = logged_in(Role.OPERATOR).post("/models/", A_MODEL)
+    assert response.status_code == 400 and field_errors(response.content.decode(), "already exists")
+    assert LanguageModel.objects.count() == 1
+
+
+def test_an_operator_deploys_a_pipeline_and_lands_on_its_page() -> None:
+    make_model("smol")
+    response = logged_in(Role.OPERATOR, username="olga").post("/pipelines/", A_PIPELINE)
+    pipeline = Pipeline.objects.get()
+    assert (response.status_code, response["Location"]) == (302, f"/pipelines/{pipeline.pk}/")
+    assert (pipeline.router_mode, pipeline.kv_overlap_score_weight, pipeline.router_temperature) == ("kv", 1.5, 0.2)
+    assert pipeline.use_kv_events and pipeline.placement_policy == "binpack"
+    group = pipeline.groups.get()
+    assert (group.engine, group.replicas, group.gpus_per_replica) == ("mocker", 2, 0)
+    assert Instance.objects.filter(pipeline=pipeline, state="pending").count() == 2
+    assert AuditEntry.objects.get(action="pipeline.deploy").actor_name == "olga"
+
+
+def test_an_unticked_kv_events_box_turns_them_off_and_engine_args_reach_the_group() -> None:
+    make_model("smol")
+    body = {**A_PIPELINE, "engine_args": json.dumps({"speedup_ratio": 10})}
+    del body["use_kv_events"]
+    assert logged_in(Role.OPERATOR).post("/pipelines/", body).status_code == 302
+    pipeline = Pipeline.objects.get()
+    assert not pipeline.use_kv_events and pipeline.groups.get().engine_args == {"speedup_ratio": 10}
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"engine": "vllm"}, "vllm runs on GPUs; set gpus_per_replica to 1 or more"),  # the action's, form-wide
+        ({"replicas": "513"}, "less than or equal to 512"),
+        ({"router_temperature": "-1"}, "greater than or equal to 0"),
+        ({"model": "nope"}, "Select a valid choice"),
+        ({"name": "bad name!"}, "1-200 letters, digits"),
+        ({"engine_args": "3"}, "A JSON object"),
+    ],
+)
+def test_an_invalid_pipeline_is_shown_again_with_the_error_and_nothing_is_deployed(
+    change: dict[str, str], error: str
+) -> None:
+    make_model("smol")
+    response = logged_in(Role.OPERATOR).post("/pipelines/", {**A_PIPELINE, **change})
+    assert response.status_code == 400
+    assert field_errors(response.content.decode(), error), response.content.decode()
+    assert not Pipeline.objects.exists() and not Instance.objects.exists()
+
+
+def test_a_taken_pipeline_name_is_an_error_on_the_name() -> None:
+    make_model("smol")
+    browser = logged_in(Role.OPERATOR)
+    assert browser.post("/pipelines/", A_PIPELINE).status_code == 302
+    again = browser.post("/pipelines/", A_PIPELINE)
+    assert again.status_code == 400 and field_errors(again.content.decode(), "already exists")
+    assert Pipeline.objects.count() == 1
+
+
+@pytest.mark.parametrize(("page", "body"), [("/models/", A_MODEL), ("/pipelines/", A_PIPELINE)])
+def test_read_only_people_may_not_post_a_form(page: str, body: dict[str, str]) -> None:
+    if page == "/pipelines/":
+        make_model("smol")
+    browser = logged_in(Role.READ_ONLY)
+    entries = AuditEntry.objects.count()
+    response = browser.post(page, body)
+    assert response.status_code == 403
+    assert not Pipeline.objects.exists() and LanguageModel.objects.count() == (page == "/pipelines/")
+    assert AuditEntry.objects.count() == entries
+
+
+@pytest.mark.parametrize(("page", "body"), [("/models/", A_MODEL), ("/pipelines/", A_PIPELINE)])
+def test_a_form_without_its_csrf_token_is_refused(page: str, body: dict[str, str]) -> None:
+    if page == "/pipelines/":
+        make_model("smol")
+    browser = logged_in(Role.ADMIN, enforce_csrf_checks=True)
+    assert browser.post(page, body).status_code == 403
+    assert not Pipeline.objects.exists() and LanguageModel.objects.count() == (page == "/pipelines/")
+    # With the token from the page's form, the same post goes through.
+    token = browser.get(page).context["csrf_token"]
+    assert browser.post(page, {**body, "csrfmiddlewaretoken": str(token)}).status_code == 302

@@ -1,0 +1,214 @@
+"""controlplane.dashboard.partials: each renders one element with its record's id, and a deleted record
+raises that model's DoesNotExist (the contract with the live updates)."""
+
+import re
+from collections.abc import Callable
+
+import pytest
+from django.db import connection
+from django.db.models import Model
+from django.test.utils import CaptureQueriesContext
+
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.records import Actor
+from controlplane.dashboard import partials
+from controlplane.deployments.actions import place_pending_instances, stop_pipeline
+from controlplane.deployments.models import Pipeline
+from controlplane.fleet.actions import drain_node, report_download
+from controlplane.fleet.models import Download, Instance, Node
+from controlplane.fleet.reports import DownloadReport
+from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, run_instance
+
+pytestmark = pytest.mark.django_db
+
+
+def top_level_tag(html: str) -> str:
+    """The first element's opening tag."""
+    match = re.match(r"\s*(<[a-z]+[^>]*>)", html)
+    assert match, html[:200]
+    return match.group(1)
+
+
+def ready_instance() -> Instance:
+    make_node("gpu-a", gpus_gib=(24, 24))
+    deploy("chat", replicas=1, gpus_per_replica=2)
+    place_pending_instances(TEST_ACTOR)
+    return run_instance(Instance.objects.select_related("node", "pipeline", "group").get())
+
+
+def test_a_node_renders_as_its_row_with_gpu_bars_and_a_drain_button() -> None:
+    node = make_node("gpu-a", gpus_gib=(24, 80))
+    html = partials.render_node(node.pk)
+    assert top_level_tag(html) == f'<div id="node-{node.pk}" class="tr" role="row">'
+    assert html.count("<meter") == 4  # memory and utilisation of each GPU
+    assert "#1 Simulated GPU" in html and "80 GiB" in html
+    assert f'hx-post="/nodes/{node.pk}/drain/"' in html and 'class="td act"' in html
+    assert "csrfmiddlewaretoken" not in html  # the same HTML goes to every browser
+
+
+def test_a_draining_node_offers_undrain() -> None:
+    node = drain_node(TEST_ACTOR, make_node("gpu-a"))
+    html = partials.render_node(node.pk)
+    assert "draining" in html and f'hx-post="/nodes/{node.pk}/undrain/"' in html and "/drain/" not in html
+
+
+def test_a_pipeline_row_shows_ready_over_desired_engine_router_and_its_controls() -> None:
+    instance = ready_instance()
+    html = partials.render_pipeline_row(instance.pipeline_id)
+    assert top_level_tag(html) == f'<div id="pipeline-{instance.pipeline_id}" class="tr" role="row">'
+    assert '<div class="td full" role="cell">1 / 1</div>' in html and "round-robin" in html
+    assert '<div class="td" role="cell">mocker</div>' in html
+    assert f'hx-post="/pipelines/{instance.pipeline_id}/scale/"' in html and 'name="replicas"' in html
+    assert "/stop/" in html and "/start/" not in html
+
+
+def test_a_stopped_pipeline_row_offers_start_instead_of_scale_and_stop() -> None:
+    pipeline = stop_pipeline(TEST_ACTOR, deploy("chat"))
+    html = partials.render_pipeline_row(pipeline.pk)
+    assert "/start/" in html and "/stop/" not in html and "/scale/" not in html
+    assert "0 / 0" in html
+
+
+def test_an_instance_renders_state_node_gpus_restarts_and_its_buttons() -> None:
+    instance = ready_instance()
+    html = partials.render_instance(instance.pk)
+    assert top_level_tag(html) == f'<div id="instance-{instance.pk}" class="tr" role="row">'
+    assert "state-ready" in html and "gpu-a" in html and "#0, #1" in html
+    assert f'hx-post="/instances/{instance.pk}/restart/"' in html and f'hx-get="/instances/{instance.pk}/log/"' in html
+
+
+def test_a_downloading_instance_shows_its_progress() -> None:
+    make_node("gpu-a")
+    deploy("chat")
+    place_pending_instances(TEST_ACTOR)
+    instance = Instance.objects.get()
+    Instance.objects.filter(pk=instance.pk).update(state="downloading", download_progress=0.25)
+    html = partials.render_instance(instance.pk)
+    assert '<progress max="1" value="0.25">' in html and "25%" in html
+
+
+def test_an_instance_load_is_text_and_data_attributes_for_the_charts() -> None:
+    instance = ready_instance()
+    load = {
+        "instance_id": 77,
+        "kv_usage": 0.425,
+        "prefix_hit_rate": 0.5,
+        "running": 3,
+        "waiting": 1,
+        "at": 1700000000.5,
+    }
+    html = partials.render_instance_load(instance.pk, load)
+    tag = top_level_tag(html)
+    assert tag.startswith(f'<div id="load-{instance.pk}" class="load" data-instance="{instance.pk}"')
+    for attribute in ('data-at="1700000000.500"', 'data-kv-usage="0.425"', 'data-prefix-hit-rate="0.5"'):
+        assert attribute in tag
+    assert 'data-running="3"' in tag and 'data-waiting="1"' in tag and "data-tokens-per-s" not in tag
+    assert "KV cache <strong>42%</strong>" in html and "<strong>3</strong> running" in html
+
+
+def test_an_instance_load_leaves_out_what_is_missing_or_not_a_number() -> None:
+    instance = ready_instance()
+    html = partials.render_instance_load(instance.pk, {"active_requests": 2, "kv_usage": "lots", "tokens_per_s": 812.5})
+    tag = top_level_tag(html)
+    assert "data-kv-usage" not in tag and 'data-tokens-per-s="812.5"' in tag and "data-at=" in tag
+    assert "<strong>2</strong> active" in html and "<strong>813</strong> tokens/s" in html
+
+
+def test_an_audit_entry_comes_wrapped_to_go_to_the_top_of_the_feed() -> None:
+    deploy("chat")
+    entry = AuditEntry.objects.filter(action="pipeline.deploy").get()
+    html = partials.render_audit_entry(entry.pk)
+    assert html.startswith('<ul hx-swap-oob="afterbegin:#audit-feed"><li id="audit-')
+    assert f'<li id="audit-{entry.pk}">' in html and "pipeline.deploy" in html and "system:tests" in html
+    assert html.endswith("</li>\n</ul>")
+
+
+def test_a_download_renders_its_progress_and_state() -> None:
+    make_node("gpu-a")
+    pipeline = deploy("chat")
+    report = DownloadReport(state="downloading", bytes_done=1 << 30, bytes_total=4 << 30)
+    report_download(Actor.agent("gpu-a"), "gpu-a", pipeline.model_id, report)
+    download = Download.objects.get()
+    html = partials.render_download(download.pk)
+    assert top_level_tag(html) == f'<div id="download-{download.pk}" class="tr" role="row">'
+    assert '<progress max="1" value="0.25">' in html and "1 GiB of 4 GiB" in html and "state-downloading" in html
+
+
+def test_the_instances_of_a_pipeline_come_with_a_chart_panel_each() -> None:
+    instance = ready_instance()
+    html = partials.render_pipeline_instances(instance.pipeline_id)
+    assert top_level_tag(html) == f'<div id="instances-{instance.pipeline_id}">'
+    assert f'<div id="instance-{instance.pk}" class="tr"' in html and f'<div id="load-{instance.pk}"' in html
+    assert html.count(f'data-instance="{instance.pk}" data-chart=') == 3
+
+
+DELETIONS: list[tuple[str, Callable[[int], str]]] = [
+    ("node", partials.render_node),
+    ("pipeline", partials.render_pipeline_row),
+    ("pipeline", partials.render_pipeline_instances),
+    ("instance", partials.render_instance),
+    ("instance", lambda pk: partials.render_instance_load(pk, {"kv_usage": 0.1})),
+    ("entry", partials.render_audit_entry),
+    ("download", partials.render_download),
+]
+
+
+@pytest.mark.parametrize(("kind", "render"), DELETIONS)
+def test_a_deleted_record_raises_its_models_does_not_exist(kind: str, render: Callable[[int], str]) -> None:
+    instance = ready_instance()
+    report_download(Actor.agent("gpu-a"), "gpu-a", instance.pipeline.model_id, DownloadReport(state="done"))
+    records: dict[str, Model] = {
+        "node": Node.objects.get(),
+        "pipeline": Pipeline.objects.get(),
+        "instance": Instance.objects.get(),
+        "entry": AuditEntry.objects.latest("id"),
+        "download": Download.objects.get(),
+    }
+    record = records[kind]
+    assert f"-{record.pk}" in render(record.pk)  # renders while the record exists
+    record.delete()
+    with pytest.raises(type(record).DoesNotExist):
+        render(record.pk)
+
+
+@pytest.mark.parametrize(
+    ("render", "most"),
+    [
+        (partials.render_node, 2),
+        (partials.render_pipeline_row, 3),
+        (partials.render_instance, 1),
+        (partials.render_download, 1),
+        (partials.render_audit_entry, 1),
+    ],
+)
+def test_each_partial_reads_in_a_fixed_handful_of_queries(render: Callable[[int], str], most: int) -> None:
+    instance = ready_instance()
+    report_download(Actor.agent("gpu-a"), "gpu-a", instance.pipeline.model_id, DownloadReport(state="done"))
+    ids = {
+        partials.render_node: instance.node_id,
+        partials.render_pipeline_row: instance.pipeline_id,
+        partials.render_instance: instance.pk,
+        partials.render_download: Download.objects.get().pk,
+        partials.render_audit_entry: AuditEntry.objects.latest("id").pk,
+    }
+    with CaptureQueriesContext(connection) as queries:
+        render(ids[render])
+    assert len(queries) <= most, [query["sql"] for query in queries]
+
+
+def test_no_partial_has_table_markup_so_that_any_of_them_can_share_a_websocket_message() -> None:
+    # The HTML parser drops a <tr> after a <div> and misplaces a <table> after a <tr>: rows are <div>s.
+    instance = ready_instance()
+    report_download(Actor.agent("gpu-a"), "gpu-a", instance.pipeline.model_id, DownloadReport(state="done"))
+    html = "".join(
+        [
+            partials.render_node(instance.node_id),
+            partials.render_pipeline_row(instance.pipeline_id),
+            partials.render_pipeline_instances(instance.pipeline_id),
+            partials.render_instance(instance.pk),
+            partials.render_instance_load(instance.pk, {"kv_usage": 0.5}),
+            partials.render_audit_entry(AuditEntry.objects.latest("id").pk),
+            partials.render_download(Download.objects.get().pk),
+        ]
+    )
+    assert not re.search(r"<(table|thead|tbody|tr|td|th)\b", html)
