@@ -10,6 +10,7 @@
 from pathlib import Path
 
 from controlplane.database import database_config
+from controlplane.live.layer import channel_layers
 from controlplane.secret_key import default_data_dir, load_secret_key
 from runtime.config import env_bool, env_int, env_str
 
@@ -37,6 +38,7 @@ INSTALLED_APPS = [
     "controlplane.fleet",
     "controlplane.deployments",
     "controlplane.dashboard",
+    "controlplane.live",
 ]
 
 MIDDLEWARE = [
@@ -70,6 +72,8 @@ TEMPLATES = [
 ]
 
 ASGI_APPLICATION = "controlplane.asgi.application"
+# The dashboard's live updates (controlplane/live/): Redis at FLOTILLA_REDIS_URL, else the Celery broker's.
+CHANNEL_LAYERS = channel_layers()
 
 # The dashboard's own login page (the admin keeps its own).
 LOGIN_URL = "dashboard:login"

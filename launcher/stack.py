@@ -2,9 +2,9 @@
 
 It runs, each as a child process with its log in ``<data dir>/logs/``: etcd, NATS (JetStream) and Redis on
 loopback; the control plane (migrations, then uvicorn) with a first admin account; the Celery worker with
-the reconciler's beat; one agent (node ``local``); the gateway (``flotilla run in=http out=dyn``). Then,
-when the control plane has no pipeline yet, it deploys one of the default model, and once that model is
-served it prints where everything is.
+the reconciler's beat; the dashboard's live-update bridge (``manage.py live_bridge``); one agent (node
+``local``); the gateway (``flotilla run in=http out=dyn``). Then, when the control plane has no pipeline yet,
+it deploys one of the default model, and once that model is served it prints where everything is.
 
 A child that dies stops the whole stack (its log's tail is shown) and ``flotilla up`` exits 1. Ctrl-C or
 SIGTERM stops everything, the engine workers too: the agent leaves them running when it stops (that is how
@@ -507,6 +507,8 @@ class Stack:
             "FLOTILLA_DATA_DIR": str(layout.data_dir),
             "FLOTILLA_BROKER_URL": redis_url,
             "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            # the dashboard's overview reads the gateway's traffic from its /metrics
+            "FLOTILLA_GATEWAY_URL": f"http://127.0.0.1:{options.http_port}",
         }
         control_plane = f"http://127.0.0.1:{options.control_plane_port}"
         admin_token = await self._start_control_plane(control_plane, control_plane_env)
@@ -523,7 +525,12 @@ class Stack:
         celery_argv = [sys.executable, "-m", "celery", "-A", "controlplane.celery_app", "worker", "-Q", "controlplane"]
         celery_argv += ["--beat", "--schedule", str(layout.data_dir / "celerybeat-schedule")]
         celery_argv += ["--concurrency", "2", "--hostname", "controlplane@%h", "--loglevel", "INFO"]
-        self._launch(self._child("the Celery worker and beat", "celery", celery_argv, control_plane_env))
+        # The reconciler (in it) fences the workers of a lost node in etcd.
+        reconciler_env = {**control_plane_env, "ETCD_ENDPOINTS": etcd_url}
+        self._launch(self._child("the Celery worker and beat", "celery", celery_argv, reconciler_env))
+        # The workers' load on NATS, pushed live to the dashboard's pipeline pages through Redis.
+        bridge_argv = [*manage_command(), "live_bridge", "--nats", nats_url]
+        self._launch(self._child("the live-update bridge", "live-bridge", bridge_argv, control_plane_env))
 
         gateway_url = f"http://127.0.0.1:{options.http_port}"
         gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]

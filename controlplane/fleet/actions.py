@@ -41,6 +41,7 @@ from controlplane.fleet.models import (
     check_transition,
 )
 from controlplane.fleet.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
+from controlplane.live.events import row_changed
 
 # What a heartbeat that changes only usage figures writes.
 _HEARTBEAT_FIELDS = [
@@ -217,6 +218,7 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
             Instance.objects.filter(pk=instance.pk).update(**details, updated_at=timezone.now())
             for name, value in details.items():
                 setattr(instance, name, value)
+            row_changed(instance)  # unaudited: the dashboard hears of it here
         return instance
     before = snapshot(instance)
     if target == InstanceState.FAILED:

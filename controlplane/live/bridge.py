@@ -1,0 +1,372 @@
+"""The bridge: workers' load metrics and KV events on NATS, pushed to the pipeline pages' sockets.
+
+Workers publish a ``WorkerLoad`` per dp rank once a second on ``flotilla.<ns>.<comp>.load_metrics``
+(JSON) and their KV events on ``flotilla.<ns>.<comp>.kv_events`` (msgpack ``KvEventBatch``), named by
+their endpoint instance id (runtime/load_metrics.py, runtime/kv_publisher.py). The bridge maps that id to
+the instance's row (``InstanceDirectory``), sums the ranks and counts the blocks stored and removed per
+second (``InstanceFigures``), renders the load partial once and sends it to ``pipeline.<pk>`` through
+the channel layer, at most once per ``interval`` per instance: the first report after a quiet interval
+goes at once, later ones wait for the interval's end and go together.
+
+Failures are logged and survived: an undecodable message, an unknown instance (a worker that is not the
+control plane's), a Redis that does not answer (at most one warning per ``FAILURE_REPORT_S``). A
+subscription task that fails is logged and restarted by the supervisor. NATS itself is the exception:
+lost for longer than ``nats_timeout`` it ends the bridge (``BridgeError``), for its supervisor to restart.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from channels.db import database_sync_to_async
+from channels.layers import BaseChannelLayer
+from django.core.exceptions import ObjectDoesNotExist
+from django.db import DatabaseError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from controlplane.dashboard.partials import render_instance_load
+from controlplane.fleet.models import Instance, InstanceState
+from controlplane.live.groups import html, pipeline_group
+from controlplane.live.publisher import describe, layer_address
+from runtime.errors import FlotillaError
+from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
+from runtime.supervision import Supervisor
+
+log = logging.getLogger(__name__)
+
+LOAD_SUBJECT = "flotilla.*.*.load_metrics"
+KV_EVENTS_SUBJECT = "flotilla.*.*.kv_events"
+DEFAULT_INTERVAL_S = 1.0
+DEFAULT_NATS_TIMEOUT_S = 60.0
+FAILURE_REPORT_S = 30.0
+
+_decode_load = msgspec.json.Decoder(WorkerLoad).decode
+_decode_kv_batch = msgspec.msgpack.Decoder(KvEventBatch).decode
+
+
+class BridgeError(FlotillaError):
+    """The bridge cannot go on (NATS lost for too long); the message says which server and where."""
+
+
+@dataclass(frozen=True)
+class Watched:
+    """An instance a pipeline page shows: its row and its pipeline's."""
+
+    instance_id: int
+    pipeline_id: int
+
+
+def read_directory() -> dict[int, Watched]:
+    """Endpoint instance id -> the instance's row, for every instance with a worker that is not stopped.
+
+    Runs the ORM: call it from a thread. Raises DatabaseError.
+    """
+    rows = (
+        Instance.objects.filter(endpoint_instance_id__isnull=False)
+        .exclude(state=InstanceState.STOPPED)
+        .values_list("endpoint_instance_id", "pk", "pipeline_id")
+    )
+    return {endpoint_id: Watched(pk, pipeline_id) for endpoint_id, pk, pipeline_id in rows}
+
+
+class InstanceDirectory:
+    """Which instance row an endpoint instance id is, read from the database every ``refresh_s``, and on a
+    miss at most every ``miss_refresh_s`` (a worker that registered a moment ago, or one that is not the
+    control plane's, whose every report would otherwise cost a query)."""
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[dict[int, Watched]]],
+        *,
+        refresh_s: float = 5.0,
+        miss_refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self._refresh_s = refresh_s
+        self._miss_refresh_s = miss_refresh_s
+        self._clock = clock
+        self._known: dict[int, Watched] = {}
+        self._read_at: float | None = None
+        self._reading = asyncio.Lock()
+        self._last_failure_report = -FAILURE_REPORT_S
+
+    async def find(self, endpoint_id: int) -> Watched | None:
+        """The row of ``endpoint_id``, or None when the database knows no such running worker."""
+        age = None if self._read_at is None else self._clock() - self._read_at
+        watched = self._known.get(endpoint_id)
+        if age is None or age >= self._refresh_s or (watched is None and age >= self._miss_refresh_s):
+            await self._refresh()
+            watched = self._known.get(endpoint_id)
+        return watched
+
+    def forget(self, endpoint_id: int) -> None:
+        self._known.pop(endpoint_id, None)
+
+    async def _refresh(self) -> None:
+        async with self._reading:
+            if self._read_at is not None and self._clock() - self._read_at < self._miss_refresh_s:
+                return  # read while we waited for the lock
+            try:
+                self._known = await self._read()
+            except DatabaseError as exc:
+                now = self._clock()
+                if now - self._last_failure_report >= FAILURE_REPORT_S:
+                    self._last_failure_report = now
+                    log.warning(
+                        "live bridge: cannot read the instances from the database (%s); using the last list", exc
+                    )
+            self._read_at = self._clock()
+
+
+@dataclass
+class InstanceFigures:
+    """What one instance reported since its last push: its ranks' latest load and its KV blocks counted."""
+
+    ranks: dict[int, WorkerLoad] = field(default_factory=dict)
+    reported_at: float = 0.0  # wall clock, for the charts
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    counting_since: float | None = None  # monotonic
+
+    def count(self, batch: KvEventBatch, now: float) -> None:
+        if self.counting_since is None:
+            self.counting_since = now
+        if batch.event_id == 0:
+            return  # a whole-state answer describes the cache, it is not new work
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.blocks_stored += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.blocks_removed += len(event.block_hashes)
+            elif isinstance(event, AllCleared):
+                pass
+
+    def take(self, now: float) -> dict[str, Any]:
+        """The load as the partial takes it (``WorkerLoad``'s fields over all ranks, block rates per second,
+        ``at``); the block counts start again."""
+        loads = list(self.ranks.values())
+        load: dict[str, Any] = {"at": self.reported_at, "dp_ranks": len(loads)}
+        load["active_requests"] = sum(report.active_requests for report in loads)
+        for name in ("running", "waiting", "kv_active_blocks", "kv_total_blocks"):
+            values = [getattr(report, name) for report in loads if getattr(report, name) is not None]
+            if values:
+                load[name] = sum(values)
+        if load.get("kv_total_blocks"):
+            load["kv_usage"] = load.get("kv_active_blocks", 0) / load["kv_total_blocks"]
+        else:
+            usages = [report.kv_usage for report in loads if report.kv_usage is not None]
+            if usages:
+                load["kv_usage"] = sum(usages) / len(usages)
+        hit_rates = [report.prefix_hit_rate for report in loads if report.prefix_hit_rate is not None]
+        if hit_rates:
+            load["prefix_hit_rate"] = sum(hit_rates) / len(hit_rates)
+        if self.counting_since is not None and now > self.counting_since:
+            elapsed = now - self.counting_since
+            load["kv_blocks_stored_per_s"] = self.blocks_stored / elapsed
+            load["kv_blocks_removed_per_s"] = self.blocks_removed / elapsed
+            self.blocks_stored = self.blocks_removed = 0
+            self.counting_since = now
+        return load
+
+
+@dataclass
+class _Pushes:
+    """An instance's push schedule: when the last one went, and the timer of the next."""
+
+    figures: InstanceFigures = field(default_factory=InstanceFigures)
+    pushed_at: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+def render_load(watched: Watched, load: dict[str, Any]) -> str:
+    """The instance's load partial. Runs templates and one query: call it from a thread. Raises
+    Instance.DoesNotExist."""
+    return render_instance_load(watched.instance_id, load)
+
+
+class LiveBridge:
+    """Subscribes to the workers' load and KV events on ``nc`` and pushes load partials to ``layer``."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        layer: BaseChannelLayer,
+        directory: InstanceDirectory,
+        supervisor: Supervisor,
+        *,
+        interval: float = DEFAULT_INTERVAL_S,
+        render: Callable[[Watched, dict[str, Any]], Awaitable[str]] | None = None,
+    ) -> None:
+        self._nc = nc
+        self._layer = layer
+        self._directory = directory
+        self._supervisor = supervisor
+        self.interval = interval
+        self._render = render or database_sync_to_async(render_load)
+        self._instances: dict[int, _Pushes] = {}  # by endpoint instance id
+        self._push_tasks: set[asyncio.Task[None]] = set()
+        self._last_failure_report = -FAILURE_REPORT_S
+        self._last_decode_report = -FAILURE_REPORT_S
+        #: Counters, for tests and logs.
+        self.pushed = 0
+        self.unknown = 0
+
+    def start(self) -> None:
+        """Own the two subscription tasks (restarted if they fail) from now on."""
+        self._supervisor.own(lambda: self._consume(LOAD_SUBJECT, self._on_load), name="load metrics", restart=True)
+        self._supervisor.own(
+            lambda: self._consume(KV_EVENTS_SUBJECT, self._on_kv_events), name="KV events", restart=True
+        )
+
+    async def close(self) -> None:
+        """Stop the timers and wait for the pushes under way (the supervisor stops the subscriptions)."""
+        for pushes in self._instances.values():
+            if pushes.timer is not None:
+                pushes.timer.cancel()
+        for task in list(self._push_tasks):
+            task.cancel()
+        await asyncio.gather(*self._push_tasks, return_exceptions=True)
+
+    async def _consume(self, subject: str, handle: Callable[[Msg], Awaitable[None]]) -> None:
+        subscription = await self._nc.subscribe(subject)
+        try:
+            async for message in subscription.messages:
+                await handle(message)
+        finally:
+            with contextlib.suppress(Exception):  # the connection may be closing already
+                await subscription.unsubscribe()
+
+    async def _on_load(self, message: Msg) -> None:
+        try:
+            report = _decode_load(message.data)
+        except msgspec.DecodeError as exc:
+            self._report_bad_message(message.subject, exc)
+            return
+        pushes = await self._pushes_of(report.instance_id)
+        if pushes is None:
+            return
+        pushes.figures.ranks[report.dp_rank] = report
+        pushes.figures.reported_at = time.time()
+        self._schedule(report.instance_id, pushes)
+
+    async def _on_kv_events(self, message: Msg) -> None:
+        try:
+            batch = _decode_kv_batch(message.data)
+        except msgspec.DecodeError as exc:
+            self._report_bad_message(message.subject, exc)
+            return
+        pushes = await self._pushes_of(batch.instance_id)
+        if pushes is not None:
+            pushes.figures.count(batch, asyncio.get_running_loop().time())
+
+    async def _pushes_of(self, endpoint_id: int) -> _Pushes | None:
+        if await self._directory.find(endpoint_id) is None:
+            self.unknown += 1
+            self._drop(endpoint_id)
+            return None
+        pushes = self._instances.get(endpoint_id)
+        if pushes is None:
+            pushes = self._instances[endpoint_id] = _Pushes()
+        return pushes
+
+    def _schedule(self, endpoint_id: int, pushes: _Pushes) -> None:
+        if pushes.timer is not None:
+            return  # a push is coming, and will carry this report
+        loop = asyncio.get_running_loop()
+        due = loop.time() if pushes.pushed_at is None else max(loop.time(), pushes.pushed_at + self.interval)
+        # Even "now" waits for the loop's next turn: the other ranks of the same tick, read from the same
+        # socket, join this push.
+        pushes.timer = loop.call_at(due, self._push_now, endpoint_id)
+
+    def _push_now(self, endpoint_id: int) -> None:
+        pushes = self._instances.get(endpoint_id)
+        if pushes is None:
+            return
+        loop = asyncio.get_running_loop()
+        pushes.timer = None
+        pushes.pushed_at = loop.time()
+        task = asyncio.create_task(self._push(endpoint_id, pushes.figures.take(loop.time())))
+        self._push_tasks.add(task)
+        task.add_done_callback(self._push_tasks.discard)
+
+    async def _push(self, endpoint_id: int, load: dict[str, Any]) -> None:
+        watched = await self._directory.find(endpoint_id)
+        if watched is None:
+            self._drop(endpoint_id)
+            return
+        try:
+            text = await self._render(watched, load)
+        except ObjectDoesNotExist:
+            self._directory.forget(endpoint_id)
+            self._drop(endpoint_id)
+            return
+        except Exception:
+            log.exception("live bridge: rendering the load of instance %d failed", watched.instance_id)
+            return
+        try:
+            await self._layer.group_send(
+                pipeline_group(watched.pipeline_id), dict(html(text, instance=watched.instance_id))
+            )
+        except Exception as exc:  # Redis's errors, OSError, timeouts: the next second tries again
+            self._report_layer_failure(exc)
+            return
+        self.pushed += 1
+
+    def _drop(self, endpoint_id: int) -> None:
+        pushes = self._instances.pop(endpoint_id, None)
+        if pushes is not None and pushes.timer is not None:
+            pushes.timer.cancel()
+
+    def _report_layer_failure(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_failure_report < FAILURE_REPORT_S:
+            log.debug("live bridge: a push failed: %s", describe(exc))
+            return
+        self._last_failure_report = now
+        log.warning(
+            "live bridge: cannot reach the channel layer at %s (%s); load figures are dropped until it answers",
+            layer_address(self._layer), describe(exc),
+        )  # fmt: skip
+
+    def _report_bad_message(self, subject: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_decode_report >= FAILURE_REPORT_S:
+            self._last_decode_report = now
+            log.warning("live bridge: a message on %s is not what workers publish (%s); ignored", subject, exc)
+
+
+class NatsWatch:
+    """How long NATS has been lost: ``on_event`` is connect_nats's callback; ``watch`` raises BridgeError once
+    the connection has been down for ``timeout`` seconds."""
+
+    def __init__(self, address: str, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._clock = clock
+        self.lost_since: float | None = None
+
+    async def on_event(self, kind: str) -> None:
+        if kind == "disconnected" and self.lost_since is None:
+            self.lost_since = self._clock()
+        elif kind == "reconnected":
+            self.lost_since = None
+
+    def check(self) -> None:
+        """Raises BridgeError when NATS has been lost for ``timeout`` seconds or more."""
+        if self.lost_since is not None and self._clock() - self.lost_since >= self.timeout:
+            raise BridgeError(
+                f"lost NATS at {self.address} for more than {self.timeout:g} s; start it with `make services` "
+                "or point --nats (NATS_SERVER) at a running server"
+            )
+
+    async def watch(self, every: float = 1.0) -> None:
+        while True:
+            self.check()
+            await asyncio.sleep(every)

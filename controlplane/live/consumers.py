@@ -1,0 +1,176 @@
+"""The dashboard's websockets: push-only, for people who are logged in.
+
+``/ws/fleet/`` (overview, nodes, models, pipelines) joins the ``fleet.<topic>`` groups, all of them or
+those its ``?topics=`` names; ``/ws/pipelines/<pk>/`` joins ``pipeline.<pk>`` once the pipeline is found.
+Each socket receives only the groups it joined (controlplane/live/groups.py). A change notice makes the
+socket render the row's partial, at most once per ``RENDER_WINDOW_S`` per element
+(controlplane/live/debounce.py), with renders shared between the sockets of the process
+(controlplane/live/rendering.py); HTML the bridge rendered is forwarded as it is.
+
+Close codes: 4400 an unknown topic, 4401 not logged in, 4404 no such pipeline (htmx's ws extension does
+not reconnect after these); 1011 when the channel layer cannot be reached at connection (it does
+reconnect, with backoff). Read-only people watch like everyone else: the socket changes nothing, and a
+message sent to it gets a short explanation (as an HTML comment, which htmx ignores) and no action.
+"""
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, get_args
+from urllib.parse import parse_qs
+
+from channels.consumer import get_handler_name
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from controlplane.deployments.models import Pipeline
+from controlplane.live.debounce import PendingRenders
+from controlplane.live.groups import FLEET_TOPICS, Changed, Html, Kind, fleet_group, pipeline_group
+from controlplane.live.publisher import describe, layer_address
+from controlplane.live.rendering import SharedRenders
+
+log = logging.getLogger(__name__)
+
+BAD_REQUEST = 4400
+NOT_LOGGED_IN = 4401
+NOT_FOUND = 4404
+SERVER_ERROR = 1011
+#: Changes of one element within this many seconds of its last render are rendered together.
+RENDER_WINDOW_S = 0.25
+#: Sockets join their groups again this often, well within the layer's group expiry
+#: (controlplane/live/layer.py), so that a page left open for days keeps hearing.
+GROUP_REFRESH_S = 600.0
+PUSH_ONLY = "<!-- this socket only sends updates; changes go through the page's buttons and forms -->"
+_KINDS = frozenset(get_args(Kind))
+
+
+class LiveConsumer(AsyncWebsocketConsumer):
+    """A push-only socket for a logged-in person; ``groups_to_join`` says what it hears."""
+
+    def __init__(self, *, renders: SharedRenders, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.renders = renders
+        self.pending: PendingRenders[tuple[Kind, int]] = PendingRenders(RENDER_WINDOW_S)
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def groups_to_join(self) -> list[str] | None:
+        """The groups this socket joins; None when it was closed instead (with its code)."""
+        raise NotImplementedError
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            # Accepted first, so that the browser sees the code (a refused handshake reads as 1006).
+            await self.accept()
+            await self.close(code=NOT_LOGGED_IN, reason="log in to watch the dashboard")
+            return
+        groups = await self.groups_to_join()
+        if groups is None:
+            return
+        try:
+            for group in groups:
+                await self.channel_layer.group_add(group, self.channel_name)
+        except Exception as exc:  # Redis's errors, OSError, timeouts
+            log.warning(
+                "live updates: cannot reach the channel layer at %s (%s)",
+                layer_address(self.channel_layer),
+                describe(exc),
+            )
+            await self.accept()
+            await self.close(code=SERVER_ERROR, reason="live updates are unavailable; retrying")
+            return
+        self.groups = groups  # left again on disconnect
+        await self.accept()
+        self._tasks = [asyncio.create_task(self._render_forever()), asyncio.create_task(self._rejoin_forever())]
+
+    async def disconnect(self, code: int) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for result in await asyncio.gather(*self._tasks, return_exceptions=True):
+            # A send that raced the browser's leaving is no news; anything else is a bug to see.
+            if isinstance(result, Exception):
+                log.warning("live updates: a socket's task ended with %s", describe(result))
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        # Channels closes stale database connections before every handler (a thread hop per message);
+        # our handlers touch the database only through database_sync_to_async, which does it itself.
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']}")
+        await handler(message)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        await self.send(text_data=PUSH_ONLY)
+
+    # -- messages from the channel layer ---------------------------------------------------------------
+
+    async def live_changed(self, message: Changed) -> None:
+        kind, row_id = message.get("kind"), message.get("id")
+        if kind not in _KINDS or not isinstance(row_id, int):
+            log.warning("live updates: a change notice of nothing known: %r", message)
+            return
+        self.pending.add((kind, row_id), asyncio.get_running_loop().time())
+        self._changed.set()
+
+    async def live_html(self, message: Html) -> None:
+        await self.send(text_data=message["html"])
+
+    # -- the socket's tasks ----------------------------------------------------------------------------
+
+    async def _render_forever(self) -> None:
+        """Render what is due, when it is due, until the socket closes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = self.pending.next_due()
+            if due is None or due > loop.time():
+                self._changed.clear()
+                timeout = None if due is None else due - loop.time()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout)
+                continue
+            wanted = self.pending.take_due(loop.time())
+            try:
+                html = await self.renders.render(wanted)
+            except Exception:
+                log.exception("live updates: rendering %d change(s) failed", len(wanted))
+                continue
+            if html:
+                await self.send(text_data=html)
+
+    async def _rejoin_forever(self) -> None:
+        while True:
+            await asyncio.sleep(GROUP_REFRESH_S)
+            try:
+                for group in self.groups:
+                    await self.channel_layer.group_add(group, self.channel_name)
+            except Exception as exc:
+                log.warning("live updates: could not renew this socket's groups (%s)", describe(exc))
+
+
+class FleetConsumer(LiveConsumer):
+    """``/ws/fleet/``: nodes, pipelines' rows, downloads and audit entries; ``/ws/fleet/?topics=nodes,audit``:
+    only those (a page that shows no downloads need not hear of them)."""
+
+    async def groups_to_join(self) -> list[str] | None:
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        wanted = [topic.strip() for text in query.get("topics", []) for topic in text.split(",") if topic.strip()]
+        unknown = sorted(set(wanted) - set(FLEET_TOPICS))
+        if unknown:
+            await self.accept()
+            reason = f"topics: {', '.join(unknown)} unknown; choose from {', '.join(FLEET_TOPICS)}"
+            await self.close(code=BAD_REQUEST, reason=reason)
+            return None
+        return [fleet_group(topic) for topic in FLEET_TOPICS if not wanted or topic in wanted]
+
+
+class PipelineConsumer(LiveConsumer):
+    """``/ws/pipelines/<pk>/``: one pipeline's row, instances and their load."""
+
+    async def groups_to_join(self) -> list[str] | None:
+        pipeline_id = int(self.scope["url_route"]["kwargs"]["pk"])
+        if not await database_sync_to_async(Pipeline.objects.filter(pk=pipeline_id).exists)():
+            await self.accept()
+            await self.close(code=NOT_FOUND, reason=f"there is no pipeline {pipeline_id}")
+            return None
+        return [pipeline_group(pipeline_id)]

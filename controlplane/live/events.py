@@ -1,0 +1,146 @@
+"""The control plane's changes, turned into change notices for the dashboard's sockets after commit.
+
+Three sources together cover every change a page shows:
+
+* audit entries (``entry_committed``, sent once an action's transaction commits): every audited change,
+  the conditional ``.update()`` calls of the actions and the reconciler included (instance transitions,
+  placements, dispatches, a node gone offline, a pipeline scaled);
+* ``post_save``/``post_delete`` of nodes, GPUs, pipelines, worker groups, instances and downloads, sent on
+  commit: the saves that write no audit entry, chiefly a heartbeat that moves only usage figures
+  (``Node.save``) and a download's progress (``Download.save``);
+* ``row_changed(row)``, called by the one unaudited ``.update()`` a page shows: an agent's report that
+  changes an instance's details (download progress, pid) but not its state.
+
+A change reaches several groups when several pages show it: an instance is on its pipeline's page, and
+its state moves the pipeline's ready count on the fleet pages. Notices of one row within one burst
+become one (controlplane/live/publisher.py); a rolled-back transaction sends none.
+"""
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from django.apps import apps
+from django.db import models, transaction
+from django.db.models.signals import post_delete, post_save
+
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.records import entry_committed
+from controlplane.deployments.models import Pipeline, WorkerGroup
+from controlplane.fleet.models import Download, Gpu, Instance, InstanceState, Node
+from controlplane.live.groups import AUDIT, DOWNLOADS, NODES, PIPELINES, Kind, pipeline_group
+from controlplane.live.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+Notice = tuple[Kind, int, frozenset[str]]
+_WATCHED: tuple[type[models.Model], ...] = (Node, Gpu, Pipeline, WorkerGroup, Instance, Download)
+
+
+def connect(publisher: Publisher) -> None:
+    """Send ``publisher`` a notice for each committed change from now on (idempotent)."""
+
+    def row_saved_or_deleted(sender: type[models.Model], instance: models.Model, **kwargs: Any) -> None:
+        # post_delete sends no "created"; a deleted row leaves its list as a new one joins it.
+        joined_or_left = kwargs.get("created", True)
+        notices = list(notices_of_row(instance, joined_or_left=joined_or_left))
+        # robust: the change is committed; nothing of ours may turn the request into an error now.
+        transaction.on_commit(lambda: _publish(publisher, notices), robust=True)
+
+    def entry_recorded(sender: type[AuditEntry], entry: AuditEntry, **kwargs: Any) -> None:
+        # entry_committed is sent after the commit already, and not robustly: nothing may escape here.
+        try:
+            _publish(publisher, notices_of_entry(entry))
+        except Exception:
+            log.exception("live updates: no notice for audit entry %s", entry.pk)
+
+    for model in _WATCHED:
+        uid = f"live-{model._meta.label_lower}"
+        post_save.connect(row_saved_or_deleted, sender=model, weak=False, dispatch_uid=f"{uid}-save")
+        post_delete.connect(row_saved_or_deleted, sender=model, weak=False, dispatch_uid=f"{uid}-delete")
+    entry_committed.connect(entry_recorded, sender=AuditEntry, weak=False, dispatch_uid="live-audit")
+
+
+def row_changed(row: models.Model) -> None:
+    """Tell the pages that show ``row`` (a node, GPU, pipeline, worker group, instance or download) once the
+    current transaction commits.
+
+    For changes written with ``.update()`` and no audit entry, which send no signal; a no-op when the live
+    app is not installed.
+    """
+    try:
+        publisher: Publisher = apps.get_app_config("live").publisher
+    except LookupError:
+        return
+    notices = list(notices_of_row(row))
+    transaction.on_commit(lambda: _publish(publisher, notices), robust=True)
+
+
+def notices_of_row(row: models.Model, *, joined_or_left: bool = False) -> Iterator[Notice]:
+    """The notices a saved or deleted row of a watched model calls for (``joined_or_left``: it was
+    created or deleted, which changes a pipeline's list of instances)."""
+    if isinstance(row, Node):
+        yield "node", row.pk, frozenset({NODES})
+    elif isinstance(row, Gpu):
+        yield "node", row.node_id, frozenset({NODES})
+    elif isinstance(row, Pipeline):
+        yield from _pipeline(row.pk)
+    elif isinstance(row, WorkerGroup):
+        yield from _pipeline(row.pipeline_id)
+    elif isinstance(row, Instance):
+        yield from _instance(row.pk, row.pipeline_id, listed_or_unlisted=joined_or_left)
+    elif isinstance(row, Download):
+        yield "download", row.pk, frozenset({DOWNLOADS})
+
+
+def notices_of_entry(entry: AuditEntry) -> Iterator[Notice]:
+    """The entry itself (the fleet pages list recent events) and the row it is about, when a page shows it."""
+    yield "audit", entry.pk, frozenset({AUDIT})
+    try:
+        target = int(entry.target_id)
+    except ValueError:
+        return
+    kind = entry.target_type
+    if kind == "node":
+        yield "node", target, frozenset({NODES})
+    elif kind == "pipeline":
+        yield from _pipeline(target)
+    elif kind == "download":
+        yield "download", target, frozenset({DOWNLOADS})
+    elif kind == "instance":
+        pipeline = _snapshot_field(entry, "pipeline")
+        if pipeline is not None:
+            # A stopped instance leaves its pipeline's list (controlplane/dashboard/queries.py).
+            stopped = isinstance(entry.after, dict) and entry.after.get("state") == InstanceState.STOPPED
+            yield from _instance(target, pipeline, listed_or_unlisted=entry.before is None or stopped)
+    elif kind == "workergroup":
+        pipeline = _snapshot_field(entry, "pipeline")
+        if pipeline is not None:
+            yield from _pipeline(pipeline)
+
+
+def _pipeline(pipeline_id: int) -> Iterator[Notice]:
+    yield "pipeline", pipeline_id, frozenset({PIPELINES, pipeline_group(pipeline_id)})
+
+
+def _instance(instance_id: int, pipeline_id: int, *, listed_or_unlisted: bool = False) -> Iterator[Notice]:
+    group = frozenset({pipeline_group(pipeline_id)})
+    if listed_or_unlisted:
+        # A new instance has no element of its own on the page yet: the whole list is rendered again.
+        yield "instances", pipeline_id, group
+    else:
+        yield "instance", instance_id, group
+    # Its state moves the pipeline's ready count.
+    yield from _pipeline(pipeline_id)
+
+
+def _snapshot_field(entry: AuditEntry, name: str) -> int | None:
+    for values in (entry.after, entry.before):
+        if isinstance(values, dict) and isinstance(values.get(name), int):
+            return int(values[name])
+    return None
+
+
+def _publish(publisher: Publisher, notices: Iterable[Notice]) -> None:
+    for kind, row_id, groups in notices:
+        publisher.publish(kind, row_id, groups)

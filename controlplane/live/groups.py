@@ -1,0 +1,62 @@
+"""Who hears what: the channel-layer groups of the dashboard's sockets, and the messages sent to them.
+
+* ``fleet.<topic>``: the fleet pages (overview, nodes, models, pipelines), one group per topic:
+  ``nodes`` (nodes and their GPUs), ``pipelines`` (pipelines' rows), ``downloads`` and ``audit``
+  (audit entries). A page joins the topics it shows (all, unless it names some), so that a page
+  without nodes renders no node.
+* ``pipeline.<pk>``: the detail page of one pipeline; it hears about that pipeline's row, its list of
+  instances and each instance, and the bridge's load figures of its instances.
+
+Two kinds of message travel: ``live.changed`` names a row that changed (each socket renders its
+partial, so a burst of changes to one row costs one render per socket), ``live.html`` carries HTML
+rendered once by its sender (the bridge's load figures), which each socket forwards as it is.
+"""
+
+from typing import Literal, NotRequired, TypedDict
+
+#: The fleet's topics and their groups.
+FLEET_TOPICS = ("nodes", "pipelines", "downloads", "audit")
+NODES, PIPELINES, DOWNLOADS, AUDIT = (f"fleet.{topic}" for topic in FLEET_TOPICS)
+
+
+def fleet_group(topic: str) -> str:
+    """The group of a fleet topic (one of FLEET_TOPICS)."""
+    return f"fleet.{topic}"
+
+
+#: What sockets hear of changing; each has a partial in controlplane/dashboard/partials.py. "instances" is
+#: a pipeline's list of instances (id: the pipeline's), pushed when an instance joins or leaves it.
+Kind = Literal["node", "pipeline", "instances", "instance", "download", "audit"]
+
+
+def pipeline_group(pipeline_id: int) -> str:
+    """The group of the sockets watching pipeline ``pipeline_id``."""
+    return f"pipeline.{pipeline_id}"
+
+
+class Changed(TypedDict):
+    """``live.changed``: row ``id`` of ``kind`` changed or was deleted; sockets render it again."""
+
+    type: Literal["live.changed"]
+    kind: Kind
+    id: int
+
+
+class Html(TypedDict):
+    """``live.html``: elements to swap in as they are (htmx's ws extension swaps them by id)."""
+
+    type: Literal["live.html"]
+    html: str
+    # The instance whose load it shows, for tests and logs.
+    instance: NotRequired[int]
+
+
+def changed(kind: Kind, row_id: int) -> Changed:
+    return {"type": "live.changed", "kind": kind, "id": row_id}
+
+
+def html(text: str, *, instance: int | None = None) -> Html:
+    message: Html = {"type": "live.html", "html": text}
+    if instance is not None:
+        message["instance"] = instance
+    return message

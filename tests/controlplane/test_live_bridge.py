@@ -1,0 +1,251 @@
+"""The bridge (controlplane/live/bridge.py, ``manage.py live_bridge``): workers' load on a real NATS, pushed as
+the load partial to the right pipeline's group on the Redis channel layer."""
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+from channels.db import database_sync_to_async
+from channels.layers import BaseChannelLayer, get_channel_layer
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from nats.aio.client import Client as NATS
+
+from controlplane.fleet.models import Instance
+from controlplane.live.bridge import (
+    BridgeError,
+    InstanceDirectory,
+    InstanceFigures,
+    LiveBridge,
+    NatsWatch,
+    Watched,
+    read_directory,
+)
+from controlplane.live.groups import pipeline_group
+from runtime.kv_events import BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
+from runtime.nats_connection import connect_nats
+from runtime.supervision import Supervisor
+from tests.controlplane.live_fixtures import TwoPipelines, live_layer, two_placed_pipelines
+from tests.infra import NatsServer
+from tests.servers import free_port
+
+__all__ = ["live_layer"]  # a fixture
+RECEIVE_S = 10.0
+ENDPOINT_A, ENDPOINT_B = 0x1A, 0x1B
+
+
+def give_endpoint_ids() -> TwoPipelines:
+    rows = two_placed_pipelines()
+    Instance.objects.filter(pk=rows.a_instance.pk).update(endpoint_instance_id=ENDPOINT_A)
+    Instance.objects.filter(pk=rows.b_instance.pk).update(endpoint_instance_id=ENDPOINT_B)
+    return rows
+
+
+@dataclass
+class Running:
+    bridge: LiveBridge
+    worker: NATS  # a worker's connection, to publish on
+    layer: BaseChannelLayer
+
+
+@pytest.fixture
+async def running_bridge(nats_server: NatsServer, live_layer: object) -> AsyncIterator[Running]:
+    layer = get_channel_layer()
+    assert layer is not None
+    bridge_nc = await connect_nats(nats_server.url, name="bridge", wait=RECEIVE_S)
+    worker = await connect_nats(nats_server.url, name="worker", wait=RECEIVE_S)
+    supervisor = Supervisor(on_fatal=lambda: None)
+    bridge = LiveBridge(bridge_nc, layer, InstanceDirectory(database_sync_to_async(read_directory)), supervisor)
+    bridge.start()
+    await bridge_nc.flush()  # the subscriptions are in place before a worker publishes
+    yield Running(bridge, worker, layer)
+    await supervisor.close()
+    await bridge.close()
+    await bridge_nc.close()
+    await worker.close()
+
+
+async def listen(layer: BaseChannelLayer, pipeline_id: int) -> str:
+    channel = await layer.new_channel()
+    await layer.group_add(pipeline_group(pipeline_id), channel)
+    return channel
+
+
+async def receive_load(layer: BaseChannelLayer, channel: str) -> dict[str, Any]:
+    """The next load push on ``channel``; the control plane's own change notices (of the rows the test
+    made, sent after their commit) are skipped."""
+    while True:
+        message = await asyncio.wait_for(layer.receive(channel), RECEIVE_S)
+        if message["type"] == "live.html":
+            return message
+
+
+async def publish_load(worker: NATS, namespace: str, load: WorkerLoad) -> None:
+    await worker.publish(f"flotilla.{namespace}.backend.load_metrics", msgspec.json.encode(load))
+    await worker.flush()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_worker_load_on_nats_reaches_its_pipelines_group_as_the_load_partial(running_bridge: Running) -> None:
+    rows = await database_sync_to_async(give_endpoint_ids)()
+    layer = running_bridge.layer
+    on_a, on_b = await listen(layer, rows.a.pk), await listen(layer, rows.b.pk)
+    # The subscription task may still be subscribing: a worker publishes every second anyway.
+    await _until_bridge_subscribed(running_bridge)
+
+    load = WorkerLoad(instance_id=ENDPOINT_A, active_requests=3, running=2, waiting=1, kv_usage=0.37)
+    await publish_load(running_bridge.worker, rows.a.namespace, load)
+    pushed = await receive_load(layer, on_a)
+    assert pushed["type"] == "live.html"
+    assert pushed["instance"] == rows.a_instance.pk
+    assert f'id="load-{rows.a_instance.pk}"' in pushed["html"]
+    assert 'data-kv-usage="0.37"' in pushed["html"]
+
+    # B's group hears B's load first: A's went to A's group only.
+    await publish_load(running_bridge.worker, rows.b.namespace, WorkerLoad(instance_id=ENDPOINT_B, active_requests=9))
+    first_on_b = await receive_load(layer, on_b)
+    assert first_on_b["instance"] == rows.b_instance.pk
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_loads_within_the_interval_wait_for_its_end(running_bridge: Running) -> None:
+    rows = await database_sync_to_async(give_endpoint_ids)()
+    bridge, layer = running_bridge.bridge, running_bridge.layer
+    on_a = await listen(layer, rows.a.pk)
+    await _until_bridge_subscribed(running_bridge)
+    bridge.interval = 3600.0  # a second push would wait an hour
+    await publish_load(running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, active_requests=1))
+    await receive_load(layer, on_a)
+    for active in (2, 3):
+        await publish_load(
+            running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, active_requests=active)
+        )
+    await _until(lambda: bridge._instances[ENDPOINT_A].figures.ranks[0].active_requests == 3)
+    assert bridge.pushed == 1
+    assert bridge._instances[ENDPOINT_A].timer is not None  # the latest goes at the interval's end
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_failed_subscription_task_is_logged_and_started_again(
+    running_bridge: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = await database_sync_to_async(give_endpoint_ids)()
+    bridge, layer = running_bridge.bridge, running_bridge.layer
+    on_a = await listen(layer, rows.a.pk)
+    await _until_bridge_subscribed(running_bridge)
+    directory_find = bridge._directory.find
+
+    async def broken_once(endpoint_id: int) -> Watched | None:
+        bridge._directory.find = directory_find  # type: ignore[method-assign]
+        raise RuntimeError("a bug in the bridge")
+
+    bridge._directory.find = broken_once  # type: ignore[method-assign]
+    await publish_load(running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, active_requests=1))
+    await _until(lambda: "background task 'load metrics' failed; restarting it" in caplog.text)
+    await _until_bridge_subscribed(running_bridge)
+    await publish_load(running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, active_requests=2))
+    pushed = await receive_load(layer, on_a)
+    assert 'data-active-requests="2"' in pushed["html"]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_load_from_a_worker_the_control_plane_does_not_know_is_dropped(running_bridge: Running) -> None:
+    rows = await database_sync_to_async(give_endpoint_ids)()
+    on_a = await listen(running_bridge.layer, rows.a.pk)
+    await _until_bridge_subscribed(running_bridge)
+    await publish_load(running_bridge.worker, "elsewhere", WorkerLoad(instance_id=0x999, active_requests=1))
+    await running_bridge.worker.publish("flotilla.alpha.backend.load_metrics", b"not json")
+    await publish_load(running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, active_requests=4))
+    pushed = await receive_load(running_bridge.layer, on_a)
+    assert pushed["instance"] == rows.a_instance.pk
+    assert running_bridge.bridge.unknown >= 1
+
+
+async def _until_bridge_subscribed(running: Running) -> None:
+    """Return once the bridge's two subscriptions are registered on its connection and with the server."""
+    nc = running.bridge._nc
+    await _until(lambda: len(nc._subs) == 2)  # the supervisor's tasks subscribe on their first turn
+    await nc.flush()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Return once ``condition()`` holds: state inside the bridge, which sends no event when it changes."""
+    async with asyncio.timeout(RECEIVE_S):
+        while not condition():  # noqa: ASYNC110 - the bridge's counters and tables have no event to await
+            await asyncio.sleep(0.01)
+
+
+def test_ranks_are_summed_and_kv_blocks_counted_per_second() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=3, running=2, kv_active_blocks=10, kv_total_blocks=100)
+    figures.ranks[1] = WorkerLoad(
+        instance_id=1, dp_rank=1, active_requests=1, running=1, kv_active_blocks=30, kv_total_blocks=100
+    )
+    figures.count(KvEventBatch(instance_id=1, event_id=1, events=[BlockStored(block_hashes=[1, 2, 3, 4])]), now=10.0)
+    figures.count(KvEventBatch(instance_id=1, event_id=2, events=[BlockRemoved(block_hashes=[1, 2])]), now=10.5)
+    figures.count(KvEventBatch(instance_id=1, event_id=0, events=[BlockStored(block_hashes=list(range(99)))]), now=11)
+    load = figures.take(now=12.0)
+    assert load["active_requests"] == 4
+    assert load["running"] == 3
+    assert load["kv_usage"] == pytest.approx(0.2)
+    assert load["dp_ranks"] == 2
+    assert load["kv_blocks_stored_per_s"] == pytest.approx(2.0)  # 4 in 2 s; a whole-state answer is no new work
+    assert load["kv_blocks_removed_per_s"] == pytest.approx(1.0)
+    assert "waiting" not in load  # no rank said
+
+
+async def test_the_directory_reads_again_on_a_miss_at_most_once_a_second() -> None:
+    reads = 0
+    now = 100.0
+
+    async def read() -> dict[int, Watched]:
+        nonlocal reads
+        reads += 1
+        return {7: Watched(instance_id=70, pipeline_id=1)}
+
+    directory = InstanceDirectory(read, refresh_s=5.0, miss_refresh_s=1.0, clock=lambda: now)
+    assert await directory.find(7) == Watched(70, 1)
+    assert await directory.find(8) is None
+    assert await directory.find(8) is None
+    assert reads == 1
+    now += 1.0
+    assert await directory.find(8) is None
+    assert reads == 2
+    now += 5.0
+    assert await directory.find(7) == Watched(70, 1)
+    assert reads == 3
+
+
+async def test_nats_lost_past_the_timeout_is_an_error_naming_the_server() -> None:
+    now = 0.0
+    watch = NatsWatch("nats://10.1.2.3:4222", timeout=30.0, clock=lambda: now)
+    await watch.on_event("disconnected")
+    now = 29.0
+    watch.check()
+    await watch.on_event("reconnected")  # the clock starts again at the next loss
+    await watch.on_event("disconnected")
+    now = 58.0
+    watch.check()
+    now = 59.0
+    with pytest.raises(BridgeError, match=re.escape("lost NATS at nats://10.1.2.3:4222 for more than 30 s")):
+        watch.check()
+
+
+@pytest.mark.django_db
+def test_the_bridge_exits_1_naming_the_nats_it_cannot_reach(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    with pytest.raises(CommandError) as raised, caplog.at_level(logging.WARNING):
+        call_command("live_bridge", "--nats", url, "--nats-timeout", "1.5")
+    assert raised.value.returncode == 1
+    assert f"cannot reach NATS at {url}" in str(raised.value)
+    assert "set NATS_SERVER" in str(raised.value)
+
+
+def test_a_malformed_nats_address_is_refused_naming_the_flag() -> None:
+    with pytest.raises(CommandError, match="--nats: 'http://x' is not of the form nats://host:port"):
+        call_command("live_bridge", "--nats", "http://x")

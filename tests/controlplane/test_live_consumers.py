@@ -1,0 +1,180 @@
+"""The dashboard's websockets (Channels' WebsocketCommunicator, the Redis channel layer on a real Redis):
+who may connect, and that each socket hears its own groups' changes, as the partials' HTML."""
+
+import asyncio
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+
+from controlplane.accounts.models import Role
+from controlplane.audit.records import Actor
+from controlplane.fleet import actions as fleet_actions
+from controlplane.fleet.models import InstanceState, Node
+from controlplane.fleet.reports import InstanceReport
+from controlplane.live.consumers import BAD_REQUEST, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
+from controlplane.live.publisher import Publisher
+from tests.controlplane.factories import deploy, make_node, node_report
+from tests.controlplane.live_fixtures import communicator, element, live_layer, session_cookie, two_placed_pipelines
+
+__all__ = ["live_layer"]  # a fixture
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live_layer")]
+RECEIVE_S = 10.0  # generous on a busy machine; each wait ends as soon as the message arrives
+
+
+async def connected(path: str, role: Role = Role.OPERATOR, username: str = "alice") -> WebsocketCommunicator:
+    cookie = await database_sync_to_async(session_cookie)(username, role)
+    socket = communicator(path, cookie)
+    accepted, _ = await socket.connect(timeout=RECEIVE_S)
+    assert accepted
+    return socket
+
+
+async def receive_element(socket: WebsocketCommunicator, element_id: str) -> str:
+    """The first message that holds the element ``element_id`` (others, about other rows, are skipped)."""
+    while True:
+        text = await socket.receive_from(timeout=RECEIVE_S)
+        if f'id="{element_id}"' in text:
+            return text
+
+
+async def test_a_socket_without_a_session_is_closed_with_4401() -> None:
+    socket = communicator("/ws/fleet/", cookie=None)
+    accepted, _ = await socket.connect(timeout=RECEIVE_S)
+    assert accepted  # accepted, so that the browser sees why it is closed
+    closing = await socket.receive_output(timeout=RECEIVE_S)
+    assert closing["type"] == "websocket.close"
+    assert closing["code"] == NOT_LOGGED_IN
+
+
+async def test_a_page_of_another_site_cannot_open_a_socket_with_a_persons_session() -> None:
+    cookie = await database_sync_to_async(session_cookie)("alice", Role.ADMIN)
+    socket = communicator("/ws/fleet/", cookie, origin=(b"origin", b"http://evil.example"))
+    accepted, _ = await socket.connect(timeout=RECEIVE_S)
+    assert not accepted
+
+
+async def test_a_read_only_person_watches_the_fleet_and_hears_a_node_register() -> None:
+    socket = await connected("/ws/fleet/", Role.READ_ONLY, "reader")
+    node = await database_sync_to_async(make_node)("gpu-b")
+    text = await receive_element(socket, f"node-{node.pk}")
+    assert "gpu-b" in text
+    await socket.disconnect()
+
+
+async def test_a_message_from_the_browser_is_answered_politely_and_changes_nothing() -> None:
+    node = await database_sync_to_async(make_node)("gpu-a")
+    socket = await connected("/ws/fleet/", Role.READ_ONLY, "reader")
+    await socket.send_to(text_data=f'{{"action": "drain", "node": {node.pk}}}')
+    assert await socket.receive_from(timeout=RECEIVE_S) == PUSH_ONLY
+    refreshed = await database_sync_to_async(Node.objects.get)(pk=node.pk)
+    assert not refreshed.draining
+    await socket.disconnect()
+
+
+async def test_a_socket_for_a_pipeline_that_does_not_exist_is_closed_with_4404() -> None:
+    cookie = await database_sync_to_async(session_cookie)("alice", Role.OPERATOR)
+    socket = communicator("/ws/pipelines/999999/", cookie)
+    accepted, _ = await socket.connect(timeout=RECEIVE_S)
+    assert accepted
+    closing = await socket.receive_output(timeout=RECEIVE_S)
+    assert closing["code"] == NOT_FOUND
+
+
+async def test_a_state_change_reaches_its_pipelines_socket_as_the_instance_partial_and_not_the_other() -> None:
+    rows = await database_sync_to_async(two_placed_pipelines)()
+    on_a = await connected(f"/ws/pipelines/{rows.a.pk}/", username="alice")
+    on_b = await connected(f"/ws/pipelines/{rows.b.pk}/", username="bob")
+
+    def report_ready(instance_id: int) -> None:
+        fleet_actions.report_instance_state(
+            Actor.agent("gpu-a"), "gpu-a", instance_id, InstanceReport(state=InstanceState.READY, pid=7)
+        )
+
+    await database_sync_to_async(report_ready)(rows.a_instance.pk)
+    row_id = f"instance-{rows.a_instance.pk}"
+    # The set-up's own notices may come first (the instance pending): the change follows them.
+    while "state-ready" not in (element(await receive_element(on_a, row_id), row_id) or ""):
+        pass
+
+    # B's socket hears B's change first: A's went to A's group only.
+    await database_sync_to_async(report_ready)(rows.b_instance.pk)
+    first = await on_b.receive_from(timeout=RECEIVE_S)
+    assert f'id="instance-{rows.b_instance.pk}"' in first or f'id="pipeline-{rows.b.pk}"' in first
+    assert f"instance-{rows.a_instance.pk}" not in first and f"pipeline-{rows.a.pk}" not in first
+    await on_a.disconnect()
+    await on_b.disconnect()
+
+
+async def test_download_progress_of_an_instance_reaches_its_page_though_its_state_does_not_change() -> None:
+    rows = await database_sync_to_async(two_placed_pipelines)()
+    socket = await connected(f"/ws/pipelines/{rows.a.pk}/")
+
+    def report(progress: float) -> None:
+        state = InstanceReport(state=InstanceState.DOWNLOADING, download_progress=progress)
+        fleet_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", rows.a_instance.pk, state)
+
+    await database_sync_to_async(report)(0.1)
+    await receive_element(socket, f"instance-{rows.a_instance.pk}")
+    await database_sync_to_async(report)(0.42)  # the same state: an .update() with no audit entry
+    while "42%" not in (text := await receive_element(socket, f"instance-{rows.a_instance.pk}")):
+        pass
+    assert 'value="0.42"' in text
+    await socket.disconnect()
+
+
+async def test_a_heartbeat_that_moves_only_gpu_usage_reaches_the_fleet_socket() -> None:
+    node = await database_sync_to_async(make_node)("gpu-a", (80,))
+    socket = await connected("/ws/fleet/")
+    await database_sync_to_async(fleet_actions.heartbeat)(
+        Actor.agent("gpu-a"), "gpu-a", node_report((80,), used_gib=33)
+    )
+    while "33 GiB" not in (text := await receive_element(socket, f"node-{node.pk}")):
+        pass
+    assert "33 GiB of 80 GiB" in text
+    await socket.disconnect()
+
+
+async def test_a_change_a_socket_did_not_join_for_is_not_sent_to_it(live_layer: Publisher) -> None:
+    rows = await database_sync_to_async(two_placed_pipelines)()
+    assert await asyncio.to_thread(live_layer.flush, RECEIVE_S)  # the set-up's notices are gone
+    socket = await connected(f"/ws/pipelines/{rows.a.pk}/")
+    await database_sync_to_async(make_node)("gpu-b")  # the fleet's news, not a pipeline's
+    await database_sync_to_async(fleet_actions.report_instance_state)(
+        Actor.agent("gpu-a"), "gpu-a", rows.a_instance.pk, InstanceReport(state=InstanceState.STARTING)
+    )
+    # Notices leave in order: the node's, sent first, would come first if this socket heard it.
+    first = await socket.receive_from(timeout=RECEIVE_S)
+    assert "node-" not in first
+    assert f"instance-{rows.a_instance.pk}" in first or f"pipeline-{rows.a.pk}" in first
+    await socket.disconnect()
+
+
+async def test_the_publisher_sent_the_notices_it_was_given(live_layer: Publisher) -> None:
+    before = live_layer.sent
+    await database_sync_to_async(make_node)("gpu-c")
+    assert await database_sync_to_async(live_layer.flush)(RECEIVE_S)
+    assert live_layer.sent > before
+
+
+async def test_a_fleet_page_that_names_its_topics_hears_only_those() -> None:
+    nodes_only = await connected("/ws/fleet/?topics=nodes", username="alice")
+    everything = await connected("/ws/fleet/", username="bob")
+    pipeline = await database_sync_to_async(deploy)("alpha")  # a pipeline row and audit entries, no node
+    await receive_element(everything, f"pipeline-{pipeline.pk}")
+    node = await database_sync_to_async(make_node)("gpu-b")
+    first = await nodes_only.receive_from(timeout=RECEIVE_S)  # the pipeline's news, sent first, went elsewhere
+    assert f'id="node-{node.pk}"' in first
+    assert "pipeline-" not in first and "audit-" not in first
+    await nodes_only.disconnect()
+    await everything.disconnect()
+
+
+async def test_an_unknown_fleet_topic_is_refused_naming_it() -> None:
+    cookie = await database_sync_to_async(session_cookie)("alice", Role.OPERATOR)
+    socket = communicator("/ws/fleet/?topics=nodes,gpus", cookie)
+    accepted, _ = await socket.connect(timeout=RECEIVE_S)
+    assert accepted
+    closing = await socket.receive_output(timeout=RECEIVE_S)
+    assert closing["code"] == BAD_REQUEST
+    assert closing["reason"].startswith("topics: gpus unknown")
