@@ -115,8 +115,8 @@ async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> 
     """Tokenize a completion prompt: a string, a one-string list, or a list of token ids."""
     prompt = request.prompt
     if isinstance(prompt, list):
-        if prompt and all(type(item) is int for item in prompt):
-            return check_token_ids(card, prompt)  # type: ignore[arg-type]
+        if prompt and (bounds := _int_bounds(prompt)) is not None:
+            return _check_bounds(card, prompt, *bounds)  # type: ignore[arg-type]
         if len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         elif len(prompt) == 1 and isinstance(prompt[0], list):
@@ -134,10 +134,29 @@ async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> 
 
 
 def check_token_ids(card: ModelCard, ids: list[int]) -> list[int]:
+    """Return ``ids`` if all are in the vocabulary; raises InvalidRequest naming the first that is not."""
+    return _check_bounds(card, ids, min(ids), max(ids)) if ids else ids
+
+
+def _int_bounds(items: list[str | int | list[int]]) -> tuple[int, int] | None:
+    """The smallest and largest item when every item is an int, else None.
+
+    msgspec typed each item as a str, an int or a list of ints; min and max compare an int with either
+    of the others only by raising TypeError. Both run in C: for a 4.5k-token prompt they cost a third
+    of a generator over the items, which showed as 7% of the ingress's CPU in a profile.
+    """
+    try:
+        low, high = min(items), max(items)
+    except TypeError:
+        return None  # ints mixed with strings or lists
+    return (low, high) if type(low) is int and type(high) is int else None
+
+
+def _check_bounds(card: ModelCard, ids: list[int], low: int, high: int) -> list[int]:
     vocab_size = card.tokenizer.get_vocab_size(with_added_tokens=True)
-    for token in ids:
-        if not 0 <= token < vocab_size:
-            raise InvalidRequest(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+    if low < 0 or high >= vocab_size:
+        token = next(token for token in ids if not 0 <= token < vocab_size)
+        raise InvalidRequest(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
     return ids
 
 

@@ -127,9 +127,21 @@ def test_max_tokens_past_the_context_is_400(echo_core_server: Server) -> None:
     assert_error(post(echo_core_server, CHAT, body), 400, param="max_tokens", contains="lower max_tokens")
 
 
-def test_out_of_vocabulary_token_ids_are_400(echo_core_server: Server) -> None:
-    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": [1, 2, 10_000_000]}
-    assert_error(post(echo_core_server, "/v1/completions", body), 400, param="prompt", contains="vocabulary")
+@pytest.mark.parametrize(
+    ("prompt", "contains"),
+    [
+        ([1, 2, 10_000_000], "token id 10000000 is outside the vocabulary"),
+        ([5, -3, 7], "token id -3 is outside the vocabulary"),
+        ([[1, 2, 49_152]], "token id 49152 is outside the vocabulary"),
+        ([1, "two"], "list of token ids"),  # ints mixed with a string
+        ([1, [2]], "list of token ids"),  # ints mixed with a list
+    ],
+)
+def test_bad_token_id_prompts_are_400_with_what_is_wrong(
+    echo_core_server: Server, prompt: list[Any], contains: str
+) -> None:
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt}
+    assert_error(post(echo_core_server, "/v1/completions", body), 400, param="prompt", contains=contains)
 
 
 @pytest.mark.parametrize(
