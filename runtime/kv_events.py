@@ -66,6 +66,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_total_blocks: int | None = None
     kv_usage: float | None = None  # fraction of blocks in use, 0..1
     prefix_hit_rate: float | None = None  # of prompt tokens over the last period, 0..1
+    # Output tokens produced since the engine started: a counter, whose differences give tokens/s.
+    generated_tokens: int | None = None
 
 
 class KvEventSink(Protocol):

@@ -134,6 +134,8 @@ class InstanceFigures:
     blocks_stored: int = 0
     blocks_removed: int = 0
     counting_since: float | None = None  # monotonic
+    # The ranks' generated-token counters summed, and when (monotonic), at the last push: tokens/s.
+    generated: tuple[float, int] | None = None
 
     def count(self, batch: KvEventBatch, now: float) -> None:
         if self.counting_since is None:
@@ -167,6 +169,13 @@ class InstanceFigures:
         hit_rates = [report.prefix_hit_rate for report in loads if report.prefix_hit_rate is not None]
         if hit_rates:
             load["prefix_hit_rate"] = sum(hit_rates) / len(hit_rates)
+        counters = [report.generated_tokens for report in loads]
+        if loads and None not in counters:
+            total = sum(counters)  # type: ignore[arg-type]
+            if self.generated is not None and now > self.generated[0] and total >= self.generated[1]:
+                load["tokens_per_s"] = (total - self.generated[1]) / (now - self.generated[0])
+            # A restarted worker's counter starts again at 0: the next push gives a rate again.
+            self.generated = (now, total)
         if self.counting_since is not None and now > self.counting_since:
             elapsed = now - self.counting_since
             load["kv_blocks_stored_per_s"] = self.blocks_stored / elapsed

@@ -221,6 +221,7 @@ class MockerEngine:
                     kv_total_blocks=cache.num_blocks,
                     kv_usage=cache.usage,
                     prefix_hit_rate=scheduler.stats.hit_rate,
+                    generated_tokens=scheduler.generated_tokens,
                 )
             )
         return loads

@@ -195,6 +195,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = PrefixStats()
+        self.generated_tokens = 0  # output tokens produced since start, for the load reports
         self.preemptions = 0
         self._lifo = config.preemption_mode == "lifo"
 
@@ -357,6 +358,7 @@ class Scheduler:
             if computed != sequence.num_tokens:
                 continue  # a prefill chunk: no token yet
             token = sequence.next_token()
+            self.generated_tokens += 1
             output = sequence.output
             output.append(token)
             sequence.num_tokens = computed + 1

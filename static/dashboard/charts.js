@@ -54,6 +54,8 @@
       width: Math.max(element.clientWidth, 200),
       height: 130,
       cursor: { drag: { x: false, y: false } },
+      // The legend names the series; values appear under the cursor only (not "--" at rest).
+      legend: { live: false },
       scales: { x: { time: true }, y: chart.range ? { range: chart.range } : { range: (u, min, max) => [0, Math.max(1, max)] } },
       axes: [{ size: 30 }, { size: 40 }],
       series: [{}, ...chart.series.map(([label, , , stroke]) => ({ label, stroke, width: 1.5 }))],

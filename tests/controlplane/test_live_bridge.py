@@ -199,6 +199,29 @@ def test_ranks_are_summed_and_kv_blocks_counted_per_second() -> None:
     assert "waiting" not in load  # no rank said
 
 
+def test_tokens_per_s_comes_from_the_ranks_generated_token_counters() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, generated_tokens=100)
+    figures.ranks[1] = WorkerLoad(instance_id=1, dp_rank=1, active_requests=1, generated_tokens=50)
+    assert "tokens_per_s" not in figures.take(now=10.0)  # one reading is no rate yet
+
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, generated_tokens=400)
+    figures.ranks[1] = WorkerLoad(instance_id=1, dp_rank=1, active_requests=1, generated_tokens=150)
+    assert figures.take(now=12.0)["tokens_per_s"] == pytest.approx(200.0)  # (550 - 150) tokens in 2 s
+
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, generated_tokens=5)  # the worker restarted
+    assert "tokens_per_s" not in figures.take(now=13.0)
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, generated_tokens=35)
+    assert figures.take(now=14.0)["tokens_per_s"] == pytest.approx(30.0)
+
+
+def test_an_engine_without_a_counter_has_no_tokens_per_s() -> None:
+    figures = InstanceFigures()
+    for now in (1.0, 2.0):
+        figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=2)
+        assert "tokens_per_s" not in figures.take(now=now)
+
+
 async def test_the_directory_reads_again_on_a_miss_at_most_once_a_second() -> None:
     reads = 0
     now = 100.0

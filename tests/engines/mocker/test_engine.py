@@ -178,3 +178,10 @@ async def test_a_migrated_request_continues_from_its_tokens(engine: MockerEngine
     req.migrated_tokens = 4
     outputs = await collect(engine, req)
     assert len(tokens_of(outputs)) == 3
+
+
+async def test_load_counts_the_tokens_each_rank_generated(engine: MockerEngine) -> None:
+    before = sum(report.generated_tokens or 0 for report in engine.load())
+    await collect(engine, request([5, 6, 7, 8, 9], max_tokens=6))
+    await collect(engine, request([1, 2, 3], max_tokens=4))
+    assert sum(report.generated_tokens or 0 for report in engine.load()) == before + 10
