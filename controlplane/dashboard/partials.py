@@ -7,9 +7,17 @@ ids, do their own (few, indexed) queries and need no request: there is no CSRF t
 Buttons in them carry the ``act`` class; the page hides those from people whose role may not act, and
 the views refuse their POSTs anyway.
 
+Rows are pushed alone when they change. A row that joins or leaves a list has no element to swap (or
+keeps the one it had), so each list also renders as one element with a fixed id (``nodes-table``,
+``pipelines-table``, ``downloads-table``, ``models-table``, and ``instances-<pipeline pk>``), pushed when a
+row of its kind is created or deleted; it holds the list's empty state too. The fixed ids do not start
+with a row's prefix (``nodes-`` is not ``node-``), so a selector of rows (``[id^='node-']``) finds rows only.
+
 The partials may be joined into one websocket message in any order. That is why table rows are
 ``<div class="tr" role="row">`` rather than ``<tr>``: htmx parses a message as one HTML fragment, and the
-HTML parser drops a ``<tr>`` that follows a ``<div>`` and misplaces a table that follows a ``<tr>``.
+HTML parser drops a ``<tr>`` that follows a ``<div>`` and misplaces a table that follows a ``<tr>``. The one
+exception is the models table: a whole ``<table>`` inside its ``<div>``, which parses the same anywhere in a
+message that holds no stray row; its rows are never pushed alone (a change of a model pushes the table).
 
 A deleted record raises its model's ``DoesNotExist`` (each an ``ObjectDoesNotExist``); the caller decides
 what a deletion shows.
@@ -31,6 +39,11 @@ from controlplane.fleet.models import Instance
 
 # The element live audit entries are put at the top of (the overview's recent events).
 AUDIT_FEED_ID = "audit-feed"
+# The elements that hold a whole list of the fleet (each page that shows the list has one).
+NODE_TABLE_ID = "nodes-table"
+PIPELINE_TABLE_ID = "pipelines-table"
+DOWNLOAD_TABLE_ID = "downloads-table"
+MODEL_TABLE_ID = "models-table"
 
 
 def render_node(node_id: int) -> str:
@@ -38,6 +51,32 @@ def render_node(node_id: int) -> str:
     with memory and utilisation bars, and the drain/undrain button. Raises ``Node.DoesNotExist``."""
     node = queries.nodes_with_gpus().get(pk=node_id)
     return render_to_string("dashboard/partials/node.html", {"node": node})
+
+
+def render_node_table() -> str:
+    """``<div id="nodes-table">``: every node as ``render_node`` renders it, or how to add the first one
+    (two queries)."""
+    return render_to_string("dashboard/partials/node_table.html", {"nodes": list(queries.nodes_with_gpus())})
+
+
+def render_pipeline_table() -> str:
+    """``<div id="pipelines-table">``: every pipeline's row as ``render_pipeline_row`` renders it, or how
+    to deploy the first one (three queries)."""
+    rows = queries.pipeline_rows(queries.pipelines_with_groups())
+    return render_to_string("dashboard/partials/pipeline_table.html", {"rows": rows})
+
+
+def render_download_table() -> str:
+    """``<div id="downloads-table">``: every download as ``render_download`` renders it, or why there is
+    none yet (one query)."""
+    return render_to_string("dashboard/partials/download_table.html", {"downloads": queries.downloads_with_names()})
+
+
+def render_model_table() -> str:
+    """``<div id="models-table">``: the catalog (source, engine, memory per replica, default engine args,
+    pipelines using each model), or how to add the first model (one query). Each model's row has the id
+    ``model-<pk>`` but is not pushed alone: models are few and change seldom."""
+    return render_to_string("dashboard/partials/model_table.html", {"models": queries.models_with_pipeline_counts()})
 
 
 def render_pipeline_row(pipeline_id: int) -> str:

@@ -8,8 +8,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Count, Prefetch, QuerySet
 
+from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.models import Pipeline
 from controlplane.fleet.models import Download, Gpu, Instance, InstanceState, Node
 
@@ -77,3 +78,8 @@ def pipeline_instances(pipeline: Pipeline) -> list[Instance]:
 def downloads_with_names() -> QuerySet[Download]:
     """Downloads with their model and node, by model then node."""
     return Download.objects.select_related("node", "model").order_by("model__name", "node__name")
+
+
+def models_with_pipeline_counts() -> QuerySet[LanguageModel]:
+    """The catalog by name, each model with ``pipeline_count``, the pipelines deployed from it (one query)."""
+    return LanguageModel.objects.annotate(pipeline_count=Count("pipelines")).order_by("name")

@@ -10,7 +10,6 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
@@ -79,7 +78,7 @@ def models_page(request: HttpRequest) -> HttpResponseBase:
             messages.success(request, f"Model {model.name} added.")
             return redirect("dashboard:models")
         status = 400
-    models = LanguageModel.objects.annotate(pipeline_count=Count("pipelines")).order_by("name")
+    models = queries.models_with_pipeline_counts()
     context = {"models": models, "downloads": queries.downloads_with_names(), "form": form}
     return render_page(request, "dashboard/models.html", context, status=status)
 

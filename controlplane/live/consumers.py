@@ -23,9 +23,11 @@ from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from controlplane.accounts.models import User
+from controlplane.dashboard.access import AUDIT_ROLE
 from controlplane.deployments.models import Pipeline
 from controlplane.live.debounce import PendingRenders
-from controlplane.live.groups import FLEET_TOPICS, Changed, Html, Kind, fleet_group, pipeline_group
+from controlplane.live.groups import AUDIT_TOPIC, FLEET_TOPICS, Changed, Html, Kind, fleet_group, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from controlplane.live.rendering import SharedRenders
 
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 BAD_REQUEST = 4400
 NOT_LOGGED_IN = 4401
+FORBIDDEN = 4403
 NOT_FOUND = 4404
 SERVER_ERROR = 1011
 #: Changes of one element within this many seconds of its last render are rendered together.
@@ -161,7 +164,19 @@ class FleetConsumer(LiveConsumer):
             reason = f"topics: {', '.join(unknown)} unknown; choose from {', '.join(FLEET_TOPICS)}"
             await self.close(code=BAD_REQUEST, reason=reason)
             return None
-        return [fleet_group(topic) for topic in FLEET_TOPICS if not wanted or topic in wanted]
+        topics = [topic for topic in FLEET_TOPICS if not wanted or topic in wanted]
+        if AUDIT_TOPIC in topics and not self._may_read_audit():
+            if AUDIT_TOPIC in wanted:
+                await self.accept()
+                reason = f"topics: audit needs the {AUDIT_ROLE.label} role, as the audit log does"
+                await self.close(code=FORBIDDEN, reason=reason)
+                return None
+            topics.remove(AUDIT_TOPIC)  # all topics by default: all that this person may read
+        return [fleet_group(topic) for topic in topics]
+
+    def _may_read_audit(self) -> bool:
+        user = self.scope.get("user")
+        return isinstance(user, User) and user.has_role(AUDIT_ROLE)
 
 
 class PipelineConsumer(LiveConsumer):

@@ -5,15 +5,20 @@ Three sources together cover every change a page shows:
 * audit entries (``entry_committed``, sent once an action's transaction commits): every audited change,
   the conditional ``.update()`` calls of the actions and the reconciler included (instance transitions,
   placements, dispatches, a node gone offline, a pipeline scaled);
-* ``post_save``/``post_delete`` of nodes, GPUs, pipelines, worker groups, instances and downloads, sent on
-  commit: the saves that write no audit entry, chiefly a heartbeat that moves only usage figures
-  (``Node.save``) and a download's progress (``Download.save``);
+* ``post_save``/``post_delete`` of models, nodes, GPUs, pipelines, worker groups, instances and
+  downloads, sent on commit: the saves that write no audit entry, chiefly a heartbeat that moves only
+  usage figures (``Node.save``) and a download's progress (``Download.save``);
 * ``row_changed(row)``, called by the one unaudited ``.update()`` a page shows: an agent's report that
   changes an instance's details (download progress, pid) but not its state.
 
 A change reaches several groups when several pages show it: an instance is on its pipeline's page, and
-its state moves the pipeline's ready count on the fleet pages. Notices of one row within one burst
-become one (controlplane/live/publisher.py); a rolled-back transaction sends none.
+its state moves the pipeline's ready count on the fleet pages. A row that is created or deleted changes
+its list: the list is pushed instead of the row (a new row has no element to swap, a deleted one would
+stay), while a changed row is pushed alone. Models are the exception: the catalog is pushed whole on any
+change of a model, since its rows are table rows (controlplane/dashboard/partials.py).
+
+Notices of one row within one burst become one (controlplane/live/publisher.py); a rolled-back
+transaction sends none.
 """
 
 import logging
@@ -26,22 +31,23 @@ from django.db.models.signals import post_delete, post_save
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import entry_committed
+from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.models import Pipeline, WorkerGroup
 from controlplane.fleet.models import Download, Gpu, Instance, InstanceState, Node
-from controlplane.live.groups import AUDIT, DOWNLOADS, NODES, PIPELINES, Kind, pipeline_group
+from controlplane.live.groups import AUDIT, DOWNLOADS, FLEET_LIST, MODELS, NODES, PIPELINES, Kind, pipeline_group
 from controlplane.live.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
 Notice = tuple[Kind, int, frozenset[str]]
-_WATCHED: tuple[type[models.Model], ...] = (Node, Gpu, Pipeline, WorkerGroup, Instance, Download)
+_WATCHED: tuple[type[models.Model], ...] = (LanguageModel, Node, Gpu, Pipeline, WorkerGroup, Instance, Download)
 
 
 def connect(publisher: Publisher) -> None:
     """Send ``publisher`` a notice for each committed change from now on (idempotent)."""
 
     def row_saved_or_deleted(sender: type[models.Model], instance: models.Model, **kwargs: Any) -> None:
-        # post_delete sends no "created"; a deleted row leaves its list as a new one joins it.
+        # post_delete sends no "created": a deleted row leaves its list as a new one joins it.
         joined_or_left = kwargs.get("created", True)
         notices = list(notices_of_row(instance, joined_or_left=joined_or_left))
         # robust: the change is committed; nothing of ours may turn the request into an error now.
@@ -62,8 +68,8 @@ def connect(publisher: Publisher) -> None:
 
 
 def row_changed(row: models.Model) -> None:
-    """Tell the pages that show ``row`` (a node, GPU, pipeline, worker group, instance or download) once the
-    current transaction commits.
+    """Tell the pages that show ``row`` (a model, node, GPU, pipeline, worker group, instance or download)
+    once the current transaction commits.
 
     For changes written with ``.update()`` and no audit entry, which send no signal; a no-op when the live
     app is not installed.
@@ -78,19 +84,21 @@ def row_changed(row: models.Model) -> None:
 
 def notices_of_row(row: models.Model, *, joined_or_left: bool = False) -> Iterator[Notice]:
     """The notices a saved or deleted row of a watched model calls for (``joined_or_left``: it was
-    created or deleted, which changes a pipeline's list of instances)."""
-    if isinstance(row, Node):
-        yield "node", row.pk, frozenset({NODES})
+    created or deleted, which changes the list it is in)."""
+    if isinstance(row, LanguageModel):
+        yield from _models()
+    elif isinstance(row, Node):
+        yield from _node(row.pk, joined_or_left=joined_or_left)
     elif isinstance(row, Gpu):
-        yield "node", row.node_id, frozenset({NODES})
+        yield from _node(row.node_id)
     elif isinstance(row, Pipeline):
-        yield from _pipeline(row.pk)
+        yield from _pipeline(row.pk, joined_or_left=joined_or_left)
     elif isinstance(row, WorkerGroup):
         yield from _pipeline(row.pipeline_id)
     elif isinstance(row, Instance):
         yield from _instance(row.pk, row.pipeline_id, listed_or_unlisted=joined_or_left)
     elif isinstance(row, Download):
-        yield "download", row.pk, frozenset({DOWNLOADS})
+        yield from _download(row.pk, joined_or_left=joined_or_left)
 
 
 def notices_of_entry(entry: AuditEntry) -> Iterator[Notice]:
@@ -101,12 +109,15 @@ def notices_of_entry(entry: AuditEntry) -> Iterator[Notice]:
     except ValueError:
         return
     kind = entry.target_type
-    if kind == "node":
-        yield "node", target, frozenset({NODES})
+    created_or_deleted = entry.before is None or entry.after is None
+    if kind == "languagemodel":
+        yield from _models()
+    elif kind == "node":
+        yield from _node(target, joined_or_left=created_or_deleted)
     elif kind == "pipeline":
-        yield from _pipeline(target)
+        yield from _pipeline(target, joined_or_left=created_or_deleted)
     elif kind == "download":
-        yield "download", target, frozenset({DOWNLOADS})
+        yield from _download(target, joined_or_left=created_or_deleted)
     elif kind == "instance":
         pipeline = _snapshot_field(entry, "pipeline")
         if pipeline is not None:
@@ -119,8 +130,33 @@ def notices_of_entry(entry: AuditEntry) -> Iterator[Notice]:
             yield from _pipeline(pipeline)
 
 
-def _pipeline(pipeline_id: int) -> Iterator[Notice]:
-    yield "pipeline", pipeline_id, frozenset({PIPELINES, pipeline_group(pipeline_id)})
+def _models() -> Iterator[Notice]:
+    yield "models", FLEET_LIST, frozenset({MODELS})
+
+
+def _node(node_id: int, *, joined_or_left: bool = False) -> Iterator[Notice]:
+    if joined_or_left:
+        yield "nodes", FLEET_LIST, frozenset({NODES})
+    else:
+        yield "node", node_id, frozenset({NODES})
+
+
+def _download(download_id: int, *, joined_or_left: bool = False) -> Iterator[Notice]:
+    if joined_or_left:
+        yield "downloads", FLEET_LIST, frozenset({DOWNLOADS})
+    else:
+        yield "download", download_id, frozenset({DOWNLOADS})
+
+
+def _pipeline(pipeline_id: int, *, joined_or_left: bool = False) -> Iterator[Notice]:
+    if joined_or_left:
+        # The fleet's list, and the catalog's count of pipelines per model; the pipeline's own page
+        # (a deleted pipeline's, still open) shows its row.
+        yield "pipelines", FLEET_LIST, frozenset({PIPELINES})
+        yield "models", FLEET_LIST, frozenset({MODELS})
+        yield "pipeline", pipeline_id, frozenset({pipeline_group(pipeline_id)})
+    else:
+        yield "pipeline", pipeline_id, frozenset({PIPELINES, pipeline_group(pipeline_id)})
 
 
 def _instance(instance_id: int, pipeline_id: int, *, listed_or_unlisted: bool = False) -> Iterator[Notice]:

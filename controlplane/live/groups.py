@@ -1,9 +1,9 @@
 """Who hears what: the channel-layer groups of the dashboard's sockets, and the messages sent to them.
 
 * ``fleet.<topic>``: the fleet pages (overview, nodes, models, pipelines), one group per topic:
-  ``nodes`` (nodes and their GPUs), ``pipelines`` (pipelines' rows), ``downloads`` and ``audit``
-  (audit entries). A page joins the topics it shows (all, unless it names some), so that a page
-  without nodes renders no node.
+  ``nodes`` (nodes and their GPUs), ``pipelines`` (pipelines' rows), ``downloads``, ``models`` (the
+  catalog) and ``audit`` (audit entries). A page joins the topics it shows (all, unless it names some;
+  each page names them), so that a page without nodes renders no node.
 * ``pipeline.<pk>``: the detail page of one pipeline; it hears about that pipeline's row, its list of
   instances and each instance, and the bridge's load figures of its instances.
 
@@ -15,8 +15,9 @@ rendered once by its sender (the bridge's load figures), which each socket forwa
 from typing import Literal, NotRequired, TypedDict
 
 #: The fleet's topics and their groups.
-FLEET_TOPICS = ("nodes", "pipelines", "downloads", "audit")
-NODES, PIPELINES, DOWNLOADS, AUDIT = (f"fleet.{topic}" for topic in FLEET_TOPICS)
+AUDIT_TOPIC = "audit"  # audit entries: only for people who may read the audit log
+FLEET_TOPICS = ("nodes", "pipelines", "downloads", "models", AUDIT_TOPIC)
+NODES, PIPELINES, DOWNLOADS, MODELS, AUDIT = (f"fleet.{topic}" for topic in FLEET_TOPICS)
 
 
 def fleet_group(topic: str) -> str:
@@ -24,9 +25,15 @@ def fleet_group(topic: str) -> str:
     return f"fleet.{topic}"
 
 
-#: What sockets hear of changing; each has a partial in controlplane/dashboard/partials.py. "instances" is
-#: a pipeline's list of instances (id: the pipeline's), pushed when an instance joins or leaves it.
-Kind = Literal["node", "pipeline", "instances", "instance", "download", "audit"]
+#: What sockets hear of changing; each has a partial in controlplane/dashboard/partials.py. A plural is a
+#: whole list, pushed when a row joins or leaves it (a changed row is pushed alone): "instances" is a
+#: pipeline's list of instances (id: the pipeline's); "nodes", "pipelines", "downloads" and "models" are
+#: the fleet's lists (id: ``FLEET_LIST``).
+Kind = Literal[
+    "node", "nodes", "pipeline", "pipelines", "instances", "instance", "download", "downloads", "models", "audit"
+]
+#: The id of a notice about one of the fleet's lists, of which there is one each.
+FLEET_LIST = 0
 
 
 def pipeline_group(pipeline_id: int) -> str:

@@ -1,4 +1,5 @@
-"""A change notice, rendered: the partial of the row that changed, or, for a deleted row, its removal.
+"""A change notice, rendered: the partial of the row (or list) that changed, or, for a deleted row, its
+removal.
 
 Renderers come from controlplane/dashboard/partials.py, the same partials the pages include. They run
 Django's ORM and templates: ``render_each`` belongs in a thread; ``SharedRenders`` puts it there.
@@ -18,16 +19,21 @@ from controlplane.live.groups import Kind
 
 log = logging.getLogger(__name__)
 
-_RENDERERS: dict[str, Callable[[int], str]] = {
+_RENDERERS: dict[Kind, Callable[[int], str]] = {
     "node": partials.render_node,
+    "nodes": lambda _: partials.render_node_table(),
     "pipeline": partials.render_pipeline_row,
+    "pipelines": lambda _: partials.render_pipeline_table(),
     "instances": partials.render_pipeline_instances,
     "instance": partials.render_instance,
     "download": partials.render_download,
+    "downloads": lambda _: partials.render_download_table(),
+    "models": lambda _: partials.render_model_table(),
     "audit": partials.render_audit_entry,
 }
-# The id of the element each kind's partial renders (controlplane/dashboard/partials.py).
-_ELEMENT_PREFIX = {
+# The id of the element each kind's partial renders (controlplane/dashboard/partials.py): a prefix and
+# the row's id, or the one id of a fleet list.
+_ELEMENT_PREFIX: dict[Kind, str] = {
     "node": "node",
     "pipeline": "pipeline",
     "instances": "instances",
@@ -35,10 +41,18 @@ _ELEMENT_PREFIX = {
     "download": "download",
     "audit": "audit",
 }
+_LIST_ELEMENT: dict[Kind, str] = {
+    "nodes": partials.NODE_TABLE_ID,
+    "pipelines": partials.PIPELINE_TABLE_ID,
+    "downloads": partials.DOWNLOAD_TABLE_ID,
+    "models": partials.MODEL_TABLE_ID,
+}
 
 
 def element_id(kind: Kind, row_id: int) -> str:
-    """The id of the page element that shows row ``row_id`` of ``kind``."""
+    """The id of the page element that shows row ``row_id`` of ``kind`` (a fleet list's one element)."""
+    if kind in _LIST_ELEMENT:
+        return _LIST_ELEMENT[kind]
     return f"{_ELEMENT_PREFIX[kind]}-{row_id}"
 
 

@@ -116,11 +116,16 @@ def test_the_overview_shows_nodes_gpus_pipelines_ready_over_desired_and_why_the_
     assert '<ul id="audit-feed" class="feed">' in page
 
 
-def test_pages_that_show_live_data_connect_to_their_websocket() -> None:
+def test_pages_that_show_live_data_connect_to_their_websocket_naming_only_what_they_show() -> None:
     fleet = a_small_fleet()
     browser = logged_in(Role.READ_ONLY)
-    for page in ("/", "/models/", "/nodes/", "/pipelines/"):
-        assert 'hx-ext="ws" ws-connect="/ws/fleet/"' in browser.get(page).content.decode()
+    topics = {"/nodes/": "nodes", "/pipelines/": "pipelines", "/models/": "models,downloads"}
+    for page, shown in topics.items():
+        assert f'hx-ext="ws" ws-connect="/ws/fleet/?topics={shown}"' in browser.get(page).content.decode()
+    # The overview's recent events are for those who may read the audit log.
+    assert 'ws-connect="/ws/fleet/?topics=nodes,pipelines"' in browser.get("/").content.decode()
+    operator = logged_in(Role.OPERATOR).get("/").content.decode()
+    assert 'ws-connect="/ws/fleet/?topics=nodes,pipelines,audit"' in operator
     detail = browser.get(f"/pipelines/{fleet['pipeline']}/").content.decode()
     assert f'hx-ext="ws" ws-connect="/ws/pipelines/{fleet["pipeline"]}/"' in detail
 

@@ -1,5 +1,5 @@
-"""controlplane.dashboard.partials: each renders one element with its record's id, and a deleted record
-raises that model's DoesNotExist (the contract with the live updates)."""
+"""controlplane.dashboard.partials: each renders one element with its record's id (a list, its list's id),
+and a deleted record raises that model's DoesNotExist (the contract with the live updates)."""
 
 import re
 from collections.abc import Callable
@@ -17,7 +17,7 @@ from controlplane.deployments.models import Pipeline
 from controlplane.fleet.actions import drain_node, report_download
 from controlplane.fleet.models import Download, Instance, Node
 from controlplane.fleet.reports import DownloadReport
-from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, run_instance
+from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, run_instance
 
 pytestmark = pytest.mark.django_db
 
@@ -142,6 +142,66 @@ def test_the_instances_of_a_pipeline_come_with_a_chart_panel_each() -> None:
     assert html.count(f'data-instance="{instance.pk}" data-chart=') == 3
 
 
+def test_the_node_table_holds_each_nodes_row_as_pushed_alone() -> None:
+    a, b = make_node("gpu-a", gpus_gib=(24,)), make_node("gpu-b", gpus_gib=())
+    html = partials.render_node_table()
+    assert top_level_tag(html) == '<div id="nodes-table">'
+    assert partials.render_node(a.pk) in html and partials.render_node(b.pk) in html
+    assert html.index("gpu-a") < html.index("gpu-b")
+
+
+def test_the_pipeline_table_holds_each_pipelines_row_as_pushed_alone() -> None:
+    instance = ready_instance()
+    other = deploy("another")
+    html = partials.render_pipeline_table()
+    assert top_level_tag(html) == '<div id="pipelines-table">'
+    for pipeline_id in (instance.pipeline_id, other.pk):
+        assert partials.render_pipeline_row(pipeline_id) in html
+
+
+def test_the_download_table_holds_each_downloads_row_as_pushed_alone() -> None:
+    make_node("gpu-a")
+    make_node("gpu-b")
+    model = make_model("smol")
+    for node in ("gpu-a", "gpu-b"):
+        report_download(Actor.agent(node), node, model.pk, DownloadReport(state="downloading", bytes_done=1))
+    html = partials.render_download_table()
+    assert top_level_tag(html) == '<div id="downloads-table">'
+    for download in Download.objects.all():
+        assert partials.render_download(download.pk) in html
+
+
+def test_the_model_table_lists_the_catalog_with_each_models_pipeline_count() -> None:
+    used, unused = make_model("used"), make_model("unused")
+    deploy("chat", used)
+    html = partials.render_model_table()
+    assert top_level_tag(html) == '<div id="models-table">'
+    for model, count in ((used, 1), (unused, 0)):
+        row = re.search(rf'<tr id="model-{model.pk}">(.*?)</tr>', html, re.DOTALL)
+        assert row and re.findall(r"<td>([^<]*)</td>", row.group(1))[-1] == str(count)
+
+
+@pytest.mark.parametrize(
+    ("render", "empty"),
+    [
+        (partials.render_node_table, "No nodes yet: start an agent with"),
+        (partials.render_pipeline_table, "No pipelines yet: deploy a model with the form on the"),
+        (partials.render_download_table, "No downloads yet"),
+        (partials.render_model_table, "No models yet."),  # the hint about the form is for pages that have it
+    ],
+)
+def test_an_empty_list_renders_its_element_with_what_to_do(render: Callable[[], str], empty: str) -> None:
+    html = render()
+    assert top_level_tag(html).startswith('<div id="') and empty in html
+
+
+def test_no_list_id_starts_like_a_rows_so_that_a_selector_of_rows_finds_rows_only() -> None:
+    lists = (partials.NODE_TABLE_ID, partials.PIPELINE_TABLE_ID, partials.DOWNLOAD_TABLE_ID, partials.MODEL_TABLE_ID)
+    for list_id in lists:
+        for row_prefix in ("node-", "pipeline-", "download-", "model-", "instance-", "instances-"):
+            assert not list_id.startswith(row_prefix)
+
+
 DELETIONS: list[tuple[str, Callable[[int], str]]] = [
     ("node", partials.render_node),
     ("pipeline", partials.render_pipeline_row),
@@ -202,6 +262,9 @@ def test_no_partial_has_table_markup_so_that_any_of_them_can_share_a_websocket_m
     report_download(Actor.agent("gpu-a"), "gpu-a", instance.pipeline.model_id, DownloadReport(state="done"))
     html = "".join(
         [
+            partials.render_node_table(),
+            partials.render_pipeline_table(),
+            partials.render_download_table(),
             partials.render_node(instance.node_id),
             partials.render_pipeline_row(instance.pipeline_id),
             partials.render_pipeline_instances(instance.pipeline_id),
@@ -212,3 +275,36 @@ def test_no_partial_has_table_markup_so_that_any_of_them_can_share_a_websocket_m
         ]
     )
     assert not re.search(r"<(table|thead|tbody|tr|td|th)\b", html)
+
+
+@pytest.mark.parametrize(
+    ("render", "most", "row_id", "rows"),
+    [
+        (partials.render_node_table, 2, 'id="node-', 2),
+        (partials.render_pipeline_table, 3, 'id="pipeline-', 2),
+        (partials.render_download_table, 1, 'id="download-', 4),
+        (partials.render_model_table, 1, 'id="model-', 2),
+    ],
+)
+def test_each_list_reads_in_a_fixed_handful_of_queries_however_long(
+    render: Callable[[], str], most: int, row_id: str, rows: int
+) -> None:
+    for name in ("gpu-a", "gpu-b"):
+        make_node(name, gpus_gib=(24, 24))
+    for name in ("alpha", "beta"):
+        pipeline = deploy(name, replicas=2)
+        for node in ("gpu-a", "gpu-b"):
+            report_download(Actor.agent(node), node, pipeline.model_id, DownloadReport(state="done"))
+    place_pending_instances(TEST_ACTOR)
+    with CaptureQueriesContext(connection) as queries:
+        html = render()
+    assert len(queries) <= most, [query["sql"] for query in queries]
+    assert html.count(row_id) == rows
+
+
+def test_the_model_table_is_a_whole_table_inside_its_element() -> None:
+    # Its rows are <tr>s and never pushed alone: whole, the table parses the same anywhere in a message.
+    make_model("smol")
+    html = partials.render_model_table()
+    inside = re.fullmatch(r'\s*<div id="models-table">\s*<table>(.*)</table>\s*</div>\s*', html, re.DOTALL)
+    assert inside and "<table" not in inside.group(1) and "</div>" not in inside.group(1)

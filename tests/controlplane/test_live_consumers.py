@@ -12,7 +12,7 @@ from controlplane.audit.records import Actor
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import InstanceState, Node
 from controlplane.fleet.reports import InstanceReport
-from controlplane.live.consumers import BAD_REQUEST, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
+from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import deploy, make_node, node_report
 from tests.controlplane.live_fixtures import communicator, element, live_layer, session_cookie, two_placed_pipelines
@@ -178,3 +178,34 @@ async def test_an_unknown_fleet_topic_is_refused_naming_it() -> None:
     closing = await socket.receive_output(timeout=RECEIVE_S)
     assert closing["code"] == BAD_REQUEST
     assert closing["reason"].startswith("topics: gpus unknown")
+
+
+async def test_a_read_only_person_hears_no_audit_entries_as_the_audit_log_refuses_them() -> None:
+    reader = await connected("/ws/fleet/", Role.READ_ONLY, "reader")  # every topic it may read
+    operator = await connected("/ws/fleet/", Role.OPERATOR, "olive")
+    pipeline = await database_sync_to_async(deploy)("alpha")  # a pipeline row and audit entries
+    heard_by_operator = await _until_quiet(operator)
+    heard_by_reader = await _until_quiet(reader)
+    assert f'id="pipeline-{pipeline.pk}"' in heard_by_operator and f'id="pipeline-{pipeline.pk}"' in heard_by_reader
+    assert 'id="audit-' in heard_by_operator
+    assert 'id="audit-' not in heard_by_reader
+    await reader.disconnect()
+    await operator.disconnect()
+
+
+async def test_a_read_only_person_asking_for_the_audit_topic_is_refused_with_4403() -> None:
+    cookie = await database_sync_to_async(session_cookie)("reader", Role.READ_ONLY)
+    socket = communicator("/ws/fleet/?topics=nodes,audit", cookie)
+    accepted, _ = await socket.connect(timeout=RECEIVE_S)
+    assert accepted
+    closing = await socket.receive_output(timeout=RECEIVE_S)
+    assert closing["code"] == FORBIDDEN
+    assert "audit needs the operator role" in closing["reason"]
+
+
+async def _until_quiet(socket: WebsocketCommunicator) -> str:
+    """Every message of the burst the socket is receiving, joined: the first, then all until 1 s of quiet."""
+    texts = [await socket.receive_from(timeout=RECEIVE_S)]
+    while not await socket.receive_nothing(timeout=1.0):
+        texts.append(await socket.receive_from(timeout=RECEIVE_S))
+    return "".join(texts)
