@@ -13,7 +13,7 @@ LLAMA_WHEEL := .wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 PORT ?= 8080
 
-.PHONY: install system-deps services run test lint typecheck verify-units bench clean dynamo
+.PHONY: install system-deps services run test lint typecheck verify-units bench clean dynamo screenshots
 
 install: $(VENV)/.installed
 
@@ -83,6 +83,10 @@ test: install system-deps lint typecheck verify-units
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 	$(BIN)/pytest -q
+
+# The README's dashboard screenshots, taken by the browser tests (headless Chromium against a live fleet).
+screenshots: install system-deps
+	FLOTILLA_SCREENSHOTS=docs/screenshots $(BIN)/pytest -q tests/browser
 
 # `systemd-analyze verify` on every unit of deploy/systemd/ (copies pointed at .venv: see the script).
 verify-units: install system-deps

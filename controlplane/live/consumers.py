@@ -27,7 +27,16 @@ from controlplane.accounts.models import User
 from controlplane.dashboard.access import AUDIT_ROLE
 from controlplane.deployments.models import Pipeline
 from controlplane.live.debounce import PendingRenders
-from controlplane.live.groups import AUDIT_TOPIC, FLEET_TOPICS, Changed, Html, Kind, fleet_group, pipeline_group
+from controlplane.live.groups import (
+    AUDIT_TOPIC,
+    FLEET_LIST,
+    FLEET_TOPICS,
+    Changed,
+    Html,
+    Kind,
+    fleet_group,
+    pipeline_group,
+)
 from controlplane.live.publisher import describe, layer_address
 from controlplane.live.rendering import SharedRenders
 
@@ -61,6 +70,11 @@ class LiveConsumer(AsyncWebsocketConsumer):
         """The groups this socket joins; None when it was closed instead (with its code)."""
         raise NotImplementedError
 
+    def catch_up(self) -> list[tuple[Kind, int]]:
+        """What the socket renders once joined: the page's live sections as they are now, so that a change
+        made between the page's render and the join, or while the socket was away, is not missed."""
+        raise NotImplementedError
+
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
@@ -85,6 +99,10 @@ class LiveConsumer(AsyncWebsocketConsumer):
             return
         self.groups = groups  # left again on disconnect
         await self.accept()
+        now = asyncio.get_running_loop().time()
+        for key in self.catch_up():
+            self.pending.add(key, now)
+        self._changed.set()
         self._tasks = [asyncio.create_task(self._render_forever()), asyncio.create_task(self._rejoin_forever())]
 
     async def disconnect(self, code: int) -> None:
@@ -172,7 +190,18 @@ class FleetConsumer(LiveConsumer):
                 await self.close(code=FORBIDDEN, reason=reason)
                 return None
             topics.remove(AUDIT_TOPIC)  # all topics by default: all that this person may read
+        self.topics = topics
         return [fleet_group(topic) for topic in topics]
+
+    def catch_up(self) -> list[tuple[Kind, int]]:
+        # The lists of the topics joined; audit entries are news, not state (the page shows the latest).
+        lists: dict[str, Kind] = {
+            "nodes": "nodes",
+            "pipelines": "pipelines",
+            "downloads": "downloads",
+            "models": "models",
+        }
+        return [(lists[topic], FLEET_LIST) for topic in self.topics if topic in lists]
 
     def _may_read_audit(self) -> bool:
         user = self.scope.get("user")
@@ -188,4 +217,8 @@ class PipelineConsumer(LiveConsumer):
             await self.accept()
             await self.close(code=NOT_FOUND, reason=f"there is no pipeline {pipeline_id}")
             return None
+        self.pipeline_id = pipeline_id
         return [pipeline_group(pipeline_id)]
+
+    def catch_up(self) -> list[tuple[Kind, int]]:
+        return [("pipeline", self.pipeline_id), ("instances", self.pipeline_id)]

@@ -98,3 +98,12 @@ class _ElementFinder(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self.depth > 0:
             self.parts.append(data)
+
+
+CATCH_UP_S = 10.0  # generous on a busy machine; the wait ends as soon as the message arrives
+
+
+async def caught_up(socket: WebsocketCommunicator) -> str:
+    """The socket's first message: what its page shows, as it is when the socket joined its groups
+    (``LiveConsumer.catch_up``). Tests read it first so that the messages after it are the changes."""
+    return await socket.receive_from(timeout=CATCH_UP_S)

@@ -15,7 +15,14 @@ from controlplane.fleet.reports import InstanceReport
 from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import deploy, make_node, node_report
-from tests.controlplane.live_fixtures import communicator, element, live_layer, session_cookie, two_placed_pipelines
+from tests.controlplane.live_fixtures import (
+    caught_up,
+    communicator,
+    element,
+    live_layer,
+    session_cookie,
+    two_placed_pipelines,
+)
 
 __all__ = ["live_layer"]  # a fixture
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live_layer")]
@@ -27,6 +34,7 @@ async def connected(path: str, role: Role = Role.OPERATOR, username: str = "alic
     socket = communicator(path, cookie)
     accepted, _ = await socket.connect(timeout=RECEIVE_S)
     assert accepted
+    await caught_up(socket)
     return socket
 
 
@@ -209,3 +217,25 @@ async def _until_quiet(socket: WebsocketCommunicator) -> str:
     while not await socket.receive_nothing(timeout=1.0):
         texts.append(await socket.receive_from(timeout=RECEIVE_S))
     return "".join(texts)
+
+
+async def test_a_socket_first_sends_what_its_page_shows_so_a_change_before_it_joined_is_not_missed() -> None:
+    # The page was rendered, then a node registered before its socket joined the group.
+    node = await database_sync_to_async(make_node)("gpu-late")
+    cookie = await database_sync_to_async(session_cookie)("alice", Role.OPERATOR)
+    socket = communicator("/ws/fleet/?topics=nodes", cookie)
+    assert (await socket.connect(timeout=RECEIVE_S))[0]
+    first = await socket.receive_from(timeout=RECEIVE_S)
+    assert 'id="nodes-table"' in first and f'id="node-{node.pk}"' in first
+    await socket.disconnect()
+
+
+async def test_a_pipeline_socket_first_sends_the_pipeline_and_its_instances() -> None:
+    rows = await database_sync_to_async(two_placed_pipelines)()
+    cookie = await database_sync_to_async(session_cookie)("alice", Role.OPERATOR)
+    socket = communicator(f"/ws/pipelines/{rows.a.pk}/", cookie)
+    assert (await socket.connect(timeout=RECEIVE_S))[0]
+    first = await socket.receive_from(timeout=RECEIVE_S)
+    assert f'id="pipeline-{rows.a.pk}"' in first and f'id="instance-{rows.a_instance.pk}"' in first
+    assert f'id="instance-{rows.b_instance.pk}"' not in first
+    await socket.disconnect()

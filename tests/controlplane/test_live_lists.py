@@ -19,7 +19,7 @@ from controlplane.fleet.models import Download
 from controlplane.fleet.reports import DownloadReport
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, make_user, node_report
-from tests.controlplane.live_fixtures import communicator, element, live_layer, session_cookie
+from tests.controlplane.live_fixtures import caught_up, communicator, element, live_layer, session_cookie
 
 __all__ = ["live_layer"]  # a fixture
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live_layer")]
@@ -31,6 +31,7 @@ async def connected(path: str, username: str = "alice") -> WebsocketCommunicator
     socket = communicator(path, cookie)
     accepted, _ = await socket.connect(timeout=RECEIVE_S)
     assert accepted
+    await caught_up(socket)
     return socket
 
 
@@ -141,6 +142,7 @@ async def test_each_fleet_pages_socket_hears_the_lists_it_shows_and_not_the_othe
     sockets = {page: communicator(path, cookie) for page, path in paths.items()}
     for socket in sockets.values():
         assert (await socket.connect(timeout=RECEIVE_S))[0]
+        await caught_up(socket)
 
     await database_sync_to_async(deploy)("alpha")  # a pipeline, its model and audit entries; no node
     for page in ("/", "/pipelines/"):

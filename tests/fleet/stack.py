@@ -84,13 +84,15 @@ class FleetStack:
     # --- processes ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Control plane, reconciler, both agents (registered) and the gateway."""
+        """The gateway, control plane, reconciler and both agents (registered)."""
+        # The gateway first (it needs only etcd and NATS), so that the dashboard's overview knows where it is.
+        self.gateway = start_server(["out=dyn"], self.directory / "gateway.log", env=self.serving_env())
+        self.control_plane.env["FLOTILLA_GATEWAY_URL"] = self.gateway.base_url
         self.start_control_plane()
         for node in NODES:
             self.start_agent(node)
         for node in NODES:
             wait_for(f"{node} to register", lambda node=node: self.node(node), explain=self.logs)  # type: ignore[misc]
-        self.gateway = start_server(["out=dyn"], self.directory / "gateway.log", env=self.serving_env())
 
     def start_control_plane(self) -> None:
         """uvicorn and the Celery worker with beat (one process: the reconciler's pass and its schedule)."""

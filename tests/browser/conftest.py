@@ -1,0 +1,103 @@
+"""One fleet with its live bridge and one Chromium per test module, and an operator logged in through the
+login form.
+
+The fleet is tests/fleet/stack.py's (Redis, etcd, NATS, the control plane under uvicorn with its
+reconciler, two agents with simulated GPUs, the gateway), plus ``manage.py live_bridge``.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
+
+from tests.browser.chromium import TIMEOUT_MS, VIEWPORT, create_person, launch, log_in
+from tests.browser.live_bridge import LiveBridge
+from tests.fleet.stack import FleetStack
+from tests.infra import EtcdServer, NatsServer, RedisServer
+
+OPERATOR, READER = "olive-operator", "rita-reader"
+PASSWORD = "browser-tests-password-not-secret"
+
+
+@dataclass
+class LiveFleet:
+    """The fleet, its bridge and the dashboard's address."""
+
+    stack: FleetStack
+    bridge: LiveBridge
+
+    @property
+    def url(self) -> str:
+        return self.stack.control_plane.url
+
+    def logs(self) -> str:
+        return f"{self.stack.logs()}\n--- live bridge ---\n{self.bridge.log()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def live_fleet(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Iterator[LiveFleet]:
+    directory = tmp_path_factory.mktemp("browser-fleet")
+    servers = (RedisServer(directory / "redis"), EtcdServer(directory / "etcd"), NatsServer(directory / "nats"))
+    for server in servers:
+        server.start()
+    stack = FleetStack(directory, *servers, smollm2)
+    bridge = LiveBridge(stack.control_plane, servers[2].url, directory / "live-bridge.log")
+    try:
+        stack.start()
+        bridge.start()
+        create_person(stack.control_plane, OPERATOR, "operator", PASSWORD)
+        create_person(stack.control_plane, READER, "read_only", PASSWORD)
+        yield LiveFleet(stack, bridge)
+    finally:
+        bridge.stop()
+        stack.stop()
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        chromium = launch(playwright)
+        yield chromium
+        chromium.close()
+
+
+def new_context(browser: Browser) -> BrowserContext:
+    """A fresh browser profile (no cookies) with a laptop's viewport and the tests' timeouts."""
+    context = browser.new_context(viewport=VIEWPORT)
+    context.set_default_timeout(TIMEOUT_MS)
+    return context
+
+
+@pytest.fixture
+def anonymous(browser: Browser) -> Iterator[BrowserContext]:
+    context = new_context(browser)
+    yield context
+    context.close()
+
+
+def logged_in_page(browser: Browser, live_fleet: LiveFleet, username: str) -> Iterator[Page]:
+    """A page of a fresh profile, logged in as ``username`` through the login form; the test fails if the
+    page raised an uncaught script error."""
+    context = new_context(browser)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("dialog", lambda dialog: dialog.accept())  # htmx's hx-confirm asks before a stop
+    log_in(page, live_fleet.url, username, PASSWORD)
+    yield page
+    context.close()
+    assert not errors, f"script errors in the page: {errors}"
+
+
+@pytest.fixture
+def operator_page(browser: Browser, live_fleet: LiveFleet) -> Iterator[Page]:
+    yield from logged_in_page(browser, live_fleet, OPERATOR)
+
+
+@pytest.fixture
+def reader_page(browser: Browser, live_fleet: LiveFleet) -> Iterator[Page]:
+    yield from logged_in_page(browser, live_fleet, READER)

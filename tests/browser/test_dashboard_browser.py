@@ -1,0 +1,210 @@
+"""The dashboard in headless Chromium against a live fleet (mocker workers on simulated GPUs): an operator
+adds a model, deploys it, watches it become ready, scales it, sends traffic and stops it, all in the
+browser, the pipeline's page updating over its websocket without a reload. The flow saves screenshots of
+the main pages (in docs/screenshots/ with `make screenshots`; the README shows them).
+
+The tests share one fleet (conftest.py) and run in order; each waits with Playwright's expectations.
+"""
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import BrowserContext, Locator, Page, expect
+
+from tests.agent.control_plane_server import wait_for
+from tests.browser.conftest import LiveFleet
+from tests.browser.traffic import Traffic
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+# Where the screenshots go: a temporary folder, or the README's docs/screenshots/ when
+# FLOTILLA_SCREENSHOTS says so (`make screenshots`), so that a test run leaves the tree as it was.
+SCREENSHOTS = Path(os.environ.get("FLOTILLA_SCREENSHOTS") or tempfile.mkdtemp(prefix="flotilla-screenshots-"))
+MODEL, SERVED = "smollm2-mocker", "smol-chat"
+# 10x real time rather than the fleet tests' 1000x: a request then lasts a good part of a second, long
+# enough for the workers' once-a-second load reports to catch its KV blocks in use. A small cache makes
+# a few requests show as a visible share of it.
+MOCKER_ARGS = '{"speedup_ratio": 10, "num_gpu_blocks": 256, "block_size": 16}'
+READY_TIMEOUT_MS = 60_000
+
+# Runs in every page before its own scripts. At DOMContentLoaded it keeps the instance states the server
+# rendered (the websocket opens after). Then it records, per instance, the KV usage each swapped-in load
+# element shows, whenever it differs from the one before.
+RECORDER = """
+window.__renderedStates = null;
+window.__kvUsage = {};
+window.__points = {};
+document.addEventListener("DOMContentLoaded", () => {
+  window.__renderedStates = [...document.querySelectorAll("[id^='instance-'] .state")].map((e) => e.textContent);
+});
+new MutationObserver((records) => {
+  for (const record of records) {
+    for (const node of record.addedNodes) {
+      if (node.nodeType !== 1) continue;
+      const loads = node.matches(".load[data-instance]") ? [node] : node.querySelectorAll(".load[data-instance]");
+      for (const load of loads) {
+        const { instance, at, kvUsage } = load.dataset;
+        if (at === undefined) continue;
+        (window.__points[instance] ||= new Set()).add(at);
+        if (kvUsage === undefined) continue;
+        const seen = (window.__kvUsage[instance] ||= []);
+        if (seen[seen.length - 1] !== kvUsage) seen.push(kvUsage);
+      }
+    }
+  }
+}).observe(document, { childList: true, subtree: true });
+"""
+KV_USAGE_MOVED = """
+() => Object.values(window.__kvUsage).some((values) => values.length >= 3 && values.some((v) => Number(v) > 0))
+"""
+# Every instance's charts have this many points (one a second), for a screenshot worth looking at.
+CHARTS_FILLED = "(count) => Object.values(window.__points).filter((points) => points.size >= count).length >= 3"
+
+
+def screenshot(page: Page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / f"{name}.png")
+
+
+def instance_states(page: Page, pipeline: int) -> Locator:
+    return page.locator(f"#instances-{pipeline} [id^='instance-'] .state")
+
+
+def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
+    live_fleet: LiveFleet, operator_page: Page
+) -> None:
+    page, base, stack = operator_page, live_fleet.url, live_fleet.stack
+    page.add_init_script(RECORDER)
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()  # logged in by the fixture
+
+    # Add the model: the SmolLM2 GGUF as a local file, served by the mocker.
+    page.get_by_role("navigation").get_by_role("link", name="Models").click()
+    page.locator("#id_name").fill(MODEL)
+    page.locator("#id_source_kind").select_option("gguf")
+    page.locator("#id_source").fill(str(stack.smollm2))
+    page.locator("#id_engine").select_option("mocker")
+    page.get_by_role("button", name="Add the model").click()
+    expect(page.locator("#flash")).to_contain_text(f"Model {MODEL} added.")
+    expect(page.locator("main").get_by_role("cell", name=MODEL, exact=True)).to_be_visible()
+    screenshot(page, "models")
+
+    # Deploy it with 2 replicas of 1 simulated GPU each; the page it lands on is the pipeline's.
+    page.get_by_role("navigation").get_by_role("link", name="Pipelines").click()
+    page.locator("#id_name").fill(SERVED)
+    page.locator("#id_model").select_option(MODEL)
+    page.locator("#id_replicas").fill("2")
+    page.locator("#id_gpus_per_replica").fill("1")
+    page.locator("#id_engine_args").fill(MOCKER_ARGS)
+    page.get_by_role("button", name="Deploy").click()
+    expect(page).to_have_url(re.compile(r"/pipelines/\d+/$"))
+    pipeline = int(page.url.rstrip("/").rsplit("/", 1)[1])
+    page.wait_for_load_state()
+    page.evaluate("window.__sameDocument = true")  # gone if the page were reloaded
+    expect(page.locator("#live")).to_have_text("live")
+
+    # Both instances become ready on the page, pushed over the websocket.
+    rendered = page.evaluate("window.__renderedStates")
+    assert len(rendered) == 2 and rendered != ["ready", "ready"], f"already ready when rendered: {rendered}"
+    expect(instance_states(page, pipeline)).to_have_text(["ready", "ready"], timeout=READY_TIMEOUT_MS)
+    row = page.locator(f"#pipeline-{pipeline}")
+    expect(row).to_contain_text("2 / 2")
+
+    # Scale to 3: the third instance joins the list and becomes ready.
+    row.get_by_label("replicas").fill("3")
+    row.get_by_role("button", name="Scale").click()
+    expect(page.locator("#flash")).to_contain_text(f"{SERVED} scaled to 3.")
+    expect(instance_states(page, pipeline)).to_have_text(["ready"] * 3, timeout=READY_TIMEOUT_MS)
+    expect(row).to_contain_text("3 / 3")
+
+    # Traffic through the gateway moves the instances' KV usage, in the numbers and the charts.
+    assert stack.gateway is not None
+    wait_for(f"the gateway to serve {SERVED}", lambda: SERVED in stack.served_models(), explain=live_fleet.logs)
+    with Traffic(stack.gateway.api_url, SERVED) as traffic:
+        # The overview, in a second tab (this one stays open, unreloaded): its first look at the gateway.
+        overview = page.context.new_page()
+        overview.goto(base + "/")
+        expect(overview.locator("#gateway table")).to_contain_text(SERVED)
+
+        page.wait_for_function(KV_USAGE_MOVED, timeout=45_000)
+        expect(page.locator(f"#instances-{pipeline} .chart[data-chart='cache'] canvas").first).to_be_visible()
+        page.wait_for_function(CHARTS_FILLED, arg=8)
+        # The instances and the first one's charts, in one screen.
+        page.get_by_role("heading", name="Instances").evaluate("(heading) => heading.scrollIntoView()")
+        screenshot(page, "pipeline")
+
+        # A second look: the gateway's rates over the seconds since the first.
+        overview.locator("#gateway").get_by_role("button", name="Refresh").click()
+        expect(overview.locator("#gateway")).to_contain_text("since the previous look")
+        expect(overview.locator(f"#pipeline-{pipeline}")).to_contain_text("3 / 3")
+        screenshot(overview, "overview")
+        overview.goto(base + "/nodes/")
+        expect(overview.locator("[id^='node-']")).to_have_count(2)
+        screenshot(overview, "nodes")
+        overview.close()
+    assert traffic.answered > 0 and not traffic.failures, (traffic.answered, traffic.failures)
+
+    # Stop the pipeline: its instances stop and leave the page's list.
+    row.get_by_role("button", name="Stop").click()
+    expect(row.locator(".state")).to_have_text("stopped")
+    expect(page.locator(f"#instances-{pipeline}")).to_contain_text("the pipeline is stopped", timeout=READY_TIMEOUT_MS)
+    assert page.evaluate("window.__sameDocument") is True, "the pipeline page was reloaded"
+    assert {instance["state"] for instance in stack.instances(pipeline)} == {"stopped"}
+
+    page.get_by_role("navigation").get_by_role("link", name="Audit log").click()
+    expect(page.locator("#audit-log")).to_contain_text("pipeline.stop")
+    screenshot(page, "audit")
+
+
+def test_a_read_only_person_sees_a_pipeline_without_any_control(live_fleet: LiveFleet, reader_page: Page) -> None:
+    page, stack = reader_page, live_fleet.stack
+    pipeline = stack.deploy("watched", replicas=1, gpus=0)
+    stack.wait_ready(pipeline, 1)
+    page.goto(f"{live_fleet.url}/pipelines/{pipeline}/")
+    expect(instance_states(page, pipeline)).to_have_text(["ready"])
+    expect(page.locator("header")).to_contain_text("(read-only)")
+
+    main = page.locator("main")
+    expect(main.locator("form:visible")).to_have_count(0)
+    # The one button left reads: the instance's log tail.
+    expect(main.locator("button:visible")).to_have_text(["Log"])
+    # The server refuses the controls anyway, CSRF token and all.
+    status = page.evaluate(
+        """async (url) => {
+          const token = JSON.parse(document.body.getAttribute("hx-headers"))["X-CSRFToken"];
+          const reply = await fetch(url, {method: "POST", headers: {"X-CSRFToken": token},
+                                          body: new URLSearchParams({replicas: "2"})});
+          return reply.status;
+        }""",
+        f"/pipelines/{pipeline}/scale/",
+    )
+    assert status == 403
+    assert stack.pipeline(pipeline)["groups"][0]["replicas"] == 1
+
+
+def test_an_anonymous_visit_is_sent_to_the_login_page(live_fleet: LiveFleet, anonymous: BrowserContext) -> None:
+    page = anonymous.new_page()
+    for path in ("/", "/pipelines/", "/pipelines/1/", "/audit/"):
+        page.goto(live_fleet.url + path)
+        expect(page).to_have_url(f"{live_fleet.url}/login/?next={path}")
+        expect(page.get_by_role("button", name="Log in")).to_be_visible()
+
+
+def test_an_invalid_model_shows_the_error_next_to_its_field(live_fleet: LiveFleet, operator_page: Page) -> None:
+    page = operator_page
+    page.goto(live_fleet.url + "/models/")
+    page.locator("#id_name").fill("not-a-path")
+    page.locator("#id_source_kind").select_option("gguf")
+    page.locator("#id_source").fill("models/smol.gguf")
+    page.locator("#id_engine").select_option("mocker")
+    with page.expect_response(lambda response: response.request.method == "POST") as posted:
+        page.get_by_role("button", name="Add the model").click()
+    assert posted.value.status == 400
+    expect(page.locator("#id_source_error")).to_contain_text("absolute path on the nodes, not 'models/smol.gguf'")
+    expect(page.locator("#id_source")).to_have_value("models/smol.gguf")  # kept, to be corrected
+    expect(page.locator("#id_name")).to_have_value("not-a-path")
+    expect(page.locator("#id_name_error")).to_have_count(0)
+    names = [model["name"] for model in live_fleet.stack.operator.get("/api/v1/models/").json()["results"]]
+    assert "not-a-path" not in names
