@@ -1,10 +1,12 @@
 """How long a simulated step takes: the polynomials of NVIDIA Dynamo's mocker, so the two compare.
 
-A step is timed as Dynamo's vLLM mocker times it: each sequence that prefills in the step costs
-``prefill_ms`` of the tokens it computes (a chunk, or its whole uncached prompt) — the fixed part
-counted once per sequence, as Dynamo sums them — and, when a sequence past its prefill produces a
-token in the step, one decode pass costs ``decode_ms`` of the KV usage (a prefill's last chunk gives
-its sequence's first token by itself). Prefill time is divided by
+A step is timed as Dynamo 1.6.1's vLLM mocker times it: the step's prefill costs ``prefill_ms`` of
+all the tokens it computes, summed over its sequences (chunks, or whole uncached prompts) — one
+forward pass, so the fixed part is paid once per step, not once per sequence — and, when a sequence
+past its prefill produces a token in the step, one decode pass costs ``decode_ms`` of the KV usage (a
+prefill's last chunk gives its sequence's first token by itself). Measured against Dynamo's own mocker
+(bench/burst_ttft.py): a burst of eight 3000-token prompts on one worker gives the same first-token
+times step by step (e.g. 68, 244, 422 ms). Prefill time is divided by
 ``speedup_ratio``; decode time by ``speedup_ratio × decode_speedup_ratio``. A ratio of 0 means no
 waiting at all.
 """
@@ -45,10 +47,10 @@ class StepTimer:
         self._decode_scale = 0.0 if decode_speedup == 0 else 1e-3 / decode_speedup
 
     def step_seconds(self, prefill_chunks: Iterable[int], decoding: bool, kv_usage: float) -> float:
-        """The step's duration: each prefill chunk, plus one decode pass if ``decoding``."""
+        """The step's duration: one prefill of all its chunks' tokens, plus one decode pass if ``decoding``."""
         seconds = 0.0
         if self._prefill_scale:
-            seconds = sum(prefill_ms(tokens) for tokens in prefill_chunks) * self._prefill_scale
+            seconds = prefill_ms(sum(prefill_chunks)) * self._prefill_scale
         if decoding and self._decode_scale:
             seconds += decode_ms(kv_usage) * self._decode_scale
         return seconds
