@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 #: time (the CPU, not the simulated GPU, is the limit: high speed-ups). Consumers then take the
 #: tokens of several steps at once, as a real engine's output stage does when its reader lags.
 MAX_BURST_S = 0.0002
+#: Steps run back to back in simulated time: the loop's own Python work between two steps (scheduling,
+#: block hashes, KV events) stands for what a real engine overlaps with the forward pass, so it does not
+#: delay the next step, which starts when the previous one ends. Only a loop further behind real time
+#: than this (a CPU-bound worker) starts its next step from now, rather than pretend the time passed.
+MAX_LAG_S = 0.02
 
 
 class _Rank:
@@ -177,9 +182,11 @@ class MockerEngine:
                 await wake.wait()
                 yielded = now()
             started = now()
+            if started - clock > MAX_LAG_S or not scheduler.running:
+                clock = started  # idle before (nothing was running), or far behind: simulated time restarts now
             step = scheduler.schedule()
             duration = step_seconds(step.prefill_chunks(), step.decodes(), cache.usage) if step.scheduled else 0.0
-            clock = max(clock, started) + duration
+            clock += duration
             ahead = clock - now()
             if ahead > 0 or started - yielded >= MAX_BURST_S:
                 await asyncio.sleep(ahead if ahead > 0 else 0)
