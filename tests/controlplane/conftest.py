@@ -6,7 +6,9 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role
+from controlplane.fleet import log_tail
 from tests.controlplane.factories import agent_token, make_user, person_token
+from tests.controlplane.reconciling import RecordingDispatcher
 
 
 @pytest.fixture
@@ -50,3 +52,11 @@ def agent_client(db: None) -> Callable[[str], APIClient]:
         return client
 
     return build
+
+
+@pytest.fixture
+def log_dispatcher(monkeypatch: pytest.MonkeyPatch) -> RecordingDispatcher:
+    """Log tails asked of agents (the API's and the dashboard's) are recorded here instead of sent."""
+    recording = RecordingDispatcher()
+    monkeypatch.setattr(log_tail, "agent_dispatcher", lambda: recording)
+    return recording

@@ -81,3 +81,11 @@ def run_instance(instance: Instance, state: str = InstanceState.READY) -> Instan
     assert instance.node is not None, "place the instance first"
     report = InstanceReport(state=state, pid=4242, endpoint_instance_id=0xABC)
     return fleet_actions.report_instance_state(Actor.agent(instance.node.name), instance.node.name, instance.pk, report)
+
+
+def placed_instance() -> Instance:
+    """One instance of a pipeline "chat" (1 GPU), placed on node gpu-a (one 80 GiB GPU)."""
+    make_node("gpu-a", (80,))
+    deploy("chat", gpus_per_replica=1)
+    deployment_actions.place_pending_instances(TEST_ACTOR)
+    return Instance.objects.get()

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 
 import pytest
+from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.apps import apps
 from django.test import Client
@@ -107,3 +108,13 @@ async def caught_up(socket: WebsocketCommunicator) -> str:
     """The socket's first message: what its page shows, as it is when the socket joined its groups
     (``LiveConsumer.catch_up``). Tests read it first so that the messages after it are the changes."""
     return await socket.receive_from(timeout=CATCH_UP_S)
+
+
+async def connected(path: str, role: Role = Role.OPERATOR, username: str = "alice") -> WebsocketCommunicator:
+    """A socket on ``path`` for a logged-in person with ``role``, accepted and past its catch-up message."""
+    cookie = await database_sync_to_async(session_cookie)(username, role)
+    socket = communicator(path, cookie)
+    accepted, _ = await socket.connect(timeout=CATCH_UP_S)
+    assert accepted
+    await caught_up(socket)
+    return socket

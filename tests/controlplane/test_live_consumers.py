@@ -16,8 +16,8 @@ from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_L
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import deploy, make_node, node_report
 from tests.controlplane.live_fixtures import (
-    caught_up,
     communicator,
+    connected,
     element,
     live_layer,
     session_cookie,
@@ -27,15 +27,6 @@ from tests.controlplane.live_fixtures import (
 __all__ = ["live_layer"]  # a fixture
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live_layer")]
 RECEIVE_S = 10.0  # generous on a busy machine; each wait ends as soon as the message arrives
-
-
-async def connected(path: str, role: Role = Role.OPERATOR, username: str = "alice") -> WebsocketCommunicator:
-    cookie = await database_sync_to_async(session_cookie)(username, role)
-    socket = communicator(path, cookie)
-    accepted, _ = await socket.connect(timeout=RECEIVE_S)
-    assert accepted
-    await caught_up(socket)
-    return socket
 
 
 async def receive_element(socket: WebsocketCommunicator, element_id: str) -> str:

@@ -19,20 +19,11 @@ from controlplane.fleet.models import Download
 from controlplane.fleet.reports import DownloadReport
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, make_user, node_report
-from tests.controlplane.live_fixtures import caught_up, communicator, element, live_layer, session_cookie
+from tests.controlplane.live_fixtures import caught_up, communicator, connected, element, live_layer
 
 __all__ = ["live_layer"]  # a fixture
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("live_layer")]
 RECEIVE_S = 10.0  # generous on a busy machine; each wait ends as soon as the message arrives
-
-
-async def connected(path: str, username: str = "alice") -> WebsocketCommunicator:
-    cookie = await database_sync_to_async(session_cookie)(username, Role.OPERATOR)
-    socket = communicator(path, cookie)
-    accepted, _ = await socket.connect(timeout=RECEIVE_S)
-    assert accepted
-    await caught_up(socket)
-    return socket
 
 
 async def receive_element(socket: WebsocketCommunicator, element_id: str) -> str:
