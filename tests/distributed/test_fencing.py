@@ -5,6 +5,7 @@ import asyncio
 import httpx
 import pytest
 
+from runtime import fencing
 from runtime.errors import DiscoveryUnavailable
 from runtime.fencing import fence_key, put_fences
 from tests.distributed.cluster import Cluster, etcd_leases, served_models, wait_until
@@ -46,6 +47,8 @@ def test_fencing_with_no_etcd_answering_says_so() -> None:
         asyncio.run(put_fences([f"http://127.0.0.1:{free_port()}"], [0xABC], "gone"))
 
 
-def test_fencing_nothing_contacts_nobody() -> None:
-    # No etcd listens there: contacting it would raise DiscoveryUnavailable.
+def test_fencing_nothing_contacts_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
+    clients: list[object] = []
+    monkeypatch.setattr(fencing.aetcd, "Client", lambda **kwargs: clients.append(kwargs))
     asyncio.run(put_fences(["http://127.0.0.1:1"], [], "gone"))
+    assert clients == []  # no etcd client was even made
