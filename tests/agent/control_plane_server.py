@@ -142,3 +142,10 @@ def wait_for(what: str, probe: Callable[[], T], timeout_s: float = 60.0, *, expl
 def json_of(response: httpx.Response) -> Any:
     assert response.status_code < 300, f"{response.request.method} {response.request.url}: {response.text}"
     return response.json()
+
+
+def add_mocker_model(operator: httpx.Client, name: str, gguf: Path) -> dict[str, Any]:
+    """Register ``gguf`` (its tokenizer) as a 1 GiB mocker model through the API; the model as it answers."""
+    body = {"name": name, "source_kind": "gguf", "source": str(gguf), "engine": "mocker", "memory_bytes": 1 << 30}
+    model: dict[str, Any] = json_of(operator.post("/api/v1/models/", json=body))
+    return model

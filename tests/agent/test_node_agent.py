@@ -33,7 +33,7 @@ from runtime.fleet_tasks import (
     WorkerSpec,
     node_queue,
 )
-from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, json_of, wait_for
+from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, add_mocker_model, json_of, wait_for
 from tests.agent.test_supervisor import kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer, RedisServer
 from tests.servers import stop_process
@@ -103,18 +103,7 @@ class Fleet:
     def deploy(self, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """A pipeline of one mocker replica on one GPU, placed on node-a: (pipeline, instance) as the API shows them."""
         wait_for("node-a to register (placement needs its GPUs)", self.node)
-        model = json_of(
-            self.operator.post(
-                "/api/v1/models/",
-                json={
-                    "name": f"{name}-model",
-                    "source_kind": "gguf",
-                    "source": str(self.smollm2),
-                    "engine": "mocker",
-                    "memory_bytes": GIB,
-                },
-            )
-        )
+        model = add_mocker_model(self.operator, f"{name}-model", self.smollm2)
         pipeline = json_of(
             self.operator.post(
                 "/api/v1/pipelines/",

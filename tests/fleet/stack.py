@@ -17,12 +17,11 @@ from typing import Any
 import httpx
 
 from agent.processes import process_start_time
-from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, json_of, wait_for
+from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, add_mocker_model, json_of, wait_for
 from tests.agent.test_supervisor import kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer, RedisServer
 from tests.servers import Server, start_server, stop_process
 
-GIB = 1 << 30
 NODES = ("node-a", "node-b")
 #: The mocker answers a token in 1/1000 of the simulated time: requests take milliseconds.
 MOCKER_ARGS = {"speedup_ratio": 1000}
@@ -161,18 +160,7 @@ class FleetStack:
 
     def deploy(self, name: str, *, replicas: int, gpus: int = 1, router: dict[str, Any] | None = None) -> int:
         """A model and a pipeline of mocker workers with the SmolLM2 tokenizer; the pipeline's id."""
-        model = json_of(
-            self.operator.post(
-                "/api/v1/models/",
-                json={
-                    "name": f"{name}-model",
-                    "source_kind": "gguf",
-                    "source": str(self.smollm2),
-                    "engine": "mocker",
-                    "memory_bytes": GIB,
-                },
-            )
-        )
+        model = add_mocker_model(self.operator, f"{name}-model", self.smollm2)
         group = {"replicas": replicas, "gpus_per_replica": gpus, "engine_args": MOCKER_ARGS}
         body: dict[str, Any] = {"name": name, "model": model["name"], "groups": [group]}
         if router is not None:
