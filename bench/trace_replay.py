@@ -6,12 +6,13 @@ kv (KV events) and kv (no events: caches predicted from routing decisions); with
 Dynamo round-robin and kv (``--modes`` picks any, dynamo-kv-no-events included). Every stack has 4
 mocker workers with the same settings (bench/stacks.py; MOCKER_SETTINGS below says why these).
 
-    .venv/bin/python bench/trace_replay.py [--generate] [--seed 0] [--rate 24] [--duration 40]
-        [--arrivals poisson|fixed] [--dynamo] [--modes flotilla-kv,dynamo-kv,...] [--overlap-weight 1]
-    .venv/bin/python bench/trace_replay.py --trace bench/traces/conversations-seed0.jsonl [--duration 40]
+    .venv/bin/python bench/trace_replay.py [--generate] [--seed 0] [--rate 56] [--duration 30]
+        [--arrivals poisson|fixed] [--dynamo] [--modes flotilla-kv,dynamo-kv,...] [--overlap-weight 4]
+    .venv/bin/python bench/trace_replay.py --trace bench/traces/conversations-seed0-56rps.jsonl
 
-The default run (4 Flotilla modes of 40 s) takes ~3.5 minutes here, ~5.5 with ``--dynamo``.
-bench/traces/conversations-seed0.jsonl is the default generated trace (seed 0, 24 requests/s, 40 s).
+The default run (4 Flotilla modes of 30 s) takes ~3 minutes here, ~4.5 with ``--dynamo``.
+bench/traces/conversations-seed0-56rps.jsonl is the default generated trace (seed 0, 56 requests/s,
+30 s); conversations-seed0.jsonl is the earlier default (24 requests/s, 40 s, for 2048-block mockers).
 
 The trace is JSONL like the public Mooncake traces, one request a line: ``{"timestamp": ms,
 "input_length": N, "output_length": M, "hash_ids": [...]}``, where each hash id names one block of
@@ -22,7 +23,8 @@ vocabulary ids), the last block cut to ``input_length``; requests go out as stre
 ``ignore_eos``. Without ``--trace``, ``--generate`` (the default) writes a trace (see
 ``generate_trace``; Poisson arrivals unless ``--arrivals fixed``) to
 bench/results/trace_replay_trace.jsonl and replays that. ``--overlap-weight`` sets how much both
-stacks' KV routers value a cached block against a block of decode load, alike (default 1, as both).
+stacks' KV routers value a cached block against a block of decode load, alike (default 4 here, where
+both stacks default to 1: DEFAULT_OVERLAP_WEIGHT says why).
 
 Prints, per mode: requests done/failed, TTFT p50/p99, inter-token latency p50/p99 (gaps between
 streamed chunks that carry text: a chunk may carry several tokens), output tokens/s, prefix hit rate
@@ -30,8 +32,12 @@ streamed chunks that carry text: a chunk may carry several tokens), output token
 hit rate (an infinite single cache: every block some earlier request had is a hit, counted in whole
 engine blocks and never the last prompt token, as vLLM counts) and their ratio, and max/mean requests
 per worker (counted from the answers: Flotilla's ``x-flotilla-instance`` header, Dynamo's
-``nvext.worker_id``). Then the floor checks as ratios, bench/results/trace_replay.json, and two plots:
-bench/results/trace_replay_ttft.png (TTFT CDF per mode) and trace_replay_hit_rate.png.
+``nvext.worker_id``), the drift (TTFT p50 of the trace's second half over its first: well above 1 when
+the stack is saturated and its queue grows), and the CPU each request cost the ingress and the workers.
+Then TTFT p50 apart for prompts at least half cached and for the others (does a gap between two
+stacks come from routing, or from serving?). Then the floor checks as ratios,
+bench/results/trace_replay.json, and two plots: bench/results/trace_replay_ttft.png (TTFT CDF per
+mode) and trace_replay_hit_rate.png.
 """
 
 import argparse
@@ -51,19 +57,26 @@ from typing import Any
 
 import msgspec
 import uvloop
-from _common import percentile
+from _common import cpu_seconds, percentile
 from stacks import DYNAMO_PYTHON, Stack, check_mocker_settings, dynamo_stack, flotilla_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 # The mockers of every mode, at the timing model's own speed (speed-up 1). 64-token blocks (vLLM's
-# default) divide the trace's 512-token blocks. The default trace (24 requests/s, prompts of 2-7.5k
-# tokens) keeps ~330k tokens of conversation live (blocks a later turn asks for again): 2048 blocks
-# per worker (131k tokens) hold a worker's quarter of that plus its running requests, not all of it,
-# so a worker that sees every conversation (round-robin) evicts. Round-robin's TTFT p50 measured here:
-# 83 ms at 8 requests/s, 96 ms at 24 (busy: inter-token p99 ~7x p50), 520 ms at 40 (saturated).
-MOCKER_SETTINGS: dict[str, Any] = {"block_size": 64, "num_gpu_blocks": 2048, "speedup_ratio": 1.0}
+# default) divide the trace's 512-token blocks. 8192 blocks (524k tokens) per worker is what an 8B model
+# leaves for KV cache on an 80 GB GPU; the default trace (56 requests/s) keeps ~1M tokens of conversation
+# live, so a worker that sees every conversation (round-robin) still mostly keeps its share.
+MOCKER_SETTINGS: dict[str, Any] = {"block_size": 64, "num_gpu_blocks": 8192, "speedup_ratio": 1.0}
+#: The default trace's rate: round-robin is busy there but not saturated. Its TTFT p50, measured with
+#: these settings: 80 ms at 32 requests/s, 99 at 48, 160-168 at 56 (inter-token p50 54 ms against 8 at 32;
+#: the second half of the run no slower than the first, so its queue does not grow).
+DEFAULT_RATE = 56.0
+#: Both stacks' KV routers weigh a block left to prefill 4x a block of decode load (both default to 1).
+#: With these settings that is what the two cost: computing a 64-token block takes ~1 ms of prefill
+#: (timing.py), while holding one adds 54/8192 ms to each decode step (decode cost grows 54 ms from
+#: empty to full KV), ~0.26 ms over an answer's ~40 steps. The ratio grows with the KV capacity.
+DEFAULT_OVERLAP_WEIGHT = 4.0
 WORKERS = 4
 # Ordinary vocabulary ids of SmolLM2 (49152 tokens): no special or control tokens.
 _TOKEN_LOW, _TOKEN_HIGH = 1000, 40000
@@ -431,6 +444,19 @@ def summarize(
     def pct(values: list[float], q: float) -> float | None:
         return percentile(values, q) if values else None
 
+    # Saturation shows as a queue that grows through the run: the second half's TTFT p50 well above the
+    # first half's. A busy but stable stack keeps the two close.
+    middle = trace[-1].timestamp / 2
+    halves = [
+        [
+            r.ttft * 1000
+            for r, entry in zip(results, trace, strict=True)
+            if r.error is None and late == (entry.timestamp >= middle)
+        ]
+        for late in (False, True)
+    ]
+    first, second = pct(halves[0], 50), pct(halves[1], 50)
+
     return {
         "requests": len(results),
         "done": len(done),
@@ -438,6 +464,10 @@ def summarize(
         "failures": dict(Counter(r.error for r in results if r.error is not None).most_common(5)),
         "ttft_p50_ms": pct(ttfts, 50),
         "ttft_p99_ms": pct(ttfts, 99),
+        "ttft_p50_drift": second / first if first and second is not None else None,
+        # Whether a gap between two stacks comes from routing (fewer hits) or from serving (slower hits).
+        "ttft_p50_mostly_cached_ms": pct([r.ttft * 1000 for r in done if r.cached_tokens * 2 >= r.prompt_tokens], 50),
+        "ttft_p50_mostly_computed_ms": pct([r.ttft * 1000 for r in done if r.cached_tokens * 2 < r.prompt_tokens], 50),
         "itl_p50_ms": pct(gaps, 50),
         "itl_p99_ms": pct(gaps, 99),
         "output_tokens_per_s": sum(r.completion_tokens for r in done) / seconds,
@@ -464,16 +494,26 @@ def _fmt(value: float | None, spec: str) -> str:
 def print_table(summaries: Mapping[str, dict[str, Any]]) -> None:
     print(
         f"{'mode':24}{'done':>6}{'fail':>5}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
-        f"{'out tok/s':>10}{'hit':>7}{'ideal':>7}{'ratio':>7}{'max/mean':>9}"
+        f"{'out tok/s':>10}{'hit':>7}{'ideal':>7}{'ratio':>7}{'max/mean':>9}{'drift':>7}{'CPU in/wk':>11}"
     )
     for name, s in summaries.items():
         print(
             f"{name:24}{s['done']:6d}{s['failed']:5d}{_fmt(s['ttft_p50_ms'], '10.1f')}{_fmt(s['ttft_p99_ms'], '9.1f')}"
             f"{_fmt(s['itl_p50_ms'], '9.1f')}{_fmt(s['itl_p99_ms'], '8.1f')}{s['output_tokens_per_s']:10.0f}"
             f"{s['hit_rate']:7.3f}{s['ideal_hit_rate']:7.3f}{_fmt(s['hit_over_ideal'], '7.2f')}"
-            f"{_fmt(s['max_over_mean_load'], '9.2f')}"
+            f"{_fmt(s['max_over_mean_load'], '9.2f')}{_fmt(s['ttft_p50_drift'], '7.2f')}"
+            f"{s['ingress_cpu_ms_per_request']:6.1f}/{s['workers_cpu_ms_per_request']:<4.1f}"
         )
-    print("(times in ms; ITL = gaps between streamed chunks with text; load = requests per worker)")
+    for name, s in summaries.items():
+        print(
+            f"  {name}: TTFT p50 {_fmt(s['ttft_p50_mostly_cached_ms'], '.1f')} ms for prompts at least half cached, "
+            f"{_fmt(s['ttft_p50_mostly_computed_ms'], '.1f')} ms for the others"
+        )
+    print(
+        "(times in ms; ITL = gaps between streamed chunks with text; load = requests per worker; drift = TTFT p50"
+        " of the trace's second half over its first half, ~1 when the queue is stable; CPU = ms per request of"
+        " the ingress / of all workers)"
+    )
     for name, s in summaries.items():
         if s["failures"]:
             print(f"  {name} failures: {s['failures']}")
@@ -577,8 +617,19 @@ def run_mode(
             )
             for prompt, r in zip(prompts, trace, strict=True)
         ]  # fmt: skip
+        cpu_before = [cpu_seconds(pid) for pid in (*stack.ingress_pids, *stack.worker_pids)]
         results, seconds = uvloop.run(replay(stack.port, requests, trace, args.patience))
-        return {**summarize(results, seconds, stack, ideal, trace), "stack_up_s": up}
+        cpu = [
+            cpu_seconds(pid) - before
+            for pid, before in zip((*stack.ingress_pids, *stack.worker_pids), cpu_before, strict=True)
+        ]
+        ingress_cpu = sum(cpu[: len(stack.ingress_pids)])
+        return {
+            **summarize(results, seconds, stack, ideal, trace),
+            "stack_up_s": up,
+            "ingress_cpu_ms_per_request": ingress_cpu / len(trace) * 1000,
+            "workers_cpu_ms_per_request": (sum(cpu) - ingress_cpu) / len(trace) * 1000,
+        }
 
 
 def parse_args() -> argparse.Namespace:
@@ -587,8 +638,10 @@ def parse_args() -> argparse.Namespace:
     source.add_argument("--trace", type=Path, help="replay this JSONL trace (Mooncake's format)")
     source.add_argument("--generate", action="store_true", help="generate the trace (the default)")
     parser.add_argument("--seed", type=int, default=0, help="--generate: random seed")
-    parser.add_argument("--rate", type=float, default=24.0, help="--generate: requests per second")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of trace to replay per mode")
+    parser.add_argument(
+        "--rate", type=float, default=DEFAULT_RATE, help=f"--generate: requests per second (default {DEFAULT_RATE:g})"
+    )
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of trace to replay per mode")
     parser.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson", help="--generate: arrival gaps")
     parser.add_argument(
         "--document-tokens", default="2000-4000", metavar="LOW-HIGH",
@@ -600,9 +653,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", help=f"comma-separated modes to run, in order, from: {', '.join(MODES)}")
     parser.add_argument("--mocker", default="{}", help="JSON object of mocker settings over the defaults")
     parser.add_argument(
-        "--overlap-weight", type=float, default=1.0,
-        help="kv modes: a cached block against a block of decode load (Flotilla's --kv-overlap-score-weight, "
-        "Dynamo's --router-prefill-load-scale; both default 1)",
+        "--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
+        help=f"kv modes: a block left to prefill against a block of decode load (Flotilla's "
+        f"--kv-overlap-score-weight, Dynamo's --router-prefill-load-scale; default {DEFAULT_OVERLAP_WEIGHT:g} "
+        "here, see DEFAULT_OVERLAP_WEIGHT; both stacks default to 1)",
     )  # fmt: skip
     parser.add_argument(
         "--ingress-args", default="", help="extra flags for Flotilla's ingress, e.g. '--kv-overlap-score-weight 2'"
