@@ -1,0 +1,22 @@
+"""The control plane's settings for the test run: the real ones, with the data directory in a temporary folder.
+
+The control plane keeps its secret key (and its default SQLite database) in the user's data directory
+(controlplane/secret_key.py); a test run must not write there. pytest-django imports this module
+(pyproject.toml: DJANGO_SETTINGS_MODULE) before any test or conftest, so the variable is set before the
+settings read it, and every process a test starts inherits it. Those processes get the real settings
+module (pytest-django exported this one's name; Django has read it by now).
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+if "FLOTILLA_DATA_DIR" not in os.environ:
+    _data_dir = tempfile.mkdtemp(prefix="flotilla-tests-")
+    os.environ["FLOTILLA_DATA_DIR"] = _data_dir
+    atexit.register(shutil.rmtree, _data_dir, ignore_errors=True)
+
+os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+
+from controlplane.settings import *  # noqa: F403
