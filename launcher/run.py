@@ -12,6 +12,7 @@ from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
+from runtime import heap
 from runtime.addressing import EndpointAddress
 from runtime.engine import Engine
 from runtime.errors import ConfigError
@@ -100,6 +101,7 @@ async def run(options: RunOptions) -> int:
         return await run_ingress(options)
     model, engine = build_model(options)
     await engine.start()
+    heap.settle()  # the model, the tokenizer and the engine are loaded: see runtime/heap.py
     try:
         if (address := options.worker_address) is not None:
             from launcher.inputs.dyn import serve_worker
@@ -185,6 +187,7 @@ async def run_ingress(options: RunOptions) -> int:
     # A runtime shut down by a failed task stops the HTTP server too, and the process exits non-zero.
     stop = asyncio.Event()
     stop_on_failure = asyncio.create_task(_set_when_shut_down(runtime, stop))
+    heap.settle()  # connected and imported: see runtime/heap.py
     try:
         stopped_by = await serve_http(
             registry,
