@@ -40,18 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import ServerProcess, free_port, percentile, running_server  # noqa: E402
+from tests.browser.chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402  (the browser tests' Chromium, flags and all)
 
 FLOOR_P99_MS = 500.0
 RESULTS = ROOT / "bench" / "results" / "dashboard_latency.json"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 ADMIN, PASSWORD = "bench-admin", "bench-password-not-secret"
 FIRST_ENDPOINT_ID = 0x5EED0000
 ACTIVE = re.compile(r'data-active-requests="([0-9.e+]+)"')
@@ -276,7 +268,7 @@ async def measure(base_url: str, nats_url: str, fleet: Fleet, args: argparse.Nam
     await joined.wait()
     echo, echo_port = await echo_server()
     async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        browser = await playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
             page = await browser.new_page()
             await page.add_init_script(OBSERVER)
