@@ -27,6 +27,7 @@ from engines.mocker.timing import StepTimer
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
 from runtime.kv_events import AllCleared, BlockStored, KvEventSink, WorkerLoad
+from runtime.precise_sleep import PreciseSleeper
 from runtime.protocol import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -40,18 +41,24 @@ MAX_BURST_S = 0.0002
 #: delay the next step, which starts when the previous one ends. Only a loop further behind real time
 #: than this (a CPU-bound worker) starts its next step from now, rather than pretend the time passed.
 MAX_LAG_S = 0.02
+#: Shorter waits are not slept: a timer cannot end them much closer to their time than waking costs
+#: (tens of microseconds), so at high speed-ups the steps run on and the clock makes up the difference
+#: once the simulated time it owes passes this.
+MIN_SLEEP_S = 0.00005
 
 
 class _Rank:
     """One dp rank: its scheduler, the event that wakes its idle step loop, and that loop."""
 
-    __slots__ = ("index", "scheduler", "task", "wake")
+    __slots__ = ("index", "scheduler", "sleeper", "task", "wake")
 
     def __init__(self, index: int, scheduler: Scheduler) -> None:
         self.index = index
         self.scheduler = scheduler
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        #: Steps end on their simulated time to the microsecond, not at the loop's next millisecond tick.
+        self.sleeper = PreciseSleeper()
 
 
 class MockerEngine:
@@ -78,6 +85,8 @@ class MockerEngine:
         if self.config.startup_time:
             await asyncio.sleep(self.config.startup_time)
         for rank in self._ranks:
+            if not rank.sleeper.precise:  # closed by an earlier close(), or no timerfd here
+                rank.sleeper = PreciseSleeper()
             rank.task = asyncio.create_task(self._supervise(rank), name=f"mocker dp rank {rank.index}")
         self._running = True
 
@@ -90,6 +99,7 @@ class MockerEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
         for rank in self._ranks:
             rank.task = None
+            rank.sleeper.close()
             _wake(rank.scheduler.fail_all("the mocker engine was closed"))
 
     # -- requests ----------------------------------------------------------------------------------
@@ -172,6 +182,7 @@ class MockerEngine:
         cache = scheduler.cache
         step_seconds = self._timer.step_seconds
         wake = rank.wake
+        sleep_until = rank.sleeper.sleep_until
         now = time.monotonic  # the loop's own clock has millisecond resolution under uvloop
         # Simulated time: where the steps run so far would have ended. Sleeps aim at it, so that steps
         # shorter than the timer's resolution add up instead of each rounding to nothing.
@@ -188,8 +199,11 @@ class MockerEngine:
             duration = step_seconds(step.prefill_chunks(), step.decodes(), cache.usage) if step.scheduled else 0.0
             clock += duration
             ahead = clock - now()
-            if ahead > 0 or started - yielded >= MAX_BURST_S:
-                await asyncio.sleep(ahead if ahead > 0 else 0)
+            if ahead > MIN_SLEEP_S:
+                await sleep_until(clock)
+                yielded = now()
+            elif started - yielded >= MAX_BURST_S:
+                await asyncio.sleep(0)
                 yielded = now()
             touched = scheduler.complete(step)
             sink = self._sink
