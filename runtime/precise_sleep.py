@@ -10,15 +10,16 @@ millisecond on average.
 A Linux timerfd armed with an absolute ``CLOCK_MONOTONIC`` deadline (the clock of
 ``time.monotonic()``) becomes readable when the kernel's high-resolution timer fires, and the event
 loop wakes for a readable file at once, so the wait ends within tens of microseconds of the deadline
-without spinning. Python 3.13 has ``os.timerfd_create``; on 3.11 the two libc calls are made through
-ctypes. Where neither exists (not Linux), ``PreciseSleeper`` falls back to ``asyncio.sleep``.
+without spinning. The project runs on Python 3.11, which has no ``os.timerfd_create`` (3.13 adds it),
+so the two libc calls are made through ctypes. Elsewhere than Linux ``PreciseSleeper`` falls back to
+``asyncio.sleep``.
 """
 
 import asyncio
 import ctypes
-import ctypes.util
 import math
 import os
+import sys
 import time
 
 _CLOCK_MONOTONIC = 1
@@ -36,10 +37,10 @@ class _Itimerspec(ctypes.Structure):
 
 
 def _load_libc() -> ctypes.CDLL | None:
-    if not hasattr(os, "eventfd"):  # Linux only; eventfd stands for "this kernel has the fd timers"
+    if sys.platform != "linux":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them
         libc.timerfd_create.argtypes = (ctypes.c_int, ctypes.c_int)
         libc.timerfd_settime.argtypes = (
             ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Itimerspec), ctypes.POINTER(_Itimerspec)
