@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: free ports, server subprocesses, process CPU time, percentiles."""
 
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -42,6 +43,25 @@ def percentile(values: Sequence[float], q: float) -> float:
     rank = (len(ordered) - 1) * q / 100.0
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Keep the benchmark client's own garbage collector from pausing it while it measures.
+
+    A client that keeps every request's token times grows a large heap, and a full collection of it
+    stalls the client for 100-180 ms (measured in bench/trace_replay.py): every stream in flight then
+    reads its next chunk that much later, and the stall counts as the server's latency. A run lasts
+    seconds to minutes, so the heap may simply grow until the collector comes back on afterwards.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 @dataclass

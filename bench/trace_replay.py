@@ -57,7 +57,7 @@ from typing import Any
 
 import msgspec
 import uvloop
-from _common import cpu_seconds, percentile
+from _common import collector_paused, cpu_seconds, percentile
 from stacks import DYNAMO_PYTHON, Stack, check_mocker_settings, dynamo_stack, flotilla_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -620,7 +620,8 @@ def run_mode(
             for prompt, r in zip(prompts, trace, strict=True)
         ]  # fmt: skip
         cpu_before = [cpu_seconds(pid) for pid in (*stack.ingress_pids, *stack.worker_pids)]
-        results, seconds = uvloop.run(replay(stack.port, requests, trace, args.patience))
+        with collector_paused():
+            results, seconds = uvloop.run(replay(stack.port, requests, trace, args.patience))
         cpu = [
             cpu_seconds(pid) - before
             for pid, before in zip((*stack.ingress_pids, *stack.worker_pids), cpu_before, strict=True)

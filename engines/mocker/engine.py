@@ -7,8 +7,9 @@ loop: plan a step, wait its simulated time, apply it, hand each sequence's new t
 consumer. A request goes to the rank the router chose (``dp_rank``), else to the least loaded one.
 
 It is a ``KvEventSource``: once a sink is attached, every step's KV events (blocks stored,
-removed, all cleared) go to it per rank, and ``load()`` / ``cache_state()`` say what each rank
-holds, so that the worker publishes them as a real engine's would (runtime/kv_publisher.py).
+removed, all cleared) go to it per rank as the step is scheduled, before its simulated time (vLLM
+v1's scheduler publishes them before the forward pass), and ``load()`` / ``cache_state()`` say what
+each rank holds, so that the worker publishes them as a real engine's would (runtime/kv_publisher.py).
 
 A step loop that fails is logged, every request it held fails with an EngineError, and the rank
 starts again with an empty cache (routers are told: all cleared); nothing waits forever.
@@ -196,6 +197,9 @@ class MockerEngine:
             if started - clock > MAX_LAG_S or not scheduler.running:
                 clock = started  # idle before (nothing was running), or far behind: simulated time restarts now
             step = scheduler.schedule()
+            sink = self._sink
+            if sink is not None and (events := cache.take_events()):
+                sink.publish(rank.index, events)  # as vLLM's scheduler does: at scheduling, before the pass
             duration = step_seconds(step.prefill_chunks(), step.decodes(), cache.usage) if step.scheduled else 0.0
             clock += duration
             ahead = clock - now()
@@ -205,11 +209,7 @@ class MockerEngine:
             elif started - yielded >= MAX_BURST_S:
                 await asyncio.sleep(0)
                 yielded = now()
-            touched = scheduler.complete(step)
-            sink = self._sink
-            if sink is not None and (events := cache.take_events()):
-                sink.publish(rank.index, events)
-            _wake(touched)
+            _wake(scheduler.complete(step))
 
     def _fresh_scheduler(self) -> Scheduler:
         scheduler = Scheduler(self.config)

@@ -14,6 +14,13 @@ When a running sequence needs a block and none is left, another running sequence
 back to the front of the waiting queue to be recomputed — its prompt and the tokens it generated,
 much of which the prefix cache usually still holds.
 
+A block is named (cached, shareable, and announced in a KV event) when the step that computes its
+last tokens is scheduled, not once the step is over: vLLM v1's ``allocate_slots`` caches the blocks
+up to ``num_computed_tokens + num_new_tokens`` as it schedules them, so a sequence admitted in the
+same step or later hits them, and its scheduler publishes the step's KV events before the forward
+pass runs. Blocks of running sequences are named after the preemptions of the step are settled, so
+that a sequence preempted in the step leaves no block it never computed.
+
 A sequence produces a token in the step in which it has computed all of its tokens: the step
 that ends its prefill, then every step after (decode). The token ids are pseudo-random from the
 vocabulary, seeded by the request, never an end-of-sequence id; a sequence ends at ``max_tokens``.
@@ -287,6 +294,9 @@ class Scheduler:
                 scheduled[sequence] = tokens
                 budget -= tokens
                 index += 1
+        if self.config.enable_prefix_caching:
+            for sequence, tokens in scheduled.items():
+                self._commit(sequence, sequence.num_computed + tokens)
         if not preempted:
             budget = self._admit(step, budget)
         return step
@@ -328,6 +338,8 @@ class Scheduler:
             waiting.popleft()
             cache.acquire_prefix(sequence.blocks, sequence.block_hashes, hit)
             cache.allocate(sequence.blocks, cached + tokens)
+            if config.enable_prefix_caching:
+                self._commit(sequence, cached + tokens)  # before the next admission, which may share them
             sequence.num_computed = cached
             sequence.prefilling = True
             if sequence.cached_tokens is None:
@@ -341,20 +353,12 @@ class Scheduler:
     def complete(self, step: Step) -> list[Sequence]:
         """Apply ``step`` (its time has passed): returns the sequences with new tokens or an end."""
         touched = list(step.dropped)
-        cache = self.cache
-        block_size = self.config.block_size
-        prefix_caching = self.config.enable_prefix_caching
         finished = False
         for sequence, tokens in step.scheduled.items():
             if sequence.done:
                 continue  # aborted while the step ran
             computed = sequence.num_computed + tokens
             sequence.num_computed = computed
-            if prefix_caching:
-                full = computed // block_size
-                if full > len(sequence.blocks.cached):
-                    self._name_blocks(sequence, full)
-                    cache.commit(sequence.blocks, sequence.block_hashes, full)
             if computed != sequence.num_tokens:
                 continue  # a prefill chunk: no token yet
             token = sequence.next_token()
@@ -371,6 +375,13 @@ class Scheduler:
         if finished:
             self.running = [sequence for sequence in self.running if not sequence.done]
         return touched
+
+    def _commit(self, sequence: Sequence, computed: int) -> None:
+        """Name the blocks ``sequence`` fills up to its first ``computed`` tokens (scheduled this step)."""
+        full = computed // self.config.block_size
+        if full > len(sequence.blocks.cached):
+            self._name_blocks(sequence, full)
+            self.cache.commit(sequence.blocks, sequence.block_hashes, full)
 
     def _name_blocks(self, sequence: Sequence, full: int) -> None:
         """Extend ``sequence.block_hashes`` to its first ``full`` blocks (those holding generated tokens)."""

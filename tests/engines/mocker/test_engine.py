@@ -123,6 +123,27 @@ async def test_kv_events_reach_the_sink_per_rank_and_match_the_cache_state(engin
     assert engine.cache_state(7) == {}
 
 
+async def test_a_prompts_blocks_are_announced_when_its_step_is_scheduled_before_it_runs() -> None:
+    mocker = MockerEngine(MockerConfig(speedup_ratio=1, block_size=BLOCK, num_gpu_blocks=64), vocab_size=100)
+    await mocker.start()
+    announced: list[tuple[KvEvent, int | None]] = []
+
+    class Sink:
+        def publish(self, dp_rank: int, events: list[KvEvent]) -> None:
+            # What the rank had generated when the events left: 0 while the prefill step is still to run.
+            generated = mocker.load()[dp_rank].generated_tokens
+            announced.extend((event, generated) for event in events)
+
+    mocker.attach_kv_events(Sink())
+    prompt = list(range(600, 612))
+    try:
+        outputs = await collect(mocker, request(prompt, max_tokens=1))
+    finally:
+        await mocker.close()
+    assert tokens_of(outputs)
+    assert announced == [(BlockStored(sequence_block_hashes(prompt, BLOCK), None), 0)]
+
+
 async def test_reset_prefix_cache_tells_the_sink(engine: MockerEngine) -> None:
     sink = RecordingSink()
     engine.attach_kv_events(sink)

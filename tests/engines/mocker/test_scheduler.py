@@ -209,3 +209,40 @@ def test_blocks_filled_by_generated_tokens_are_named_by_the_whole_sequence() -> 
     assert tokens == [*range(6), *seq.output[:2]]
     assert seq.block_hashes == sequence_block_hashes(tokens, BLOCK)
     assert rank.cache.prefix_hit(seq.block_hashes, 2) == (2, 2)
+
+
+def test_blocks_are_named_when_the_step_that_computes_them_is_scheduled() -> None:
+    rank = scheduler(max_num_batched_tokens=8)
+    seq = sequence(list(range(20)), max_tokens=1)
+    rank.add(seq)
+    rank.cache.record_events = True
+    rank.schedule()  # the first chunk of 8 tokens: its 2 blocks are cached before the step runs, as vLLM does
+    assert rank.cache.prefix_hit(seq.block_hashes, 5) == (2, 0)
+    [stored] = rank.cache.take_events()
+    assert stored.block_hashes == seq.block_hashes[:2]  # type: ignore[union-attr]
+
+
+def test_a_prompt_admitted_in_the_same_step_shares_the_blocks_the_first_one_computes() -> None:
+    rank = scheduler()
+    system = list(range(100, 112))  # 3 full blocks both prompts start with
+    first, second = sequence([*system, 1, 2]), sequence([*system, 3, 4])
+    rank.add(first)
+    rank.add(second)
+    step = rank.schedule()
+    assert step.scheduled == {first: 14, second: 2}  # one forward pass computes the shared blocks once
+    assert (first.cached_tokens, second.cached_tokens) == (0, 12)
+    assert rank.cache.active_blocks == 3 + 1 + 1  # the shared blocks and each one's last partial block
+
+
+def test_a_sequence_preempted_while_scheduled_leaves_no_block_it_never_computed() -> None:
+    rank = scheduler(num_gpu_blocks=4, preemption_mode="fifo")
+    old, new = sequence(list(range(7)), max_tokens=10), sequence(list(range(100, 108)), max_tokens=10)
+    rank.add(old)
+    rank.add(new)
+    run_step(rank)
+    named = rank.cache.cached_blocks
+    step, _ = run_step(rank)  # `old` is scheduled for its 8th token, then preempted to give `new` a block
+    assert step.scheduled == {new: 1} and list(rank.waiting) == [old]
+    # `old` never computed the token that fills its second block: that block was not named.
+    assert rank.cache.prefix_hit(old.block_hashes, 2) == (1, 1)
+    assert rank.cache.cached_blocks == named
