@@ -351,7 +351,10 @@ class Scheduler:
         return budget
 
     def complete(self, step: Step) -> list[Sequence]:
-        """Apply ``step`` (its time has passed): returns the sequences with new tokens or an end."""
+        """Apply ``step`` (its time has passed): returns the sequences with new tokens or an end, those
+        with their first token first (their consumers are woken in this order, so first tokens leave
+        the worker, and reach the ingress, ahead of the step's other tokens)."""
+        firsts: list[Sequence] = []
         touched = list(step.dropped)
         finished = False
         for sequence, tokens in step.scheduled.items():
@@ -364,16 +367,19 @@ class Scheduler:
             token = sequence.next_token()
             self.generated_tokens += 1
             output = sequence.output
+            (touched if output else firsts).append(sequence)
             output.append(token)
             sequence.num_tokens = computed + 1
             sequence.outbox.append(token)
             sequence.prefilling = False
-            touched.append(sequence)
             if len(output) >= sequence.max_tokens:
                 self._finish(sequence, "length")
                 finished = True
         if finished:
             self.running = [sequence for sequence in self.running if not sequence.done]
+        if firsts:
+            firsts.extend(touched)
+            return firsts
         return touched
 
     def _commit(self, sequence: Sequence, computed: int) -> None:

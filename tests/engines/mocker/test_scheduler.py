@@ -50,6 +50,22 @@ def test_a_sequence_prefills_then_decodes_one_token_per_step_until_max_tokens() 
     assert rank.cache.active_blocks == 0
 
 
+def test_a_step_returns_the_sequences_with_their_first_token_ahead_of_the_others() -> None:
+    # Their consumers are woken in this order, so a first token leaves the worker before the step's
+    # other tokens (time to first token is what routing and admission are judged by).
+    rank = scheduler()
+    older = [sequence([n] * 6, max_tokens=8) for n in range(2)]
+    for seq in older:
+        rank.add(seq)
+    run_step(rank)
+    newer = sequence([9] * 6, max_tokens=8)
+    rank.add(newer)
+    step, touched = run_step(rank)
+    assert list(step.scheduled) == [*older, newer]  # the running ones are scheduled first
+    assert touched == [newer, *older]
+    assert [len(seq.output) for seq in touched] == [1, 2, 2]
+
+
 def test_max_num_seqs_caps_the_running_batch() -> None:
     rank = scheduler(max_num_seqs=2)
     sequences = [sequence([n] * 5) for n in range(3)]
