@@ -17,7 +17,7 @@ Two variants answer ``find_matches`` the same way:
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -25,12 +25,56 @@ from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent
 Worker = tuple[int, int]
 
 
-def leading_matches(holders: dict[int, set[Worker]], hashes: Sequence[int]) -> dict[Worker, int]:
+class WorkerBits:
+    """A bit per worker, so that the workers holding a block are one int: a hash -> int map is cheaper to
+    walk and to intersect than a hash -> set map, and holds no object the garbage collector must visit
+    (an index of 25k blocks kept 25k sets that every full collection walked, 22 ms in the ingress)."""
+
+    def __init__(self) -> None:
+        self._bits: dict[Worker, int] = {}
+        self._workers: list[Worker | None] = []  # by bit number; None where a bit is free
+
+    def bit(self, worker: Worker) -> int:
+        """The bit of ``worker`` (a power of two), given it on first use."""
+        bit = self._bits.get(worker)
+        if bit is None:
+            try:
+                number = self._workers.index(None)
+                self._workers[number] = worker
+            except ValueError:
+                number = len(self._workers)
+                self._workers.append(worker)
+            bit = self._bits[worker] = 1 << number
+        return bit
+
+    def release(self, worker: Worker) -> None:
+        """Free the bit of ``worker``; no holder mask may still have it set."""
+        bit = self._bits.pop(worker, None)
+        if bit is not None:
+            self._workers[bit.bit_length() - 1] = None
+
+    def known(self) -> list[Worker]:
+        """The workers that have a bit."""
+        return list(self._bits)
+
+    def workers(self, mask: int) -> Iterator[Worker]:
+        """The workers whose bits are set in ``mask``."""
+        workers = self._workers
+        while mask:
+            low = mask & -mask
+            worker = workers[low.bit_length() - 1]
+            if worker is not None:
+                yield worker
+            mask ^= low
+
+
+def leading_matches(holders: dict[int, int], hashes: Sequence[int], bits: WorkerBits) -> dict[Worker, int]:
     """For each worker holding ``hashes[0]``, how many of ``hashes`` it holds in a row from the start.
 
-    Walks the chain once and stops as soon as no worker is left, so a miss costs one lookup.
+    ``holders`` maps a block hash to the mask (``bits``) of the workers holding it. Walks the chain once
+    and stops as soon as no worker is left, so a miss costs one lookup.
     """
-    if not hashes or (alive := holders.get(hashes[0])) is None or not alive:
+    if not hashes or not (alive := holders.get(hashes[0], 0)):
         return {}
     matches: dict[Worker, int] = {}
     depth = 1
@@ -39,16 +83,15 @@ def leading_matches(holders: dict[int, set[Worker]], hashes: Sequence[int]) -> d
         here = get(block_hash)
         if here is None:
             break
-        # Usually every worker still in the walk holds the next block too: check without building a set.
-        if not alive <= here:
-            still = alive & here
-            for worker in alive - still:
+        # Usually every worker still in the walk holds the next block too.
+        if (still := alive & here) != alive:
+            for worker in bits.workers(alive ^ still):
                 matches[worker] = depth
             alive = still
             if not alive:
                 return matches
         depth += 1
-    for worker in alive:
+    for worker in bits.workers(alive):
         matches[worker] = depth
     return matches
 
@@ -57,12 +100,13 @@ class KvIndexer:
     """The blocks each worker holds, as its KV events tell them."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[Worker]] = {}
+        self._holders: dict[int, int] = {}  # block hash -> mask of the workers holding it
+        self._bits = WorkerBits()
         self._blocks: dict[Worker, set[int]] = {}
 
     def find_matches(self, hashes: Sequence[int]) -> dict[Worker, int]:
         """{worker: number of leading blocks of ``hashes`` it holds}, for workers holding at least one."""
-        return leading_matches(self._holders, hashes)
+        return leading_matches(self._holders, hashes, self._bits)
 
     def apply(self, worker: Worker, events: Iterable[KvEvent]) -> None:
         """Apply ``worker``'s events in order; unknown blocks and repeated events change nothing."""
@@ -89,6 +133,7 @@ class KvIndexer:
         """Forget every block of every dp rank of ``instance_id``."""
         for worker in [worker for worker in self._blocks if worker[0] == instance_id]:
             self.clear_worker(worker)
+            self._bits.release(worker)
 
     def block_count(self, worker: Worker) -> int:
         return len(self._blocks.get(worker, ()))
@@ -100,14 +145,12 @@ class KvIndexer:
     def _store(self, worker: Worker, hashes: list[int]) -> None:
         blocks = self._blocks.setdefault(worker, set())
         holders = self._holders
+        bit = self._bits.bit(worker)
         for block_hash in hashes:
             if block_hash in blocks:
                 continue
             blocks.add(block_hash)
-            if (here := holders.get(block_hash)) is None:
-                holders[block_hash] = {worker}
-            else:
-                here.add(worker)
+            holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def _remove(self, worker: Worker, hashes: list[int]) -> None:
         blocks = self._blocks.get(worker)
@@ -119,12 +162,14 @@ class KvIndexer:
 
     def _unlink(self, worker: Worker, hashes: Iterable[int]) -> None:
         holders = self._holders
+        keep = ~self._bits.bit(worker)
         for block_hash in hashes:
             here = holders.get(block_hash)
             if here is None:
                 continue
-            here.discard(worker)
-            if not here:
+            if here := here & keep:
+                holders[block_hash] = here
+            else:
                 del holders[block_hash]
 
 
@@ -141,7 +186,8 @@ class PredictedKvIndexer:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._clock = clock
-        self._holders: dict[int, set[Worker]] = {}
+        self._holders: dict[int, int] = {}  # block hash -> mask of the workers assumed to hold it
+        self._bits = WorkerBits()
         # (block hash, worker) -> expiry, soonest first: every entry gets the same TTL when touched, so
         # moving a touched entry to the end keeps the order by expiry and by recency at once.
         self._expiry: OrderedDict[tuple[int, Worker], float] = OrderedDict()
@@ -152,20 +198,19 @@ class PredictedKvIndexer:
     def find_matches(self, hashes: Sequence[int]) -> dict[Worker, int]:
         """{worker: number of leading blocks of ``hashes`` it is assumed to hold}."""
         self._expire(self._clock())
-        return leading_matches(self._holders, hashes)
+        return leading_matches(self._holders, hashes, self._bits)
 
     def record(self, worker: Worker, hashes: Sequence[int]) -> None:
         """A request with blocks ``hashes`` was routed to ``worker``: assume it holds them from now."""
         expires = self._clock() + self.ttl_s
         expiry, holders = self._expiry, self._holders
+        bit = self._bits.bit(worker)
         for block_hash in hashes:
             key = (block_hash, worker)
             if key in expiry:
                 expiry.move_to_end(key)
-            elif (here := holders.get(block_hash)) is None:
-                holders[block_hash] = {worker}
             else:
-                here.add(worker)
+                holders[block_hash] = holders.get(block_hash, 0) | bit
             expiry[key] = expires
         while len(expiry) > self.max_blocks:
             self._drop(*expiry.popitem(last=False)[0])
@@ -175,6 +220,8 @@ class PredictedKvIndexer:
         for key in [key for key in self._expiry if key[1][0] == instance_id]:
             del self._expiry[key]
             self._drop(*key)
+        for worker in [worker for worker in self._bits.known() if worker[0] == instance_id]:
+            self._bits.release(worker)
 
     def _expire(self, now: float) -> None:
         expiry = self._expiry
@@ -189,6 +236,7 @@ class PredictedKvIndexer:
         here = self._holders.get(block_hash)
         if here is None:
             return
-        here.discard(worker)
-        if not here:
+        if here := here & ~self._bits.bit(worker):
+            self._holders[block_hash] = here
+        else:
             del self._holders[block_hash]

@@ -1,6 +1,6 @@
 """The KV index: leading-block matches per worker, fed by KV events that may be odd or out of order."""
 
-from frontend_gateway.routing.kv_indexer import KvIndexer, leading_matches
+from frontend_gateway.routing.kv_indexer import KvIndexer, WorkerBits, leading_matches
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
 
@@ -32,13 +32,14 @@ def test_a_prompt_whose_first_block_nobody_holds_matches_nothing() -> None:
 
 def test_the_walk_stops_at_the_first_block_nobody_holds() -> None:
     # A holder map that fails the test if the walk reads past the first miss.
-    class Watched(dict[int, set[tuple[int, int]]]):
+    class Watched(dict[int, int]):
         def get(self, key: int, default: object = None) -> object:
             assert key in (HASHES[0], HASHES[1]), "the walk went on after a miss"
             return super().get(key, default)
 
-    holders = Watched({HASHES[0]: {A}, HASHES[2]: {A}})
-    assert leading_matches(holders, HASHES) == {A: 1}
+    bits = WorkerBits()
+    holders = Watched({HASHES[0]: bits.bit(A), HASHES[2]: bits.bit(A)})
+    assert leading_matches(holders, HASHES, bits) == {A: 1}
 
 
 def test_a_different_prefix_shares_no_blocks_even_with_equal_later_tokens() -> None:
@@ -104,3 +105,22 @@ def test_removing_an_instance_drops_the_blocks_of_all_its_ranks() -> None:
     index.remove_instance(2)
     assert index.find_matches(HASHES) == {A: 8}
     assert index.workers() == [A]
+
+
+def test_workers_that_leave_give_their_bits_to_newcomers_without_inheriting_blocks() -> None:
+    index = KvIndexer()
+    index.apply(A, [BlockStored(HASHES)])
+    index.apply(B, [BlockStored(HASHES[:4])])
+    index.remove_instance(1)  # A leaves; its bit is free
+    index.apply(C, [BlockStored(HASHES[:2])])  # C takes A's bit
+    assert index.find_matches(HASHES) == {B: 4, C: 2}
+
+
+def test_worker_bits_name_the_workers_of_a_mask() -> None:
+    bits = WorkerBits()
+    assert [bits.bit(worker) for worker in (A, B, C)] == [1, 2, 4]
+    assert set(bits.workers(1 | 4)) == {A, C}
+    bits.release(B)
+    assert set(bits.workers(7)) == {A, C}  # a released bit names nobody
+    assert bits.bit((9, 0)) == 2  # and is given to the next newcomer
+    assert bits.known() == [A, C, (9, 0)]
