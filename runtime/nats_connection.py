@@ -113,12 +113,25 @@ class _DropCounter:
 async def flush(nc: NATS, within: float = 10.0) -> None:
     """Wait until the server has processed all we sent (a PING round trip), up to ``within`` s.
 
-    Use this, not ``nc.flush(timeout)``: nats-py 2.16 cancels the PONG's future when a flush times
-    out, and when that PONG arrives later its reader raises InvalidStateError and stops for good;
-    the connection then looks alive and delivers nothing. Here only our wait ends; the PING's own
-    wait has no limit. Raises TimeoutError, or nats.errors.Error when there is no connection.
+    Use this, not ``nc.flush(timeout)``, for two faults of nats-py 2.16:
+
+    * Its ``flush`` writes the PING straight to the socket, while what was sent before (a SUB, a PUB)
+      may still wait in its buffer for the flusher task. The PONG can then come back before the
+      server has seen them: a subscription "confirmed" that way was missed by another connection's
+      publish ("no responders") about once in 20 under CPU load. So the buffer is written out first
+      (the flusher's own forced flush), and the PING goes after it.
+    * It cancels the PONG's future when a flush times out, and when that PONG arrives later its
+      reader raises InvalidStateError and stops for good; the connection then looks alive and
+      delivers nothing. Here only our wait ends; the PING's own wait has no limit.
+
+    Raises TimeoutError, or nats.errors.Error when there is no connection.
     """
-    await asyncio.wait_for(asyncio.shield(nc.flush(timeout=_NO_LIMIT)), within)
+
+    async def written_then_pinged() -> None:
+        await nc._flush_pending(force_flush=True)  # private, in nats-py 2.16 (pinned): the buffer, written
+        await nc.flush(timeout=_NO_LIMIT)
+
+    await asyncio.wait_for(asyncio.shield(written_then_pinged()), within)
 
 
 # nats-py's flush takes a number of seconds; this one outlasts any process.

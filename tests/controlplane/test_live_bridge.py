@@ -28,7 +28,7 @@ from controlplane.live.bridge import (
 )
 from controlplane.live.groups import pipeline_group
 from runtime.kv_events import BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
-from runtime.nats_connection import connect_nats
+from runtime.nats_connection import connect_nats, flush
 from runtime.supervision import Supervisor
 from tests.controlplane.live_fixtures import TwoPipelines, live_layer, two_placed_pipelines
 from tests.infra import NatsServer
@@ -62,7 +62,7 @@ async def running_bridge(nats_server: NatsServer, live_layer: object) -> AsyncIt
     supervisor = Supervisor(on_fatal=lambda: None)
     bridge = LiveBridge(bridge_nc, layer, InstanceDirectory(database_sync_to_async(read_directory)), supervisor)
     bridge.start()
-    await bridge_nc.flush()  # the subscriptions are in place before a worker publishes
+    await flush(bridge_nc)  # the subscriptions are in place before a worker publishes
     yield Running(bridge, worker, layer)
     await supervisor.close()
     await bridge.close()
@@ -87,7 +87,7 @@ async def receive_load(layer: BaseChannelLayer, channel: str) -> dict[str, Any]:
 
 async def publish_load(worker: NATS, namespace: str, load: WorkerLoad) -> None:
     await worker.publish(f"flotilla.{namespace}.backend.load_metrics", msgspec.json.encode(load))
-    await worker.flush()
+    await flush(worker)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -170,7 +170,7 @@ async def _until_bridge_subscribed(running: Running) -> None:
     """Return once the bridge's two subscriptions are registered on its connection and with the server."""
     nc = running.bridge._nc
     await _until(lambda: len(nc._subs) == 2)  # the supervisor's tasks subscribe on their first turn
-    await nc.flush()
+    await flush(nc)
 
 
 async def _until(condition: Callable[[], bool]) -> None:

@@ -26,6 +26,7 @@ from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX
 from runtime.endpoint import ModelEntry
 from runtime.kv_events import BlockStored, KvEventBatch, KvStateRequest, WorkerLoad
+from runtime.nats_connection import flush
 from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
 from tests.infra import EtcdServer
 from tests.servers import Server
@@ -233,7 +234,7 @@ class NatsListener:
             # be recorded first, so they are matched when asked for, not when they arrive.
             await self._nc.subscribe(ADDRESS.kv_state_subject(0).rsplit(".", 1)[0] + ".*", cb=on_ask)
             await self._nc.subscribe("_INBOX.>", cb=on_answer)
-        await self._nc.flush()
+        await flush(self._nc)
 
     def _record(self, add: Callable[[Any], None], item: Any) -> None:
         with self._changed:

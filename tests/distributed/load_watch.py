@@ -11,6 +11,7 @@ import nats
 from nats.aio.msg import Msg
 
 from runtime.kv_events import WorkerLoad
+from runtime.nats_connection import flush
 
 
 class LoadWatcher:
@@ -82,7 +83,7 @@ class LoadWatcher:
                 self._changed.notify_all()
 
         await connection.subscribe(self._subject, cb=on_metrics)
-        await connection.flush()
+        await flush(connection)
         self._ready.set()
         await self._done.wait()
         await connection.close()

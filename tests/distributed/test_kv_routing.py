@@ -19,6 +19,7 @@ from launcher.cli import build_run_parser, exit_code, parse_run_options
 from runtime.errors import ConfigError
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import BlockStored, KvEventBatch
+from runtime.nats_connection import flush
 from tests.distributed.cluster import Cluster, served_models, wait_until
 from tests.distributed.kv_pool import (
     ADDRESS,
@@ -39,7 +40,7 @@ def publish(nats_url: str, *batches: KvEventBatch) -> None:
         await nc.connect(nats_url)
         for batch in batches:
             await nc.publish(ADDRESS.kv_events_subject(), msgspec.msgpack.encode(batch))
-        await nc.flush()
+        await flush(nc)
         await nc.close()
 
     asyncio.run(send())
@@ -77,7 +78,7 @@ class StateResponder:
             await message.respond(msgspec.msgpack.encode(state))
 
         await self._nc.subscribe(ADDRESS.kv_state_subject(self.instance_id), cb=answer)
-        await self._nc.flush()
+        await flush(self._nc)
 
 
 def test_requests_sharing_a_long_prefix_go_to_the_worker_holding_it(cluster: Cluster) -> None:

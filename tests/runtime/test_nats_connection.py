@@ -37,7 +37,7 @@ async def test_messages_dropped_by_a_slow_subscription_are_reported(nats_server:
         await nc.subscribe("slow", cb=stuck, pending_msgs_limit=2)
         for number in range(10):
             await nc.publish("slow", str(number).encode())
-        await nc.flush()
+        await flush(nc)
         async with asyncio.timeout(5):
             await warnings.arrived.wait()
         assert len(warnings.messages) == 1  # one report, not one line per message
@@ -66,4 +66,45 @@ async def test_a_flush_that_times_out_leaves_the_connection_reading(nats_server:
         async with asyncio.timeout(5):
             assert await received.get() == b"still reading"
     finally:
+        await nc.close()
+
+
+async def test_a_flush_sends_its_ping_after_what_was_sent_before(nats_server: NatsServer) -> None:
+    # nats-py's own flush writes the PING to the socket at once, ahead of a SUB still in its buffer
+    # (here: while its flusher task waits on a slow socket): the PONG would then confirm a
+    # subscription the server has not seen yet.
+    nc = await connect_nats(nats_server.url, name="ordered")
+    wire: list[bytes] = []
+    transport = nc._transport
+    assert transport is not None
+    write, writelines, drain = transport.write, transport.writelines, transport.drain
+    slow_once = [True]
+
+    def recorded_write(payload: bytes) -> None:
+        wire.append(bytes(payload))
+        write(payload)
+
+    def recorded_writelines(payload: list[bytes]) -> None:
+        wire.extend(bytes(part) for part in payload)
+        writelines(payload)
+
+    async def slow_drain() -> None:
+        if slow_once[0]:
+            slow_once[0] = False
+            await asyncio.sleep(0.1)
+        await drain()
+
+    try:
+        transport.write = recorded_write  # type: ignore[method-assign]
+        transport.writelines = recorded_writelines  # type: ignore[method-assign]
+        transport.drain = slow_drain  # type: ignore[method-assign]
+        await nc.publish("ordered.before", b"x")
+        await asyncio.sleep(0.01)  # the flusher wrote the publish and now waits on the socket
+        await nc.subscribe("ordered.subject")  # queued behind it in nats-py's buffer
+        await flush(nc)
+        sent = b"".join(wire)
+        assert b"SUB ordered.subject" in sent and b"PING" in sent
+        assert sent.index(b"SUB ordered.subject") < sent.index(b"PING")
+    finally:
+        transport.write, transport.writelines, transport.drain = write, writelines, drain  # type: ignore[method-assign]
         await nc.close()

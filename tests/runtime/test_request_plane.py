@@ -9,7 +9,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from runtime.engine import RequestContext
-from runtime.nats_connection import connect_nats
+from runtime.nats_connection import connect_nats, flush
 from runtime.request_plane import (
     EndpointServer,
     Probe,
@@ -148,7 +148,7 @@ async def test_heartbeats_keep_a_slow_stream_alive_and_silence_breaks_it(connect
     client = await outlives_silences(nc, worker, heartbeat_interval=0.05, silence_timeout=0.3)
     # A hung worker: it takes the request and then answers nothing, not even probes.
     hung = [await worker.subscribe(subject) for subject in (SUBJECT, SUBJECT + ".control")]
-    await worker.flush()
+    await flush(worker)
     with pytest.raises(StreamBroken, match="went silent"):
         await anext(client.call(SUBJECT, "f", encode(None)))
     for subscription in hung:
@@ -172,7 +172,7 @@ async def test_a_request_the_worker_does_not_know_is_called_silent(connections: 
         await worker.publish(msg.reply, msgspec.msgpack.encode(probe.request_ids))
 
     lost = [await worker.subscribe(SUBJECT), await worker.subscribe(SUBJECT + ".control", cb=answer_probe)]
-    await worker.flush()
+    await flush(worker)
     client = RequestClient(nc, silence_timeout=0.2)
     await client.start()
     with pytest.raises(StreamBroken, match="went silent"):
@@ -189,7 +189,7 @@ async def test_a_malformed_frame_fails_the_request_at_once(connections: tuple[NA
         await worker.publish(msg.reply, b"\xc1 not a frame")  # type: ignore[attr-defined]
 
     await worker.subscribe(SUBJECT, cb=answer_garbage)
-    await worker.flush()
+    await flush(worker)
     client = RequestClient(nc, silence_timeout=60)
     await client.start()
     with pytest.raises(RemoteError, match="malformed frame"):

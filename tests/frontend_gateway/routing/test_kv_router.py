@@ -17,7 +17,7 @@ from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterMode
 from runtime.addressing import EndpointAddress
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
-from runtime.nats_connection import connect_nats
+from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.infra import NatsServer
 
@@ -84,7 +84,7 @@ async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
 async def publish(nc: NATS, instance: InstanceInfo, event_id: int, *events: KvEvent, dp_rank: int = 0) -> None:
     batch = KvEventBatch(instance_id=instance.instance_id, dp_rank=dp_rank, event_id=event_id, events=list(events))
     await nc.publish(ADDRESS.kv_events_subject(), msgspec.msgpack.encode(batch))
-    await nc.flush()
+    await flush(nc)
 
 
 def blocks_of(router: KvRouter, instance: InstanceInfo, dp_rank: int = 0) -> int:
@@ -155,7 +155,7 @@ async def test_a_joining_instance_is_asked_for_its_whole_cache(make_router: Any,
         await message.respond(msgspec.msgpack.encode(state))
 
     await publisher.subscribe(ADDRESS.kv_state_subject(B.instance_id), cb=answer)
-    await publisher.flush()
+    await flush(publisher)
     router = await make_router(instances=(A,))
     router.instance_added(B)
     await until(router, lambda: blocks_of(router, B) == 7)
@@ -172,7 +172,7 @@ async def test_a_gap_in_event_ids_makes_the_router_ask_for_the_whole_state(make_
 
     router = await make_router(instances=(A,))  # B joins later: the first ask is answered too
     await publisher.subscribe(ADDRESS.kv_state_subject(B.instance_id), cb=answer)
-    await publisher.flush()
+    await flush(publisher)
     router.instance_added(B)
     await until(router, lambda: router.state_syncs == 1)
     await publish(publisher, B, 1, BlockStored(HASHES))
