@@ -47,6 +47,7 @@ from nats.aio.subscription import Subscription
 
 from runtime.engine import RequestContext
 from runtime.errors import FlotillaError
+from runtime.loop_bound import SingleReaderQueue, Wakeup
 from runtime.nats_connection import flush
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class _Stream:
         self.acked = 0  # the last DATA frame the client took
         self.last_sent = time.monotonic()
         self.task: asyncio.Task[None] | None = None
-        self.wake = asyncio.Event()  # new outputs, the end, or an ack that reopens the window
+        self.wake = Wakeup()  # new outputs, the end, or an ack that reopens the window
 
     @property
     def window_full(self) -> bool:
@@ -388,8 +389,8 @@ class _Inbox:
         caught_up: Callable[[], Awaitable[bool]],
         running: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
-        self.queue: asyncio.Queue[Frame | None] = asyncio.Queue()  # None: the worker went silent
         self._loop = asyncio.get_running_loop()
+        self.queue: SingleReaderQueue[Frame | None] = SingleReaderQueue(self._loop)  # None: the worker went silent
         self._silence = silence_timeout
         self._caught_up = caught_up
         self._running = running
