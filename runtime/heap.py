@@ -15,7 +15,7 @@ objects allocated since the last pass outnumber those freed by 700; in a server 
 and down with the requests in flight, so the passes come every few hundred milliseconds and each one
 walks what the requests in flight hold. In the ingress and the workers that is their prompts, lists
 of thousands of token ids: a young pass took 2-9 ms there (a ``gc.callbacks`` probe under the trace
-replay, 40 passes of 2 ms or more in 30 s). At ``YOUNG_THRESHOLD`` the count is reached by real growth
+replay, 49 passes of 2 ms or more in 30 s). At ``YOUNG_THRESHOLD`` the count is reached by real growth
 (caches filling up), not by the ebb and flow of requests, so passes are rare; a request's objects are
 mostly freed by reference counting before any pass sees them.
 """
