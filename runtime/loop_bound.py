@@ -58,31 +58,26 @@ class Wakeup:
 class SingleReaderQueue(Generic[T]):
     """An unbounded FIFO with one reader: ``put_nowait`` from anywhere on the loop, ``await get()``."""
 
-    __slots__ = ("_items", "_loop", "_waiter")
+    __slots__ = ("_items", "_ready")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = asyncio.get_running_loop() if loop is None else loop
         self._items: deque[T] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._ready = Wakeup(loop)  # set when an item arrives
 
     def qsize(self) -> int:
         return len(self._items)
 
     def put_nowait(self, item: T) -> None:
         self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._ready.set()
 
     async def get(self) -> T:
         """The oldest item, waiting for one if there is none. Raises RuntimeError if another task reads."""
         items = self._items
         while not items:
-            if self._waiter is not None:
-                raise RuntimeError("a SingleReaderQueue serves one reader at a time")
-            waiter = self._waiter = self._loop.create_future()
+            self._ready.clear()
             try:
-                await waiter
-            finally:
-                self._waiter = None
+                await self._ready.wait()
+            except RuntimeError:
+                raise RuntimeError("a SingleReaderQueue serves one reader at a time") from None
         return items.popleft()

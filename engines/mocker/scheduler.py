@@ -377,10 +377,8 @@ class Scheduler:
                 finished = True
         if finished:
             self.running = [sequence for sequence in self.running if not sequence.done]
-        if firsts:
-            firsts.extend(touched)
-            return firsts
-        return touched
+        firsts.extend(touched)
+        return firsts
 
     def _commit(self, sequence: Sequence, computed: int) -> None:
         """Name the blocks ``sequence`` fills up to its first ``computed`` tokens (scheduled this step)."""

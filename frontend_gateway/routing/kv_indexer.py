@@ -96,6 +96,17 @@ def leading_matches(holders: dict[int, int], hashes: Sequence[int], bits: Worker
     return matches
 
 
+def _drop_holder(holders: dict[int, int], block_hash: int, keep: int) -> None:
+    """Clear the bits not in ``keep`` from the holders of ``block_hash``; forget the block if none is left."""
+    here = holders.get(block_hash)
+    if here is None:
+        return
+    if here := here & keep:
+        holders[block_hash] = here
+    else:
+        del holders[block_hash]
+
+
 class KvIndexer:
     """The blocks each worker holds, as its KV events tell them."""
 
@@ -131,7 +142,7 @@ class KvIndexer:
 
     def remove_instance(self, instance_id: int) -> None:
         """Forget every block of every dp rank of ``instance_id``."""
-        for worker in [worker for worker in self._blocks if worker[0] == instance_id]:
+        for worker in [worker for worker in self._bits.known() if worker[0] == instance_id]:
             self.clear_worker(worker)
             self._bits.release(worker)
 
@@ -164,13 +175,7 @@ class KvIndexer:
         holders = self._holders
         keep = ~self._bits.bit(worker)
         for block_hash in hashes:
-            here = holders.get(block_hash)
-            if here is None:
-                continue
-            if here := here & keep:
-                holders[block_hash] = here
-            else:
-                del holders[block_hash]
+            _drop_holder(holders, block_hash, keep)
 
 
 class PredictedKvIndexer:
@@ -233,10 +238,4 @@ class PredictedKvIndexer:
             self._drop(*key)
 
     def _drop(self, block_hash: int, worker: Worker) -> None:
-        here = self._holders.get(block_hash)
-        if here is None:
-            return
-        if here := here & ~self._bits.bit(worker):
-            self._holders[block_hash] = here
-        else:
-            del self._holders[block_hash]
+        _drop_holder(self._holders, block_hash, ~self._bits.bit(worker))
