@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
+from frontend_gateway.routing.protocol import DEFAULT_QUEUED_PREFILL_WEIGHT
 from launcher.env_flags import EnvArgumentParser, parse_boolean
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
@@ -159,6 +160,13 @@ def _non_negative_number(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = _non_negative_number(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1")
+    return value
+
+
 def _labels(text: str) -> dict[str, str]:
     # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
     from runtime.endpoint import parse_labels
@@ -284,6 +292,14 @@ def build_run_parser() -> EnvArgumentParser:
         "0 balances load only (default 1.0)",
     )
     run.add_flag(
+        "--kv-queued-prefill-weight",
+        env="FLOTILLA_KV_QUEUED_PREFILL_WEIGHT",
+        type=_share,
+        help="--router-mode kv: share (0..1) of the prompt tokens already on their way to a worker that "
+        "counts as prefill a new request waits for there; 1 counts them in full, as Dynamo does "
+        f"(default {DEFAULT_QUEUED_PREFILL_WEIGHT:g}: part of them is computed by the time they are counted)",
+    )
+    run.add_flag(
         "--router-temperature",
         env="FLOTILLA_ROUTER_TEMPERATURE",
         type=_non_negative_number,
@@ -397,6 +413,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         temperature=namespace.temperature,
         router_mode=namespace.router_mode or "round-robin",
         kv_overlap_score_weight=_or(namespace.kv_overlap_score_weight, 1.0),
+        kv_queued_prefill_weight=_or(namespace.kv_queued_prefill_weight, DEFAULT_QUEUED_PREFILL_WEIGHT),
         router_temperature=_or(namespace.router_temperature, 0.0),
         use_kv_events=_or(namespace.use_kv_events, True),
         worker_router=_worker_router(namespace),

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from frontend_gateway.routing.protocol import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.fleet_tasks import PipelineRouter
 
 ENGINES = ("echo_core", "echo_full", "llamacpp", "mocker", "dyn")
@@ -29,6 +30,7 @@ class RunOptions:
     temperature: float | None = None
     router_mode: str = "round-robin"  # "random", "round-robin" or "kv" (frontend_gateway/routing/)
     kv_overlap_score_weight: float = 1.0
+    kv_queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     router_temperature: float = 0.0
     use_kv_events: bool = True
     router_ttl_s: float = 120.0  # how long --use-kv-events false assumes a routed prefix stays cached

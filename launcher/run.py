@@ -175,6 +175,7 @@ async def run_ingress(options: RunOptions) -> int:
         router=RouterSettings(
             mode=RouterMode(options.router_mode),
             overlap_score_weight=options.kv_overlap_score_weight,
+            queued_prefill_weight=options.kv_queued_prefill_weight,
             temperature=options.router_temperature,
             use_kv_events=options.use_kv_events,
             predicted_ttl_s=options.router_ttl_s,

@@ -158,6 +158,7 @@ class KvRouter:
             self.block_size,
             snapshots,
             overlap_score_weight=settings.overlap_score_weight,
+            queued_prefill_weight=settings.queued_prefill_weight,
             temperature=settings.temperature,
             rng=self._rng,
         )

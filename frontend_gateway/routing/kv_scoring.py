@@ -4,8 +4,10 @@ For each worker, in blocks of the model's block size::
 
     cost = overlap_score_weight × prefill blocks + decode blocks
 
-where *prefill blocks* is the prompt left to compute there after its cache hit plus the prompt tokens
-already in flight to that worker and not yet computed, and *decode blocks* the KV blocks its active
+where *prefill blocks* is the prompt left to compute there after its cache hit plus
+``queued_prefill_weight`` × the prompt tokens already in flight to that worker and not yet known to be
+computed (Dynamo's router counts those in full; see routing/protocol.py for why a share is closer to
+the wait they mean), and *decode blocks* the KV blocks its active
 requests hold plus those this request would add there (its prompt blocks that no running request there
 holds yet, and its own: see kv_load.py), as Dynamo's router projects them. The cheapest worker wins,
 ties at random. With a temperature above zero the worker is
@@ -43,13 +45,18 @@ class Scored:
 
 
 def worker_costs(
-    prompt_tokens: int, block_size: int, workers: Sequence[WorkerSnapshot], *, overlap_score_weight: float
+    prompt_tokens: int,
+    block_size: int,
+    workers: Sequence[WorkerSnapshot],
+    *,
+    overlap_score_weight: float,
+    queued_prefill_weight: float = 1.0,
 ) -> list[Scored]:
     """The cost of sending a ``prompt_tokens``-token request to each of ``workers``, in their order."""
     scored: list[Scored] = []
     for snapshot in workers:
         to_compute = max(0, prompt_tokens - snapshot.overlap_blocks * block_size)
-        prefill_blocks = (to_compute + snapshot.prefill_tokens_in_flight) / block_size
+        prefill_blocks = (to_compute + queued_prefill_weight * snapshot.prefill_tokens_in_flight) / block_size
         cost = overlap_score_weight * prefill_blocks + snapshot.decode_blocks + snapshot.new_blocks
         scored.append(Scored(snapshot.worker, cost, snapshot.overlap_blocks, to_compute))
     return scored
@@ -95,9 +102,16 @@ def choose_worker(
     overlap_score_weight: float,
     temperature: float,
     rng: random.Random,
+    queued_prefill_weight: float = 1.0,
 ) -> Scored | None:
     """The worker for a ``prompt_tokens``-token request among ``workers``, or None when there is none."""
     if not workers:
         return None
-    scored = worker_costs(prompt_tokens, block_size, workers, overlap_score_weight=overlap_score_weight)
+    scored = worker_costs(
+        prompt_tokens,
+        block_size,
+        workers,
+        overlap_score_weight=overlap_score_weight,
+        queued_prefill_weight=queued_prefill_weight,
+    )
     return pick(scored, temperature=temperature, rng=rng)

@@ -15,6 +15,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from frontend_gateway.routing.protocol import DEFAULT_QUEUED_PREFILL_WEIGHT
 from launcher.cli import build_run_parser, exit_code, parse_run_options
 from runtime.errors import ConfigError
 from runtime.kv_blocks import sequence_block_hashes
@@ -159,6 +160,8 @@ def test_a_restarted_ingress_and_a_second_replica_route_by_the_workers_cache_sta
     [
         ("--router-mode", "kvv", "argument --router-mode: invalid choice: 'kvv'"),
         ("--kv-overlap-score-weight", "-1", "argument --kv-overlap-score-weight: -1.0 must be a finite number"),
+        ("--kv-queued-prefill-weight", "1.5", "argument --kv-queued-prefill-weight: 1.5 must be between 0 and 1"),
+        ("--kv-queued-prefill-weight", "-0.5", "argument --kv-queued-prefill-weight: -0.5 must be a finite number"),
         ("--router-temperature", "hot", "argument --router-temperature: 'hot' is not a number"),
         ("--use-kv-events", "maybe", "argument --use-kv-events: 'maybe' is not a boolean"),
         ("--router-ttl", "0", "argument --router-ttl: 0.0 must be a positive number of seconds"),
@@ -185,7 +188,10 @@ def test_the_router_flags_reach_the_options(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("FLOTILLA_ROUTER_TTL_S", "30")
     parser = build_run_parser()
     args = ["in=http", "out=dyn", "--router-mode", "kv", "--kv-overlap-score-weight", "2.5"]
-    args += ["--router-temperature", "0.7", "--use-kv-events", "false"]
+    args += ["--router-temperature", "0.7", "--use-kv-events", "false", "--kv-queued-prefill-weight", "0.25"]
     options = parse_run_options(parser, parser.parse_intermixed_args(args))
     assert (options.router_mode, options.kv_overlap_score_weight, options.router_temperature) == ("kv", 2.5, 0.7)
+    assert options.kv_queued_prefill_weight == 0.25
+    plain = parse_run_options(parser, parser.parse_intermixed_args(["in=http", "out=dyn", "--router-mode", "kv"]))
+    assert plain.kv_queued_prefill_weight == DEFAULT_QUEUED_PREFILL_WEIGHT == 0.5
     assert (options.use_kv_events, options.router_ttl_s) == (False, 30.0)

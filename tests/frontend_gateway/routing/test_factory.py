@@ -44,6 +44,9 @@ def test_the_kv_router_needs_a_block_size_and_an_endpoint() -> None:
     [
         ("overlap_score_weight", -0.5),
         ("overlap_score_weight", float("nan")),
+        ("queued_prefill_weight", -0.1),
+        ("queued_prefill_weight", 1.5),
+        ("queued_prefill_weight", float("nan")),
         ("temperature", -1.0),
         ("predicted_ttl_s", 0.0),
         ("predicted_max_blocks", 0),

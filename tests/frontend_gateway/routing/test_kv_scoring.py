@@ -31,6 +31,35 @@ def test_costs_weigh_the_prefill_left_after_the_hit_against_active_decode_blocks
         assert chosen is not None and chosen.worker == winner
 
 
+def test_prefill_already_in_flight_counts_at_its_weight() -> None:
+    # A 128-token prompt in blocks of 16. A holds all but the last block: 16 tokens to compute, and 256
+    # prompt tokens of other requests are in flight there. B holds nothing and has nothing in flight.
+    # Counted in full, A has (16 + 256) / 16 = 17 prefill blocks against B's 8: B wins. At weight 0.5,
+    # A has (16 + 128) / 16 = 9 against 8 (still B); at 0.25, (16 + 64) / 16 = 5 against 8: A wins.
+    workers = [WorkerSnapshot(A, 7, 256, 0), WorkerSnapshot(B, 0, 0, 0)]
+    costs = {
+        queued: [
+            entry.cost
+            for entry in worker_costs(128, 16, workers, overlap_score_weight=1.0, queued_prefill_weight=queued)
+        ]
+        for queued in (1.0, 0.5, 0.25)
+    }
+    assert costs == {1.0: [17.0, 8.0], 0.5: [9.0, 8.0], 0.25: [5.0, 8.0]}
+    for queued, winner in ((1.0, B), (0.5, B), (0.25, A)):
+        chosen = choose_worker(
+            128,
+            16,
+            workers,
+            overlap_score_weight=1.0,
+            temperature=0.0,
+            rng=random.Random(0),
+            queued_prefill_weight=queued,
+        )
+        assert chosen is not None and chosen.worker == winner
+        # What the request itself has to compute is not weighed down: it is still all of it.
+        assert chosen.prefill_tokens == (16 if winner == A else 128)
+
+
 def test_weight_zero_balances_on_decode_blocks_alone() -> None:
     workers = [WorkerSnapshot(A, 8, 0, 5), WorkerSnapshot(B, 0, 500, 4)]
     chosen = choose_worker(128, 16, workers, overlap_score_weight=0.0, temperature=0.0, rng=random.Random(0))
