@@ -50,7 +50,7 @@ def worker_costs(
     workers: Sequence[WorkerSnapshot],
     *,
     overlap_score_weight: float,
-    queued_prefill_weight: float = 1.0,
+    queued_prefill_weight: float,
 ) -> list[Scored]:
     """The cost of sending a ``prompt_tokens``-token request to each of ``workers``, in their order."""
     scored: list[Scored] = []
@@ -100,9 +100,9 @@ def choose_worker(
     workers: Sequence[WorkerSnapshot],
     *,
     overlap_score_weight: float,
+    queued_prefill_weight: float,
     temperature: float,
     rng: random.Random,
-    queued_prefill_weight: float = 1.0,
 ) -> Scored | None:
     """The worker for a ``prompt_tokens``-token request among ``workers``, or None when there is none."""
     if not workers:

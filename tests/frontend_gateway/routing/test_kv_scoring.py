@@ -23,11 +23,19 @@ def test_costs_weigh_the_prefill_left_after_the_hit_against_active_decode_blocks
     # already in flight there → (36 + 32) / 16 = 4.25 prefill blocks; 10 decode blocks active.
     # B holds nothing: 100 / 16 = 6.25 prefill blocks, 2 decode blocks.
     workers = [WorkerSnapshot(A, 4, 32, 10), WorkerSnapshot(B, 0, 0, 2)]
-    scored = worker_costs(100, 16, workers, overlap_score_weight=2.0)
+    scored = worker_costs(100, 16, workers, overlap_score_weight=2.0, queued_prefill_weight=1.0)
     assert scored == [Scored(A, 2.0 * 4.25 + 10, 4, 36), Scored(B, 2.0 * 6.25 + 2, 0, 100)]
     # Weight 2: A costs 18.5, B 14.5, so B wins; weight 4: A 27, B 27 - a tie; weight 5: A 31.25 < B 33.25.
     for weight, winner in ((2.0, B), (5.0, A)):
-        chosen = choose_worker(100, 16, workers, overlap_score_weight=weight, temperature=0.0, rng=random.Random(0))
+        chosen = choose_worker(
+            100,
+            16,
+            workers,
+            overlap_score_weight=weight,
+            queued_prefill_weight=1.0,
+            temperature=0.0,
+            rng=random.Random(0),
+        )
         assert chosen is not None and chosen.worker == winner
 
 
@@ -62,18 +70,22 @@ def test_prefill_already_in_flight_counts_at_its_weight() -> None:
 
 def test_weight_zero_balances_on_decode_blocks_alone() -> None:
     workers = [WorkerSnapshot(A, 8, 0, 5), WorkerSnapshot(B, 0, 500, 4)]
-    chosen = choose_worker(128, 16, workers, overlap_score_weight=0.0, temperature=0.0, rng=random.Random(0))
+    chosen = choose_worker(
+        128, 16, workers, overlap_score_weight=0.0, queued_prefill_weight=1.0, temperature=0.0, rng=random.Random(0)
+    )
     assert chosen is not None and chosen.worker == B and chosen.cost == 4
 
 
 def test_the_longest_cached_prefix_wins_when_loads_are_equal() -> None:
     workers = [WorkerSnapshot(A, 1, 0, 0), WorkerSnapshot(B, 6, 0, 0), WorkerSnapshot(C, 3, 0, 0)]
-    chosen = choose_worker(128, 16, workers, overlap_score_weight=1.0, temperature=0.0, rng=random.Random(0))
+    chosen = choose_worker(
+        128, 16, workers, overlap_score_weight=1.0, queued_prefill_weight=1.0, temperature=0.0, rng=random.Random(0)
+    )
     assert chosen == Scored(B, 2.0, 6, 32)
 
 
 def test_a_fully_cached_prompt_has_nothing_left_to_compute() -> None:
-    scored = worker_costs(32, 16, [WorkerSnapshot(A, 2, 0, 0)], overlap_score_weight=1.0)
+    scored = worker_costs(32, 16, [WorkerSnapshot(A, 2, 0, 0)], overlap_score_weight=1.0, queued_prefill_weight=1.0)
     assert scored == [Scored(A, 0.0, 2, 0)]
 
 
@@ -112,7 +124,12 @@ def test_a_tiny_temperature_is_practically_the_cheapest_and_a_huge_one_practical
 
 
 def test_no_workers_means_no_choice() -> None:
-    assert choose_worker(10, 16, [], overlap_score_weight=1.0, temperature=0.0, rng=random.Random()) is None
+    assert (
+        choose_worker(
+            10, 16, [], overlap_score_weight=1.0, queued_prefill_weight=1.0, temperature=0.0, rng=random.Random()
+        )
+        is None
+    )
     with pytest.raises(ValueError, match="no worker"):
         pick([], temperature=0.0, rng=random.Random())
 
@@ -121,5 +138,5 @@ def test_blocks_the_request_would_add_count_as_decode_load() -> None:
     # A 64-token prompt in blocks of 16, nothing cached anywhere. A runs 10 blocks, of which the prompt
     # shares 3 (a system prompt): it adds 1 there; B runs 9, none shared: the prompt adds all 4.
     workers = [WorkerSnapshot(A, 0, 0, 10, new_blocks=1), WorkerSnapshot(B, 0, 0, 9, new_blocks=4)]
-    scored = worker_costs(64, 16, workers, overlap_score_weight=1.0)
+    scored = worker_costs(64, 16, workers, overlap_score_weight=1.0, queued_prefill_weight=1.0)
     assert scored == [Scored(A, 4.0 + 10 + 1, 0, 64), Scored(B, 4.0 + 9 + 4, 0, 64)]
