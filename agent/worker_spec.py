@@ -41,6 +41,7 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
         argv += [
             "--router-mode", router.mode,
             "--kv-overlap-score-weight", repr(router.overlap_score_weight),
+            "--kv-queued-prefill-weight", repr(router.queued_prefill_weight),
             "--router-temperature", repr(router.temperature),
             "--use-kv-events", "true" if router.use_kv_events else "false",
         ]  # fmt: skip

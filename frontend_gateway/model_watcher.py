@@ -248,6 +248,7 @@ class ModelWatcher:
             self.router_settings,
             mode=RouterMode(registered.mode),
             overlap_score_weight=registered.overlap_score_weight,
+            queued_prefill_weight=registered.queued_prefill_weight,
             temperature=registered.temperature,
             use_kv_events=registered.use_kv_events,
         )

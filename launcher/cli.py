@@ -12,13 +12,12 @@ from typing import TypeVar
 
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
-from frontend_gateway.routing.protocol import DEFAULT_QUEUED_PREFILL_WEIGHT
 from launcher.env_flags import EnvArgumentParser, parse_boolean
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
-from runtime.fleet_tasks import PipelineRouter
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.logging import configure_logging
 from runtime.settings import check_settings
 
@@ -88,12 +87,19 @@ def _or(value: T | None, default: T) -> T:
 def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
     """The ``--router-*`` flags given (by flag or variable), for a worker to register with its model;
     None when none was: the gateway's own settings apply then."""
-    given = (namespace.router_mode, namespace.kv_overlap_score_weight, namespace.router_temperature)
-    if all(value is None for value in given) and namespace.use_kv_events is None:
+    given = (
+        namespace.router_mode,
+        namespace.kv_overlap_score_weight,
+        namespace.kv_queued_prefill_weight,
+        namespace.router_temperature,
+        namespace.use_kv_events,
+    )
+    if all(value is None for value in given):
         return None
     return PipelineRouter(
         mode=namespace.router_mode or "round-robin",
         overlap_score_weight=_or(namespace.kv_overlap_score_weight, 1.0),
+        queued_prefill_weight=_or(namespace.kv_queued_prefill_weight, DEFAULT_QUEUED_PREFILL_WEIGHT),
         temperature=_or(namespace.router_temperature, 0.0),
         use_kv_events=_or(namespace.use_kv_events, True),
     )

@@ -3,8 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from frontend_gateway.routing.protocol import DEFAULT_QUEUED_PREFILL_WEIGHT
-from runtime.fleet_tasks import PipelineRouter
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
 ENGINES = ("echo_core", "echo_full", "llamacpp", "mocker", "dyn")
 # Engines on the road map (DESIGN.md); named so that asking for one gets a clear answer.

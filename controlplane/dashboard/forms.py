@@ -24,6 +24,7 @@ from controlplane.deployments.actions import (
 )
 from controlplane.deployments.models import Pipeline, PlacementPolicy, RouterMode, WorkerGroup, validate_served_name
 from controlplane.errors import Conflict, Invalid
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
 
@@ -120,6 +121,13 @@ class PipelineForm(ActionForm):
     kv_overlap_score_weight = forms.FloatField(
         min_value=0, max_value=MAX_ROUTER_WEIGHT, initial=1.0, label="KV overlap weight", help_text="kv mode."
     )
+    kv_queued_prefill_weight = forms.FloatField(
+        min_value=0,
+        max_value=1,
+        initial=DEFAULT_QUEUED_PREFILL_WEIGHT,
+        label="KV queued prefill weight",
+        help_text="kv mode: how much (0..1) of the prompts already on their way to a worker counts.",
+    )
     router_temperature = forms.FloatField(
         min_value=0, max_value=MAX_ROUTER_TEMPERATURE, initial=0.0, label="Router temperature", help_text="kv mode."
     )
@@ -146,6 +154,7 @@ class PipelineForm(ActionForm):
                 groups=[group],
                 router_mode=data["router_mode"],
                 kv_overlap_score_weight=data["kv_overlap_score_weight"],
+                kv_queued_prefill_weight=data["kv_queued_prefill_weight"],
                 router_temperature=data["router_temperature"],
                 use_kv_events=data["use_kv_events"],
                 placement_policy=data["placement_policy"],

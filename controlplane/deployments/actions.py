@@ -40,6 +40,7 @@ SETTING_FIELDS = frozenset(
     {
         "router_mode",
         "kv_overlap_score_weight",
+        "kv_queued_prefill_weight",
         "router_temperature",
         "use_kv_events",
         "placement_policy",
@@ -311,6 +312,9 @@ def _check_settings(settings: dict[str, Any]) -> None:
     weight = settings.get("kv_overlap_score_weight")
     if weight is not None and not (math.isfinite(weight) and 0 <= weight <= MAX_ROUTER_WEIGHT):
         raise Invalid(f"must be between 0 and {MAX_ROUTER_WEIGHT:g}", field="kv_overlap_score_weight")
+    queued = settings.get("kv_queued_prefill_weight")
+    if queued is not None and not (math.isfinite(queued) and 0 <= queued <= 1):
+        raise Invalid("must be between 0 and 1", field="kv_queued_prefill_weight")
     temperature = settings.get("router_temperature")
     if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_ROUTER_TEMPERATURE):
         raise Invalid(f"must be between 0 and {MAX_ROUTER_TEMPERATURE:g}", field="router_temperature")

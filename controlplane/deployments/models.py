@@ -8,6 +8,7 @@ from django.db import models
 
 from controlplane.catalog.engines import Engine
 from runtime.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 # What clients put in an OpenAI request's "model": "smol", "Qwen/Qwen3-0.6B", "llama-3.1-8b:instruct".
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
@@ -52,6 +53,7 @@ class Pipeline(models.Model):
     state = models.CharField(max_length=8, choices=State.choices, default=State.RUNNING)
     router_mode = models.CharField(max_length=16, choices=RouterMode.choices, default=RouterMode.ROUND_ROBIN)
     kv_overlap_score_weight = models.FloatField(default=1.0)
+    kv_queued_prefill_weight = models.FloatField(default=DEFAULT_QUEUED_PREFILL_WEIGHT)  # 0..1
     router_temperature = models.FloatField(default=0.0)
     use_kv_events = models.BooleanField(default=True)
     placement_policy = models.CharField(max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)

@@ -54,6 +54,7 @@ def start_message(instance: Instance) -> StartInstance:
         router=PipelineRouter(
             mode=pipeline.router_mode,
             overlap_score_weight=pipeline.kv_overlap_score_weight,
+            queued_prefill_weight=pipeline.kv_queued_prefill_weight,
             temperature=pipeline.router_temperature,
             use_kv_events=pipeline.use_kv_events,
         ),

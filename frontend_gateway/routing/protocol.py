@@ -17,15 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.protocol import PreprocessedRequest, TextRequest
 
 #: Defaults of the KV router's settings (the flags of launcher/cli.py show them too).
 DEFAULT_OVERLAP_SCORE_WEIGHT = 1.0
-#: Share of the prompt tokens already in flight to a worker that a new request is taken to wait for: by
-#: the time the router counts them, the step in progress has computed part of them and some are done with
-#: their notice on its way; and unlike the request's own prefill they delay only it, not every request
-#: queued behind it. 0.5 measured best with weight 8 (bench/routing_sim.py, docs/benchmarks.md).
-DEFAULT_QUEUED_PREFILL_WEIGHT = 0.5
 DEFAULT_PREDICTED_TTL_S = 120.0
 # Entries (block, worker) the predicting indexer keeps: 16 workers' worth of 16k blocks each, ~50 MB at most.
 DEFAULT_PREDICTED_MAX_BLOCKS = 1 << 18
@@ -71,7 +67,8 @@ class RouterSettings:
     mode: RouterMode = RouterMode.ROUND_ROBIN
     #: Weight of the prefill work still to do (in blocks) against the decode blocks already active.
     overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT
-    #: Weight of the prompt tokens already in flight to a worker against the request's own prefill.
+    #: Weight of the prompt tokens already in flight to a worker against the request's own prefill (the
+    #: default, shared with pipelines' settings, is explained in runtime/fleet_tasks.py).
     queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     #: 0: always the cheapest worker; above: sample from a softmax over normalised costs.
     temperature: float = 0.0

@@ -116,11 +116,15 @@ def test_labels_are_refused_for_an_input_that_registers_nothing() -> None:
 
 
 def test_a_pipelines_router_settings_become_the_workers_router_flags() -> None:
-    router = PipelineRouter(mode="kv", overlap_score_weight=2.5, temperature=0.1, use_kv_events=False)
+    router = PipelineRouter(
+        mode="kv", overlap_score_weight=2.5, queued_prefill_weight=0.25, temperature=0.1, use_kv_events=False
+    )
     spec = WorkerSpec(instance_id=7, pipeline="chat", group="aggregated", replica=0, engine="echo_full", router=router)
+    argv = worker_argv(spec, "gpu-a")
+    assert argv[argv.index("--kv-queued-prefill-weight") + 1] == "0.25"
     # What `flotilla run` makes of them (after `python -m launcher.cli run`): the same settings, which
     # it registers with the model.
-    assert run_options(worker_argv(spec, "gpu-a")[4:]).worker_router == router
+    assert run_options(argv[4:]).worker_router == router
     assert run_options(worker_argv(msgspec.structs.replace(spec, router=None), "gpu-a")[4:]).worker_router is None
 
 

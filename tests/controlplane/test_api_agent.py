@@ -47,7 +47,7 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
         {
             "name": "org/smol-chat",
             "model": "smol",
-            "router": {"mode": "kv", "temperature": 0.5},
+            "router": {"mode": "kv", "temperature": 0.5, "kv_queued_prefill_weight": 0.25},
             "groups": [{"replicas": 1, "gpus_per_replica": 1, "engine_args": {"dp_size": 2}}],
         },
         format="json",
@@ -59,7 +59,14 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
     assert spec["served_model_name"] == "org/smol-chat"
     assert spec["gpu_indexes"] == [1]  # the emptier GPU
     assert spec["engine_args"] == {"speedup_ratio": 10, "dp_size": 2}  # the group's args over the model's
-    assert spec["router"] == {"mode": "kv", "kv_overlap_score_weight": 1.0, "temperature": 0.5, "use_kv_events": True}
+    assert deployed["router"]["kv_queued_prefill_weight"] == 0.25
+    assert spec["router"] == {
+        "mode": "kv",
+        "kv_overlap_score_weight": 1.0,
+        "kv_queued_prefill_weight": 0.25,
+        "temperature": 0.5,
+        "use_kv_events": True,
+    }
     assert spec["model"]["source"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
     state_path = f"/api/v1/agent/instances/{spec['id']}/state/"

@@ -157,6 +157,8 @@ def pipeline_body(**change: Any) -> dict[str, Any]:
         ({"router": {"mode": "smart"}}, ["router", "mode"]),
         ({"router": {"temperature": -0.1}}, ["router", "temperature"]),
         ({"router": {"kv_overlap_score_weight": "heavy"}}, ["router", "kv_overlap_score_weight"]),
+        ({"router": {"kv_queued_prefill_weight": 1.5}}, ["router", "kv_queued_prefill_weight"]),
+        ({"router": {"kv_queued_prefill_weight": "x"}}, ["router", "kv_queued_prefill_weight"]),
         ({"router": {"use_kv_events": "perhaps"}}, ["router", "use_kv_events"]),
         ({"router": "kv"}, ["router"]),
         ({"placement": {"policy": "random"}}, ["placement", "policy"]),

@@ -148,12 +148,15 @@ def test_the_pages_include_the_partials_the_live_updates_replace() -> None:
 
 def test_the_pipeline_page_shows_its_settings_and_why_an_instance_waits() -> None:
     make_node("gpu-a", gpus_gib=(24,))
-    big = deploy("big", replicas=1, gpus_per_replica=4, router_mode="kv", router_temperature=0.5)
+    big = deploy(
+        "big", replicas=1, gpus_per_replica=4, router_mode="kv", router_temperature=0.5, kv_queued_prefill_weight=0.25
+    )
     place_pending_instances(TEST_ACTOR)
     page = logged_in(Role.READ_ONLY).get(f"/pipelines/{big.pk}/").content.decode()
     reason = Instance.objects.get(pipeline=big).reason
     assert reason and page.count(reason) >= 2  # in the pipeline's row and in the instance's
     assert "temperature 0.5" in page and "dyn://big" in page and "not placed" in page
+    assert "queued prefill weight 0.25" in page
 
 
 def test_an_unknown_pipeline_is_a_404_and_a_huge_id_is_too() -> None:

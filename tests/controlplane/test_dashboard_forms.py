@@ -32,6 +32,7 @@ A_PIPELINE = {
     "gpus_per_replica": "0",
     "router_mode": "kv",
     "kv_overlap_score_weight": "1.5",
+    "kv_queued_prefill_weight": "0.25",
     "router_temperature": "0.2",
     "use_kv_events": "on",
     "engine_args": "",
@@ -100,6 +101,7 @@ def test_an_operator_deploys_a_pipeline_and_lands_on_its_page() -> None:
     pipeline = Pipeline.objects.get()
     assert (response.status_code, response["Location"]) == (302, f"/pipelines/{pipeline.pk}/")
     assert (pipeline.router_mode, pipeline.kv_overlap_score_weight, pipeline.router_temperature) == ("kv", 1.5, 0.2)
+    assert pipeline.kv_queued_prefill_weight == 0.25
     assert pipeline.use_kv_events and pipeline.placement_policy == "binpack"
     group = pipeline.groups.get()
     assert (group.engine, group.replicas, group.gpus_per_replica) == ("mocker", 2, 0)
@@ -122,6 +124,7 @@ def test_an_unticked_kv_events_box_turns_them_off_and_engine_args_reach_the_grou
         ({"engine": "vllm"}, "vllm runs on GPUs; set gpus_per_replica to 1 or more"),  # the action's, form-wide
         ({"replicas": "513"}, "less than or equal to 512"),
         ({"router_temperature": "-1"}, "greater than or equal to 0"),
+        ({"kv_queued_prefill_weight": "1.5"}, "less than or equal to 1"),
         ({"model": "nope"}, "Select a valid choice"),
         ({"name": "bad name!"}, "1-200 letters, digits"),
         ({"engine_args": "3"}, "A JSON object"),

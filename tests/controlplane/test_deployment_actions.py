@@ -87,6 +87,7 @@ def test_prefill_and_decode_groups_make_one_pipeline() -> None:
         ({"pinned_nodes": ["ghost"]}, "pinned_nodes", "no node is named 'ghost'"),
         ({"pinned_gpus": [0]}, "pinned_gpus", "cannot hold a replica that needs 2"),
         ({"kv_overlap_score_weight": float("nan")}, "kv_overlap_score_weight", "between 0 and 1000"),
+        ({"kv_queued_prefill_weight": 1.5}, "kv_queued_prefill_weight", "between 0 and 1$"),
         ({"router_temperature": -1.0}, "router_temperature", "between 0 and 100"),
         ({"colour": "blue"}, "colour", "no setting 'colour'"),
     ],

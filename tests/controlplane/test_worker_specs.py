@@ -23,6 +23,7 @@ def placed(engine: str | None = None, **model_fields: object) -> Instance:
         groups=[group],
         router_mode="kv",
         kv_overlap_score_weight=0.5,
+        kv_queued_prefill_weight=0.25,
         router_temperature=0.2,
         use_kv_events=False,
     )
@@ -43,7 +44,9 @@ def test_a_start_message_names_the_worker_its_gpus_router_and_model_files() -> N
     assert (spec.instance_id, spec.pipeline, spec.model_name) == (instance.pk, "llama-chat", "llama+chat")
     assert (spec.gpu_indexes, spec.gpu_memory_bytes) == (instance.gpu_indexes, 15 * GiB)
     assert spec.engine_args == ["--context-length", "2048", "--extra-engine-args", '{"dp_size":2,"speedup_ratio":100}']
-    assert spec.router == PipelineRouter(mode="kv", overlap_score_weight=0.5, temperature=0.2, use_kv_events=False)
+    assert spec.router == PipelineRouter(
+        mode="kv", overlap_score_weight=0.5, queued_prefill_weight=0.25, temperature=0.2, use_kv_events=False
+    )
     assert spec.labels == {"model": "llama"}
     assert message.source == LocalSource(path="/models/llama.gguf")
     assert str(spec.address) == "dyn://llama-chat.backend.generate"

@@ -15,9 +15,9 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from frontend_gateway.routing.protocol import DEFAULT_QUEUED_PREFILL_WEIGHT
 from launcher.cli import build_run_parser, exit_code, parse_run_options
 from runtime.errors import ConfigError
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import BlockStored, KvEventBatch
 from runtime.nats_connection import flush

@@ -55,6 +55,11 @@ def test_router_flags_given_to_a_worker_are_registered_and_absent_ones_leave_it_
     assert given.worker_router == PipelineRouter(mode="kv", use_kv_events=False)
 
 
+def test_a_worker_given_only_the_queued_prefill_weight_registers_router_settings_with_it() -> None:
+    given = options("in=dyn://llm", "out=echo_full", "--kv-queued-prefill-weight", "0.25")
+    assert given.worker_router == PipelineRouter(queued_prefill_weight=0.25)
+
+
 def test_defaults_are_text_llamacpp_and_the_default_model() -> None:
     parsed = options()
     assert (parsed.input, parsed.output, parsed.model, parsed.http_host) == ("text", "llamacpp", None, "127.0.0.1")

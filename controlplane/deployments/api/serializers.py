@@ -21,6 +21,7 @@ from controlplane.deployments.models import (
     WorkerGroup,
 )
 from controlplane.fleet.models import NODE_NAME_PATTERN, InstanceState, Node
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_PINS = 64
 
@@ -30,6 +31,9 @@ class RouterSerializer(serializers.Serializer):
 
     mode = serializers.ChoiceField(source="router_mode", choices=RouterMode.choices, default=RouterMode.ROUND_ROBIN)
     kv_overlap_score_weight = serializers.FloatField(min_value=0.0, max_value=MAX_ROUTER_WEIGHT, default=1.0)
+    kv_queued_prefill_weight = serializers.FloatField(
+        min_value=0.0, max_value=1.0, default=DEFAULT_QUEUED_PREFILL_WEIGHT
+    )
     temperature = serializers.FloatField(
         source="router_temperature", min_value=0.0, max_value=MAX_ROUTER_TEMPERATURE, default=0.0
     )

@@ -264,6 +264,7 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
         return {
             "mode": pipeline.router_mode,
             "kv_overlap_score_weight": pipeline.kv_overlap_score_weight,
+            "kv_queued_prefill_weight": pipeline.kv_queued_prefill_weight,
             "temperature": pipeline.router_temperature,
             "use_kv_events": pipeline.use_kv_events,
         }

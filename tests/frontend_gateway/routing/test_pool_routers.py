@@ -206,13 +206,20 @@ async def test_each_model_is_routed_as_its_workers_registered_else_as_the_gatewa
     watch = asyncio.create_task(watcher.run())
     try:
         # Pipeline "a" asks for KV routing; "b" registers nothing and gets the gateway's own settings.
-        pipeline = PipelineRouter(mode="kv", overlap_score_weight=4.0, temperature=0.5, use_kv_events=False)
+        pipeline = PipelineRouter(
+            mode="kv", overlap_score_weight=4.0, queued_prefill_weight=0.25, temperature=0.5, use_kv_events=False
+        )
         await runtime.discovery.register(key(1), chat_entry("a", 1, router=pipeline))
         await until(watcher, lambda: registry.names() == ["a"])
         await runtime.discovery.register(key(2), chat_entry("b", 2))
         await until(watcher, lambda: registry.names() == ["a", "b"])
         assert built["0"] == RouterSettings(
-            mode=RouterMode.KV, overlap_score_weight=4.0, temperature=0.5, use_kv_events=False, predicted_ttl_s=30.0
+            mode=RouterMode.KV,
+            overlap_score_weight=4.0,
+            queued_prefill_weight=0.25,
+            temperature=0.5,
+            use_kv_events=False,
+            predicted_ttl_s=30.0,
         )
         assert built["1"] == gateway
         # A mode no router has: the model is not served, and the watch goes on.
