@@ -71,6 +71,14 @@ class SingleReaderQueue(Generic[T]):
         self._items.append(item)
         self._ready.set()
 
+    def first(self) -> T:
+        """The oldest item, left in the queue. Raises IndexError if there is none."""
+        return self._items[0]
+
+    def get_nowait(self) -> T:
+        """The oldest item, taken from the queue. Raises IndexError if there is none."""
+        return self._items.popleft()
+
     async def get(self) -> T:
         """The oldest item, waiting for one if there is none. Raises RuntimeError if another task reads."""
         items = self._items

@@ -442,6 +442,29 @@ class _Inbox:
             self._confirming.cancel()
 
 
+def _take_following(
+    queue: SingleReaderQueue[Frame | None], payloads: list[msgspec.Raw], expected: int
+) -> tuple[int, int]:
+    """Move onto ``payloads`` the payloads of the DATA frames next in sequence at the head of ``queue``, and
+    of an END frame after them.
+
+    Returns the sequence number expected next and the kind of the last frame taken (DATA or END).
+    Anything else at the head (a heartbeat, an error, a frame out of sequence) stays for the caller.
+    """
+    kind = DATA
+    while queue.qsize():
+        frame = queue.first()
+        if frame is None or frame.seq != expected or frame.kind not in (DATA, END):
+            break
+        queue.get_nowait()
+        payloads += frame.payloads
+        expected += 1
+        kind = frame.kind
+        if kind == END:
+            break
+    return expected, kind
+
+
 # How many silence timeouts a worker is given to answer the probe that confirms a silence.
 LIVENESS_WAIT = 6
 
@@ -615,8 +638,9 @@ class RequestClient:
                 finished = True
                 raise RequestTooLarge(f"the request is over the NATS payload limit: {exc}") from exc
             expected = 1
+            queue = inbox.queue
             while True:
-                frame = await inbox.queue.get()
+                frame = await queue.get()
                 if frame is None:
                     raise StreamBroken(f"{subject} went silent for {self.silence_timeout} s")
                 if frame is NO_RESPONDERS:
@@ -635,10 +659,22 @@ class RequestClient:
                     raise StreamBroken(f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})")
                 expected += 1
                 if kind == DATA:
-                    if frame.seq - acked >= ack_every:
-                        acked = frame.seq
+                    payloads = frame.payloads
+                    if queue.qsize():
+                        # Frames that came while this request's task waited its turn go on with this one: a
+                        # reader that lags (a busy ingress) makes one pass down the pipeline for all of them
+                        # (one detokenizing pass, one SSE event, one socket write) and catches up at a lower
+                        # cost per token, as vLLM's output collector merges what its reader has not taken.
+                        # A reader that keeps up takes the frames one by one, as they come.
+                        expected, kind = _take_following(queue, payloads, expected)
+                    if kind == END:
+                        finished = True
+                        yield payloads
+                        return
+                    if expected - 1 - acked >= ack_every:
+                        acked = expected - 1
                         self._ack(control, request_id, acked)
-                    yield frame.payloads
+                    yield payloads
                     continue
                 finished = True
                 if frame.payloads:

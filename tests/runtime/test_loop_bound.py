@@ -68,6 +68,20 @@ async def test_a_cancelled_get_loses_nothing_and_a_second_reader_is_refused() ->
     assert queue.qsize() == 0
 
 
+async def test_the_queue_shows_and_takes_its_oldest_item_without_waiting() -> None:
+    queue: SingleReaderQueue[str] = SingleReaderQueue()
+    with pytest.raises(IndexError):
+        queue.first()
+    with pytest.raises(IndexError):
+        queue.get_nowait()
+    queue.put_nowait("a")
+    queue.put_nowait("b")
+    assert queue.first() == "a"
+    assert queue.qsize() == 2
+    assert queue.get_nowait() == "a"
+    assert await queue.get() == "b"
+
+
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the Python-level running-loop lookups that asyncio's own primitives make."""
     calls = [0]

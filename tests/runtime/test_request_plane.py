@@ -9,15 +9,23 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from runtime.engine import RequestContext
+from runtime.loop_bound import SingleReaderQueue
 from runtime.nats_connection import connect_nats, flush
 from runtime.request_plane import (
+    CUT,
+    DATA,
+    END,
+    ERROR,
+    HEARTBEAT,
     EndpointServer,
+    Frame,
     Probe,
     RemoteError,
     RequestClient,
     RequestTooLarge,
     StreamBroken,
     WorkerUnavailable,
+    _take_following,
 )
 from tests.infra import NatsServer
 
@@ -199,6 +207,7 @@ async def test_a_malformed_frame_fails_the_request_at_once(connections: tuple[NA
 async def test_a_slow_reader_makes_the_worker_coalesce_its_frames(connections: tuple[NATS, NATS]) -> None:
     worker, nc = connections
     produced = asyncio.Event()
+    sent: list[Msg] = []
 
     async def fast(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
         for number in range(300):
@@ -206,17 +215,79 @@ async def test_a_slow_reader_makes_the_worker_coalesce_its_frames(connections: t
             yield encode(number)
         produced.set()
 
+    async def spy(msg: Msg) -> None:
+        sent.append(msg)
+
     server = await serve(worker, fast)
     client = RequestClient(nc, window=4)
     await client.start()
+    # Counted where the worker publishes them: the reader joins frames that wait for it (see the next test).
+    await worker.subscribe(f"{client._prefix}.*", cb=spy)
+    await flush(worker)
     stream = client.call(SUBJECT, "w", encode(None))
     frames = [await anext(stream)]
     await produced.wait()  # the reader takes nothing more until the worker has produced everything
     frames += [frame async for frame in stream]
     assert [msgspec.msgpack.decode(payload) for frame in frames for payload in frame] == list(range(300))
     # At most: the window, one more for the single frame taken (and acknowledged), and the END frame.
-    assert len(frames) <= 4 + 1 + 1
+    assert 2 <= len(sent) <= 4 + 1 + 1
     await server.close()
+
+
+async def test_a_reader_that_lags_takes_the_frames_waiting_for_it_in_one_piece(
+    connections: tuple[NATS, NATS],
+) -> None:
+    worker, nc = connections
+    ended = asyncio.Event()
+    sent: list[Msg] = []
+
+    async def spaced(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        for number in range(6):
+            if number:
+                await asyncio.sleep(0.005)  # each item leaves the worker as a frame of its own
+            yield encode(number)
+
+    async def spy(msg: Msg) -> None:
+        # Subscribed after the client's inbox on the same connection: called after it for each message.
+        sent.append(msg)
+        if len(sent) == 6:
+            ended.set()
+
+    server = await serve(worker, spaced)
+    client = RequestClient(nc)
+    await client.start()
+    await nc.subscribe(f"{client._prefix}.*", cb=spy)
+    await flush(nc)
+    stream = client.call(SUBJECT, "lag", encode(None))
+    first = await anext(stream)
+    await ended.wait()  # five more frames (DATA, ..., END) wait in the stream's queue, unread
+    rest = [frame async for frame in stream]
+    assert len(sent) == 6
+    assert [msgspec.msgpack.decode(payload) for payload in first] == [0]
+    assert [[msgspec.msgpack.decode(payload) for payload in frame] for frame in rest] == [[1, 2, 3, 4, 5]]
+    await server.close()
+
+
+async def test_joining_frames_stops_at_a_heartbeat_a_gap_a_silence_or_after_the_end() -> None:
+    def queue_of(*frames: Frame | None) -> SingleReaderQueue[Frame | None]:
+        queue: SingleReaderQueue[Frame | None] = SingleReaderQueue()
+        for frame in frames:
+            queue.put_nowait(frame)
+        return queue
+
+    def data(seq: int) -> Frame:
+        return Frame(DATA, seq, [msgspec.Raw(encode(seq))])
+
+    payloads = [msgspec.Raw(encode(1))]
+    queue = queue_of(data(2), data(3), Frame(END, 4, [msgspec.Raw(encode(4))]), data(5))
+    assert _take_following(queue, payloads, 2) == (5, END)
+    assert [msgspec.msgpack.decode(payload) for payload in payloads] == [1, 2, 3, 4]
+    assert queue.qsize() == 1  # nothing after the end is taken
+    for stop in (Frame(HEARTBEAT, 2), data(3), None, Frame(ERROR, 2, error="failed"), Frame(CUT, 2)):
+        payloads = [msgspec.Raw(encode(1))]
+        queue = queue_of(stop)
+        assert _take_following(queue, payloads, 2) == (2, DATA)
+        assert len(payloads) == 1 and queue.qsize() == 1
 
 
 async def test_a_request_over_the_size_limit_is_refused_as_too_large(connections: tuple[NATS, NATS]) -> None:
