@@ -7,12 +7,13 @@ Protocol (all messages msgpack):
   reply subject, so a dead or missing instance is known before anything is generated.
 * The worker publishes ``Frame(kind, seq, payloads)`` to the reply subject: ``DATA`` frames in
   order, then ``END`` (which may carry the last payloads) or ``ERROR``. Payloads produced back to back
-  travel in one frame, so a fast engine costs few messages. While it has nothing to send the worker
-  publishes ``HEARTBEAT`` frames, so a client that hears nothing for ``silence_timeout`` knows the
-  worker is gone (or hung) and does not wait forever. Before it says so, the client makes sure the
-  silence is not its own: it first catches up on what NATS holds for it (a marker through its own
-  inbox), then asks the worker (a ``Probe`` listing its open requests) whether it still runs the
-  request; an overloaded worker that answers yes is slow, not gone, and is waited for.
+  travel in one frame, so a fast engine costs few messages; and frames that wait in the client's queue
+  for its reader are taken as one, so a lagging reader catches up at a lower cost per token. While it
+  has nothing to send the worker publishes ``HEARTBEAT`` frames, so a client that hears nothing for
+  ``silence_timeout`` knows the worker is gone (or hung) and does not wait forever. Before it says
+  so, the client makes sure the silence is not its own: it first catches up on what NATS holds for it
+  (a marker through its own inbox), then asks the worker (a ``Probe`` listing its open requests)
+  whether it still runs the request; an overloaded worker that answers yes is slow, not gone, and is waited for.
 * Flow control: a worker keeps at most ``window`` DATA frames of a stream unacknowledged. While the
   window is full its outputs pile up on the worker and leave later as one bigger frame, so a slow
   reader slows its writers instead of being cut off by nats-server as a slow consumer. The client
