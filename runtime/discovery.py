@@ -91,6 +91,8 @@ class Discovery:
         self._client = client
         self._endpoint = endpoint
         self._lease_id = lease_id
+        # A replacement lease while its keys are being put under it (see _renew_lease), else None.
+        self._renewing: int | None = None
         self._ttl = ttl
         self._keys: dict[str, bytes] = {}
         # Held while the lease is refreshed or replaced, and around puts, so that no key is put under
@@ -277,11 +279,15 @@ class Discovery:
     async def _renew_lease(self) -> None:
         """Grant a new lease and put every registered key under it. The caller holds ``_lock``."""
         lease = await self._client.lease(self._ttl)
+        # Known to close() meanwhile: a close that cancels the puts revokes this lease too, or the keys
+        # already put under it would outlive the process by a TTL.
+        self._renewing = lease.id
         for key, value in self._keys.items():
             await self._client.put(key.encode(), value, lease=lease.id)
         # Switch only once every key is under the new lease: if a put failed, the next round starts over
         # (the half-used new lease expires on its own).
         self._lease_id = lease.id
+        self._renewing = None
         log.info("granted etcd lease %x and registered %d keys again", lease.id, len(self._keys))
 
     async def _keep_alive(self) -> None:
@@ -322,8 +328,11 @@ class Discovery:
         self._keepalive.cancel()
         # wait() neither raises the task's CancelledError nor swallows a cancellation of close() itself.
         await asyncio.wait([self._keepalive])
-        try:
-            await self._client.revoke_lease(self._lease_id)
-        except aetcd.ClientError as exc:
-            log.warning("could not revoke etcd lease %x (%s); its keys expire in %d s", self._lease_id, exc, self._ttl)
+        for lease_id in (self._lease_id, self._renewing):
+            if lease_id is None:
+                continue
+            try:
+                await self._client.revoke_lease(lease_id)
+            except aetcd.ClientError as exc:
+                log.warning("could not revoke etcd lease %x (%s); its keys expire in %d s", lease_id, exc, self._ttl)
         await self._client.close()
