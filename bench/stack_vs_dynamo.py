@@ -58,12 +58,22 @@ class Measured:
     failures: Counter[str] = field(default_factory=Counter)
 
 
-async def _connection(port: int, request: bytes, tokens: int, until: float, into: list[StreamResult]) -> None:
-    """Send ``request`` back to back on one keep-alive connection until ``until``; a failure ends it."""
+async def _connection(
+    port: int, request: bytes, tokens: int, next_due: Callable[[], float | None], into: list[StreamResult]
+) -> None:
+    """Send ``request`` on one keep-alive connection at each time ``next_due`` gives, until it gives
+    None; a failure ends it.
+
+    A request's TTFT counts from its due time: one that waited for a free connection (the stack is
+    behind a paced load) waited for its first token too.
+    """
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        while time.perf_counter() < until:
+        while (due := next_due()) is not None:
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
             result = await read_stream(reader, writer, request)
+            result.sent = min(result.sent, due)
             if result.error is None and result.completion_tokens != tokens:
                 result.error = f"{result.completion_tokens} of {tokens} tokens"
             into.append(result)
@@ -76,37 +86,16 @@ async def _connection(port: int, request: bytes, tokens: int, until: float, into
 
 
 async def closed_loop(port: int, request: bytes, tokens: int, seconds: float, concurrency: int) -> list[StreamResult]:
+    """``concurrency`` connections, each sending its next request as soon as the last one ends."""
     until = time.perf_counter() + seconds
+
+    def now_until_the_end() -> float | None:
+        now = time.perf_counter()
+        return now if now < until else None
+
     results: list[StreamResult] = []
-    await asyncio.gather(*(_connection(port, request, tokens, until, results) for _ in range(concurrency)))
+    await asyncio.gather(*(_connection(port, request, tokens, now_until_the_end, results) for _ in range(concurrency)))
     return results
-
-
-async def _paced_connection(
-    port: int, request: bytes, tokens: int, schedule: deque[float], into: list[StreamResult]
-) -> None:
-    """Send ``request`` at each time of ``schedule`` this connection takes, while there are any left.
-
-    A request's TTFT counts from its time on the schedule: one that waited for a free connection (the
-    stack is behind) waited for its first token too.
-    """
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while schedule:
-            due = schedule.popleft()
-            if (wait := due - time.perf_counter()) > 0:
-                await asyncio.sleep(wait)
-            result = await read_stream(reader, writer, request)
-            result.sent = due
-            if result.error is None and result.completion_tokens != tokens:
-                result.error = f"{result.completion_tokens} of {tokens} tokens"
-            into.append(result)
-            if result.error is not None:
-                return
-    except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-        into.append(StreamResult(time.perf_counter(), error=type(exc).__name__))
-    finally:
-        writer.close()
 
 
 async def paced_loop(
@@ -115,8 +104,12 @@ async def paced_loop(
     """Requests due at ``rate`` per second for ``seconds``, on at most ``concurrency`` connections."""
     start = time.perf_counter() + 0.05  # the connections open first
     schedule = deque(start + number / rate for number in range(max(1, round(rate * seconds))))
+
+    def next_on_schedule() -> float | None:
+        return schedule.popleft() if schedule else None
+
     results: list[StreamResult] = []
-    await asyncio.gather(*(_paced_connection(port, request, tokens, schedule, results) for _ in range(concurrency)))
+    await asyncio.gather(*(_connection(port, request, tokens, next_on_schedule, results) for _ in range(concurrency)))
     return results
 
 
