@@ -1,5 +1,6 @@
 """Fixtures shared by all tests: the default model file and real `flotilla run` servers."""
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,6 +8,23 @@ import pytest
 
 from tests.infra import EtcdServer, NatsServer, RedisServer
 from tests.servers import Server, llama_cpp_available, smollm2_path, start_server
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_put_back() -> Iterator[None]:
+    """Undo what a test's in-process ``main()`` did to the root logger (runtime.logging.configure_logging).
+
+    Its handler writes to the stderr pytest captured for that one test, closed once the test ends: left
+    on the root logger, a later test's log line (from a thread, say) would fail with "I/O operation on
+    closed file". pytest's own handlers are subclasses, and pytest removes them itself.
+    """
+    root = logging.getLogger()
+    handlers, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
