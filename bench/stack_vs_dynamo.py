@@ -57,6 +57,14 @@ class Measured:
     ttfts: list[float] = field(default_factory=list)
     failures: Counter[str] = field(default_factory=Counter)
 
+    def add(self, results: list[StreamResult]) -> None:
+        """Count ``results``: the completed ones, their TTFTs and chunks; the failures by reason."""
+        done = [r for r in results if r.error is None]
+        self.requests += len(done)
+        self.ttfts += [r.ttft for r in done]
+        self.chunks += sum(len(r.token_times) for r in done)
+        self.failures.update(r.error for r in results if r.error is not None)
+
 
 async def _connection(
     port: int, request: bytes, tokens: int, next_due: Callable[[], float | None], into: list[StreamResult]
@@ -136,11 +144,7 @@ def measure(stack: Stack, args: argparse.Namespace, into: Measured) -> None:
     into.seconds += time.perf_counter() - started
     into.cpu += sum(cpu_seconds(pid) for pid in stack.ingress_pids) - cpu_before
     into.client_cpu += time.process_time() - client_before
-    done = [r for r in results if r.error is None]
-    into.requests += len(done)
-    into.ttfts += [r.ttft for r in done]
-    into.chunks += sum(len(r.token_times) for r in done)
-    into.failures.update(r.error for r in results if r.error is not None)
+    into.add(results)
 
 
 def measure_paced(stack: Stack, args: argparse.Namespace, rate: float, into: Measured) -> None:
@@ -150,11 +154,7 @@ def measure_paced(stack: Stack, args: argparse.Namespace, rate: float, into: Mea
     started = time.perf_counter()
     results = uvloop.run(paced_loop(stack.port, request, args.tokens, args.seconds, args.concurrency, rate))
     into.seconds += time.perf_counter() - started
-    done = [r for r in results if r.error is None]
-    into.requests += len(done)
-    into.ttfts += [r.ttft for r in done]
-    into.chunks += sum(len(r.token_times) for r in done)
-    into.failures.update(r.error for r in results if r.error is not None)
+    into.add(results)
 
 
 @contextlib.contextmanager
