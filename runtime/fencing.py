@@ -10,12 +10,13 @@ A fence lives under a lease of its own that nobody refreshes, so it vanishes aft
 instance ids are random 63-bit numbers, never reused, so a fence can only ever stop the one worker.
 """
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
 import aetcd
 
-from runtime.discovery import Discovery
+from runtime.discovery import INSTANCES_PREFIX, Discovery
 from runtime.errors import DiscoveryUnavailable
 from runtime.settings import parse_etcd_endpoint
 
@@ -54,6 +55,32 @@ async def put_fences(endpoints: list[str], instance_ids: Iterable[int], reason: 
         log.info("fenced %d worker instance(s) in etcd at %s:%d: %s", len(ids), host, port, reason)
         return
     raise DiscoveryUnavailable(f"cannot reach etcd to fence workers ({'; '.join(failures)})")
+
+
+async def live_instance_ids(endpoints: list[str]) -> set[int]:
+    """The ids of the worker instances registered in etcd now, read through the first endpoint that answers.
+
+    A registration lives under its worker's lease, so an id listed here belongs to a process that renewed
+    its lease within the lease's TTL: alive, whatever its agent's silence says. Raises ConfigError for a
+    malformed endpoint, DiscoveryUnavailable when no endpoint answers.
+    """
+    failures = []
+    for host, port in (parse_etcd_endpoint(endpoint) for endpoint in endpoints):
+        client = aetcd.Client(host=host, port=port, timeout=_RPC_TIMEOUT_S)
+        try:
+            response = await client.get_prefix(INSTANCES_PREFIX.encode(), keys_only=True)
+        except aetcd.ClientError as exc:
+            failures.append(f"{host}:{port}: {str(exc).rpartition(': ')[2] or exc}")
+            continue
+        finally:
+            await client.close()
+        ids = set()
+        for kv in response.kvs:
+            # flotilla/instances/<namespace>/<component>/<endpoint>/<id in hex>
+            with contextlib.suppress(ValueError):
+                ids.add(int(bytes(kv.key).decode(errors="replace").rpartition("/")[2], 16))
+        return ids
+    raise DiscoveryUnavailable(f"cannot reach etcd to see which workers are alive ({'; '.join(failures)})")
 
 
 async def watch_own_fence(discovery: Discovery, instance_id: int, on_fenced: Callable[[str], None]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import Count, F, Q
 
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
@@ -254,6 +255,40 @@ def place_pending_instances(
                     record(actor, "instance.unschedulable", instance, before=before, after=snapshot(instance))
         results.append((group, result))
     return results
+
+
+# An instance restarting in place is stopping for a moment, but still one of its group's replicas.
+_COUNTS_AS_REPLICA = Q(state__in=LIVE_STATES) | Q(state=InstanceState.STOPPING, restart_requested=True)
+
+
+def keep_replica_counts(actor: Actor) -> list[Instance]:
+    """Add instances to the groups of running pipelines that have fewer replicas than their replica count
+    (a replica lost some way no action replaced: stopped by its node's eviction while it was being
+    restarted, or a row removed by hand). Never stops any: scaling down is a person's action.
+
+    Returns the instances added, unplaced and pending.
+    """
+    replicas = Count("instances", filter=Q(instances__in=Instance.objects.filter(_COUNTS_AS_REPLICA)))
+    short = (
+        WorkerGroup.objects.filter(pipeline__state=Pipeline.State.RUNNING)
+        .annotate(counted=replicas)
+        .filter(counted__lt=F("replicas"))
+        .values_list("pk", flat=True)
+    )
+    added: list[Instance] = []
+    for group_id in list(short):
+        added += _fill_group(actor, group_id)
+    return added
+
+
+@transaction.atomic
+def _fill_group(actor: Actor, group_id: int) -> list[Instance]:
+    """Top up one group, counted again under its row lock (a scale or a second pass may have come first)."""
+    group = WorkerGroup.objects.select_for_update().select_related("pipeline").get(pk=group_id)
+    if group.pipeline.state != Pipeline.State.RUNNING:
+        return []
+    missing = group.replicas - group.instances.filter(_COUNTS_AS_REPLICA).count()
+    return add_instances(actor, group, missing, reason="replaces a lost replica")
 
 
 def _demand(group: WorkerGroup, count: int) -> Demand:

@@ -2,9 +2,21 @@
 
 A pass, in order (each step is an action of its own: audited, idempotent, safe beside a second pass):
 
-1. Nodes whose last heartbeat is older than ``node_timeout_s`` go offline; on every offline node, what
-   ran or was about to start fails ("node X stopped heartbeating at T") and what was stopping is stopped.
-   The workers of those instances may still run (a dead agent, a live node): they are fenced in etcd
+1. Nodes whose last heartbeat is older than ``node_timeout_s`` go offline: nothing new is placed there,
+   and their instances keep running as they were. Silence is not death: an agent may be cut off from
+   the control plane (or the control plane from everyone, during its own outage) while its workers
+   serve. Only a node silent for ``evict_after_s`` (minutes) is evicted: what ran or was about to start
+   there fails ("node X stopped heartbeating at T"), to be placed elsewhere, and what was stopping is
+   stopped. Two guards keep an outage from looking like a dead fleet:
+
+   * the disruption guard: when more than ``disruption_share`` of the nodes that run something are
+     silent at once, none is evicted (the likelier cause is the control plane's own network, Redis, or
+     a slow upgrade, not most of the machines dying together), as Kubernetes stops evicting in a
+     zone that is mostly unhealthy;
+   * etcd's word: a worker whose registration is alive in etcd renewed its lease within seconds, so its
+     instance is not evicted, whatever its agent's silence; and when etcd cannot be asked, nobody is.
+
+   The evicted workers that may still run (a dead agent, a live machine) are fenced in etcd
    (runtime/fencing.py), so they deregister and exit instead of serving beside their replacements.
 2. Failed instances of running pipelines whose backoff has passed go back to pending, unplaced
    (restarts + 1), to be placed wherever they fit now. The backoff grows with the instance's failure
@@ -37,7 +49,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.audit.records import Actor
-from controlplane.deployments.actions import place_pending_instances
+from controlplane.deployments.actions import keep_replica_counts, place_pending_instances
 from controlplane.deployments.dispatch import Dispatcher, DispatchError
 from controlplane.deployments.models import Pipeline
 from controlplane.deployments.placement import Placement
@@ -46,15 +58,25 @@ from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Instance, InstanceState, Lease, Node
 from runtime.config import env_float, env_int, env_str
-from runtime.errors import FlotillaError
-from runtime.fencing import put_fences
+from runtime.errors import ConfigError, FlotillaError
+from runtime.fencing import live_instance_ids, put_fences
 from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
+from runtime.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 LEASE_NAME = "reconciler"
 ACTOR = Actor.system("reconciler")
-_GIVEN_UP = "gave up after "
+# States of an instance that has (or is about to have) a process on its node.
+_ON_NODE_STATES = [
+    InstanceState.PENDING,
+    InstanceState.DOWNLOADING,
+    InstanceState.STARTING,
+    InstanceState.READY,
+    InstanceState.STOPPING,
+]
+# Passes run every 2 s: a held eviction is said once a minute, not thirty times.
+_hold_log = RateLimitedLog(log, period_s=60.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,11 +84,17 @@ class ReconcilerSettings:
     """The reconciler's timings, each from a ``FLOTILLA_*`` variable (``from_env``)."""
 
     interval_s: float = 2.0  # FLOTILLA_RECONCILE_S: between passes
-    node_timeout_s: float = 15.0  # FLOTILLA_NODE_TIMEOUT_S: three missed 5 s heartbeats
+    node_timeout_s: float = 15.0  # FLOTILLA_NODE_TIMEOUT_S: three missed 5 s heartbeats, then offline
+    evict_after_s: float = 300.0  # FLOTILLA_NODE_EVICT_S: silent this long, a node's instances move
+    # FLOTILLA_DISRUPTION_SHARE: more than this share of the occupied nodes silent at once: evict none
+    disruption_share: float = 0.5
     resend_after_s: float = 30.0  # FLOTILLA_DISPATCH_RESEND_S: a task unanswered this long is sent again
     backoff_max_s: float = 60.0  # FLOTILLA_RESTART_BACKOFF_MAX_S
     max_restarts: int = 10  # FLOTILLA_MAX_RESTARTS: failures in a row restarted before giving up
     stop_grace_s: float = 30.0  # FLOTILLA_STOP_GRACE_S: a stopping worker's time to drain before SIGKILL
+    max_dispatches: int = 5  # FLOTILLA_MAX_DISPATCHES: starts sent unanswered before the instance fails
+    download_stall_s: float = 600.0  # FLOTILLA_DOWNLOAD_STALL_S: a download with no progress this long fails
+    start_deadline_s: float = 1800.0  # FLOTILLA_START_DEADLINE_S: a worker not ready this long after starting
     lease_s: float = 10.0  # a pass's lease, renewed at each step; a crashed pass's frees itself after it
     # ETCD_ENDPOINTS: where the workers are registered, to fence those of offline nodes; none: no fencing
     etcd_endpoints: tuple[str, ...] = ()
@@ -74,15 +102,35 @@ class ReconcilerSettings:
     @classmethod
     def from_env(cls) -> "ReconcilerSettings":
         """The settings the environment gives. Raises ConfigError naming a malformed variable."""
-        return cls(
+        settings = cls(
             interval_s=env_float("FLOTILLA_RECONCILE_S", cls.interval_s, minimum=0.1),
             node_timeout_s=env_float("FLOTILLA_NODE_TIMEOUT_S", cls.node_timeout_s, minimum=1.0),
+            evict_after_s=env_float("FLOTILLA_NODE_EVICT_S", cls.evict_after_s, minimum=1.0),
+            disruption_share=env_float("FLOTILLA_DISRUPTION_SHARE", cls.disruption_share, minimum=0.0),
             resend_after_s=env_float("FLOTILLA_DISPATCH_RESEND_S", cls.resend_after_s, minimum=1.0),
             backoff_max_s=env_float("FLOTILLA_RESTART_BACKOFF_MAX_S", cls.backoff_max_s, minimum=0.0),
             max_restarts=env_int("FLOTILLA_MAX_RESTARTS", cls.max_restarts, minimum=0),
             stop_grace_s=env_float("FLOTILLA_STOP_GRACE_S", cls.stop_grace_s, minimum=0.0),
+            max_dispatches=env_int("FLOTILLA_MAX_DISPATCHES", cls.max_dispatches, minimum=1),
+            download_stall_s=env_float("FLOTILLA_DOWNLOAD_STALL_S", cls.download_stall_s, minimum=1.0),
+            start_deadline_s=env_float("FLOTILLA_START_DEADLINE_S", cls.start_deadline_s, minimum=1.0),
             etcd_endpoints=tuple(part.strip() for part in (env_str("ETCD_ENDPOINTS") or "").split(",") if part.strip()),
         )
+        if settings.evict_after_s < settings.node_timeout_s:
+            raise ConfigError(
+                f"FLOTILLA_NODE_EVICT_S={settings.evict_after_s:g} is shorter than FLOTILLA_NODE_TIMEOUT_S="
+                f"{settings.node_timeout_s:g}: a node is evicted only after it went offline"
+            )
+        if settings.disruption_share > 1:
+            raise ConfigError(f"FLOTILLA_DISRUPTION_SHARE={settings.disruption_share:g} is a share: 0 to 1")
+        return settings
+
+    def resend_s(self, task: str) -> float:
+        """Seconds before an unanswered ``task`` is sent again (and after which a sent one expires). A stop
+        waits out the worker's grace as well: its agent reports "stopped" only once the worker has ended."""
+        if task == TASK_STOP_INSTANCE:
+            return self.stop_grace_s + self.resend_after_s
+        return self.resend_after_s
 
     def backoff_s(self, failure_streak: int) -> float:
         """Seconds a failed instance waits before it is started again."""
@@ -97,7 +145,11 @@ class PassReport:
 
     nodes_offline: list[str] = field(default_factory=list)
     instances_lost: int = 0
+    spared: int = 0  # instances of evicted nodes kept because their worker is alive in etcd
+    evictions_held: str = ""  # why silent nodes past their eviction time were not evicted
     fenced: int = 0
+    overdue: int = 0  # instances failed for a deadline: a start nobody took, a stalled download or start
+    replaced: int = 0  # instances added to keep a group at its replica count
     restarted: int = 0
     gave_up: int = 0
     placed: int = 0
@@ -108,7 +160,16 @@ class PassReport:
 
     @property
     def changed(self) -> bool:
-        counts = (self.instances_lost, self.restarted, self.gave_up, self.placed, self.started, self.stopped)
+        counts = (
+            self.instances_lost,
+            self.overdue,
+            self.replaced,
+            self.restarted,
+            self.gave_up,
+            self.placed,
+            self.started,
+            self.stopped,
+        )
         return bool(self.nodes_offline or self.dispatch_error or any(counts))
 
     def summary(self) -> str:
@@ -116,6 +177,9 @@ class PassReport:
         parts = [f"nodes offline: {', '.join(self.nodes_offline)}"] if self.nodes_offline else []
         counts = {
             "lost with their node": self.instances_lost,
+            "kept (worker alive in etcd)": self.spared,
+            "overdue": self.overdue,
+            "replicas replaced": self.replaced,
             "workers fenced": self.fenced,
             "restarted": self.restarted,
             "given up": self.gave_up,
@@ -125,6 +189,8 @@ class PassReport:
             "stopped": self.stopped,
         }
         parts += [f"{name}: {count}" for name, count in counts.items() if count]
+        if self.evictions_held:
+            parts.append(f"evictions held: {self.evictions_held}")
         if self.dispatch_error:
             parts.append(f"dispatch failed: {self.dispatch_error}")
         return "; ".join(parts) or "nothing to do"
@@ -183,7 +249,11 @@ class Reconciler:
         self._renew()
         self.fail_lost_nodes(report)
         self._renew()
+        self.fail_overdue(report)
+        self._renew()
         self.restart_failed(report)
+        self._renew()
+        report.replaced += len(keep_replica_counts(ACTOR))
         self._renew()
         self.place(report)
         self._renew()
@@ -191,25 +261,60 @@ class Reconciler:
         return report
 
     def fail_lost_nodes(self, report: PassReport) -> None:
-        """Step 1: silent nodes offline, and the instances of offline nodes failed or stopped."""
-        silent_since = self.clock() - timedelta(seconds=self.settings.node_timeout_s)
+        """Step 1: silent nodes offline; those silent past the eviction time evicted, unless a guard holds."""
+        now = self.clock()
+        silent_since = now - timedelta(seconds=self.settings.node_timeout_s)
         for node in Node.objects.filter(state=Node.State.ONLINE, last_heartbeat_at__lt=silent_since):
             if fleet_actions.mark_node_offline(ACTOR, node, silent_since):
                 report.nodes_offline.append(node.name)
-        occupied = Node.objects.filter(
-            state=Node.State.OFFLINE,
-            instances__state__in=[
-                InstanceState.PENDING,
-                InstanceState.DOWNLOADING,
-                InstanceState.STARTING,
-                InstanceState.READY,
-                InstanceState.STOPPING,
-            ],
-        ).distinct()
-        for node in occupied:
-            lost = fleet_actions.evacuate_offline_node(ACTOR, node)
+        occupied = list(
+            Node.objects.filter(state=Node.State.OFFLINE, instances__state__in=_ON_NODE_STATES)
+            .distinct()
+            .order_by("name")
+        )
+        evict_before = now - timedelta(seconds=max(self.settings.evict_after_s, self.settings.node_timeout_s))
+        due = [node for node in occupied if node.last_heartbeat_at is None or node.last_heartbeat_at < evict_before]
+        if not due:
+            return
+        if held := self._disruption(occupied):
+            report.evictions_held = held
+            _hold_log.warning(held)
+            return
+        alive = self._live_workers()
+        if alive is None:
+            report.evictions_held = "etcd cannot say which of their workers are alive"
+            return
+        for node in due:
+            lost = fleet_actions.evacuate_offline_node(ACTOR, node, spare_workers=alive)
             report.instances_lost += len(lost)
             report.fenced += self.fence(node, [i.endpoint_instance_id for i in lost if i.endpoint_instance_id])
+            report.spared += Instance.objects.filter(
+                node=node, state__in=_ON_NODE_STATES, endpoint_instance_id__in=alive
+            ).count()
+
+    def _disruption(self, silent: list[Node]) -> str:
+        """Why no node may be evicted now (too many silent at once), or "" when evicting is safe."""
+        online = Node.objects.filter(state=Node.State.ONLINE).count()
+        share = len(silent) / (online + len(silent))
+        if share <= self.settings.disruption_share:
+            return ""
+        return (
+            f"{len(silent)} of the {online + len(silent)} nodes running instances are silent at once "
+            f"({share:.0%}, more than FLOTILLA_DISRUPTION_SHARE={self.settings.disruption_share:g}): more "
+            "likely the control plane's own outage or a partition than dead machines, so none is evicted; "
+            "their instances stay where they are until their agents report again"
+        )
+
+    def _live_workers(self) -> set[int] | None:
+        """The worker ids alive in etcd; empty when no etcd is configured (nothing to ask), None when it
+        is configured and does not answer (then nobody may be evicted: silence is not death)."""
+        if not self.settings.etcd_endpoints:
+            return set()
+        try:
+            return asyncio.run(live_instance_ids(list(self.settings.etcd_endpoints)))
+        except FlotillaError as exc:
+            _hold_log.warning(f"{exc}: no silent node is evicted until it answers")
+            return None
 
     def fence(self, node: Node, worker_ids: list[int]) -> int:
         """Fence the workers ``worker_ids`` of offline ``node``; returns how many were fenced.
@@ -241,6 +346,40 @@ class Reconciler:
             return 0
         return len(worker_ids)
 
+    def fail_overdue(self, report: PassReport) -> None:
+        """Step 1b: instances on online nodes that wait past a deadline fail with the reason (and are
+        restarted as any failure is): a start sent ``max_dispatches`` times with no answer, a download with
+        no progress for ``download_stall_s``, a worker not ready ``start_deadline_s`` after it started."""
+        now = self.clock()
+        settings = self.settings
+        on_online = Instance.objects.select_related("pipeline", "group", "node").filter(node__state=Node.State.ONLINE)
+        unanswered = on_online.filter(
+            state=InstanceState.PENDING,
+            dispatches__gte=settings.max_dispatches,
+            dispatched_at__lte=now - timedelta(seconds=settings.resend_after_s),
+        )
+        stalled = on_online.filter(
+            state=InstanceState.DOWNLOADING, updated_at__lte=now - timedelta(seconds=settings.download_stall_s)
+        )
+        slow = on_online.filter(
+            state=InstanceState.STARTING, state_changed_at__lte=now - timedelta(seconds=settings.start_deadline_s)
+        )
+        for instance in unanswered.order_by("id"):
+            node = instance.node
+            assert node is not None
+            waited = settings.max_dispatches * settings.resend_after_s
+            reason = (
+                f"node {node.name}'s agent took none of {instance.dispatches} starts sent over {waited:g} s (it "
+                f"heartbeats, but does not consume its task queue node.{node.name}: see its log)"
+            )
+            report.overdue += fleet_actions.fail_overdue_instance(ACTOR, instance, reason)
+        for instance in stalled.order_by("id"):
+            reason = f"its download reported no progress for {settings.download_stall_s:g} s"
+            report.overdue += fleet_actions.fail_overdue_instance(ACTOR, instance, reason)
+        for instance in slow.order_by("id"):
+            reason = f"its worker did not become ready within {settings.start_deadline_s:g} s of starting"
+            report.overdue += fleet_actions.fail_overdue_instance(ACTOR, instance, reason)
+
     def restart_failed(self, report: PassReport) -> None:
         """Step 2: failed instances back to pending once their backoff passed, or given up."""
         now = self.clock()
@@ -248,9 +387,9 @@ class Reconciler:
         failed = Instance.objects.select_related("pipeline", "group").filter(
             state=InstanceState.FAILED, pipeline__state=Pipeline.State.RUNNING
         )
-        for instance in failed.filter(failure_streak__gt=limit).exclude(reason__startswith=_GIVEN_UP).order_by("id"):
+        for instance in failed.filter(failure_streak__gt=limit, gave_up=False).order_by("id"):
             report.gave_up += fleet_actions.give_up_instance(ACTOR, instance, limit)
-        for instance in failed.filter(failure_streak__lte=limit).order_by("id"):
+        for instance in failed.filter(failure_streak__lte=limit, gave_up=False).order_by("id"):
             due = instance.state_changed_at + timedelta(seconds=self.settings.backoff_s(instance.failure_streak))
             if due > now:
                 continue
@@ -272,15 +411,24 @@ class Reconciler:
     def dispatch(self, report: PassReport) -> None:
         """Step 4: StopInstance to stopping instances, StartInstance to placed pending ones, when due."""
         now = self.clock()
-        resend = self.settings.resend_after_s
-        due = Q(dispatched_at__isnull=True) | Q(dispatched_at__lte=now - timedelta(seconds=resend))
+
+        def due(task: str) -> Q:
+            resend = timedelta(seconds=self.settings.resend_s(task))
+            return Q(dispatched_at__isnull=True) | Q(dispatched_at__lte=now - resend)
+
         reachable = Instance.objects.select_related("pipeline__model", "group", "node").filter(
-            due, node__isnull=False, node__state=Node.State.ONLINE
+            node__isnull=False, node__state=Node.State.ONLINE
         )
         try:
-            for instance in reachable.filter(state=InstanceState.STOPPING).order_by("id"):
+            stopping = reachable.filter(due(TASK_STOP_INSTANCE), state=InstanceState.STOPPING)
+            for instance in stopping.order_by("id"):
                 report.stopped += self._dispatch(instance, TASK_STOP_INSTANCE, now)
-            running = reachable.filter(state=InstanceState.PENDING, pipeline__state=Pipeline.State.RUNNING)
+            running = reachable.filter(
+                due(TASK_START_INSTANCE),
+                state=InstanceState.PENDING,
+                pipeline__state=Pipeline.State.RUNNING,
+                dispatches__lt=self.settings.max_dispatches,
+            )
             for instance in running.order_by("id"):
                 report.started += self._dispatch(instance, TASK_START_INSTANCE, now)
         except DispatchError as exc:
@@ -291,7 +439,7 @@ class Reconciler:
     def _dispatch(self, instance: Instance, task: str, now: datetime) -> bool:
         node = instance.node
         assert node is not None  # the dispatch query takes placed instances only
-        expires_s = self.settings.resend_after_s
+        expires_s = self.settings.resend_s(task)
         send: Callable[[], None]
         if task == TASK_STOP_INSTANCE:
             stop = stop_message(instance, grace_s=self.settings.stop_grace_s)

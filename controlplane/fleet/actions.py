@@ -17,7 +17,7 @@ report that repeats the state it is in (download progress, a pid). Changes of st
 """
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
@@ -29,7 +29,7 @@ from controlplane.catalog.actions import record_model_size
 from controlplane.catalog.models import LanguageModel
 from controlplane.celery_app import request_reconcile
 from controlplane.deployments.models import WorkerGroup
-from controlplane.errors import Conflict, Forbidden, Invalid, Missing
+from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.fleet.models import (
     LIVE_STATES,
     PROCESS_STATES,
@@ -209,10 +209,21 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
     if instance.node is None or instance.node.name != node_name:
         where = f"on node {instance.node.name}" if instance.node else "not placed yet"
         raise Forbidden(f"instance {instance.name} is {where}, not on node {node_name}")
+    if report.attempt is not None and report.attempt != instance.restarts:
+        raise Conflict(
+            f"the report is about attempt {report.attempt} of instance {instance.name}, which is at attempt "
+            f"{instance.restarts} now: act on the current attempt (stop a worker of an older one)"
+        )
     details = _details(report)
     target = report.state
     if instance.state == InstanceState.STOPPING and target == InstanceState.FAILED:
         target = InstanceState.STOPPED
+    if target == InstanceState.STOPPED and instance.state not in (InstanceState.STOPPING, InstanceState.STOPPED):
+        # Only the control plane decides that an instance should stop; an agent confirms it.
+        raise InvalidTransition(
+            f"instance {instance.name} is {instance.state}, not stopping: an agent reports 'stopped' only for an "
+            "instance the control plane is stopping (report 'failed', with the reason, for a worker that ended)"
+        )
     if target == instance.state:
         if details:
             Instance.objects.filter(pk=instance.pk).update(**details, updated_at=timezone.now())
@@ -224,6 +235,11 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
     if target == InstanceState.FAILED:
         details["reason"] = report.reason or "the agent gave no reason"
         details["failure_streak"] = _failure_streak(instance)
+        if report.permanent:
+            # Retrying cannot fix it (a bad argument, a repository that does not exist): say so once, and
+            # let go of the node and GPUs rather than restart it ten times.
+            details.update(gave_up=True, node=None, gpu_indexes=[], pid=None)
+            details["reason"] = f"gave up on node {node_name}, as retrying cannot fix it: {details['reason']}"
     elif target == InstanceState.STOPPED:
         details["reason"] = report.reason or instance.reason
     else:
@@ -287,9 +303,7 @@ def restart_instance(actor: Actor, instance: Instance) -> Instance:
         transition(instance, InstanceState.STOPPING, restart_requested=True, reason=f"restart by {actor.name}")
     elif instance.state == InstanceState.FAILED:
         # A person's restart forgives the failures so far: a given-up instance gets a fresh series.
-        transition(
-            instance, InstanceState.PENDING, restarts=instance.restarts + 1, reason="", pid=None, failure_streak=0
-        )
+        transition(instance, InstanceState.PENDING, **_fresh_start(instance), failure_streak=0, gave_up=False)
     elif instance.state == InstanceState.STOPPING and instance.restart_requested:
         raise Conflict(f"instance {instance.name} is restarting already")
     else:
@@ -326,13 +340,14 @@ def mark_node_offline(actor: Actor, node: Node, silent_since: datetime.datetime)
 
 
 @transaction.atomic
-def evacuate_offline_node(actor: Actor, node: Node) -> list[Instance]:
+def evacuate_offline_node(actor: Actor, node: Node, *, spare_workers: Collection[int] = ()) -> list[Instance]:
     """Give up the processes of an offline node: what ran or was about to start there fails, so that the
     reconciler places it elsewhere; what was stopping is stopped (or pending again, for a restart).
 
-    The node's agent, should it come back, stops the workers it still runs that are no longer listed
-    for it. Returns the instances changed; those an agent report changed meanwhile are left for the
-    next pass. Does nothing for a node that is online again.
+    Instances whose worker id is in ``spare_workers`` (alive in etcd) are left as they are. The node's
+    agent, should it come back, stops the workers it still runs that are no longer listed for it.
+    Returns the instances changed; those an agent report changed meanwhile are left for the next pass.
+    Does nothing for a node that is online again.
     """
     node = Node.objects.select_for_update().get(pk=node.pk)
     if node.state != Node.State.OFFLINE:
@@ -343,6 +358,8 @@ def evacuate_offline_node(actor: Actor, node: Node) -> list[Instance]:
         node=node, state__in=_LOST_WITH_NODE | {InstanceState.STOPPING}
     )
     for instance in on_node.order_by("id"):
+        if instance.endpoint_instance_id is not None and instance.endpoint_instance_id in spare_workers:
+            continue
         before = snapshot(instance)
         try:
             if instance.state != InstanceState.STOPPING:
@@ -356,6 +373,22 @@ def evacuate_offline_node(actor: Actor, node: Node) -> list[Instance]:
         record(actor, "instance.node_lost", instance, before=before, after=snapshot(instance))
         changed.append(instance)
     return changed
+
+
+@transaction.atomic
+def fail_overdue_instance(actor: Actor, instance: Instance, reason: str) -> bool:
+    """Fail an instance that stayed too long in a state its agent should have moved it out of (a start nobody
+    took, a download that stopped moving, a worker that never became ready), as a failure of its own.
+
+    Returns False when its state changed meanwhile (a report came in).
+    """
+    before = snapshot(instance)
+    try:
+        transition(instance, InstanceState.FAILED, reason=reason, failure_streak=instance.failure_streak + 1)
+    except Conflict:
+        return False
+    record(actor, "instance.overdue", instance, before=before, after=snapshot(instance))
+    return True
 
 
 @transaction.atomic
@@ -375,19 +408,20 @@ def restart_failed_instance(actor: Actor, instance: Instance) -> Instance:
 def give_up_instance(actor: Actor, instance: Instance, restarts: int) -> bool:
     """Leave a failed instance failed for good, its reason saying so; a person's restart revives it.
 
-    Returns False when it is not failed any more, or was given up already.
+    Its node and GPUs are let go (the reason names the node), so that what it reserved serves others; a
+    restart places it anew. Returns False when it is not failed any more, or was given up already.
     """
-    prefix = f"gave up after {restarts} restarts: "
-    if instance.state != InstanceState.FAILED or instance.reason.startswith("gave up after "):
+    if instance.state != InstanceState.FAILED or instance.gave_up:
         return False
     before = snapshot(instance)
-    reason = prefix + instance.reason
-    updated = Instance.objects.filter(pk=instance.pk, state=InstanceState.FAILED, reason=instance.reason).update(
-        reason=reason, updated_at=timezone.now()
+    where = f" on node {instance.node.name}" if instance.node is not None else ""
+    reason = f"gave up after {restarts} restarts{where}: {instance.reason}"
+    updated = Instance.objects.filter(pk=instance.pk, state=InstanceState.FAILED, gave_up=False).update(
+        reason=reason, gave_up=True, node=None, gpu_indexes=[], updated_at=timezone.now()
     )
     if not updated:
         return False
-    instance.reason = reason
+    instance.reason, instance.gave_up, instance.node, instance.gpu_indexes = reason, True, None, []
     record(actor, "instance.give_up", instance, before=before, after=snapshot(instance))
     return True
 
@@ -409,11 +443,11 @@ def dispatch_instance(
         node_id=instance.node_id,
         restarts=instance.restarts,
         dispatched_at=instance.dispatched_at,
-    ).update(dispatched_at=now)
+    ).update(dispatched_at=now, dispatches=F("dispatches") + 1)
     if not claimed:
         return False
     before = snapshot(instance)
-    instance.dispatched_at = now
+    instance.dispatched_at, instance.dispatches = now, instance.dispatches + 1
     after = snapshot(instance) | {"task": task}
     record(actor, "instance.dispatch", instance, before=before, after=after)
     send()
@@ -465,7 +499,14 @@ def transition(instance: Instance, new_state: str, **fields: Any) -> None:
     check_transition(instance.state, new_state)
     now = timezone.now()
     # A new state needs its own task sent (or none): what was dispatched for the old one no longer counts.
-    changes = {"state": new_state, "state_changed_at": now, "updated_at": now, "dispatched_at": None, **fields}
+    changes = {
+        "state": new_state,
+        "state_changed_at": now,
+        "updated_at": now,
+        "dispatched_at": None,
+        "dispatches": 0,
+        **fields,
+    }
     updated = Instance.objects.filter(pk=instance.pk, state=instance.state).update(**changes)
     if updated != 1:
         current = Instance.objects.filter(pk=instance.pk).values_list("state", flat=True).first()

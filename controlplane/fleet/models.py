@@ -154,9 +154,12 @@ class Instance(models.Model):
     ``stopped`` is final. ``restart_requested`` turns the agent's "stopped" into ``pending`` again.
 
     ``dispatched_at`` is when the reconciler last sent the agent the task the current state needs (start
-    for a placed pending instance, stop for a stopping one); every state change clears it. ``restarts``
-    counts every start after the first and is the ``attempt`` an agent sees. ``failure_streak`` counts
-    the failures since the instance last ran well; it sets the restart backoff and the give-up point.
+    for a placed pending instance, stop for a stopping one) and ``dispatches`` how often it did; every
+    state change clears both. ``restarts`` counts every start after the first and is the ``attempt`` an
+    agent sees and names in its reports. ``failure_streak`` counts the failures since the instance last
+    ran well; it sets the restart backoff and the give-up point. ``gave_up`` marks a failed instance the
+    reconciler no longer restarts: past its restarts, or failed for a reason retrying cannot fix (its
+    node and GPUs are then let go).
     """
 
     State = InstanceState
@@ -173,7 +176,10 @@ class Instance(models.Model):
     restarts = models.PositiveIntegerField(default=0)
     restart_requested = models.BooleanField(default=False)
     failure_streak = models.PositiveIntegerField(default=0)
+    # Failed for good: past max_restarts, or a failure retrying cannot fix. Only a person's restart revives it.
+    gave_up = models.BooleanField(default=False)
     dispatched_at = models.DateTimeField(null=True, blank=True)
+    dispatches = models.PositiveIntegerField(default=0)  # tasks sent for the current state, unanswered
     download_progress = models.FloatField(null=True, blank=True)  # 0..1 while downloading
     created_at = models.DateTimeField(auto_now_add=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)

@@ -43,6 +43,10 @@ class InstanceReport:
     pid: int | None = None
     endpoint_instance_id: int | None = None
     download_progress: float | None = None
+    #: The start this report is about (the instance's ``restarts`` when it was sent); None: not said.
+    attempt: int | None = None
+    #: With "failed": retrying cannot fix it (a bad argument, a repository that does not exist).
+    permanent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

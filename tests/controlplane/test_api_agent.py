@@ -118,3 +118,28 @@ def test_people_restart_scale_and_drain_through_the_api(
     drained = operator.post(f"/api/v1/nodes/{node.pk}/drain/").json()
     assert (drained["draining"], drained["schedulable"]) == (True, False)
     assert agent.post("/api/v1/agent/heartbeat/", INVENTORY, format="json").json()["draining"] is True
+
+
+def test_a_report_about_an_older_attempt_is_answered_409_and_a_permanent_failure_gives_up(
+    agent_client: Callable[[str], APIClient], operator: APIClient
+) -> None:
+    agent = agent_client("gpu-a")
+    agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
+    make_model("smol")
+    operator.post("/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 1}]}, format="json")
+    place_pending_instances(TEST_ACTOR)
+    [spec] = agent.get("/api/v1/agent/instances/").json()
+    state_path = f"/api/v1/agent/instances/{spec['id']}/state/"
+    assert agent.post(state_path, {"state": "ready", "attempt": 0}, format="json").status_code == 200
+    operator.post(f"/api/v1/instances/{spec['id']}/restart/")
+    agent.post(state_path, {"state": "stopped", "attempt": 0}, format="json")  # attempt 1 is pending now
+
+    late = agent.post(state_path, {"state": "starting", "attempt": 0}, format="json")
+
+    assert late.status_code == 409
+    assert "about attempt 0 of instance chat-aggregated-0, which is at attempt 1 now" in late.json()["detail"]
+    body = {"state": "failed", "reason": "exit code 2: unknown flag", "attempt": 1, "permanent": True}
+    assert agent.post(state_path, body, format="json").status_code == 200
+    failed = operator.get(f"/api/v1/instances/{spec['id']}/").json()
+    assert (failed["state"], failed["node"], failed["gpu_indexes"]) == ("failed", None, [])
+    assert failed["reason"] == "gave up on node gpu-a, as retrying cannot fix it: exit code 2: unknown flag"

@@ -174,6 +174,46 @@ def test_a_state_that_cannot_follow_is_refused_and_nothing_changes() -> None:
     assert instance.state == S.READY
 
 
+def test_a_report_about_an_older_attempt_is_refused_and_changes_nothing() -> None:
+    """A late report from the worker of attempt 0, after the instance was restarted (attempt 1)."""
+    instance = report(placed_instance(), S.FAILED, reason="crashed", attempt=0)
+    instance = actions.restart_instance(TEST_ACTOR, instance)
+    place_pending_instances(TEST_ACTOR)
+    assert instance.restarts == 1
+
+    with pytest.raises(Conflict, match=r"about attempt 0 of instance .*, which is at attempt 1 now"):
+        report(Instance.objects.select_related("node").get(pk=instance.pk), S.READY, attempt=0)
+
+    instance.refresh_from_db()
+    assert instance.state == S.PENDING
+    instance = report(Instance.objects.select_related("node").get(pk=instance.pk), S.READY, attempt=1)
+    assert instance.state == S.READY
+
+
+def test_an_agent_says_stopped_only_of_an_instance_being_stopped() -> None:
+    instance = run_instance(placed_instance())
+    with pytest.raises(InvalidTransition, match="is ready, not stopping: an agent reports 'stopped' only for"):
+        report(instance, S.STOPPED)
+    pending = placed_instance_on_same_node()
+    with pytest.raises(InvalidTransition, match="is pending, not stopping"):
+        report(pending, S.STOPPED)
+    instance.refresh_from_db()
+    pending.refresh_from_db()
+    assert (instance.state, pending.state) == (S.READY, S.PENDING)
+
+
+def test_a_failure_retrying_cannot_fix_gives_up_at_once_and_lets_the_gpus_go() -> None:
+    instance = placed_instance()
+    assert instance.gpu_indexes == [0]
+
+    instance = report(instance, S.FAILED, reason="repository 'org/nope' not found", permanent=True)
+
+    assert (instance.state, instance.gave_up, instance.node, instance.gpu_indexes) == (S.FAILED, True, None, [])
+    assert instance.reason == "gave up on node gpu-a, as retrying cannot fix it: repository 'org/nope' not found"
+    revived = actions.restart_instance(TEST_ACTOR, instance)  # a person's restart, once the cause is fixed
+    assert (revived.state, revived.gave_up, revived.failure_streak) == (S.PENDING, False, 0)
+
+
 def test_an_instance_that_fails_while_stopping_is_stopped() -> None:
     instance = run_instance(placed_instance())
     actions.drain_node(TEST_ACTOR, Node.objects.get(name="gpu-a"))

@@ -121,10 +121,18 @@ def etcd_values(etcd: EtcdServer, prefix: str) -> dict[str, str]:
     }
 
 
-def _etcd_range(etcd: EtcdServer, prefix: str) -> list[dict[str, str]]:
-    def encode(text: str) -> str:
-        return base64.b64encode(text.encode()).decode()
+def etcd_put(etcd: EtcdServer, key: str, value: str) -> None:
+    """Put ``key`` in etcd, over its JSON API (as a worker's registration, without a lease)."""
+    body = {"key": _b64(key), "value": _b64(value)}
+    httpx.post(etcd.endpoint + "/v3/kv/put", json=body, timeout=5).raise_for_status()
 
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _etcd_range(etcd: EtcdServer, prefix: str) -> list[dict[str, str]]:
+    encode = _b64
     # The range end is the prefix with its last byte incremented: every key that starts with it.
     range_end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
     body = {"key": encode(prefix), "range_end": encode(range_end)}

@@ -191,6 +191,8 @@ class InstanceReportSerializer(serializers.Serializer):
     pid = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False, allow_null=True)
     endpoint_instance_id = serializers.IntegerField(min_value=1, max_value=MAX_INSTANCE_ID, required=False)
     download_progress = serializers.FloatField(min_value=0.0, max_value=1.0, required=False)
+    attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    permanent = serializers.BooleanField(default=False)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         if data["state"] == Instance.State.FAILED and not data.get("reason"):
