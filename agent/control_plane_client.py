@@ -115,6 +115,10 @@ class InstanceReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     pid: int | None = None
     endpoint_instance_id: int | None = None
     download_progress: float | None = None
+    #: The attempt the report is about: the control plane refuses (409) a report of an older one.
+    attempt: int | None = None
+    #: With "failed": retrying cannot fix it (exit code 2, a repository that does not exist); given up at once.
+    permanent: bool = False
 
 
 class DownloadReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -50,8 +50,9 @@ from agent.control_plane_client import (
     node_report,
 )
 from agent.downloads import DownloadProgress, ModelDownloader
-from agent.errors import DownloadError, WorkerError
+from agent.errors import DiskFull, DownloadError, HubUnreachable, WorkerError
 from agent.inventory import Inventory
+from agent.processes import EXIT_CONFIG
 from agent.readiness import RegistrationWatch
 from agent.supervisor import Readiness, RestartPolicy, Supervisor, WorkerState, WorkerStatus
 from agent.task_consumer import TaskConsumer
@@ -342,13 +343,18 @@ class NodeAgent:
             try:
                 path = await self._fetch(instance_id, request.source)
             except DownloadError as exc:
-                self._report(instance_id, InstanceReport(state="failed", reason=str(exc)))
+                # A missing or forbidden repository, a bad local path: no retry fixes those. A hub that does
+                # not answer, or a full disk, may be fine on the next try.
+                permanent = not isinstance(exc, HubUnreachable | DiskFull)
+                self._report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
             spec = msgspec.structs.replace(spec, model_path=str(path))
         try:
             self.supervisor.start(spec)
         except (ConfigError, WorkerError) as exc:
-            self._report(instance_id, InstanceReport(state="failed", reason=f"cannot start the worker: {exc}"))
+            permanent = isinstance(exc, ConfigError)  # the spec itself is wrong: the same start fails again
+            reason = f"cannot start the worker: {exc}"
+            self._report(instance_id, InstanceReport(state="failed", reason=reason, permanent=permanent))
 
     async def _stop(self, request: StopInstance) -> None:
         await self.supervisor.stop(request.instance_id, timeout_s=request.grace_s)
@@ -419,11 +425,17 @@ class NodeAgent:
                 reason=status.reason,
                 pid=status.pid,
                 endpoint_instance_id=status.endpoint_instance_id,
+                # Exit code 2 is a usage error (a bad flag, an unknown engine argument): it fails every time.
+                permanent=status.state is WorkerState.FAILED and status.exit_code == EXIT_CONFIG,
             ),
         )
 
     def _report(self, instance_id: int, report: InstanceReport) -> None:
-        self._instances.setdefault(instance_id, _Instance(attempt=None)).last_report = report
+        entry = self._instances.setdefault(instance_id, _Instance(attempt=None))
+        if report.attempt is None and entry.attempt is not None:
+            # Named, so that a report from a worker a newer attempt has replaced cannot pass for the new one's.
+            report = msgspec.structs.replace(report, attempt=entry.attempt)
+        entry.last_report = report
         # A download reports its progress every second or so: that is news only at debug level.
         level = logging.DEBUG if report.state == "downloading" and report.download_progress else logging.INFO
         log.log(level, "instance %d: %s%s", instance_id, report.state, f" ({report.reason})" if report.reason else "")

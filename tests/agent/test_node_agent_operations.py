@@ -200,13 +200,20 @@ async def test_a_worker_that_fails_is_reported_with_why_and_not_restarted(
         await control_plane.next_state(3, "starting")
         failed = await control_plane.next_state(3, "failed")
         assert "failed with exit code 3" in failed.reason and "boom: the engine fell over" in failed.reason
+        assert (failed.attempt, failed.permanent) == (0, False)  # a crash may not happen again
         assert agent.supervisor.instances() == []  # the control plane decides whether it runs again
+
+        # Exit code 2 is a usage error: the same start fails the same way, so the report says so.
+        await agent.accept_start(start(5, "config", attempt=4))
+        await control_plane.next_state(5, "starting")
+        failed = await control_plane.next_state(5, "failed")
+        assert (failed.attempt, failed.permanent) == (4, True)
 
         # A start whose model is missing fails before any process is launched, saying so.
         missing = msgspec.structs.replace(start(4), source=LocalSource(path=str(tmp_path / "nowhere.gguf")))
         await agent.accept_start(missing)
         failed = await control_plane.next_state(4, "failed")
-        assert "does not exist on this node" in failed.reason
+        assert "does not exist on this node" in failed.reason and failed.permanent
         assert not (tmp_path / "logs" / "instance-4.log").exists()
     finally:
         await agent.close()
