@@ -43,3 +43,10 @@ class LocalModelInvalid(DownloadError):
 
 class WorkerError(AgentError):
     """A worker could not be started, adopted or stopped."""
+
+
+class TaskNotAllowed(AgentError):
+    """A task asks for what this agent does not run: an engine it does not have, a flag it sets itself.
+
+    Only a changed task can succeed: the instance fails with the reason, and is not restarted.
+    """

@@ -300,6 +300,13 @@ class NodeAgent:
         """The last lines of the instance's worker log. Raises WorkerError when this node has none."""
         return await asyncio.to_thread(self.supervisor.log_tail, request.instance_id, request.lines)
 
+    async def refuse_start(self, instance_id: int, reason: str, attempt: int | None = None) -> None:
+        """Report a start this node refused (agent/task_consumer.py checks them): the instance fails for good."""
+        report = InstanceReport(
+            state="failed", reason=f"refused by the agent: {reason}", attempt=attempt, permanent=True
+        )
+        self._report(instance_id, report)
+
     # -- operations -----------------------------------------------------------------------------------
 
     def _operate(

@@ -9,7 +9,12 @@ start or a stop returns once the agent has taken it (the work goes on on the loo
 reaches the control plane as state reports); a log tail returns its text, which goes back through the
 result backend to the control plane waiting on it.
 
-A malformed payload is logged with the reason and fails its task; the consumer goes on. While the broker
+The broker vouches for nothing: whoever can write to it can send a task. So a start is checked before the
+agent takes it (agent/task_checks.py: engines this node has, no flag the agent sets itself, no model path),
+and a start that is malformed or fails a check is refused: logged at warning with the reason, its task
+failed, and, when the instance it names can be told, reported to the control plane as failing for good
+with ``refused by the agent: <why>`` (the control plane audits the state change). Any other malformed
+payload is logged with the reason and fails its task. Either way the consumer goes on. While the broker
 cannot be reached, Celery logs its URL and the reason at each attempt and keeps trying.
 ``stop()`` ends the consumer through Celery's own shutdown flag, which its loop checks between events
 and between connection attempts (a signal handler in ``celery worker`` does the same).
@@ -18,14 +23,16 @@ and between connection attempts (a signal handler in ``celery worker`` does the 
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, TypeVar
 
 from celery import Celery  # type: ignore[import-untyped]
 from celery.worker import state as worker_state  # type: ignore[import-untyped]
 
-from agent.errors import AgentError, WorkerError
+from agent.errors import AgentError, TaskNotAllowed, WorkerError
+from agent.task_checks import check_start
+from runtime.engine_names import engines_on_this_node
 from runtime.errors import ConfigError
 from runtime.fleet_tasks import (
     TASK_LOG_TAIL,
@@ -63,6 +70,10 @@ class TaskHandler(Protocol):
 
     async def log_tail(self, request: LogTailRequest) -> str:
         """The last lines of the instance's log. Raises WorkerError when this node has none."""
+        ...
+
+    async def refuse_start(self, instance_id: int, reason: str, attempt: int | None = None) -> None:
+        """Report that a start of ``instance_id`` (at ``attempt``, if known) was refused: it fails for good."""
         ...
 
 
@@ -106,11 +117,16 @@ class TaskConsumer:
         handler: TaskHandler,
         loop: asyncio.AbstractEventLoop,
         result_backend: str | None = None,
+        engines: Collection[str] | None = None,
     ) -> None:
-        """Raises ConfigError for a node name that cannot name a queue."""
+        """``engines`` are those this node's workers can run (default: the fleet's engines installed here).
+
+        Raises ConfigError for a node name that cannot name a queue.
+        """
         self.queue = node_queue(node)
         self.broker_url = broker_url
         self.node = node
+        self.engines = frozenset(engines_on_this_node() if engines is None else engines)
         self._handler = handler
         self._loop = loop
         self.app = celery_app(broker_url, node, result_backend=result_backend)
@@ -123,7 +139,7 @@ class TaskConsumer:
 
     def _register_tasks(self) -> None:
         # ``throws``: Celery logs these at info without a traceback; the task body has said why already.
-        expected = (ConfigError, WorkerError, TaskRefused)
+        expected = (ConfigError, WorkerError, TaskRefused, TaskNotAllowed)
         # ``shared=False``: Celery would otherwise add them to every app of the process, its default one too.
         self.app.task(name=TASK_START_INSTANCE, shared=False, ignore_result=True, throws=expected)(self._start_instance)
         self.app.task(name=TASK_STOP_INSTANCE, shared=False, ignore_result=True, throws=expected)(self._stop_instance)
@@ -133,7 +149,17 @@ class TaskConsumer:
     # -- the task bodies (in the consumer's thread) ---------------------------------------------------
 
     def _start_instance(self, *args: object, **kwargs: object) -> None:
-        request = self._decode(args, kwargs, StartInstance, TASK_START_INSTANCE)
+        try:
+            request = self._decode(args, kwargs, StartInstance, TASK_START_INSTANCE)
+        except ConfigError as exc:
+            self._refuse_start(_instance_id(args), str(exc), None)
+            raise
+        try:
+            check_start(request, engines=self.engines, node=self.node)
+        except TaskNotAllowed as exc:
+            log.warning("task %s refused: %s", TASK_START_INSTANCE, exc)
+            self._refuse_start(request.spec.instance_id, str(exc), request.attempt)
+            raise
         log.info("task: start instance %d (attempt %d)", request.spec.instance_id, request.attempt)
         self._hand_off(self._handler.accept_start(request), TASK_START_INSTANCE)
 
@@ -152,6 +178,11 @@ class TaskConsumer:
             log.info("task %s: %s", TASK_LOG_TAIL, exc)
             raise
 
+    def _refuse_start(self, instance_id: int | None, reason: str, attempt: int | None) -> None:
+        """Tell the agent (which reports it) that the start of ``instance_id`` was refused; None: unknown."""
+        if instance_id is not None:
+            self._hand_off(self._handler.refuse_start(instance_id, reason, attempt), TASK_START_INSTANCE)
+
     def _decode(self, args: tuple[object, ...], kwargs: dict[str, object], kind: type[T], task: str) -> T:
         """The task's one argument as ``kind``. Raises ConfigError (logged here with the reason: the task fails)."""
         try:
@@ -161,7 +192,7 @@ class TaskConsumer:
                 )
             return decode_task_argument(args[0], kind)
         except ConfigError as exc:
-            log.error("task %s refused: %s", task, exc)
+            log.warning("task %s refused: %s", task, exc)
             raise
 
     def _hand_off(self, coroutine: Coroutine[Any, Any, T], task: str) -> T:
@@ -229,6 +260,15 @@ class TaskConsumer:
             worker_state.should_stop = None
         self._thread = None
         self._ready.clear()
+
+
+def _instance_id(args: tuple[object, ...]) -> int | None:
+    """The instance a malformed StartInstance names (``args[0]["spec"]["instance_id"]``), if it names one."""
+    argument = args[0] if len(args) == 1 else None
+    spec = argument.get("spec") if isinstance(argument, dict) else None
+    instance_id = spec.get("instance_id") if isinstance(spec, dict) else None
+    # bool is an int too; an id is a positive one.
+    return instance_id if type(instance_id) is int and instance_id > 0 else None
 
 
 def _redact(url: str) -> str:

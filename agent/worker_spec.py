@@ -54,7 +54,7 @@ def worker_env(spec: WorkerSpec, base: Mapping[str, str]) -> dict[str, str]:
 
     A worker with no GPUs gets an empty ``CUDA_VISIBLE_DEVICES``, so that it cannot take one it was not given.
     """
-    env = {**base, **spec.env}
+    env = dict(base)
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.gpu_indexes)
     # Its log lines reach the file as they are written, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"

@@ -3,13 +3,15 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.engine_names import IMPLEMENTED_ENGINES, PLANNED_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
-ENGINES = ("echo_core", "echo_full", "llamacpp", "mocker", "dyn")
-# Engines on the road map (DESIGN.md); named so that asking for one gets a clear answer.
-PLANNED_ENGINES = ("mistralrs", "vllm", "sglang", "trtllm")
+# The engines (runtime/engine_names.py), and the ingress.
+ENGINES = (*IMPLEMENTED_ENGINES, "dyn")
 # Engines configured by --extra-engine-args FILE.json.
-EXTRA_ARGS_ENGINES = ("mocker",)
+EXTRA_ARGS_ENGINES = tuple(sorted(SETTINGS_FILE_ENGINES))
+
+__all__ = ["ENGINES", "EXTRA_ARGS_ENGINES", "PLANNED_ENGINES", "RunOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)

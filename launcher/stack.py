@@ -51,12 +51,13 @@ from launcher.stack_controlplane import (
 from launcher.stack_processes import Child, choose_port, port_is_free
 from launcher.stack_servers import ServerSpec, etcd_server, find_binaries, nats_server, redis_server
 from runtime.config import env_str
+from runtime.engine_names import GPU_ONLY_ENGINES, IMPLEMENTED_ENGINES
 from runtime.errors import ConfigError, FlotillaError, ModelError
 from runtime.logging import configure_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
 #: The engines a first pipeline may use: those that run on a CPU (the catalog's names).
-FIRST_PIPELINE_ENGINES = ("llamacpp", "mocker", "echo_core", "echo_full")
+FIRST_PIPELINE_ENGINES = tuple(name for name in IMPLEMENTED_ENGINES if name not in GPU_ONLY_ENGINES)
 ETCD_PEER_PORT = 2380  # etcd's usual peer port, beside its client port 2379
 
 SERVER_START_S = 30.0  # etcd, NATS, Redis: well under a second when all is well

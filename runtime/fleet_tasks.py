@@ -7,6 +7,12 @@ serializer: ``send_task(TASK_START_INSTANCE, args=[to_builtins(StartInstance(...
 Every task is idempotent: starting an instance the agent already runs at the same ``attempt`` does nothing,
 stopping one it does not run reports it stopped. ``attempt`` (the instance's restart count) lets an agent
 ignore a start that a later restart has overtaken.
+
+What becomes a process (StartInstance, its WorkerSpec and source) refuses a field it does not know
+(``forbid_unknown_fields``): an agent that half-read a start would run something other than what was
+asked, so it refuses the task and says which field (upgrade the agents before the control plane sends a
+new one). A spec carries no environment: a worker's variables are the agent's allowlist
+(agent/worker_spec.py), never a task's, which could otherwise name ``LD_PRELOAD``.
 """
 
 import re
@@ -45,7 +51,7 @@ def node_queue(node: str) -> str:
     return f"node.{node}"
 
 
-class HubSource(msgspec.Struct, frozen=True, tag="hub"):
+class HubSource(msgspec.Struct, frozen=True, tag="hub", forbid_unknown_fields=True):
     """A Hugging Face repo at a revision (branch, tag or commit); ``file`` fetches only that file."""
 
     repo_id: str
@@ -53,7 +59,7 @@ class HubSource(msgspec.Struct, frozen=True, tag="hub"):
     file: str | None = None
 
 
-class LocalSource(msgspec.Struct, frozen=True, tag="local"):
+class LocalSource(msgspec.Struct, frozen=True, tag="local", forbid_unknown_fields=True):
     """A model folder or GGUF file already on the node."""
 
     path: str
@@ -80,7 +86,7 @@ class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
     use_kv_events: bool = True
 
 
-class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine worker of an instance, as the control plane dispatches it."""
 
     instance_id: int
@@ -97,7 +103,6 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: Memory the worker declares on each of its GPUs: what a simulated GPU reports as used.
     gpu_memory_bytes: int = 0
     labels: dict[str, str] = {}
-    env: dict[str, str] = {}
     #: The pipeline's router settings, passed to the worker as ``--router-*`` flags; None: the gateway's own.
     router: PipelineRouter | None = None
 
@@ -107,7 +112,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
         return EndpointAddress(self.pipeline, self.component, self.endpoint)
 
 
-class StartInstance(msgspec.Struct, frozen=True, kw_only=True):
+class StartInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Run ``spec`` on the agent's node. ``source`` is fetched first and its local path becomes the spec's
     ``model_path``; None for engines that need no model files (``echo_full``, ``pystr:``)."""
 

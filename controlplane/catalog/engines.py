@@ -1,20 +1,14 @@
-"""The engines a pipeline's workers may run (the ``out=`` of ``flotilla run``), and what each needs."""
+"""The engines a pipeline's workers may run (the ``out=`` of ``flotilla run``), and what each needs.
+
+The list is ``runtime/engine_names.py``'s, which the agents accept: the catalog offers no engine an agent
+would refuse, and an agent runs no engine the catalog does not offer.
+"""
 
 from django.db import models
 
+from runtime.engine_names import ENGINE_LABELS, GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 
-class Engine(models.TextChoices):
-    MOCKER = "mocker", "mocker (simulated vLLM, no weights)"
-    LLAMACPP = "llamacpp", "llama.cpp (GGUF)"
-    MISTRALRS = "mistralrs", "mistral.rs"
-    VLLM = "vllm", "vLLM"
-    SGLANG = "sglang", "SGLang"
-    TRTLLM = "trtllm", "TensorRT-LLM"
-    ECHO_CORE = "echo_core", "echo (tokens)"
-    ECHO_FULL = "echo_full", "echo (text)"
+# Members named as the values in capitals (Engine.MOCKER == "mocker"), labelled as the dashboard shows them.
+Engine = models.TextChoices("Engine", [(name.upper(), (name, label)) for name, label in ENGINE_LABELS.items()])
 
-
-# These run only on a GPU: a worker group of theirs needs at least one GPU per replica.
-GPU_ONLY_ENGINES = frozenset({Engine.VLLM, Engine.SGLANG, Engine.TRTLLM})
-# llama.cpp loads GGUF files only.
-GGUF_ONLY_ENGINES = frozenset({Engine.LLAMACPP})
+__all__ = ["GGUF_ONLY_ENGINES", "GPU_ONLY_ENGINES", "Engine"]

@@ -11,10 +11,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from controlplane.catalog.engines import Engine
 from controlplane.catalog.models import LanguageModel
 from controlplane.fleet.models import Instance
 from runtime.addressing import DEFAULT_ENDPOINT
+from runtime.engine_names import ENGINES_WITHOUT_FILES, SETTINGS_FILE_ENGINES
 from runtime.fleet_tasks import (
     HubSource,
     LocalSource,
@@ -25,10 +25,6 @@ from runtime.fleet_tasks import (
     WorkerSpec,
 )
 
-# Engines whose workers need no model files: nothing to download, no MODEL argument.
-ENGINES_WITHOUT_FILES = frozenset({Engine.ECHO_FULL})
-# Engines configured by one JSON object of their own settings (``flotilla run --extra-engine-args``).
-SETTINGS_FILE_ENGINES = frozenset({Engine.MOCKER})
 SETTINGS_FLAG = "--extra-engine-args"
 
 

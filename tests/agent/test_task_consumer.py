@@ -1,13 +1,13 @@
 """The agent's Celery consumer on a real Redis: tasks sent as the control plane sends them reach the agent's
 loop decoded, log tails come back through the result backend, malformed tasks fail with their reason and
-leave the consumer running, only the node's own queue is consumed, and a broker that is down at first is
-waited for."""
+leave the consumer running, starts the node may not run are refused (and the agent told, to report it),
+only the node's own queue is consumed, and a broker that is down at first is waited for."""
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import pytest
@@ -39,6 +39,12 @@ START = StartInstance(
 )
 
 
+class Refused(NamedTuple):
+    instance_id: int
+    reason: str
+    attempt: int | None
+
+
 class RecordingHandler:
     """The agent's side, recording what it was handed (on the test's loop)."""
 
@@ -51,6 +57,9 @@ class RecordingHandler:
 
     async def accept_stop(self, request: StopInstance) -> None:
         self.received.put_nowait(request)
+
+    async def refuse_start(self, instance_id: int, reason: str, attempt: int | None = None) -> None:
+        self.received.put_nowait(Refused(instance_id, reason, attempt))
 
     async def log_tail(self, request: LogTailRequest) -> str:
         if request.instance_id == 404:
@@ -139,10 +148,15 @@ async def test_malformed_tasks_fail_with_their_reason_and_the_consumer_goes_on(
     sender.send(TASK_STOP_INSTANCE, "stop everything")
 
     sender.send(TASK_START_INSTANCE, START)
-    assert await handler.next() == START  # the malformed ones reached nobody; this one did
-    errors = [record.getMessage() for record in caplog.records if record.name == "agent.task_consumer"]
-    assert any("task flotilla.agent.start_instance refused: malformed StartInstance" in e for e in errors)
-    assert any("task flotilla.agent.stop_instance refused: malformed StopInstance" in e for e in errors)
+    # The malformed start names its instance: the agent is told, to report it refused. Nothing else
+    # reached the agent but the well-formed start.
+    refused = await handler.next()
+    assert isinstance(refused, Refused) and refused.instance_id == 7
+    assert refused.reason.startswith("malformed StartInstance task argument")
+    assert await handler.next() == START
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.task_consumer" and r.levelname == "WARNING"]
+    assert any("task flotilla.agent.start_instance refused: malformed StartInstance" in w for w in warnings)
+    assert any("task flotilla.agent.stop_instance refused: malformed StopInstance" in w for w in warnings)
     # No task crashed Celery's machinery. (Celery's signals are process-wide: a control-plane worker that
     # an earlier test ran in this process left its Django fix-up connected, which an agent never has.)
     crashes = [
@@ -185,3 +199,36 @@ async def test_a_broker_that_is_down_at_first_is_named_and_waited_for(
         late.stop()
     refusals = [r.getMessage() for r in caplog.records if "Cannot connect to" in r.getMessage()]
     assert refusals and f"127.0.0.1:{late.port}" in refusals[0]
+
+
+async def test_a_start_the_node_may_not_run_is_refused_with_its_reason_and_never_reaches_the_agent(
+    redis_server: RedisServer,
+    handler: RecordingHandler,
+    start_consumer: Callable[[str], TaskConsumer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    consumer = start_consumer(redis_server.url)
+    assert await asyncio.to_thread(consumer.wait_ready, 20)
+    sender = Sender(redis_server.url)
+    forged = {
+        "pystr": {"engine": "pystr:/tmp/evil.py"},
+        "unknown": {"engine": "bash"},
+        "a second out=": {"engine_args": ["out=pytok:/tmp/evil.py"]},
+        "labels": {"engine_args": ["--labels", "node=node-b"]},
+    }
+    for number, fields in enumerate(forged.values(), start=20):
+        spec = msgspec.structs.replace(START.spec, instance_id=number, **fields)
+        sender.send(TASK_START_INSTANCE, msgspec.structs.replace(START, spec=spec, attempt=number))
+    refusals = [await handler.next() for _ in forged]
+    assert [(r.instance_id, r.attempt) for r in refusals] == [(20, 20), (21, 21), (22, 22), (23, 23)]
+    assert all(isinstance(r, Refused) for r in refusals)
+    assert "runs a Python file of the node's" in refusals[0].reason
+    assert "'bash' is not one of the fleet's" in refusals[1].reason
+    assert "'out=pytok:/tmp/evil.py' is not a flag" in refusals[2].reason
+    assert "'--labels' is not one a task may set" in refusals[3].reason
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.task_consumer" and r.levelname == "WARNING"]
+    assert len([w for w in warnings if w.startswith("task flotilla.agent.start_instance refused: ")]) == len(forged)
+
+    sender.send(TASK_START_INSTANCE, START)
+    assert await handler.next() == START  # the consumer goes on

@@ -25,7 +25,6 @@ SPEC = WorkerSpec(
     engine_args=["--extra-engine-args", "/etc/flotilla/mocker.json"],
     gpu_indexes=[1, 3],
     labels={"team": "search", "node": "spoofed"},
-    env={"FLOTILLA_DRAIN_S": "5"},
 )
 
 
@@ -58,7 +57,6 @@ def test_a_spec_label_cannot_pose_as_the_agents_own() -> None:
 def test_a_worker_sees_only_its_gpus_and_its_own_variables() -> None:
     env = worker_env(SPEC, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "FLOTILLA_LABELS": "x=y"})
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
-    assert env["FLOTILLA_DRAIN_S"] == "5"
     assert env["PATH"] == "/usr/bin"
     assert "FLOTILLA_LABELS" not in env
     cpu_only = msgspec.structs.replace(SPEC, gpu_indexes=[])

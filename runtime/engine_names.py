@@ -1,0 +1,53 @@
+"""The engines a fleet may run: the one list the catalog offers, the agent accepts and ``flotilla run`` knows.
+
+A fleet task names its engine (``WorkerSpec.engine``, the worker's ``out=``). Only a name listed here can
+reach a worker: the control plane offers these and no others (``controlplane/catalog/engines.py`` builds
+its choices from ``ENGINE_LABELS``), and an agent refuses a task naming anything else. ``flotilla run``
+also takes ``out=pystr:FILE.py`` and ``out=pytok:FILE.py`` (a user's Python file as the engine): a person
+may run those by hand, but a task may not, since a name the broker carries would then run any code.
+
+``IMPLEMENTED_ENGINES`` are those this version runs; ``PLANNED_ENGINES`` are on the road map, named so
+that asking for one gets a clear answer. ``engines_on_this_node()`` is what an agent can run here.
+"""
+
+import importlib.util
+
+#: Every engine a fleet may run, and how the dashboard names it, in the order it lists them.
+ENGINE_LABELS: dict[str, str] = {
+    "mocker": "mocker (simulated vLLM, no weights)",
+    "llamacpp": "llama.cpp (GGUF)",
+    "mistralrs": "mistral.rs",
+    "vllm": "vLLM",
+    "sglang": "SGLang",
+    "trtllm": "TensorRT-LLM",
+    "echo_core": "echo (tokens)",
+    "echo_full": "echo (text)",
+}
+FLEET_ENGINES = frozenset(ENGINE_LABELS)
+
+#: The engines this version of ``flotilla run`` implements.
+IMPLEMENTED_ENGINES = ("echo_core", "echo_full", "llamacpp", "mocker")
+#: The engines on the road map (DESIGN.md): in the catalog, refused by ``flotilla run`` with a clear answer.
+PLANNED_ENGINES = tuple(name for name in ENGINE_LABELS if name not in IMPLEMENTED_ENGINES)
+
+#: These run only on a GPU: a worker group of theirs needs at least one GPU per replica.
+GPU_ONLY_ENGINES = frozenset({"vllm", "sglang", "trtllm"})
+#: llama.cpp loads GGUF files only.
+GGUF_ONLY_ENGINES = frozenset({"llamacpp"})
+#: Engines whose workers need no model files: nothing to download, no MODEL argument.
+ENGINES_WITHOUT_FILES = frozenset({"echo_full"})
+#: Engines configured by one JSON object of their own settings (``flotilla run --extra-engine-args``).
+SETTINGS_FILE_ENGINES = frozenset({"mocker"})
+
+#: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
+_ENGINE_PACKAGES = {"llamacpp": "llama_cpp"}
+
+
+def engines_on_this_node() -> frozenset[str]:
+    """The engines a worker started by this interpreter can run: the implemented ones whose package is
+    installed (looked up, not imported: importing llama.cpp or vLLM takes seconds)."""
+    return frozenset(
+        name
+        for name in IMPLEMENTED_ENGINES
+        if (package := _ENGINE_PACKAGES.get(name)) is None or importlib.util.find_spec(package) is not None
+    )
