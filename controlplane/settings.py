@@ -5,6 +5,7 @@
 * ``FLOTILLA_SECRET_KEY`` / ``FLOTILLA_SECRET_KEY_FILE``: see controlplane/secret_key.py.
 * ``DATABASE_URL``: ``postgres://…`` for PostgreSQL; SQLite in the data directory when unset.
 * ``FLOTILLA_DEBUG``, ``FLOTILLA_ALLOWED_HOSTS`` (comma-separated), ``FLOTILLA_API_MAX_BODY_BYTES``.
+* Behind a TLS proxy, cookies, HSTS, login throttling, passwords: see controlplane/web_security.py.
 """
 
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from controlplane.database import database_config
 from controlplane.live.layer import channel_layers
 from controlplane.secret_key import default_data_dir, load_secret_key
+from controlplane.web_security import web_security
 from runtime.config import env_bool, env_int, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -20,6 +22,18 @@ DATA_DIR = Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir())
 DEBUG = env_bool("FLOTILLA_DEBUG", False)
 SECRET_KEY = load_secret_key(DATA_DIR, debug=DEBUG)
 ALLOWED_HOSTS = [host.strip() for host in (env_str("FLOTILLA_ALLOWED_HOSTS") or "localhost,127.0.0.1").split(",")]
+
+# Behind the TLS proxy deploy/ recommends: controlplane/web_security.py says what each setting is for.
+WEB_SECURITY = web_security()
+SECURE_PROXY_SSL_HEADER = WEB_SECURITY.secure_proxy_ssl_header
+CSRF_TRUSTED_ORIGINS = WEB_SECURITY.csrf_trusted_origins
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = WEB_SECURITY.secure_cookies
+SECURE_HSTS_SECONDS = WEB_SECURITY.hsts_seconds
+SECURE_HSTS_INCLUDE_SUBDOMAINS = WEB_SECURITY.hsts_include_subdomains
+SECURE_HSTS_PRELOAD = WEB_SECURITY.hsts_preload
+AUTH_PASSWORD_VALIDATORS = WEB_SECURITY.password_validators()
+LOGIN_MAX_FAILURES = WEB_SECURITY.login_max_failures
+LOGIN_WINDOW_S = WEB_SECURITY.login_window_s
 
 INSTALLED_APPS = [
     "django.contrib.admin",

@@ -72,3 +72,11 @@ def env_bool(name: str, default: bool) -> bool:
     if lowered in _FALSE:
         return False
     raise ConfigError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def env_list(name: str, default: tuple[str, ...] = ()) -> list[str]:
+    """Return ``$NAME`` split on commas, each item stripped, empty items dropped; ``default`` when unset or blank."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return list(default)
+    return [item.strip() for item in raw.split(",") if item.strip()]

@@ -1,6 +1,8 @@
 """Creating and revoking API tokens and people. Each runs in one transaction with an audit entry
 (the key itself is never recorded: it is shown once, to whoever created it)."""
 
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from controlplane.accounts.models import TOKEN_DISPLAY_CHARS, ApiToken, Role, User, hash_token
@@ -35,12 +37,14 @@ def revoke_token(actor: Actor, token: ApiToken) -> None:
 def create_user(actor: Actor, username: str, role: Role, *, password: str | None = None) -> User:
     """Add a person with a role; without a password they can use tokens but not log in to the dashboard.
 
-    Raises Conflict when the username is taken.
+    Raises Conflict when the username is taken, Invalid when the password fails the validators
+    (settings.AUTH_PASSWORD_VALIDATORS).
     """
     if User.objects.filter(username=username).exists():
         raise Conflict(f"a user named {username!r} exists already")
     user = User(username=username, role=role, is_staff=role == Role.ADMIN)
     if password:
+        _check_password(password, user)
         user.set_password(password)
     else:
         user.set_unusable_password()
@@ -58,6 +62,13 @@ def set_role(actor: Actor, user: User, role: Role) -> User:
     user.save(update_fields=["role", "is_staff"])
     record(actor, "user.role", user, before=before, after=snapshot(user, exclude=("password", "last_login")))
     return user
+
+
+def _check_password(password: str, user: User) -> None:
+    try:
+        validate_password(password, user)
+    except ValidationError as exc:
+        raise Invalid(" ".join(exc.messages), field="password") from exc
 
 
 def _create(actor: Actor, token: ApiToken) -> tuple[ApiToken, str]:

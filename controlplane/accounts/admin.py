@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.contrib.auth.admin import UserAdmin
 
+from controlplane.accounts.forms import ThrottledAdminLogin
 from controlplane.accounts.models import ApiToken, User
 
 
@@ -21,3 +22,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request: object) -> bool:
         return False
+
+
+# The admin's login counts failed logins with the dashboard's (controlplane/accounts/throttle.py).
+admin.site.login_form = ThrottledAdminLogin

@@ -87,3 +87,17 @@ class ApiToken(models.Model):
     @staticmethod
     def new_key() -> str:
         return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+class FailedLogin(models.Model):
+    """One failed password login, kept for ``LOGIN_WINDOW_S`` to slow guessing (controlplane/accounts/throttle.py).
+
+    In the database rather than a per-process cache, so that every uvicorn worker counts the same attempts.
+    """
+
+    username = models.CharField(max_length=150)
+    address = models.CharField(max_length=64)
+    at = models.DateTimeField()
+
+    class Meta:
+        indexes: ClassVar = [models.Index(fields=["username", "address", "at"], name="failed_login_key")]

@@ -3,6 +3,7 @@ from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
 from controlplane.dashboard import controls, views
+from controlplane.dashboard.login import LoginView
 
 
 class RowId:
@@ -21,7 +22,7 @@ register_converter(RowId, "row_id")
 app_name = "dashboard"
 urlpatterns = [
     path("", views.overview_page, name="overview"),
-    path("login/", auth_views.LoginView.as_view(template_name="dashboard/login.html"), name="login"),
+    path("login/", LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("gateway/", views.gateway_section, name="gateway"),
     path("models/", views.models_page, name="models"),
