@@ -7,23 +7,33 @@ socket render the row's partial, at most once per ``RENDER_WINDOW_S`` per elemen
 (controlplane/live/debounce.py), with renders shared between the sockets of the process
 (controlplane/live/rendering.py); HTML the bridge rendered is forwarded as it is.
 
-Close codes: 4400 an unknown topic, 4401 not logged in, 4404 no such pipeline (htmx's ws extension does
-not reconnect after these); 1011 when the channel layer cannot be reached at connection (it does
-reconnect, with backoff). Read-only people watch like everyone else: the socket changes nothing, and a
+Close codes: 4400 an unknown topic, 4401 not logged in, 4403 a role too low for what the socket hears,
+4404 no such pipeline (htmx's ws extension does not reconnect after these); 1011 when the channel layer
+cannot be reached at connection (it does reconnect, with backoff).
+
+A socket outlives the request that opened it, so it is authorised again as it goes on: every
+``REAUTHORISE_S``, before a push when its last check is older than that, and before it rejoins its groups.
+Its session is read again as Django reads it for a page (a logout or a password change ends it: 4401);
+a person deactivated, or demoted below what the socket's groups need (the audit topic needs the audit
+log's role), is closed with 4403. Read-only people watch like everyone else: the socket changes nothing, and a
 message sent to it gets a short explanation (as an HTML comment, which htmx ignores) and no action.
 """
 
 import asyncio
 import contextlib
 import logging
+from importlib import import_module
+from types import SimpleNamespace
 from typing import Any, get_args
 from urllib.parse import parse_qs
 
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.contrib.auth import get_user
 
-from controlplane.accounts.models import User
+from controlplane.accounts.models import Role, User
 from controlplane.dashboard.access import AUDIT_ROLE
 from controlplane.deployments.models import Pipeline
 from controlplane.live.debounce import PendingRenders
@@ -52,6 +62,8 @@ RENDER_WINDOW_S = 0.25
 #: Sockets join their groups again this often, well within the layer's group expiry
 #: (controlplane/live/layer.py), so that a page left open for days keeps hearing.
 GROUP_REFRESH_S = 600.0
+#: A socket checks this often that its person may still hear what it hears (see above).
+REAUTHORISE_S = 10.0
 PUSH_ONLY = "<!-- this socket only sends updates; changes go through the page's buttons and forms -->"
 _KINDS = frozenset(get_args(Kind))
 
@@ -65,10 +77,16 @@ class LiveConsumer(AsyncWebsocketConsumer):
         self.pending: PendingRenders[tuple[Kind, int]] = PendingRenders(RENDER_WINDOW_S)
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._authorised_at = 0.0
+        self._closed = False
 
     async def groups_to_join(self) -> list[str] | None:
         """The groups this socket joins; None when it was closed instead (with its code)."""
         raise NotImplementedError
+
+    def needed_role(self) -> Role:
+        """The role that the groups this socket joined need (read-only: any person)."""
+        return Role.READ_ONLY
 
     def catch_up(self) -> list[tuple[Kind, int]]:
         """What the socket renders once joined: the page's live sections as they are now, so that a change
@@ -100,10 +118,15 @@ class LiveConsumer(AsyncWebsocketConsumer):
         self.groups = groups  # left again on disconnect
         await self.accept()
         now = asyncio.get_running_loop().time()
+        self._authorised_at = now
         for key in self.catch_up():
             self.pending.add(key, now)
         self._changed.set()
-        self._tasks = [asyncio.create_task(self._render_forever()), asyncio.create_task(self._rejoin_forever())]
+        self._tasks = [
+            asyncio.create_task(self._render_forever()),
+            asyncio.create_task(self._rejoin_forever()),
+            asyncio.create_task(self._reauthorise_forever()),
+        ]
 
     async def disconnect(self, code: int) -> None:
         for task in self._tasks:
@@ -135,7 +158,8 @@ class LiveConsumer(AsyncWebsocketConsumer):
         self._changed.set()
 
     async def live_html(self, message: Html) -> None:
-        await self.send(text_data=message["html"])
+        if await self._may_push():
+            await self.send(text_data=message["html"])
 
     # -- the socket's tasks ----------------------------------------------------------------------------
 
@@ -156,17 +180,67 @@ class LiveConsumer(AsyncWebsocketConsumer):
             except Exception:
                 log.exception("live updates: rendering %d change(s) failed", len(wanted))
                 continue
-            if html:
+            if html and await self._may_push():
                 await self.send(text_data=html)
 
     async def _rejoin_forever(self) -> None:
         while True:
             await asyncio.sleep(GROUP_REFRESH_S)
+            if not await self._authorised():
+                return
             try:
                 for group in self.groups:
                     await self.channel_layer.group_add(group, self.channel_name)
             except Exception as exc:
                 log.warning("live updates: could not renew this socket's groups (%s)", describe(exc))
+
+    async def _reauthorise_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAUTHORISE_S)
+            if not await self._authorised():
+                return
+
+    # -- authorisation, again ---------------------------------------------------------------------------
+
+    async def _may_push(self) -> bool:
+        """Whether to send a push: not after closing, and only with a check no older than REAUTHORISE_S."""
+        if self._closed:
+            return False
+        if asyncio.get_running_loop().time() - self._authorised_at < REAUTHORISE_S:
+            return True
+        return await self._authorised()
+
+    async def _authorised(self) -> bool:
+        """Check the person again; close the socket (4401, 4403) and return False when they may no longer watch."""
+        if self._closed:
+            return False
+        refusal = await database_sync_to_async(self._refusal)()
+        if refusal is None:
+            self._authorised_at = asyncio.get_running_loop().time()
+            return True
+        self._closed = True
+        code, reason = refusal
+        log.info("live updates: closing a socket of %s: %s", self.scope.get("user"), reason)
+        await self.close(code=code, reason=reason)
+        return False
+
+    def _refusal(self) -> tuple[int, str] | None:
+        """Why this socket's person may no longer watch (a close code and reason), or None."""
+        person_id = getattr(self.scope.get("user"), "pk", None)
+        if not User.objects.filter(pk=person_id, is_active=True).exists():
+            return FORBIDDEN, "your account has been deactivated"
+        session_key = getattr(self.scope.get("session"), "session_key", None)
+        # The session as it is now, read as a page's request reads it: gone (logout), or its password hash
+        # no longer the person's (a password change), or the person inactive, and it is no one's.
+        session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+        user = get_user(SimpleNamespace(session=session))  # type: ignore[arg-type]
+        if not isinstance(user, User) or user.pk != person_id:
+            return NOT_LOGGED_IN, "your session has ended; log in again"
+        needed = self.needed_role()
+        if not user.has_role(needed):
+            return FORBIDDEN, f"this page's updates need the {needed.label} role"
+        self.scope["user"] = user
+        return None
 
 
 class FleetConsumer(LiveConsumer):
@@ -202,6 +276,9 @@ class FleetConsumer(LiveConsumer):
             "models": "models",
         }
         return [(lists[topic], FLEET_LIST) for topic in self.topics if topic in lists]
+
+    def needed_role(self) -> Role:
+        return AUDIT_ROLE if AUDIT_TOPIC in self.topics else Role.READ_ONLY
 
     def _may_read_audit(self) -> bool:
         user = self.scope.get("user")

@@ -6,12 +6,14 @@ import asyncio
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
+from django.contrib.sessions.models import Session
 
-from controlplane.accounts.models import Role
+from controlplane.accounts.models import Role, User
 from controlplane.audit.records import Actor
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import InstanceState, Node
 from controlplane.fleet.reports import InstanceReport
+from controlplane.live import consumers
 from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import deploy, make_node, node_report
@@ -230,3 +232,65 @@ async def test_a_pipeline_socket_first_sends_the_pipeline_and_its_instances() ->
     assert f'id="pipeline-{rows.a.pk}"' in first and f'id="instance-{rows.a_instance.pk}"' in first
     assert f'id="instance-{rows.b_instance.pk}"' not in first
     await socket.disconnect()
+
+
+def _change_person(username: str, **fields: object) -> None:
+    User.objects.filter(username=username).update(**fields)
+
+
+async def _closing(socket: WebsocketCommunicator) -> dict[str, object]:
+    """The socket's close message (pushes before it are skipped)."""
+    while True:
+        output = await socket.receive_output(timeout=RECEIVE_S)
+        if output["type"] == "websocket.close":
+            return output
+
+
+@pytest.fixture
+def quick_reauthorisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(consumers, "REAUTHORISE_S", 0.2)
+
+
+@pytest.mark.usefixtures("quick_reauthorisation")
+async def test_a_socket_of_a_person_deactivated_meanwhile_is_closed_with_4403() -> None:
+    socket = await connected(f"/ws/pipelines/{await _a_pipeline()}/", Role.OPERATOR, "alice")
+    await database_sync_to_async(_change_person)("alice", is_active=False)
+    closing = await _closing(socket)
+    assert closing["code"] == FORBIDDEN
+    assert "deactivated" in str(closing["reason"])
+
+
+@pytest.mark.usefixtures("quick_reauthorisation")
+async def test_a_person_demoted_below_the_audit_role_loses_the_fleet_socket_that_hears_the_audit_log() -> None:
+    fleet = await connected("/ws/fleet/", Role.OPERATOR, "alice")
+    nodes_only = await connected("/ws/fleet/?topics=nodes", Role.OPERATOR, "bob")
+    await database_sync_to_async(_change_person)("alice", role=Role.READ_ONLY)
+    await database_sync_to_async(_change_person)("bob", role=Role.READ_ONLY)
+    closing = await _closing(fleet)
+    assert closing["code"] == FORBIDDEN
+    assert "operator role" in str(closing["reason"])
+    # Read-only people may still watch the nodes: that socket hears on.
+    node = await database_sync_to_async(make_node)("gpu-c")
+    assert "gpu-c" in await receive_element(nodes_only, f"node-{node.pk}")
+    await nodes_only.disconnect()
+
+
+@pytest.mark.usefixtures("quick_reauthorisation")
+async def test_a_socket_whose_session_ended_is_closed_with_4401() -> None:
+    socket = await connected("/ws/fleet/?topics=nodes", Role.READ_ONLY, "alice")
+    await database_sync_to_async(lambda: Session.objects.all().delete())()  # a logout
+    closing = await _closing(socket)
+    assert closing["code"] == NOT_LOGGED_IN
+
+
+async def test_a_push_after_a_deactivation_is_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    socket = await connected("/ws/fleet/?topics=nodes", Role.READ_ONLY, "alice")
+    await database_sync_to_async(_change_person)("alice", is_active=False)
+    monkeypatch.setattr(consumers, "REAUTHORISE_S", 0.0)  # the next push checks again
+    await database_sync_to_async(make_node)("gpu-d")
+    closing = await socket.receive_output(timeout=RECEIVE_S)
+    assert (closing["type"], closing["code"]) == ("websocket.close", FORBIDDEN)
+
+
+async def _a_pipeline() -> int:
+    return (await database_sync_to_async(deploy)("watched")).pk
