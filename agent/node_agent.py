@@ -56,7 +56,7 @@ from agent.processes import EXIT_CONFIG
 from agent.readiness import RegistrationWatch
 from agent.supervisor import Readiness, RestartPolicy, Supervisor, WorkerState, WorkerStatus
 from agent.task_consumer import TaskConsumer
-from agent.worker_spec import DEFAULT_COMMAND
+from agent.worker_spec import DEFAULT_COMMAND, allowed_environment
 from runtime.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed, ConfigError
 from runtime.fleet_tasks import LocalSource, LogTailRequest, ModelSource, StartInstance, StopInstance
@@ -536,7 +536,8 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             log_dir=settings.log_dir,
             heartbeat_s=settings.heartbeat_s,
             worker_command=settings.worker_command,
-            worker_env=os.environ,
+            # What a worker may see of the agent's variables: never its token, the broker or HF_TOKEN.
+            worker_env=allowed_environment(os.environ),
             stop_timeout_s=settings.stop_timeout_s,
             version=settings.version,
         )

@@ -36,7 +36,7 @@ import msgspec
 from agent.errors import WorkerError
 from agent.processes import EXIT_CONFIG, ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail
 from agent.worker_records import WorkerRecord, load_records, remove_record, save_record
-from agent.worker_spec import DEFAULT_COMMAND, worker_argv, worker_env
+from agent.worker_spec import DEFAULT_COMMAND, allowed_environment, worker_argv, worker_env
 from runtime.fleet_tasks import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,8 @@ class Supervisor:
         base_env: Mapping[str, str] | None = None,
     ) -> None:
         """``command`` starts ``flotilla``; ``stop_timeout_s`` is how long a stopping worker may drain
-        before it is killed (more than its FLOTILLA_DRAIN_S); ``base_env`` defaults to the agent's own."""
+        before it is killed (more than its FLOTILLA_DRAIN_S); ``base_env`` is the environment the workers'
+        is made from (agent/worker_spec.py), by default the agent's own variables that a worker may see."""
         self.node = node
         self.state_dir = state_dir
         self.log_dir = log_dir
@@ -135,7 +136,7 @@ class Supervisor:
         self._readiness = readiness
         self._on_status = on_status
         self._command = tuple(command)
-        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._base_env = allowed_environment(os.environ) if base_env is None else dict(base_env)
         self._workers: dict[int, _Worker] = {}
         self._boot_id = boot_id()
 

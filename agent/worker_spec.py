@@ -3,8 +3,14 @@
 A worker is ``flotilla run in=dyn://<pipeline>.<component>.<endpoint> out=<engine> [MODEL] [engine args]
 --labels pipeline=…,group=…,replica=…,node=…,instance=…``: the labels go into its etcd registration,
 which is how the agent (readiness) and the gateway tell whose instance it is.
+
+Its environment is not the agent's: the agent holds what speaks for the whole node or fleet (the broker's
+URL and password, its token, ``HF_TOKEN``), and an engine runs a model's code and its users' prompts. So a
+worker gets only the variables it needs to run and serve (``allowed_environment``: an allowlist, so that a
+secret added to the agent's environment later does not leak by default), its GPUs, and nothing from a task.
 """
 
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -13,6 +19,34 @@ from runtime.fleet_tasks import WorkerSpec
 
 #: How the agent starts ``flotilla``: the launcher of this very installation, whatever PATH says.
 DEFAULT_COMMAND = (sys.executable, "-m", "launcher.cli")
+
+#: The agent's variables a worker inherits. To run: the search path, home, locale, time zone, temporary
+#: files, the CUDA libraries' path, the TLS trust store (a tls:// NATS), Python's own settings. To serve:
+#: etcd and NATS (each may come from ``NAME_FILE``, as every setting may), and the serving path's settings
+#: the worker reads (runtime/settings.py, FLOTILLA_LOG, the echo engines' delay). Nothing else: not the
+#: broker (FLOTILLA_BROKER_URL: with it a worker could send any node any task), not the agent token or its
+#: file (it speaks for the node to the control plane), not HF_TOKEN (the download runs in the agent and is
+#: the only step that needs it), not the flags of ``flotilla run`` (a worker's come from its task).
+WORKER_VARIABLES = re.compile(
+    r"PATH|HOME|USER|LOGNAME|LANG|LANGUAGE|LC_[A-Z]+|TZ|TMPDIR|LD_LIBRARY_PATH|SSL_CERT_(FILE|DIR)|PYTHON[A-Z]+"
+    r"|(ETCD_ENDPOINTS|NATS_SERVER)(_FILE)?"
+    r"|FLOTILLA_(LOG|DRAIN_S|LEASE_TTL|MAX_REQUEST_BYTES|STREAM_SILENCE_S|STREAM_HEARTBEAT_S|TOKEN_ECHO_DELAY_MS)"
+)
+#: Never a worker's, whatever environment it is given: the agent's credentials and a preloaded library.
+NEVER_TO_WORKERS = frozenset(
+    {
+        "FLOTILLA_BROKER_URL",
+        "FLOTILLA_BROKER_URL_FILE",
+        "CELERY_BROKER_URL",
+        "REDIS_URL",
+        "FLOTILLA_AGENT_TOKEN",
+        "FLOTILLA_AGENT_TOKEN_FILE",
+        "HF_TOKEN",
+        "HF_TOKEN_FILE",
+        "HUGGING_FACE_HUB_TOKEN",
+        "LD_PRELOAD",
+    }
+)
 
 
 def worker_labels(spec: WorkerSpec, node: str) -> dict[str, str]:
@@ -49,13 +83,22 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
     return argv
 
 
+def allowed_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` (the agent's) that a worker may inherit: ``WORKER_VARIABLES``."""
+    return {name: value for name, value in environ.items() if WORKER_VARIABLES.fullmatch(name)}
+
+
 def worker_env(spec: WorkerSpec, base: Mapping[str, str]) -> dict[str, str]:
-    """The worker's environment: ``base``, the spec's variables, and its GPUs in ``CUDA_VISIBLE_DEVICES``.
+    """The worker's environment: ``base`` (``allowed_environment`` of the agent's) less ``NEVER_TO_WORKERS``,
+    and its GPUs in ``CUDA_VISIBLE_DEVICES``.
 
     A worker with no GPUs gets an empty ``CUDA_VISIBLE_DEVICES``, so that it cannot take one it was not given.
     """
-    env = dict(base)
+    env = {name: value for name, value in base.items() if name not in NEVER_TO_WORKERS}
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.gpu_indexes)
+    # The indexes are NVML's (the inventory's), which count in PCI bus order; CUDA's own order puts the
+    # fastest GPU first, so without this a worker could get a GPU the control plane reserved for another.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # Its log lines reach the file as they are written, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     # The labels go on the command line; a variable from the agent's own environment would clash with them.

@@ -7,6 +7,7 @@ etcd registration (tests/agent/test_supervisor_workers.py checks readiness with 
 """
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ from agent.worker_records import load_records
 from runtime.fleet_tasks import WorkerSpec
 
 CHILD = """
-import os, signal, socket, subprocess, sys
+import json, os, signal, socket, subprocess, sys
 
 engine = next(arg[len("out="):] for arg in sys.argv if arg.startswith("out="))
 print("argv:", " ".join(sys.argv[1:]))
@@ -45,6 +46,9 @@ def drain(signum, frame):
 if engine == "crash":
     print("boom: the engine fell over", flush=True)
     sys.exit(3)
+if engine == "environment":
+    print("environment:", json.dumps(dict(os.environ)), flush=True)
+    sys.exit(0)
 if engine == "config":
     print("unknown key in --extra-engine-args", flush=True)
     sys.exit(2)
@@ -352,3 +356,44 @@ async def test_a_new_supervisor_adopts_running_workers_and_reports_vanished_ones
     await after.next(WorkerState.READY)
     await new.stop(20)
     assert after.pending()[-1].exit_code == 0  # its own child again: the exit code is known
+
+
+async def test_a_worker_sees_none_of_the_agents_credentials_only_what_it_needs_to_serve(
+    tmp_path: Path, child: Path, readiness: SocketReadiness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent's own environment, as systemd gives it (deploy/systemd/env/agent.env and the token file).
+    agents = {
+        "FLOTILLA_BROKER_URL": "redis://:fleet-password@127.0.0.1:6379/0",
+        "FLOTILLA_AGENT_TOKEN_FILE": "/etc/flotilla/agent.token",
+        "FLOTILLA_AGENT_TOKEN": "flt_agent_secret",
+        "FLOTILLA_CONTROL_PLANE": "http://127.0.0.1:8000",
+        "HF_TOKEN": "hf_secret",
+        "FLOTILLA_THREADS": "64",
+        "ETCD_ENDPOINTS": "http://127.0.0.1:2379",
+        "NATS_SERVER": "nats://127.0.0.1:4222",
+        "FLOTILLA_DRAIN_S": "3",
+    }
+    for name, value in agents.items():
+        monkeypatch.setenv(name, value)
+    statuses = Statuses()
+    supervisor = Supervisor(
+        node="node-a",
+        state_dir=tmp_path / "state",
+        log_dir=tmp_path / "logs",
+        readiness=readiness,
+        on_status=statuses,
+        policy=RestartPolicy(max_restarts=0),
+        command=[sys.executable, str(child)],
+    )
+    supervisor.start(spec(4, "environment", gpu_indexes=[2]))
+    await statuses.next(WorkerState.STARTING)
+    await statuses.next(WorkerState.FAILED)  # it printed its environment and ended
+    line = next(line for line in supervisor.log_tail(4, 20).splitlines() if line.startswith("environment: "))
+    seen = json.loads(line.removeprefix("environment: "))
+    for secret in ("FLOTILLA_BROKER_URL", "FLOTILLA_AGENT_TOKEN_FILE", "FLOTILLA_AGENT_TOKEN", "HF_TOKEN"):
+        assert secret not in seen
+    assert "FLOTILLA_CONTROL_PLANE" not in seen and "FLOTILLA_THREADS" not in seen
+    for needed in ("ETCD_ENDPOINTS", "NATS_SERVER", "FLOTILLA_DRAIN_S"):
+        assert seen[needed] == agents[needed]
+    assert seen["PATH"] == os.environ["PATH"]
+    assert (seen["CUDA_VISIBLE_DEVICES"], seen["CUDA_DEVICE_ORDER"]) == ("2", "PCI_BUS_ID")

@@ -7,7 +7,7 @@ import sys
 import msgspec
 import pytest
 
-from agent.worker_spec import worker_argv, worker_env, worker_labels
+from agent.worker_spec import allowed_environment, worker_argv, worker_env, worker_labels
 from launcher.cli import build_run_parser, parse_run_options
 from launcher.options import RunOptions
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
@@ -57,6 +57,7 @@ def test_a_spec_label_cannot_pose_as_the_agents_own() -> None:
 def test_a_worker_sees_only_its_gpus_and_its_own_variables() -> None:
     env = worker_env(SPEC, {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "FLOTILLA_LABELS": "x=y"})
     assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # the indexes are NVML's, in PCI bus order
     assert env["PATH"] == "/usr/bin"
     assert "FLOTILLA_LABELS" not in env
     cpu_only = msgspec.structs.replace(SPEC, gpu_indexes=[])
@@ -129,3 +130,52 @@ def test_a_pipelines_router_settings_become_the_workers_router_flags() -> None:
 def run_options(args: list[str]) -> RunOptions:
     parser = build_run_parser()
     return parse_run_options(parser, parser.parse_intermixed_args(args))
+
+
+AGENTS_ENVIRONMENT = {
+    "PATH": "/usr/bin",
+    "HOME": "/var/lib/flotilla-agent",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "TZ": "UTC",
+    "TMPDIR": "/tmp",
+    "PYTHONPATH": "/opt/flotilla",
+    "ETCD_ENDPOINTS": "http://etcd:2379",
+    "NATS_SERVER_FILE": "/etc/flotilla/nats-url",
+    "FLOTILLA_DRAIN_S": "5",
+    "FLOTILLA_LEASE_TTL": "10",
+    "FLOTILLA_LOG": "info",
+    "FLOTILLA_BROKER_URL": "redis://:fleet-password@redis:6379/0",
+    "FLOTILLA_AGENT_TOKEN_FILE": "/etc/flotilla/agent.token",
+    "FLOTILLA_AGENT_TOKEN": "flt_agent_secret",
+    "FLOTILLA_CONTROL_PLANE": "https://cp.example",
+    "HF_TOKEN": "hf_secret",
+    "HF_ENDPOINT": "https://hf-mirror.example",
+    "FLOTILLA_THREADS": "64",
+    "FLOTILLA_MODEL_PATH": "/models/other",
+    "AWS_SECRET_ACCESS_KEY": "x",
+    "LD_PRELOAD": "/tmp/evil.so",
+}
+
+
+def test_a_worker_inherits_only_the_agents_variables_it_needs_to_run_and_serve() -> None:
+    allowed = allowed_environment(AGENTS_ENVIRONMENT)
+    assert allowed == {
+        name: AGENTS_ENVIRONMENT[name]
+        for name in (
+            "PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH",
+            "ETCD_ENDPOINTS", "NATS_SERVER_FILE", "FLOTILLA_DRAIN_S", "FLOTILLA_LEASE_TTL", "FLOTILLA_LOG",
+        )
+    }  # fmt: skip
+
+
+def test_the_agents_credentials_never_reach_a_worker_even_in_an_environment_given_to_it() -> None:
+    env = worker_env(SPEC, AGENTS_ENVIRONMENT)
+    for secret in (
+        "FLOTILLA_BROKER_URL",
+        "FLOTILLA_AGENT_TOKEN",
+        "FLOTILLA_AGENT_TOKEN_FILE",
+        "HF_TOKEN",
+        "LD_PRELOAD",
+    ):
+        assert secret not in env
