@@ -10,6 +10,7 @@ from controlplane.audit.records import Actor, record, snapshot
 from controlplane.errors import Conflict, Invalid
 
 _TOKEN_AUDIT_EXCLUDE = ("key_hash", "last_used_at")
+_USER_AUDIT_EXCLUDE = ("password", "last_login")
 
 
 @transaction.atomic
@@ -62,6 +63,45 @@ def set_role(actor: Actor, user: User, role: Role) -> User:
     user.save(update_fields=["role", "is_staff"])
     record(actor, "user.role", user, before=before, after=snapshot(user, exclude=("password", "last_login")))
     return user
+
+
+@transaction.atomic
+def save_user(actor: Actor, user: User) -> User:
+    """Save a person edited in the admin (a new one, or changes to an existing one's fields), with its
+    audit entry. ``is_staff`` follows the role (the admin site is for admins), whatever the form said."""
+    old = User.objects.filter(pk=user.pk).first() if user.pk else None
+    before = snapshot(old, exclude=_USER_AUDIT_EXCLUDE) if old is not None else None
+    user.is_staff = Role(user.role) == Role.ADMIN or user.is_superuser
+    user.save()
+    after = snapshot(user, exclude=_USER_AUDIT_EXCLUDE)
+    if old is not None and user.password != old.password:
+        after["password"] = "changed"
+    record(actor, "user.create" if old is None else "user.update", user, before=before, after=after)
+    return user
+
+
+@transaction.atomic
+def set_password(actor: Actor, user: User, password: str | None) -> User:
+    """Give ``user`` a new password (checked by the validators), or none: they can then only use tokens.
+
+    Raises Invalid when the password fails the validators.
+    """
+    if password is None:
+        user.set_unusable_password()
+    else:
+        _check_password(password, user)
+        user.set_password(password)
+    user.save(update_fields=["password"])
+    change = {"password": "changed" if password is not None else "removed"}
+    record(actor, "user.password", user, before=None, after=change)
+    return user
+
+
+@transaction.atomic
+def delete_user(actor: Actor, user: User) -> None:
+    """Delete a person and their tokens (their audit entries stay, with their name)."""
+    record(actor, "user.delete", user, before=snapshot(user, exclude=_USER_AUDIT_EXCLUDE), after=None)
+    user.delete()
 
 
 def _check_password(password: str, user: User) -> None:
