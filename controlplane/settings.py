@@ -53,9 +53,12 @@ INSTALLED_APPS = [
     "controlplane.deployments",
     "controlplane.dashboard",
     "controlplane.live",
+    "controlplane.health",
 ]
 
 MIDDLEWARE = [
+    # First, so that the request times it records include every other middleware; it answers /metrics.
+    "controlplane.health.metrics.MetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Static files (the Swagger page's scripts, the admin's, the dashboard's) straight from the packages
     # under uvicorn: no collectstatic step, no second web server.

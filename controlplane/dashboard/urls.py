@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
-from controlplane.dashboard import controls, views
+from controlplane.dashboard import controls, health_banner, views
 from controlplane.dashboard.login import LoginView
 
 
@@ -37,4 +37,5 @@ urlpatterns = [
     path("nodes/<row_id:pk>/drain/", controls.node_drain, name="node-drain"),
     path("nodes/<row_id:pk>/undrain/", controls.node_undrain, name="node-undrain"),
     path("audit/", views.audit_page, name="audit"),
+    path("health-banner/", health_banner.health_banner, name="health-banner"),
 ]

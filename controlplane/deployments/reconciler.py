@@ -38,6 +38,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from controlplane.deployments.worker_specs import start_message, stop_message
 from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Instance, InstanceState, Lease, Node
+from controlplane.health.records import record_pass
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
 from runtime.fencing import live_instance_ids, put_fences
@@ -228,6 +230,7 @@ class Reconciler:
             log.debug("another reconciler pass is running; it will run once more")
             return None
         self._holder = holder
+        started = time.monotonic()
         report = PassReport()
         try:
             while True:
@@ -240,6 +243,7 @@ class Reconciler:
             self._holder = ""
             Lease.release(LEASE_NAME, holder, self.clock())
         log.log(logging.INFO if report.changed else logging.DEBUG, "reconciler pass: %s", report.summary())
+        record_pass(LEASE_NAME, started, report.summary())  # for /api/v1/health/, /metrics and the banner
         return report
 
     def reconcile(self, report: PassReport | None = None) -> PassReport:
