@@ -73,3 +73,29 @@ def test_a_bad_configuration_is_not_restarted(name: str) -> None:
     assert service["Restart"] == "on-failure"
     assert service["RestartPreventExitStatus"] == "2"
     assert service["User"] == "flotilla"
+
+
+HARDENING = {
+    "NoNewPrivileges": "yes",
+    "UMask": "0077",
+    "CapabilityBoundingSet": "",
+    "SystemCallFilter": "@system-service",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
+    "ProtectControlGroups": "yes",
+}
+# Their engine workers use the GPUs' device files (/dev/nvidia*).
+NEEDS_GPUS = {"flotilla-agent.service", "flotilla-worker@.service"}
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in UNITS_DIR.glob("*.service")))
+def test_every_unit_carries_the_hardening_keys(name: str) -> None:
+    service = unit(name)["Service"]
+    assert {key: service.get(key) for key in HARDENING} == HARDENING
+    families = set(service["RestrictAddressFamilies"].split())
+    assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= families <= {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
+    if name in NEEDS_GPUS:
+        assert "PrivateDevices" not in service
+    else:
+        assert service["PrivateDevices"] == "yes"
