@@ -21,6 +21,7 @@ from agent.downloads import HubSettings
 from agent.inventory import parse_gpu_spec
 from agent.node_agent import AgentSettings, run_agent
 from launcher.env_flags import EnvArgumentParser
+from launcher.proctitle import set_title
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError
 from runtime.fleet_tasks import node_queue
@@ -246,6 +247,7 @@ def agent_main(args: list[str]) -> int:
     try:
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         settings = agent_settings(parser, namespace)
+        set_title(f"flotilla agent {settings.node}")
         # What the workers will read is checked now, so a bad variable stops the agent, not each worker.
         check_settings()
         HubSettings.from_environment()

@@ -14,6 +14,7 @@ from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
 from launcher.env_flags import EnvArgumentParser, parse_boolean
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
+from launcher.proctitle import run_title, set_title
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         options = parse_run_options(parser, namespace)
         check_environment()
+        set_title(run_title(options))
         import uvloop
 
         from launcher.run import run

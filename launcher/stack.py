@@ -6,9 +6,18 @@ the reconciler's beat; the dashboard's live-update bridge (``manage.py live_brid
 ``local``); the gateway (``flotilla run in=http out=dyn``). Then, when the control plane has no pipeline yet,
 it deploys one of the default model, and once that model is served it prints where everything is.
 
-A child that dies stops the whole stack (its log's tail is shown) and ``flotilla up`` exits 1. Ctrl-C or
-SIGTERM stops everything, the engine workers too: the agent leaves them running when it stops (that is how
-a restarted agent adopts them), so ``flotilla up`` stops them itself, through the agent's worker records.
+It supervises them as systemd would (``Restart=`` with ``StartLimitBurst=``, launcher/stack_restarts.py): a
+part that ends once it is up is started again, on the same ports and data, after a delay that doubles from 1 s
+to 30 s, and each restart is said in one line. The agent adopts the engine workers it left running (they are in
+sessions of their own, so the agent's end does not take them along), and the gateway, which needs only etcd
+and NATS, keeps serving meanwhile. A part that ends more than ``--restart-burst`` times within
+``--restart-window`` seconds, or exits with code 2 (its configuration refused, which a restart would repeat),
+or dies while starting, stops the whole stack: its log's tail is shown and ``flotilla up`` exits 1.
+
+Ctrl-C or SIGTERM stops everything, the engine workers too: the agent leaves them running when it stops (that
+is how a restarted agent adopts them), so ``flotilla up`` stops them itself, through the agent's worker
+records. ``ps`` shows the programs by name (``flotilla up``, ``flotilla agent local``, ``flotilla gateway``,
+``flotilla worker NAMESPACE.COMPONENT.ENDPOINT ENGINE``: launcher/proctitle.py).
 """
 
 import argparse
@@ -23,7 +32,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,6 +43,7 @@ from agent.processes import WorkerProcess
 from agent.worker_records import load_records
 from controlplane.secret_key import default_data_dir
 from launcher.env_flags import EnvArgumentParser
+from launcher.proctitle import set_title
 from launcher.stack_controlplane import (
     ADMIN_TOKEN_FILE,
     ADMIN_USERNAME,
@@ -49,6 +59,7 @@ from launcher.stack_controlplane import (
     write_secret,
 )
 from launcher.stack_processes import Child, choose_port, port_is_free
+from launcher.stack_restarts import GiveUp, RestartHistory, RestartPolicy, describe_end
 from launcher.stack_servers import ServerSpec, etcd_server, find_binaries, nats_server, redis_server
 from runtime.config import env_str
 from runtime.engine_names import GPU_ONLY_ENGINES, IMPLEMENTED_ENGINES
@@ -82,7 +93,10 @@ examples:
 
 etcd, NATS and Redis take their usual ports (2379, 4222, 6379) when free, else free ones (say so; 0 asks for
 any free port). `flotilla run` needs none of this: it serves a model in one process.
-exit codes: 0 stopped by SIGTERM, 1 a part failed (its log is shown), 2 bad usage, 130 Ctrl-C
+A part that ends is started again after 1, 2, 4 ... 30 s; one that ends more than --restart-burst times within
+--restart-window seconds (or exits with code 2, its configuration refused) stops the stack.
+exit codes: 0 stopped by SIGTERM, 1 a part kept failing or did not start (its log is shown), 2 bad usage,
+130 Ctrl-C
 """
 
 
@@ -96,6 +110,7 @@ class UpOptions:
     data_dir: Path
     first_model: FirstModel | None  # None: --no-pipeline
     gpus: str | None = None
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 def _port(text: str) -> int:
@@ -105,6 +120,26 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535, or 0 for any free port)")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
 
 
@@ -158,6 +193,22 @@ def build_up_parser() -> EnvArgumentParser:
     )
     up.add_flag("--no-pipeline", env="FLOTILLA_NO_PIPELINE", switch=True, help="deploy no first pipeline")
     up.add_flag("--gpus", env="FLOTILLA_GPUS", type=_gpus, help="simulated GPUs of the local node, e.g. 2x24GiB")
+    default = RestartPolicy()
+    up.add_flag(
+        "--restart-burst",
+        env="FLOTILLA_UP_RESTART_BURST",
+        type=_count,
+        default=default.burst,
+        help="restarts allowed of a part that ends, within --restart-window; 0: its end stops the stack "
+        f"({default.burst})",
+    )
+    up.add_flag(
+        "--restart-window",
+        env="FLOTILLA_UP_RESTART_WINDOW_S",
+        type=_seconds,
+        default=default.window_s,
+        help=f"seconds in which --restart-burst restarts are allowed ({default.window_s:.0f})",
+    )
     up.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs")
     return up
 
@@ -184,6 +235,7 @@ def parse_up_options(parser: EnvArgumentParser, namespace: argparse.Namespace) -
         data_dir=(namespace.data_dir or default_data_dir()).expanduser().absolute(),
         first_model=first_model,
         gpus=namespace.gpus,
+        restarts=RestartPolicy(burst=namespace.restart_burst, window_s=namespace.restart_window),
     )
 
 
@@ -221,6 +273,7 @@ def main(argv: list[str]) -> int:
         namespace = parser.parse_args(argv)
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         options = parse_up_options(parser, namespace)
+        set_title("flotilla up")
         variables = set(parser.variables.values())
         return asyncio.run(Stack(options, variables).run())
     except (ConfigError, ModelError) as exc:
@@ -234,11 +287,11 @@ def main(argv: list[str]) -> int:
 
 
 class ChildDied(FlotillaError):
-    """A process of the stack ended on its own."""
+    """A process of the stack ended on its own and is not started again: it had not come up yet, or it keeps
+    ending (the message says which)."""
 
-    def __init__(self, child: Child, code: int) -> None:
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        super().__init__(f"{child.name} {how}")
+    def __init__(self, child: Child, message: str) -> None:
+        super().__init__(message)
         self.child = child
 
 
@@ -295,7 +348,8 @@ class Progress:
 
 
 class Stack:
-    """One run of ``flotilla up``: ``run()`` starts every part, waits for a signal or a death, stops them all."""
+    """One run of ``flotilla up``: ``run()`` starts every part, restarts those that end, and stops them all on a
+    signal or when one keeps ending."""
 
     def __init__(self, options: UpOptions, own_variables: set[str], out: IO[str] = sys.stdout) -> None:
         self.options = options
@@ -310,7 +364,13 @@ class Stack:
         self.children: list[Child] = []  # long-running, in start order
         self._agent: Child | None = None
         self._one_shot: set[Child] = set()
-        self._changed = asyncio.Event()  # a signal came, or a child ended: whatever waits looks again
+        # Long-running children that have come up: from then on their end is followed by a restart.
+        self._up: set[Child] = set()
+        self._histories: dict[Child, RestartHistory] = {}
+        self._restarts: set[asyncio.Task[None]] = set()  # each waits out a restart's delay, then starts a child
+        self._failure: ChildDied | StartupFailed | None = None  # a part that is not restarted: the stack stops
+        self._stopping = False
+        self._changed = asyncio.Event()  # a signal came, or a part failed for good: whatever waits looks again
         self._signal: int | None = None
         self._hurry = asyncio.Event()  # a second signal: no more grace periods
         self._http = httpx.AsyncClient(timeout=2.0)
@@ -397,12 +457,12 @@ class Stack:
     # -- waiting -------------------------------------------------------------------------------------------
 
     def _raise_if_changed(self) -> None:
-        """Raises Interrupted after a signal, ChildDied when a long-running child has ended."""
+        """Raises Interrupted after a signal; ChildDied or StartupFailed when a long-running child that ended is not
+        started again."""
         if self._signal is not None:
             raise Interrupted
-        for child in self.children:
-            if child.exited.done():
-                raise ChildDied(child, child.exited.result())
+        if self._failure is not None:
+            raise self._failure
 
     async def _pause(self, seconds: float) -> None:
         """Wait ``seconds``, or less if a signal comes or a child ends (then raise as _raise_if_changed)."""
@@ -422,6 +482,7 @@ class Stack:
             if asyncio.get_running_loop().time() > deadline:
                 raise StartupFailed(f"{child.name} did not answer within {limit_s:.0f} s", child)
             await self._pause(_POLL_S)
+        self._up.add(child)
 
     async def _http_answers(self, url: str, *, ok_only: bool = False) -> bool:
         """Whether ``url`` answers: with 200 (``ok_only``), or with anything but a server error."""
@@ -436,15 +497,58 @@ class Stack:
     def _child(self, name: str, log_name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
         return Child(name, argv, {**self.base_env, **(env or {})}, self.layout.logs / f"{log_name}.log")
 
-    def _launch(self, child: Child) -> Child:
-        """Start a long-running child: from now on its end ends the stack. Raises StartupFailed."""
+    def _launch(self, child: Child, *, answers: bool = False) -> Child:
+        """Start a long-running child. It is up at once, or with ``answers`` once _wait_ready has seen it answer;
+        an end before that fails the start (a restart would fail alike), an end after it is followed by a
+        restart (_on_exit). Raises StartupFailed."""
+        self._histories[child] = RestartHistory(self.options.restarts)
+        self._start_child(child)
+        self.children.append(child)
+        if not answers:
+            self._up.add(child)
+        return child
+
+    def _start_child(self, child: Child) -> None:
+        """Start ``child`` (again), watched by _on_exit. Raises StartupFailed."""
         try:
             child.start()
         except OSError as exc:
             raise StartupFailed(f"cannot run {child.name} ({child.argv[0]}): {exc.strerror}") from exc
-        self.children.append(child)
-        child.exited.add_done_callback(lambda _: self._changed.set())
-        return child
+        child.exited.add_done_callback(lambda exited: self._on_exit(child, exited.result()))
+
+    def _on_exit(self, child: Child, code: int) -> None:
+        """A long-running child ended: restart it later, or fail the stack (which stops it)."""
+        if self._stopping or self._signal is not None or self._failure is not None:
+            return
+        how = f"{child.name} {describe_end(code)}"
+        if child not in self._up:
+            self._fail(ChildDied(child, how))
+            return
+        policy = self.options.restarts
+        decision = self._histories[child].ended(asyncio.get_running_loop().time(), code)
+        if isinstance(decision, GiveUp):
+            self._fail(ChildDied(child, f"{how}, {decision.why(policy)}"))
+            return
+        self.say(
+            f"{how}; restarting it in {decision.delay_s:.0f} s "
+            f"(restart {decision.number} of {policy.burst} within {policy.window_s:.0f} s)"
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._restart(child, decision.delay_s), name=f"restart {child.name}"
+        )
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, child: Child, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        try:
+            self._start_child(child)
+        except StartupFailed as exc:
+            self._fail(StartupFailed(str(exc), child))  # its log says how it ended before
+
+    def _fail(self, failure: ChildDied | StartupFailed) -> None:
+        self._failure = failure
+        self._changed.set()
 
     async def _run_once(self, child: Child, *, capture: bool = False) -> str:
         """Run a command to its end; returns its stdout when ``capture`` (else it goes to the log).
@@ -536,7 +640,7 @@ class Stack:
         gateway_url = f"http://127.0.0.1:{options.http_port}"
         gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]
         gateway_argv += ["--http-host", "127.0.0.1", "--http-port", str(options.http_port)]
-        gateway = self._launch(self._child("the gateway", "gateway", gateway_argv, served_env))
+        gateway = self._launch(self._child("the gateway", "gateway", gateway_argv, served_env), answers=True)
         await self._wait_ready(
             gateway, lambda: self._http_answers(f"{gateway_url}/live", ok_only=True), SERVICE_START_S
         )
@@ -556,7 +660,9 @@ class Stack:
         self._banner(served)
 
     async def _start_servers(self, servers: list[ServerSpec]) -> None:
-        children = [self._launch(self._child(server.name, server.log_name, server.argv)) for server in servers]
+        children = [
+            self._launch(self._child(server.name, server.log_name, server.argv), answers=True) for server in servers
+        ]
         for server, child in zip(servers, children, strict=True):
             await self._wait_ready(child, server.ready, SERVER_START_S)
             self.say(f"  {server.name:<14} {server.url}")
@@ -583,7 +689,7 @@ class Stack:
         port = url.rsplit(":", 1)[1]
         uvicorn_argv = [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1"]
         uvicorn_argv += ["--port", port, "--no-access-log"]
-        child = self._launch(self._child("the control plane", "controlplane", uvicorn_argv, env))
+        child = self._launch(self._child("the control plane", "controlplane", uvicorn_argv, env), answers=True)
         # Any answer will do (401 without a token): Django is serving.
         await self._wait_ready(child, lambda: self._http_answers(f"{url}/api/v1/models/"), SERVICE_START_S)
         self.say(f"  control plane  {url}/")
@@ -647,6 +753,10 @@ class Stack:
 
     async def _stop_all(self) -> None:
         """Stop every child, last started first; the engine workers right after the agent that ran them."""
+        self._stopping = True  # an end from now on is asked for: no restart
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
         for child in list(self._one_shot):
             await child.stop(STOP_S, hurry=self._hurry)
         for child in reversed(self.children):

@@ -1,5 +1,6 @@
 """`flotilla up`: its refusals, the processes it runs, and the whole stack end to end (servers, control plane,
-Celery, an agent, the gateway, a mocker pipeline) up to Ctrl-C, after which no process of it is left."""
+Celery, an agent, the gateway, a mocker pipeline) up to Ctrl-C, after which no process of it is left; a part that
+dies is restarted (the agent adopting its worker while the gateway serves) until it keeps dying."""
 
 import asyncio
 import fcntl
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,23 +239,59 @@ class Up:
         return self.process.wait(timeout=120)
 
 
+def stop_stack(stack: Up) -> None:
+    """Stop ``stack`` whatever happened: by SIGTERM, else by force, its engine workers too (which a killed
+    `flotilla up` cannot stop)."""
+    if stack.process.poll() is None:
+        stack.process.terminate()
+        try:
+            stack.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            stack.process.kill()
+            stack.process.wait()
+    for record in load_records(stack.data_dir / "agent"):
+        if process_start_time(record.pid) == record.start_time:
+            os.killpg(record.pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def stacks() -> Iterator[list[Up]]:
-    """Every stack a test starts is stopped at its end, whatever happened: by SIGTERM, else by force, its engine
-    workers too (which a killed `flotilla up` cannot stop)."""
+    """Every stack a test starts is stopped at its end, whatever happened."""
     started: list[Up] = []
     yield started
     for stack in started:
-        if stack.process.poll() is None:
-            stack.process.terminate()
-            try:
-                stack.process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                stack.process.kill()
-                stack.process.wait()
-        for record in load_records(stack.data_dir / "agent"):
-            if process_start_time(record.pid) == record.start_time:
-                os.killpg(record.pid, signal.SIGKILL)
+        stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def served_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """One stack serving a mocker pipeline, shared by the tests that look at its processes or kill one it restarts
+    (starting a stack takes most of a test's time)."""
+    folder = tmp_path_factory.mktemp("served")
+    stack = Up(folder / "data", folder / "up.log")
+    try:
+        stack.wait_until_up()
+        yield stack
+    finally:
+        stop_stack(stack)
+
+
+def args_of(pid: int) -> str:
+    """The command line ``ps`` shows for ``pid`` ("" once it has gone)."""
+    result = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True, check=False)
+    return result.stdout.strip()
+
+
+def pid_titled(stack: Up, title: str, timeout: float = 60) -> int:
+    """The pid of the process of ``stack`` that ``ps`` shows as ``title``, once there is one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [pid for pid in descendants(stack.process.pid) if args_of(pid) == title]
+        if found:
+            return found[0]
+        assert stack.process.poll() is None, stack.output()
+        assert time.monotonic() < deadline, f"no process titled {title!r}: {stack.output()}"
+        time.sleep(0.1)  # another process's start: no event to await
 
 
 def chat(gateway: str) -> httpx.Response:
@@ -340,17 +378,85 @@ def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and
     assert still_running(first_processes) == []  # the killed stack's own children went with it
 
 
-def test_a_part_that_dies_stops_the_stack_with_its_log(tmp_path: Path, stacks: list[Up]) -> None:
-    stack = Up(tmp_path / "data", tmp_path / "up.log", "--no-pipeline")
+def test_ps_names_up_the_agent_the_gateway_and_the_engine_worker(served_stack: Up) -> None:
+    assert args_of(served_stack.process.pid) == "flotilla up"
+    pid_titled(served_stack, "flotilla agent local")
+    pid_titled(served_stack, "flotilla gateway")
+    [worker] = load_records(served_stack.data_dir / "agent")
+    # The worker serves the pipeline's namespace (its name, made address-safe) at backend.generate.
+    assert re.fullmatch(r"flotilla worker [\w-]+\.backend\.generate mocker", args_of(worker.pid)), args_of(worker.pid)
+
+
+def test_a_killed_agent_is_restarted_and_adopts_its_worker_while_the_gateway_serves(served_stack: Up) -> None:
+    stack = served_stack
+    agent = pid_titled(stack, "flotilla agent local")
+    [worker] = load_records(stack.data_dir / "agent")
+    agent_log = stack.data_dir / "logs" / "agent.log"
+    adopted = "adopted 1 running worker(s)"
+    adoptions = agent_log.read_text().count(adopted)
+
+    # Chat completions one after another, from before the kill until after the new agent has adopted the worker.
+    statuses: list[int | str] = []
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        while not done.is_set():
+            try:
+                statuses.append(chat(stack.gateway).status_code)
+            except httpx.HTTPError as exc:
+                statuses.append(repr(exc))
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        os.kill(agent, signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 90
+        while agent_log.read_text().count(adopted) == adoptions:
+            assert stack.process.poll() is None, stack.output()
+            assert time.monotonic() < deadline, stack.output()
+            time.sleep(0.1)  # another process's log: no event to await
+        back_after = time.monotonic() - killed
+    finally:
+        done.set()
+        asker.join()
+
+    print(f"the agent adopted its worker {back_after:.1f} s after its kill; {len(statuses)} chat completions meanwhile")
+    assert statuses and set(statuses) == {200}, statuses
+    assert pid_titled(stack, "flotilla agent local") != agent
+    assert "the agent (node local) was killed by signal 9 (SIGKILL); restarting it in 1 s (restart 1 of 5" in (
+        stack.output()
+    )
+    assert process_start_time(worker.pid) == worker.start_time  # adopted, not started again
+    assert [record.pid for record in load_records(stack.data_dir / "agent")] == [worker.pid]
+    assert chat(stack.gateway).status_code == 200
+    assert stack.process.poll() is None
+
+
+def test_a_part_that_keeps_dying_stops_the_stack_naming_it_with_its_log(tmp_path: Path, stacks: list[Up]) -> None:
+    stack = Up(tmp_path / "data", tmp_path / "up.log", "--no-pipeline", "--restart-burst", "2")
     stacks.append(stack)
     stack.wait_until_up()
     assert "Flotilla is up: no pipeline running yet" in stack.output()
 
-    processes = descendants(stack.process.pid)
-    gateway = next(pid for pid in processes if b"out=dyn" in Path(f"/proc/{pid}/cmdline").read_bytes())
-    os.kill(gateway, signal.SIGKILL)
+    def bridges() -> list[int]:
+        return [pid for pid in descendants(stack.process.pid) if "live_bridge" in args_of(pid)]
+
+    killed: list[int] = []
+    for _ in range(3):  # restarted twice, then one end too many
+        deadline = time.monotonic() + 60
+        while not (alive := [pid for pid in bridges() if pid not in killed]):
+            assert stack.process.poll() is None, stack.output()
+            assert time.monotonic() < deadline, stack.output()
+            time.sleep(0.1)  # another process's start: no event to await
+        processes = descendants(stack.process.pid)
+        os.kill(alive[0], signal.SIGKILL)
+        killed.append(alive[0])
     assert stack.process.wait(timeout=120) == 1
     output = stack.output()
-    assert "flotilla up: the gateway was killed by signal 9" in output
-    assert f"the last lines of its log ({stack.data_dir}/logs/gateway.log)" in output
+    bridge = "the live-update bridge was killed by signal 9 (SIGKILL)"
+    assert f"{bridge}; restarting it in 1 s (restart 1 of 2 within 120 s)" in output
+    assert f"{bridge}; restarting it in 2 s (restart 2 of 2 within 120 s)" in output
+    assert f"flotilla up: {bridge}, its 3rd end within 120 s: it keeps failing" in output
+    assert f"the last lines of its log ({stack.data_dir}/logs/live-bridge.log)" in output
     assert still_running(processes) == []
