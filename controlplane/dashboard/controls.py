@@ -1,4 +1,4 @@
-"""The dashboard's buttons: scale, stop and start a pipeline, restart an instance, drain a node.
+"""The dashboard's buttons: scale, stop and start a pipeline, restart an instance, cordon and drain a node.
 
 Each is a POST for operators and admins (403 for read-only people, CSRF-checked like every form) that
 calls the action and answers htmx with the record's fresh partial, which replaces the one clicked, and a
@@ -92,10 +92,41 @@ def instance_restart(request: HttpRequest, pk: int) -> HttpResponseBase:
 @require_POST
 def node_drain(request: HttpRequest, pk: int) -> HttpResponseBase:
     node = get_object_or_404(Node, pk=pk)
+    force = request.POST.get("force") == "1"
+    done = f"{node.name} is draining: each of its instances stops once its replacement elsewhere is ready."
+    if force:
+        done = f"{node.name} is draining: its instances were stopped; their replacements wait for room."
     return _act(
         request,
-        lambda actor: fleet_actions.drain_node(actor, node),
-        lambda: _node_answer(request, node, f"{node.name} is draining: its instances move to other nodes."),
+        lambda actor: fleet_actions.drain_node(actor, node, force=force),
+        lambda: _node_answer(request, node, done),
+        # A refusal for stranded pipelines offers "Drain anyway", which says what it stops.
+        lambda note, status: _node_answer(request, node, note, status=status, offer_forced_drain=status == 409),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def node_cordon(request: HttpRequest, pk: int) -> HttpResponseBase:
+    node = get_object_or_404(Node, pk=pk)
+    return _act(
+        request,
+        lambda actor: fleet_actions.cordon_node(actor, node),
+        lambda: _node_answer(
+            request, node, f"{node.name} is cordoned: nothing new is placed there; its instances stay."
+        ),
+        lambda note, status: _node_answer(request, node, note, status=status),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def node_uncordon(request: HttpRequest, pk: int) -> HttpResponseBase:
+    node = get_object_or_404(Node, pk=pk)
+    return _act(
+        request,
+        lambda actor: fleet_actions.uncordon_node(actor, node),
+        lambda: _node_answer(request, node, f"New instances may be placed on {node.name} again."),
         lambda note, status: _node_answer(request, node, note, status=status),
     )
 
@@ -139,8 +170,11 @@ def _pipeline_answer(request: HttpRequest, pipeline: Pipeline, note: str, *, sta
     return _answer(request, html, note, status=status, page=page, out_of_band=extra)
 
 
-def _node_answer(request: HttpRequest, node: Node, note: str, *, status: int = 200) -> HttpResponseBase:
-    return _answer(request, partials.render_node(node.pk), note, status=status, page=reverse("dashboard:nodes"))
+def _node_answer(
+    request: HttpRequest, node: Node, note: str, *, status: int = 200, offer_forced_drain: bool = False
+) -> HttpResponseBase:
+    html = partials.render_node(node.pk, offer_forced_drain=offer_forced_drain)
+    return _answer(request, html, note, status=status, page=reverse("dashboard:nodes"))
 
 
 def _answer(

@@ -46,11 +46,12 @@ DOWNLOAD_TABLE_ID = "downloads-table"
 MODEL_TABLE_ID = "models-table"
 
 
-def render_node(node_id: int) -> str:
+def render_node(node_id: int, *, offer_forced_drain: bool = False) -> str:
     """``<div id="node-<pk>" class="tr">`` (a table row): state, last heartbeat, CPUs and memory, GPUs
-    with memory and utilisation bars, and the drain/undrain button. Raises ``Node.DoesNotExist``."""
+    with memory and utilisation bars, and the cordon and drain buttons (with "Drain anyway" after a drain
+    was refused for stranding a pipeline). Raises ``Node.DoesNotExist``."""
     node = queries.nodes_with_gpus().get(pk=node_id)
-    return render_to_string("dashboard/partials/node.html", {"node": node})
+    return render_to_string("dashboard/partials/node.html", {"node": node, "offer_forced_drain": offer_forced_drain})
 
 
 def render_node_table() -> str:

@@ -36,6 +36,8 @@ urlpatterns = [
     path("nodes/", views.nodes_page, name="nodes"),
     path("nodes/<row_id:pk>/drain/", controls.node_drain, name="node-drain"),
     path("nodes/<row_id:pk>/undrain/", controls.node_undrain, name="node-undrain"),
+    path("nodes/<row_id:pk>/cordon/", controls.node_cordon, name="node-cordon"),
+    path("nodes/<row_id:pk>/uncordon/", controls.node_uncordon, name="node-uncordon"),
     path("audit/", views.audit_page, name="audit"),
     path("health-banner/", health_banner.health_banner, name="health-banner"),
 ]

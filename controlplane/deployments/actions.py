@@ -12,7 +12,6 @@ step (controlplane/deployments/reconciler.py).
 
 import math
 import re
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +24,9 @@ from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
 from controlplane.celery_app import request_reconcile
+from controlplane.deployments.demand import group_demand
 from controlplane.deployments.models import Pipeline, WorkerGroup, validate_served_name
-from controlplane.deployments.placement import Demand, Placement, Unschedulable, place
+from controlplane.deployments.placement import Placement, Unschedulable, place
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.actions import add_instances, stop_instance
 from controlplane.fleet.inventory import fleet_inventory
@@ -235,7 +235,7 @@ def place_pending_instances(
     for group in groups.distinct().order_by("pipeline__created_at", "role"):
         waiting = list(group.instances.filter(state=InstanceState.PENDING, node__isnull=True).order_by("replica"))
         # The inventory is read again for each group, so that it includes the groups placed before.
-        result = place(_demand(group, len(waiting)), fleet_inventory())
+        result = place(group_demand(group, len(waiting)), fleet_inventory())
         chosen = result.replicas if isinstance(result, Placement) else result.placed
         nodes = {node.name: node for node in Node.objects.filter(name__in={r.node for r in chosen})}
         for instance, where in zip(waiting, chosen, strict=False):
@@ -289,22 +289,6 @@ def _fill_group(actor: Actor, group_id: int) -> list[Instance]:
         return []
     missing = group.replicas - group.instances.filter(_COUNTS_AS_REPLICA).count()
     return add_instances(actor, group, missing, reason="replaces a lost replica")
-
-
-def _demand(group: WorkerGroup, count: int) -> Demand:
-    pipeline = group.pipeline
-    existing = Counter(
-        group.instances.filter(state__in=LIVE_STATES, node__isnull=False).values_list("node__name", flat=True)
-    )
-    return Demand(
-        replicas=count,
-        gpus_per_replica=group.gpus_per_replica,
-        memory_per_replica_bytes=pipeline.model.memory_bytes,
-        policy=pipeline.placement_policy,  # a PlacementPolicy value
-        pinned_nodes=frozenset(pipeline.pinned_nodes),
-        pinned_gpus=frozenset(pipeline.pinned_gpus),
-        existing_replicas_by_node=dict(existing),
-    )
 
 
 def _group(pipeline: Pipeline, role: str | None) -> WorkerGroup:

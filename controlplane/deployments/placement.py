@@ -16,7 +16,7 @@ Rules:
 * Replicas that need no GPU (mocker, llama.cpp, echo on CPU) are placed by node only: a node fits when
   its free system memory covers the need (any node, when the need is unknown); both policies prefer
   nodes without GPUs, ``spread`` only after spreading over nodes, so that GPUs stay free for GPU work.
-* Only schedulable nodes (online, not draining) are used; pins restrict nodes and GPU indexes.
+* Only schedulable nodes (online, neither draining nor cordoned) are used; pins restrict nodes and GPU indexes.
 """
 
 import math
@@ -42,7 +42,7 @@ class GpuInventory:
 
 @dataclass(frozen=True, slots=True)
 class NodeInventory:
-    """One node as placement sees it; ``unschedulable_because`` is "offline", "draining" or ""."""
+    """One node as placement sees it; ``unschedulable_because`` is "offline", "draining", "cordoned" or ""."""
 
     name: str
     gpus: tuple[GpuInventory, ...] = ()

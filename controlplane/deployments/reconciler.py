@@ -18,11 +18,16 @@ A pass, in order (each step is an action of its own: audited, idempotent, safe b
 
    The evicted workers that may still run (a dead agent, a live machine) are fenced in etcd
    (runtime/fencing.py), so they deregister and exit instead of serving beside their replacements.
+   Then deadlines: a start nobody took after ``max_dispatches`` sends, a download with no progress for
+   ``download_stall_s``, a worker not ready ``start_deadline_s`` after it started: each fails, with why.
+   Then replaced instances retire: one whose replacement (a drain's, a one-replica restart's) is ready
+   is stopped, so that a group never runs short while its instances move.
 2. Failed instances of running pipelines whose backoff has passed go back to pending, unplaced
    (restarts + 1), to be placed wherever they fit now. The backoff grows with the instance's failure
    streak: 0 s after a node loss alone, then 1, 2, 4 … up to ``backoff_max_s``. Past ``max_restarts``
    failures in a row an instance stays failed: "gave up after N restarts: <last reason>".
-3. Pending instances are placed (``place_pending_instances``); those that fit nowhere keep their reason.
+3. Groups short of their replica count get new instances (``keep_replica_counts``); pending instances
+   are placed (``place_pending_instances``); those that fit nowhere keep their reason.
 4. Placed pending instances get a StartInstance on their node's queue, stopping ones a StopInstance, when
    nothing was sent for their current state yet, or it was sent ``resend_after_s`` ago and the agent has
    not reported since (a lost or expired message). Tasks expire after the same time, so an agent that
@@ -57,7 +62,7 @@ from controlplane.deployments.placement import Placement
 from controlplane.deployments.worker_specs import start_message, stop_message
 from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import Instance, InstanceState, Lease, Node
+from controlplane.fleet.models import LIVE_STATES, Instance, InstanceState, Lease, Node
 from controlplane.health.records import record_pass
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
@@ -79,6 +84,7 @@ _ON_NODE_STATES = [
 ]
 # Passes run every 2 s: a held eviction is said once a minute, not thirty times.
 _hold_log = RateLimitedLog(log, period_s=60.0)
+_spare_log = RateLimitedLog(log, period_s=60.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +158,7 @@ class PassReport:
     fenced: int = 0
     overdue: int = 0  # instances failed for a deadline: a start nobody took, a stalled download or start
     replaced: int = 0  # instances added to keep a group at its replica count
+    retired: int = 0  # instances stopped because their replacement is ready
     restarted: int = 0
     gave_up: int = 0
     placed: int = 0
@@ -166,6 +173,7 @@ class PassReport:
             self.instances_lost,
             self.overdue,
             self.replaced,
+            self.retired,
             self.restarted,
             self.gave_up,
             self.placed,
@@ -182,6 +190,7 @@ class PassReport:
             "kept (worker alive in etcd)": self.spared,
             "overdue": self.overdue,
             "replicas replaced": self.replaced,
+            "retired (replacement ready)": self.retired,
             "workers fenced": self.fenced,
             "restarted": self.restarted,
             "given up": self.gave_up,
@@ -255,6 +264,8 @@ class Reconciler:
         self._renew()
         self.fail_overdue(report)
         self._renew()
+        report.retired += fleet_actions.retire_replaced_instances(ACTOR)
+        self._renew()
         self.restart_failed(report)
         self._renew()
         report.replaced += len(keep_replica_counts(ACTOR))
@@ -292,9 +303,18 @@ class Reconciler:
             lost = fleet_actions.evacuate_offline_node(ACTOR, node, spare_workers=alive)
             report.instances_lost += len(lost)
             report.fenced += self.fence(node, [i.endpoint_instance_id for i in lost if i.endpoint_instance_id])
-            report.spared += Instance.objects.filter(
-                node=node, state__in=_ON_NODE_STATES, endpoint_instance_id__in=alive
-            ).count()
+            spared = list(
+                Instance.objects.filter(
+                    node=node, state__in=_ON_NODE_STATES, endpoint_instance_id__in=alive
+                ).values_list("endpoint_instance_id", flat=True)
+            )
+            if spared:
+                report.spared += len(spared)
+                _spare_log.warning(
+                    f"node {node.name} is silent past its eviction time, but its workers renew their etcd leases: "
+                    f"not evicted ({', '.join(f'{worker_id:x}' for worker_id in spared)}); its agent is cut off "
+                    "from the control plane, or dead while its workers serve on"
+                )
 
     def _disruption(self, silent: list[Node]) -> str:
         """Why no node may be evicted now (too many silent at once), or "" when evicting is safe."""
@@ -388,8 +408,11 @@ class Reconciler:
         """Step 2: failed instances back to pending once their backoff passed, or given up."""
         now = self.clock()
         limit = self.settings.max_restarts
-        failed = Instance.objects.select_related("pipeline", "group").filter(
-            state=InstanceState.FAILED, pipeline__state=Pipeline.State.RUNNING
+        # One whose replacement is under way is not restarted: it is stopped (``retire_replaced_instances``).
+        failed = (
+            Instance.objects.select_related("pipeline", "group")
+            .filter(state=InstanceState.FAILED, pipeline__state=Pipeline.State.RUNNING)
+            .exclude(replacements__state__in=LIVE_STATES)
         )
         for instance in failed.filter(failure_streak__gt=limit, gave_up=False).order_by("id"):
             report.gave_up += fleet_actions.give_up_instance(ACTOR, instance, limit)

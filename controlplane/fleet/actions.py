@@ -28,8 +28,11 @@ from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.actions import record_model_size
 from controlplane.catalog.models import LanguageModel
 from controlplane.celery_app import request_reconcile
+from controlplane.deployments.demand import group_demand
 from controlplane.deployments.models import WorkerGroup
+from controlplane.deployments.placement import Unschedulable, place
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
+from controlplane.fleet.inventory import fleet_inventory
 from controlplane.fleet.models import (
     LIVE_STATES,
     PROCESS_STATES,
@@ -141,26 +144,47 @@ def heartbeat(actor: Actor, name: str, report: NodeReport) -> Node:
 
 
 @transaction.atomic
-def drain_node(actor: Actor, node: Node) -> Node:
-    """Place nothing new on the node and move its instances off it.
+def cordon_node(actor: Actor, node: Node) -> Node:
+    """Place nothing new on the node; what runs there stays. Raises Conflict when it is cordoned already."""
+    return _set_intent(actor, node, "cordoned", True, "node.cordon", "is cordoned already")
 
-    Each live instance there is stopped (reason: the drain) and a replacement, not yet placed, is added
-    to its group, so the group keeps its replica count; the reconciler places the replacements on other
-    nodes. The replacements and the stops are recorded together: for a while the group may run one
-    replica short. Raises Conflict when the node is draining already.
+
+@transaction.atomic
+def uncordon_node(actor: Actor, node: Node) -> Node:
+    """Let new instances be placed on the node again. Raises Conflict when it is not cordoned."""
+    return _set_intent(actor, node, "cordoned", False, "node.uncordon", "is not cordoned")
+
+
+@transaction.atomic
+def drain_node(actor: Actor, node: Node, *, force: bool = False) -> Node:
+    """Place nothing new on the node and move its instances off it without dropping a replica.
+
+    Each live instance there gets a replacement in its group (pending, unplaced, ``replaces`` it), which the
+    reconciler places on another node; a ready instance is stopped once its replacement is ready
+    (``retire_replaced_instances``), one that does not serve yet is stopped at once. When some
+    replacement fits on no other node now, the drain is refused with the pipelines it would stop, unless
+    ``force``: then every instance there stops at once and the replacements wait for room. Raises Conflict
+    when the node is draining already, or for the stranded pipelines.
     """
     node = Node.objects.select_for_update().get(pk=node.pk)
     if node.draining:
         raise Conflict(f"node {node.name} is draining already")
     before = node_snapshot(node)
     node.draining = True
-    node.save(update_fields=["draining", "updated_at"])
+    node.save(update_fields=["draining", "updated_at"])  # first: the placement check below must skip it
+    live = _live_instances_on(node)
+    if not force and (stranded := _stranded(live)):
+        raise Conflict(
+            f"draining {node.name} would stop {stranded}; add room on another node, or drain with force to "
+            "stop them anyway"
+        )
     moved = []
-    for instance in _live_instances_on(node):
-        stop_instance(actor, instance, f"node {node.name} was drained by {actor.name}")
-        (replacement,) = add_instances(actor, instance.group, 1, reason=f"replaces {instance.name}")
-        moved.append({"stopped": instance.pk, "replacement": replacement.pk})
-    after = node_snapshot(node) | {"moved_instances": moved}
+    for instance in live:
+        (replacement,) = add_instances(actor, instance.group, 1, reason=f"replaces {instance.name}", replaces=instance)
+        if force or instance.state != InstanceState.READY:
+            stop_instance(actor, instance, f"node {node.name} was drained by {actor.name}")
+        moved.append({"instance": instance.pk, "replacement": replacement.pk, "stopped_at_once": instance.state})
+    after = node_snapshot(node) | {"moved_instances": moved, "force": force}
     record(actor, "node.drain", node, before=before, after=after)
     request_reconcile()
     return node
@@ -168,16 +192,36 @@ def drain_node(actor: Actor, node: Node) -> Node:
 
 @transaction.atomic
 def undrain_node(actor: Actor, node: Node) -> Node:
-    """Let new instances be placed on the node again. Raises Conflict when it is not draining."""
+    """Let new instances be placed on the node again (replacements under way go on). Raises Conflict when
+    it is not draining."""
+    return _set_intent(actor, node, "draining", False, "node.undrain", "is not draining")
+
+
+def _set_intent(actor: Actor, node: Node, flag: str, value: bool, action: str, already: str) -> Node:
     node = Node.objects.select_for_update().get(pk=node.pk)
-    if not node.draining:
-        raise Conflict(f"node {node.name} is not draining")
+    if getattr(node, flag) == value:
+        raise Conflict(f"node {node.name} {already}")
     before = node_snapshot(node)
-    node.draining = False
-    node.save(update_fields=["draining", "updated_at"])
-    record(actor, "node.undrain", node, before=before, after=node_snapshot(node))
+    setattr(node, flag, value)
+    node.save(update_fields=[flag, "updated_at"])
+    record(actor, action, node, before=before, after=node_snapshot(node))
     request_reconcile()
     return node
+
+
+def _stranded(instances: Sequence[Instance]) -> str:
+    """The pipelines whose replacements for ``instances`` fit on no schedulable node now, each with why;
+    "" when every one fits somewhere."""
+    per_group: dict[int, list[Instance]] = {}
+    for instance in instances:
+        per_group.setdefault(instance.group_id, []).append(instance)
+    stranded = []
+    for members in per_group.values():
+        group = members[0].group
+        result = place(group_demand(group, len(members)), fleet_inventory())
+        if isinstance(result, Unschedulable):
+            stranded.append(f"pipeline {group.pipeline.name} ({result.reason})")
+    return "; ".join(stranded)
 
 
 @transaction.atomic
@@ -299,6 +343,20 @@ def restart_instance(actor: Actor, instance: Instance) -> Instance:
     """
     instance = Instance.objects.select_related("pipeline", "group", "node").get(pk=instance.pk)
     before = snapshot(instance)
+    if instance.replacements.filter(state__in=LIVE_STATES).exists():
+        raise Conflict(f"instance {instance.name} is being replaced already")
+    if _restarts_beside_itself(instance):
+        # The group's only replica: its replacement starts first, and it stops once that one is ready.
+        (replacement,) = add_instances(actor, instance.group, 1, reason=f"replaces {instance.name}", replaces=instance)
+        record(
+            actor,
+            "instance.restart",
+            instance,
+            before=before,
+            after=snapshot(instance) | {"replacement": replacement.pk},
+        )
+        request_reconcile()
+        return instance
     if instance.state in (InstanceState.DOWNLOADING, InstanceState.STARTING, InstanceState.READY):
         transition(instance, InstanceState.STOPPING, restart_requested=True, reason=f"restart by {actor.name}")
     elif instance.state == InstanceState.FAILED:
@@ -311,6 +369,14 @@ def restart_instance(actor: Actor, instance: Instance) -> Instance:
     record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
     request_reconcile()
     return instance
+
+
+def _restarts_beside_itself(instance: Instance) -> bool:
+    """Whether a restart of ``instance`` starts its replacement first: it is the ready, only replica of its
+    group, and a second copy fits somewhere now (else it restarts in place, and the group is down a while)."""
+    if instance.state != InstanceState.READY or instance.group.replicas != 1:
+        return False
+    return not isinstance(place(group_demand(instance.group, 1), fleet_inventory()), Unschedulable)
 
 
 # The reconciler's actions: each is idempotent and safe against a second pass running at the same time.
@@ -404,6 +470,30 @@ def restart_failed_instance(actor: Actor, instance: Instance) -> Instance:
     return instance
 
 
+def retire_replaced_instances(actor: Actor) -> int:
+    """Stop each instance whose replacement is ready (a drain, a restart that keeps its only replica up),
+    and each failed one whose replacement is under way (restarting it would make one replica two).
+
+    Returns how many were stopped; one that changed meanwhile is left for the next pass.
+    """
+    ready = Instance.objects.filter(replacements__state=InstanceState.READY).exclude(
+        state__in=[InstanceState.STOPPING, InstanceState.STOPPED]
+    )
+    failed = Instance.objects.filter(state=InstanceState.FAILED, replacements__state__in=LIVE_STATES)
+    retired = 0
+    for instance in (ready | failed).distinct().select_related("pipeline", "group").order_by("id"):
+        replacement = instance.replacements.select_related("node", "pipeline", "group").order_by("-id").first()
+        assert replacement is not None
+        where = f" on node {replacement.node.name}" if replacement.node is not None else ""
+        try:
+            with transaction.atomic():
+                stop_instance(actor, instance, f"replaced by {replacement.name}{where}")
+        except Conflict:
+            continue
+        retired += 1
+    return retired
+
+
 @transaction.atomic
 def give_up_instance(actor: Actor, instance: Instance, restarts: int) -> bool:
     """Leave a failed instance failed for good, its reason saying so; a person's restart revives it.
@@ -457,15 +547,18 @@ def dispatch_instance(
 # Building blocks for actions (here and in deployments); they run inside the caller's transaction.
 
 
-def add_instances(actor: Actor, group: WorkerGroup, count: int, *, reason: str = "") -> list[Instance]:
-    """Add ``count`` pending, unplaced instances to a worker group, with new replica ordinals."""
+def add_instances(
+    actor: Actor, group: WorkerGroup, count: int, *, reason: str = "", replaces: Instance | None = None
+) -> list[Instance]:
+    """Add ``count`` pending, unplaced instances to a worker group, with new replica ordinals (each
+    replacing ``replaces``, when given)."""
     if count <= 0:
         return []
     WorkerGroup.objects.filter(pk=group.pk).update(next_replica=F("next_replica") + count)
     group.refresh_from_db(fields=["next_replica"])
     first = group.next_replica - count
     instances = [
-        Instance(pipeline_id=group.pipeline_id, group=group, replica=first + offset, reason=reason)
+        Instance(pipeline_id=group.pipeline_id, group=group, replica=first + offset, reason=reason, replaces=replaces)
         for offset in range(count)
     ]
     for instance in instances:

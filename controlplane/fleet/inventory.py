@@ -46,7 +46,8 @@ def fleet_inventory() -> list[NodeInventory]:
             for gpu in node.gpus.all()
         )
         memory_free = min(node.memory_available_bytes, node.memory_total_bytes - reserved_memory[node.pk])
-        because = node.state if node.state != Node.State.ONLINE else ("draining" if node.draining else "")
+        intent = "draining" if node.draining else "cordoned" if node.cordoned else ""
+        because = node.state if node.state != Node.State.ONLINE else intent
         inventory.append(
             NodeInventory(
                 name=node.name,

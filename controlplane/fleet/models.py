@@ -25,8 +25,10 @@ class Node(models.Model):
 
         (register) ──► online ──(missed heartbeats)──► offline ──(heartbeat)──► online
 
-    ``draining`` is the operator's intent, kept apart so that a drained node that goes offline and comes
-    back is still drained: no new instances are placed on a draining node.
+    ``cordoned`` and ``draining`` are the operator's intent, kept apart from liveness so that a node that
+    goes offline and comes back keeps them: nothing new is placed on a cordoned node (its instances stay),
+    and a draining node is cordoned and has its instances replaced elsewhere, each stopped once its
+    replacement is ready.
     """
 
     class State(models.TextChoices):
@@ -37,6 +39,7 @@ class Node(models.Model):
     address = models.CharField(max_length=255, blank=True)
     labels = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=8, choices=State.choices, default=State.ONLINE, db_index=True)
+    cordoned = models.BooleanField(default=False)
     draining = models.BooleanField(default=False)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     cpu_count = models.PositiveIntegerField(default=0)
@@ -54,7 +57,7 @@ class Node(models.Model):
 
     @property
     def schedulable(self) -> bool:
-        return self.state == self.State.ONLINE and not self.draining
+        return self.state == self.State.ONLINE and not self.draining and not self.cordoned
 
 
 class Gpu(models.Model):
@@ -180,6 +183,9 @@ class Instance(models.Model):
     gave_up = models.BooleanField(default=False)
     dispatched_at = models.DateTimeField(null=True, blank=True)
     dispatches = models.PositiveIntegerField(default=0)  # tasks sent for the current state, unanswered
+    # The instance this one replaces (a drain, a restart that must not drop the only replica): that one is
+    # stopped once this one is ready.
+    replaces = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replacements")
     download_progress = models.FloatField(null=True, blank=True)  # 0..1 while downloading
     created_at = models.DateTimeField(auto_now_add=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)

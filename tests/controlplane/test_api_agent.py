@@ -102,20 +102,24 @@ def test_people_restart_scale_and_drain_through_the_api(
     [spec] = agent.get("/api/v1/agent/instances/").json()
     agent.post(f"/api/v1/agent/instances/{spec['id']}/state/", {"state": "ready"}, format="json")
 
+    scaled = operator.post(f"/api/v1/pipelines/{pipeline['id']}/scale/", {"replicas": 2}, format="json").json()
+    assert scaled["groups"][0]["replicas"] == 2
+    assert scaled["groups"][0]["instances"] == {"ready": 1, "pending": 1}
+
+    # One of two replicas restarts in place: the other serves meanwhile.
     restarted = operator.post(f"/api/v1/instances/{spec['id']}/restart/").json()
     assert (restarted["state"], restarted["restart_requested"]) == ("stopping", True)
-    [spec] = agent.get("/api/v1/agent/instances/").json()
+    spec = next(row for row in agent.get("/api/v1/agent/instances/").json() if row["id"] == spec["id"])
     assert (spec["state"], spec["restart_requested"]) == ("stopping", True)
     agent.post(f"/api/v1/agent/instances/{spec['id']}/state/", {"state": "stopped"}, format="json")
     again = operator.get(f"/api/v1/instances/{spec['id']}/").json()
     assert (again["state"], again["restarts"], again["node"]) == ("pending", 1, "gpu-a")
 
-    scaled = operator.post(f"/api/v1/pipelines/{pipeline['id']}/scale/", {"replicas": 3}, format="json").json()
-    assert scaled["groups"][0]["replicas"] == 3
-    assert scaled["groups"][0]["instances"] == {"pending": 3}
-
     node = Node.objects.get()
-    drained = operator.post(f"/api/v1/nodes/{node.pk}/drain/").json()
+    refused = operator.post(f"/api/v1/nodes/{node.pk}/drain/")  # the only node: the pipeline would stop
+    assert refused.status_code == 409 and "draining gpu-a would stop pipeline chat" in refused.json()["detail"]
+    assert operator.post(f"/api/v1/nodes/{node.pk}/drain/", {"force": "maybe"}, format="json").status_code == 400
+    drained = operator.post(f"/api/v1/nodes/{node.pk}/drain/", {"force": True}, format="json").json()
     assert (drained["draining"], drained["schedulable"]) == (True, False)
     assert agent.post("/api/v1/agent/heartbeat/", INVENTORY, format="json").json()["draining"] is True
 
@@ -126,9 +130,9 @@ def test_a_report_about_an_older_attempt_is_answered_409_and_a_permanent_failure
     agent = agent_client("gpu-a")
     agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
     make_model("smol")
-    operator.post("/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 1}]}, format="json")
+    operator.post("/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 2}]}, format="json")
     place_pending_instances(TEST_ACTOR)
-    [spec] = agent.get("/api/v1/agent/instances/").json()
+    spec = agent.get("/api/v1/agent/instances/").json()[0]
     state_path = f"/api/v1/agent/instances/{spec['id']}/state/"
     assert agent.post(state_path, {"state": "ready", "attempt": 0}, format="json").status_code == 200
     operator.post(f"/api/v1/instances/{spec['id']}/restart/")

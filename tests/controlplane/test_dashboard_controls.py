@@ -89,21 +89,47 @@ def test_restarting_an_instance_answers_with_its_row(fleet: Fleet) -> None:
     response = logged_in(Role.OPERATOR).post(f"/instances/{fleet.instance.pk}/restart/", **HTMX)
     assert response.status_code == 200
     html = response.content.decode()
-    assert html.startswith(f'<div id="instance-{fleet.instance.pk}" class="tr"') and "state-stopping" in html
-    assert Instance.objects.get().restart_requested
+    # The only replica: it serves on while its replacement starts.
+    assert html.startswith(f'<div id="instance-{fleet.instance.pk}" class="tr"') and "state-ready" in html
+    assert Instance.objects.get(replaces=fleet.instance).state == "pending"
     conflict = logged_in(Role.OPERATOR, username="other").post(f"/instances/{fleet.instance.pk}/restart/", **HTMX)
-    assert conflict.status_code == 409 and "is restarting already" in conflict.content.decode()
+    assert conflict.status_code == 409 and "is being replaced already" in conflict.content.decode()
 
 
 def test_draining_and_undraining_a_node(fleet: Fleet) -> None:
+    make_node("gpu-b", gpus_gib=(24,))
     browser = logged_in(Role.OPERATOR)
     drained = browser.post(f"/nodes/{fleet.node.pk}/drain/", **HTMX)
     html = drained.content.decode()
     assert drained.status_code == 200
     assert html.startswith(f'<div id="node-{fleet.node.pk}" class="tr"') and "Undrain" in html
-    assert Node.objects.get().draining and Instance.objects.get(pk=fleet.instance.pk).state == "stopping"
+    assert "stops once its replacement elsewhere is ready" in html
+    assert Node.objects.get(name="gpu-a").draining and Instance.objects.get(pk=fleet.instance.pk).state == "ready"
     undrained = browser.post(f"/nodes/{fleet.node.pk}/undrain/", **HTMX)
-    assert undrained.status_code == 200 and not Node.objects.get().draining
+    assert undrained.status_code == 200 and not Node.objects.get(name="gpu-a").draining
+
+
+def test_draining_the_last_place_a_pipeline_fits_warns_and_offers_to_drain_anyway(fleet: Fleet) -> None:
+    browser = logged_in(Role.OPERATOR)
+    refused = browser.post(f"/nodes/{fleet.node.pk}/drain/", **HTMX)
+    html = refused.content.decode()
+    assert refused.status_code == 409
+    assert "draining gpu-a would stop pipeline chat" in html and "Drain anyway" in html
+    assert not Node.objects.get().draining and Instance.objects.get().state == "ready"
+
+    forced = browser.post(f"/nodes/{fleet.node.pk}/drain/", {"force": "1"}, **HTMX)
+
+    assert forced.status_code == 200 and "their replacements wait for room" in forced.content.decode()
+    assert Node.objects.get().draining and Instance.objects.get(pk=fleet.instance.pk).state == "stopping"
+
+
+def test_cordoning_and_uncordoning_a_node(fleet: Fleet) -> None:
+    browser = logged_in(Role.OPERATOR)
+    cordoned = browser.post(f"/nodes/{fleet.node.pk}/cordon/", **HTMX)
+    assert cordoned.status_code == 200 and "Uncordon" in cordoned.content.decode()
+    assert Node.objects.get().cordoned and Instance.objects.get().state == "ready"
+    uncordoned = browser.post(f"/nodes/{fleet.node.pk}/uncordon/", **HTMX)
+    assert uncordoned.status_code == 200 and not Node.objects.get().cordoned
 
 
 def test_without_htmx_a_button_redirects_to_the_records_page_with_the_note(fleet: Fleet) -> None:
@@ -120,6 +146,8 @@ BUTTONS: list[Callable[[Fleet], str]] = [
     lambda fleet: f"/instances/{fleet.instance.pk}/restart/",
     lambda fleet: f"/nodes/{fleet.node.pk}/drain/",
     lambda fleet: f"/nodes/{fleet.node.pk}/undrain/",
+    lambda fleet: f"/nodes/{fleet.node.pk}/cordon/",
+    lambda fleet: f"/nodes/{fleet.node.pk}/uncordon/",
 ]
 
 
@@ -148,7 +176,7 @@ def test_with_the_csrf_header_htmx_sends_a_button_goes_through(fleet: Fleet) -> 
     page = browser.get("/nodes/")
     token = str(page.context["csrf_token"])
     assert f'hx-headers=\'{{"X-CSRFToken": "{token}"}}\'' in page.content.decode()
-    response = browser.post(f"/nodes/{fleet.node.pk}/drain/", HTTP_X_CSRFTOKEN=token, **HTMX)
+    response = browser.post(f"/nodes/{fleet.node.pk}/drain/", {"force": "1"}, HTTP_X_CSRFTOKEN=token, **HTMX)
     assert response.status_code == 200 and Node.objects.get().draining
 
 

@@ -77,25 +77,55 @@ def test_a_heartbeat_from_an_unregistered_node_asks_it_to_register() -> None:
         actions.heartbeat(Actor.agent("ghost"), "ghost", node_report())
 
 
-def test_draining_stops_the_nodes_instances_and_adds_unplaced_replacements() -> None:
+def test_draining_keeps_a_ready_instance_until_its_replacement_elsewhere_is_ready() -> None:
     instance = run_instance(placed_instance())
+    make_node("gpu-b", (80, 80))
     node = Node.objects.get(name="gpu-a")
+
     actions.drain_node(TEST_ACTOR, node)
+
     instance.refresh_from_db()
-    assert instance.state == S.STOPPING
-    assert instance.reason == "node gpu-a was drained by system:tests"
+    assert instance.state == S.READY  # it serves on while its replacement starts
     replacement = Instance.objects.exclude(pk=instance.pk).get()
     assert (replacement.state, replacement.node, replacement.replica) == (S.PENDING, None, 1)
+    assert replacement.replaces == instance
     entry = AuditEntry.objects.get(action="node.drain")
-    assert entry.after["moved_instances"] == [{"stopped": instance.pk, "replacement": replacement.pk}]
-    assert (entry.before["draining"], entry.after["draining"]) == (False, True)
-    assert AuditEntry.objects.filter(action="instance.stop", target_id=str(instance.pk)).exists()
+    assert entry.after["moved_instances"] == [
+        {"instance": instance.pk, "replacement": replacement.pk, "stopped_at_once": S.READY}
+    ]
+    assert (entry.before["draining"], entry.after["draining"], entry.after["force"]) == (False, True, False)
+    place_pending_instances(TEST_ACTOR)
+    replacement.refresh_from_db()
+    assert replacement.node is not None and replacement.node.name == "gpu-b"
+
+    assert actions.retire_replaced_instances(TEST_ACTOR) == 0  # not ready yet
+    run_instance(replacement)
+    assert actions.retire_replaced_instances(TEST_ACTOR) == 1
+    instance.refresh_from_db()
+    assert (instance.state, instance.reason) == (S.STOPPING, f"replaced by {replacement.name} on node gpu-b")
+
+
+def test_draining_the_last_place_a_pipeline_fits_is_refused_unless_forced() -> None:
+    instance = run_instance(placed_instance())
+    node = Node.objects.get(name="gpu-a")
+
+    stranded = r"draining gpu-a would stop pipeline smol \(no node can take new instances: gpu-a is draining\)"
+    with pytest.raises(Conflict, match=stranded):
+        actions.drain_node(TEST_ACTOR, node)
+
+    node.refresh_from_db()
+    assert not node.draining and Instance.objects.count() == 1  # nothing changed
+    actions.drain_node(TEST_ACTOR, node, force=True)
+    instance.refresh_from_db()
+    assert (instance.state, instance.reason) == (S.STOPPING, "node gpu-a was drained by system:tests")
+    replacement = Instance.objects.exclude(pk=instance.pk).get()
+    assert (replacement.state, replacement.replaces) == (S.PENDING, instance)
 
 
 def test_a_drained_node_gets_no_new_instances_until_undrained() -> None:
     instance = placed_instance()
     node = Node.objects.get(name="gpu-a")
-    actions.drain_node(TEST_ACTOR, node)
+    actions.drain_node(TEST_ACTOR, node, force=True)
     with pytest.raises(Conflict, match="draining already"):
         actions.drain_node(TEST_ACTOR, node)
     [(_, result)] = place_pending_instances(TEST_ACTOR)
@@ -104,6 +134,26 @@ def test_a_drained_node_gets_no_new_instances_until_undrained() -> None:
     assert AuditEntry.objects.filter(action="node.undrain").exists()
     place_pending_instances(TEST_ACTOR)
     assert Instance.objects.exclude(pk=instance.pk).get().node == node
+
+
+def test_a_cordoned_node_gets_nothing_new_and_keeps_what_it_runs() -> None:
+    instance = run_instance(placed_instance())
+    node = Node.objects.get(name="gpu-a")
+    actions.cordon_node(TEST_ACTOR, node)
+    with pytest.raises(Conflict, match="is cordoned already"):
+        actions.cordon_node(TEST_ACTOR, node)
+
+    second = deploy("second", gpus_per_replica=0)
+    [(_, result)] = place_pending_instances(TEST_ACTOR)
+
+    assert "gpu-a is cordoned" in result.reason  # type: ignore[union-attr]
+    instance.refresh_from_db()
+    assert instance.state == S.READY
+    actions.uncordon_node(TEST_ACTOR, node)
+    place_pending_instances(TEST_ACTOR)
+    assert second.instances.get().node == node
+    assert [e.action for e in AuditEntry.objects.filter(action__startswith="node.c").order_by("id")] == ["node.cordon"]
+    assert AuditEntry.objects.filter(action="node.uncordon").exists()
 
 
 def test_a_node_with_instances_cannot_be_deleted() -> None:
@@ -216,7 +266,7 @@ def test_a_failure_retrying_cannot_fix_gives_up_at_once_and_lets_the_gpus_go() -
 
 def test_an_instance_that_fails_while_stopping_is_stopped() -> None:
     instance = run_instance(placed_instance())
-    actions.drain_node(TEST_ACTOR, Node.objects.get(name="gpu-a"))
+    actions.drain_node(TEST_ACTOR, Node.objects.get(name="gpu-a"), force=True)
     instance = report(
         Instance.objects.select_related("node", "pipeline", "group").get(pk=instance.pk), S.FAILED, reason="killed"
     )
@@ -224,7 +274,7 @@ def test_an_instance_that_fails_while_stopping_is_stopped() -> None:
 
 
 def test_restarting_a_ready_instance_stops_it_then_makes_it_pending_where_it_was() -> None:
-    instance = run_instance(placed_instance())
+    instance = run_instance(placed_instance(replicas=2))  # the other replica serves meanwhile
     instance = actions.restart_instance(TEST_ACTOR, instance)
     assert (instance.state, instance.restart_requested) == (S.STOPPING, True)
     with pytest.raises(Conflict, match="restarting already"):
@@ -235,6 +285,27 @@ def test_restarting_a_ready_instance_stops_it_then_makes_it_pending_where_it_was
     assert instance.pid is None
     entry = AuditEntry.objects.get(action="instance.restart")
     assert (entry.before["state"], entry.after["state"]) == ("ready", "stopping")
+
+
+def test_restarting_the_only_replica_starts_its_replacement_before_stopping_it() -> None:
+    instance = run_instance(placed_instance())
+
+    instance = actions.restart_instance(TEST_ACTOR, instance)
+
+    assert instance.state == S.READY
+    replacement = Instance.objects.exclude(pk=instance.pk).get()
+    assert (replacement.state, replacement.replaces, replacement.reason) == (
+        S.PENDING,
+        instance,
+        f"replaces {instance.name}",
+    )
+    with pytest.raises(Conflict, match="being replaced already"):
+        actions.restart_instance(TEST_ACTOR, instance)
+    place_pending_instances(TEST_ACTOR)
+    run_instance(Instance.objects.select_related("node").get(pk=replacement.pk))
+    assert actions.retire_replaced_instances(TEST_ACTOR) == 1
+    instance.refresh_from_db()
+    assert instance.state == S.STOPPING
 
 
 def test_restarting_a_failed_instance_makes_it_pending_again() -> None:

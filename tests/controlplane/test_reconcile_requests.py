@@ -55,7 +55,7 @@ def test_a_scale_asks_for_one_pass_after_its_commit(
     [
         lambda i: deployment_actions.stop_pipeline(TEST_ACTOR, i.pipeline),
         lambda i: deployment_actions.update_pipeline(TEST_ACTOR, i.pipeline, placement_policy="binpack"),
-        lambda i: fleet_actions.drain_node(TEST_ACTOR, i.node),
+        lambda i: fleet_actions.drain_node(TEST_ACTOR, i.node, force=True),
         lambda i: fleet_actions.restart_instance(TEST_ACTOR, i),
         lambda i: fleet_actions.report_instance_state(
             Actor.agent("gpu-a"), "gpu-a", i.pk, InstanceReport(state="failed", reason="exit code 1")

@@ -428,7 +428,7 @@ def test_a_heartbeat_that_arrives_in_time_keeps_the_node_online(dispatcher: Reco
     assert Node.objects.get(name="gpu-a").state == Node.State.ONLINE
 
 
-def test_draining_stops_the_instances_there_and_starts_replacements_elsewhere(
+def test_draining_starts_replacements_elsewhere_and_stops_each_instance_once_its_replacement_is_ready(
     dispatcher: RecordingDispatcher, clock: Clock
 ) -> None:
     node_a = make_node("gpu-a", (80,))
@@ -445,9 +445,43 @@ def test_draining_stops_the_instances_there_and_starts_replacements_elsewhere(
     reconciler.run_once()
 
     old_now, replacement = instances("chat")
-    assert old_now.state == S.STOPPING
+    assert old_now.state == S.READY  # serving until its replacement is
     assert replacement.node is not None and replacement.node.name == "gpu-b"
-    assert dispatcher.take() == [("node.gpu-a", STOP, old.pk), ("node.gpu-b", START, replacement.pk)]
+    assert dispatcher.take() == [("node.gpu-b", START, replacement.pk)]
+    agent_reports(replacement, S.STARTING)
+    reconciler.run_once()
+    assert dispatcher.take() == []
+
+    agent_reports(replacement, S.READY)
+    report = reconciler.run_once()
+
+    assert report is not None and report.retired == 1
+    assert dispatcher.take() == [("node.gpu-a", STOP, old.pk)]
+    old.refresh_from_db()
+    assert (old.state, old.reason) == (S.STOPPING, f"replaced by {replacement.name} on node gpu-b")
+
+
+def test_an_instance_that_fails_while_its_replacement_starts_is_stopped_not_restarted(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    node_a = make_node("gpu-a", (80,))
+    make_node("gpu-b", (80,))
+    deploy("chat", gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock, node_timeout_s=HOUR)
+    reconciler.run_once()
+    [old] = instances("chat")
+    agent_reports(old, S.READY)
+    fleet_actions.drain_node(TEST_ACTOR, node_a)
+    reconciler.run_once()
+    agent_reports(old, S.FAILED, "killed by signal 9")
+    clock.advance(60)
+
+    report = reconciler.run_once()
+
+    old.refresh_from_db()
+    assert report is not None and (report.retired, report.restarted) == (1, 0)
+    assert (old.state, old.restarts) == (S.STOPPED, 0)
+    assert [i.state for i in instances("chat")] == [S.STOPPED, S.PENDING]
 
 
 def test_an_unplaceable_pipeline_keeps_its_reason_and_nothing_is_sent(

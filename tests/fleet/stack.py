@@ -27,6 +27,8 @@ NODES = ("node-a", "node-b")
 MOCKER_ARGS = {"speedup_ratio": 1000}
 #: Seconds without a heartbeat before the reconciler calls a node offline (agents beat every 0.5 s).
 NODE_TIMEOUT_S = 3.0
+#: Seconds without a heartbeat before a node's instances are evicted (when no guard holds).
+NODE_EVICT_S = 5.0
 
 
 def running(pid: int) -> bool:
@@ -69,6 +71,7 @@ class FleetStack:
         self.control_plane.env |= {
             "FLOTILLA_RECONCILE_S": "0.5",
             "FLOTILLA_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S),
+            "FLOTILLA_NODE_EVICT_S": str(NODE_EVICT_S),
             "FLOTILLA_RESTART_BACKOFF_MAX_S": "0",
             "FLOTILLA_STOP_GRACE_S": "5",
             "ETCD_ENDPOINTS": self.etcd.endpoint,  # to fence the workers of a lost node

@@ -66,6 +66,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "address",
             "labels",
             "state",
+            "cordoned",
             "draining",
             "schedulable",
             "last_heartbeat_at",
@@ -83,6 +84,13 @@ class NodeSerializer(serializers.ModelSerializer):
         if not hasattr(node, "gpu_rows"):  # one node, not a page of them
             node.gpu_rows = gpu_rows([node.pk])[node.pk]
         return super().to_representation(node)
+
+
+class DrainSerializer(serializers.Serializer):
+    force = serializers.BooleanField(
+        default=False,
+        help_text="Drain even when some replacement fits on no other node: those replicas stop at once",
+    )
 
 
 class InstanceSerializer(serializers.ModelSerializer):
@@ -111,6 +119,8 @@ class InstanceSerializer(serializers.ModelSerializer):
             "endpoint_instance_id",
             "restarts",
             "restart_requested",
+            "gave_up",
+            "replaces",
             "download_progress",
             "created_at",
             "state_changed_at",
@@ -227,6 +237,8 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
     engine_args = serializers.SerializerMethodField()
     model = serializers.SerializerMethodField()
     router = serializers.SerializerMethodField()
+    # The attempt its start tasks name: an agent stops a worker of an older one.
+    attempt = serializers.IntegerField(source="restarts", read_only=True)
 
     class Meta:
         model = Instance
@@ -234,6 +246,7 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
             "id",
             "name",
             "state",
+            "attempt",
             "restart_requested",
             "replica",
             "role",

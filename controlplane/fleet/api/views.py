@@ -20,6 +20,7 @@ from controlplane.fleet.api.serializers import (
     AgentInstanceSerializer,
     DownloadReportSerializer,
     DownloadSerializer,
+    DrainSerializer,
     InstanceReportSerializer,
     InstanceSerializer,
     NodeRegistrationSerializer,
@@ -40,7 +41,8 @@ _LOG_REPLY = inline_serializer(
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, FlotillaViewSet):
-    """Nodes as their agents report them. Drain/undrain need operator; deleting a node needs admin."""
+    """Nodes as their agents report them. Drain, cordon and their undoing need operator; deleting a node
+    needs admin."""
 
     queryset = Node.objects.all()  # the serializer reads GPUs as plain rows, one query per page
     serializer_class = NodeSerializer
@@ -48,11 +50,20 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
     ordering_fields: ClassVar = ["name", "last_heartbeat_at", "registered_at"]
     action_roles: ClassVar = {"destroy": Role.ADMIN}
 
-    @extend_schema(request=None, responses=NodeSerializer)
+    @extend_schema(
+        request=DrainSerializer,
+        responses={
+            200: NodeSerializer,
+            409: OpenApiResponse(description="draining already, or some replacement fits on no other node"),
+        },
+    )
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str) -> Response:
-        """Place nothing new here and move this node's instances elsewhere."""
-        node = actions.drain_node(self.actor, self.get_object())
+        """Place nothing new here and move this node's instances elsewhere: each stops once its replacement
+        is ready. Refused (409, naming the pipelines) when a replacement fits nowhere, unless ``force``."""
+        options = DrainSerializer(data=request.data or {})
+        options.is_valid(raise_exception=True)
+        node = actions.drain_node(self.actor, self.get_object(), force=options.validated_data["force"])
         return Response(self.get_serializer(node).data)
 
     @extend_schema(request=None, responses=NodeSerializer)
@@ -60,6 +71,20 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
     def undrain(self, request: Request, pk: str) -> Response:
         """Let new instances be placed here again."""
         node = actions.undrain_node(self.actor, self.get_object())
+        return Response(self.get_serializer(node).data)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def cordon(self, request: Request, pk: str) -> Response:
+        """Place nothing new here; what runs here stays."""
+        node = actions.cordon_node(self.actor, self.get_object())
+        return Response(self.get_serializer(node).data)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request: Request, pk: str) -> Response:
+        """Let new instances be placed here again."""
+        node = actions.uncordon_node(self.actor, self.get_object())
         return Response(self.get_serializer(node).data)
 
     def perform_destroy(self, instance: Node) -> None:
