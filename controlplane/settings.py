@@ -10,6 +10,7 @@
 
 from pathlib import Path
 
+from controlplane.catalog.local_roots import local_model_roots
 from controlplane.database import database_config
 from controlplane.live.layer import channel_layers
 from controlplane.secret_key import default_data_dir, load_secret_key
@@ -112,6 +113,9 @@ STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = DEBUG
+
+# The folders a local model (folder or GGUF source) must lie under: controlplane/catalog/local_roots.py.
+LOCAL_MODEL_ROOTS = local_model_roots(DATA_DIR)
 
 # The API reads request bodies itself (controlplane/api/parsers.py), so it has its own limit.
 API_MAX_BODY_BYTES = env_int("FLOTILLA_API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)

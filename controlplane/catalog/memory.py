@@ -23,10 +23,12 @@ report the size.
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from controlplane.catalog.local_roots import under_roots
 
 WEIGHTS_FACTOR = 1.2
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -118,20 +120,32 @@ def config_subset(config: Mapping[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def read_local_model(path: str) -> LocalModelFiles | None:
+def read_local_model(path: str, roots: Sequence[Path]) -> LocalModelFiles | None:
     """The weights' size and config of a model folder or file at ``path``, or None when this machine
-    cannot read it (the path is meant for the nodes) or it holds no weights."""
+    cannot read it (the path is meant for the nodes) or it holds no weights.
+
+    Only files under ``roots`` are read (catalog/local_roots.py): a file in the folder that is a link
+    out of them is skipped, as is ``path`` itself when it leads out of them.
+    """
     location = Path(path)
+    if not under_roots(location.resolve(), roots):
+        return None
     try:
         if location.is_file():
             return LocalModelFiles(size_bytes=location.stat().st_size, config={})
         if not location.is_dir():
             return None
-        weights = [item for item in location.iterdir() if item.is_file() and item.suffix in WEIGHT_SUFFIXES]
+        weights = [
+            item
+            for item in location.iterdir()
+            if item.suffix in WEIGHT_SUFFIXES and item.is_file() and under_roots(item.resolve(), roots)
+        ]
         if not weights:
             return None
         size = sum(item.stat().st_size for item in weights)
-        return LocalModelFiles(size_bytes=size, config=_read_config(location / "config.json"))
+        config_file = location / "config.json"
+        config = _read_config(config_file) if under_roots(config_file.resolve(), roots) else {}
+        return LocalModelFiles(size_bytes=size, config=config)
     except OSError:
         return None
 

@@ -69,7 +69,7 @@ def test_a_local_folder_gives_its_weights_size_and_config(tmp_path: Path) -> Non
     (tmp_path / "model-00002.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
-    files = read_local_model(str(tmp_path))
+    files = read_local_model(str(tmp_path), [tmp_path])
     assert files is not None
     assert files.size_bytes == 4000
     assert files.config == config_subset(LLAMA_8B)
@@ -77,8 +77,24 @@ def test_a_local_folder_gives_its_weights_size_and_config(tmp_path: Path) -> Non
 
 
 def test_a_path_this_machine_cannot_see_gives_nothing(tmp_path: Path) -> None:
-    assert read_local_model(str(tmp_path / "on-the-nodes-only")) is None
-    assert read_local_model(str(tmp_path)) is None  # a folder without weights
+    assert read_local_model(str(tmp_path / "on-the-nodes-only"), [tmp_path]) is None
+    assert read_local_model(str(tmp_path), [tmp_path]) is None  # a folder without weights
+
+
+def test_files_that_lead_out_of_the_roots_are_not_read(tmp_path: Path) -> None:
+    outside, root = tmp_path / "outside", tmp_path / "models"
+    outside.mkdir()
+    (root / "smol").mkdir(parents=True)
+    (outside / "config.json").write_text(json.dumps(LLAMA_8B))
+    (outside / "secret.safetensors").write_bytes(b"\0" * 5000)
+    (root / "smol" / "model.safetensors").write_bytes(b"\0" * 1000)
+    (root / "smol" / "config.json").symlink_to(outside / "config.json")
+    (root / "smol" / "linked.safetensors").symlink_to(outside / "secret.safetensors")
+    (root / "elsewhere").symlink_to(outside)
+    files = read_local_model(str(root / "smol"), [root])
+    assert files is not None and (files.size_bytes, files.config) == (1000, {})
+    assert read_local_model(str(root / "elsewhere"), [root]) is None
+    assert read_local_model(str(outside), [root]) is None
 
 
 @pytest.mark.django_db
