@@ -60,6 +60,7 @@ from agent.worker_spec import DEFAULT_COMMAND, allowed_environment
 from runtime.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed, ConfigError
 from runtime.fleet_tasks import LocalSource, LogTailRequest, ModelSource, StartInstance, StopInstance
+from runtime.task_signing import agent_signing_key
 
 log = logging.getLogger(__name__)
 
@@ -547,7 +548,14 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             return
         watching = asyncio.create_task(_watch_registrations(readiness), name="watch worker registrations in etcd")
         stack.push_async_callback(_cancel, watching)
-        consumer = TaskConsumer(broker_url=settings.broker_url, node=settings.node, handler=agent, loop=loop)
+        consumer = TaskConsumer(
+            broker_url=settings.broker_url,
+            node=settings.node,
+            handler=agent,
+            loop=loop,
+            # Tasks signed for this node only: the broker's other clients (every agent) cannot forge them.
+            signing_key=agent_signing_key(settings.token, settings.node),
+        )
         consumer.start()
         stack.push_async_callback(asyncio.to_thread, consumer.stop)
         log.info(

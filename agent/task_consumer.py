@@ -9,12 +9,15 @@ start or a stop returns once the agent has taken it (the work goes on on the loo
 reaches the control plane as state reports); a log tail returns its text, which goes back through the
 result backend to the control plane waiting on it.
 
-The broker vouches for nothing: whoever can write to it can send a task. So a start is checked before the
-agent takes it (agent/task_checks.py: engines this node has, no flag the agent sets itself, no model path),
-and a start that is malformed or fails a check is refused: logged at warning with the reason, its task
-failed, and, when the instance it names can be told, reported to the control plane as failing for good
-with ``refused by the agent: <why>`` (the control plane audits the state change). Any other malformed
-payload is logged with the reason and fails its task. Either way the consumer goes on. While the broker
+The broker vouches for nothing: every agent holds its credentials, so any of them, or whoever took one,
+can send any node a task. So the consumer takes a task only when it is signed with this node's key
+(runtime/task_signing.py; checked on the payload as received, before anything is decoded) and, for a
+start or a stop, names this node. Anything else is refused: logged at warning, its task failed, and
+nothing reported, since nothing it says can be believed. A signed start for this node is then checked
+(agent/task_checks.py: engines this node has, no flag the agent sets itself, no model path); one that is
+malformed or fails a check is refused too, and reported to the control plane as the instance failing for
+good with ``refused by the agent: <why>`` (the control plane audits the state change). Other malformed
+payloads are logged with the reason and fail their task. Either way the consumer goes on. While the broker
 cannot be reached, Celery logs its URL and the reason at each attempt and keeps trying.
 ``stop()`` ends the consumer through Celery's own shutdown flag, which its loop checks between events
 and between connection attempts (a signal handler in ``celery worker`` does the same).
@@ -44,6 +47,7 @@ from runtime.fleet_tasks import (
     decode_task_argument,
     node_queue,
 )
+from runtime.task_signing import SIGNATURES_FIELD, SigningKey, signature_ok
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +120,13 @@ class TaskConsumer:
         node: str,
         handler: TaskHandler,
         loop: asyncio.AbstractEventLoop,
+        signing_key: SigningKey | None,
         result_backend: str | None = None,
         engines: Collection[str] | None = None,
     ) -> None:
-        """``engines`` are those this node's workers can run (default: the fleet's engines installed here).
+        """``signing_key`` is the node's (``runtime.task_signing.agent_signing_key``): tasks not signed with
+        it are refused; None takes unsigned tasks (tests of other things only). ``engines`` are those this
+        node's workers can run (default: the fleet's engines installed here).
 
         Raises ConfigError for a node name that cannot name a queue.
         """
@@ -127,6 +134,7 @@ class TaskConsumer:
         self.broker_url = broker_url
         self.node = node
         self.engines = frozenset(engines_on_this_node() if engines is None else engines)
+        self._signing_key = signing_key
         self._handler = handler
         self._loop = loop
         self.app = celery_app(broker_url, node, result_backend=result_backend)
@@ -149,11 +157,14 @@ class TaskConsumer:
     # -- the task bodies (in the consumer's thread) ---------------------------------------------------
 
     def _start_instance(self, *args: object, **kwargs: object) -> None:
+        self._check_signature(args, TASK_START_INSTANCE)
         try:
             request = self._decode(args, kwargs, StartInstance, TASK_START_INSTANCE)
         except ConfigError as exc:
-            self._refuse_start(_instance_id(args), str(exc), None)
+            # Signed: the control plane sent it, and hears why it was refused if the instance is this node's.
+            self._refuse_start(_instance_id(args, self.node), str(exc), None)
             raise
+        self._check_node(request.node, TASK_START_INSTANCE)
         try:
             check_start(request, engines=self.engines, node=self.node)
         except TaskNotAllowed as exc:
@@ -164,11 +175,14 @@ class TaskConsumer:
         self._hand_off(self._handler.accept_start(request), TASK_START_INSTANCE)
 
     def _stop_instance(self, *args: object, **kwargs: object) -> None:
+        self._check_signature(args, TASK_STOP_INSTANCE)
         request = self._decode(args, kwargs, StopInstance, TASK_STOP_INSTANCE)
+        self._check_node(request.node, TASK_STOP_INSTANCE)
         log.info("task: stop instance %d (%s)", request.instance_id, request.reason or "no reason given")
         self._hand_off(self._handler.accept_stop(request), TASK_STOP_INSTANCE)
 
     def _log_tail(self, *args: object, **kwargs: object) -> str:
+        self._check_signature(args, TASK_LOG_TAIL)
         request = self._decode(args, kwargs, LogTailRequest, TASK_LOG_TAIL)
         if request.lines > MAX_LOG_LINES:
             request = LogTailRequest(instance_id=request.instance_id, lines=MAX_LOG_LINES)
@@ -177,6 +191,31 @@ class TaskConsumer:
         except WorkerError as exc:
             log.info("task %s: %s", TASK_LOG_TAIL, exc)
             raise
+
+    def _check_signature(self, args: tuple[object, ...], task: str) -> None:
+        """Raises TaskNotAllowed (logged) unless the task's argument is signed with this node's key."""
+        key = self._signing_key
+        if key is None:
+            return
+        payload = args[0] if args else None
+        if signature_ok(task, payload, key):
+            return
+        signatures = payload.get(SIGNATURES_FIELD) if isinstance(payload, dict) else None
+        if not signatures:
+            why = "it is not signed"
+        else:
+            why = f"it is not signed with node {self.node}'s key (key id {key.key_id}), or was changed since"
+        message = f"the task did not come from the control plane: {why}"
+        log.warning("task %s refused: %s", task, message)
+        raise TaskNotAllowed(message)
+
+    def _check_node(self, node: str, task: str) -> None:
+        """Raises TaskNotAllowed (logged) unless the task names this node."""
+        if node == self.node:
+            return
+        message = f"the task is for node {node!r}, not {self.node}" if node else "the task names no node"
+        log.warning("task %s refused: %s", task, message)
+        raise TaskNotAllowed(message)
 
     def _refuse_start(self, instance_id: int | None, reason: str, attempt: int | None) -> None:
         """Tell the agent (which reports it) that the start of ``instance_id`` was refused; None: unknown."""
@@ -262,10 +301,13 @@ class TaskConsumer:
         self._ready.clear()
 
 
-def _instance_id(args: tuple[object, ...]) -> int | None:
-    """The instance a malformed StartInstance names (``args[0]["spec"]["instance_id"]``), if it names one."""
+def _instance_id(args: tuple[object, ...], node: str) -> int | None:
+    """The instance a malformed StartInstance for ``node`` names (``args[0]["spec"]["instance_id"]``), if it
+    names one and that node."""
     argument = args[0] if len(args) == 1 else None
-    spec = argument.get("spec") if isinstance(argument, dict) else None
+    if not isinstance(argument, dict) or argument.get("node") != node:
+        return None
+    spec = argument.get("spec")
     instance_id = spec.get("instance_id") if isinstance(spec, dict) else None
     # bool is an int too; an id is a positive one.
     return instance_id if type(instance_id) is int and instance_id > 0 else None

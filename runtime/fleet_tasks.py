@@ -13,6 +13,9 @@ What becomes a process (StartInstance, its WorkerSpec and source) refuses a fiel
 asked, so it refuses the task and says which field (upgrade the agents before the control plane sends a
 new one). A spec carries no environment: a worker's variables are the agent's allowlist
 (agent/worker_spec.py), never a task's, which could otherwise name ``LD_PRELOAD``.
+
+Each task names the node it is for (``node``: an agent refuses another node's) and carries the control
+plane's ``signatures`` (runtime/task_signing.py): an agent acts on no task its node's key did not sign.
 """
 
 import re
@@ -114,11 +117,15 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 class StartInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Run ``spec`` on the agent's node. ``source`` is fetched first and its local path becomes the spec's
-    ``model_path``; None for engines that need no model files (``echo_full``, ``pystr:``)."""
+    ``model_path``; None for engines that need no model files (``echo_full``)."""
 
     spec: WorkerSpec
     source: ModelSource | None = None
     attempt: int = 0
+    #: The node the start is for ("" from a control plane that does not say: refused).
+    node: str = ""
+    #: Key id -> HMAC-SHA256 of the task (runtime/task_signing.py).
+    signatures: dict[str, str] = {}
 
 
 class StopInstance(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,6 +134,9 @@ class StopInstance(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: int
     reason: str = ""
     grace_s: float = 30.0
+    #: The node the stop is for ("" from a control plane that does not say: refused).
+    node: str = ""
+    signatures: dict[str, str] = {}
 
 
 class LogTailRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +144,7 @@ class LogTailRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     instance_id: int
     lines: int = 100
+    signatures: dict[str, str] = {}
 
 
 def decode_task_argument(value: object, kind: type[T]) -> T:

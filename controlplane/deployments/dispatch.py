@@ -2,7 +2,8 @@
 
 The reconciler and the log view talk to agents only through a Dispatcher, so tests can put a recording
 one in its place and assert what went to which queue. ``CeleryDispatcher`` publishes the payloads of
-``runtime.fleet_tasks`` as JSON onto queue ``node.<name>``, which only that node's agent consumes.
+``runtime.fleet_tasks`` as JSON onto queue ``node.<name>``, which only that node's agent consumes, each
+signed with the keys of the node's agent tokens (runtime/task_signing.py): an agent acts on nothing else.
 """
 
 import contextlib
@@ -14,6 +15,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from kombu.exceptions import OperationalError
 from kombu.utils.url import maybe_sanitize_url
 
+from controlplane.accounts.task_keys import node_task_keys
 from controlplane.errors import ControlPlaneError
 from runtime.fleet_tasks import (
     TASK_LOG_TAIL,
@@ -24,6 +26,7 @@ from runtime.fleet_tasks import (
     StopInstance,
     node_queue,
 )
+from runtime.task_signing import sign_payload
 
 #: Lines of a worker's log the API returns at most.
 MAX_LOG_LINES = 10_000
@@ -92,10 +95,12 @@ class CeleryDispatcher:
     def _send(
         self, task: str, node: str, payload: msgspec.Struct, *, expires_s: float, wants_answer: bool
     ) -> "CeleryResult":
+        # Signed last, over the payload as it goes: the agent checks it before it decodes anything.
+        argument = sign_payload(task, msgspec.to_builtins(payload), node_task_keys(node))
         try:
             result: CeleryResult = self.celery.send_task(
                 task,
-                args=[msgspec.to_builtins(payload)],
+                args=[argument],
                 queue=node_queue(node),
                 expires=expires_s,
                 # Fire-and-forget tasks neither store a result nor subscribe to one.

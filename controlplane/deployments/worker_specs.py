@@ -30,7 +30,7 @@ SETTINGS_FLAG = "--extra-engine-args"
 
 def start_message(instance: Instance) -> StartInstance:
     """The StartInstance of a placed instance. Raises ValueError when it is not placed on a node."""
-    if instance.node_id is None:
+    if instance.node is None:
         raise ValueError(f"instance {instance.pk} is not placed on a node")
     pipeline, group = instance.pipeline, instance.group
     model = pipeline.model
@@ -56,12 +56,13 @@ def start_message(instance: Instance) -> StartInstance:
         ),
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)
-    return StartInstance(spec=spec, source=source, attempt=instance.restarts)
+    return StartInstance(spec=spec, source=source, attempt=instance.restarts, node=instance.node.name)
 
 
 def stop_message(instance: Instance, *, grace_s: float) -> StopInstance:
-    """The StopInstance of a stopping instance: its reason, and the seconds it has to drain."""
-    return StopInstance(instance_id=instance.pk, reason=instance.reason, grace_s=grace_s)
+    """The StopInstance of a stopping instance: its node, its reason, and the seconds it has to drain."""
+    node = instance.node.name if instance.node is not None else ""
+    return StopInstance(instance_id=instance.pk, reason=instance.reason, grace_s=grace_s, node=node)
 
 
 def model_source(model: LanguageModel) -> ModelSource:

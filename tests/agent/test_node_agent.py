@@ -33,6 +33,7 @@ from runtime.fleet_tasks import (
     WorkerSpec,
     node_queue,
 )
+from runtime.task_signing import agent_signing_key, sign_payload
 from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, add_mocker_model, json_of, wait_for
 from tests.agent.test_supervisor import kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer, RedisServer
@@ -129,8 +130,11 @@ class Fleet:
         return StartInstance(spec=spec, source=LocalSource(path=str(self.smollm2)), attempt=attempt)
 
     def send(self, task: str, payload: object) -> AsyncResult:
-        """Send a task to node-a's agent, as the reconciler does (a msgspec struct goes as its JSON)."""
-        argument = msgspec.to_builtins(payload)
+        """Send a task to node-a's agent, as the reconciler does: its JSON, for node-a, signed with the key of
+        node-a's agent token."""
+        if isinstance(payload, StartInstance | StopInstance):
+            payload = msgspec.structs.replace(payload, node=NODE)
+        argument = sign_payload(task, msgspec.to_builtins(payload), [agent_signing_key(self.agent_token, NODE)])
         return self.sender.send_task(task, args=[argument], queue=node_queue(NODE))
 
     def instance(self, instance_id: int) -> dict[str, Any]:

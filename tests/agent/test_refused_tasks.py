@@ -1,6 +1,7 @@
-"""A forged task on the broker (real Redis, the agent's real consumer and main loop): the start is refused
-before anything is fetched or launched, logged at warning, and reported as the instance failing for good
-with "refused by the agent: …"."""
+"""Forged tasks on the broker (real Redis, the agent's real consumer and main loop). One not signed for the
+node is refused, logged at warning, and reported to nobody (nothing it says can be believed). One the
+control plane signed that the node still may not run is refused before anything is fetched or launched,
+logged, and reported as the instance failing for good with "refused by the agent: …"."""
 
 import asyncio
 import logging
@@ -18,6 +19,7 @@ from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
 from agent.task_consumer import TaskConsumer
 from runtime.fleet_tasks import TASK_START_INSTANCE, LocalSource, StartInstance, WorkerSpec, node_queue
+from runtime.task_signing import agent_signing_key, sign_payload
 from tests.infra import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,7 +51,7 @@ class NeverReady:
         return 0
 
 
-async def test_a_forged_start_is_refused_logged_and_reported_failed_for_good_and_nothing_runs(
+async def test_forged_starts_are_refused_and_logged_the_signed_ones_reported_failed_for_good_and_nothing_runs(
     tmp_path: Path, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
@@ -65,21 +67,32 @@ async def test_a_forged_start_is_refused_logged_and_reported_failed_for_good_and
         log_dir=tmp_path / "logs",
         worker_command=[sys.executable, "-c", WORKER, str(mark)],
     )
+    key = agent_signing_key("flt_node-a-token", "node-a")
     consumer = TaskConsumer(
-        broker_url=redis_server.url, node="node-a", handler=agent, loop=asyncio.get_running_loop(), engines={"mocker"}
+        broker_url=redis_server.url,
+        node="node-a",
+        handler=agent,
+        loop=asyncio.get_running_loop(),
+        signing_key=key,
+        engines={"mocker"},
     )
     consumer.start()
     try:
         assert await asyncio.to_thread(consumer.wait_ready, 20)
         broker = Celery("forger", broker=redis_server.url)
         spec = WorkerSpec(instance_id=5, pipeline="p", group="aggregated", replica=0, engine="pystr:/tmp/evil.py")
-        forged = StartInstance(spec=spec, source=LocalSource(path=str(tmp_path)), attempt=3)
-        broker.send_task(TASK_START_INSTANCE, args=[msgspec.to_builtins(forged)], queue=node_queue("node-a"))
+        forged = StartInstance(spec=spec, source=LocalSource(path=str(tmp_path)), attempt=3, node="node-a")
+        payload = msgspec.to_builtins(forged)
+
+        def send(payload: dict[str, object]) -> None:
+            broker.send_task(TASK_START_INSTANCE, args=[payload], queue=node_queue("node-a"))
+
+        send({**payload, "spec": {**payload["spec"], "instance_id": 4}})  # not signed: not even reported
+        send(sign_payload(TASK_START_INSTANCE, payload, [key]))
         # A spec with a field the agent does not know (a free environment) is refused too, not half-read.
-        smuggled = {**msgspec.to_builtins(forged), "spec": {**msgspec.to_builtins(spec), "engine": "mocker"}}
-        smuggled["spec"]["instance_id"] = 6
+        smuggled = {**payload, "spec": {**payload["spec"], "engine": "mocker", "instance_id": 6}}
         smuggled["spec"]["env"] = {"LD_PRELOAD": "/tmp/evil.so"}
-        broker.send_task(TASK_START_INSTANCE, args=[smuggled], queue=node_queue("node-a"))
+        send(sign_payload(TASK_START_INSTANCE, smuggled, [key]))
 
         instance_id, report = await reports.next()
         assert (instance_id, report.state, report.permanent, report.attempt) == (5, "failed", True, 3)
@@ -92,5 +105,6 @@ async def test_a_forged_start_is_refused_logged_and_reported_failed_for_good_and
         await asyncio.to_thread(consumer.stop)
         await agent.close(flush_s=0)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("agent.")]
-    assert sum("refused" in w for w in warnings) == 2, warnings
+    assert sum("refused" in w for w in warnings) == 3, warnings
+    assert "task flotilla.agent.start_instance refused: the task did not come from the control plane" in warnings[0]
     assert not mark.exists() and reports.queue.empty()  # nothing fetched, launched or reported beyond that

@@ -1,7 +1,8 @@
 """The agent's Celery consumer on a real Redis: tasks sent as the control plane sends them reach the agent's
 loop decoded, log tails come back through the result backend, malformed tasks fail with their reason and
-leave the consumer running, starts the node may not run are refused (and the agent told, to report it),
-only the node's own queue is consumed, and a broker that is down at first is waited for."""
+leave the consumer running, tasks not signed for the node or not naming it are refused and reach nobody,
+starts the node may not run are refused (and the agent told, to report it), only the node's own queue is
+consumed, and a broker that is down at first is waited for."""
 
 import asyncio
 import logging
@@ -28,14 +29,18 @@ from runtime.fleet_tasks import (
     WorkerSpec,
     node_queue,
 )
+from runtime.task_signing import SigningKey, agent_signing_key, sign_payload
 from tests.infra import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
+#: Node node-a's key: the control plane's signing key for it, and its agent's.
+KEY = agent_signing_key("flt_the-agent-token-of-node-a", "node-a")
 START = StartInstance(
     spec=WorkerSpec(instance_id=7, pipeline="chat", group="aggregated", replica=0, engine="mocker", gpu_indexes=[1]),
     source=LocalSource(path="/models/smol.gguf"),
     attempt=2,
+    node="node-a",
 )
 
 
@@ -67,8 +72,12 @@ class RecordingHandler:
         return "\n".join(f"line {n} of instance {request.instance_id}" for n in range(request.lines))
 
     async def next(self) -> object:
+        """What the agent was handed next (a task as it would act on it: its signatures left out)."""
         async with asyncio.timeout(20):
-            return await self.received.get()
+            received = await self.received.get()
+        if isinstance(received, StartInstance | StopInstance):
+            return msgspec.structs.replace(received, signatures={})
+        return received
 
 
 class Sender:
@@ -77,8 +86,19 @@ class Sender:
     def __init__(self, broker_url: str) -> None:
         self.app = Celery("control-plane-in-tests", broker=broker_url, backend=broker_url)
 
-    def send(self, task: str, argument: object, *, node: str = "node-a", extra: tuple[object, ...] = ()) -> AsyncResult:
+    def send(
+        self,
+        task: str,
+        argument: object,
+        *,
+        node: str = "node-a",
+        extra: tuple[object, ...] = (),
+        key: SigningKey | None = KEY,
+    ) -> AsyncResult:
+        """Send ``argument`` (its JSON, signed with ``key`` when it is an object) onto ``node``'s queue."""
         payload = msgspec.to_builtins(argument) if isinstance(argument, msgspec.Struct) else argument
+        if key is not None and isinstance(payload, dict):
+            payload = sign_payload(task, payload, [key])
         return self.app.send_task(task, args=[payload, *extra], queue=node_queue(node))
 
     async def answer(self, result: AsyncResult) -> Any:
@@ -100,7 +120,9 @@ async def start_consumer(handler: RecordingHandler) -> AsyncIterator[Callable[[s
     consumers: list[TaskConsumer] = []
 
     def start(broker_url: str) -> TaskConsumer:
-        consumer = TaskConsumer(broker_url=broker_url, node="node-a", handler=handler, loop=asyncio.get_running_loop())
+        consumer = TaskConsumer(
+            broker_url=broker_url, node="node-a", handler=handler, loop=asyncio.get_running_loop(), signing_key=KEY
+        )
         consumer.start()
         consumers.append(consumer)
         return consumer
@@ -119,7 +141,7 @@ async def test_tasks_reach_the_agent_decoded_and_log_tails_come_back(
 
     sender.send(TASK_START_INSTANCE, START)
     assert await handler.next() == START
-    stop = StopInstance(instance_id=7, reason="scaled down", grace_s=5)
+    stop = StopInstance(instance_id=7, reason="scaled down", grace_s=5, node="node-a")
     sender.send(TASK_STOP_INSTANCE, stop)
     assert await handler.next() == stop
     tail = await sender.answer(sender.send(TASK_LOG_TAIL, LogTailRequest(instance_id=7, lines=2)))
@@ -144,12 +166,13 @@ async def test_malformed_tasks_fail_with_their_reason_and_the_consumer_goes_on(
         await sender.answer(sender.send(TASK_LOG_TAIL, {"instance_id": "seven"}))
     with pytest.raises(Exception, match="it takes one argument, got 2"):
         await sender.answer(sender.send(TASK_LOG_TAIL, {"instance_id": 7}, extra=(100,)))
-    sender.send(TASK_START_INSTANCE, {"spec": {"instance_id": 7}})
-    sender.send(TASK_STOP_INSTANCE, "stop everything")
+    sender.send(TASK_START_INSTANCE, {"spec": {"instance_id": 7}, "node": "node-a"})
+    sender.send(TASK_START_INSTANCE, {"spec": {"instance_id": 8}})  # names no node: not reported
+    sender.send(TASK_STOP_INSTANCE, {"instance_id": "all"})
 
     sender.send(TASK_START_INSTANCE, START)
-    # The malformed start names its instance: the agent is told, to report it refused. Nothing else
-    # reached the agent but the well-formed start.
+    # The malformed start names its instance and this node: the agent is told, to report it refused.
+    # Nothing else reached the agent but the well-formed start.
     refused = await handler.next()
     assert isinstance(refused, Refused) and refused.instance_id == 7
     assert refused.reason.startswith("malformed StartInstance task argument")
@@ -173,9 +196,9 @@ async def test_only_the_nodes_own_queue_is_consumed(
     consumer = start_consumer(redis_server.url)
     assert await asyncio.to_thread(consumer.wait_ready, 20)
     sender = Sender(redis_server.url)
-    sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=1), node="node-b")
-    sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=2))
-    assert await handler.next() == StopInstance(instance_id=2)
+    sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=1, node="node-b"), node="node-b")
+    sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=2, node="node-a"))
+    assert await handler.next() == StopInstance(instance_id=2, node="node-a")
     assert handler.received.empty()
     assert redis.Redis.from_url(redis_server.url).llen("node.node-b") == 1  # still waiting for node-b's agent
 
@@ -232,3 +255,47 @@ async def test_a_start_the_node_may_not_run_is_refused_with_its_reason_and_never
 
     sender.send(TASK_START_INSTANCE, START)
     assert await handler.next() == START  # the consumer goes on
+
+
+async def test_tasks_not_signed_with_the_nodes_key_or_not_for_this_node_are_refused_and_reach_nobody(
+    redis_server: RedisServer,
+    handler: RecordingHandler,
+    start_consumer: Callable[[str], TaskConsumer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    consumer = start_consumer(redis_server.url)
+    assert await asyncio.to_thread(consumer.wait_ready, 20)
+    sender = Sender(redis_server.url)
+    other_nodes_key = agent_signing_key("flt_the-agent-token-of-node-b", "node-b")
+    stolen_token_wrong_node = agent_signing_key("flt_the-agent-token-of-node-a", "node-b")
+
+    sender.send(TASK_START_INSTANCE, START, key=None)  # a forged task: anyone with the broker's password
+    sender.send(TASK_START_INSTANCE, START, key=other_nodes_key)  # node-b's agent, forging for node-a
+    sender.send(TASK_START_INSTANCE, START, key=stolen_token_wrong_node)
+    tampered = sign_payload(TASK_START_INSTANCE, msgspec.to_builtins(START), [KEY])
+    tampered["spec"] = {**msgspec.to_builtins(START.spec), "engine": "llamacpp"}  # changed after signing
+    sender.send(TASK_START_INSTANCE, tampered, key=None)
+    # Signed by the control plane, but for another node (a queue mix-up, two machines with one name).
+    sender.send(TASK_START_INSTANCE, msgspec.structs.replace(START, node="node-b"))
+    sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=7))  # names no node
+    with pytest.raises(Exception, match="it is not signed"):
+        await sender.answer(sender.send(TASK_LOG_TAIL, LogTailRequest(instance_id=7), key=None))
+
+    sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=9, node="node-a"))
+    assert await handler.next() == StopInstance(instance_id=9, node="node-a")  # the only one taken
+    assert handler.received.empty()  # and nothing reported about the others: nothing they say is believed
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.task_consumer" and r.levelname == "WARNING"]
+    start = "task flotilla.agent.start_instance refused: "
+    assert warnings[:7] == [
+        start + "the task did not come from the control plane: it is not signed",
+        start + "the task did not come from the control plane: it is not signed with node node-a's key "
+        f"(key id {KEY.key_id}), or was changed since",
+        start + "the task did not come from the control plane: it is not signed with node node-a's key "
+        f"(key id {KEY.key_id}), or was changed since",
+        start + "the task did not come from the control plane: it is not signed with node node-a's key "
+        f"(key id {KEY.key_id}), or was changed since",
+        start + "the task is for node 'node-b', not node-a",
+        "task flotilla.agent.stop_instance refused: the task names no node",
+        "task flotilla.agent.log_tail refused: the task did not come from the control plane: it is not signed",
+    ]

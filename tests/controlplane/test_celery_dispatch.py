@@ -26,7 +26,8 @@ from runtime.fleet_tasks import (
     StartInstance,
     decode_task_argument,
 )
-from tests.controlplane.factories import TEST_ACTOR, deploy, make_node
+from runtime.task_signing import agent_signing_key, signature_ok
+from tests.controlplane.factories import TEST_ACTOR, agent_token, deploy, make_node
 from tests.infra import RedisServer
 from tests.servers import free_port
 
@@ -73,8 +74,12 @@ def next_message(url: str, queue: str) -> Message:
 
 
 @pytest.mark.django_db
-def test_a_pass_puts_the_start_instance_json_on_the_nodes_queue(celery: Celery, redis_server: RedisServer) -> None:
+def test_a_pass_puts_the_start_instance_json_on_the_nodes_queue_signed_for_its_agent(
+    celery: Celery, redis_server: RedisServer
+) -> None:
     make_node("gpu-a", (80,))
+    old_token, new_token = agent_token("gpu-a"), agent_token("gpu-a")  # one being replaced by the other
+    agent_token("gpu-b")
     deploy("chat", gpus_per_replica=1)
 
     report = Reconciler(CeleryDispatcher(celery), ReconcilerSettings()).run_once()
@@ -86,8 +91,13 @@ def test_a_pass_puts_the_start_instance_json_on_the_nodes_queue(celery: Celery, 
     args, kwargs, _ = message.decode()
     start = decode_task_argument(args[0], StartInstance)
     assert start.spec.instance_id == Instance.objects.get().pk
-    assert (start.spec.pipeline, start.spec.gpu_indexes, start.attempt) == ("chat", [0], 0)
+    assert (start.spec.pipeline, start.spec.gpu_indexes, start.attempt, start.node) == ("chat", [0], 0, "gpu-a")
     assert kwargs == {}
+    # Each of the node's agents can tell it came from the control plane; another node's agent cannot.
+    assert len(start.signatures) == 2
+    assert signature_ok(TASK_START_INSTANCE, args[0], agent_signing_key(old_token, "gpu-a"))
+    assert signature_ok(TASK_START_INSTANCE, args[0], agent_signing_key(new_token, "gpu-a"))
+    assert not signature_ok(TASK_START_INSTANCE, args[0], agent_signing_key(new_token, "gpu-b"))
 
 
 def test_a_reconcile_request_lands_on_the_control_planes_queue(celery: Celery, redis_server: RedisServer) -> None:
@@ -103,6 +113,7 @@ def test_a_reconcile_request_without_a_broker_is_dropped_quietly(caplog: pytest.
     assert "the periodic pass will come" in caplog.text
 
 
+@pytest.mark.django_db  # the node's keys are read to sign the start
 def test_a_start_without_a_broker_is_a_dispatch_error() -> None:
     dead = create_app(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(DispatchError, match=r"did not take flotilla\.agent\.start_instance for node gpu-a"):
@@ -139,7 +150,7 @@ def test_the_log_endpoint_returns_what_the_nodes_agent_answers(
         "lines": 2,
         "text": f"line 0 of instance {instance.pk}\nline 1 of instance {instance.pk}\n",
     }
-    assert agent_worker == [{"instance_id": instance.pk, "lines": 2}]
+    assert agent_worker == [{"instance_id": instance.pk, "lines": 2, "signatures": {}}]  # gpu-a has no token here
 
 
 @pytest.mark.django_db

@@ -49,6 +49,7 @@ def test_a_start_message_names_the_worker_its_gpus_router_and_model_files() -> N
     )
     assert spec.labels == {"model": "llama"}
     assert message.source == LocalSource(path="/models/llama.gguf")
+    assert message.node == instance.node.name  # type: ignore[union-attr]  # the agent refuses another node's
     assert str(spec.address) == "dyn://llama-chat.backend.generate"
 
 
@@ -78,6 +79,7 @@ def test_a_stop_message_says_why_and_how_long_to_drain() -> None:
     instance.reason = "scaled down to 0 by alice"
     message = stop_message(instance, grace_s=5)
     assert (message.instance_id, message.reason, message.grace_s) == (instance.pk, "scaled down to 0 by alice", 5)
+    assert message.node == instance.node.name  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,17 @@
+"""The keys the control plane signs a node's tasks with: one per agent token of the node (runtime/task_signing.py).
+
+Derived from the token's stored hash, the one thing the control plane keeps of it: whoever can read the
+``ApiToken`` table can sign a node's tasks, as whoever can write the database can already tell the fleet
+what to run. A node with two tokens (one being replaced) gets both signatures; a deleted token's key signs
+nothing more, so its agent refuses every task from then on.
+"""
+
+from controlplane.accounts.models import ApiToken
+from runtime.task_signing import SigningKey, signing_key
+
+
+def node_task_keys(node: str) -> list[SigningKey]:
+    """The signing keys of node ``node``'s agent tokens (none when it has no token: its tasks go unsigned,
+    and its agent, which could not authenticate anyway, refuses them)."""
+    digests = ApiToken.objects.filter(kind=ApiToken.Kind.AGENT, node_name=node).values_list("key_hash", flat=True)
+    return [signing_key(digest, node) for digest in digests]
