@@ -134,7 +134,7 @@ REST_FRAMEWORK = {
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.api.schema.ErrorDocumentingSchema",
     "EXCEPTION_HANDLER": "controlplane.api.exceptions.exception_handler",
 }
 
