@@ -37,11 +37,10 @@ def wait_s(username: str, address: str, *, now: datetime | None = None) -> int:
 
 
 def failed(username: str, address: str) -> None:
-    """Count a failed login (and forget this pair's failures that are past the window)."""
+    """Count a failed login, and forget every failure past the window (so that guesses spread over many user
+    names do not grow the table for good)."""
     now = timezone.now()
-    FailedLogin.objects.filter(
-        username=_key(username), address=address, at__lte=now - timedelta(seconds=settings.LOGIN_WINDOW_S)
-    ).delete()
+    FailedLogin.objects.filter(at__lte=now - timedelta(seconds=settings.LOGIN_WINDOW_S)).delete()
     FailedLogin.objects.create(username=_key(username), address=address, at=now)
 
 

@@ -294,3 +294,12 @@ async def test_a_push_after_a_deactivation_is_not_sent(monkeypatch: pytest.Monke
 
 async def _a_pipeline() -> int:
     return (await database_sync_to_async(deploy)("watched")).pk
+
+
+async def test_a_socket_is_authorised_again_before_it_rejoins_its_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(consumers, "REAUTHORISE_S", 3600.0)  # only the rejoin checks in this test
+    monkeypatch.setattr(consumers, "GROUP_REFRESH_S", 0.2)
+    socket = await connected("/ws/fleet/?topics=nodes", Role.READ_ONLY, "alice")
+    await database_sync_to_async(_change_person)("alice", is_active=False)
+    closing = await _closing(socket)
+    assert closing["code"] == FORBIDDEN

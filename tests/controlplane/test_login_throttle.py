@@ -89,3 +89,11 @@ def test_a_password_the_validators_refuse_is_invalid() -> None:
     assert raised.value.field == "password"
     with pytest.raises(Invalid, match="too common"):
         actions.create_user(Actor.system("tests"), "dave", Role.OPERATOR, password="password1234")
+
+
+def test_failures_past_the_window_are_forgotten_whoever_they_were_about() -> None:
+    person()
+    log_in(Client(), "wrong", username="carol")
+    FailedLogin.objects.update(at=FailedLogin.objects.get().at.replace(year=2000))
+    log_in(Client(), "wrong")
+    assert list(FailedLogin.objects.values_list("username", flat=True)) == ["bob"]
