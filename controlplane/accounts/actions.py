@@ -1,9 +1,12 @@
 """Creating and revoking API tokens and people. Each runs in one transaction with an audit entry
 (the key itself is never recorded: it is shown once, to whoever created it)."""
 
+import datetime
+
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.utils import timezone
 
 from controlplane.accounts.models import TOKEN_DISPLAY_CHARS, ApiToken, Role, User, hash_token
 from controlplane.audit.records import Actor, record, snapshot
@@ -14,17 +17,39 @@ _USER_AUDIT_EXCLUDE = ("password", "last_login")
 
 
 @transaction.atomic
-def create_person_token(actor: Actor, user: User, description: str = "") -> tuple[ApiToken, str]:
-    """A new token acting as ``user``; returns the row and the key (shown once, stored hashed)."""
-    return _create(actor, ApiToken(kind=ApiToken.Kind.PERSON, user=user, description=description))
+def create_person_token(
+    actor: Actor,
+    user: User,
+    description: str = "",
+    *,
+    scope: ApiToken.Scope = ApiToken.Scope.FULL,
+    expires_at: datetime.datetime | None = None,
+) -> tuple[ApiToken, str]:
+    """A new token acting as ``user`` (only reading, with scope "read"), valid until ``expires_at`` (None:
+    always); returns the row and the key (shown once, stored hashed). Raises Invalid for a past expiry."""
+    token = ApiToken(kind=ApiToken.Kind.PERSON, user=user, description=description, scope=scope)
+    return _create(actor, token, expires_at)
 
 
 @transaction.atomic
-def create_agent_token(actor: Actor, node_name: str, description: str = "") -> tuple[ApiToken, str]:
-    """A new token for the agent of node ``node_name`` (the node need not be registered yet)."""
+def create_agent_token(
+    actor: Actor,
+    node_name: str,
+    description: str = "",
+    *,
+    expires_at: datetime.datetime | None = None,
+    revoke_old: bool = False,
+) -> tuple[ApiToken, str]:
+    """A new token for the agent of node ``node_name`` (the node need not be registered yet), valid until
+    ``expires_at`` (None: always). With ``revoke_old``, the node's other agent tokens are revoked in the
+    same transaction: their agent is refused from then on, and their keys sign none of the node's tasks
+    (controlplane/accounts/task_keys.py). Raises Invalid for a missing node name or a past expiry."""
     if not node_name:
         raise Invalid("an agent token names its node", field="node_name")
-    return _create(actor, ApiToken(kind=ApiToken.Kind.AGENT, node_name=node_name, description=description))
+    if revoke_old:
+        for old in ApiToken.objects.select_for_update().filter(kind=ApiToken.Kind.AGENT, node_name=node_name):
+            revoke_token(actor, old)
+    return _create(actor, ApiToken(kind=ApiToken.Kind.AGENT, node_name=node_name, description=description), expires_at)
 
 
 @transaction.atomic
@@ -111,7 +136,10 @@ def _check_password(password: str, user: User) -> None:
         raise Invalid(" ".join(exc.messages), field="password") from exc
 
 
-def _create(actor: Actor, token: ApiToken) -> tuple[ApiToken, str]:
+def _create(actor: Actor, token: ApiToken, expires_at: datetime.datetime | None) -> tuple[ApiToken, str]:
+    if expires_at is not None and expires_at <= timezone.now():
+        raise Invalid(f"{expires_at.isoformat()} is past: a token expires in the future", field="expires_at")
+    token.expires_at = expires_at
     key = ApiToken.new_key()
     token.key_hash = hash_token(key)
     token.key_start = key[:TOKEN_DISPLAY_CHARS]

@@ -96,8 +96,10 @@ class FlotillaUserAdmin(ForAdmins, UserAdmin):  # type: ignore[misc]
 class ApiTokenAdmin(ForAdmins):
     """Tokens are listed and revoked (deleted) here, through ``actions.revoke_token``; nothing else changes."""
 
-    list_display = ("key_start", "kind", "user", "node_name", "description", "created_at", "last_used_at")
-    list_filter = ("kind",)
+    list_display = (
+        "key_start", "kind", "user", "node_name", "description", "scope", "created_at", "expires_at", "last_used_at",
+    )  # fmt: skip
+    list_filter = ("kind", "scope")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

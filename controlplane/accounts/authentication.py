@@ -1,12 +1,16 @@
 """Token authentication for the API: ``Authorization: Bearer <key>`` (or ``Token <key>``).
 
 A person's token authenticates as that person; an agent's token authenticates as an ``AgentPrincipal``
-(not a user: agents have no role and may only use the agent endpoints of their own node).
+(not a user: agents have no role and may only use the agent endpoints of their own node). A token past
+its ``expires_at`` is refused (401) saying when it expired; what a read-scoped token may do is the
+permissions' to say (controlplane/api/permissions.py), from ``request.auth``.
 """
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, timedelta
 
+from django.db.models import BooleanField, ExpressionWrapper, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
@@ -39,7 +43,7 @@ class AgentPrincipal:
 
 
 class TokenAuthentication(authentication.BaseAuthentication):
-    """Looks the token's hash up; refuses unknown tokens and tokens of inactive people with 401."""
+    """Looks the token's hash up; refuses unknown and expired tokens and tokens of inactive people with 401."""
 
     keyword = "Bearer"
 
@@ -53,9 +57,21 @@ class TokenAuthentication(authentication.BaseAuthentication):
             key = header[1].decode("ascii")
         except UnicodeDecodeError as exc:
             raise exceptions.AuthenticationFailed("the token must be ASCII") from exc
-        token = ApiToken.objects.select_related("user").filter(key_hash=hash_token(key)).first()
+        token = (
+            ApiToken.objects.select_related("user")
+            # Expiry is judged on the database's clock, the one every process compares timestamps with.
+            .annotate(expired=ExpressionWrapper(Q(expires_at__lte=Now()), output_field=BooleanField()))
+            .filter(key_hash=hash_token(key))
+            .first()
+        )
         if token is None:
             raise exceptions.AuthenticationFailed("unknown or revoked token")
+        if token.expired:  # type: ignore[attr-defined]  # the annotation
+            assert token.expires_at is not None
+            expired_at = token.expires_at.astimezone(UTC)
+            raise exceptions.AuthenticationFailed(
+                f"this token expired at {expired_at:%Y-%m-%d %H:%M:%S} UTC: ask an admin for a new one"
+            )
         self._touch(token)
         if token.kind == ApiToken.Kind.AGENT:
             return AgentPrincipal(node_name=token.node_name, token_id=token.pk), token

@@ -55,11 +55,20 @@ class ApiToken(models.Model):
     An agent token names its node by name rather than by row, because the agent uses it to register the
     node in the first place; it may act only on that node (its registration, heartbeats, instances).
     The key itself is shown once at creation and stored only as a hash.
+
+    A token may expire (``expires_at``), and a person's may be scoped to reading (``scope``): it then
+    reads what its person's role may read, and changes nothing, whatever that role.
     """
 
     class Kind(models.TextChoices):
         PERSON = "person"
         AGENT = "agent"
+
+    class Scope(models.TextChoices):
+        """What a person's token may do: all its person's role allows, or only read (safe methods)."""
+
+        FULL = "full", "what the role allows"
+        READ = "read", "read only"
 
     kind = models.CharField(max_length=8, choices=Kind.choices)
     user = models.ForeignKey(User, null=True, blank=True, on_delete=models.CASCADE, related_name="api_tokens")
@@ -67,7 +76,10 @@ class ApiToken(models.Model):
     description = models.CharField(max_length=200, blank=True)
     key_hash = models.CharField(max_length=64, unique=True, editable=False)
     key_start = models.CharField(max_length=TOKEN_DISPLAY_CHARS, editable=False)
+    scope = models.CharField(max_length=8, choices=Scope.choices, default=Scope.FULL)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Past it the token is refused (401, saying when it expired); None: it never expires.
+    expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -78,6 +90,8 @@ class ApiToken(models.Model):
                 condition=(Q(kind="person", user__isnull=False, node_name="") | Q(kind="agent", user__isnull=True))
                 & ~Q(kind="agent", node_name=""),
             ),
+            # An agent's token is for its node's agent endpoints, which all write: a read scope means nothing.
+            models.CheckConstraint(name="agent_token_scope_full", condition=~Q(kind="agent", scope="read")),
         ]
 
     def __str__(self) -> str:

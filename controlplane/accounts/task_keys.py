@@ -2,9 +2,11 @@
 
 Derived from the token's stored hash, the one thing the control plane keeps of it: whoever can read the
 ``ApiToken`` table can sign a node's tasks, as whoever can write the database can already tell the fleet
-what to run. A node with two tokens (one being replaced) gets both signatures; a deleted token's key signs
-nothing more, so its agent refuses every task from then on.
+what to run. A node with two tokens (one being replaced) gets both signatures; a revoked (deleted) or
+expired token's key signs nothing more, so its agent refuses every task from then on.
 """
+
+from django.db.models.functions import Now
 
 from controlplane.accounts.models import ApiToken
 from runtime.task_signing import SigningKey, signing_key
@@ -13,5 +15,6 @@ from runtime.task_signing import SigningKey, signing_key
 def node_task_keys(node: str) -> list[SigningKey]:
     """The signing keys of node ``node``'s agent tokens (none when it has no token: its tasks go unsigned,
     and its agent, which could not authenticate anyway, refuses them)."""
-    digests = ApiToken.objects.filter(kind=ApiToken.Kind.AGENT, node_name=node).values_list("key_hash", flat=True)
+    tokens = ApiToken.objects.filter(kind=ApiToken.Kind.AGENT, node_name=node).exclude(expires_at__lte=Now())
+    digests = tokens.values_list("key_hash", flat=True)
     return [signing_key(digest, node) for digest in digests]

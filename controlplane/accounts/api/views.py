@@ -12,7 +12,11 @@ from controlplane.api.base import FlotillaViewSet
 
 
 class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, FlotillaViewSet):
-    """API tokens of people and agents (admin only). A new token's key is in the creation response only."""
+    """API tokens of people and agents (admin only). A new token's key is in the creation response only.
+
+    A new agent token may revoke its node's older ones (``revoke_old``); any token may expire
+    (``expires_at``); a person's may be read-only (``scope``: "read").
+    """
 
     queryset = ApiToken.objects.select_related("user")
     serializer_class = TokenSerializer
@@ -27,9 +31,17 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         if data["kind"] == ApiToken.Kind.PERSON:
-            token, key = actions.create_person_token(self.actor, data["user"], data["description"])
+            token, key = actions.create_person_token(
+                self.actor, data["user"], data["description"], scope=data["scope"], expires_at=data["expires_at"]
+            )
         else:
-            token, key = actions.create_agent_token(self.actor, data["node_name"], data["description"])
+            token, key = actions.create_agent_token(
+                self.actor,
+                data["node_name"],
+                data["description"],
+                expires_at=data["expires_at"],
+                revoke_old=data["revoke_old"],
+            )
         token.key = key  # shown once, never stored
         return Response(CreatedTokenSerializer(token).data, status=status.HTTP_201_CREATED)
 
