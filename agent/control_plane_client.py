@@ -11,12 +11,17 @@ URL and why, and retried with backoff; the client never gives up on it. What the
 is not retried: a 409 (a stale state, the instance moved on) is logged at info and dropped, a 400 or
 403 about one report is logged as a warning and dropped. A rejected token (401, or a 403 at
 registration) is fatal: ``rejected`` resolves with a TokenRejected whose message says what to do.
+
+Some answers cast doubt on the agent's workers: the control plane answering again after an outage (it
+may have moved or stopped instances meanwhile), and a report about an instance answered 403 (placed on
+another node now), 404 (deleted) or 409 (it moved on). ``doubt()`` returns when one came, saying which,
+so that the agent compares its workers with ``list_instances()``; the client itself stops nothing.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -148,6 +153,8 @@ class AgentInstance(msgspec.Struct, frozen=True, kw_only=True):
 
     id: int
     state: str
+    #: The attempt the control plane is at (its restart count); None from a control plane that does not say.
+    attempt: int | None = None
     restart_requested: bool = False
     model: AgentModel | None = None
 
@@ -164,11 +171,13 @@ def fit_reason(reason: str, limit: int = MAX_REASON_CHARS) -> str:
 class _Outage:
     """Whether the control plane answers; logs each outage once, when it starts and when it ends."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, on_back: Callable[[float], None] | None = None) -> None:
+        """``on_back`` is called with the outage's length in seconds when the control plane answers again."""
         self.url = url
         self.down_since: float | None = None
         #: Set when the control plane answers after an outage: report senders waiting out a backoff resume.
         self.answered = asyncio.Event()
+        self._on_back = on_back
 
     def lost(self, reason: str) -> None:
         if self.down_since is None:
@@ -182,12 +191,11 @@ class _Outage:
 
     def back(self) -> None:
         if self.down_since is not None:
-            log.info(
-                "the control plane at %s answers again (after %.0f s without it)",
-                self.url,
-                time.monotonic() - self.down_since,
-            )
+            seconds = time.monotonic() - self.down_since
+            log.info("the control plane at %s answers again (after %.0f s without it)", self.url, seconds)
             self.down_since = None
+            if self._on_back is not None:
+                self._on_back(seconds)
         self.answered.set()
 
 
@@ -237,7 +245,9 @@ class ControlPlaneClient:
             timeout=timeout_s,
             transport=transport,
         )
-        self._outage = _Outage(self.base_url)
+        self._outage = _Outage(self.base_url, on_back=self._reconnected)
+        self._doubted = asyncio.Event()
+        self._doubt_why = ""
         self._outbox: dict[_OutboxKey, InstanceReport | DownloadReport] = {}
         self._queued = asyncio.Event()
         self._emptied = asyncio.Event()
@@ -265,6 +275,20 @@ class ControlPlaneClient:
     def reachable(self) -> bool:
         """Whether the last request got an answer."""
         return self._outage.down_since is None
+
+    async def doubt(self) -> str:
+        """Wait until an answer casts doubt on the agent's workers (see the module's docstring); returns what
+        it was. Doubts that come while nobody waits are kept, as one (the latest says why)."""
+        await self._doubted.wait()
+        self._doubted.clear()
+        return self._doubt_why
+
+    def _doubt(self, why: str) -> None:
+        self._doubt_why = why
+        self._doubted.set()
+
+    def _reconnected(self, seconds: float) -> None:
+        self._doubt(f"the control plane may have changed it during the {seconds:.0f} s this agent was cut off")
 
     # -- registration and heartbeats -----------------------------------------------------------------
 
@@ -419,6 +443,10 @@ class ControlPlaneClient:
             log.info("the control plane no longer knows %s %d: dropping its report (%s)", kind, number, what)
         else:
             log.warning("the control plane refused %s (%d): %s", what, status, _detail(response))
+        if kind == "instance" and status in (403, 404, 409):
+            # Whether the worker is still wanted is for the list of the node's instances to say, not this answer
+            # (a 409 may be about one transition only).
+            self._doubt(f"the control plane answered {status} to {what}")
 
     # -- HTTP -----------------------------------------------------------------------------------------
 

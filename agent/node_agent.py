@@ -7,6 +7,11 @@
         ├──► adopt the workers a previous agent left running, and reconcile with the control plane:
         │    those it no longer wants are stopped, instances it thinks run here but do not are failed
         │
+        ├──► compare the workers with the control plane's list of the node's instances every
+        │    ``reconcile_s``, when it answers again after an outage, and when it refuses a report
+        │    (403/404/409): the workers it disowns (agent/ownership.py) are stopped; a list that cannot
+        │    be had changes nothing
+        │
         └──► tasks from the node's queue (agent/task_consumer.py):
                start: download (progress reported) ──► launch ──► starting ──► ready | failed
                stop:  drain, terminate, kill ──► stopped
@@ -27,6 +32,7 @@ Each worker's attempt is kept in ``state_dir`` beside its record, so an agent th
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -52,6 +58,7 @@ from agent.control_plane_client import (
 from agent.downloads import DownloadProgress, ModelDownloader
 from agent.errors import DiskFull, DownloadError, HubUnreachable, WorkerError
 from agent.inventory import Inventory
+from agent.ownership import disowned
 from agent.processes import EXIT_CONFIG
 from agent.readiness import RegistrationWatch
 from agent.supervisor import Readiness, RestartPolicy, Supervisor, WorkerState, WorkerStatus
@@ -66,8 +73,6 @@ log = logging.getLogger(__name__)
 
 #: Instance states in which the control plane expects a process of the instance on its node.
 _RUNNING_STATES = frozenset({"downloading", "starting", "ready"})
-#: Instance states in which the control plane no longer wants a process.
-_UNWANTED_STATES = frozenset({"stopping", "stopped"})
 
 
 class ControlPlane(Protocol):
@@ -78,6 +83,8 @@ class ControlPlane(Protocol):
     async def heartbeat(self, report: NodeReport) -> HeartbeatReply | None: ...
 
     async def list_instances(self) -> list[AgentInstance]: ...
+
+    async def doubt(self) -> str: ...
 
     def report_instance(self, instance_id: int, report: InstanceReport) -> None: ...
 
@@ -117,6 +124,10 @@ class _Instance:
     starting: bool = False
     #: The last report sent about it, sent again when a duplicate start asks.
     last_report: InstanceReport | None = None
+    #: Which start this agent accepted last (a count): a list asked for before it may not show it yet.
+    accepted: int = 0
+    #: When (time.monotonic()) it was accepted.
+    accepted_at: float = 0.0
 
 
 class NodeAgent:
@@ -138,14 +149,20 @@ class NodeAgent:
         stop_timeout_s: float = 30.0,
         version: str = "",
         address: str = "",
+        reconcile_s: float = 30.0,
+        listing_lag_s: float = 5.0,
     ) -> None:
-        """``worker_env`` is the workers' environment (default: the agent's own)."""
+        """``worker_env`` is the workers' environment (default: the agent's own); every ``reconcile_s`` the
+        workers are compared with the control plane's list, which may not show a start sent less than
+        ``listing_lag_s`` before (its transaction not committed yet)."""
         self.node = node
         self.state_dir = state_dir
         self._client = client
         self._downloader = downloader
         self._inventory = inventory
         self._heartbeat_s = heartbeat_s
+        self._reconcile_s = reconcile_s
+        self._listing_lag_s = listing_lag_s
         self._version = version
         self._address = address
         self.supervisor = Supervisor(
@@ -163,6 +180,10 @@ class NodeAgent:
         self._instances: dict[int, _Instance] = {}
         # Instances whose worker is being replaced by a newer attempt: its "stopped" is not news.
         self._replacing: set[int] = set()
+        # Instances whose worker is stopped because the control plane disowns them, and which it does not
+        # want a "stopped" of (it would refuse it: the instance is another node's, failed, or newer).
+        self._disowned: set[int] = set()
+        self._starts_accepted = 0
         self._model_ids: dict[int, int] = {}  # instance id -> the control plane's model id (download reports)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -183,6 +204,7 @@ class NodeAgent:
         if adopted:
             log.info("adopted %d running worker(s): instances %s", len(adopted), ", ".join(map(str, adopted)))
         self._spawn(self._reconcile(), name="reconcile with the control plane")
+        self._spawn(self._compare_repeatedly(), name="compare the workers with the control plane")
 
     async def close(self, flush_s: float = 3.0) -> None:
         """Stop the agent's work and leave the workers running (the next agent adopts them); send the
@@ -220,6 +242,7 @@ class NodeAgent:
         """Match the workers running here with what the control plane wants (after an agent restart)."""
         backoff = Backoff(1.0, 30.0)
         while True:
+            accepted, asked_at = self._starts_accepted, time.monotonic()
             try:
                 rows = await self._client.list_instances()
                 break
@@ -230,15 +253,9 @@ class NodeAgent:
             except ControlPlaneRefused as exc:
                 log.error("cannot reconcile the workers with the control plane: %s", exc)
                 return
-        wanted = {row.id: row for row in rows}
         self._model_ids.update({row.id: row.model.id for row in rows if row.model is not None})
         running = set(self.supervisor.instances())
-        for instance_id in sorted(running):
-            row = wanted.get(instance_id)
-            if row is None or row.state in _UNWANTED_STATES:
-                why = "not placed on this node" if row is None else row.state
-                log.info("instance %d runs here but the control plane has it %s: stopping it", instance_id, why)
-                await self.accept_stop(StopInstance(instance_id=instance_id, reason=f"the control plane has it {why}"))
+        await self._stop_disowned(rows, accepted, asked_at, "found when the agent started")
         for row in rows:
             entry = self._instances.get(row.id)
             # Left alone: what runs here, what is under way, and what was reported already (a worker that
@@ -256,6 +273,60 @@ class NodeAgent:
                         "agent restarted)",
                     ),
                 )
+
+    async def _compare_repeatedly(self) -> None:
+        """Compare the workers with the control plane's list every ``reconcile_s``, and at once when one of its
+        answers casts doubt on them (it answers again after an outage, it refused a report)."""
+        while True:
+            try:
+                async with asyncio.timeout(self._reconcile_s):
+                    context = await self._client.doubt()
+            except TimeoutError:
+                context = f"found by the comparison with the control plane every {self._reconcile_s:g} s"
+            try:
+                await self.compare(context)
+            except TokenRejected:
+                return  # the client's ``rejected`` tells the main loop, which stops the agent
+            except Exception:
+                # One bad round must not end the comparisons: a partition's orphans would then outlive it.
+                log.exception("comparing the workers with the control plane failed; trying again later")
+
+    async def compare(self, context: str) -> None:
+        """Stop the workers that the control plane's list of this node's instances disowns, logging why and
+        ``context`` (what prompted the comparison). A list that cannot be had changes nothing: a control
+        plane that does not answer is no reason to stop anything.
+
+        Raises TokenRejected.
+        """
+        accepted, asked_at = self._starts_accepted, time.monotonic()
+        try:
+            rows = await self._client.list_instances()
+        except ControlPlaneUnreachable as exc:
+            log.debug("cannot compare the workers with the control plane now: %s", exc)
+            return
+        except ControlPlaneRefused as exc:
+            log.warning("cannot compare the workers with the control plane: %s", exc)
+            return
+        await self._stop_disowned(rows, accepted, asked_at, context)
+
+    async def _stop_disowned(self, rows: list[AgentInstance], accepted: int, asked_at: float, context: str) -> None:
+        """Stop the workers ``rows`` disowns, of those started (or starting) before start number ``accepted``
+        (a start accepted since the list was asked for, at ``asked_at``, may be missing from it)."""
+        workers: dict[int, int | None] = {}
+        recent = set()
+        for instance_id, entry in self._instances.items():
+            underway = entry.operation is not None and not entry.operation.done()
+            if entry.accepted > accepted or (underway and not entry.starting):
+                continue  # too new for this list, or being stopped already
+            if underway or self.supervisor.status(instance_id) is not None:
+                workers[instance_id] = entry.attempt
+                if entry.accepted and entry.accepted_at > asked_at - self._listing_lag_s:
+                    recent.add(instance_id)
+        for verdict in disowned(workers, rows, recent=recent):
+            log.warning("%s (%s): stopping its worker", verdict.why, context)
+            if not verdict.awaits_stop:
+                self._disowned.add(verdict.instance_id)
+            await self.accept_stop(StopInstance(instance_id=verdict.instance_id, reason=verdict.why))
 
     # -- tasks (TaskHandler) --------------------------------------------------------------------------
 
@@ -289,6 +360,9 @@ class NodeAgent:
             entry = self._instances[instance_id] = _Instance(attempt=request.attempt)
         entry.attempt = request.attempt
         entry.last_report = None
+        self._starts_accepted += 1
+        entry.accepted, entry.accepted_at = self._starts_accepted, time.monotonic()
+        self._disowned.discard(instance_id)
         self._save_attempt(instance_id, request.attempt)
         self._operate(instance_id, entry, lambda: self._start(request), starting=True)
 
@@ -423,6 +497,13 @@ class NodeAgent:
         if status.state is WorkerState.STOPPED:
             if instance_id in self._replacing:
                 return
+            if instance_id in self._disowned:
+                # Not sent (the control plane would refuse it), but kept: a late repeat of the start is told.
+                self._disowned.discard(instance_id)
+                self._instances.setdefault(instance_id, _Instance(attempt=None)).last_report = InstanceReport(
+                    state="stopped", reason=status.reason
+                )
+                return
             # The control plane's own reason for the stop (a scale-down, a drain) says more than ours.
             self._report(instance_id, InstanceReport(state="stopped"))
             return
@@ -503,6 +584,7 @@ class AgentSettings:
     broker_url: str
     simulated_gpus: list[int] | None = None
     heartbeat_s: float = 5.0
+    reconcile_s: float = 30.0
     version: str = ""
     worker_command: Sequence[str] = DEFAULT_COMMAND
     stop_timeout_s: float = 30.0
@@ -536,6 +618,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             state_dir=settings.state_dir,
             log_dir=settings.log_dir,
             heartbeat_s=settings.heartbeat_s,
+            reconcile_s=settings.reconcile_s,
             worker_command=settings.worker_command,
             # What a worker may see of the agent's variables: never its token, the broker or HF_TOKEN.
             worker_env=allowed_environment(os.environ),

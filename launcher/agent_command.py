@@ -67,7 +67,7 @@ under systemd: KillMode=process, so that stopping the agent leaves its workers r
 exit codes (systemd units set RestartPreventExitStatus=2):
   0    stopped by SIGTERM, cleanly (the workers keep running)
   1    failed: restarting may help
-  2    bad flags or variables, or a token the control plane rejects: fix them, do not restart
+       registered: fix them, do not restart
   130  interrupted by Ctrl-C
 """
 
@@ -194,6 +194,15 @@ def build_agent_parser() -> EnvArgumentParser:
         default=5.0,
         help="seconds between heartbeats (default 5)",
     )
+    parser.add_flag(
+        "--reconcile-s",
+        env="FLOTILLA_AGENT_RECONCILE_S",
+        type=_seconds,
+        default=30.0,
+        help="seconds between comparisons of the workers with the control plane's instances of this node "
+        "(also right after it answers again following an outage); workers it no longer places here are "
+        "stopped (default 30)",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return parser
 
@@ -229,6 +238,7 @@ def agent_settings(parser: EnvArgumentParser, namespace: argparse.Namespace) -> 
         broker_url=namespace.broker,
         simulated_gpus=namespace.gpus,
         heartbeat_s=namespace.heartbeat_s,
+        reconcile_s=namespace.reconcile_s,
         version=_version(),
     )
 

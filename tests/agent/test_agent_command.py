@@ -16,6 +16,7 @@ def no_agent_variables(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("FLOTILLA_BROKER_URL", raising=False)
     monkeypatch.delenv("FLOTILLA_HEARTBEAT_S", raising=False)
+    monkeypatch.delenv("FLOTILLA_AGENT_RECONCILE_S", raising=False)
 
 
 def test_the_settings_come_from_flags_and_variables_with_defaults_per_node(
@@ -37,7 +38,7 @@ def test_the_settings_come_from_flags_and_variables_with_defaults_per_node(
     assert settings.simulated_gpus == [24 << 30, 24 << 30]
     assert settings.state_dir == tmp_path / "state" / "flotilla" / "agent-gpu-a"
     assert settings.log_dir == settings.state_dir / "logs"
-    assert (settings.broker_url, settings.heartbeat_s) == ("redis://127.0.0.1:6379/0", 5.0)
+    assert (settings.broker_url, settings.heartbeat_s, settings.reconcile_s) == ("redis://127.0.0.1:6379/0", 5.0, 30.0)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 taken down and brought back: reports are kept through an outage (the latest per instance) and sent when
 it is back, in order; stale ones are dropped, not retried; outages are logged once; tokens rejected."""
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -205,3 +206,48 @@ def test_a_long_reason_is_cut_to_what_the_api_takes_keeping_its_start_and_its_en
     assert len(cut) == 4000
     assert cut.startswith("the worker failed with exit code 3") and cut.endswith("\nboom")
     assert fit_reason("short") == "short"
+
+
+@pytest.mark.parametrize("status", [403, 404, 409])
+async def test_a_report_the_control_plane_refuses_casts_doubt_on_the_workers(
+    client: ControlPlaneClient, stand_in: StandIn, status: int
+) -> None:
+    stand_in.statuses["/api/v1/agent/instances/5/state/"] = [status]
+    client.report_instance(5, InstanceReport(state="ready"))
+    async with asyncio.timeout(10):
+        why = await client.doubt()
+    assert why == f"the control plane answered {status} to instance 5's state ready"
+
+
+async def test_reports_taken_or_about_downloads_cast_no_doubt(client: ControlPlaneClient, stand_in: StandIn) -> None:
+    stand_in.statuses["/api/v1/agent/downloads/"] = [409]
+    client.report_instance(5, InstanceReport(state="ready"))
+    client.report_download(3, DownloadReport(state="done", bytes_done=1, bytes_total=1))
+    assert await client.flush(10)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await client.doubt()
+
+
+async def test_the_control_plane_answering_again_after_an_outage_casts_doubt_on_the_workers(
+    client: ControlPlaneClient, stand_in: StandIn
+) -> None:
+    assert await client.heartbeat(REPORT) is not None  # answering without an outage first is no news
+    stand_in.up = False
+    assert await client.heartbeat(REPORT) is None
+    stand_in.up = True
+    assert await client.heartbeat(REPORT) is not None
+    async with asyncio.timeout(10):
+        why = await client.doubt()
+    assert why.startswith("the control plane may have changed it during the ") and "this agent was cut off" in why
+    with pytest.raises(TimeoutError):  # one doubt per outage
+        async with asyncio.timeout(0.1):
+            await client.doubt()
+
+
+async def test_the_instances_are_listed_with_the_attempt_the_control_plane_is_at() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=[{"id": 4, "state": "ready", "attempt": 2}, {"id": 5, "state": "pending"}])
+
+    async with ControlPlaneClient("http://cp:8000", "flt_t", node="node-a", transport=httpx.MockTransport(answer)) as c:
+        assert [(row.id, row.attempt) for row in await c.list_instances()] == [(4, 2), (5, None)]

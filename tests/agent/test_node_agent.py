@@ -48,6 +48,15 @@ PLACE = (
     "from controlplane.deployments.actions import place_pending_instances;"
     "place_pending_instances(Actor.system('tests'))"
 )
+# What the control plane does to a silent node's instance after FLOTILLA_NODE_EVICT_S: fail it, place it elsewhere.
+MOVE_AWAY = (
+    "from controlplane.fleet.models import Instance;"
+    "Instance.objects.filter(pk={id}).update(node=None, gpu_indexes=[], state='pending', restarts=1)"
+)
+FAIL = (
+    "from controlplane.fleet.models import Instance;"
+    "Instance.objects.filter(pk={id}).update(state='failed', reason='{why}')"
+)
 
 
 @dataclass
@@ -80,12 +89,12 @@ class Fleet:
     sender: Celery
     agents: list[Agent] = field(default_factory=list)
 
-    def start_agent(self, *, token: str | None = None) -> Agent:
+    def start_agent(self, *flags: str, token: str | None = None) -> Agent:
         log_path = self.directory / "agent.log"
         command = [sys.executable, "-m", "launcher.cli", "agent", "--control-plane", self.control_plane.url]
         command += ["--name", NODE, "--gpus", "2x24GiB", "--heartbeat-s", "0.5", "--broker", self.redis.url]
         command += ["--state-dir", str(self.directory / "state"), "--log-dir", str(self.directory / "logs")]
-        command += ["--models-dir", str(self.directory / "models")]
+        command += ["--models-dir", str(self.directory / "models"), *flags]
         env = {
             **os.environ,
             "FLOTILLA_AGENT_TOKEN": token or self.agent_token,
@@ -295,6 +304,72 @@ def test_workers_the_control_plane_stopped_while_the_agent_was_down_are_stopped_
     agent = fleet.start_agent()
     fleet.wait_state(placed["id"], "stopped", agent)
     wait_for("the worker to end", lambda: not running(pid))
+    assert agent.stop() == 0
+
+
+def test_workers_whose_instances_the_control_plane_moved_or_stopped_are_stopped_within_a_comparison_period(
+    fleet: Fleet,
+) -> None:
+    agent = fleet.start_agent("--reconcile-s", "1")
+    moved_pipeline, moved = fleet.deploy("moved")
+    stopped_pipeline, stopped = fleet.deploy("stopped")
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(moved_pipeline, moved))
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(stopped_pipeline, stopped))
+    moved_pid = fleet.wait_state(moved["id"], "ready", agent)["pid"]
+    stopped_pid = fleet.wait_state(stopped["id"], "ready", agent)["pid"]
+
+    fleet.control_plane.manage("shell", "-c", MOVE_AWAY.format(id=moved["id"]))
+    # Stopped through the API, its stop task lost (no reconciler runs here to send it, or send it again).
+    json_of(fleet.operator.post(f"/api/v1/pipelines/{stopped_pipeline['id']}/stop/"))
+    wait_for("the moved instance's worker to end", lambda: not running(moved_pid), 30, explain=agent.log)
+    fleet.wait_state(stopped["id"], "stopped", agent, timeout_s=30)
+    wait_for("the stopped instance's worker to end", lambda: not running(stopped_pid), 30, explain=agent.log)
+    assert (
+        f"instance {moved['id']} is no longer placed on this node (found by the comparison with the control plane "
+        "every 1 s): stopping its worker" in agent.log()
+    )
+    assert f"the control plane has instance {stopped['id']} stopping (found by the comparison" in agent.log()
+    assert agent.stop() == 0
+
+
+def test_workers_the_control_plane_moved_during_an_outage_are_stopped_as_soon_as_it_answers_again(
+    fleet: Fleet,
+) -> None:
+    agent = fleet.start_agent("--reconcile-s", "600")  # so that only the control plane's return can stop it
+    pipeline, placed = fleet.deploy("smol")
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    pid = fleet.wait_state(placed["id"], "ready", agent)["pid"]
+
+    fleet.control_plane.kill()
+    wait_for("the agent to be cut off", lambda: "cannot reach the control plane" in agent.log(), explain=agent.log)
+    fleet.control_plane.manage("shell", "-c", MOVE_AWAY.format(id=placed["id"]))  # evicted while cut off
+    assert running(pid), "an unreachable control plane is no reason to stop anything"
+
+    fleet.control_plane.start()
+    wait_for("the worker to end", lambda: not running(pid), 30, explain=agent.log)
+    assert (
+        f"instance {placed['id']} is no longer placed on this node (the control plane may have changed it during"
+        in (agent.log())
+    )
+    assert agent.stop() == 0
+
+
+def test_a_report_the_control_plane_declines_makes_the_agent_stop_the_worker_its_list_disowns(fleet: Fleet) -> None:
+    agent = fleet.start_agent("--reconcile-s", "600")  # so that only the declined report can stop it
+    pipeline, placed = fleet.deploy("smol")
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    pid = fleet.wait_state(placed["id"], "ready", agent)["pid"]
+
+    # The control plane failed it (a deadline, an eviction): a redelivered start makes the agent report "ready"
+    # again, which cannot follow "failed" (409).
+    fleet.control_plane.manage("shell", "-c", FAIL.format(id=placed["id"], why="too slow"))
+    fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
+    wait_for("the worker to end", lambda: not running(pid), 30, explain=agent.log)
+    assert (
+        f"the control plane has instance {placed['id']} failed (the control plane answered 409 to instance "
+        f"{placed['id']}'s state ready): stopping its worker" in agent.log()
+    )
+    assert fleet.instance(placed["id"])["state"] == "failed"
     assert agent.stop() == 0
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.control_plane_client import AgentInstance, AgentModel, DownloadReport, InstanceReport, NodeReport
+from agent.control_plane_client import (
+    AgentInstance,
+    AgentModel,
+    ControlPlaneUnreachable,
+    DownloadReport,
+    InstanceReport,
+    NodeReport,
+)
 from agent.downloads import ModelDownloader
 from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
@@ -29,12 +36,18 @@ GIB = 1 << 30
 
 
 class StandInControlPlane:
-    """Records what the agent tells the control plane; ``instances`` is what it answers when asked."""
+    """Records what the agent tells the control plane; ``instances`` is what it answers when asked (unless
+    ``unreachable``); ``doubts`` is what its answers cast doubt with."""
 
     def __init__(self) -> None:
         self.registered: list[NodeReport] = []
         self.instances: list[AgentInstance] = []
         self.downloads: list[tuple[int, DownloadReport]] = []
+        self.unreachable = False
+        #: How many times the agent asked for the list of instances; ``asked`` is set each time.
+        self.listed = 0
+        self.asked = asyncio.Event()
+        self.doubts: asyncio.Queue[str] = asyncio.Queue()
         self._reports: asyncio.Queue[tuple[int, InstanceReport]] = asyncio.Queue()
 
     async def register(self, report: NodeReport) -> None:
@@ -44,7 +57,14 @@ class StandInControlPlane:
         return None
 
     async def list_instances(self) -> list[AgentInstance]:
+        self.listed += 1
+        self.asked.set()
+        if self.unreachable:
+            raise ControlPlaneUnreachable("cannot reach the control plane at http://stand-in (ConnectError)")
         return self.instances
+
+    async def doubt(self) -> str:
+        return await self.doubts.get()
 
     def report_instance(self, instance_id: int, report: InstanceReport) -> None:
         self._reports.put_nowait((instance_id, report))
@@ -91,7 +111,13 @@ async def readiness() -> AsyncIterator[SocketReadiness]:
 
 
 def make_agent(
-    tmp_path: Path, child: Path, readiness: SocketReadiness, control_plane: StandInControlPlane
+    tmp_path: Path,
+    child: Path,
+    readiness: SocketReadiness,
+    control_plane: StandInControlPlane,
+    *,
+    reconcile_s: float = 3600,
+    listing_lag_s: float = 5.0,
 ) -> NodeAgent:
     return NodeAgent(
         node="node-a",
@@ -105,6 +131,8 @@ def make_agent(
         worker_command=[sys.executable, str(child)],
         worker_env={**os.environ, "READY_SOCKET": str(readiness.path)},
         stop_timeout_s=10,
+        reconcile_s=reconcile_s,
+        listing_lag_s=listing_lag_s,
     )
 
 
