@@ -8,7 +8,7 @@ from channels.routing import ProtocolTypeRouter
 from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 
-from controlplane.body_limit import limit_body
+from controlplane.body_limit import ASGIApp, limit_body
 from controlplane.request_threads import on_request_threads
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
@@ -19,13 +19,22 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # a small API call, one request at a time (docs/benchmarks.md).
 http_application = WsgiToAsgi(get_wsgi_application())
 
+from controlplane.fleet.log_tail import log_tail_timeout_s  # noqa: E402
 from controlplane.live.routing import websocket_application  # noqa: E402
 
-application = ProtocolTypeRouter(
-    {
-        "http": limit_body(
-            on_request_threads(http_application, settings.API_REQUEST_THREADS), settings.API_MAX_BODY_BYTES
-        ),
-        "websocket": websocket_application(),
-    }
-)
+
+def http_stack(app: ASGIApp) -> ASGIApp:
+    """``app`` as the control plane serves HTTP, per the settings: its body read whole (within its deadline
+    and size limit) before the request takes a thread of its lane, so a slow client holds no thread, and
+    people, agents and log tails each on threads of their own."""
+    on_threads = on_request_threads(
+        app,
+        settings.API_REQUEST_THREADS,
+        agent_threads=settings.API_AGENT_THREADS,
+        log_tail_threads=settings.API_LOG_TAIL_THREADS,
+        log_tail_retry_after_s=log_tail_timeout_s(),
+    )
+    return limit_body(on_threads, settings.API_MAX_BODY_BYTES, timeout_s=settings.API_BODY_TIMEOUT_S)
+
+
+application = ProtocolTypeRouter({"http": http_stack(http_application), "websocket": websocket_application()})

@@ -1,16 +1,24 @@
-"""Refuse a request whose declared body is over the API's limit before anything reads it, and give a
-chunked body the length Django needs.
+"""Read each HTTP request's body whole, within a deadline and a size limit, before anything else runs.
 
-Django's ASGI handler reads the whole body before the view runs, and answers a body over
-DATA_UPLOAD_MAX_MEMORY_SIZE with an HTML 400; this guard answers the common case (a Content-Length
-over the limit) at once with the API's JSON 413.
+The control plane runs Django's views on a few request threads (controlplane/request_threads.py). Had a
+request taken its thread first and read its body there, a client that sends its headers and then
+dribbles its body, or sends nothing, would hold that thread for as long as it liked: two such
+unauthenticated POSTs stopped the whole API. This guard sits in front of the threads and reads the body
+in the event loop, where a waiting request costs nothing:
+
+* a Content-Length over the limit is a 413 at once, the body unread;
+* a body still incomplete ``timeout_s`` after the request arrived is a 408, the connection closed;
+* a body that grows past the limit as it arrives (chunked, or longer than declared) is a 413;
+* the rest reaches the app buffered, as one message, so the app never waits on the client.
 
 A body sent with ``Transfer-Encoding: chunked`` has no Content-Length, and Django under WSGI (how the
 control plane runs its views: controlplane/asgi.py) reads only ``CONTENT_LENGTH`` bytes: none, so a
-chunked JSON POST arrived empty. The guard reads such a body here, up to the same limit (413 past it),
-and hands it on with its Content-Length.
+chunked JSON POST arrived empty. Such a body is handed on with its Content-Length.
+
+Refusals are JSON (``{"detail": …}``) like the API's other errors.
 """
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -20,20 +28,32 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+DEFAULT_BODY_TIMEOUT_S = 10.0
 
-def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
-    """Wrap ``app`` so that HTTP requests declaring more than ``max_bytes`` get a 413 without being read."""
-    refusal = json.dumps({"detail": f"the request body is over the limit of {max_bytes} bytes"}).encode()
 
-    async def refuse(send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
-            }
-        )
-        await send({"type": "http.response.body", "body": refusal})
+async def send_refusal(send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer ``status`` with ``{"detail": detail}`` and close the connection (what is left unread of the
+    request must not be taken for the next one)."""
+    body = json.dumps({"detail": detail}).encode()
+    fixed = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*fixed, (b"connection", b"close"), *(headers or [])],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def limit_body(app: ASGIApp, max_bytes: int, *, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> ASGIApp:
+    """Wrap ``app`` so that an HTTP request reaches it with its body read whole: 413 for a body over
+    ``max_bytes`` (unread when its Content-Length says so), 408 for one not whole within ``timeout_s``.
+
+    Other scopes (websockets, lifespan) pass through unchanged.
+    """
+    over_limit = f"the request body is over the limit of {max_bytes} bytes"
+    too_slow = f"the request body did not arrive within {timeout_s:g} s"
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -41,24 +61,39 @@ def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
             return
         length = _declared_length(scope)
         if length is not None and length > max_bytes:
-            await refuse(send)
+            await send_refusal(send, 413, over_limit)
             return
-        if length is None and _chunked(scope):
-            body = bytearray()
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                body += message.get("body", b"")
-                if len(body) > max_bytes:
-                    await refuse(send)
-                    return
-                if not message.get("more_body", False):
-                    break
-            scope, receive = _with_body(scope, receive, bytes(body))
-        await app(scope, receive, send)
+        chunked = length is None and _chunked(scope)
+        if not length and not chunked:  # no body: nothing to wait for
+            await app(scope, receive, send)
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                body = await _read_body(receive, max_bytes)
+        except TimeoutError:
+            await send_refusal(send, 408, too_slow)
+            return
+        if body is None:  # the client left
+            return
+        if len(body) > max_bytes:
+            await send_refusal(send, 413, over_limit)
+            return
+        await app(*_with_body(scope, receive, body, chunked=chunked), send)
 
     return guarded
+
+
+async def _read_body(receive: Receive, max_bytes: int) -> bytes | None:
+    """The body's bytes, or as soon as there are more than ``max_bytes`` of them, those; None when the
+    client disconnects first."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        if len(body) > max_bytes or not message.get("more_body", False):
+            return bytes(body)
 
 
 def _declared_length(scope: Scope) -> int | None:
@@ -73,10 +108,13 @@ def _chunked(scope: Scope) -> bool:
     return any(name == b"transfer-encoding" and b"chunked" in value.lower() for name, value in scope.get("headers", ()))
 
 
-def _with_body(scope: Scope, receive: Receive, body: bytes) -> tuple[Scope, Receive]:
-    """The scope with a Content-Length instead of its Transfer-Encoding, and a receive that gives ``body`` first."""
-    headers = [(name, value) for name, value in scope["headers"] if name != b"transfer-encoding"]
-    headers.append((b"content-length", str(len(body)).encode()))
+def _with_body(scope: Scope, receive: Receive, body: bytes, *, chunked: bool) -> tuple[Scope, Receive]:
+    """The scope (a chunked one with a Content-Length instead of its Transfer-Encoding) and a receive that
+    gives ``body`` first."""
+    if chunked:
+        headers = [(name, value) for name, value in scope["headers"] if name != b"transfer-encoding"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        scope = {**scope, "headers": headers}
     given = False
 
     async def replay() -> MutableMapping[str, Any]:
@@ -86,4 +124,4 @@ def _with_body(scope: Scope, receive: Receive, body: bytes) -> tuple[Scope, Rece
         given = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return {**scope, "headers": headers}, replay
+    return scope, replay

@@ -1,9 +1,14 @@
-"""Which database the control plane uses: ``DATABASE_URL`` when set, else SQLite in the data directory."""
+"""Which database the control plane uses (``DATABASE_URL`` when set, else SQLite in the data directory),
+and the one clock its comparisons of time use: the database's (``db_now``)."""
 
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
+from django.db import DEFAULT_DB_ALIAS
+from django.db.models.functions import Now
+from django.db.models.sql import Query
 
 from runtime.errors import ConfigError
 
@@ -42,3 +47,19 @@ def _with_sqlite_options(config: dict[str, Any]) -> dict[str, Any]:
         "timeout": 20,
     }
     return config
+
+
+def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
+    """The database's current time (aware), as ``Now()`` reads it in a query or an update.
+
+    Timestamps that are compared come from this one clock: a heartbeat is stamped with it and the
+    reconciler measures silence against it, so control-plane processes on machines whose clocks disagree
+    still agree on how long a node has been silent.
+    """
+    # SELECT Now() with no table, through Django's compiler so that the value is converted as a
+    # DateTimeField's would be (SQLite answers text; USE_TZ makes it aware).
+    query = Query(None)
+    query.add_annotation(Now(), "now")
+    (now,) = next(query.get_compiler(using).results_iter())
+    assert isinstance(now, datetime)
+    return now

@@ -4,7 +4,9 @@
   ``~/.local/share/flotilla``).
 * ``FLOTILLA_SECRET_KEY`` / ``FLOTILLA_SECRET_KEY_FILE``: see controlplane/secret_key.py.
 * ``DATABASE_URL``: ``postgres://…`` for PostgreSQL; SQLite in the data directory when unset.
-* ``FLOTILLA_DEBUG``, ``FLOTILLA_ALLOWED_HOSTS`` (comma-separated), ``FLOTILLA_API_MAX_BODY_BYTES``.
+* ``FLOTILLA_DEBUG``, ``FLOTILLA_ALLOWED_HOSTS`` (comma-separated).
+* ``FLOTILLA_API_MAX_BODY_BYTES``, ``FLOTILLA_API_BODY_TIMEOUT_S``, ``FLOTILLA_API_THREADS``,
+  ``FLOTILLA_API_AGENT_THREADS``, ``FLOTILLA_API_LOG_TAIL_THREADS``: how requests are read and run (below).
 * Behind a TLS proxy, cookies, HSTS, login throttling, passwords: see controlplane/web_security.py.
 """
 
@@ -15,7 +17,7 @@ from controlplane.database import database_config
 from controlplane.live.layer import channel_layers
 from controlplane.secret_key import default_data_dir, load_secret_key
 from controlplane.web_security import web_security
-from runtime.config import env_bool, env_int, env_str
+from runtime.config import env_bool, env_float, env_int, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir())
@@ -119,8 +121,14 @@ LOCAL_MODEL_ROOTS = local_model_roots(DATA_DIR)
 
 # The API reads request bodies itself (controlplane/api/parsers.py), so it has its own limit.
 API_MAX_BODY_BYTES = env_int("FLOTILLA_API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
-# How many requests run Django code at once; the rest wait in the event loop (controlplane/request_threads.py).
+# How many requests run Django code at once, in three lanes that cannot starve each other: people's requests,
+# agents' reports and log tails (controlplane/request_threads.py). People and agents beyond their threads
+# wait in the event loop; log tails beyond theirs get a 503 with Retry-After.
 API_REQUEST_THREADS = env_int("FLOTILLA_API_THREADS", 2, minimum=1)
+API_AGENT_THREADS = env_int("FLOTILLA_API_AGENT_THREADS", 2, minimum=1)
+API_LOG_TAIL_THREADS = env_int("FLOTILLA_API_LOG_TAIL_THREADS", 2, minimum=1)
+# Seconds a request's body may take to arrive whole, read before it takes a thread (controlplane/body_limit.py).
+API_BODY_TIMEOUT_S = env_float("FLOTILLA_API_BODY_TIMEOUT_S", 10.0, minimum=0.1)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -52,9 +52,9 @@ from functools import partial
 from typing import Any
 
 from django.db.models import Q
-from django.utils import timezone
 
 from controlplane.audit.records import Actor
+from controlplane.database import db_now
 from controlplane.deployments.actions import keep_replica_counts, place_pending_instances
 from controlplane.deployments.dispatch import Dispatcher, DispatchError
 from controlplane.deployments.models import Pipeline
@@ -215,14 +215,16 @@ class LeaseLost(Exception):
 
 
 class Reconciler:
-    """Runs passes with ``dispatcher`` carrying the tasks; ``clock`` is the time (tests move it)."""
+    """Runs passes with ``dispatcher`` carrying the tasks; ``clock`` is the time: by default the database's,
+    the clock heartbeats are stamped with (``db_now``), so no process's own clock is compared with another's
+    (tests move it)."""
 
     def __init__(
         self,
         dispatcher: Dispatcher,
         settings: ReconcilerSettings | None = None,
         *,
-        clock: Callable[[], datetime] = timezone.now,
+        clock: Callable[[], datetime] = db_now,
     ) -> None:
         self.dispatcher = dispatcher
         self.settings = settings or ReconcilerSettings.from_env()

@@ -28,6 +28,7 @@ from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.actions import record_model_size
 from controlplane.catalog.models import LanguageModel
 from controlplane.celery_app import request_reconcile
+from controlplane.database import db_now
 from controlplane.deployments.demand import group_demand
 from controlplane.deployments.models import WorkerGroup
 from controlplane.deployments.placement import Unschedulable, place
@@ -655,7 +656,10 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     node.memory_total_bytes = report.memory_total_bytes
     node.memory_available_bytes = report.memory_available_bytes
     node.agent_version = report.agent_version
-    node.last_heartbeat_at = timezone.now()
+    # The database's time, the clock the reconciler measures silence on. Read, not written as Now(): on
+    # SQLite Now() stores text in another format than Django's, and the reconciler's conditional update
+    # (mark_node_offline: last_heartbeat_at equal to the value it read) would never match it.
+    node.last_heartbeat_at = db_now()
 
 
 def _hardware(node: Node, gpus: Sequence[Gpu]) -> dict[str, Any]:

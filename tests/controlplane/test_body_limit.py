@@ -1,6 +1,8 @@
-"""The ASGI guard that refuses bodies declared over the limit before anything reads them."""
+"""The ASGI guard that reads each request's body whole, within a deadline and a size limit, before the app runs."""
 
+import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,59 @@ from controlplane.body_limit import limit_body
 from tests.servers import free_port
 
 
-async def call(headers: list[tuple[bytes, bytes]], scope_type: str = "http") -> tuple[list[dict[str, Any]], bool]:
+async def call(
+    headers: list[tuple[bytes, bytes]], scope_type: str = "http", body: list[bytes] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """What the guard sends, and what the app received of the body (None: the app was not reached).
+
+    ``body`` is what the client sends, piece by piece; None: the guard must not read it."""
+    sent: list[dict[str, Any]] = []
+    received: list[dict[str, Any]] | None = None
+    pieces = list(body or [])
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal received
+        received = [await receive()] if body is not None else []
+
+    async def receive() -> dict[str, Any]:
+        if body is None:
+            raise AssertionError("the guard must not read the body")
+        piece = pieces.pop(0)
+        return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    await limit_body(app, 100)({"type": scope_type, "headers": headers}, receive, send)
+    return sent, received
+
+
+async def test_a_body_declared_over_the_limit_is_refused_unread() -> None:
+    sent, received = await call([(b"content-length", b"101")])
+    assert received is None
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"]) == {"detail": "the request body is over the limit of 100 bytes"}
+
+
+async def test_requests_without_a_body_pass_unread() -> None:
+    for headers in ([], [(b"content-length", b"0")], [(b"content-length", b"garbage")]):
+        sent, received = await call(headers)
+        assert received == [] and sent == [], headers
+
+
+async def test_a_body_within_the_limit_reaches_the_app_read_whole() -> None:
+    sent, received = await call([(b"content-length", b"100")], body=[b"x" * 40, b"y" * 60])
+    assert sent == []
+    assert received == [{"type": "http.request", "body": b"x" * 40 + b"y" * 60, "more_body": False}]
+
+
+async def test_a_body_longer_than_declared_and_over_the_limit_is_a_413() -> None:
+    sent, received = await call([(b"content-length", b"50")], body=[b"x" * 60, b"y" * 60])
+    assert received is None
+    assert sent[0]["status"] == 413
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_app_is_not_reached() -> None:
     sent: list[dict[str, Any]] = []
     reached = False
 
@@ -26,42 +80,35 @@ async def call(headers: list[tuple[bytes, bytes]], scope_type: str = "http") -> 
         nonlocal reached
         reached = True
 
-    async def receive() -> dict[str, Any]:
-        raise AssertionError("the guard must not read the body")
+    async def never() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     async def send(message: Any) -> None:
         sent.append(message)
 
-    await limit_body(app, 100)({"type": scope_type, "headers": headers}, receive, send)
-    return sent, reached
-
-
-async def test_a_body_declared_over_the_limit_is_refused_unread() -> None:
-    sent, reached = await call([(b"content-length", b"101")])
+    scope = {"type": "http", "headers": [(b"content-length", b"10")]}
+    await limit_body(app, 100, timeout_s=0.05)(scope, never, send)
     assert not reached
-    assert sent[0]["status"] == 413
-    assert json.loads(sent[1]["body"]) == {"detail": "the request body is over the limit of 100 bytes"}
-
-
-async def test_bodies_within_the_limit_or_without_a_length_pass() -> None:
-    for headers in ([(b"content-length", b"100")], [], [(b"content-length", b"garbage")]):
-        sent, reached = await call(headers)
-        assert reached and sent == [], headers
+    assert sent[0]["status"] == 408
+    assert (b"connection", b"close") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"]) == {"detail": "the request body did not arrive within 0.05 s"}
 
 
 async def test_websockets_pass_untouched() -> None:
-    _, reached = await call([(b"content-length", b"1000")], scope_type="websocket")
-    assert reached
+    _, received = await call([(b"content-length", b"1000")], scope_type="websocket")
+    assert received == []
 
 
 # -- chunked bodies, through a real uvicorn server --------------------------------------------------------
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[str]:
+def serving(app: Any, *, timeout_s: float = 10.0) -> Iterator[str]:
     """``app`` behind the guard on a real uvicorn server in a thread; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(limit_body(app, 100), host="127.0.0.1", port=port, log_level="warning"))
+    guarded = limit_body(app, 100, timeout_s=timeout_s)
+    server = uvicorn.Server(uvicorn.Config(guarded, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -117,3 +164,24 @@ def test_a_chunked_post_to_the_api_is_read_as_its_json(admin: APIClient) -> None
         )
     assert response.status_code == 400, response.text
     assert "source" in response.text and "name" not in response.json(), response.text
+
+
+def test_a_client_that_sends_headers_and_then_too_little_body_gets_a_408_at_the_deadline() -> None:
+    with serving(WsgiToAsgi(django_echo), timeout_s=0.5) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n" + b"x" * 10)
+            started = time.monotonic()
+            answer = _read_until_closed(client)
+            waited = time.monotonic() - started
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer
+    assert json.loads(body) == {"detail": "the request body did not arrive within 0.5 s"}
+    assert 0.4 < waited < 3
+
+
+def _read_until_closed(client: socket.socket) -> bytes:
+    answer = b""
+    while chunk := client.recv(65536):
+        answer += chunk
+    return answer
