@@ -10,7 +10,8 @@ An unreachable control plane (no connection, a timeout, a 5xx) is logged once pe
 URL and why, and retried with backoff; the client never gives up on it. What the control plane refuses
 is not retried: a 409 (a stale state, the instance moved on) is logged at info and dropped, a 400 or
 403 about one report is logged as a warning and dropped. A rejected token (401, or a 403 at
-registration) is fatal: ``rejected`` resolves with a TokenRejected whose message says what to do.
+registration) is fatal: ``rejected`` resolves with a TokenRejected whose message says what to do; so is
+a 409 to a registration or a heartbeat (OtherMachine: another machine has this node's name).
 
 Some answers cast doubt on the agent's workers: the control plane answering again after an outage (it
 may have moved or stopped instances meanwhile), and a report about an instance answered 403 (placed on
@@ -39,7 +40,12 @@ MAX_REASON_CHARS = 4000
 
 
 class TokenRejected(AgentError):
-    """The control plane refused the agent's token (unknown, revoked, or another node's)."""
+    """The control plane refused the agent's token (unknown, revoked, expired, or another node's)."""
+
+
+class OtherMachine(TokenRejected):
+    """The control plane refused the node: another machine registered its name (a 409). Fatal as a rejected
+    token is: only a person can fix it (another ``--name``, or deleting the node)."""
 
 
 class ControlPlaneRefused(AgentError):
@@ -80,6 +86,8 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     memory_available_bytes: int
     agent_version: str
     gpus: list[GpuReport]
+    #: This machine's id (agent/machine_identity.py): the control plane refuses another machine's reports.
+    machine_id: str = ""
 
 
 def node_report(
@@ -89,8 +97,9 @@ def node_report(
     address: str = "",
     labels: Mapping[str, str] | None = None,
     version: str = "",
+    machine_id: str = "",
 ) -> NodeReport:
-    """The API's report of ``inventory`` for node ``name``."""
+    """The API's report of ``inventory`` for node ``name`` on machine ``machine_id``."""
     return NodeReport(
         name=name,
         address=address or inventory.hostname,
@@ -109,6 +118,7 @@ def node_report(
             )
             for gpu in inventory.gpus
         ],
+        machine_id=machine_id,
     )
 
 
@@ -295,10 +305,12 @@ class ControlPlaneClient:
     async def register(self, report: NodeReport) -> None:
         """Register the node, retrying with backoff for as long as the control plane does not answer.
 
-        Raises TokenRejected (401, or 403: the token is another node's, or not an agent's),
-        ConfigError when the URL is not the control plane (404), ControlPlaneRefused for another refusal.
+        Raises TokenRejected (401, or 403: the token is another node's, or not an agent's), OtherMachine
+        (409: another machine has this node's name), ConfigError when the URL is not the control plane (404),
+        ControlPlaneRefused for another refusal.
         """
         backoff = Backoff(self._backoff.first_s, self._backoff.max_s)
+        conflicts = 0
         while True:
             try:
                 response = await self._post("register/", report)
@@ -310,6 +322,12 @@ class ControlPlaneClient:
                 return
             if response.status_code == 403:
                 raise self._reject(response)
+            if response.status_code == 409:
+                conflicts += 1
+                if conflicts == 1:  # maybe this agent's own earlier try, which timed out, racing this one
+                    await asyncio.sleep(backoff.next())
+                    continue
+                raise self._other_machine(response)
             if response.status_code == 404:
                 raise ConfigError(
                     f"{response.request.url} answered 404 Not Found: give the control plane's base URL "
@@ -320,7 +338,7 @@ class ControlPlaneClient:
     async def heartbeat(self, report: NodeReport) -> HeartbeatReply | None:
         """Send the node's inventory; None when the control plane did not answer (it is retried next time).
 
-        Raises NodeNotRegistered (register again), TokenRejected.
+        Raises NodeNotRegistered (register again), TokenRejected, OtherMachine.
         """
         try:
             response = await self._post("heartbeat/", report)
@@ -330,6 +348,8 @@ class ControlPlaneClient:
             raise NodeNotRegistered(f"the control plane at {self.base_url} does not know node {self.node}")
         if response.status_code == 403:
             raise self._reject(response)
+        if response.status_code == 409:
+            raise self._other_machine(response)
         if response.status_code != 200:
             log.warning("the control plane refused a heartbeat: %s", _detail(response))
             return None
@@ -482,6 +502,12 @@ class ControlPlaneClient:
             f"`manage.py createtoken --agent {self.node}` printed, with --token (FLOTILLA_AGENT_TOKEN or "
             "FLOTILLA_AGENT_TOKEN_FILE), and the node name it was made for with --name (FLOTILLA_NODE_NAME)"
         )
+        if not self.rejected.done():
+            self.rejected.set_result(error)
+        return error
+
+    def _other_machine(self, response: httpx.Response) -> OtherMachine:
+        error = OtherMachine(f"the control plane at {self.base_url} refused this agent: {_detail(response)}")
         if not self.rejected.done():
             self.rejected.set_result(error)
         return error

@@ -58,6 +58,7 @@ from agent.control_plane_client import (
 from agent.downloads import DownloadProgress, ModelDownloader
 from agent.errors import DiskFull, DownloadError, HubUnreachable, WorkerError
 from agent.inventory import Inventory
+from agent.machine_identity import local_machine_id
 from agent.ownership import disowned
 from agent.processes import EXIT_CONFIG
 from agent.readiness import RegistrationWatch
@@ -149,6 +150,7 @@ class NodeAgent:
         stop_timeout_s: float = 30.0,
         version: str = "",
         address: str = "",
+        machine_id: str = "",
         reconcile_s: float = 30.0,
         listing_lag_s: float = 5.0,
     ) -> None:
@@ -165,6 +167,7 @@ class NodeAgent:
         self._listing_lag_s = listing_lag_s
         self._version = version
         self._address = address
+        self._machine_id = machine_id
         self.supervisor = Supervisor(
             node=node,
             state_dir=state_dir,
@@ -220,7 +223,9 @@ class NodeAgent:
     async def node_report(self) -> NodeReport:
         """The node's inventory now (simulated GPUs' memory used: what the workers on them declared)."""
         inventory = await asyncio.to_thread(self._inventory.read, self.supervisor.gpu_memory_in_use())
-        return node_report(inventory, name=self.node, address=self._address, version=self._version)
+        return node_report(
+            inventory, name=self.node, address=self._address, version=self._version, machine_id=self._machine_id
+        )
 
     async def _heartbeats(self) -> None:
         while True:
@@ -588,15 +593,19 @@ class AgentSettings:
     version: str = ""
     worker_command: Sequence[str] = DEFAULT_COMMAND
     stop_timeout_s: float = 30.0
+    #: The machine id sent to the control plane; "" for this machine's own (agent/machine_identity.py).
+    machine_id: str = ""
 
 
 async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
     """Run the node's agent until ``stop`` is set; the workers keep running after it returns.
 
-    Raises TokenRejected (the control plane refused the token), ConfigError (a setting it cannot use),
-    ControlPlaneRefused, BackgroundTaskFailed (the task consumer died).
+    Raises TokenRejected (the control plane refused the token), OtherMachine (another machine has the node's
+    name), ConfigError (a setting it cannot use), ControlPlaneRefused, BackgroundTaskFailed (the task consumer
+    died).
     """
     loop = asyncio.get_running_loop()
+    machine = settings.machine_id or await asyncio.to_thread(local_machine_id, settings.state_dir)
     async with AsyncExitStack() as stack:
         inventory = Inventory(settings.simulated_gpus)
         stack.callback(inventory.close)
@@ -624,6 +633,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             worker_env=allowed_environment(os.environ),
             stop_timeout_s=settings.stop_timeout_s,
             version=settings.version,
+            machine_id=machine,
         )
         stack.push_async_callback(agent.close)
         if not await _unless_stopped(agent.start(), stop):

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from agent.control_plane_client import TokenRejected
 from agent.downloads import HubSettings
 from agent.inventory import parse_gpu_spec
+from agent.machine_identity import valid_machine_id
 from agent.node_agent import AgentSettings, run_agent
 from launcher.env_flags import EnvArgumentParser
 from launcher.proctitle import set_title
@@ -67,6 +68,7 @@ under systemd: KillMode=process, so that stopping the agent leaves its workers r
 exit codes (systemd units set RestartPreventExitStatus=2):
   0    stopped by SIGTERM, cleanly (the workers keep running)
   1    failed: restarting may help
+  2    bad flags or variables, a token the control plane rejects, or a node name another machine
        registered: fix them, do not restart
   130  interrupted by Ctrl-C
 """
@@ -103,6 +105,13 @@ def _gpus(text: str) -> list[int]:
         return parse_gpu_spec(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--gpus (FLOTILLA_GPUS): ")) from None
+
+
+def _machine_id(text: str) -> str:
+    try:
+        return valid_machine_id(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(text: str) -> float:
@@ -203,6 +212,13 @@ def build_agent_parser() -> EnvArgumentParser:
         "(also right after it answers again following an outage); workers it no longer places here are "
         "stopped (default 30)",
     )
+    parser.add_flag(
+        "--machine-id",
+        env="FLOTILLA_MACHINE_ID",
+        type=_machine_id,
+        help="the id this machine registers its node with (default: /etc/machine-id, else a random one kept in "
+        "STATE_DIR/machine-id); the control plane refuses another machine's agent under this node's name",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return parser
 
@@ -240,6 +256,7 @@ def agent_settings(parser: EnvArgumentParser, namespace: argparse.Namespace) -> 
         heartbeat_s=namespace.heartbeat_s,
         reconcile_s=namespace.reconcile_s,
         version=_version(),
+        machine_id=namespace.machine_id or "",
     )
 
 

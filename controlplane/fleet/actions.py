@@ -34,6 +34,7 @@ from controlplane.deployments.models import WorkerGroup
 from controlplane.deployments.placement import Unschedulable, place
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.fleet.inventory import fleet_inventory
+from controlplane.fleet.machines import check_machine, claimed_machine
 from controlplane.fleet.models import (
     LIVE_STATES,
     PROCESS_STATES,
@@ -91,6 +92,8 @@ def register_node(actor: Actor, name: str, report: NodeReport) -> Node:
     A re-registering node keeps its ``draining`` flag and its instances: the agent resumes them.
     """
     node = Node.objects.select_for_update().filter(name=name).first()
+    if node is not None:
+        check_machine(node, report.machine_id)  # another machine with this name: OtherMachine (409)
     before = node_snapshot(node) if node else None
     if node is None:
         node = Node(name=name)
@@ -115,9 +118,11 @@ def heartbeat(actor: Actor, name: str, report: NodeReport) -> Node:
     node = Node.objects.select_for_update().filter(name=name).first()
     if node is None:
         raise Missing(f"node {name!r} is not registered; register it first")
+    check_machine(node, report.machine_id)
     gpus = list(node.gpus.order_by("index"))  # read once: compared, snapshotted and updated below
     came_back = node.state != Node.State.ONLINE
-    if came_back or _hardware(node, gpus) != report.hardware():
+    adopts = claimed_machine(node, report.machine_id) != node.machine_id  # registered before machine ids
+    if came_back or adopts or _hardware(node, gpus) != report.hardware():
         before = node_snapshot(node, gpus)
         _apply_report(node, report)
         node.state = Node.State.ONLINE
@@ -656,6 +661,7 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     node.memory_total_bytes = report.memory_total_bytes
     node.memory_available_bytes = report.memory_available_bytes
     node.agent_version = report.agent_version
+    node.machine_id = claimed_machine(node, report.machine_id)
     # The database's time, the clock the reconciler measures silence on. Read, not written as Now(): on
     # SQLite Now() stores text in another format than Django's, and the reconciler's conditional update
     # (mark_node_offline: last_heartbeat_at equal to the value it read) would never match it.

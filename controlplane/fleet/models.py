@@ -46,6 +46,8 @@ class Node(models.Model):
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)
     agent_version = models.CharField(max_length=64, blank=True)
+    # The machine the node's agent runs on (controlplane/fleet/machines.py): blank until one is sent.
+    machine_id = models.CharField(max_length=128, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

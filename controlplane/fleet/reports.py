@@ -24,6 +24,8 @@ class NodeReport:
     memory_available_bytes: int = 0
     agent_version: str = ""
     gpus: tuple[GpuReport, ...] = ()
+    #: The machine the agent runs on (controlplane/fleet/machines.py); "" when the agent does not say.
+    machine_id: str = ""
 
     def hardware(self) -> dict[str, Any]:
         """What changes only when the machine does (the audit log records such changes, not usage)."""

@@ -5,6 +5,7 @@ from rest_framework import serializers
 from controlplane.api.fields import LabelsField
 from controlplane.catalog.models import LanguageModel
 from controlplane.fleet.actions import AGENT_REPORTABLE_CHOICES
+from controlplane.fleet.machines import MACHINE_ID_PATTERN
 from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Instance, Node
 from controlplane.fleet.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
 
@@ -74,6 +75,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "memory_total_bytes",
             "memory_available_bytes",
             "agent_version",
+            "machine_id",
             "gpus",
             "registered_at",
             "updated_at",
@@ -177,6 +179,13 @@ class NodeReportSerializer(serializers.Serializer):
     memory_available_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
     agent_version = serializers.CharField(max_length=64, allow_blank=True, default="")
     gpus = GpuReportSerializer(many=True, default=list, max_length=MAX_GPUS_PER_NODE)
+    machine_id = serializers.RegexField(
+        MACHINE_ID_PATTERN,
+        max_length=128,
+        allow_blank=True,
+        default="",
+        help_text="The machine the agent runs on (/etc/machine-id): another machine's report for this node is a 409.",
+    )
 
     def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         indexes = [gpu["index"] for gpu in gpus]

@@ -27,6 +27,7 @@ from controlplane.fleet.api.serializers import (
     NodeReportSerializer,
     NodeSerializer,
 )
+from controlplane.fleet.machines import audit_other_machine
 from controlplane.fleet.models import Download, Instance, InstanceState, Node
 
 _LOG_REPLY = inline_serializer(
@@ -160,19 +161,27 @@ class AgentViewSet(viewsets.ViewSet):
     def actor(self) -> Actor:
         return Actor.agent(self.node_name)
 
-    @extend_schema(request=NodeRegistrationSerializer, responses=NodeSerializer)
+    @extend_schema(
+        request=NodeRegistrationSerializer,
+        responses={200: NodeSerializer, 409: OpenApiResponse(description="another machine registered this node")},
+    )
     @action(detail=False, methods=["post"])
     def register(self, request: Request) -> Response:
         """Register (or re-register) this agent's node with its inventory."""
         report = self._report(NodeRegistrationSerializer, request)
-        node = actions.register_node(self.actor, self.node_name, report)
+        with audit_other_machine(self.actor):
+            node = actions.register_node(self.actor, self.node_name, report)
         return Response(NodeSerializer(node).data)
 
-    @extend_schema(request=NodeReportSerializer, responses=_HEARTBEAT_REPLY)
+    @extend_schema(
+        request=NodeReportSerializer,
+        responses={200: _HEARTBEAT_REPLY, 409: OpenApiResponse(description="another machine registered this node")},
+    )
     @action(detail=False, methods=["post"])
     def heartbeat(self, request: Request) -> Response:
         """Report the node's current inventory; it keeps the node online."""
-        node = actions.heartbeat(self.actor, self.node_name, self._report(NodeReportSerializer, request))
+        with audit_other_machine(self.actor):
+            node = actions.heartbeat(self.actor, self.node_name, self._report(NodeReportSerializer, request))
         return Response({"name": node.name, "state": node.state, "draining": node.draining})
 
     @extend_schema(responses=AgentInstanceSerializer(many=True))
