@@ -165,6 +165,8 @@ class NodeAgent:
         self._heartbeat_s = heartbeat_s
         self._reconcile_s = reconcile_s
         self._listing_lag_s = listing_lag_s
+        self._recheck_s: float | None = None  # set: compare again after this long, not ``reconcile_s``
+        self._recheck_context = ""  # and why the comparison that asked for it was made
         self._version = version
         self._address = address
         self._machine_id = machine_id
@@ -283,11 +285,15 @@ class NodeAgent:
         """Compare the workers with the control plane's list every ``reconcile_s``, and at once when one of its
         answers casts doubt on them (it answers again after an outage, it refused a report)."""
         while True:
+            # A worker kept only because its start was too recent for the list is looked at again soon.
+            wait_s, self._recheck_s = self._recheck_s or self._reconcile_s, None
             try:
-                async with asyncio.timeout(self._reconcile_s):
+                async with asyncio.timeout(wait_s):
                     context = await self._client.doubt()
             except TimeoutError:
-                context = f"found by the comparison with the control plane every {self._reconcile_s:g} s"
+                periodic = f"found by the comparison with the control plane every {self._reconcile_s:g} s"
+                context = self._recheck_context or periodic
+            self._recheck_context = ""
             try:
                 await self.compare(context)
             except TokenRejected:
@@ -327,6 +333,8 @@ class NodeAgent:
                 workers[instance_id] = entry.attempt
                 if entry.accepted and entry.accepted_at > asked_at - self._listing_lag_s:
                     recent.add(instance_id)
+        if recent - {row.id for row in rows}:
+            self._recheck_s, self._recheck_context = self._listing_lag_s, context
         for verdict in disowned(workers, rows, recent=recent):
             log.warning("%s (%s): stopping its worker", verdict.why, context)
             if not verdict.awaits_stop:

@@ -32,12 +32,14 @@ from typing import Any, Protocol, TypeVar
 
 from celery import Celery  # type: ignore[import-untyped]
 from celery.worker import state as worker_state  # type: ignore[import-untyped]
+from kombu.utils.url import maybe_sanitize_url
 
 from agent.errors import AgentError, TaskNotAllowed, WorkerError
 from agent.task_checks import check_start
 from runtime.engine_names import engines_on_this_node
 from runtime.errors import ConfigError
 from runtime.fleet_tasks import (
+    MAX_LOG_LINES,
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
@@ -57,8 +59,6 @@ T = TypeVar("T")
 HANDOFF_TIMEOUT_S = 30.0
 #: Log tail results are read at once by the control plane; an hour is plenty to keep them.
 RESULT_EXPIRES_S = 3600
-#: A log tail asks for at most this many lines (a result is one Redis value).
-MAX_LOG_LINES = 10_000
 
 
 class TaskHandler(Protocol):
@@ -265,7 +265,7 @@ class TaskConsumer:
         )
         self._thread = threading.Thread(target=self._consume, name=f"celery consumer of {self.queue}", daemon=True)
         self._thread.start()
-        log.info("consuming Celery queue %s on %s", self.queue, _redact(self.broker_url))
+        log.info("consuming Celery queue %s on %s", self.queue, maybe_sanitize_url(self.broker_url))
 
     def _consume(self) -> None:
         # The worker runs each task through Celery's "current app", which is per thread: this one's is ours.
@@ -277,7 +277,9 @@ class TaskConsumer:
 
     def _on_ready(self, consumer: object) -> None:
         del consumer
-        log.info("connected to the broker at %s: taking tasks from queue %s", _redact(self.broker_url), self.queue)
+        log.info(
+            "connected to the broker at %s: taking tasks from queue %s", maybe_sanitize_url(self.broker_url), self.queue
+        )
         self._ready.set()
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -311,13 +313,3 @@ def _instance_id(args: tuple[object, ...], node: str) -> int | None:
     instance_id = spec.get("instance_id") if isinstance(spec, dict) else None
     # bool is an int too; an id is a positive one.
     return instance_id if type(instance_id) is int and instance_id > 0 else None
-
-
-def _redact(url: str) -> str:
-    """``url`` without its password (``redis://:secret@host`` -> ``redis://:***@host``)."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    if not sep or not at or ":" not in credentials:
-        return url
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}"

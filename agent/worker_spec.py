@@ -78,6 +78,7 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
             "--kv-queued-prefill-weight", repr(router.queued_prefill_weight),
             "--router-temperature", repr(router.temperature),
             "--use-kv-events", "true" if router.use_kv_events else "false",
+            "--router-generation", str(router.generation),
         ]  # fmt: skip
     argv += ["--labels", format_labels(worker_labels(spec, node))]
     return argv

@@ -10,10 +10,11 @@ a new pool if the old one empties.
 
 Each pool has its own router (frontend_gateway/routing/), built from the router settings its first
 instance registered (its pipeline's) or else the watcher's ``RouterSettings``, with the pool's card
-block size, started with the pool and closed when the pool
-goes; it hears of every instance that joins or leaves. A registration that cannot be applied (a malformed entry, a
-tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it never stops
-the watch.
+block size, started with the pool and closed when the pool goes; it hears of every instance that joins
+or leaves. An instance that registers a later generation of its pipeline's router settings (the
+control plane rolls a change of them out to the workers) makes the pool change routers, without a
+restart. A registration that cannot be applied (a malformed entry, a tokenizer missing or broken, a NATS
+timeout) is logged with its key and skipped: it never stops the watch.
 """
 
 import asyncio
@@ -63,20 +64,38 @@ def card_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
     return differences
 
 
+def _newer_router(current: ModelEntry, new: ModelEntry) -> bool:
+    """Whether ``new`` registered router settings of a later generation than ``current``'s."""
+    if new.router is None:
+        return False
+    return current.router is None or new.router.generation > current.router.generation
+
+
 def _short(digest: str | None) -> str:
     return "none" if digest is None else f"sha256 {digest[:12]}"
 
 
 class _Pool:
-    """One served model and its instances; ``entry`` is the first instance's, which others must match."""
+    """One served model and its instances; ``entry`` is the first instance's, which others must match.
+
+    ``engine`` is what forwards the model's requests, with ``router``; ``router_entry`` is the entry whose
+    registered router settings the router was built with (the newest generation seen).
+    """
 
     def __init__(
-        self, served: ServedModel, instances: InstanceSet, router: Router, entry: ModelEntry, first_key: str
+        self,
+        served: ServedModel,
+        engine: RemoteTokenEngine | RemoteTextEngine,
+        router: Router,
+        entry: ModelEntry,
+        first_key: str,
     ) -> None:
         self.served = served
-        self.instances = instances
+        self.engine = engine
+        self.instances = engine.instances
         self.router = router
         self.entry = entry
+        self.router_entry = entry
         self.first_key = first_key
 
 
@@ -183,10 +202,38 @@ class ModelWatcher:
             if self.metrics is not None:
                 self.metrics.refused_instance(name, ",".join(differences))
             return
+        elif _newer_router(pool.router_entry, entry):
+            await self._reroute(pool, entry, key)
         instance = InstanceInfo(entry.instance_id, entry.subject)
         pool.instances.add(instance)
         pool.router.instance_added(instance)
         self._pooled[key] = entry
+
+    async def _reroute(self, pool: _Pool, entry: ModelEntry, key: str) -> None:
+        """Route ``pool`` with the newer settings ``entry`` registered (its pipeline's router settings were
+        changed, and its workers are being replaced): a new router, told of every instance, takes over.
+        Requests routed by the old one end normally (a router ignores the ids it did not route)."""
+        router = self._router(entry, key)
+        try:
+            await router.start()
+        except BaseException:
+            await router.close()
+            raise
+        for instance in pool.instances.snapshot():
+            router.instance_added(instance)
+        old = pool.router
+        pool.router = pool.engine.router = router
+        pool.router_entry = entry
+        log.info(
+            "model %r is now routed with generation %d of its router settings (%s routing)",
+            entry.card.name,
+            entry.router.generation if entry.router is not None else 0,
+            self.settings_for(entry).mode.value,
+        )
+        try:
+            await old.close()
+        except Exception:
+            log.exception("closing the previous router of model %r failed", entry.card.name)
 
     async def _forget(self, key: str) -> None:
         """Drop what ``key`` registered; a model whose last instance left is no longer served."""
@@ -233,10 +280,10 @@ class ModelWatcher:
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
-            return _Pool(TokenModel(card, engine), instances, router, entry, key)
+            return _Pool(TokenModel(card, engine), engine, router, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
         served = TextModel(card.name, text_engine, card.context_length or None)
-        return _Pool(served, instances, router, entry, key)
+        return _Pool(served, text_engine, router, entry, key)
 
     def settings_for(self, entry: ModelEntry) -> RouterSettings:
         """How to route ``entry``'s model: the settings its worker registered (its pipeline's), else this

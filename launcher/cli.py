@@ -103,7 +103,18 @@ def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
         queued_prefill_weight=_or(namespace.kv_queued_prefill_weight, DEFAULT_QUEUED_PREFILL_WEIGHT),
         temperature=_or(namespace.router_temperature, 0.0),
         use_kv_events=_or(namespace.use_kv_events, True),
+        generation=_or(namespace.router_generation, 0),
     )
+
+
+def _generation(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: a generation counts from 0")
+    return value
 
 
 def _file_or_json(text: str) -> Path | str:
@@ -319,6 +330,14 @@ def build_run_parser() -> EnvArgumentParser:
         type=parse_boolean,
         help="--router-mode kv: true learns caches from the workers' KV events; false predicts them from "
         "routing decisions, for engines that publish none (default true)",
+    )
+    run.add_flag(
+        "--router-generation",
+        env="FLOTILLA_ROUTER_GENERATION",
+        type=_generation,
+        help="in=dyn:// workers of a pipeline: which change of the pipeline's router settings these are "
+        "(the control plane counts them); gateways route a model with the newest settings its workers "
+        "registered (default 0)",
     )
     run.add_flag(
         "--router-ttl",

@@ -87,6 +87,8 @@ class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
     queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     temperature: float = 0.0
     use_kv_events: bool = True
+    #: Counts the pipeline's changes of these settings: a gateway routes a pool with the newest it has seen.
+    generation: int = 0
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -137,6 +139,11 @@ class StopInstance(msgspec.Struct, frozen=True, kw_only=True):
     #: The node the stop is for ("" from a control plane that does not say: refused).
     node: str = ""
     signatures: dict[str, str] = {}
+
+
+#: The most lines a log tail asks for (a result is one Redis value); the control plane refuses more, the
+#: agent clips to it.
+MAX_LOG_LINES = 10_000
 
 
 class LogTailRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,7 +12,7 @@ from django.db.models import Count, Prefetch, QuerySet
 
 from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import Download, Gpu, Instance, InstanceState, Node
+from controlplane.fleet.models import LIVE_STATES, Download, Gpu, Instance, InstanceState, Node
 
 # Instances that no longer count: the page lists them only on the pipeline's own page.
 _GONE = (InstanceState.STOPPED, InstanceState.STOPPING)
@@ -28,6 +28,8 @@ class PipelineRow:
     ready: int
     states: dict[str, int]  # live instances by state, for the ones not ready yet
     reasons: list[str] = field(default_factory=list)  # why instances are pending or failed
+    outdated: int = 0  # live instances of an older configuration, which a rolling update replaces
+    live: int = 0
 
     @property
     def short(self) -> bool:
@@ -49,7 +51,7 @@ def pipeline_rows(pipelines: Iterable[Pipeline]) -> list[PipelineRow]:
     pipelines = list(pipelines)
     by_pipeline: dict[int, list[Instance]] = {}
     live = Instance.objects.filter(pipeline__in=[p.pk for p in pipelines]).exclude(state__in=_GONE)
-    for instance in live.only("pipeline_id", "state", "reason"):
+    for instance in live.only("pipeline_id", "group_id", "generation", "state", "reason"):
         by_pipeline.setdefault(instance.pipeline_id, []).append(instance)
     rows = []
     for pipeline in pipelines:
@@ -60,7 +62,14 @@ def pipeline_rows(pipelines: Iterable[Pipeline]) -> list[PipelineRow]:
         groups = list(pipeline.groups.all())
         desired = sum(group.replicas for group in groups) if pipeline.state == Pipeline.State.RUNNING else 0
         engines = sorted({group.engine for group in groups})
-        rows.append(PipelineRow(pipeline, engines, desired, ready, dict(sorted(states.items())), reasons))
+        generations = {group.pk: group.generation for group in groups}
+        running = [i for i in instances if i.state in LIVE_STATES]
+        outdated = sum(1 for i in running if i.generation < generations.get(i.group_id, 0))
+        rows.append(
+            PipelineRow(
+                pipeline, engines, desired, ready, dict(sorted(states.items())), reasons, outdated, len(running)
+            )
+        )
     return rows
 
 

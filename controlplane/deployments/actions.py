@@ -28,7 +28,7 @@ from controlplane.deployments.demand import group_demand
 from controlplane.deployments.models import Pipeline, WorkerGroup, validate_served_name
 from controlplane.deployments.placement import Placement, Unschedulable, place
 from controlplane.errors import Conflict, Invalid
-from controlplane.fleet.actions import add_instances, stop_instance
+from controlplane.fleet.actions import add_instances, stop_instance, transition
 from controlplane.fleet.inventory import fleet_inventory
 from controlplane.fleet.models import LIVE_STATES, PROCESS_STATES, Instance, InstanceState, Node
 
@@ -37,6 +37,10 @@ MAX_GPUS_PER_REPLICA = 16
 MAX_ROUTER_WEIGHT = 1000.0
 MAX_ROUTER_TEMPERATURE = 100.0
 # Fields of a pipeline that deploy sets and update may change (name, namespace and model are fixed).
+# The settings a pipeline's workers register with their model (as --router-* flags).
+ROUTER_FIELDS = frozenset(
+    {"router_mode", "kv_overlap_score_weight", "kv_queued_prefill_weight", "router_temperature", "use_kv_events"}
+)
 SETTING_FIELDS = frozenset(
     {
         "router_mode",
@@ -123,7 +127,9 @@ def deploy_pipeline(
 
 @transaction.atomic
 def update_pipeline(actor: Actor, pipeline: Pipeline, **changes: Any) -> Pipeline:
-    """Change router settings, placement policy or pins; running instances stay where they are.
+    """Change router settings, placement policy or pins. Running instances stay where they are, but for a
+    change of router settings, which its workers register: that one rolls out to them, one at a time,
+    each replacement ready before the instance it replaces stops (``roll_out_updates``).
 
     Raises Invalid naming the field.
     """
@@ -132,12 +138,104 @@ def update_pipeline(actor: Actor, pipeline: Pipeline, **changes: Any) -> Pipelin
     if "pinned_gpus" in changes:
         _check_pinned_gpus(changes["pinned_gpus"], pipeline.groups.all())
     before = pipeline_snapshot(pipeline)
+    router_changed = any(getattr(pipeline, name) != value for name, value in changes.items() if name in ROUTER_FIELDS)
     for name, value in changes.items():
         setattr(pipeline, name, value)
+    if router_changed:
+        pipeline.router_generation += 1
+        pipeline.groups.update(generation=F("generation") + 1)
     pipeline.save()
     record(actor, "pipeline.update", pipeline, before=before, after=pipeline_snapshot(pipeline))
-    request_reconcile()  # new pins or policy may let waiting instances be placed
+    request_reconcile()  # new pins or policy may let waiting instances be placed, new settings roll out
     return pipeline
+
+
+@transaction.atomic
+def update_group(
+    actor: Actor,
+    pipeline: Pipeline,
+    role: str | None = None,
+    *,
+    engine_args: dict[str, Any] | None = None,
+    gpus_per_replica: int | None = None,
+) -> WorkerGroup:
+    """Change a worker group's engine args or GPUs per replica. A change bumps the group's generation, and
+    the reconciler replaces its instances one at a time (``roll_out_updates``). Raises Invalid naming the
+    field, Conflict when nothing would change.
+    """
+    pipeline = Pipeline.objects.select_for_update().select_related("model").get(pk=pipeline.pk)
+    group = _group(pipeline, role)
+    changes: dict[str, Any] = {}
+    if engine_args is not None and engine_args != group.engine_args:
+        changes["engine_args"] = engine_args
+    if gpus_per_replica is not None and gpus_per_replica != group.gpus_per_replica:
+        changes["gpus_per_replica"] = gpus_per_replica
+    if not changes:
+        raise Conflict(f"the {group.role} group of pipeline {pipeline.name} has these settings already")
+    spec = GroupSpec(
+        role=group.role,
+        replicas=group.replicas,
+        gpus_per_replica=changes.get("gpus_per_replica", group.gpus_per_replica),
+        engine=group.engine,
+        engine_args=changes.get("engine_args", group.engine_args),
+    )
+    others = [
+        GroupSpec(role=g.role, replicas=g.replicas, gpus_per_replica=g.gpus_per_replica, engine=g.engine)
+        for g in pipeline.groups.exclude(pk=group.pk)
+    ]
+    _check_groups(pipeline.model, [spec, *others], pipeline.pinned_gpus)
+    before = pipeline_snapshot(pipeline)
+    WorkerGroup.objects.filter(pk=group.pk).update(**changes, generation=F("generation") + 1)
+    group.refresh_from_db()
+    record(actor, "pipeline.update_group", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    request_reconcile()
+    return group
+
+
+def roll_out_updates(actor: Actor) -> int:
+    """One step of each rolling update: in every group of a running pipeline with instances of an older
+    generation and no replacement of one on its way, one outdated instance is replaced.
+
+    A ready one gets a replacement and stops once that one is ready (``retire_replaced_instances``); when
+    no node has room for the replacement beside it, it restarts in place instead (its group runs one short
+    meanwhile). One that does not serve yet stops at once, and the replica count brings a new one.
+    Returns how many instances were replaced or restarted.
+    """
+    outdated = Instance.objects.filter(state__in=LIVE_STATES, generation__lt=F("group__generation"))
+    groups = (
+        WorkerGroup.objects.filter(pipeline__state=Pipeline.State.RUNNING, instances__in=outdated)
+        .distinct()
+        .values_list("pk", flat=True)
+    )
+    return sum(_roll_one(actor, group_id) for group_id in list(groups))
+
+
+@transaction.atomic
+def _roll_one(actor: Actor, group_id: int) -> int:
+    group = WorkerGroup.objects.select_for_update().select_related("pipeline").get(pk=group_id)
+    instances = group.instances.select_related("pipeline", "group", "node")
+    in_flight = instances.filter(replaces__isnull=False, state__in=LIVE_STATES - {InstanceState.READY})
+    if in_flight.filter(generation=group.generation).exists():
+        return 0  # one at a time: the replacement under way goes first
+    outdated = list(
+        instances.filter(state__in=LIVE_STATES, generation__lt=group.generation)
+        .exclude(replacements__state__in=LIVE_STATES)
+        .order_by("replica")
+    )
+    if not outdated:
+        return 0
+    instance = min(outdated, key=lambda i: i.state == InstanceState.READY)  # those that do not serve first
+    reason = f"updated to generation {group.generation}"
+    if instance.state != InstanceState.READY:
+        stop_instance(actor, instance, reason)
+        add_instances(actor, group, 1, reason=f"replaces {instance.name} ({reason})", replaces=instance)
+    elif isinstance(place(group_demand(group, 1), fleet_inventory()), Unschedulable):
+        before = snapshot(instance)
+        transition(instance, InstanceState.STOPPING, restart_requested=True, generation=group.generation, reason=reason)
+        record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
+    else:
+        add_instances(actor, group, 1, reason=f"replaces {instance.name} ({reason})", replaces=instance)
+    return 1
 
 
 @transaction.atomic
@@ -223,7 +321,12 @@ def place_pending_instances(
     Placed instances get their node and GPU indexes (still pending: dispatching them is the reconciler's
     job); the rest keep a reason a person can act on. Audited per instance placed, and when an
     instance's reason changes. Returns each group's placement result.
+
+    Two placements at once (two reconciler passes, a drain's check) would each read the same free GPU
+    and both fill it: the node rows are locked first, in one order, so that they run one after the other
+    on PostgreSQL (SQLite's single writer serializes them anyway).
     """
+    list(Node.objects.select_for_update().order_by("pk").values_list("pk", flat=True))
     groups = WorkerGroup.objects.select_related("pipeline__model").filter(
         pipeline__state=Pipeline.State.RUNNING,
         instances__state=InstanceState.PENDING,

@@ -28,9 +28,6 @@ from runtime.fleet_tasks import (
 )
 from runtime.task_signing import sign_payload
 
-#: Lines of a worker's log the API returns at most.
-MAX_LOG_LINES = 10_000
-
 
 class DispatchError(ControlPlaneError):
     """A task did not reach a node's agent, or its answer did not come back (the broker is unreachable)."""

@@ -59,6 +59,9 @@ class Pipeline(models.Model):
     placement_policy = models.CharField(max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
     pinned_nodes = models.JSONField(default=list, blank=True)  # node names; empty: any node
     pinned_gpus = models.JSONField(default=list, blank=True)  # GPU indexes; empty: any GPU
+    # Counts changes of the router settings: workers register it with them, and a gateway takes a pool's
+    # settings from the instance with the highest, so that an update reaches it without a restart.
+    router_generation = models.PositiveIntegerField(default=1)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -75,6 +78,7 @@ class WorkerGroup(models.Model):
     ``aggregated`` workers do prefill and decode; ``prefill``/``decode`` are for disaggregated serving
     (a pipeline has either one aggregated group or one of each). ``gpus_per_replica`` is the tensor-parallel
     size; 0 runs on CPU (mocker, llama.cpp, echo). ``engine_args`` are laid over the model's defaults.
+    ``generation`` counts the changes its workers must restart for (a rolling update replaces the rest).
     """
 
     class Role(models.TextChoices):
@@ -89,6 +93,10 @@ class WorkerGroup(models.Model):
     gpus_per_replica = models.PositiveSmallIntegerField(default=0)
     engine_args = models.JSONField(default=dict, blank=True)
     next_replica = models.PositiveIntegerField(default=0)  # the ordinal the next new instance gets
+    # The group's configuration version: bumped by each change its workers must restart for (engine args,
+    # GPUs, router settings). Each instance records the one it was started with; the reconciler replaces
+    # outdated ones one at a time, the new one ready before the old one stops.
+    generation = models.PositiveIntegerField(default=1)
 
     class Meta:
         ordering: ClassVar = ["pipeline_id", "role"]

@@ -26,8 +26,9 @@ A pass, in order (each step is an action of its own: audited, idempotent, safe b
    (restarts + 1), to be placed wherever they fit now. The backoff grows with the instance's failure
    streak: 0 s after a node loss alone, then 1, 2, 4 … up to ``backoff_max_s``. Past ``max_restarts``
    failures in a row an instance stays failed: "gave up after N restarts: <last reason>".
-3. Groups short of their replica count get new instances (``keep_replica_counts``); pending instances
-   are placed (``place_pending_instances``); those that fit nowhere keep their reason.
+3. Groups short of their replica count get new instances (``keep_replica_counts``); each group with
+   instances of an older configuration has one more of them replaced (``roll_out_updates``); pending
+   instances are placed (``place_pending_instances``); those that fit nowhere keep their reason.
 4. Placed pending instances get a StartInstance on their node's queue, stopping ones a StopInstance, when
    nothing was sent for their current state yet, or it was sent ``resend_after_s`` ago and the agent has
    not reported since (a lost or expired message). Tasks expire after the same time, so an agent that
@@ -55,7 +56,7 @@ from django.db.models import Q
 
 from controlplane.audit.records import Actor
 from controlplane.database import db_now
-from controlplane.deployments.actions import keep_replica_counts, place_pending_instances
+from controlplane.deployments.actions import keep_replica_counts, place_pending_instances, roll_out_updates
 from controlplane.deployments.dispatch import Dispatcher, DispatchError
 from controlplane.deployments.models import Pipeline
 from controlplane.deployments.placement import Placement
@@ -159,6 +160,7 @@ class PassReport:
     overdue: int = 0  # instances failed for a deadline: a start nobody took, a stalled download or start
     replaced: int = 0  # instances added to keep a group at its replica count
     retired: int = 0  # instances stopped because their replacement is ready
+    rolled: int = 0  # outdated instances replaced (or restarted in place) by a rolling update
     restarted: int = 0
     gave_up: int = 0
     placed: int = 0
@@ -174,6 +176,7 @@ class PassReport:
             self.overdue,
             self.replaced,
             self.retired,
+            self.rolled,
             self.restarted,
             self.gave_up,
             self.placed,
@@ -191,6 +194,7 @@ class PassReport:
             "overdue": self.overdue,
             "replicas replaced": self.replaced,
             "retired (replacement ready)": self.retired,
+            "rolled out": self.rolled,
             "workers fenced": self.fenced,
             "restarted": self.restarted,
             "given up": self.gave_up,
@@ -271,6 +275,8 @@ class Reconciler:
         self.restart_failed(report)
         self._renew()
         report.replaced += len(keep_replica_counts(ACTOR))
+        self._renew()
+        report.rolled += roll_out_updates(ACTOR)
         self._renew()
         self.place(report)
         self._renew()

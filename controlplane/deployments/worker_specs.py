@@ -53,6 +53,7 @@ def start_message(instance: Instance) -> StartInstance:
             queued_prefill_weight=pipeline.kv_queued_prefill_weight,
             temperature=pipeline.router_temperature,
             use_kv_events=pipeline.use_kv_events,
+            generation=pipeline.router_generation,
         ),
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)

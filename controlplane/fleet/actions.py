@@ -265,6 +265,7 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
             f"{instance.restarts} now: act on the current attempt (stop a worker of an older one)"
         )
     details = _details(report)
+    _check_worker_is_its_own(instance, node_name, details.get("endpoint_instance_id"))
     target = report.state
     if instance.state == InstanceState.STOPPING and target == InstanceState.FAILED:
         target = InstanceState.STOPPED
@@ -297,7 +298,7 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
     if target == InstanceState.STOPPED and instance.restart_requested:
         target = InstanceState.PENDING
         details.update(reason="", pid=None, endpoint_instance_id=None, download_progress=None)
-        details.update(restart_requested=False, restarts=instance.restarts + 1)
+        details.update(restart_requested=False, restarts=instance.restarts + 1, generation=instance.group.generation)
     if target != InstanceState.DOWNLOADING:
         details["download_progress"] = None
     transition(instance, target, **details)
@@ -564,7 +565,14 @@ def add_instances(
     group.refresh_from_db(fields=["next_replica"])
     first = group.next_replica - count
     instances = [
-        Instance(pipeline_id=group.pipeline_id, group=group, replica=first + offset, reason=reason, replaces=replaces)
+        Instance(
+            pipeline_id=group.pipeline_id,
+            group=group,
+            replica=first + offset,
+            reason=reason,
+            replaces=replaces,
+            generation=group.generation,
+        )
         for offset in range(count)
     ]
     for instance in instances:
@@ -630,6 +638,7 @@ def _fresh_start(instance: Instance) -> dict[str, Any]:
         "download_progress": None,
         "restarts": instance.restarts + 1,
         "reason": "",
+        "generation": instance.group.generation,  # it starts with its group's configuration as it is now
     }
 
 
@@ -641,6 +650,19 @@ def _live_instances_on(node: Node) -> list[Instance]:
     return list(
         Instance.objects.select_related("pipeline", "group").filter(node=node, state__in=LIVE_STATES).order_by("id")
     )
+
+
+def _check_worker_is_its_own(instance: Instance, node_name: str, worker_id: int | None) -> None:
+    """Raise Forbidden when ``worker_id`` is another instance's worker: an agent names only the workers it
+    started (else it could get another node's worker fenced as its own when its node is evicted)."""
+    if worker_id is None or worker_id == instance.endpoint_instance_id:
+        return
+    owner = Instance.objects.filter(endpoint_instance_id=worker_id).exclude(pk=instance.pk).first()
+    if owner is not None:
+        raise Forbidden(
+            f"worker {worker_id:x} is instance {owner.name}'s, not {instance.name}'s: node {node_name} may report "
+            "only the workers it started"
+        )
 
 
 def _details(report: InstanceReport) -> dict[str, Any]:

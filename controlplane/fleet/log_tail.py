@@ -8,11 +8,11 @@ with an error).
 from dataclasses import dataclass
 
 from controlplane import celery_app
-from controlplane.deployments.dispatch import MAX_LOG_LINES, AgentFailed, CeleryDispatcher, Dispatcher, DispatchError
+from controlplane.deployments.dispatch import AgentFailed, CeleryDispatcher, Dispatcher, DispatchError
 from controlplane.errors import Invalid
 from controlplane.fleet.models import Instance, Node
 from runtime.config import env_float
-from runtime.fleet_tasks import LogTailRequest
+from runtime.fleet_tasks import MAX_LOG_LINES, LogTailRequest
 
 DEFAULT_LOG_LINES = 100
 

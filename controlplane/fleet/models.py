@@ -10,9 +10,9 @@ from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 
 from controlplane.errors import InvalidTransition
+from runtime.fleet_tasks import NODE_NAME_PATTERN
 
 # A node's name is also its Celery queue (node.<name>) and a label of its workers in etcd: a DNS label.
-NODE_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 validate_node_name = RegexValidator(
     re.compile(NODE_NAME_PATTERN), "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
 )
@@ -154,6 +154,16 @@ class Instance(models.Model):
         pending … stopping ──► failed (with a reason) ──► pending  (restart)
                                                     └──► stopped  (not wanted any more)
 
+    The same moves as a list (a test holds it to ``TRANSITIONS``)::
+
+        pending     → downloading, failed, ready, starting, stopped, stopping
+        downloading → failed, ready, starting, stopping
+        starting    → failed, ready, stopping
+        ready       → failed, stopping
+        stopping    → failed, pending, stopped
+        failed      → pending, stopped
+        stopped     → (final)
+
     ``pending`` with no node means "not placed yet" (``reason`` says why, when placement failed); the
     reconciler places it and dispatches it to the node's agent, which reports every later state.
     ``stopped`` is final. ``restart_requested`` turns the agent's "stopped" into ``pending`` again.
@@ -185,6 +195,7 @@ class Instance(models.Model):
     gave_up = models.BooleanField(default=False)
     dispatched_at = models.DateTimeField(null=True, blank=True)
     dispatches = models.PositiveIntegerField(default=0)  # tasks sent for the current state, unanswered
+    generation = models.PositiveIntegerField(default=1)  # its group's configuration when it was (re)started
     # The instance this one replaces (a drain, a restart that must not drop the only replica): that one is
     # stopped once this one is ready.
     replaces = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replacements")

@@ -2,6 +2,8 @@
 
 from typing import Any
 
+from django.db.models import Max
+
 from controlplane.accounts import actions as account_actions
 from controlplane.accounts.models import Role, User
 from controlplane.audit.records import Actor
@@ -77,9 +79,12 @@ def deploy(
 
 
 def run_instance(instance: Instance, state: str = InstanceState.READY) -> Instance:
-    """Bring a placed instance to ``state`` as its agent would report it."""
+    """Bring a placed instance to ``state`` as its agent would report it (its worker: 0xabc, then 0xabd …
+    by instance, since no two instances share a worker)."""
     assert instance.node is not None, "place the instance first"
-    report = InstanceReport(state=state, pid=4242, endpoint_instance_id=0xABC)
+    others = Instance.objects.exclude(pk=instance.pk).aggregate(last=Max("endpoint_instance_id"))["last"]
+    worker_id = instance.endpoint_instance_id or (0xABC if others is None else max(others + 1, 0xABC))
+    report = InstanceReport(state=state, pid=4242, endpoint_instance_id=worker_id)
     return fleet_actions.report_instance_state(Actor.agent(instance.node.name), instance.node.name, instance.pk, report)
 
 

@@ -240,6 +240,21 @@ def test_a_report_about_an_older_attempt_is_refused_and_changes_nothing() -> Non
     assert instance.state == S.READY
 
 
+def test_an_agent_may_not_claim_another_instances_worker_as_its_own() -> None:
+    theirs = run_instance(placed_instance())  # its worker is 0xabc
+    make_node("gpu-b", (80,))
+    mine = deploy("mine", gpus_per_replica=0, pinned_nodes=["gpu-b"])
+    place_pending_instances(TEST_ACTOR)
+    instance = mine.instances.select_related("node").get()
+
+    with pytest.raises(Forbidden, match=r"worker abc is instance .*'s, not mine-aggregated-0's: node gpu-b may"):
+        report(instance, S.READY, endpoint_instance_id=0xABC)
+
+    instance.refresh_from_db()
+    assert (instance.state, instance.endpoint_instance_id) == (S.PENDING, None)
+    assert Instance.objects.get(pk=theirs.pk).endpoint_instance_id == 0xABC
+
+
 def test_an_agent_says_stopped_only_of_an_instance_being_stopped() -> None:
     instance = run_instance(placed_instance())
     with pytest.raises(InvalidTransition, match="is ready, not stopping: an agent reports 'stopped' only for"):

@@ -1,5 +1,7 @@
 """The instance state machine: which moves it allows, and that racing moves cannot both apply."""
 
+import re
+
 import pytest
 
 from controlplane.errors import Conflict, InvalidTransition
@@ -50,10 +52,13 @@ def test_every_state_has_an_entry_and_stopped_is_final() -> None:
         check_transition(S.STOPPED, S.PENDING)
 
 
-def test_the_model_docstring_draws_the_machine() -> None:
-    doc = Instance.__doc__ or ""
-    for state in S:
-        assert state.value in doc
+def test_the_model_docstring_lists_exactly_the_allowed_moves() -> None:
+    listed: dict[str, set[str]] = {}
+    for line in (Instance.__doc__ or "").splitlines():
+        if match := re.fullmatch(r"\s+(\w+)\s+→ (.*)", line):
+            state, targets = match.groups()
+            listed[state] = set() if targets == "(final)" else set(targets.split(", "))
+    assert listed == {state.value: {target.value for target in TRANSITIONS[state]} for state in S}
 
 
 @pytest.mark.django_db

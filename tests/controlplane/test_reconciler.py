@@ -555,7 +555,9 @@ def test_a_pass_asked_for_during_a_pass_runs_right_after_it(dispatcher: Recordin
     assert Lease.objects.get(name=LEASE_NAME).holder == ""
 
 
-def test_two_passes_at_once_send_each_task_once(dispatcher: RecordingDispatcher, clock: Clock) -> None:
+def test_a_pass_run_whole_between_another_s_read_and_send_leaves_each_task_sent_once(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
     make_node("gpu-a", (80, 80, 80))
     deploy("chat", replicas=3, gpus_per_replica=1)
     outer = make_reconciler(dispatcher, clock)
@@ -708,6 +710,95 @@ def test_a_group_short_of_its_replicas_gets_them_back(dispatcher: RecordingDispa
         "replaces a lost replica"
     )
     assert make_reconciler(dispatcher, clock, node_timeout_s=HOUR).run_once().replaced == 0  # type: ignore[union-attr]
+
+
+def test_an_update_of_engine_args_replaces_the_instances_one_at_a_time_each_new_one_ready_first(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    make_node("gpu-a", (80, 80))
+    make_node("gpu-b", (80, 80))
+    pipeline = deploy("chat", replicas=2, gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock, node_timeout_s=HOUR)
+    reconciler.run_once()
+    first, second = instances("chat")
+    agent_reports(first, S.READY)
+    agent_reports(second, S.READY)
+    dispatcher.take()
+
+    group = deployment_actions.update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 50})
+    assert group.generation == 2
+    report = reconciler.run_once()
+
+    assert report is not None and report.rolled == 1
+    [new_first] = [i for i in instances("chat") if i.replaces_id == first.pk]
+    assert (new_first.generation, new_first.state) == (2, S.PENDING)
+    [sent] = dispatcher.sent
+    assert isinstance(sent.message, StartInstance) and sent.message.spec.instance_id == new_first.pk
+    assert "--extra-engine-args" in sent.message.spec.engine_args
+    assert '{"speedup_ratio":50}' in sent.message.spec.engine_args
+    dispatcher.take()
+    reconciler.run_once()
+    assert dispatcher.take() == []  # one at a time: the second waits for the first replacement
+    assert [i.state for i in instances("chat") if i.pk in (first.pk, second.pk)] == [S.READY, S.READY]
+
+    agent_reports(new_first, S.READY)
+    report = reconciler.run_once()
+
+    assert report is not None and (report.retired, report.rolled) == (1, 1)
+    first.refresh_from_db()
+    assert first.state == S.STOPPING  # replaced: its replacement serves
+    [new_second] = [i for i in instances("chat") if i.replaces_id == second.pk]
+    agent_reports(new_second, S.READY)
+    reconciler.run_once()
+    live = [(i.generation, i.state) for i in instances("chat") if i.state in (S.READY, S.PENDING)]
+    assert live == [(2, S.READY), (2, S.READY)]
+    assert make_reconciler(dispatcher, clock, node_timeout_s=HOUR).run_once().rolled == 0  # type: ignore[union-attr]
+
+
+def test_an_update_with_no_room_for_a_second_copy_restarts_in_place(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    make_node("gpu-a", (80,))
+    pipeline = deploy("chat", gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock, node_timeout_s=HOUR)
+    reconciler.run_once()
+    [instance] = instances("chat")
+    agent_reports(instance, S.READY)
+    dispatcher.take()
+
+    deployment_actions.update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 5})
+    reconciler.run_once()
+
+    instance.refresh_from_db()
+    assert (instance.state, instance.restart_requested, instance.generation) == (S.STOPPING, True, 2)
+    assert dispatcher.take() == [("node.gpu-a", STOP, instance.pk)]
+    agent_reports(instance, S.STOPPED)
+    reconciler.run_once()
+    [sent] = dispatcher.sent
+    assert isinstance(sent.message, StartInstance) and '{"speedup_ratio":5}' in sent.message.spec.engine_args
+
+
+def test_a_change_of_router_settings_rolls_out_with_a_new_router_generation(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    make_node("gpu-a", (80, 80))
+    pipeline = deploy("chat", gpus_per_replica=1, router_mode="round-robin")
+    reconciler = make_reconciler(dispatcher, clock, node_timeout_s=HOUR)
+    reconciler.run_once()
+    [instance] = instances("chat")
+    agent_reports(instance, S.READY)
+    dispatcher.take()
+
+    deployment_actions.update_pipeline(TEST_ACTOR, pipeline, placement_policy="binpack")  # no restart for that
+    reconciler.run_once()
+    assert dispatcher.take() == []
+    deployment_actions.update_pipeline(TEST_ACTOR, pipeline, router_mode="kv")
+    reconciler.run_once()
+
+    [sent] = dispatcher.sent
+    assert isinstance(sent.message, StartInstance)
+    assert sent.message.spec.router is not None
+    assert (sent.message.spec.router.mode, sent.message.spec.router.generation) == ("kv", 2)
 
 
 def test_eviction_must_not_come_before_offline(monkeypatch: pytest.MonkeyPatch) -> None:

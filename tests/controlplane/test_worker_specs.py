@@ -45,7 +45,12 @@ def test_a_start_message_names_the_worker_its_gpus_router_and_model_files() -> N
     assert (spec.gpu_indexes, spec.gpu_memory_bytes) == (instance.gpu_indexes, 15 * GiB)
     assert spec.engine_args == ["--context-length", "2048", "--extra-engine-args", '{"dp_size":2,"speedup_ratio":100}']
     assert spec.router == PipelineRouter(
-        mode="kv", overlap_score_weight=0.5, queued_prefill_weight=0.25, temperature=0.2, use_kv_events=False
+        mode="kv",
+        overlap_score_weight=0.5,
+        queued_prefill_weight=0.25,
+        temperature=0.2,
+        use_kv_events=False,
+        generation=1,
     )
     assert spec.labels == {"model": "llama"}
     assert message.source == LocalSource(path="/models/llama.gguf")

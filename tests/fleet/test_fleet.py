@@ -5,6 +5,7 @@ in order, each leaving it whole."""
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -101,6 +102,69 @@ def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: 
     [smol] = [p["id"] for p in pipelines if p["name"] == "smol"]
     fleet.scale(smol, 2)
     fleet.wait_ready(smol, 2)
+
+
+def test_a_rolling_update_of_engine_args_under_traffic_fails_no_request(fleet: FleetStack) -> None:
+    [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    before = {i["id"] for i in fleet.wait_ready(smol, 2)}
+    codes: list[int] = []
+    done = threading.Event()
+
+    def traffic() -> None:
+        while not done.is_set():
+            codes.append(fleet.complete("smol").status_code)
+
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    try:
+        body = {"engine_args": {"speedup_ratio": 900}}
+        updated = fleet.operator.post(f"/api/v1/pipelines/{smol}/update-group/", json=body).json()
+        assert updated["groups"][0]["generation"] == 2, updated
+
+        def rolled() -> list[dict[str, object]]:
+            group = fleet.pipeline(smol)["groups"][0]
+            return fleet.wait_ready(smol, 2) if group["outdated"] == 0 else []
+
+        after = wait_for("the update to reach every replica", rolled, explain=fleet.logs)
+    finally:
+        done.set()
+        sender.join()
+    assert {i["id"] for i in after}.isdisjoint(before)  # each one replaced
+    assert codes and set(codes) == {200}, codes
+
+
+def test_a_drain_under_traffic_fails_no_request_and_each_replica_moves_once_its_replacement_is_ready(
+    fleet: FleetStack,
+) -> None:
+    [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    on_a = [i for i in fleet.wait_ready(smol, 2) if i["node"] == "node-a"]
+    node_a = fleet.node("node-a")["id"]
+    codes: list[int] = []
+    done = threading.Event()
+
+    def traffic() -> None:
+        while not done.is_set():
+            codes.append(fleet.complete("smol").status_code)
+
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    try:
+        assert fleet.operator.post(f"/api/v1/nodes/{node_a}/drain/").status_code == 200
+
+        def moved() -> list[dict[str, object]]:
+            ready = fleet.wait_ready(smol, 2)
+            return ready if all(i["node"] == "node-b" for i in ready) else []
+
+        after = wait_for("the drained replicas to be replaced on node-b", moved, explain=fleet.logs)
+    finally:
+        done.set()
+        sender.join()
+        fleet.operator.post(f"/api/v1/nodes/{node_a}/undrain/")
+    assert codes and set(codes) == {200}, codes
+    for old in on_a:
+        stopped = fleet.operator.get(f"/api/v1/instances/{old['id']}/").json()
+        assert stopped["state"] == "stopped" and stopped["reason"].startswith("replaced by "), stopped
+    assert len(after) == 2
 
 
 def _workers(fleet: FleetStack) -> dict[int, tuple[str, str, int, int]]:

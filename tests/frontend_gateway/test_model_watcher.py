@@ -15,10 +15,12 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.model_watcher import ModelWatcher, card_differences
 from frontend_gateway.pipeline import ModelRegistry
 from frontend_gateway.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.routing.basic import RandomRouter, RoundRobinRouter
 from runtime.discovery import MODELS_PREFIX
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry, register_model
 from runtime.engine import RequestContext
+from runtime.fleet_tasks import PipelineRouter
 from runtime.model_card import ModelCard, ModelType
 from runtime.model_loading import load_model_card
 from runtime.object_store import publish_tokenizer
@@ -276,3 +278,36 @@ def test_card_differences_name_every_field_that_would_change_the_answers(smollm2
         "context_length",
         "kv_cache_block_size",
     }
+
+
+def routed_entry(name: str, instance_id: int, mode: str, generation: int) -> bytes:
+    card = ModelCard(name=name, model_type=ModelType.CHAT, context_length=256)
+    router = PipelineRouter(mode=mode, generation=generation)
+    entry = ModelEntry(instance_id=instance_id, subject=f"flotilla.test.{instance_id:x}", card=card, router=router)
+    return msgspec.json.encode(entry)
+
+
+async def test_an_instance_with_newer_router_settings_makes_its_pool_change_routers(
+    runtime: DistributedRuntime, watcher: ModelWatcher, registry: ModelRegistry
+) -> None:
+    """A pipeline's router settings changed: its workers are replaced one by one, the new ones registering
+    the settings' next generation; the gateway takes them up at the first, without a restart."""
+    watch = asyncio.create_task(watcher.run())
+    try:
+        await runtime.discovery.register(key(1), routed_entry("m", 1, "round-robin", generation=1))
+        await until(watcher, lambda: "m" in registry.names())
+        model = registry.get("m")
+        assert model is not None and isinstance(model.engine, RemoteTextEngine)
+        first_router = model.engine.router
+        assert isinstance(first_router, RoundRobinRouter)
+
+        await runtime.discovery.register(key(2), routed_entry("m", 2, "random", generation=2))
+        await until(watcher, lambda: pooled(registry, "m") == {1, 2})
+
+        assert isinstance(model.engine.router, RandomRouter)
+        # An older generation registering late changes nothing back.
+        await runtime.discovery.register(key(3), routed_entry("m", 3, "round-robin", generation=1))
+        await until(watcher, lambda: pooled(registry, "m") == {1, 2, 3})
+        assert isinstance(model.engine.router, RandomRouter)
+    finally:
+        watch.cancel()

@@ -20,7 +20,7 @@ from controlplane.deployments.models import (
     RouterMode,
     WorkerGroup,
 )
-from controlplane.fleet.models import NODE_NAME_PATTERN, InstanceState, Node
+from controlplane.fleet.models import LIVE_STATES, NODE_NAME_PATTERN, InstanceState, Node
 from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_PINS = 64
@@ -84,6 +84,10 @@ class WorkerGroupSerializer(serializers.ModelSerializer):
     component = serializers.CharField(read_only=True)
     endpoint = serializers.CharField(read_only=True)
     instances = serializers.SerializerMethodField(help_text="How many of the group's instances are in each state.")
+    generation = serializers.IntegerField(read_only=True, help_text="Bumped by each update its workers restart for.")
+    outdated = serializers.SerializerMethodField(
+        help_text="Its instances still running an older generation: a rolling update replaces them one by one."
+    )
 
     class Meta:
         model = WorkerGroup
@@ -96,6 +100,8 @@ class WorkerGroupSerializer(serializers.ModelSerializer):
             "component",
             "endpoint",
             "instances",
+            "generation",
+            "outdated",
         ]
         extra_kwargs: ClassVar = {"role": {"default": WorkerGroup.Role.AGGREGATED}}
 
@@ -106,6 +112,26 @@ class WorkerGroupSerializer(serializers.ModelSerializer):
         else:
             counts = {state: group.instances.filter(state=state).count() for state in InstanceState.values}
         return {state: count for state, count in counts.items() if count}
+
+    def get_outdated(self, group: WorkerGroup) -> int:
+        if group.pk is None:
+            return 0
+        return group.instances.filter(state__in=LIVE_STATES, generation__lt=group.generation).count()
+
+
+class GroupUpdateSerializer(serializers.Serializer):
+    """What an update of a worker group may change; its instances are then replaced one at a time."""
+
+    role = serializers.ChoiceField(
+        choices=WorkerGroup.Role.choices, required=False, help_text="Which group; needed when there are several."
+    )
+    engine_args = JsonObjectField(required=False, help_text="The group's engine args (replacing the old ones).")
+    gpus_per_replica = serializers.IntegerField(min_value=0, max_value=MAX_GPUS_PER_REPLICA, required=False)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if "engine_args" not in data and "gpus_per_replica" not in data:
+            raise serializers.ValidationError("Give engine_args, gpus_per_replica or both.")
+        return data
 
 
 class PipelineSerializer(serializers.ModelSerializer):

@@ -1,7 +1,7 @@
 from typing import Any, ClassVar
 
 from django.db.models import Count, Prefetch, Q, QuerySet
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -10,7 +10,12 @@ from rest_framework.response import Response
 from controlplane.api.base import FlotillaViewSet
 from controlplane.deployments import actions
 from controlplane.deployments.api.filters import PipelineFilter
-from controlplane.deployments.api.serializers import PipelineSerializer, PipelineUpdateSerializer, ScaleSerializer
+from controlplane.deployments.api.serializers import (
+    GroupUpdateSerializer,
+    PipelineSerializer,
+    PipelineUpdateSerializer,
+    ScaleSerializer,
+)
 from controlplane.deployments.models import Pipeline, WorkerGroup
 from controlplane.fleet.models import InstanceState
 
@@ -49,7 +54,8 @@ class PipelineViewSet(
 
     @extend_schema(request=PipelineUpdateSerializer, responses=PipelineSerializer)
     def partial_update(self, request: Request, pk: str) -> Response:
-        """Change router settings or placement (policy, pins); running instances stay where they are."""
+        """Change router settings or placement (policy, pins). Placement changes leave running instances
+        where they are; router settings roll out to the workers, one at a time."""
         pipeline = self.get_object()
         serializer = PipelineUpdateSerializer(data=request.data, partial=True, context={"pipeline": pipeline})
         serializer.is_valid(raise_exception=True)
@@ -67,6 +73,24 @@ class PipelineViewSet(
         serializer = ScaleSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         actions.scale_pipeline(self.actor, pipeline, **serializer.validated_data)
+        return Response(self._fresh(pipeline))
+
+    @extend_schema(
+        request=GroupUpdateSerializer,
+        responses={
+            200: PipelineSerializer,
+            400: OpenApiResponse(description="a field the group cannot take"),
+            409: OpenApiResponse(description="the group has these settings already"),
+        },
+    )
+    @action(detail=True, methods=["post"], url_path="update-group")
+    def update_group(self, request: Request, pk: str) -> Response:
+        """Change a worker group's engine args or GPUs per replica: its instances are replaced one at a time,
+        each replacement ready before the instance it replaces stops (``outdated`` counts those left)."""
+        pipeline = self.get_object()
+        serializer = GroupUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        actions.update_group(self.actor, pipeline, **serializer.validated_data)
         return Response(self._fresh(pipeline))
 
     @extend_schema(request=None, responses=PipelineSerializer)

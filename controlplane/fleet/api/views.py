@@ -12,7 +12,6 @@ from controlplane.accounts.models import Role
 from controlplane.api.base import ID_PATTERN, FlotillaViewSet
 from controlplane.api.permissions import AgentPermission
 from controlplane.audit.records import Actor
-from controlplane.deployments.dispatch import MAX_LOG_LINES
 from controlplane.errors import Forbidden
 from controlplane.fleet import actions, log_tail
 from controlplane.fleet.api.filters import DownloadFilter, InstanceFilter, NodeFilter
@@ -29,6 +28,7 @@ from controlplane.fleet.api.serializers import (
 )
 from controlplane.fleet.machines import audit_other_machine
 from controlplane.fleet.models import Download, Instance, InstanceState, Node
+from runtime.fleet_tasks import MAX_LOG_LINES
 
 _LOG_REPLY = inline_serializer(
     "InstanceLog",
