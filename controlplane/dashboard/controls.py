@@ -108,37 +108,31 @@ def node_drain(request: HttpRequest, pk: int) -> HttpResponseBase:
 @role_required(ACT_ROLE)
 @require_POST
 def node_cordon(request: HttpRequest, pk: int) -> HttpResponseBase:
-    node = get_object_or_404(Node, pk=pk)
-    return _act(
-        request,
-        lambda actor: fleet_actions.cordon_node(actor, node),
-        lambda: _node_answer(
-            request, node, f"{node.name} is cordoned: nothing new is placed there; its instances stay."
-        ),
-        lambda note, status: _node_answer(request, node, note, status=status),
+    return _node_intent(
+        request, pk, fleet_actions.cordon_node, "{name} is cordoned: nothing new is placed there; its instances stay."
     )
 
 
 @role_required(ACT_ROLE)
 @require_POST
 def node_uncordon(request: HttpRequest, pk: int) -> HttpResponseBase:
-    node = get_object_or_404(Node, pk=pk)
-    return _act(
-        request,
-        lambda actor: fleet_actions.uncordon_node(actor, node),
-        lambda: _node_answer(request, node, f"New instances may be placed on {node.name} again."),
-        lambda note, status: _node_answer(request, node, note, status=status),
-    )
+    return _node_intent(request, pk, fleet_actions.uncordon_node, "New instances may be placed on {name} again.")
 
 
 @role_required(ACT_ROLE)
 @require_POST
 def node_undrain(request: HttpRequest, pk: int) -> HttpResponseBase:
+    return _node_intent(request, pk, fleet_actions.undrain_node, "New instances may be placed on {name} again.")
+
+
+def _node_intent(request: HttpRequest, pk: int, action: Callable[[Actor, Node], Node], done: str) -> HttpResponseBase:
+    """Run a node action that only sets the operator's intent (cordon, uncordon, undrain); answer with the
+    node's row and ``done`` (``{name}`` is the node's name), or the refusal."""
     node = get_object_or_404(Node, pk=pk)
     return _act(
         request,
-        lambda actor: fleet_actions.undrain_node(actor, node),
-        lambda: _node_answer(request, node, f"New instances may be placed on {node.name} again."),
+        lambda actor: action(actor, node),
+        lambda: _node_answer(request, node, done.format(name=node.name)),
         lambda note, status: _node_answer(request, node, note, status=status),
     )
 

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -104,19 +105,29 @@ def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: 
     fleet.wait_ready(smol, 2)
 
 
-def test_a_rolling_update_of_engine_args_under_traffic_fails_no_request(fleet: FleetStack) -> None:
-    [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
-    before = {i["id"] for i in fleet.wait_ready(smol, 2)}
+@contextlib.contextmanager
+def _traffic(fleet: FleetStack, model: str) -> Iterator[list[int]]:
+    """Completions of ``model`` one after another, from a thread, while the block runs: their status codes."""
     codes: list[int] = []
     done = threading.Event()
 
-    def traffic() -> None:
+    def send() -> None:
         while not done.is_set():
-            codes.append(fleet.complete("smol").status_code)
+            codes.append(fleet.complete(model).status_code)
 
-    sender = threading.Thread(target=traffic)
+    sender = threading.Thread(target=send)
     sender.start()
     try:
+        yield codes
+    finally:
+        done.set()
+        sender.join()
+
+
+def test_a_rolling_update_of_engine_args_under_traffic_fails_no_request(fleet: FleetStack) -> None:
+    [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    before = {i["id"] for i in fleet.wait_ready(smol, 2)}
+    with _traffic(fleet, "smol") as codes:
         body = {"engine_args": {"speedup_ratio": 900}}
         updated = fleet.operator.post(f"/api/v1/pipelines/{smol}/update-group/", json=body).json()
         assert updated["groups"][0]["generation"] == 2, updated
@@ -126,10 +137,8 @@ def test_a_rolling_update_of_engine_args_under_traffic_fails_no_request(fleet: F
             return fleet.wait_ready(smol, 2) if group["outdated"] == 0 else []
 
         after = wait_for("the update to reach every replica", rolled, explain=fleet.logs)
-    finally:
-        done.set()
-        sender.join()
     assert {i["id"] for i in after}.isdisjoint(before)  # each one replaced
+    print(f"rolling update: {codes.count(200)} of {len(codes)} completions answered 200")  # shown with -s
     assert codes and set(codes) == {200}, codes
 
 
@@ -139,27 +148,18 @@ def test_a_drain_under_traffic_fails_no_request_and_each_replica_moves_once_its_
     [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
     on_a = [i for i in fleet.wait_ready(smol, 2) if i["node"] == "node-a"]
     node_a = fleet.node("node-a")["id"]
-    codes: list[int] = []
-    done = threading.Event()
-
-    def traffic() -> None:
-        while not done.is_set():
-            codes.append(fleet.complete("smol").status_code)
-
-    sender = threading.Thread(target=traffic)
-    sender.start()
     try:
-        assert fleet.operator.post(f"/api/v1/nodes/{node_a}/drain/").status_code == 200
+        with _traffic(fleet, "smol") as codes:
+            assert fleet.operator.post(f"/api/v1/nodes/{node_a}/drain/").status_code == 200
 
-        def moved() -> list[dict[str, object]]:
-            ready = fleet.wait_ready(smol, 2)
-            return ready if all(i["node"] == "node-b" for i in ready) else []
+            def moved() -> list[dict[str, object]]:
+                ready = fleet.wait_ready(smol, 2)
+                return ready if all(i["node"] == "node-b" for i in ready) else []
 
-        after = wait_for("the drained replicas to be replaced on node-b", moved, explain=fleet.logs)
+            after = wait_for("the drained replicas to be replaced on node-b", moved, explain=fleet.logs)
     finally:
-        done.set()
-        sender.join()
         fleet.operator.post(f"/api/v1/nodes/{node_a}/undrain/")
+    print(f"drain: {codes.count(200)} of {len(codes)} completions answered 200")  # shown with -s
     assert codes and set(codes) == {200}, codes
     for old in on_a:
         stopped = fleet.operator.get(f"/api/v1/instances/{old['id']}/").json()
@@ -182,6 +182,7 @@ def _serve_through(fleet: FleetStack, seconds: float, model: str = "smol") -> li
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         codes.append(fleet.complete(model).status_code)
+    print(f"{seconds:g} s of traffic: {codes.count(200)} of {len(codes)} completions answered 200")  # with -s
     return codes
 
 
