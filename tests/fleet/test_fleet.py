@@ -176,6 +176,21 @@ def _workers(fleet: FleetStack) -> dict[int, tuple[str, str, int, int]]:
     }
 
 
+def _settled_workers(fleet: FleetStack) -> dict[int, tuple[str, str, int, int]]:
+    """``_workers`` once no instance is on its way anywhere (a replacement placed or starting, a drained or
+    replaced one stopping), so that what a fault changes is not mistaken for what was under way."""
+
+    def in_transit(instance: dict[str, object]) -> bool:
+        placed_pending = instance["state"] == "pending" and instance["node"] is not None
+        return placed_pending or instance["state"] in ("downloading", "starting", "stopping")
+
+    def settled() -> bool:
+        return not any(in_transit(i) for i in fleet.instances())
+
+    wait_for("the fleet to settle", settled, explain=fleet.logs)
+    return _workers(fleet)
+
+
 def _serve_through(fleet: FleetStack, seconds: float, model: str = "smol") -> list[int]:
     """Completions one after another for ``seconds``: their status codes."""
     codes = []
@@ -192,7 +207,7 @@ def _silent_longer_than_eviction() -> float:
 
 def test_a_control_plane_api_outage_restarts_no_worker_and_drops_no_request(fleet: FleetStack) -> None:
     """The API down (a slow migration on upgrade) while the reconciler runs on: every node falls silent."""
-    before = _workers(fleet)
+    before = _settled_workers(fleet)
     fleet.control_plane.stop()
     try:
         codes = _serve_through(fleet, _silent_longer_than_eviction())
@@ -207,7 +222,7 @@ def test_a_control_plane_api_outage_restarts_no_worker_and_drops_no_request(flee
 
 
 def test_a_redis_outage_restarts_no_worker_and_the_reconciler_resumes_after_it(fleet: FleetStack) -> None:
-    before = _workers(fleet)
+    before = _settled_workers(fleet)
     fleet.redis.stop()
     try:
         codes = _serve_through(fleet, 6)
@@ -227,7 +242,7 @@ def test_an_agent_cut_off_from_the_control_plane_loses_no_replica(fleet: FleetSt
     worker still renews its etcd lease, so it is not dead and nothing is moved."""
     [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
     assert any(i["node"] == "node-b" for i in fleet.wait_ready(smol, 2))
-    before = _workers(fleet)
+    before = _settled_workers(fleet)
     agent = fleet.agents["node-b"].process
     agent.send_signal(signal.SIGSTOP)
     try:
