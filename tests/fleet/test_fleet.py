@@ -181,8 +181,9 @@ def _settled_workers(fleet: FleetStack) -> dict[int, tuple[str, str, int, int]]:
     replaced one stopping), so that what a fault changes is not mistaken for what was under way."""
 
     def in_transit(instance: dict[str, object]) -> bool:
-        placed_pending = instance["state"] == "pending" and instance["node"] is not None
-        return placed_pending or instance["state"] in ("downloading", "starting", "stopping")
+        # A pending replacement, placed or not yet: the instance it replaces stops once it is ready.
+        pending = instance["state"] == "pending" and (instance["node"] is not None or instance["replaces"])
+        return pending or instance["state"] in ("downloading", "starting", "stopping")
 
     def settled() -> bool:
         return not any(in_transit(i) for i in fleet.instances())
