@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from frontend_gateway import responses
+from frontend_gateway import preprocessor, responses
 from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.errors import (
     EngineFailed,
@@ -233,6 +233,7 @@ class GatewayApp:
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
+        preprocessor.check_chat(request)
         model = self._find_model(request.model)
         await self._admit(receive)
         try:
@@ -243,6 +244,7 @@ class GatewayApp:
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
+        preprocessor.check_stream_options(request)
         model = self._find_model(request.model)
         await self._admit(receive)
         try:

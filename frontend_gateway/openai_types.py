@@ -43,8 +43,13 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+# The roles OpenAI's API accepts ("function" is the deprecated predecessor of "tool"); anything else
+# is a 400, as there, rather than text a chat template renders in some unforeseen way.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(msgspec.Struct):
-    role: Annotated[str, Meta(min_length=1)]
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -81,11 +86,41 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
 
 
+class FunctionDefinition(msgspec.Struct, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    """One entry of ``tools``; only functions exist in the Chat Completions API."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class NamedToolChoice(msgspec.Struct):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Meta(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # The deprecated forms of tools and tool_choice: accepted only to be refused with a pointer to
+    # the current ones (preprocessor.check_chat), since ignoring them would answer without tools.
+    functions: list[Any] | None = None
+    function_call: Any | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

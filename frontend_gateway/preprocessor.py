@@ -5,18 +5,90 @@ ContextLengthExceeded with the offending parameter named, before any response ha
 """
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from frontend_gateway.errors import ContextLengthExceeded, InvalidRequest
 from frontend_gateway.openai_types import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    NamedToolChoice,
     SamplingFields,
 )
 from runtime.errors import TemplateError
 from runtime.model_card import ModelCard
 from runtime.protocol import SamplingOptions, StopConditions
+
+
+class _FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class _ToolCall(msgspec.Struct):
+    """What an assistant message's ``tool_calls`` entry must hold (checked, then passed on as given)."""
+
+    id: str
+    type: Literal["function"]
+    function: _FunctionCall
+
+
+# Roles whose messages must have content: only an assistant's may be empty (when it calls tools).
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool", "function"})
+
+
+def check_chat(request: ChatCompletionRequest) -> None:
+    """Refuse a chat request whose parts contradict each other, as OpenAI's API does, before any work.
+
+    msgspec checked each field on its own; this checks what depends on several: each message has
+    what its role needs, a tool message names its call, a forced function is among ``tools``.
+    Raises InvalidRequest naming the parameter.
+    """
+    check_stream_options(request)
+    if request.functions is not None or request.function_call is not None:
+        param = "functions" if request.functions is not None else "function_call"
+        raise InvalidRequest(
+            f"{param} is the deprecated form of tools and tool_choice, and is not supported; use tools and tool_choice",
+            param=param,
+        )
+    for index, message in enumerate(request.messages):
+        if message.content is None and message.role in _CONTENT_REQUIRED:
+            raise InvalidRequest(
+                f"a message with role {message.role!r} needs content", param=f"messages[{index}].content"
+            )
+        if message.role == "assistant" and message.content is None and not message.tool_calls:
+            raise InvalidRequest("an assistant message needs content or tool_calls", param=f"messages[{index}].content")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequest(
+                "a message with role 'tool' needs the tool_call_id it answers", param=f"messages[{index}].tool_call_id"
+            )
+        if message.tool_calls is not None:
+            if message.role != "assistant":
+                raise InvalidRequest(
+                    "only assistant messages may have tool_calls", param=f"messages[{index}].tool_calls"
+                )
+            try:
+                msgspec.convert(message.tool_calls, list[_ToolCall])
+            except msgspec.ValidationError as exc:
+                raise InvalidRequest(f"invalid tool call: {exc}", param=f"messages[{index}].tool_calls") from exc
+    choice = request.tool_choice
+    if choice is not None and request.tools is None:
+        raise InvalidRequest("tool_choice is only allowed when tools are given", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        names = [tool.function.name for tool in request.tools or ()]
+        if choice.function.name not in names:
+            raise InvalidRequest(
+                f"tool_choice names the function {choice.function.name!r}, which is not among tools",
+                param="tool_choice",
+            )
+
+
+def check_stream_options(request: SamplingFields) -> None:
+    """stream_options without streaming is a mistake OpenAI refuses (the usage it asks for never comes)."""
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -103,8 +175,9 @@ async def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> li
             "or pass --model-config with a tokenizer_config.json that has one",
             param="messages",
         )
+    tools = msgspec.to_builtins(request.tools) if request.tools is not None else None
     try:
-        text = template.render(message_dicts(request.messages), add_generation_prompt=True, tools=request.tools)
+        text = template.render(message_dicts(request.messages), add_generation_prompt=True, tools=tools)
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already placed BOS and special tokens; HF encodes it without adding more.
@@ -178,7 +251,7 @@ def refuse_unsupported(request: SamplingFields) -> None:
         )
     if isinstance(request, ChatCompletionRequest):
         choice = request.tool_choice
-        if choice == "required" or isinstance(choice, dict):
+        if choice == "required" or isinstance(choice, NamedToolChoice):
             raise InvalidRequest(
                 'forcing a tool call (tool_choice "required" or a named function) is not supported yet; '
                 'use "auto" or "none"',

@@ -148,7 +148,7 @@ class DistributedRuntime:
     async def drain(self, grace: float) -> None:
         """Refuse new requests and deregister at once, give those in flight up to ``grace`` s, cut the rest.
 
-        A cut request's ingress migrates it to another instance at once (runtime/request_plane.py).
+        A cut request's ingress migrates it to another instance at once (runtime/request_plane/).
         """
         for server in self._servers:
             await server.stop_taking_requests()

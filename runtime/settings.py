@@ -16,7 +16,7 @@ from runtime.errors import ConfigError
 DEFAULT_NATS_SERVER = "nats://127.0.0.1:4222"
 DEFAULT_ETCD_ENDPOINT = "http://127.0.0.1:2379"
 DEFAULT_LEASE_TTL = 10.0
-# NATS's own default max_payload; runtime/request_plane.py uses the same default for library callers.
+# NATS's own default max_payload; runtime/request_plane/wire.py uses the same default for library callers.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 _NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 

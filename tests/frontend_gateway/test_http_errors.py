@@ -9,6 +9,8 @@ from tests.servers import Server
 
 CHAT = "/v1/chat/completions"
 GOOD_CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TOOL_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 def post(server: Server, path: str, body: bytes | dict[str, Any], **headers: str) -> httpx.Response:
@@ -22,12 +24,12 @@ def post(server: Server, path: str, body: bytes | dict[str, Any], **headers: str
     )
 
 
-def assert_error(response: httpx.Response, status: int, *, param: str | None = None, contains: str = "") -> None:
+def assert_error(response: httpx.Response, status: int, *, param: str | None = None, contains: str | None = "") -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
-    assert contains.lower() in error["message"].lower()
+    assert (contains or "").lower() in error["message"].lower()
     if param is not None:
         assert error["param"] == param
 
@@ -43,6 +45,38 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
         ({"model": "echo", "messages": []}, "messages", "length >= 1"),
         ({"model": "echo", "messages": "hi"}, "messages", "Expected `array`"),
         ({"model": "echo", "messages": [{"content": "hi"}]}, "messages[0]", "role"),
+        ({"model": "echo", "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "wizard"),
+        ({"model": "echo", "messages": [{"role": "", "content": "hi"}]}, "messages[0].role", "Invalid enum"),
+        ({"model": "echo", "messages": [{"role": "user"}]}, "messages[0].content", "needs content"),
+        ({"model": "echo", "messages": [{"role": "assistant"}]}, "messages[0].content", "content or tool_calls"),
+        (
+            {"model": "echo", "messages": [{"role": "tool", "content": "42"}]},
+            "messages[0].tool_call_id",
+            "tool_call_id",
+        ),
+        (
+            {"model": "echo", "messages": [{"role": "user", "content": "hi", "tool_calls": [TOOL_CALL]}]},
+            "messages[0].tool_calls",
+            "only assistant",
+        ),
+        (
+            {"model": "echo", "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
+            "messages[0].tool_calls",
+            "function",
+        ),
+        ({**GOOD_CHAT, "tools": []}, "tools", "length >= 1"),
+        ({**GOOD_CHAT, "tools": [{"type": "retrieval"}]}, "tools[0].type", "Invalid enum"),
+        ({**GOOD_CHAT, "tools": [{"type": "function", "function": {}}]}, "tools[0].function", "`name`"),
+        ({**GOOD_CHAT, "tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
+        ({**GOOD_CHAT, "tool_choice": "sometimes"}, "tool_choice", None),
+        (
+            {**GOOD_CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice",
+            "not among tools",
+        ),
+        ({**GOOD_CHAT, "functions": [{"name": "f"}]}, "functions", "deprecated"),
+        ({**GOOD_CHAT, "function_call": "auto"}, "function_call", "deprecated"),
+        ({**GOOD_CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
         ({**GOOD_CHAT, "max_tokens": "ten"}, "max_tokens", "Expected `int | null`, got `str`"),
         ({**GOOD_CHAT, "max_tokens": 0}, "max_tokens", ">= 1"),
         ({**GOOD_CHAT, "temperature": 5}, "temperature", "<= 2.0"),
@@ -61,7 +95,7 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
     ],
 )
 def test_malformed_chat_requests_are_400_with_the_field_named(
-    echo_full_server: Server, body: bytes | dict[str, Any], param: str | None, contains: str
+    echo_full_server: Server, body: bytes | dict[str, Any], param: str | None, contains: str | None
 ) -> None:
     response = post(echo_full_server, CHAT, body)
     assert_error(response, 400, param=param, contains=contains)
@@ -178,8 +212,12 @@ def test_tool_calls_holding_an_integer_beyond_64_bits_are_400(echo_full_server: 
     ("path", "fields", "param"),
     [
         (CHAT, {"logit_bias": {"50256": -100}}, "logit_bias"),
-        (CHAT, {"tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (CHAT, {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        (
+            CHAT,
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "tool_choice",
+        ),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"logprobs": 0}, "logprobs"),
         ("/v1/completions", {"echo": True}, "echo"),
@@ -195,7 +233,7 @@ def test_fields_that_would_not_be_honoured_are_refused(
 
 
 def test_their_harmless_values_are_accepted(echo_full_server: Server) -> None:
-    harmless = {"logit_bias": {}, "tool_choice": "auto", "logprobs": False}
+    harmless = {"logit_bias": {}, "logprobs": False, "stream_options": None}
     assert post(echo_full_server, CHAT, {**GOOD_CHAT, **harmless}).status_code == 200
     completion = {"model": "echo", "prompt": "hi", "echo": False, "best_of": 1, "suffix": ""}
     assert post(echo_full_server, "/v1/completions", completion).status_code == 200

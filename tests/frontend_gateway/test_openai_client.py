@@ -100,3 +100,10 @@ def test_unknown_model_is_a_not_found_error(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     assert "nope" in str(caught.value)
     assert caught.value.code == "model_not_found"
+
+
+def test_a_message_with_an_unknown_role_is_a_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="echo", messages=[{"role": "wizard", "content": "hi"}])  # type: ignore[misc,list-item]
+    assert "wizard" in str(caught.value)
+    assert caught.value.param == "messages[0].role"

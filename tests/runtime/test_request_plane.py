@@ -25,8 +25,9 @@ from runtime.request_plane import (
     RequestTooLarge,
     StreamBroken,
     WorkerUnavailable,
-    _take_following,
 )
+from runtime.request_plane.flow import take_following
+from runtime.request_plane.liveness import Inbox
 from tests.infra import NatsServer
 
 SUBJECT = "flotilla.test.backend.generate.1"
@@ -280,13 +281,13 @@ async def test_joining_frames_stops_at_a_heartbeat_a_gap_a_silence_or_after_the_
 
     payloads = [msgspec.Raw(encode(1))]
     queue = queue_of(data(2), data(3), Frame(END, 4, [msgspec.Raw(encode(4))]), data(5))
-    assert _take_following(queue, payloads, 2) == (5, END)
+    assert take_following(queue, payloads, 2) == (5, END)
     assert [msgspec.msgpack.decode(payload) for payload in payloads] == [1, 2, 3, 4]
     assert queue.qsize() == 1  # nothing after the end is taken
     for stop in (Frame(HEARTBEAT, 2), data(3), None, Frame(ERROR, 2, error="failed"), Frame(CUT, 2)):
         payloads = [msgspec.Raw(encode(1))]
         queue = queue_of(stop)
-        assert _take_following(queue, payloads, 2) == (2, DATA)
+        assert take_following(queue, payloads, 2) == (2, DATA)
         assert len(payloads) == 1 and queue.qsize() == 1
 
 
@@ -374,14 +375,12 @@ async def test_a_client_behind_on_its_own_reading_does_not_call_a_worker_silent(
     # An overloaded ingress reads NATS late: frames and heartbeats wait unread in its own queue or in
     # the server's buffers. Its silence watchdog must wait until it has caught up (a PING round trip),
     # or it fails streams whose workers are alive.
-    from runtime.request_plane import _Inbox
-
     behind = True
 
     async def caught_up() -> bool:
         return not behind
 
-    inbox = _Inbox(0.05, caught_up)
+    inbox = Inbox(0.05, caught_up)
     try:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(inbox.queue.get(), 0.4)

@@ -1,0 +1,23 @@
+"""What the request plane raises: one hierarchy under RequestPlaneError."""
+
+from runtime.errors import FlotillaError
+
+
+class RequestPlaneError(FlotillaError):
+    """A request could not be delivered or its stream broke."""
+
+
+class WorkerUnavailable(RequestPlaneError):
+    """No instance listens on the subject, or it is shutting down; nothing was generated."""
+
+
+class StreamBroken(RequestPlaneError):
+    """The stream stopped mid-way: the worker died, went silent, was shut down, or frames were lost."""
+
+
+class RemoteError(RequestPlaneError):
+    """The worker reported an error for this request."""
+
+
+class RequestTooLarge(RemoteError):
+    """The request is over the worker's (or NATS's) size limit; nothing was generated."""

@@ -1,0 +1,329 @@
+"""The worker's side of the request plane: requests in, their streams of frames out, with flow control."""
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from runtime.engine import RequestContext
+from runtime.errors import FlotillaError
+from runtime.loop_bound import Wakeup
+from runtime.nats_connection import flush
+from runtime.request_plane.wire import (
+    CUT,
+    DATA,
+    DEFAULT_MAX_REQUEST_BYTES,
+    END,
+    ERROR,
+    HEARTBEAT,
+    TOO_LARGE,
+    UNAVAILABLE,
+    UNLIMITED,
+    Acks,
+    Envelope,
+    Frame,
+    Handler,
+    Probe,
+    control_decoder,
+    control_subject,
+    encode,
+    envelope_decoder,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    """Server-side state of one request being answered."""
+
+    __slots__ = (
+        "acked",
+        "closed",
+        "context",
+        "failure",
+        "finished",
+        "last_sent",
+        "pending",
+        "queued",
+        "reply_to",
+        "request_id",
+        "seq",
+        "task",
+        "window",
+    )
+
+    def __init__(self, request_id: str, reply_to: str, window: int) -> None:
+        self.request_id = request_id
+        self.context = RequestContext(request_id)
+        self.reply_to = reply_to
+        self.window = window
+        self.seq = 0  # the last frame sent
+        self.acked = 0  # the last DATA frame the client took
+        self.last_sent = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
+        self.pending: list[msgspec.Raw] = []  # outputs not sent yet
+        self.finished = False  # the handler is done: the last frame (END or ERROR) is due
+        self.failure: Exception | None = None  # why the handler failed, if it did
+        self.queued = False  # waiting in the server's send queue
+        self.closed = False  # the last frame went (or the request was stopped): nothing more is sent
+
+    @property
+    def window_full(self) -> bool:
+        return self.seq - self.acked >= self.window
+
+
+class EndpointServer:
+    """Serves one instance subject with ``handler``; ``drain()`` then ``close()`` shut it down.
+
+    Each request runs its handler in a task of its own, which leaves what it yields in the request's
+    stream; one sender task publishes the frames of every stream that has something to send. When an
+    engine step hands new tokens to many requests at once, their frames then leave in one pass of the
+    sender, rather than each request waking a writer of its own (one task switch less per token). A
+    handler's last output and its end are seen together, so the last payloads travel in the END frame.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        subject: str,
+        handler: Handler,
+        *,
+        heartbeat_interval: float = 1.0,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        self._nc = nc
+        self.subject = subject
+        self._handler = handler
+        self._heartbeat_interval = heartbeat_interval
+        self._max_request_bytes = max_request_bytes
+        self._streams: dict[str, _Stream] = {}
+        self._requests: Subscription | None = None
+        self._control: Subscription | None = None
+        self._heartbeats: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
+        # Streams with a frame to send, in the order they got it; the sender waits on the wake-up.
+        self._due: list[_Stream] = []
+        self._due_wake: Wakeup | None = None
+        self._draining = False
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._streams)
+
+    async def start(self) -> None:
+        self._due_wake = Wakeup()
+        self._sender = asyncio.create_task(self._send_forever(), name=f"sender {self.subject}")
+        self._requests = await self._nc.subscribe(self.subject, cb=self._on_request)
+        self._control = await self._nc.subscribe(control_subject(self.subject), cb=self._on_control)
+        # Make sure the server has the subscriptions before anyone is told this instance exists.
+        await flush(self._nc)
+        self._heartbeats = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeats {self.subject}")
+
+    async def stop_taking_requests(self) -> None:
+        """Refuse new requests from now on; streams in flight, stops, acks and probes go on."""
+        self._draining = True
+        if self._requests is not None:
+            # From now on NATS answers "no responders", and clients try another instance at once.
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await self._requests.unsubscribe()
+                await flush(self._nc)
+            self._requests = None
+
+    async def drain(self, grace: float) -> int:
+        """Stop taking requests, give those in flight up to ``grace`` s to finish, then cut the rest.
+
+        A cut stream gets a CUT frame, on which its client gives up on this worker at once (and
+        migrates the request). Returns the number of streams cut.
+        """
+        await self.stop_taking_requests()
+        running = [stream.task for stream in self._streams.values() if stream.task is not None]
+        if running:
+            log.info("draining %s: %d request(s) in flight, up to %g s", self.subject, len(running), grace)
+            await asyncio.wait(running, timeout=grace)
+            await self._send_due()  # the last frames of those that finished
+        cut = list(self._streams.values())
+        if not cut:
+            return 0
+        await self._stop_streams()
+        for stream in cut:
+            frame = Frame(CUT, stream.seq + 1, error=f"the worker {self.subject} shut down")
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(stream.reply_to, encode(frame))
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await flush(self._nc)
+        log.warning("cut %d request(s) still running on %s after the %g s drain", len(cut), self.subject, grace)
+        return len(cut)
+
+    async def close(self) -> None:
+        """Stop taking requests and stop the ones running (call ``drain`` first to let them finish)."""
+        await self.stop_taking_requests()
+        if self._control is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._control.unsubscribe()
+            self._control = None
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+        await self._stop_streams()
+        if self._sender is not None:
+            self._sender.cancel()
+            await asyncio.gather(self._sender, return_exceptions=True)
+            self._sender = None
+
+    async def _stop_streams(self) -> None:
+        streams = list(self._streams.values())
+        for stream in streams:
+            self._stop(stream)
+        await asyncio.gather(*(stream.task for stream in streams if stream.task is not None), return_exceptions=True)
+
+    def _forget(self, stream: _Stream) -> None:
+        """Send nothing more on ``stream``: its last frame went, or it was stopped."""
+        stream.closed = True
+        self._streams.pop(stream.request_id, None)
+
+    def _stop(self, stream: _Stream) -> None:
+        """Stop ``stream``'s engine work and its task, and send nothing more on it."""
+        self._forget(stream)
+        stream.context.stop()
+        if stream.task is not None:
+            stream.task.cancel()
+
+    async def _on_request(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("dropped a request without a reply subject on %s", self.subject)
+            return
+        if self._draining:
+            # Delivered just before the unsubscribe took effect: send the client elsewhere.
+            await self._refuse(msg.reply, f"{self.subject} is shutting down", UNAVAILABLE)
+            return
+        if len(msg.data) > self._max_request_bytes:
+            size, limit = len(msg.data), self._max_request_bytes
+            log.warning("rejected a %d-byte request on %s (limit %d)", size, self.subject, limit)
+            await self._refuse(msg.reply, f"request of {size} bytes is over the limit of {limit}", TOO_LARGE)
+            return
+        try:
+            envelope = envelope_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("rejected a malformed request on %s: %s", self.subject, exc)
+            await self._refuse(msg.reply, f"malformed request envelope: {exc}")
+            return
+        if envelope.request_id in self._streams:
+            await self._refuse(msg.reply, f"request id {envelope.request_id!r} is already running here")
+            return
+        stream = _Stream(envelope.request_id, msg.reply, envelope.window or UNLIMITED)
+        self._streams[envelope.request_id] = stream
+        stream.task = asyncio.create_task(self._produce(envelope, stream), name=f"request {envelope.request_id}")
+
+    async def _refuse(self, reply_to: str, reason: str, code: str = "") -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(reply_to, encode(Frame(ERROR, 1, error=reason, code=code)))
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            control = control_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("ignored a malformed control message on %s: %s", self.subject, exc)
+            return
+        if isinstance(control, Acks):
+            streams = self._streams
+            for request_id, seq in control.acks:
+                stream = streams.get(request_id)
+                if stream is not None and seq > stream.acked:
+                    stream.acked = seq
+                    if stream.pending and not stream.queued and not stream.window_full:
+                        self._queue(stream)  # the window reopened on outputs that waited
+        elif isinstance(control, Probe):
+            if msg.reply:
+                unknown = [request_id for request_id in control.request_ids if request_id not in self._streams]
+                with contextlib.suppress(nats.errors.Error):
+                    await self._nc.publish(msg.reply, encode(unknown))
+        else:
+            stream = self._streams.get(control.request_id)
+            if stream is not None:
+                log.debug("request %s stopped by its client", control.request_id)
+                self._stop(stream)
+
+    async def _produce(self, envelope: Envelope, stream: _Stream) -> None:
+        """Run the handler, leaving what it yields in ``stream`` for the sender.
+
+        Outputs wait there while the stream's window is full, and leave later as one frame.
+        """
+        try:
+            async for payload in self._handler(envelope.payload, stream.context):
+                stream.pending.append(msgspec.Raw(payload))
+                if not stream.queued and not stream.window_full:
+                    self._queue(stream)
+        except asyncio.CancelledError:
+            self._forget(stream)  # stopped by the client, or by drain() / close()
+            return
+        except Exception as exc:
+            stream.failure = exc
+        stream.finished = True
+        if not stream.queued:
+            self._queue(stream)
+
+    def _queue(self, stream: _Stream) -> None:
+        stream.queued = True
+        self._due.append(stream)
+        if self._due_wake is not None:
+            self._due_wake.set()
+
+    async def _send_forever(self) -> None:
+        """Publish the frames of the streams that have some, as they come. Never fails: a stream whose
+        frame cannot be published is stopped, and a bug is logged and the sending goes on."""
+        wake = self._due_wake
+        assert wake is not None
+        while True:
+            await wake.wait()
+            wake.clear()
+            try:
+                await self._send_due()
+            except Exception:
+                log.exception("the sender of %s failed on a batch of frames; it goes on", self.subject)
+
+    async def _send_due(self) -> None:
+        """One frame for each stream due: a DATA frame of its pending outputs (window allowing), or,
+        once its handler is done, the last frame, window or not (one message, and it ends the stream)."""
+        due, self._due = self._due, []
+        publish = self._nc.publish
+        for stream in due:
+            stream.queued = False
+            if stream.closed:
+                continue
+            batch = stream.pending
+            try:
+                if stream.finished:
+                    self._forget(stream)
+                    stream.seq += 1
+                    if (exc := stream.failure) is not None:
+                        log.warning(
+                            "request %s failed: %s", stream.request_id, exc, exc_info=not isinstance(exc, FlotillaError)
+                        )
+                        await publish(stream.reply_to, encode(Frame(ERROR, stream.seq, batch, str(exc))))
+                    else:
+                        await publish(stream.reply_to, encode(Frame(END, stream.seq, batch)))
+                elif batch and not stream.window_full:
+                    stream.pending = []
+                    stream.seq += 1
+                    stream.last_sent = time.monotonic()
+                    await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
+            except nats.errors.Error as exc:
+                log.warning("request %s: cannot publish its answer: %s", stream.request_id, exc)
+                self._stop(stream)
+
+    async def _heartbeat_loop(self) -> None:
+        """Publish a heartbeat on every stream that has been quiet for an interval (a full window too)."""
+        interval = self._heartbeat_interval
+        while True:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                if now - stream.last_sent >= interval:
+                    stream.last_sent = now
+                    with contextlib.suppress(nats.errors.Error):
+                        await self._nc.publish(stream.reply_to, encode(Frame(HEARTBEAT, stream.seq)))
