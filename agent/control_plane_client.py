@@ -70,6 +70,7 @@ class NodeNotRegistered(AgentError):
 class GpuReport(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     name: str
+    uuid: str
     memory_total_bytes: int
     memory_used_bytes: int
     utilization_percent: int
@@ -112,6 +113,7 @@ def node_report(
             GpuReport(
                 index=gpu.index,
                 name=gpu.name,
+                uuid=gpu.uuid,
                 memory_total_bytes=gpu.memory_total_bytes,
                 memory_used_bytes=gpu.memory_used_bytes,
                 utilization_percent=gpu.utilization_percent,

@@ -57,6 +57,7 @@ from agent.control_plane_client import (
 )
 from agent.downloads import DownloadProgress, ModelDownloader
 from agent.errors import DiskFull, DownloadError, HubUnreachable, WorkerError
+from agent.gpu_check import GpuMismatch, check_gpus, named_by_uuid
 from agent.inventory import Inventory
 from agent.machine_identity import local_machine_id
 from agent.ownership import disowned
@@ -444,6 +445,15 @@ class NodeAgent:
                 self._report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
             spec = msgspec.structs.replace(spec, model_path=str(path))
+        if spec.gpu_indexes:
+            inventory = await asyncio.to_thread(self._inventory.read, self.supervisor.gpu_memory_in_use())
+            try:
+                check_gpus(spec, inventory.gpus)
+            except GpuMismatch as exc:
+                log.warning("instance %d: not started: %s", instance_id, exc)
+                self._report(instance_id, InstanceReport(state="failed", reason=f"cannot start the worker: {exc}"))
+                return
+            spec = named_by_uuid(spec, inventory.gpus)
         try:
             self.supervisor.start(spec)
         except (ConfigError, WorkerError) as exc:

@@ -91,14 +91,16 @@ def allowed_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 def worker_env(spec: WorkerSpec, base: Mapping[str, str]) -> dict[str, str]:
     """The worker's environment: ``base`` (``allowed_environment`` of the agent's) less ``NEVER_TO_WORKERS``,
-    and its GPUs in ``CUDA_VISIBLE_DEVICES``.
+    and its GPUs in ``CUDA_VISIBLE_DEVICES`` (by UUID when the spec has them, else by index).
 
     A worker with no GPUs gets an empty ``CUDA_VISIBLE_DEVICES``, so that it cannot take one it was not given.
     """
     env = {name: value for name, value in base.items() if name not in NEVER_TO_WORKERS}
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.gpu_indexes)
-    # The indexes are NVML's (the inventory's), which count in PCI bus order; CUDA's own order puts the
-    # fastest GPU first, so without this a worker could get a GPU the control plane reserved for another.
+    # By UUID when the agent checked them (agent/gpu_check.py): no renumbering of the GPUs changes those.
+    names = spec.gpu_uuids or [str(index) for index in spec.gpu_indexes]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(names)
+    # Indexes are NVML's (the inventory's), which count in PCI bus order; CUDA's own order puts the fastest
+    # GPU first, so without this a worker named by index could get a GPU reserved for another.
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     # Its log lines reach the file as they are written, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"

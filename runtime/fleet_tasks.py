@@ -41,6 +41,8 @@ T = TypeVar("T")
 
 #: A node's name is its queue's suffix and a label of its workers: a DNS label.
 NODE_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+#: NVML's GPU and MIG UUIDs ("GPU-8f1c…", "MIG-GPU-8f1c…/1/0") and the agent's simulated ones.
+GPU_UUID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,95}$"
 _NODE_NAME = re.compile(NODE_NAME_PATTERN)
 
 
@@ -105,6 +107,10 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     endpoint: str = "generate"
     engine_args: list[str] = []
     gpu_indexes: list[int] = []
+    #: The UUIDs the control plane last heard for ``gpu_indexes``, in the same order; [] when it has none.
+    #: The agent refuses the start when its GPUs at those indexes have other UUIDs (a GPU was swapped or the
+    #: indexes moved), and names the GPUs to CUDA by UUID.
+    gpu_uuids: list[str] = []
     #: Memory the worker declares on each of its GPUs: what a simulated GPU reports as used.
     gpu_memory_bytes: int = 0
     labels: dict[str, str] = {}

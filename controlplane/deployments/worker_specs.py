@@ -1,4 +1,4 @@
-"""What an agent is told to run: an instance as ``runtime.fleet_tasks`` messages (no I/O here).
+"""What an agent is told to run: an instance as ``runtime.fleet_tasks`` messages (one query: its GPUs' UUIDs).
 
 ``start_message(instance)`` builds the StartInstance of a placed instance: the pipeline's namespace and
 served name, the group's role, engine and GPUs, the engine args (the model's defaults with the group's
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from controlplane.catalog.models import LanguageModel
-from controlplane.fleet.models import Instance
+from controlplane.fleet.models import Gpu, Instance
 from runtime.addressing import DEFAULT_ENDPOINT
 from runtime.engine_names import ENGINES_WITHOUT_FILES, SETTINGS_FILE_ENGINES
 from runtime.fleet_tasks import (
@@ -45,6 +45,7 @@ def start_message(instance: Instance) -> StartInstance:
         endpoint=DEFAULT_ENDPOINT,
         engine_args=engine_argv(group.engine, {**model.default_engine_args, **group.engine_args}),
         gpu_indexes=[int(index) for index in instance.gpu_indexes],
+        gpu_uuids=gpu_uuids(instance),
         gpu_memory_bytes=gpu_memory_bytes(model.memory_bytes, group.gpus_per_replica),
         labels={"model": model.name},
         router=PipelineRouter(
@@ -58,6 +59,14 @@ def start_message(instance: Instance) -> StartInstance:
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)
     return StartInstance(spec=spec, source=source, attempt=instance.restarts, node=instance.node.name)
+
+
+def gpu_uuids(instance: Instance) -> list[str]:
+    """The UUIDs of the instance's GPUs in the order of its indexes; [] unless its node reported all of them."""
+    indexes = [int(index) for index in instance.gpu_indexes]
+    known = dict(Gpu.objects.filter(node_id=instance.node_id, index__in=indexes).values_list("index", "uuid"))
+    uuids = [known.get(index, "") for index in indexes]
+    return uuids if all(uuids) else []
 
 
 def stop_message(instance: Instance, *, grace_s: float) -> StopInstance:

@@ -80,7 +80,8 @@ def node_snapshot(node: Node, gpus: Sequence[Gpu] | None = None) -> JSON:
     values = snapshot(node, exclude=("updated_at", "last_heartbeat_at", "memory_available_bytes"))
     rows = node.gpus.order_by("index") if gpus is None else gpus
     values["gpus"] = [
-        {"index": gpu.index, "name": gpu.name, "memory_total_bytes": gpu.memory_total_bytes} for gpu in rows
+        {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total_bytes}
+        for gpu in rows
     ]
     return values
 
@@ -695,7 +696,7 @@ def _hardware(node: Node, gpus: Sequence[Gpu]) -> dict[str, Any]:
     return {
         "cpu_count": node.cpu_count,
         "memory_total_bytes": node.memory_total_bytes,
-        "gpus": [[gpu.index, gpu.name, gpu.memory_total_bytes] for gpu in gpus],
+        "gpus": [[gpu.index, gpu.name, gpu.uuid, gpu.memory_total_bytes] for gpu in gpus],
     }
 
 
@@ -715,7 +716,9 @@ def _sync_gpus(node: Node, reports: Sequence[GpuReport]) -> None:
                 setattr(gpu, name, value)
             changed.append(gpu)
     if changed:
-        Gpu.objects.bulk_update(changed, ["name", "memory_total_bytes", "memory_used_bytes", "utilization_percent"])
+        Gpu.objects.bulk_update(
+            changed, ["name", "uuid", "memory_total_bytes", "memory_used_bytes", "utilization_percent"]
+        )
     vanished = set(existing) - set(reported)
     if vanished:
         node.gpus.filter(index__in=vanished).delete()
@@ -725,6 +728,7 @@ def _gpu_fields(report: GpuReport) -> dict[str, Any]:
     return {
         "index": report.index,
         "name": report.name,
+        "uuid": report.uuid,
         "memory_total_bytes": report.memory_total_bytes,
         "memory_used_bytes": report.memory_used_bytes,
         "utilization_percent": report.utilization_percent,

@@ -68,6 +68,8 @@ class Gpu(models.Model):
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
     index = models.PositiveSmallIntegerField()
     name = models.CharField(max_length=128, blank=True)
+    #: NVML's UUID, which names the GPU to CUDA whatever the device order; "" when the agent did not say.
+    uuid = models.CharField(max_length=96, blank=True, default="")
     memory_total_bytes = models.BigIntegerField()
     memory_used_bytes = models.BigIntegerField(default=0)
     utilization_percent = models.PositiveSmallIntegerField(default=0)

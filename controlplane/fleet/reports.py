@@ -11,6 +11,8 @@ class GpuReport:
     memory_total_bytes: int
     memory_used_bytes: int = 0
     utilization_percent: int = 0
+    #: NVML's UUID ("GPU-…", "MIG-…"): what a worker's CUDA_VISIBLE_DEVICES names; "" from agents that do not say.
+    uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +34,9 @@ class NodeReport:
         return {
             "cpu_count": self.cpu_count,
             "memory_total_bytes": self.memory_total_bytes,
-            "gpus": [[gpu.index, gpu.name, gpu.memory_total_bytes] for gpu in sorted(self.gpus, key=_by_index)],
+            "gpus": [
+                [gpu.index, gpu.name, gpu.uuid, gpu.memory_total_bytes] for gpu in sorted(self.gpus, key=_by_index)
+            ],
         }
 
 

@@ -302,3 +302,32 @@ async def test_a_restarted_agent_adopts_its_workers_and_reconciles_them_with_the
     finally:
         await new.supervisor.stop_all()
         await new.close()
+
+
+async def test_a_start_on_gpus_whose_uuids_are_not_the_reserved_ones_is_refused_and_nothing_runs(
+    tmp_path: Path, child: Path, readiness: SocketReadiness
+) -> None:
+    control_plane = StandInControlPlane()
+    agent = make_agent(tmp_path, child, readiness, control_plane)
+    await agent.start()
+    try:
+        here = [gpu.uuid for gpu in (await agent.node_report()).gpus]
+        await agent.accept_start(start(6, gpu_indexes=[1], gpu_uuids=["GPU-8f1c0000-swapped-away"]))
+        failed = await control_plane.next_state(6, "failed")
+        assert f"GPU 1 is {here[1]} on this node, but the control plane reserved GPU-8f1c0000" in failed.reason
+        assert not failed.permanent  # the next heartbeat tells the control plane, which places it again
+        await agent.accept_start(start(7, gpu_indexes=[5]))
+        failed = await control_plane.next_state(7, "failed")
+        assert "GPU 5 is not on this node (it has 2)" in failed.reason
+        assert agent.supervisor.instances() == []
+        assert not (tmp_path / "logs" / "instance-6.log").exists()
+
+        # The GPUs it was placed on, named as the node's heartbeat named them: it runs (simulated GPUs are
+        # named to CUDA by index, since their UUIDs mean nothing to it).
+        await agent.accept_start(start(8, gpu_indexes=[1], gpu_uuids=[here[1]]))
+        await control_plane.next_state(8, "starting")
+        await control_plane.next_state(8, "ready")
+        assert "CUDA_VISIBLE_DEVICES=1\n" in (tmp_path / "logs" / "instance-8.log").read_text()
+    finally:
+        await agent.supervisor.stop_all()
+        await agent.close()

@@ -45,10 +45,17 @@ def make_model(name: str = "smol", **fields: Any) -> LanguageModel:
     return catalog_actions.create_model(TEST_ACTOR, name=name, **values)
 
 
-def node_report(gpus_gib: tuple[float, ...] = (), *, memory_gib: float = 64, used_gib: float = 0) -> NodeReport:
+def node_report(
+    gpus_gib: tuple[float, ...] = (), *, memory_gib: float = 64, used_gib: float = 0, uuids: tuple[str, ...] = ()
+) -> NodeReport:
+    """A node's report with GPUs of ``gpus_gib``; ``uuids``: theirs, in index order (none: the agent says none)."""
     gpus = tuple(
         GpuReport(
-            index=index, name="Simulated GPU", memory_total_bytes=int(size * GiB), memory_used_bytes=int(used_gib * GiB)
+            index=index,
+            name="Simulated GPU",
+            uuid=uuids[index] if uuids else "",
+            memory_total_bytes=int(size * GiB),
+            memory_used_bytes=int(used_gib * GiB),
         )
         for index, size in enumerate(gpus_gib)
     )

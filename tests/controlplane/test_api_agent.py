@@ -21,8 +21,14 @@ INVENTORY: dict[str, Any] = {
     "memory_available_bytes": 200 << 30,
     "agent_version": "0.1.0",
     "gpus": [
-        {"index": 0, "name": "NVIDIA H100", "memory_total_bytes": 80 << 30, "memory_used_bytes": 1 << 30},
-        {"index": 1, "name": "NVIDIA H100", "memory_total_bytes": 80 << 30},
+        {
+            "index": 0,
+            "name": "NVIDIA H100",
+            "uuid": "GPU-5d2b7f3e-0c4a-11ee-be56-0242ac120002",
+            "memory_total_bytes": 80 << 30,
+            "memory_used_bytes": 1 << 30,
+        },
+        {"index": 1, "name": "NVIDIA H100", "uuid": "MIG-GPU-8f1c/1/0", "memory_total_bytes": 80 << 30},
     ],
 }
 
@@ -40,6 +46,7 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
     response = agent.post("/api/v1/agent/heartbeat/", busy, format="json")
     assert response.json() == {"name": "gpu-a", "state": "online", "draining": False}
     assert Node.objects.get().gpus.get(index=1).utilization_percent == 90
+    assert Node.objects.get().gpus.get(index=1).uuid == "MIG-GPU-8f1c/1/0"
 
     make_model("smol", default_engine_args={"speedup_ratio": 10, "dp_size": 1}, memory_bytes=8 << 30)
     deployed = operator.post(

@@ -270,6 +270,8 @@ GOOD_INVENTORY = {"cpu_count": 8, "gpus": [{"index": 0, "name": "H100", "memory_
         ({"gpus": [{"index": 0, "memory_total_bytes": 1, "utilization_percent": 101}]}, "gpus"),
         ({"gpus": [{"index": 500, "memory_total_bytes": 1}]}, "gpus"),
         ({"gpus": [{"index": 0, "memory_total_bytes": 1}] * 65}, "gpus"),
+        ({"gpus": [{"index": 0, "memory_total_bytes": 1, "uuid": "GPU-1,GPU-2"}]}, "gpus"),
+        ({"gpus": [{"index": 0, "memory_total_bytes": 1, "uuid": "G" * 97}]}, "gpus"),
     ],
 )
 def test_bad_registrations_name_the_field(change: dict[str, Any], field: str) -> None:

@@ -63,6 +63,15 @@ def test_a_heartbeat_with_changed_hardware_is_audited() -> None:
     assert (len(entry.before["gpus"]), len(entry.after["gpus"])) == (1, 2)
 
 
+def test_a_gpu_swapped_for_another_at_its_index_is_stored_and_audited() -> None:
+    agent = Actor.agent("gpu-a")
+    actions.register_node(agent, "gpu-a", node_report((80, 80), uuids=("GPU-aaaa", "GPU-bbbb")))
+    node = actions.heartbeat(agent, "gpu-a", node_report((80, 80), uuids=("GPU-aaaa", "GPU-cccc")))
+    assert list(node.gpus.values_list("uuid", flat=True)) == ["GPU-aaaa", "GPU-cccc"]
+    entry = AuditEntry.objects.get(action="node.heartbeat")
+    assert (entry.before["gpus"][1]["uuid"], entry.after["gpus"][1]["uuid"]) == ("GPU-bbbb", "GPU-cccc")
+
+
 def test_a_heartbeat_brings_an_offline_node_back_online_and_is_audited() -> None:
     node = make_node("gpu-a", (80,))
     Node.objects.filter(pk=node.pk).update(state=Node.State.OFFLINE)

@@ -77,6 +77,24 @@ def test_the_start_message_describes_the_worker(dispatcher: RecordingDispatcher,
     assert sent.expires_s == ReconcilerSettings().resend_after_s
 
 
+def test_the_start_message_names_the_reserved_gpus_by_the_uuids_their_node_reported(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    fleet_actions.register_node(
+        Actor.agent("gpu-a"), "gpu-a", node_report((80, 80, 80), uuids=("GPU-aaaa", "GPU-bbbb", "GPU-cccc"))
+    )
+    make_node("gpu-b", (80, 80))  # an agent that says no UUIDs: its GPUs are named by index only
+    deploy("chat", gpus_per_replica=2, replicas=2)
+    make_reconciler(dispatcher, clock).run_once()
+
+    starts = [sent.message for sent in dispatcher.sent if isinstance(sent.message, StartInstance)]
+    specs = {start.node: start.spec for start in starts}
+    by_uuid = dict(zip(["GPU-aaaa", "GPU-bbbb", "GPU-cccc"], range(3), strict=True))
+    assert [by_uuid[uuid] for uuid in specs["gpu-a"].gpu_uuids] == specs["gpu-a"].gpu_indexes
+    assert len(specs["gpu-a"].gpu_indexes) == 2
+    assert (len(specs["gpu-b"].gpu_indexes), specs["gpu-b"].gpu_uuids) == (2, [])
+
+
 def test_an_unanswered_start_is_sent_again_after_the_resend_timeout(
     dispatcher: RecordingDispatcher, clock: Clock
 ) -> None:

@@ -8,6 +8,7 @@ from controlplane.fleet.actions import AGENT_REPORTABLE_CHOICES
 from controlplane.fleet.machines import MACHINE_ID_PATTERN
 from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Instance, Node
 from controlplane.fleet.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
+from runtime.fleet_tasks import GPU_UUID_PATTERN
 
 MAX_BYTES = 2**53
 MAX_GPUS_PER_NODE = 64
@@ -17,7 +18,7 @@ MAX_INSTANCE_ID = 2**63 - 1
 # What people read.
 
 
-GPU_FIELDS = ("index", "name", "memory_total_bytes", "memory_used_bytes", "utilization_percent")
+GPU_FIELDS = ("index", "name", "uuid", "memory_total_bytes", "memory_used_bytes", "utilization_percent")
 
 
 class GpuSerializer(serializers.ModelSerializer):
@@ -163,6 +164,7 @@ class DownloadSerializer(serializers.ModelSerializer):
 class GpuReportSerializer(serializers.Serializer):
     index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS_PER_NODE - 1)
     name = serializers.CharField(max_length=128, allow_blank=True, default="")
+    uuid = serializers.RegexField(GPU_UUID_PATTERN, max_length=96, allow_blank=True, default="")
     memory_total_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES)
     memory_used_bytes = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
     utilization_percent = serializers.IntegerField(min_value=0, max_value=100, default=0)
