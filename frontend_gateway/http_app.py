@@ -96,7 +96,10 @@ class GatewayApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            route = self._routes.get(scope["path"].rstrip("/") or "/")
+            path = scope["path"].rstrip("/") or "/"
+            route = self._routes.get(path)
+            if route is None and path.startswith(_MODEL_PREFIX):
+                route = ("GET", self._retrieve_model)
             if route is None:
                 raise NotFound(f"no route for {scope['path']}; see /v1/models, /v1/chat/completions, /v1/completions")
             method, handler = route
@@ -151,12 +154,13 @@ class GatewayApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        data = [
-            {"id": model.name, "object": "model", "created": model.created, "owned_by": "flotilla"}
-            | ({"max_model_len": model.context_length} if model.context_length else {})
-            for model in self.models.all()
-        ]
+        data = [_model_object(model) for model in self.models.all()]
         await self._send_json(send, msgspec.json.encode({"object": "list", "data": data}))
+
+    async def _retrieve_model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/models/{id}`` (the client's ``models.retrieve``); the id may hold slashes (``org/name``)."""
+        model = self._find_model(scope["path"].rstrip("/")[len(_MODEL_PREFIX) :])
+        await self._send_json(send, msgspec.json.encode(_model_object(model)))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         names = self.models.names()
@@ -441,6 +445,17 @@ async def _wait_for_disconnect(receive: Receive) -> bool:
     except asyncio.CancelledError:
         return False
     return True
+
+
+_MODEL_PREFIX = "/v1/models/"
+
+
+def _model_object(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's ``max_model_len`` where the context is known."""
+    body: dict[str, Any] = {"id": model.name, "object": "model", "created": model.created, "owned_by": "flotilla"}
+    if model.context_length:
+        body["max_model_len"] = model.context_length
+    return body
 
 
 def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:

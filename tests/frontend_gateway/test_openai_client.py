@@ -1,8 +1,12 @@
 """The official openai client works unchanged against `flotilla run in=http`."""
 
+import httpx
 import openai
 import pytest
 
+from engines.echo import EchoFullEngine
+from frontend_gateway.http_app import GatewayApp
+from frontend_gateway.pipeline import ModelRegistry, TextModel
 from tests.servers import Server
 
 
@@ -107,3 +111,28 @@ def test_a_message_with_an_unknown_role_is_a_bad_request(client: openai.OpenAI) 
         client.chat.completions.create(model="echo", messages=[{"role": "wizard", "content": "hi"}])  # type: ignore[misc,list-item]
     assert "wizard" in str(caught.value)
     assert caught.value.param == "messages[0].role"
+
+
+def test_models_retrieve_describes_a_served_model(client: openai.OpenAI) -> None:
+    model = client.models.retrieve("echo")
+    assert (model.id, model.object, model.owned_by) == ("echo", "model", "flotilla")
+    assert model.created > 0
+
+
+def test_models_retrieve_of_an_unknown_id_is_not_found_in_openais_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-9")
+    assert caught.value.code == "model_not_found"
+    assert caught.value.param == "model"
+    assert "gpt-9" in str(caught.value)
+
+
+async def test_models_retrieve_takes_an_id_with_a_slash() -> None:
+    registry = ModelRegistry()
+    registry.add(TextModel("org/name", EchoFullEngine(0.0)))
+    transport = httpx.ASGITransport(app=GatewayApp(registry))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=0)
+        assert (await client.models.retrieve("org/name")).id == "org/name"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("org/other")
