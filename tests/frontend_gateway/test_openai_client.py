@@ -1,6 +1,6 @@
 """The official openai client works unchanged against `flotilla run in=http`."""
 
-import httpx
+import httpx2
 import openai
 import pytest
 
@@ -130,8 +130,8 @@ def test_models_retrieve_of_an_unknown_id_is_not_found_in_openais_shape(client: 
 async def test_models_retrieve_takes_an_id_with_a_slash() -> None:
     registry = ModelRegistry()
     registry.add(TextModel("org/name", EchoFullEngine(0.0)))
-    transport = httpx.ASGITransport(app=GatewayApp(registry))
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+    transport = httpx2.ASGITransport(app=GatewayApp(registry))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
         client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=0)
         assert (await client.models.retrieve("org/name")).id == "org/name"
         with pytest.raises(openai.NotFoundError):
