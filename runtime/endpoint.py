@@ -32,7 +32,7 @@ from runtime.model_card import ModelCard, ModelType
 from runtime.object_store import publish_tokenizer
 from runtime.request_plane import EndpointServer, Handler
 from runtime.settings import drain_grace_seconds as drain_grace_seconds  # re-exported for workers
-from runtime.settings import max_request_bytes
+from runtime.settings import max_request_bytes, stream_ack_deadline_seconds
 
 if TYPE_CHECKING:
     from runtime.distributed import DistributedRuntime
@@ -155,6 +155,7 @@ class Endpoint:
             handler,
             heartbeat_interval=runtime.heartbeat_interval,
             max_request_bytes=max_request_bytes(),
+            ack_deadline=stream_ack_deadline_seconds(),
         )
         await server.start()
         self._server = server

@@ -89,6 +89,12 @@ def stream_silence_seconds() -> float:
     return env_float("FLOTILLA_STREAM_SILENCE_S", 5.0, minimum=0.1)
 
 
+def stream_ack_deadline_seconds() -> float:
+    """``$FLOTILLA_STREAM_ACK_DEADLINE_S``: how long a worker keeps generating for a stream whose window is
+    full while its client says nothing, no ack and no probe (default 5, at least 0.1); then it stops it."""
+    return env_float("FLOTILLA_STREAM_ACK_DEADLINE_S", 5.0, minimum=0.1)
+
+
 def max_request_bytes() -> int:
     """``$FLOTILLA_MAX_REQUEST_BYTES``: the largest request a worker accepts (default 1 MiB, at least 1 KiB)."""
     return env_int("FLOTILLA_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024)
@@ -106,5 +112,6 @@ def check_settings() -> None:
     lease_ttl()
     stream_heartbeat_seconds()
     stream_silence_seconds()
+    stream_ack_deadline_seconds()
     max_request_bytes()
     drain_grace_seconds()

@@ -19,6 +19,10 @@ Protocol (all messages msgpack):
   reader slows its writers instead of being cut off by nats-server as a slow consumer. The client
   acknowledges frames as its consumer takes them, every ``window // 4`` frames, and sends the acks of
   all its streams to one instance as one ``Acks`` message per short tick.
+* Abandoned streams: a worker stops a stream whose window stays full with no ack and no probe naming
+  it for ``ack_deadline`` (``FLOTILLA_STREAM_ACK_DEADLINE_S``, 5 s), and aborts its engine request:
+  its client was killed or cut off, or its ``Stop`` was lost. A client names its open streams in the
+  probes it sends every ``probe_interval``, so a live client that reads slowly keeps them.
 * Death detection: while streams to an instance are open, the client probes that instance's control
   subject (a ``Probe`` request) every ``probe_interval``. NATS answers "no responders" at once when the
   worker's connection is gone (a killed process's socket closes), and the client then cuts every

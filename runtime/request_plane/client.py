@@ -24,7 +24,6 @@ from runtime.request_plane.wire import (
     END,
     HEARTBEAT,
     NO_RESPONDERS,
-    PROBE,
     TOO_LARGE,
     UNAVAILABLE,
     Envelope,
@@ -271,8 +270,11 @@ class RequestClient:
                     self._spawn(self._probe(subject))
 
     async def _probe(self, subject: str) -> None:
+        # The probe names the open streams: the worker keeps those of a slow reader past its ack
+        # deadline, and stops any this client no longer reads (a Stop lost on the way).
+        probe = encode(Probe(list(self._open.get(subject, {}).values())))
         try:
-            await self._nc.request(control_subject(subject), PROBE, timeout=self._probe_timeout)
+            await self._nc.request(control_subject(subject), probe, timeout=self._probe_timeout)
         except nats.errors.NoRespondersError:
             await self._cut(subject)
         except (TimeoutError, nats.errors.Error):

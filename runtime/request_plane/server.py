@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 
 import msgspec
 import nats.errors
@@ -16,8 +17,10 @@ from runtime.errors import FlotillaError
 from runtime.loop_bound import Wakeup
 from runtime.nats_connection import flush
 from runtime.request_plane.wire import (
+    ABANDONED,
     CUT,
     DATA,
+    DEFAULT_ACK_DEADLINE,
     DEFAULT_MAX_REQUEST_BYTES,
     END,
     ERROR,
@@ -48,6 +51,7 @@ class _Stream:
         "context",
         "failure",
         "finished",
+        "heard",
         "last_sent",
         "pending",
         "queued",
@@ -66,6 +70,9 @@ class _Stream:
         self.seq = 0  # the last frame sent
         self.acked = 0  # the last DATA frame the client took
         self.last_sent = time.monotonic()
+        # When the client last showed that it reads this stream (an ack, a probe naming it), or when the
+        # window last filled: a full window with no news past the ack deadline means the client is gone.
+        self.heard = self.last_sent
         self.task: asyncio.Task[None] | None = None
         self.pending: list[msgspec.Raw] = []  # outputs not sent yet
         self.finished = False  # the handler is done: the last frame (END or ERROR) is due
@@ -86,6 +93,11 @@ class EndpointServer:
     engine step hands new tokens to many requests at once, their frames then leave in one pass of the
     sender, rather than each request waking a writer of its own (one task switch less per token). A
     handler's last output and its end are seen together, so the last payloads travel in the END frame.
+
+    A stream whose window stays full with no word from its client (no ack, no probe naming it) for
+    ``ack_deadline`` s is stopped and its engine request aborted: its client is gone (killed, cut off,
+    or its Stop was lost), and the engine would otherwise generate to ``max_tokens`` for nobody. A client
+    that is there but reads slowly names its streams in its probes, so it keeps them.
     """
 
     def __init__(
@@ -96,12 +108,14 @@ class EndpointServer:
         *,
         heartbeat_interval: float = 1.0,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        ack_deadline: float = DEFAULT_ACK_DEADLINE,
     ) -> None:
         self._nc = nc
         self.subject = subject
         self._handler = handler
         self._heartbeat_interval = heartbeat_interval
         self._max_request_bytes = max_request_bytes
+        self._ack_deadline = ack_deadline
         self._streams: dict[str, _Stream] = {}
         self._requests: Subscription | None = None
         self._control: Subscription | None = None
@@ -231,15 +245,25 @@ class EndpointServer:
             return
         if isinstance(control, Acks):
             streams = self._streams
+            now = time.monotonic()
             for request_id, seq in control.acks:
                 stream = streams.get(request_id)
                 if stream is not None and seq > stream.acked:
                     stream.acked = seq
+                    stream.heard = now
                     if stream.pending and not stream.queued and not stream.window_full:
                         self._queue(stream)  # the window reopened on outputs that waited
         elif isinstance(control, Probe):
+            streams = self._streams
+            now = time.monotonic()
+            unknown = []
+            for request_id in control.request_ids:
+                stream = streams.get(request_id)
+                if stream is None:
+                    unknown.append(request_id)
+                else:
+                    stream.heard = now  # its client is there and still wants it
             if msg.reply:
-                unknown = [request_id for request_id in control.request_ids if request_id not in self._streams]
                 with contextlib.suppress(nats.errors.Error):
                     await self._nc.publish(msg.reply, encode(unknown))
         else:
@@ -253,16 +277,23 @@ class EndpointServer:
 
         Outputs wait there while the stream's window is full, and leave later as one frame.
         """
+        outputs = self._handler(envelope.payload, stream.context)
         try:
-            async for payload in self._handler(envelope.payload, stream.context):
+            async for payload in outputs:
                 stream.pending.append(msgspec.Raw(payload))
                 if not stream.queued and not stream.window_full:
                     self._queue(stream)
         except asyncio.CancelledError:
-            self._forget(stream)  # stopped by the client, or by drain() / close()
+            self._forget(stream)  # stopped by the client, its ack deadline, or drain() / close()
             return
         except Exception as exc:
             stream.failure = exc
+        finally:
+            if isinstance(outputs, AsyncGenerator):
+                # Stopped between two outputs, the handler (and the engine request under it) is closed
+                # here and now, not whenever the garbage collector finds it.
+                with contextlib.suppress(Exception):
+                    await outputs.aclose()
         stream.finished = True
         if not stream.queued:
             self._queue(stream)
@@ -311,19 +342,49 @@ class EndpointServer:
                     stream.pending = []
                     stream.seq += 1
                     stream.last_sent = time.monotonic()
+                    if stream.window_full:
+                        stream.heard = stream.last_sent  # the ack deadline counts from here
                     await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
             except nats.errors.Error as exc:
                 log.warning("request %s: cannot publish its answer: %s", stream.request_id, exc)
                 self._stop(stream)
 
     async def _heartbeat_loop(self) -> None:
-        """Publish a heartbeat on every stream that has been quiet for an interval (a full window too)."""
+        """Publish a heartbeat on every stream that has been quiet for an interval (a full window too),
+        and stop the streams whose client is gone (see ``_abandon``)."""
         interval = self._heartbeat_interval
+        deadline = self._ack_deadline
         while True:
-            await asyncio.sleep(interval / 2)
+            await asyncio.sleep(min(interval, deadline) / 2)
             now = time.monotonic()
+            abandoned = []
             for stream in list(self._streams.values()):
-                if now - stream.last_sent >= interval:
+                if stream.window_full and now - stream.heard > deadline:
+                    abandoned.append(stream)
+                elif now - stream.last_sent >= interval:
                     stream.last_sent = now
                     with contextlib.suppress(nats.errors.Error):
                         await self._nc.publish(stream.reply_to, encode(Frame(HEARTBEAT, stream.seq)))
+            if abandoned:
+                await self._abandon(abandoned)
+
+    async def _abandon(self, streams: list[_Stream]) -> None:
+        """Stop ``streams``, whose window stayed full with no word from their client past the ack deadline.
+
+        Each gets an ERROR frame, in case its client is there after all (an event loop stalled for
+        seconds): it fails the request rather than wait for a silence and migrate it.
+        """
+        deadline = self._ack_deadline
+        for stream in streams:
+            self._stop(stream)
+            frame = Frame(ERROR, stream.seq + 1, error=f"no ack from the client for {deadline:g} s", code=ABANDONED)
+            with contextlib.suppress(nats.errors.Error):
+                await self._nc.publish(stream.reply_to, encode(frame))
+        # One line for them all: an ingress killed with thousands of streams in flight is one event.
+        log.warning(
+            "stopped %d stream(s) on %s whose client sent no ack for %g s (gone?), e.g. request %s",
+            len(streams),
+            self.subject,
+            deadline,
+            streams[0].request_id,
+        )

@@ -9,11 +9,15 @@ from runtime.engine import RequestContext
 DATA, END, ERROR, HEARTBEAT, CUT = range(5)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # NATS's own default max_payload
 DEFAULT_WINDOW = 16
+# Seconds a worker keeps a stream whose window is full while its client says nothing (no ack, no probe).
+DEFAULT_ACK_DEADLINE = 5.0
 UNLIMITED = 1 << 62
 
 # Frame.code values: why a worker refused a request.
 TOO_LARGE = "too_large"
 UNAVAILABLE = "unavailable"
+# Why a worker stopped a stream: its window stayed full with no word from the client past the ack deadline.
+ABANDONED = "abandoned"
 
 
 class Envelope(msgspec.Struct, array_like=True):
@@ -53,7 +57,6 @@ encode = msgspec.msgpack.encode
 envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 frame_decoder = msgspec.msgpack.Decoder(Frame)
 control_decoder = msgspec.msgpack.Decoder(Stop | Acks | Probe)
-PROBE = encode(Probe())
 unknown_decoder = msgspec.msgpack.Decoder(list[str])
 
 #: A bytes-level request handler: the request's msgpack document in, encoded msgpack documents out.
