@@ -1,4 +1,5 @@
-"""Flow control, the client's part: acks batched per instance, and frames joined for a reader that lags."""
+"""Flow control: frames cut to the payload limit (the worker's part); acks batched per instance and frames
+joined for a reader that lags (the client's part)."""
 
 import asyncio
 import contextlib
@@ -11,6 +12,35 @@ from nats.aio.client import Client as NATS
 
 from runtime.loop_bound import SingleReaderQueue
 from runtime.request_plane.wire import DATA, END, Acks, Frame, encode
+
+# Bytes of a DATA or END frame beyond its payloads' (its array and list headers, kind, seq, the empty
+# error and code), rounded up.
+FRAME_OVERHEAD = 64
+
+
+def fitting(payloads: list[Raw], limit: int) -> tuple[int, int]:
+    """How many of ``payloads``, from the first, fit in ``limit`` bytes together, and their size.
+
+    At least one: a payload alone over the limit goes alone (and NATS refuses it).
+    """
+    size = 0
+    for count, payload in enumerate(payloads):
+        length = len(payload)
+        if count and size + length > limit:
+            return count, size
+        size += length
+    return len(payloads), size
+
+
+def batches(payloads: list[Raw], limit: int) -> list[list[Raw]]:
+    """``payloads`` cut, in order, into batches of at most ``limit`` bytes each (one batch if none)."""
+    cut: list[list[Raw]] = []
+    while True:
+        count, _ = fitting(payloads, limit)
+        cut.append(payloads[:count])
+        payloads = payloads[count:]
+        if not payloads:
+            return cut
 
 
 class AckBatcher:

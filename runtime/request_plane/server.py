@@ -16,6 +16,7 @@ from runtime.engine import RequestContext
 from runtime.errors import FlotillaError
 from runtime.loop_bound import Wakeup
 from runtime.nats_connection import flush
+from runtime.request_plane.flow import FRAME_OVERHEAD, batches, fitting
 from runtime.request_plane.wire import (
     ABANDONED,
     CUT,
@@ -41,6 +42,8 @@ from runtime.request_plane.wire import (
 
 log = logging.getLogger(__name__)
 
+_MAX_ERROR_CHARS = 4000
+
 
 class _Stream:
     """Server-side state of one request being answered."""
@@ -54,9 +57,11 @@ class _Stream:
         "heard",
         "last_sent",
         "pending",
+        "pending_bytes",
         "queued",
         "reply_to",
         "request_id",
+        "room",
         "seq",
         "task",
         "window",
@@ -75,6 +80,9 @@ class _Stream:
         self.heard = self.last_sent
         self.task: asyncio.Task[None] | None = None
         self.pending: list[msgspec.Raw] = []  # outputs not sent yet
+        self.pending_bytes = 0
+        # Set while the handler waits for the pending outputs to leave (they are a frame's worth).
+        self.room: asyncio.Future[None] | None = None
         self.finished = False  # the handler is done: the last frame (END or ERROR) is due
         self.failure: Exception | None = None  # why the handler failed, if it did
         self.queued = False  # waiting in the server's send queue
@@ -93,6 +101,10 @@ class EndpointServer:
     engine step hands new tokens to many requests at once, their frames then leave in one pass of the
     sender, rather than each request waking a writer of its own (one task switch less per token). A
     handler's last output and its end are seen together, so the last payloads travel in the END frame.
+
+    Outputs that wait for the window are bounded: once they fill a frame (the connection's
+    ``max_payload``), the handler is not asked for more until they leave; and no frame is larger than
+    ``max_payload``, the last one included (its outputs go in DATA frames before it when need be).
 
     A stream whose window stays full with no word from its client (no ack, no probe naming it) for
     ``ack_deadline`` s is stopped and its engine request aborted: its client is gone (killed, cut off,
@@ -275,14 +287,19 @@ class EndpointServer:
     async def _produce(self, envelope: Envelope, stream: _Stream) -> None:
         """Run the handler, leaving what it yields in ``stream`` for the sender.
 
-        Outputs wait there while the stream's window is full, and leave later as one frame.
+        Outputs wait there while the stream's window is full, and leave later as one frame; once they
+        fill a frame, the handler waits for them to leave.
         """
         outputs = self._handler(envelope.payload, stream.context)
         try:
             async for payload in outputs:
                 stream.pending.append(msgspec.Raw(payload))
+                stream.pending_bytes += len(payload)
                 if not stream.queued and not stream.window_full:
                     self._queue(stream)
+                if stream.pending_bytes >= self._frame_limit():
+                    stream.room = asyncio.get_running_loop().create_future()
+                    await stream.room
         except asyncio.CancelledError:
             self._forget(stream)  # stopped by the client, its ack deadline, or drain() / close()
             return
@@ -297,6 +314,10 @@ class EndpointServer:
         stream.finished = True
         if not stream.queued:
             self._queue(stream)
+
+    def _frame_limit(self) -> int:
+        """The most payload bytes one DATA or END frame may carry on this connection."""
+        return max(1, self._nc.max_payload - FRAME_OVERHEAD)
 
     def _queue(self, stream: _Stream) -> None:
         stream.queued = True
@@ -318,33 +339,58 @@ class EndpointServer:
                 log.exception("the sender of %s failed on a batch of frames; it goes on", self.subject)
 
     async def _send_due(self) -> None:
-        """One frame for each stream due: a DATA frame of its pending outputs (window allowing), or,
-        once its handler is done, the last frame, window or not (one message, and it ends the stream)."""
+        """One frame for each stream due: a DATA frame of its pending outputs (window allowing, at most a
+        frame's worth; the rest waits for the next pass), or, once its handler is done, the last frame,
+        window or not (it ends the stream; outputs that do not fit in it go in DATA frames before it)."""
         due, self._due = self._due, []
         publish = self._nc.publish
+        limit = self._frame_limit()
         for stream in due:
             stream.queued = False
             if stream.closed:
                 continue
-            batch = stream.pending
+            pending = stream.pending
             try:
                 if stream.finished:
                     self._forget(stream)
+                    exc = stream.failure
+                    # Bounded, so that the ERROR frame itself fits.
+                    error = "" if exc is None else str(exc)[:_MAX_ERROR_CHARS]
+                    *before, last = batches(pending, limit - len(error.encode()))
+                    for batch in before:
+                        stream.seq += 1
+                        await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
                     stream.seq += 1
-                    if (exc := stream.failure) is not None:
+                    if exc is not None:
                         log.warning(
                             "request %s failed: %s", stream.request_id, exc, exc_info=not isinstance(exc, FlotillaError)
                         )
-                        await publish(stream.reply_to, encode(Frame(ERROR, stream.seq, batch, str(exc))))
+                        await publish(stream.reply_to, encode(Frame(ERROR, stream.seq, last, error)))
                     else:
-                        await publish(stream.reply_to, encode(Frame(END, stream.seq, batch)))
-                elif batch and not stream.window_full:
-                    stream.pending = []
+                        await publish(stream.reply_to, encode(Frame(END, stream.seq, last)))
+                elif pending and not stream.window_full:
+                    count, size = fitting(pending, limit)
+                    batch, stream.pending = pending[:count], pending[count:]
+                    stream.pending_bytes -= size
                     stream.seq += 1
                     stream.last_sent = time.monotonic()
                     if stream.window_full:
                         stream.heard = stream.last_sent  # the ack deadline counts from here
+                    elif stream.pending:
+                        self._queue(stream)  # more than a frame's worth waited: the rest goes next pass
+                    room = stream.room
+                    if room is not None and stream.pending_bytes < limit:
+                        stream.room = None
+                        room.set_result(None)  # the handler may go on
                     await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
+            except nats.errors.MaxPayloadError:
+                # One output alone is over the limit: say so, rather than leave the client to a silence.
+                size = max((len(payload) for payload in pending), default=0)
+                error = f"an output of {size} bytes is over the NATS payload limit of {self._nc.max_payload}"
+                log.warning("request %s: %s", stream.request_id, error)
+                self._stop(stream)
+                with contextlib.suppress(nats.errors.Error):
+                    await publish(stream.reply_to, encode(Frame(ERROR, stream.seq, error=error)))
             except nats.errors.Error as exc:
                 log.warning("request %s: cannot publish its answer: %s", stream.request_id, exc)
                 self._stop(stream)

@@ -97,7 +97,7 @@ async def test_closing_the_stream_stops_the_handler(connections: tuple[NATS, NAT
     await client.start()
     stream = client.call(SUBJECT, "c", encode(None))
     await anext(stream)
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     await asyncio.wait_for(stopped.wait(), 5)
     assert server.active_requests == 0
     await server.close()
@@ -147,7 +147,7 @@ async def outlives_silences(
     assert not first.done()
     release.set()
     assert msgspec.msgpack.decode((await first)[0]) == "late"
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     await server.close()
     return client
 
