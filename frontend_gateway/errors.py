@@ -70,6 +70,18 @@ class EngineFailed(GatewayError):
     error_type = "internal_server_error"
 
 
+class ToolCallMissing(GatewayError):
+    """tool_choice required a call (any, or a named function) and the answer has none, or another (500).
+
+    A server error, not the client's: the request was valid and this server did not honour it. OpenAI
+    clients retry a 500, and another sample may well call the tool.
+    """
+
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    error_type = "internal_server_error"
+    code = "tool_call_missing"
+
+
 class ServiceUnavailable(GatewayError):
     status = HTTPStatus.SERVICE_UNAVAILABLE
     error_type = "service_unavailable"

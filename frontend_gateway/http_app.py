@@ -21,6 +21,7 @@ import msgspec
 
 from frontend_gateway import preprocessor, responses
 from frontend_gateway.admission import Admission, AdmissionLimits
+from frontend_gateway.chat_output import ChatOutputParser, Delta
 from frontend_gateway.errors import (
     EngineFailed,
     GatewayError,
@@ -326,17 +327,28 @@ class GatewayApp:
                 if not pieces:
                     metrics.ttft.observe(time.perf_counter() - started)
                 pieces.append(piece)
+        text = "".join(pieces)
+        finish_reason: str | None = generation.finish_reason
+        message = None
+        if (parser := generation.output) is not None:
+            parsed = parser.feed(text).extend(parser.flush())
+            parser.check_required()
+            text = parsed.content
+            reasoning = parsed.reasoning if parser.has_reasoning else None
+            message = responses.chat_message(text, reasoning=reasoning, tool_calls=parsed.tool_calls)
+            finish_reason = parser.finish_reason(finish_reason)
         body = responses.full_response(
             kind,
             response_id=_response_id(kind, generation),
             created=int(time.time()),
             model=model.name,
-            text="".join(pieces),
-            finish_reason=generation.finish_reason,
+            text=text,
+            finish_reason=finish_reason,
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
             cached_tokens=generation.cached_tokens,
             nvext=_nvext(generation) if show_instance else None,
+            message=message,
         )
         headers = _response_headers(_JSON_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -373,13 +385,20 @@ class GatewayApp:
             opening = encoder.first()
             if opening is not None:
                 await send({"type": "http.response.body", "body": opening, "more_body": True})
+            parsed = _ParsedFrames(encoder, generation.output) if generation.output is not None else None
             if first is not None:
                 first_at = time.perf_counter()
                 metrics.ttft.observe(first_at - started)
-                await send({"type": "http.response.body", "body": encoder.piece(first), "more_body": True})
                 try:
-                    async for piece in pieces:
-                        await send({"type": "http.response.body", "body": encoder.piece(piece), "more_body": True})
+                    if parsed is None:
+                        await send({"type": "http.response.body", "body": encoder.piece(first), "more_body": True})
+                        async for piece in pieces:
+                            frame = encoder.piece(piece)
+                            await send({"type": "http.response.body", "body": frame, "more_body": True})
+                    else:
+                        await parsed.send(send, first)
+                        async for piece in pieces:
+                            await parsed.send(send, piece)
                 except Exception as exc:
                     failure = _as_gateway_error(exc, generation)
                     frame = responses.error_frame(failure.message, failure.error_type, failure.code)
@@ -390,11 +409,50 @@ class GatewayApp:
                 if generation.completion_tokens > 1:
                     tokens_after_first = generation.completion_tokens - 1
                     metrics.inter_token_latency.observe((time.perf_counter() - first_at) / tokens_after_first)
-        tail = encoder.finish(generation.finish_reason, _nvext(generation) if show_instance else None)
+        finish_reason: str | None = generation.finish_reason
+        if parsed is not None:
+            try:
+                await parsed.finish(send)
+            except GatewayError as exc:  # ToolCallMissing: the answer lacks the call asked for
+                failure = _as_gateway_error(exc, generation)
+                frame = responses.error_frame(failure.message, failure.error_type, failure.code)
+                await send({"type": "http.response.body", "body": frame + responses.DONE_FRAME})
+                return failure
+            finish_reason = parsed.parser.finish_reason(finish_reason)
+        tail = encoder.finish(finish_reason, _nvext(generation) if show_instance else None)
         if include_usage:
             tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
         await send({"type": "http.response.body", "body": tail + responses.DONE_FRAME})
         return None
+
+
+class _ParsedFrames:
+    """The frames of a streamed chat answer that goes through its model's parsers (chat_output)."""
+
+    __slots__ = ("_encoder", "_next_index", "parser")
+
+    def __init__(self, encoder: responses.StreamEncoder, parser: ChatOutputParser) -> None:
+        self._encoder = encoder
+        self.parser = parser
+        self._next_index = 0  # of the next tool call: a stream numbers them
+
+    async def send(self, send: Send, piece: str) -> None:
+        await self._send(send, self.parser.feed(piece), more=True)
+
+    async def finish(self, send: Send) -> None:
+        """Send what the parsers held back; raises ToolCallMissing if a required call never came."""
+        await self._send(send, self.parser.flush(), more=True)
+        self.parser.check_required()
+
+    async def _send(self, send: Send, delta: Delta, *, more: bool) -> None:
+        if not delta:
+            return  # held back: part of a tag, or a call not yet complete
+        calls = []
+        for call in delta.tool_calls:
+            calls.append(call.as_openai(self._next_index))
+            self._next_index += 1
+        frame = self._encoder.delta(delta.reasoning, delta.content, calls)
+        await send({"type": "http.response.body", "body": frame, "more_body": more})
 
 
 def _as_gateway_error(exc: Exception, generation: Generation) -> GatewayError:

@@ -282,7 +282,13 @@ class ModelWatcher:
             )  # fmt: skip
             return _Pool(TokenModel(card, engine), engine, router, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
-        served = TextModel(card.name, text_engine, card.context_length or None)
+        served = TextModel(
+            card.name,
+            text_engine,
+            card.context_length or None,
+            reasoning_parser=card.reasoning_parser,
+            tool_call_parser=card.tool_call_parser,
+        )
         return _Pool(served, text_engine, router, entry, key)
 
     def settings_for(self, entry: ModelEntry) -> RouterSettings:

@@ -15,11 +15,14 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from frontend_gateway import preprocessor
+from frontend_gateway.chat_output import ChatOutputParser, plan_chat_output
 from frontend_gateway.errors import EngineFailed, InvalidRequest, RequestTooLarge, ServiceUnavailable
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from frontend_gateway.parsers.reasoning import REASONING_PARSERS
+from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
-from runtime.errors import EngineError, EngineUnavailable, PayloadTooLarge
+from runtime.errors import EngineError, EngineUnavailable, ModelError, PayloadTooLarge
 from runtime.model_card import ModelCard
 from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
 
@@ -33,6 +36,7 @@ class Generation:
         "completion_tokens",
         "context",
         "finish_reason",
+        "output",
         "prompt_tokens",
         "request_id",
     )
@@ -45,6 +49,8 @@ class Generation:
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         self.context = RequestContext(request_id)
+        #: How a chat answer's text splits into reasoning, content and tool calls (None: all content).
+        self.output: ChatOutputParser | None = None
         self._source: AsyncIterator[str] | None = None
 
     def bind(self, source: AsyncIterator[str]) -> "Generation":
@@ -70,6 +76,8 @@ class ServedModel(Protocol):
     name: str
     created: int
     context_length: int | None
+    reasoning_parser: str | None
+    tool_call_parser: str | None
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Generation: ...
 
@@ -90,14 +98,26 @@ class TokenModel:
         self.context_length: int | None = card.context_length
         self.engine = engine
         self._tokenizer: Tokenizer = card.tokenizer  # built now: a bad tokenizer fails at start-up
+        self.reasoning_parser, self.tool_call_parser = check_parsers(
+            card.name, card.reasoning_parser, card.tool_call_parser
+        )
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
-        return self._prepare(request, await preprocessor.chat_prompt_ids(self.card, request))
+        plan = plan_chat_output(
+            request, model=self.name, reasoning=self.reasoning_parser, tool_calls=self.tool_call_parser
+        )
+        prompt_ids = await preprocessor.chat_prompt_ids(self.card, request, plan.tools)
+        keep_special = plan.parser is not None and plan.parser.needs_special_tokens
+        generation = self._prepare(request, prompt_ids, keep_special_tokens=keep_special)
+        generation.output = plan.parser
+        return generation
 
     async def prepare_completion(self, request: CompletionRequest) -> Generation:
         return self._prepare(request, await preprocessor.completion_prompt_ids(self.card, request))
 
-    def _prepare(self, request: SamplingFields, prompt_ids: list[int]) -> Generation:
+    def _prepare(
+        self, request: SamplingFields, prompt_ids: list[int], *, keep_special_tokens: bool = False
+    ) -> Generation:
         stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
         request_id = _new_request_id()
         engine_request = PreprocessedRequest(
@@ -110,7 +130,8 @@ class TokenModel:
         )
         skip_special = request.skip_special_tokens
         if skip_special is None:
-            skip_special = self.engine.skip_special_tokens
+            # A tool-call format marked by special tokens ([TOOL_CALLS]) needs them in the text it parses.
+            skip_special = self.engine.skip_special_tokens and not keep_special_tokens
         generation = Generation(request_id, len(prompt_ids))
         tokens = self._postprocess(generation, engine_request, skip_special)
         return generation.bind(_finish(generation, tokens, stop.stop))
@@ -164,15 +185,31 @@ class TextModel:
 
     card = None
 
-    def __init__(self, name: str, engine: TextEngine, context_length: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: TextEngine,
+        context_length: int | None = None,
+        *,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.name = name
         self.created = int(time.time())
         self.context_length = context_length
         self.engine = engine
+        self.reasoning_parser, self.tool_call_parser = check_parsers(name, reasoning_parser, tool_call_parser)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+        plan = plan_chat_output(
+            request, model=self.name, reasoning=self.reasoning_parser, tool_calls=self.tool_call_parser
+        )
         messages = preprocessor.message_dicts(request.messages)
-        return self._prepare(self._text_request(request, messages=messages))
+        if plan.tools is not None:
+            preprocessor.check_wire_ints(plan.tools, "tools")  # they travel to the engine
+        generation = self._prepare(self._text_request(request, messages=messages, tools=plan.tools))
+        generation.output = plan.parser
+        return generation
 
     async def prepare_completion(self, request: CompletionRequest) -> Generation:
         prompt = request.prompt
@@ -191,6 +228,7 @@ class TextModel:
         *,
         messages: list[dict[str, Any]] | None = None,
         prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TextRequest:
         # Without a tokenizer the prompt cannot be counted here: the engine checks its own context.
         stop = preprocessor.stop_conditions(request, 0, self.context_length or _UNBOUNDED_CONTEXT)
@@ -201,6 +239,7 @@ class TextModel:
             prompt=prompt,
             sampling=preprocessor.sampling_options(request),
             stop_conditions=stop,
+            tools=tools,
         )
 
     def _prepare(self, text_request: TextRequest) -> Generation:
@@ -223,6 +262,25 @@ class TextModel:
                     return
         finally:
             await _aclose(outputs)
+
+
+def check_parsers(model: str, reasoning: str | None, tool_calls: str | None) -> tuple[str | None, str | None]:
+    """The parser names a model's card gives, if this gateway has them; raises ModelError if not.
+
+    A card may come from a worker of another version: better to refuse its model, saying why, than
+    to answer with reasoning or tool calls left in the text.
+    """
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise ModelError(
+            f"model {model!r} asks for the reasoning parser {reasoning!r}; "
+            f"this gateway has {', '.join(REASONING_PARSERS)}"
+        )
+    if tool_calls is not None and tool_calls not in TOOL_CALL_PARSERS:
+        raise ModelError(
+            f"model {model!r} asks for the tool-call parser {tool_calls!r}; "
+            f"this gateway has {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    return reasoning, tool_calls
 
 
 async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: list[str]) -> AsyncIterator[str]:

@@ -166,8 +166,11 @@ async def tokenize(card: ModelCard, text: str, *, add_special_tokens: bool, para
     return long_ids
 
 
-async def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> list[int]:
-    """Render the chat template and tokenize it as Hugging Face's apply_chat_template does."""
+async def chat_prompt_ids(
+    card: ModelCard, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """Render the chat template with ``tools`` (what the model is offered: see chat_output) and
+    tokenize it as Hugging Face's apply_chat_template does."""
     template = card.template
     if template is None:
         raise InvalidRequest(
@@ -175,7 +178,6 @@ async def chat_prompt_ids(card: ModelCard, request: ChatCompletionRequest) -> li
             "or pass --model-config with a tokenizer_config.json that has one",
             param="messages",
         )
-    tools = msgspec.to_builtins(request.tools) if request.tools is not None else None
     try:
         text = template.render(message_dicts(request.messages), add_generation_prompt=True, tools=tools)
     except TemplateError as exc:
@@ -249,15 +251,7 @@ def refuse_unsupported(request: SamplingFields) -> None:
         raise InvalidRequest(
             "structured output (response_format other than text) is not supported yet", param="response_format"
         )
-    if isinstance(request, ChatCompletionRequest):
-        choice = request.tool_choice
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            raise InvalidRequest(
-                'forcing a tool call (tool_choice "required" or a named function) is not supported yet; '
-                'use "auto" or "none"',
-                param="tool_choice",
-            )
-    elif isinstance(request, CompletionRequest):
+    if isinstance(request, CompletionRequest):
         if request.echo:
             raise InvalidRequest("echo is not supported yet; leave the field out or set it to false", param="echo")
         if request.suffix:

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from frontend_gateway.parsers.tool_calls import ToolCall
+
 Kind = Literal["chat", "completion"]
 
 _encode = msgspec.json.encode
@@ -16,9 +18,26 @@ DONE_FRAME = b"data: [DONE]\n\n"
 
 def _openai_finish_reason(reason: str | None) -> str | None:
     # "cancelled" and "error" are ours; OpenAI clients know only stop/length/tool_calls/content_filter.
-    if reason is None or reason in ("stop", "length"):
+    if reason is None or reason in ("stop", "length", "tool_calls"):
         return reason
     return "stop"
+
+
+def chat_message(
+    content: str, *, reasoning: str | None = None, tool_calls: list[ToolCall] | None = None
+) -> dict[str, Any]:
+    """The assistant message of a whole chat answer.
+
+    ``reasoning`` (None: the model has no reasoning parser) becomes ``reasoning_content``, as vLLM and
+    Dynamo name it; with tool calls and no text, ``content`` is null, as OpenAI sends it.
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning or None
+    if tool_calls:
+        message["tool_calls"] = [call.as_openai() for call in tool_calls]
+        message["content"] = content or None
+    return message
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -46,13 +65,17 @@ def full_response(
     completion_tokens: int,
     cached_tokens: int | None = None,
     nvext: dict[str, Any] | None = None,
+    message: dict[str, Any] | None = None,
 ) -> bytes:
-    """The body of a non-streaming chat.completion or text_completion (``nvext`` added when given)."""
+    """The body of a non-streaming chat.completion or text_completion (``nvext`` added when given).
+
+    ``message``, for a chat answer that went through parsers, replaces the plain one holding ``text``.
+    """
     choice: dict[str, Any]
     if kind == "chat":
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message or {"role": "assistant", "content": text},
             "logprobs": None,
             "finish_reason": _openai_finish_reason(finish_reason),
         }
@@ -104,6 +127,17 @@ class StreamEncoder:
 
     def piece(self, text: str) -> bytes:
         return self._piece_prefix + _encode(text) + self._piece_suffix
+
+    def delta(self, reasoning: str, content: str, tool_calls: list[dict[str, Any]]) -> bytes:
+        """A chat chunk of a parsed answer: reasoning, content and whole tool calls (each with its index)."""
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return self._head + b'{"index":0,"delta":' + _encode(delta) + self._piece_suffix[1:]
 
     def finish(self, finish_reason: str | None, nvext: dict[str, Any] | None = None) -> bytes:
         reason = _encode(_openai_finish_reason(finish_reason))

@@ -12,6 +12,8 @@ from typing import TypeVar
 
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
+from frontend_gateway.parsers.reasoning import REASONING_PARSERS
+from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from launcher.env_flags import EnvArgumentParser, parse_boolean
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
 from launcher.proctitle import run_title, set_title
@@ -242,6 +244,20 @@ def build_run_parser() -> EnvArgumentParser:
         help="cap the context (tokens) below the model's own",
     )
     run.add_flag(
+        "--reasoning-parser",
+        env="FLOTILLA_REASONING_PARSER",
+        choices=tuple(REASONING_PARSERS),
+        help="split the model's <think> reasoning into reasoning_content, by vLLM's parser names: "
+        "deepseek_r1 (reasoning until </think>), qwen3 (reasoning when the answer opens with <think>)",
+    )
+    run.add_flag(
+        "--tool-call-parser",
+        env="FLOTILLA_TOOL_CALL_PARSER",
+        choices=tuple(TOOL_CALL_PARSERS),
+        help="return the model's tool calls as tool_calls, by vLLM's parser names: hermes (<tool_call>), "
+        "llama3_json, mistral ([TOOL_CALLS]); without one, requests with tools are refused",
+    )
+    run.add_flag(
         "--http-host", env="FLOTILLA_HTTP_HOST", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
     run.add_flag(
@@ -430,6 +446,8 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         model_name=namespace.model_name,
         model_config=namespace.model_config,
         context_length=namespace.context_length,
+        reasoning_parser=namespace.reasoning_parser,
+        tool_call_parser=namespace.tool_call_parser,
         http_host=namespace.http_host,
         http_port=namespace.http_port,
         max_body_bytes=namespace.max_body_bytes,

@@ -22,6 +22,8 @@ class RunOptions:
     model_name: str | None = None
     model_config: Path | None = None
     context_length: int | None = None
+    reasoning_parser: str | None = None  # frontend_gateway/parsers/reasoning.py, by vLLM's names
+    tool_call_parser: str | None = None  # frontend_gateway/parsers/tool_calls.py
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024

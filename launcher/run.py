@@ -14,7 +14,7 @@ from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, Tok
 from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
 from runtime import heap
 from runtime.addressing import EndpointAddress
-from runtime.engine import Engine
+from runtime.engine import Engine, TextEngine
 from runtime.errors import ConfigError
 from runtime.model_card import ModelCard, ModelType
 
@@ -37,6 +37,10 @@ def load_card(options: RunOptions) -> tuple[ModelCard, Path]:
         name=options.model_name,
         context_length=options.context_length,
     )
+    # On the card, so that an ingress serving this worker's model parses its answers the same way.
+    card = msgspec.structs.replace(
+        card, reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser
+    )
     return card, path
 
 
@@ -45,7 +49,7 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     output = options.output
     if output == "echo_full":
         full = EchoFullEngine(echo_delay_seconds())
-        return TextModel(options.model_name or "echo", full, options.context_length), full
+        return text_model(options.model_name or "echo", full, options), full
     if output == "echo_core":
         card, _ = load_card(options)
         core = EchoCoreEngine(echo_delay_seconds())
@@ -89,7 +93,7 @@ def build_python_model(options: RunOptions, kind: str, file: str) -> tuple[Serve
     generate = load_generate(path)
     if kind == "pystr":
         text = PyStrEngine(generate, path.name)
-        return TextModel(options.model_name or path.stem, text, options.context_length), text
+        return text_model(options.model_name or path.stem, text, options), text
     card, _ = load_card(options)
     token = PyTokEngine(generate, path.name)
     return TokenModel(card, token), token
@@ -146,9 +150,25 @@ async def run(options: RunOptions) -> int:
         await engine.close()
 
 
+def text_model(name: str, engine: TextEngine, options: RunOptions) -> TextModel:
+    return TextModel(
+        name,
+        engine,
+        options.context_length,
+        reasoning_parser=options.reasoning_parser,
+        tool_call_parser=options.tool_call_parser,
+    )
+
+
 def text_card(model: ServedModel, options: RunOptions) -> ModelCard:
-    """The card a text engine registers: a name and a type, no tokenizer."""
-    return ModelCard(name=model.name, model_type=ModelType.CHAT, context_length=options.context_length or 0)
+    """The card a text engine registers: a name, a type and its parsers, no tokenizer."""
+    return ModelCard(
+        name=model.name,
+        model_type=ModelType.CHAT,
+        context_length=options.context_length or 0,
+        reasoning_parser=options.reasoning_parser,
+        tool_call_parser=options.tool_call_parser,
+    )
 
 
 async def run_ingress(options: RunOptions) -> int:

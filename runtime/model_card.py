@@ -42,6 +42,12 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     tokenizer_json: str | None = None
     #: Where the weights are on this machine (a GGUF file or a folder); not meaningful remotely.
     source: str | None = None
+    #: How the gateway splits reasoning (``<think>``) from the answer, by vLLM's parser names
+    #: (``deepseek_r1``, ``qwen3``); None: the answer is all content.
+    reasoning_parser: str | None = None
+    #: How the gateway finds tool calls in the answer (``hermes``, ``llama3_json``, ``mistral``);
+    #: None: the model cannot be offered tools.
+    tool_call_parser: str | None = None
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -77,6 +77,8 @@ class TextRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     sampling: SamplingOptions
     stop_conditions: StopConditions
+    #: The tools the prompt should offer (OpenAI's ``tools`` entries), for an engine that templates.
+    tools: list[dict[str, Any]] | None = None
 
 
 class TextOutput(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -72,6 +72,12 @@ def test_environment_variables_set_the_defaults(monkeypatch: pytest.MonkeyPatch)
     assert (parsed.http_port, parsed.model_name) == (9100, "mine")
 
 
+def test_parsers_are_named_by_flag_or_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_TOOL_CALL_PARSER", "hermes")
+    parsed = options("--reasoning-parser", "deepseek_r1")
+    assert (parsed.reasoning_parser, parsed.tool_call_parser) == ("deepseek_r1", "hermes")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -83,6 +89,8 @@ def test_environment_variables_set_the_defaults(monkeypatch: pytest.MonkeyPatch)
         (["run", "--context-length", "0"], "must be at least 1"),
         (["run", "--temperature", "hot"], "not a number"),
         (["run", "--model-config", "/nonexistent"], "is not a folder"),
+        (["run", "--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
+        (["run", "--tool-call-parser", "json"], "invalid choice: 'json'"),
         (["serve"], "unknown command 'serve'"),
     ],
 )

@@ -1,0 +1,150 @@
+"""What a chat answer's text becomes: reasoning, content and tool calls, by the model's parsers.
+
+``plan_chat_output`` is the decision, made before any work: which parsers a request's answer goes
+through, which tools its prompt shows, and whether the request can be honoured at all (a model with no
+tool-call parser cannot return calls: tools are then refused unless ``tool_choice`` is ``"none"``).
+``ChatOutputParser`` applies it to the answer, piece by piece; the gateway's fast path, plain text,
+is untouched when a request needs no parser.
+
+``tool_choice: "required"`` or a named function cannot be enforced while the model generates (no
+engine here constrains its output to a call yet), so it is checked once the answer is complete: an
+answer without the call is an error (``ToolCallMissing``), never passed off as the call asked for.
+A named function is the only tool the prompt shows, so that the model has no other to choose.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from frontend_gateway.errors import InvalidRequest, ToolCallMissing
+from frontend_gateway.openai_types import ChatCompletionRequest, NamedToolChoice
+from frontend_gateway.parsers.reasoning import ReasoningParser, reasoning_parser
+from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallParser, tool_call_parser
+
+__all__ = ["ChatOutputParser", "ChatPlan", "Delta", "plan_chat_output"]
+
+
+@dataclass(slots=True)
+class Delta:
+    """A step of a parsed answer; any part may be empty."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def extend(self, other: "Delta") -> "Delta":
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+        return self
+
+
+class ChatOutputParser:
+    """One answer's text through a reasoning parser, then its content through a tool-call parser.
+
+    ``required`` is None when no call is required, ``""`` when any call is, or the name of the
+    function that must be called.
+    """
+
+    __slots__ = ("_reasoning", "_tools", "calls", "has_reasoning", "required")
+
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, required: str | None = None
+    ) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        self.has_reasoning = reasoning is not None
+        self.required = required
+        #: The calls found so far, in order.
+        self.calls: list[ToolCall] = []
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Whether the text must keep special tokens (a tool-call format's markers are some)."""
+        return self._tools is not None and self._tools.needs_special_tokens
+
+    def feed(self, text: str) -> Delta:
+        """The parts of the answer that ``text`` completes."""
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.feed(text)
+        else:
+            reasoning, content = "", text
+        return self._content(reasoning, content, final=False)
+
+    def flush(self) -> Delta:
+        """The rest, at the end of the answer."""
+        reasoning, content = self._reasoning.flush() if self._reasoning is not None else ("", "")
+        return self._content(reasoning, content, final=True)
+
+    def _content(self, reasoning: str, content: str, *, final: bool) -> Delta:
+        if self._tools is None:
+            return Delta(reasoning, content)
+        shown, calls = self._tools.feed(content) if content else ("", [])
+        if final:
+            tail, last = self._tools.flush()
+            shown += tail
+            calls = [*calls, *last]
+        self.calls += calls
+        return Delta(reasoning, shown, calls)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish reason: ``tool_calls`` when the answer ended by calling tools."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def check_required(self) -> None:
+        """Raise ToolCallMissing when the answer lacks the call that ``tool_choice`` asked for."""
+        if self.required is None:
+            return
+        if not self.calls:
+            raise ToolCallMissing(
+                "the model answered without calling a tool, although tool_choice required one; the answer "
+                "was not constrained to a call (see README: tool calling), try again or use tool_choice auto"
+            )
+        if self.required and (other := next((c.name for c in self.calls if c.name != self.required), None)):
+            raise ToolCallMissing(
+                f"the model called {other!r}, although tool_choice named {self.required!r}; try again"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """How one chat request is served: the tools its prompt shows, the parser its answer goes through."""
+
+    tools: list[dict[str, Any]] | None
+    parser: ChatOutputParser | None
+
+
+def plan_chat_output(
+    request: ChatCompletionRequest, *, model: str, reasoning: str | None, tool_calls: str | None
+) -> ChatPlan:
+    """Decide how to serve ``request`` on a model with these parsers (by name; None: none).
+
+    Raises InvalidRequest when ``tools`` would be offered to a model whose calls cannot be parsed.
+    """
+    choice = request.tool_choice
+    tools = request.tools
+    if tools is None or choice == "none":
+        # "none": the model is not shown tools it may not call (vLLM's --exclude-tools-when-tool-choice-none).
+        tool_parser, shown, required = None, None, None
+    else:
+        if tool_calls is None:
+            raise InvalidRequest(
+                f"model {model!r} cannot return tool calls: it is served without a tool-call parser "
+                f"(flotilla run --tool-call-parser {'|'.join(TOOL_CALL_PARSERS)}); leave tools out, "
+                'or set tool_choice to "none"',
+                param="tools" if choice is None else "tool_choice",
+            )
+        tool_parser = tool_call_parser(tool_calls)
+        if isinstance(choice, NamedToolChoice):
+            required = choice.function.name
+            shown = [msgspec.to_builtins(tool) for tool in tools if tool.function.name == required]
+        else:
+            required = "" if choice == "required" else None
+            shown = msgspec.to_builtins(tools)
+    reasoner = reasoning_parser(reasoning) if reasoning is not None else None
+    parser = ChatOutputParser(reasoner, tool_parser, required) if reasoner or tool_parser else None
+    return ChatPlan(shown, parser)
