@@ -66,7 +66,8 @@ logging: FLOTILLA_LOG=debug, or per module: FLOTILLA_LOG=frontend_gateway=debug,
 echo delay: FLOTILLA_TOKEN_ECHO_DELAY_MS (default 10)
 distributed: ETCD_ENDPOINTS (http://127.0.0.1:2379), NATS_SERVER (nats://127.0.0.1:4222),
   FLOTILLA_LEASE_TTL (10 s), FLOTILLA_STREAM_SILENCE_S (5 s), FLOTILLA_STREAM_HEARTBEAT_S (1 s),
-  FLOTILLA_STREAM_ACK_DEADLINE_S (5 s), FLOTILLA_MAX_REQUEST_BYTES (1 MiB), FLOTILLA_DRAIN_S (10 s).
+  FLOTILLA_STREAM_ACK_DEADLINE_S (5 s), FLOTILLA_STREAM_GONE_AFTER_S (1 s), FLOTILLA_MAX_REQUEST_BYTES (1 MiB),
+  FLOTILLA_DRAIN_S (10 s).
   A worker or ingress started before etcd and NATS waits for them, warning every few seconds which one is missing.
 every variable is checked at start-up, as its flag would be; a bad one stops the run with exit code 2.
 

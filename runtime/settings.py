@@ -95,6 +95,12 @@ def stream_ack_deadline_seconds() -> float:
     return env_float("FLOTILLA_STREAM_ACK_DEADLINE_S", 5.0, minimum=0.1)
 
 
+def stream_gone_after_seconds() -> float:
+    """``$FLOTILLA_STREAM_GONE_AFTER_S``: how long an instance's probes must find nobody listening, back to
+    back, before the ingress breaks its streams (default 1, at least 0; a connection blip is shorter)."""
+    return env_float("FLOTILLA_STREAM_GONE_AFTER_S", 1.0, minimum=0.0)
+
+
 def max_request_bytes() -> int:
     """``$FLOTILLA_MAX_REQUEST_BYTES``: the largest request a worker accepts (default 1 MiB, at least 1 KiB)."""
     return env_int("FLOTILLA_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024)
@@ -113,5 +119,6 @@ def check_settings() -> None:
     stream_heartbeat_seconds()
     stream_silence_seconds()
     stream_ack_deadline_seconds()
+    stream_gone_after_seconds()
     max_request_bytes()
     drain_grace_seconds()

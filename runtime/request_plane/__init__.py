@@ -25,9 +25,10 @@ Protocol (all messages msgpack):
   probes it sends every ``probe_interval``, so a live client that reads slowly keeps them.
 * Death detection: while streams to an instance are open, the client probes that instance's control
   subject (a ``Probe`` request) every ``probe_interval``. NATS answers "no responders" at once when the
-  worker's connection is gone (a killed process's socket closes), and the client then cuts every
-  stream to that instance (StreamBroken) without waiting out the silence timeout, which stays the
-  fallback for a worker that hangs with its connection open.
+  worker's connection is gone (a killed process's socket closes); once its probes have been answered
+  so back to back for ``gone_after`` (1 s: a connection that blips for half a second reconnects), the
+  client cuts every stream to that instance (StreamBroken) without waiting out the silence timeout,
+  which stays the fallback for a worker that hangs with its connection open.
 * Drain: a worker that shuts down stops taking requests, lets those in flight finish for a grace
   period, then sends each stream still running a ``CUT`` frame, which its client treats as a broken
   stream at once (and migrates).

@@ -16,7 +16,7 @@ from nats.aio.subscription import Subscription
 from runtime.nats_connection import flush
 from runtime.request_plane.errors import RemoteError, RequestTooLarge, StreamBroken, WorkerUnavailable
 from runtime.request_plane.flow import AckBatcher, take_following
-from runtime.request_plane.liveness import LIVENESS_WAIT, Inbox
+from runtime.request_plane.liveness import DEFAULT_GONE_AFTER, LIVENESS_WAIT, Inbox, ProbeFailures
 from runtime.request_plane.wire import (
     CUT,
     DATA,
@@ -53,6 +53,7 @@ class RequestClient:
         window: int = DEFAULT_WINDOW,
         ack_interval: float = 0.005,
         probe_interval: float = 0.4,
+        gone_after: float = DEFAULT_GONE_AFTER,
     ) -> None:
         self._nc = nc
         self.silence_timeout = silence_timeout
@@ -68,6 +69,7 @@ class RequestClient:
         # Open streams by instance subject (reply subject -> request id): what the probes watch.
         self._open: dict[str, dict[str, str]] = {}
         self._probing: set[str] = set()
+        self._probe_failures = ProbeFailures(gone_after)
         # Acks not yet sent, by control subject (request id -> last DATA frame taken).
         self._acks = AckBatcher(nc, ack_interval, self._spawn)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -256,6 +258,7 @@ class RequestClient:
             if not open_streams:
                 del self._open[subject]
                 self._liveness.pop(subject, None)
+                self._probe_failures.clear(subject)
             if not finished:
                 with contextlib.suppress(nats.errors.Error):
                     await nc.publish(control, encode(Stop(request_id)))
@@ -276,9 +279,13 @@ class RequestClient:
         try:
             await self._nc.request(control_subject(subject), probe, timeout=self._probe_timeout)
         except nats.errors.NoRespondersError:
-            await self._cut(subject)
+            if self._probe_failures.failed(subject, time.monotonic()):
+                self._probe_failures.clear(subject)
+                await self._cut(subject)
         except (TimeoutError, nats.errors.Error):
             pass  # no answer in time: a hung worker, which the silence timeout deals with
+        else:
+            self._probe_failures.clear(subject)
         finally:
             self._probing.discard(subject)
 
@@ -289,7 +296,11 @@ class RequestClient:
         they arrive after every frame the worker sent before it died.
         """
         streams = list(self._open.get(subject, {}))
-        log.warning("instance %s is gone (its NATS connection closed): breaking %d stream(s)", subject, len(streams))
+        log.warning(
+            "instance %s is gone (nobody listens on its subject, its NATS connection closed): breaking %d stream(s)",
+            subject,
+            len(streams),
+        )
         frame = encode(Frame(CUT, 0, error=f"the worker {subject} is gone (its NATS connection closed)"))
         for reply_to in streams:
             with contextlib.suppress(nats.errors.Error):

@@ -1,4 +1,5 @@
-"""How a client tells a dead or hung worker from a slow one: each stream's silence watchdog."""
+"""How a client tells a dead or hung worker from a slow one: each stream's silence watchdog, and the
+rule that turns probes answered "no responders" into a verdict."""
 
 import asyncio
 import logging
@@ -12,6 +13,34 @@ from runtime.loop_bound import SingleReaderQueue
 from runtime.request_plane.wire import ERROR, NO_RESPONDERS, Frame, frame_decoder
 
 log = logging.getLogger(__name__)
+
+# Seconds of probes answered "no responders", back to back, before a worker counts as gone.
+DEFAULT_GONE_AFTER = 1.0
+
+
+class ProbeFailures:
+    """The probes of each instance that NATS answered "no responders" (nobody listens), since its last answer.
+
+    An instance counts as gone once such answers have come back to back for ``span`` seconds: a worker
+    whose NATS connection drops for half a second reconnects and answers again, and cutting its streams
+    at the first "no responders" would fail every one of them for a blip.
+    """
+
+    __slots__ = ("_first", "_span")
+
+    def __init__(self, span: float) -> None:
+        self._span = span
+        self._first: dict[str, float] = {}  # instance subject -> when its first unanswered probe came back
+
+    def failed(self, subject: str, now: float) -> bool:
+        """Count a "no responders" answer at ``now``; return whether the instance now counts as gone."""
+        first = self._first.setdefault(subject, now)
+        return now - first >= self._span
+
+    def clear(self, subject: str) -> None:
+        """Start afresh: the instance answered a probe (it is there), or its streams were cut or closed."""
+        self._first.pop(subject, None)
+
 
 # How many silence timeouts a worker is given to answer the probe that confirms a silence.
 LIVENESS_WAIT = 6
