@@ -30,6 +30,7 @@ shared cores, 2 threads); a conversation's cached turns are reused as before (fi
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from runtime.engine import RequestContext
-from runtime.errors import EngineError, ModelError
+from runtime.errors import EngineError, ModelError, RequestRejected
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,9 @@ class LlamaCppEngine:
         if len(request.token_ids) + request.stop_conditions.max_tokens > self.context_length:
             raise EngineError("the prompt plus max_tokens does not fit the llama.cpp context")
         loop = asyncio.get_running_loop()
+        grammar = (
+            await loop.run_in_executor(None, json_schema_grammar, request.json_schema) if request.json_schema else None
+        )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         async with self._lock:
             if context.stopped:
@@ -122,7 +126,7 @@ class LlamaCppEngine:
             def emit(item: Any) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-            job = loop.run_in_executor(self._executor, self._run, request, context, emit)
+            job = loop.run_in_executor(self._executor, self._run, request, context, emit, grammar)
             try:
                 while True:
                     item = await queue.get()
@@ -138,10 +142,12 @@ class LlamaCppEngine:
                     with contextlib.suppress(Exception):
                         await asyncio.shield(job)
 
-    def _run(self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None]) -> None:
+    def _run(
+        self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None], grammar: Any
+    ) -> None:
         """Generate on the worker thread, emitting EngineOutput items and then _END."""
         try:
-            self._generate_blocking(request, context, emit)
+            self._generate_blocking(request, context, emit, grammar)
         except Exception as exc:
             log.exception("llama.cpp failed on request %s", request.request_id)
             emit(EngineOutput([], "error"))
@@ -150,7 +156,7 @@ class LlamaCppEngine:
             emit(_END)
 
     def _generate_blocking(
-        self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None]
+        self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None], grammar: Any
     ) -> None:
         llama = self._llama
         stop = request.stop_conditions
@@ -163,7 +169,9 @@ class LlamaCppEngine:
             kwargs["logits_processor"] = _suppress_tokens_until(eos_ids, stop.min_tokens, len(request.token_ids))
         # llama-cpp-python 0.3's own sampler chain (penalties, then greedy or top-k/p + dist); its
         # ``generate`` would hide the chain, and the migrated tokens must enter its penalty window.
-        sampler = llama._init_sampler(**kwargs)
+        # The grammar (structured output) masks every token that would break the JSON schema; once the
+        # JSON is complete it allows only end-of-generation tokens, so the answer ends there.
+        sampler = llama._init_sampler(**kwargs, grammar=grammar)
         try:
             migrated = request.token_ids[len(request.token_ids) - request.migrated_tokens :]
             for token in migrated:
@@ -225,6 +233,23 @@ class LlamaCppEngine:
             emit(EngineOutput([token], None, cached))
             cached = None
             llama.eval([token])
+
+
+@functools.lru_cache(maxsize=64)
+def json_schema_grammar(schema: str) -> Any:
+    """llama.cpp's grammar for a JSON schema (JSON text), kept for the next request with the same schema.
+
+    Raises RequestRejected when llama.cpp's converter cannot express the schema (it supports most of
+    JSON Schema, not all: e.g. ``{"type": "bogus"}`` or a ``$ref`` to another document).
+    """
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    try:
+        return LlamaGrammar.from_json_schema(schema, verbose=False)
+    except Exception as exc:  # the converter raises assertions, ValueErrors, KeyErrors...
+        raise RequestRejected(
+            f"llama.cpp cannot turn this JSON schema into a grammar: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
-from runtime.errors import EngineError, EngineUnavailable, ModelError, PayloadTooLarge
+from runtime.errors import EngineError, EngineUnavailable, ModelError, PayloadTooLarge, RequestRejected
 from runtime.model_card import ModelCard
 from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
 
@@ -119,6 +119,7 @@ class TokenModel:
         self, request: SamplingFields, prompt_ids: list[int], *, keep_special_tokens: bool = False
     ) -> Generation:
         stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
+        schema = preprocessor.output_schema(request, model=self.name, structured_output=self.card.structured_output)
         request_id = _new_request_id()
         engine_request = PreprocessedRequest(
             request_id=request_id,
@@ -127,6 +128,7 @@ class TokenModel:
             sampling=preprocessor.sampling_options(request),
             stop_conditions=stop,
             eos_token_ids=self.card.eos_token_ids,
+            json_schema=schema,
         )
         skip_special = request.skip_special_tokens
         if skip_special is None:
@@ -232,6 +234,7 @@ class TextModel:
     ) -> TextRequest:
         # Without a tokenizer the prompt cannot be counted here: the engine checks its own context.
         stop = preprocessor.stop_conditions(request, 0, self.context_length or _UNBOUNDED_CONTEXT)
+        preprocessor.output_schema(request, model=self.name, structured_output=False)  # refuses JSON output
         return TextRequest(
             request_id=_new_request_id(),
             model=self.name,
@@ -313,6 +316,9 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: lis
     except PayloadTooLarge as exc:
         generation.finish_reason = "error"
         raise RequestTooLarge(str(exc)) from exc
+    except RequestRejected as exc:
+        generation.finish_reason = "error"
+        raise InvalidRequest(str(exc)) from exc
     except EngineError as exc:
         generation.finish_reason = "error"
         raise EngineFailed(str(exc)) from exc

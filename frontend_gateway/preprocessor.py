@@ -5,9 +5,10 @@ ContextLengthExceeded with the offending parameter named, before any response ha
 """
 
 import asyncio
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from frontend_gateway.errors import ContextLengthExceeded, InvalidRequest
 from frontend_gateway.openai_types import (
@@ -247,15 +248,60 @@ def refuse_unsupported(request: SamplingFields) -> None:
         raise InvalidRequest("top_logprobs are not supported yet; leave the field out", param="top_logprobs")
     if request.logit_bias:
         raise InvalidRequest("logit_bias is not supported yet; leave the field out", param="logit_bias")
-    if request.response_format is not None and request.response_format.get("type", "text") != "text":
-        raise InvalidRequest(
-            "structured output (response_format other than text) is not supported yet", param="response_format"
-        )
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise InvalidRequest("echo is not supported yet; leave the field out or set it to false", param="echo")
         if request.suffix:
             raise InvalidRequest("suffix (insertion) is not supported; leave the field out", param="suffix")
+
+
+class _JsonSchemaFormat(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class _ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+
+# json_object asks for any JSON object: as a schema, this one.
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def output_schema(request: SamplingFields, *, model: str, structured_output: bool) -> str | None:
+    """The JSON schema (as JSON text) that ``response_format`` asks the answer to follow; None: free text.
+
+    Raises InvalidRequest for a malformed response_format, and for one asking for JSON from a model
+    whose engine cannot constrain its output (it would answer free text that merely may be JSON).
+    """
+    if request.response_format is None:
+        return None
+    try:
+        response_format = msgspec.convert(request.response_format, _ResponseFormat)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        _, _, path = message.rpartition(" - at `$.")
+        param = "response_format." + path.rstrip("`") if path else "response_format"
+        raise InvalidRequest(f"invalid response_format: {message}", param=param) from exc
+    if response_format.type == "text":
+        return None
+    if not structured_output:
+        raise InvalidRequest(
+            f"model {model!r} cannot constrain its output to JSON (its engine has no structured output; "
+            "out=llamacpp has, by grammars); leave response_format out or set its type to text",
+            param="response_format",
+        )
+    if response_format.type == "json_object":
+        return _ANY_OBJECT
+    if response_format.json_schema is None:
+        raise InvalidRequest(
+            "response_format of type json_schema needs json_schema: {name, schema}", param="response_format.json_schema"
+        )
+    schema = response_format.json_schema.schema
+    return msgspec.json.encode(schema).decode() if schema else _ANY_OBJECT
 
 
 def sampling_options(request: SamplingFields) -> SamplingOptions:

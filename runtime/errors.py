@@ -41,6 +41,11 @@ class RequestPlaneUnavailable(FlotillaError):
     """NATS cannot be reached ("cannot reach NATS at ...; start it with `make services` or set NATS_SERVER")."""
 
 
+class RequestRejected(EngineError):
+    """The engine refused the request as one it cannot serve, e.g. a JSON schema it cannot turn into a
+    grammar (the gateway answers 400 with the engine's reason)."""
+
+
 class PayloadTooLarge(EngineError):
     """The engine refused the request as over its size limit (the gateway answers 413)."""
 

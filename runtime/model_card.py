@@ -48,6 +48,9 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     #: How the gateway finds tool calls in the answer (``hermes``, ``llama3_json``, ``mistral``);
     #: None: the model cannot be offered tools.
     tool_call_parser: str | None = None
+    #: Whether the engine can constrain its output to a JSON schema (``response_format``
+    #: ``json_object``/``json_schema``; llama.cpp by grammars). False: such requests are refused.
+    structured_output: bool = False
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -53,6 +53,9 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True):
     migrated_tokens: int = 0
     #: The data-parallel rank of the instance the router chose (KV routing); None: the engine picks.
     dp_rank: int | None = None
+    #: A JSON schema (as JSON text) the output must follow (``response_format``); only engines whose
+    #: card says ``structured_output`` are sent one. None: free text.
+    json_schema: str | None = None
 
 
 class EngineOutput(msgspec.Struct, omit_defaults=True):

@@ -86,7 +86,9 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
         ({**GOOD_CHAT, "stop": [1, 2]}, "stop[0]", "Expected `str`"),
         ({**GOOD_CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens", "exceeds max_tokens"),
         ({**GOOD_CHAT, "logprobs": True}, "logprobs", "not supported yet"),
-        ({**GOOD_CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+        ({**GOOD_CHAT, "response_format": {"type": "json_object"}}, "response_format", "cannot constrain"),
+        ({**GOOD_CHAT, "response_format": {"type": "json_schema"}}, "response_format", "cannot constrain"),
+        ({**GOOD_CHAT, "response_format": {"type": "yaml"}}, "response_format.type", "Invalid enum value 'yaml'"),
         (
             {"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
@@ -233,7 +235,7 @@ def test_fields_that_would_not_be_honoured_are_refused(
 
 
 def test_their_harmless_values_are_accepted(echo_full_server: Server) -> None:
-    harmless = {"logit_bias": {}, "logprobs": False, "stream_options": None}
+    harmless = {"logit_bias": {}, "logprobs": False, "stream_options": None, "response_format": {"type": "text"}}
     assert post(echo_full_server, CHAT, {**GOOD_CHAT, **harmless}).status_code == 200
     completion = {"model": "echo", "prompt": "hi", "echo": False, "best_of": 1, "suffix": ""}
     assert post(echo_full_server, "/v1/completions", completion).status_code == 200

@@ -1,0 +1,99 @@
+"""response_format json_object and json_schema on llama.cpp: the answer is held to the JSON (schema) by
+a grammar, through the official openai client; a schema llama.cpp cannot express is a 400."""
+
+import json
+from typing import Any
+
+import openai
+import pytest
+
+from tests.servers import Server, llama_cpp_available
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed (`make install`)"),
+]
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+PARIS: Any = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+CITY_SCHEMA: Any = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "capital",
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "London", "Berlin"]}, "sure": {"type": "boolean"}},
+            "required": ["city", "sure"],
+        },
+    },
+}
+
+
+@pytest.fixture
+def client(llamacpp_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
+
+
+def test_a_json_schema_answer_follows_the_schema(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=40, response_format=CITY_SCHEMA
+    )
+    answer = json.loads(reply.choices[0].message.content or "")
+    assert set(answer) == {"city", "sure"}
+    assert answer["city"] in ("Paris", "London", "Berlin") and isinstance(answer["sure"], bool)
+    assert reply.choices[0].finish_reason == "stop"  # the grammar ended the answer with the JSON
+
+
+def test_a_streamed_json_schema_answer_is_the_same_json(client: openai.OpenAI) -> None:
+    unary = client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=40, response_format=CITY_SCHEMA
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=40, response_format=CITY_SCHEMA, stream=True
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == unary.choices[0].message.content
+
+
+def test_json_object_makes_the_answer_open_a_json_object(client: openai.OpenAI) -> None:
+    question: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    free = client.chat.completions.create(model=MODEL, messages=question, temperature=0, max_tokens=12)
+    held = client.chat.completions.create(
+        model=MODEL, messages=question, temperature=0, max_tokens=12, response_format={"type": "json_object"}
+    )
+    assert not (free.choices[0].message.content or "").lstrip().startswith("{")  # what it says when free
+    assert (held.choices[0].message.content or "").lstrip().startswith("{")
+
+
+def test_completions_take_a_response_format_too(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France, as JSON:",
+        temperature=0,
+        max_tokens=40,
+        extra_body={"response_format": CITY_SCHEMA},
+    )
+    assert json.loads(reply.choices[0].text)["city"] in ("Paris", "London", "Berlin")
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param", "contains"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+            None,
+            "cannot turn this JSON schema into a grammar",
+        ),
+        ({"type": "json_schema"}, "response_format.json_schema", "needs json_schema"),
+        ({"type": "xml"}, "response_format.type", "Invalid enum value 'xml'"),
+    ],
+)
+def test_a_response_format_that_cannot_be_honoured_is_a_bad_request(
+    client: openai.OpenAI, response_format: Any, param: str | None, contains: str
+) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=contains) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=PARIS, max_tokens=5, response_format=response_format, stream=stream
+            )
+        assert caught.value.param == param
