@@ -52,6 +52,9 @@ import httpx
 import uvloop
 from _common import ServerProcess, free_port, percentile, running_server
 
+from controlplane.deployments import pipelines as pipeline_actions
+from controlplane.deployments import upkeep
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # The control plane's modules, and the servers the tests start (PostgreSQL, Redis), come from the tree.
@@ -159,8 +162,7 @@ def deploy_pipelines(nodes: int, gpus: int) -> list[int]:
     from controlplane.audit.records import Actor
     from controlplane.catalog import actions as catalog
     from controlplane.catalog.models import LanguageModel
-    from controlplane.deployments import actions as deployments
-    from controlplane.deployments.actions import GroupSpec
+    from controlplane.deployments.pipelines import GroupSpec
 
     actor = Actor.system("bench")
     shapes = [  # (name, memory need, GPUs per replica, share of the fleet's GPUs)
@@ -180,14 +182,14 @@ def deploy_pipelines(nodes: int, gpus: int) -> list[int]:
             memory_bytes=memory,
         )
         replicas = max(1, int(nodes * gpus * share / (per_replica if gpus else 1)))
-        pipeline = deployments.deploy_pipeline(
+        pipeline = pipeline_actions.deploy_pipeline(
             actor,
             name=name,
             model=model,
             groups=[GroupSpec(replicas=replicas, gpus_per_replica=per_replica if gpus else 0)],
         )
         ids.append(pipeline.pk)
-    deployments.place_pending_instances(actor)
+    upkeep.place_pending_instances(actor)
     connections.close_all()
     return ids
 

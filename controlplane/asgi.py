@@ -19,7 +19,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # a small API call, one request at a time (docs/benchmarks.md).
 http_application = WsgiToAsgi(get_wsgi_application())
 
-from controlplane.fleet.log_tail import log_tail_timeout_s  # noqa: E402
+from controlplane.deployments.log_tail import log_tail_timeout_s  # noqa: E402
 from controlplane.live.routing import websocket_application  # noqa: E402
 
 

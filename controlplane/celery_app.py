@@ -11,8 +11,9 @@ Run it as ``celery -A controlplane.celery_app worker -Q controlplane`` plus ``ce
 controlplane.celery_app beat`` (or ``worker -B`` for one process). ``manage.py reconcile`` runs the same
 pass without Celery.
 
-Actions that change desired state call ``request_reconcile()``: a pass runs right after their commit
-instead of up to one interval later. When no broker answers, that is logged and dropped; beat comes anyway.
+Actions that change desired state call ``controlplane.reconcile_requests.request_reconcile()``, whose sender
+is ``send_reconcile_request`` here: a pass runs right after their commit instead of up to one interval
+later. When no broker answers, that is logged and dropped; beat comes anyway.
 """
 
 import logging
@@ -20,7 +21,6 @@ import os
 from pathlib import Path
 
 from celery import Celery
-from django.db import transaction
 from kombu.exceptions import OperationalError
 from kombu.utils.url import maybe_sanitize_url
 
@@ -97,11 +97,6 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
 
 
 app = create_app()
-
-
-def request_reconcile() -> None:
-    """Ask for a reconciler pass once the current transaction commits (at once outside of one)."""
-    transaction.on_commit(lambda: send_reconcile_request(app))
 
 
 def send_reconcile_request(celery: Celery) -> bool:

@@ -159,8 +159,8 @@ SPECTACULAR_SETTINGS = {
     # Several records have a "state" with their own choices: name each set after its record.
     "ENUM_NAME_OVERRIDES": {
         "NodeStateEnum": "controlplane.fleet.models.Node.State",
-        "InstanceStateEnum": "controlplane.fleet.models.InstanceState",
-        "ReportedInstanceStateEnum": "controlplane.fleet.actions.AGENT_REPORTABLE_CHOICES",
+        "InstanceStateEnum": "controlplane.deployments.instance_states.InstanceState",
+        "ReportedInstanceStateEnum": "controlplane.deployments.instances.AGENT_REPORTABLE_CHOICES",
         "DownloadStateEnum": "controlplane.fleet.models.Download.State",
         "PipelineStateEnum": "controlplane.deployments.models.Pipeline.State",
     },

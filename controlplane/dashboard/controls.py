@@ -22,11 +22,13 @@ from controlplane.audit.records import Actor
 from controlplane.dashboard import partials
 from controlplane.dashboard.access import ACT_ROLE, role_required
 from controlplane.dashboard.forms import ScaleForm
-from controlplane.deployments import actions as deployment_actions
-from controlplane.deployments.models import Pipeline
+from controlplane.deployments import evacuation
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments import pipelines as pipeline_actions
+from controlplane.deployments.models import Instance, Pipeline
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import Instance, Node
+from controlplane.fleet.models import Node
 
 
 @role_required(ACT_ROLE)
@@ -41,7 +43,7 @@ def pipeline_scale(request: HttpRequest, pk: int) -> HttpResponseBase:
     replicas = form.cleaned_data["replicas"]
     return _act(
         request,
-        lambda actor: deployment_actions.scale_pipeline(actor, pipeline, replicas, role),
+        lambda actor: pipeline_actions.scale_pipeline(actor, pipeline, replicas, role),
         lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} scaled to {replicas}."),
         lambda note, status: _pipeline_answer(request, pipeline, f"Not scaled: {note}", status=status),
     )
@@ -53,7 +55,7 @@ def pipeline_stop(request: HttpRequest, pk: int) -> HttpResponseBase:
     pipeline = get_object_or_404(Pipeline, pk=pk)
     return _act(
         request,
-        lambda actor: deployment_actions.stop_pipeline(actor, pipeline),
+        lambda actor: pipeline_actions.stop_pipeline(actor, pipeline),
         lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} stopped."),
         lambda note, status: _pipeline_answer(request, pipeline, note, status=status),
     )
@@ -65,7 +67,7 @@ def pipeline_start(request: HttpRequest, pk: int) -> HttpResponseBase:
     pipeline = get_object_or_404(Pipeline, pk=pk)
     return _act(
         request,
-        lambda actor: deployment_actions.start_pipeline(actor, pipeline),
+        lambda actor: pipeline_actions.start_pipeline(actor, pipeline),
         lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} started."),
         lambda note, status: _pipeline_answer(request, pipeline, note, status=status),
     )
@@ -82,7 +84,7 @@ def instance_restart(request: HttpRequest, pk: int) -> HttpResponseBase:
 
     return _act(
         request,
-        lambda actor: fleet_actions.restart_instance(actor, instance),
+        lambda actor: instance_actions.restart_instance(actor, instance),
         lambda: answer(f"{instance.name} is restarting."),
         answer,
     )
@@ -98,7 +100,7 @@ def node_drain(request: HttpRequest, pk: int) -> HttpResponseBase:
         done = f"{node.name} is draining: its instances were stopped; their replacements wait for room."
     return _act(
         request,
-        lambda actor: fleet_actions.drain_node(actor, node, force=force),
+        lambda actor: evacuation.drain_node(actor, node, force=force),
         lambda: _node_answer(request, node, done),
         # A refusal for stranded pipelines offers "Drain anyway", which says what it stops.
         lambda note, status: _node_answer(request, node, note, status=status, offer_forced_drain=status == 409),
@@ -122,7 +124,7 @@ def node_uncordon(request: HttpRequest, pk: int) -> HttpResponseBase:
 @role_required(ACT_ROLE)
 @require_POST
 def node_undrain(request: HttpRequest, pk: int) -> HttpResponseBase:
-    return _node_intent(request, pk, fleet_actions.undrain_node, "New instances may be placed on {name} again.")
+    return _node_intent(request, pk, evacuation.undrain_node, "New instances may be placed on {name} again.")
 
 
 def _node_intent(request: HttpRequest, pk: int, action: Callable[[Actor, Node], Node], done: str) -> HttpResponseBase:

@@ -14,15 +14,15 @@ from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.engines import Engine
 from controlplane.catalog.models import LanguageModel, validate_model_name
-from controlplane.deployments import actions as deployment_actions
-from controlplane.deployments.actions import (
+from controlplane.deployments import pipelines as pipeline_actions
+from controlplane.deployments.models import Pipeline, PlacementPolicy, RouterMode, WorkerGroup, validate_served_name
+from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
     MAX_REPLICAS,
     MAX_ROUTER_TEMPERATURE,
     MAX_ROUTER_WEIGHT,
     GroupSpec,
 )
-from controlplane.deployments.models import Pipeline, PlacementPolicy, RouterMode, WorkerGroup, validate_served_name
 from controlplane.errors import Conflict, Invalid
 from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
@@ -147,7 +147,7 @@ class PipelineForm(ActionForm):
             engine_args=data["engine_args"],
         )
         try:
-            return deployment_actions.deploy_pipeline(
+            return pipeline_actions.deploy_pipeline(
                 actor,
                 name=data["name"],
                 model=data["model"],

@@ -1,13 +1,13 @@
 """An instance's log tail for the pipeline page: what GET /api/v1/instances/{id}/log/ answers, as text.
 
-It asks the node's agent with the API's own code (controlplane/fleet/log_tail.py), and the page shows
+It asks the node's agent with the API's own code (controlplane/deployments/log_tail.py), and the page shows
 each of the API's refusals (409 not placed, 503 node offline or silent, 502 agent error) as a sentence
 instead of an error page.
 """
 
+from controlplane.deployments.log_tail import DEFAULT_LOG_LINES, LogTail, log_tail
+from controlplane.deployments.log_tail import parse_lines as parse_api_lines
 from controlplane.errors import Invalid
-from controlplane.fleet.log_tail import DEFAULT_LOG_LINES, LogTail, log_tail
-from controlplane.fleet.log_tail import parse_lines as parse_api_lines
 
 __all__ = ["DEFAULT_LINES", "LogTail", "log_tail", "parse_lines"]
 

@@ -34,8 +34,7 @@ from django.utils.html import format_html
 
 from controlplane.audit.models import AuditEntry
 from controlplane.dashboard import queries
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import Instance
+from controlplane.deployments.models import Instance, Pipeline
 
 # The element live audit entries are put at the top of (the overview's recent events).
 AUDIT_FEED_ID = "audit-feed"

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from django.db.models import Count, Prefetch, QuerySet
 
 from controlplane.catalog.models import LanguageModel
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import LIVE_STATES, Download, Gpu, Instance, InstanceState, Node
+from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
+from controlplane.deployments.models import Instance, Pipeline
+from controlplane.fleet.models import Download, Gpu, Node
 
 # Instances that no longer count: the page lists them only on the pipeline's own page.
 _GONE = (InstanceState.STOPPED, InstanceState.STOPPING)

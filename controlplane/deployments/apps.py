@@ -4,4 +4,10 @@ from django.apps import AppConfig
 class DeploymentsConfig(AppConfig):
     name = "controlplane.deployments"
     label = "deployments"
-    verbose_name = "Deployments: pipelines"
+    verbose_name = "Deployments: pipelines, their instances and the reconciler"
+
+    def ready(self) -> None:
+        # Actions ask for reconciler passes through this one hook; Celery carries them.
+        from controlplane import celery_app, reconcile_requests
+
+        reconcile_requests.set_sender(lambda: celery_app.send_reconcile_request(celery_app.app))

@@ -6,9 +6,9 @@ deployment actions (placing pending instances) build it one way, without importi
 
 from collections import Counter
 
+from controlplane.deployments.instance_states import LIVE_STATES
 from controlplane.deployments.models import WorkerGroup
 from controlplane.deployments.placement import Demand
-from controlplane.fleet.models import LIVE_STATES
 
 
 def group_demand(group: WorkerGroup, count: int) -> Demand:

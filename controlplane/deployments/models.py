@@ -1,12 +1,18 @@
-"""Pipelines: a served model name, its worker groups, its router settings and its placement policy."""
+"""Pipelines (a served model name, its worker groups, its router settings and its placement policy), the
+instances that run them on nodes, and the lease that keeps the reconciler's passes apart."""
 
+import contextlib
+import datetime
 import re
 from typing import ClassVar
 
 from django.core.validators import RegexValidator
-from django.db import models
+from django.db import IntegrityError, models, transaction
+from django.db.models import Q
 
 from controlplane.catalog.engines import Engine
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.fleet.models import Node
 from runtime.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
 from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
@@ -113,3 +119,147 @@ class WorkerGroup(models.Model):
     @property
     def endpoint(self) -> str:
         return f"{SCHEME}{self.pipeline.namespace}.{self.component}.{DEFAULT_ENDPOINT}"
+
+
+class Instance(models.Model):
+    """One worker process of a pipeline's worker group: desired by an action, run by a node's agent.
+
+    ::
+
+                       (forward skips allowed)
+        pending ──► downloading ──► starting ──► ready
+           │             │              │          │
+           │             └──────────────┴────┬─────┘
+           │                                 ▼
+           │                              stopping ──► stopped  (final)
+           │                                 │
+           │                                 └──► pending  (stopped to be restarted in place)
+           └──► stopping, or stopped when it never started (nothing to stop)
+
+        pending … stopping ──► failed (with a reason) ──► pending  (restart)
+                                                    └──► stopped  (not wanted any more)
+
+    The same moves as a list (a test holds it to ``TRANSITIONS``)::
+
+        pending     → downloading, failed, ready, starting, stopped, stopping
+        downloading → failed, ready, starting, stopping
+        starting    → failed, ready, stopping
+        ready       → failed, stopping
+        stopping    → failed, pending, stopped
+        failed      → pending, stopped
+        stopped     → (final)
+
+    ``pending`` with no node means "not placed yet" (``reason`` says why, when placement failed); the
+    reconciler places it and dispatches it to the node's agent, which reports every later state.
+    ``stopped`` is final. ``restart_requested`` turns the agent's "stopped" into ``pending`` again.
+
+    ``dispatched_at`` is when the reconciler last sent the agent the task the current state needs (start
+    for a placed pending instance, stop for a stopping one) and ``dispatches`` how often it did; every
+    state change clears both. ``restarts`` counts every start after the first and is the ``attempt`` an
+    agent sees and names in its reports. ``failure_streak`` counts the failures since the instance last
+    ran well; it sets the restart backoff and the give-up point. ``gave_up`` marks a failed instance the
+    reconciler no longer restarts: past its restarts, or failed for a reason retrying cannot fix (its
+    node and GPUs are then let go).
+    """
+
+    State = InstanceState
+
+    pipeline = models.ForeignKey(Pipeline, on_delete=models.CASCADE, related_name="instances")
+    group = models.ForeignKey(WorkerGroup, on_delete=models.CASCADE, related_name="instances")
+    replica = models.PositiveIntegerField()  # ordinal within the group, never reused
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="instances")
+    gpu_indexes = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=12, choices=InstanceState.choices, default=InstanceState.PENDING)
+    reason = models.TextField(blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    endpoint_instance_id = models.BigIntegerField(null=True, blank=True)  # the worker's id in etcd (63 bits)
+    restarts = models.PositiveIntegerField(default=0)
+    restart_requested = models.BooleanField(default=False)
+    failure_streak = models.PositiveIntegerField(default=0)
+    # Failed for good: past max_restarts, or a failure retrying cannot fix. Only a person's restart revives it.
+    gave_up = models.BooleanField(default=False)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    dispatches = models.PositiveIntegerField(default=0)  # tasks sent for the current state, unanswered
+    generation = models.PositiveIntegerField(default=1)  # its group's configuration when it was (re)started
+    # The instance this one replaces (a drain, a restart that must not drop the only replica): that one is
+    # stopped once this one is ready.
+    replaces = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replacements")
+    download_progress = models.FloatField(null=True, blank=True)  # 0..1 while downloading
+    created_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        # The tables keep the names they had while the fleet app held these models (migration 0004 moved
+        # them without touching the database).
+        db_table = "fleet_instance"
+        ordering: ClassVar = ["id"]
+        indexes: ClassVar = [models.Index(fields=["state", "node"]), models.Index(fields=["group", "state"])]
+        constraints: ClassVar = [
+            models.UniqueConstraint(fields=["group", "replica"], name="unique_replica_per_group"),
+            models.CheckConstraint(
+                name="instance_state_is_known", condition=Q(state__in=[value for value, _ in InstanceState.choices])
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def name(self) -> str:
+        """``<pipeline namespace>-<role>-<replica>``: stable, readable, unique."""
+        return f"{self.pipeline.namespace}-{self.group.role}-{self.replica}"
+
+
+class Lease(models.Model):
+    """A named lease that one process at a time holds until ``expires_at``: the reconciler's pass lock.
+
+    Taking it is one conditional update (free, expired, or ours already), so it works the same on SQLite
+    and PostgreSQL and frees itself when its holder dies. ``rerun_requested`` is set by whoever found it
+    taken, so that the holder runs once more instead of the request being lost. Not audited: it is
+    coordination between processes, not desired state.
+    """
+
+    name = models.CharField(max_length=64, unique=True)
+    holder = models.CharField(max_length=255, blank=True)
+    expires_at = models.DateTimeField()
+    rerun_requested = models.BooleanField(default=False)
+
+    class Meta:
+        db_table = "fleet_lease"
+        ordering: ClassVar = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} held by {self.holder or 'nobody'} until {self.expires_at.isoformat()}"
+
+    @classmethod
+    def acquire(cls, name: str, holder: str, now: datetime.datetime, ttl: datetime.timedelta) -> bool:
+        """Take (or renew) lease ``name`` for ``holder`` until ``now + ttl``. When another holds it, ask
+        that holder to run once more and return False."""
+        with contextlib.suppress(IntegrityError), transaction.atomic():
+            cls.objects.get_or_create(name=name, defaults={"expires_at": now})
+        for _ in range(2):
+            free_or_ours = Q(expires_at__lte=now) | Q(holder=holder)
+            if cls.objects.filter(free_or_ours, name=name).update(
+                holder=holder, expires_at=now + ttl, rerun_requested=False
+            ):
+                return True
+            # Still held: the flag is set only on a held lease, else its release may have crossed our try.
+            if cls.objects.filter(name=name, expires_at__gt=now).exclude(holder=holder).update(rerun_requested=True):
+                return False
+        return False
+
+    @classmethod
+    def extend(cls, name: str, holder: str, now: datetime.datetime, ttl: datetime.timedelta) -> bool:
+        """Renew ``holder``'s lease; False when it expired and someone else took it."""
+        return bool(cls.objects.filter(name=name, holder=holder).update(expires_at=now + ttl))
+
+    @classmethod
+    def release(cls, name: str, holder: str, now: datetime.datetime) -> bool:
+        """Let go of ``holder``'s lease, unless a rerun was asked for meanwhile: then the flag is cleared
+        and False says "run again" (the lease is still held)."""
+        if cls.objects.filter(name=name, holder=holder, rerun_requested=True).update(rerun_requested=False):
+            return False
+        cls.objects.filter(name=name, holder=holder, rerun_requested=False).update(holder="", expires_at=now)
+        # Still ours only if a rerun request landed between the two updates.
+        return not cls.objects.filter(name=name, holder=holder).exists()

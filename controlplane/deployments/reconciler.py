@@ -56,14 +56,15 @@ from django.db.models import Q
 
 from controlplane.audit.records import Actor
 from controlplane.database import db_now
-from controlplane.deployments.actions import keep_replica_counts, place_pending_instances, roll_out_updates
+from controlplane.deployments import evacuation, upkeep
 from controlplane.deployments.dispatch import Dispatcher, DispatchError
-from controlplane.deployments.models import Pipeline
+from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
+from controlplane.deployments.models import Instance, Lease, Pipeline
 from controlplane.deployments.placement import Placement
 from controlplane.deployments.worker_specs import start_message, stop_message
 from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import LIVE_STATES, Instance, InstanceState, Lease, Node
+from controlplane.fleet.models import Node
 from controlplane.health.records import record_pass
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
@@ -270,13 +271,13 @@ class Reconciler:
         self._renew()
         self.fail_overdue(report)
         self._renew()
-        report.retired += fleet_actions.retire_replaced_instances(ACTOR)
+        report.retired += evacuation.retire_replaced_instances(ACTOR)
         self._renew()
         self.restart_failed(report)
         self._renew()
-        report.replaced += len(keep_replica_counts(ACTOR))
+        report.replaced += len(upkeep.keep_replica_counts(ACTOR))
         self._renew()
-        report.rolled += roll_out_updates(ACTOR)
+        report.rolled += upkeep.roll_out_updates(ACTOR)
         self._renew()
         self.place(report)
         self._renew()
@@ -308,7 +309,7 @@ class Reconciler:
             report.evictions_held = "etcd cannot say which of their workers are alive"
             return
         for node in due:
-            lost = fleet_actions.evacuate_offline_node(ACTOR, node, spare_workers=alive)
+            lost = evacuation.evacuate_offline_node(ACTOR, node, spare_workers=alive)
             report.instances_lost += len(lost)
             report.fenced += self.fence(node, [i.endpoint_instance_id for i in lost if i.endpoint_instance_id])
             spared = list(
@@ -404,13 +405,13 @@ class Reconciler:
                 f"node {node.name}'s agent took none of {instance.dispatches} starts sent over {waited:g} s (it "
                 f"heartbeats, but does not consume its task queue node.{node.name}: see its log)"
             )
-            report.overdue += fleet_actions.fail_overdue_instance(ACTOR, instance, reason)
+            report.overdue += upkeep.fail_overdue_instance(ACTOR, instance, reason)
         for instance in stalled.order_by("id"):
             reason = f"its download reported no progress for {settings.download_stall_s:g} s"
-            report.overdue += fleet_actions.fail_overdue_instance(ACTOR, instance, reason)
+            report.overdue += upkeep.fail_overdue_instance(ACTOR, instance, reason)
         for instance in slow.order_by("id"):
             reason = f"its worker did not become ready within {settings.start_deadline_s:g} s of starting"
-            report.overdue += fleet_actions.fail_overdue_instance(ACTOR, instance, reason)
+            report.overdue += upkeep.fail_overdue_instance(ACTOR, instance, reason)
 
     def restart_failed(self, report: PassReport) -> None:
         """Step 2: failed instances back to pending once their backoff passed, or given up."""
@@ -423,13 +424,13 @@ class Reconciler:
             .exclude(replacements__state__in=LIVE_STATES)
         )
         for instance in failed.filter(failure_streak__gt=limit, gave_up=False).order_by("id"):
-            report.gave_up += fleet_actions.give_up_instance(ACTOR, instance, limit)
+            report.gave_up += upkeep.give_up_instance(ACTOR, instance, limit)
         for instance in failed.filter(failure_streak__lte=limit, gave_up=False).order_by("id"):
             due = instance.state_changed_at + timedelta(seconds=self.settings.backoff_s(instance.failure_streak))
             if due > now:
                 continue
             try:
-                fleet_actions.restart_failed_instance(ACTOR, instance)
+                upkeep.restart_failed_instance(ACTOR, instance)
             except Conflict:  # an agent's report or a person moved it meanwhile: look again next pass
                 continue
             report.restarted += 1
@@ -437,7 +438,7 @@ class Reconciler:
     def place(self, report: PassReport) -> None:
         """Step 3: pending instances onto nodes that fit."""
         waiting = 0
-        for group, result in place_pending_instances(ACTOR):
+        for group, result in upkeep.place_pending_instances(ACTOR):
             report.placed += len(result.replicas) if isinstance(result, Placement) else len(result.placed)
             if not isinstance(result, Placement):
                 waiting += group.instances.filter(state=InstanceState.PENDING, node__isnull=True).count()
@@ -482,7 +483,7 @@ class Reconciler:
         else:
             start = start_message(instance)
             send = partial(self.dispatcher.start_instance, node.name, start, expires_s=expires_s)
-        return fleet_actions.dispatch_instance(ACTOR, instance, task, send, now)
+        return upkeep.dispatch_instance(ACTOR, instance, task, send, now)
 
     @property
     def _lease_ttl(self) -> timedelta:

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from controlplane.catalog.models import LanguageModel
-from controlplane.fleet.models import Gpu, Instance
+from controlplane.deployments.models import Instance
+from controlplane.fleet.models import Gpu
 from runtime.addressing import DEFAULT_ENDPOINT
 from runtime.engine_names import ENGINES_WITHOUT_FILES, SETTINGS_FILE_ENGINES
 from runtime.fleet_tasks import (
@@ -43,7 +44,7 @@ def start_message(instance: Instance) -> StartInstance:
         model_name=pipeline.name,
         component=group.component,
         endpoint=DEFAULT_ENDPOINT,
-        engine_args=engine_argv(group.engine, {**model.default_engine_args, **group.engine_args}),
+        engine_args=engine_argv(group.engine, merged_engine_args(instance)),
         gpu_indexes=[int(index) for index in instance.gpu_indexes],
         gpu_uuids=gpu_uuids(instance),
         gpu_memory_bytes=gpu_memory_bytes(model.memory_bytes, group.gpus_per_replica),
@@ -59,6 +60,11 @@ def start_message(instance: Instance) -> StartInstance:
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)
     return StartInstance(spec=spec, source=source, attempt=instance.restarts, node=instance.node.name)
+
+
+def merged_engine_args(instance: Instance) -> dict[str, Any]:
+    """The instance's engine args: its model's defaults with its group's laid over them."""
+    return {**instance.pipeline.model.default_engine_args, **instance.group.engine_args}
 
 
 def gpu_uuids(instance: Instance) -> list[str]:

@@ -1,4 +1,5 @@
-"""What agents report, as plain data the fleet actions take (the API validates, then builds these)."""
+"""What agents report about their nodes, as plain data the fleet actions take (the API validates, then builds
+these). Their reports about instances are ``controlplane.deployments.reports``."""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,21 +39,6 @@ class NodeReport:
                 [gpu.index, gpu.name, gpu.uuid, gpu.memory_total_bytes] for gpu in sorted(self.gpus, key=_by_index)
             ],
         }
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceReport:
-    """An agent's news about one instance: its state and what it knows about the process."""
-
-    state: str
-    reason: str = ""
-    pid: int | None = None
-    endpoint_instance_id: int | None = None
-    download_progress: float | None = None
-    #: The start this report is about (the instance's ``restarts`` when it was sent); None: not said.
-    attempt: int | None = None
-    #: With "failed": retrying cannot fix it (a bad argument, a repository that does not exist).
-    permanent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,8 +32,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from controlplane.celery_app import reconcile_interval_s
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import LEASE_NAME
-from controlplane.fleet.models import Instance, InstanceState, Node
+from controlplane.fleet.models import Node
 from controlplane.health.checks import as_seconds, late_after_s
 from controlplane.health.models import PASS_BUCKETS_S, ReconcilerPass
 from runtime.errors import ConfigError

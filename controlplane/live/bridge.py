@@ -31,7 +31,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from controlplane.dashboard.partials import render_instance_load
-from controlplane.fleet.models import Instance, InstanceState
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance
 from controlplane.live.groups import html, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from runtime.errors import FlotillaError

@@ -32,8 +32,9 @@ from django.db.models.signals import post_delete, post_save
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import entry_committed
 from controlplane.catalog.models import LanguageModel
-from controlplane.deployments.models import Pipeline, WorkerGroup
-from controlplane.fleet.models import Download, Gpu, Instance, InstanceState, Node
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
+from controlplane.fleet.models import Download, Gpu, Node
 from controlplane.live.groups import AUDIT, DOWNLOADS, FLEET_LIST, MODELS, NODES, PIPELINES, Kind, pipeline_group
 from controlplane.live.publisher import Publisher
 

@@ -45,16 +45,16 @@ NODE = "node-a"
 GIB = 1 << 30
 PLACE = (
     "from controlplane.audit.records import Actor;"
-    "from controlplane.deployments.actions import place_pending_instances;"
+    "from controlplane.deployments.upkeep import place_pending_instances;"
     "place_pending_instances(Actor.system('tests'))"
 )
 # What the control plane does to a silent node's instance after FLOTILLA_NODE_EVICT_S: fail it, place it elsewhere.
 MOVE_AWAY = (
-    "from controlplane.fleet.models import Instance;"
+    "from controlplane.deployments.models import Instance;"
     "Instance.objects.filter(pk={id}).update(node=None, gpu_indexes=[], state='pending', restarts=1)"
 )
 FAIL = (
-    "from controlplane.fleet.models import Instance;"
+    "from controlplane.deployments.models import Instance;"
     "Instance.objects.filter(pk={id}).update(state='failed', reason='{why}')"
 )
 

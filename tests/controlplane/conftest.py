@@ -6,7 +6,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role
-from controlplane.fleet import log_tail
+from controlplane.deployments import log_tail
 from tests.controlplane.factories import agent_token, make_user, person_token
 from tests.controlplane.reconciling import RecordingDispatcher
 

@@ -9,12 +9,16 @@ from controlplane.accounts.models import Role, User
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
-from controlplane.deployments import actions as deployment_actions
-from controlplane.deployments.actions import GroupSpec
-from controlplane.deployments.models import Pipeline
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments import pipelines as pipeline_actions
+from controlplane.deployments import upkeep
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance, Pipeline
+from controlplane.deployments.pipelines import GroupSpec
+from controlplane.deployments.reports import InstanceReport
 from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import Instance, InstanceState, Node
-from controlplane.fleet.reports import GpuReport, InstanceReport, NodeReport
+from controlplane.fleet.models import Node
+from controlplane.fleet.reports import GpuReport, NodeReport
 
 GiB = 1 << 30
 TEST_ACTOR = Actor.system("tests")
@@ -82,7 +86,7 @@ def deploy(
 ) -> Pipeline:
     model = model or make_model(f"{name}-model".replace("/", "-"))
     spec = GroupSpec(replicas=replicas, gpus_per_replica=gpus_per_replica)
-    return deployment_actions.deploy_pipeline(TEST_ACTOR, name=name, model=model, groups=[spec], **settings)
+    return pipeline_actions.deploy_pipeline(TEST_ACTOR, name=name, model=model, groups=[spec], **settings)
 
 
 def run_instance(instance: Instance, state: str = InstanceState.READY) -> Instance:
@@ -92,12 +96,14 @@ def run_instance(instance: Instance, state: str = InstanceState.READY) -> Instan
     others = Instance.objects.exclude(pk=instance.pk).aggregate(last=Max("endpoint_instance_id"))["last"]
     worker_id = instance.endpoint_instance_id or (0xABC if others is None else max(others + 1, 0xABC))
     report = InstanceReport(state=state, pid=4242, endpoint_instance_id=worker_id)
-    return fleet_actions.report_instance_state(Actor.agent(instance.node.name), instance.node.name, instance.pk, report)
+    return instance_actions.report_instance_state(
+        Actor.agent(instance.node.name), instance.node.name, instance.pk, report
+    )
 
 
 def placed_instance() -> Instance:
     """One instance of a pipeline "chat" (1 GPU), placed on node gpu-a (one 80 GiB GPU)."""
     make_node("gpu-a", (80,))
     deploy("chat", gpus_per_replica=1)
-    deployment_actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     return Instance.objects.get()

@@ -11,9 +11,8 @@ from django.apps import apps
 from django.test import Client
 
 from controlplane.accounts.models import Role
-from controlplane.deployments import actions as deployment_actions
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import Instance
+from controlplane.deployments import upkeep
+from controlplane.deployments.models import Instance, Pipeline
 from controlplane.live.layer import channel_layers
 from controlplane.live.publisher import Publisher
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, make_user
@@ -60,7 +59,7 @@ def two_placed_pipelines() -> TwoPipelines:
     """Pipelines "alpha" and "beta", one CPU replica each, placed on node gpu-a (sync)."""
     make_node("gpu-a")
     a, b = deploy("alpha"), deploy("beta")
-    deployment_actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     return TwoPipelines(a, b, a.instances.get(), b.instances.get())
 
 

@@ -8,10 +8,10 @@ from typing import Any
 from django.utils import timezone
 
 from controlplane.audit.records import Actor
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import Reconciler, ReconcilerSettings
-from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import Instance
-from controlplane.fleet.reports import InstanceReport
+from controlplane.deployments.reports import InstanceReport
 from runtime.fleet_tasks import (
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
@@ -94,7 +94,7 @@ def agent_reports(instance: Instance, state: str, reason: str = "", *, worker_id
     report = InstanceReport(
         state=state, reason=reason, pid=4242 if state == "ready" else None, endpoint_instance_id=worker_id
     )
-    return fleet_actions.report_instance_state(Actor.agent(node), node, instance.pk, report)
+    return instance_actions.report_instance_state(Actor.agent(node), node, instance.pk, report)
 
 
 def _instance_id(message: StartInstance | StopInstance | LogTailRequest) -> int:

@@ -7,7 +7,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane.audit.models import AuditEntry
-from controlplane.deployments.actions import place_pending_instances
+from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet.models import Node
 from tests.controlplane.factories import TEST_ACTOR, make_model
 

@@ -6,8 +6,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from controlplane.deployments.actions import place_pending_instances
-from controlplane.fleet.models import Instance
+from controlplane.deployments.models import Instance
+from controlplane.deployments.upkeep import place_pending_instances
 from tests.controlplane.factories import TEST_ACTOR, agent_token, deploy, make_model, make_node
 
 pytestmark = pytest.mark.django_db

@@ -8,8 +8,10 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
-from controlplane.deployments.actions import place_pending_instances, stop_pipeline
-from controlplane.fleet.actions import drain_node, register_node
+from controlplane.deployments.evacuation import drain_node
+from controlplane.deployments.pipelines import stop_pipeline
+from controlplane.deployments.upkeep import place_pending_instances
+from controlplane.fleet.actions import register_node
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, node_report, run_instance
 
 pytestmark = pytest.mark.django_db

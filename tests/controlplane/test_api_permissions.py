@@ -8,8 +8,9 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane.accounts.models import ApiToken, Role, User
-from controlplane.deployments.actions import place_pending_instances, stop_pipeline
-from controlplane.fleet.actions import drain_node
+from controlplane.deployments.evacuation import drain_node
+from controlplane.deployments.pipelines import stop_pipeline
+from controlplane.deployments.upkeep import place_pending_instances
 from tests.controlplane.factories import TEST_ACTOR, agent_token, deploy, make_model, make_node, run_instance
 
 pytestmark = pytest.mark.django_db

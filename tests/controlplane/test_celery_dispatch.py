@@ -14,10 +14,10 @@ from rest_framework.test import APIClient
 
 from controlplane import celery_app
 from controlplane.celery_app import RECONCILE_TASK, create_app, send_reconcile_request
-from controlplane.deployments.actions import place_pending_instances
 from controlplane.deployments.dispatch import CeleryDispatcher, DispatchError
+from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import Reconciler, ReconcilerSettings
-from controlplane.fleet.models import Instance
+from controlplane.deployments.upkeep import place_pending_instances
 from runtime.fleet_tasks import (
     CONTROL_PLANE_QUEUE,
     TASK_LOG_TAIL,

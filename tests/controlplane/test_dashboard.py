@@ -5,9 +5,10 @@ from django.test import Client
 
 from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
-from controlplane.deployments.actions import place_pending_instances
+from controlplane.deployments.models import Instance
+from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet.actions import report_download
-from controlplane.fleet.models import Download, Instance
+from controlplane.fleet.models import Download
 from controlplane.fleet.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, make_user, run_instance
 

@@ -8,7 +8,7 @@ from controlplane.accounts.models import Role
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.dashboard.audit_log import PAGE_SIZE
-from controlplane.deployments.actions import scale_pipeline
+from controlplane.deployments.pipelines import scale_pipeline
 from tests.controlplane.factories import deploy, make_node
 from tests.controlplane.test_dashboard import logged_in
 

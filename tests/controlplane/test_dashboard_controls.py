@@ -10,9 +10,10 @@ from django.test import Client
 
 from controlplane.accounts.models import Role
 from controlplane.audit.models import AuditEntry
-from controlplane.deployments.actions import place_pending_instances
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import Instance, InstanceState, Node
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance, Pipeline
+from controlplane.deployments.upkeep import place_pending_instances
+from controlplane.fleet.models import Node
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, run_instance
 from tests.controlplane.test_dashboard import logged_in
 

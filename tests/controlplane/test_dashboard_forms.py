@@ -8,8 +8,7 @@ import pytest
 from controlplane.accounts.models import Role
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import LanguageModel
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.models import Instance
+from controlplane.deployments.models import Instance, Pipeline
 from tests.controlplane.factories import make_model
 from tests.controlplane.test_dashboard import logged_in
 

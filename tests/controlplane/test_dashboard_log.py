@@ -5,7 +5,8 @@ import pytest
 
 from controlplane.accounts.models import Role
 from controlplane.deployments.dispatch import AgentFailed, NodeDidNotAnswer
-from controlplane.fleet.models import Instance, Node
+from controlplane.deployments.models import Instance
+from controlplane.fleet.models import Node
 from tests.controlplane.factories import deploy, placed_instance
 from tests.controlplane.reconciling import RecordingDispatcher
 from tests.controlplane.test_dashboard import logged_in

@@ -12,10 +12,12 @@ from django.test.utils import CaptureQueriesContext
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.dashboard import partials
-from controlplane.deployments.actions import place_pending_instances, stop_pipeline
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet.actions import drain_node, report_download
-from controlplane.fleet.models import Download, Instance, Node
+from controlplane.deployments.evacuation import drain_node
+from controlplane.deployments.models import Instance, Pipeline
+from controlplane.deployments.pipelines import stop_pipeline
+from controlplane.deployments.upkeep import place_pending_instances
+from controlplane.fleet.actions import report_download
+from controlplane.fleet.models import Download, Node
 from controlplane.fleet.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, run_instance
 

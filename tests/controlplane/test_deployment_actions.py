@@ -3,12 +3,14 @@
 import pytest
 
 from controlplane.audit.models import AuditEntry
-from controlplane.deployments import actions
-from controlplane.deployments.actions import GroupSpec
-from controlplane.deployments.models import Pipeline, WorkerGroup
+from controlplane.deployments import pipelines as pipeline_actions
+from controlplane.deployments import upkeep
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
+from controlplane.deployments.pipelines import GroupSpec
 from controlplane.deployments.placement import Placement, Unschedulable
 from controlplane.errors import Conflict, Invalid
-from controlplane.fleet.models import Instance, InstanceState, Node
+from controlplane.fleet.models import Node
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, run_instance
 
 pytestmark = pytest.mark.django_db
@@ -68,14 +70,14 @@ def test_a_taken_name_or_namespace_is_a_conflict() -> None:
 )
 def test_impossible_groups_are_refused_naming_the_groups(groups: list[GroupSpec], message: str) -> None:
     with pytest.raises(Invalid, match=message) as caught:
-        actions.deploy_pipeline(TEST_ACTOR, name="chat", model=make_model("smol"), groups=groups)
+        pipeline_actions.deploy_pipeline(TEST_ACTOR, name="chat", model=make_model("smol"), groups=groups)
     assert caught.value.field == "groups"
     assert not Pipeline.objects.exists()
 
 
 def test_prefill_and_decode_groups_make_one_pipeline() -> None:
     groups = [GroupSpec(role="prefill", gpus_per_replica=1), GroupSpec(role="decode", replicas=2, gpus_per_replica=1)]
-    pipeline = actions.deploy_pipeline(TEST_ACTOR, name="disagg", model=make_model("smol"), groups=groups)
+    pipeline = pipeline_actions.deploy_pipeline(TEST_ACTOR, name="disagg", model=make_model("smol"), groups=groups)
     endpoints = sorted(group.endpoint for group in pipeline.groups.all())
     assert endpoints == ["dyn://disagg.decode.generate", "dyn://disagg.prefill.generate"]
     assert pipeline.instances.count() == 3
@@ -100,17 +102,17 @@ def test_impossible_settings_are_refused_naming_the_field(settings: dict, field:
 
 def test_updating_settings_is_audited_and_checked() -> None:
     pipeline = deploy("chat")
-    actions.update_pipeline(TEST_ACTOR, pipeline, router_mode="kv", router_temperature=0.5)
+    pipeline_actions.update_pipeline(TEST_ACTOR, pipeline, router_mode="kv", router_temperature=0.5)
     entry = AuditEntry.objects.get(action="pipeline.update")
     assert (entry.before["router_mode"], entry.after["router_mode"]) == ("round-robin", "kv")
     assert entry.after["router_temperature"] == 0.5
     with pytest.raises(Invalid):
-        actions.update_pipeline(TEST_ACTOR, pipeline, name="renamed")
+        pipeline_actions.update_pipeline(TEST_ACTOR, pipeline, name="renamed")
 
 
 def test_scaling_up_adds_pending_instances_with_new_ordinals() -> None:
     pipeline = deploy("chat", replicas=1)
-    group = actions.scale_pipeline(TEST_ACTOR, pipeline, 3)
+    group = pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 3)
     assert group.replicas == 3
     assert states(pipeline) == [S.PENDING] * 3
     assert list(pipeline.instances.values_list("replica", flat=True).order_by("replica")) == [0, 1, 2]
@@ -121,10 +123,10 @@ def test_scaling_up_adds_pending_instances_with_new_ordinals() -> None:
 def test_scaling_down_stops_the_least_advanced_newest_instances_first() -> None:
     make_node("gpu-a", (80, 80))
     pipeline = deploy("chat", replicas=2, gpus_per_replica=1)
-    actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     ready = run_instance(pipeline.instances.select_related("node", "pipeline", "group").get(replica=0))
-    actions.scale_pipeline(TEST_ACTOR, pipeline, 3)  # replica 2: pending, unplaced
-    actions.scale_pipeline(TEST_ACTOR, pipeline, 1)
+    pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 3)  # replica 2: pending, unplaced
+    pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 1)
     # The unplaced one stops at once; the placed pending one may be starting on its node: stopping.
     assert states(pipeline) == [S.READY, S.STOPPING, S.STOPPED]
     ready.refresh_from_db()
@@ -134,42 +136,42 @@ def test_scaling_down_stops_the_least_advanced_newest_instances_first() -> None:
 
 def test_scaling_a_pipeline_with_several_groups_needs_the_role() -> None:
     groups = [GroupSpec(role="prefill"), GroupSpec(role="decode")]
-    pipeline = actions.deploy_pipeline(TEST_ACTOR, name="disagg", model=make_model("smol"), groups=groups)
+    pipeline = pipeline_actions.deploy_pipeline(TEST_ACTOR, name="disagg", model=make_model("smol"), groups=groups)
     with pytest.raises(Invalid, match="say which") as caught:
-        actions.scale_pipeline(TEST_ACTOR, pipeline, 2)
+        pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 2)
     assert caught.value.field == "role"
-    actions.scale_pipeline(TEST_ACTOR, pipeline, 2, role="decode")
+    pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 2, role="decode")
     assert pipeline.groups.get(role="decode").instances.count() == 2
 
 
 def test_stopping_stops_every_instance_and_starting_brings_the_replicas_back() -> None:
     pipeline = deploy("chat", replicas=2)
-    pipeline = actions.stop_pipeline(TEST_ACTOR, pipeline)
+    pipeline = pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
     assert pipeline.state == Pipeline.State.STOPPED
     assert states(pipeline) == [S.STOPPED, S.STOPPED]
     with pytest.raises(Conflict, match="stopped already"):
-        actions.stop_pipeline(TEST_ACTOR, pipeline)
-    actions.scale_pipeline(TEST_ACTOR, pipeline, 3)  # a stopped pipeline only records the count
+        pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 3)  # a stopped pipeline only records the count
     assert pipeline.instances.filter(state=S.PENDING).count() == 0
-    actions.start_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.start_pipeline(TEST_ACTOR, pipeline)
     assert pipeline.instances.filter(state=S.PENDING).count() == 3
     with pytest.raises(Conflict, match="running already"):
-        actions.start_pipeline(TEST_ACTOR, pipeline)
+        pipeline_actions.start_pipeline(TEST_ACTOR, pipeline)
     assert AuditEntry.objects.filter(action__in=["pipeline.stop", "pipeline.start"]).count() == 2
 
 
 def test_a_pipeline_is_deleted_only_once_stopped_and_its_instances_gone() -> None:
     make_node("gpu-a", (80,))
     pipeline = deploy("chat", gpus_per_replica=1)
-    actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     run_instance(pipeline.instances.select_related("node", "pipeline", "group").get())
     with pytest.raises(Conflict, match="stop it first"):
-        actions.delete_pipeline(TEST_ACTOR, pipeline)
-    actions.stop_pipeline(TEST_ACTOR, pipeline)
+        pipeline_actions.delete_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
     with pytest.raises(Conflict, match="1 instance\\(s\\) stopping"):
-        actions.delete_pipeline(TEST_ACTOR, pipeline)
+        pipeline_actions.delete_pipeline(TEST_ACTOR, pipeline)
     pipeline.instances.update(state=S.STOPPED)
-    actions.delete_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.delete_pipeline(TEST_ACTOR, pipeline)
     assert not Pipeline.objects.exists()
     assert AuditEntry.objects.get(action="pipeline.delete").before["name"] == "chat"
 
@@ -178,7 +180,7 @@ def test_placing_assigns_nodes_and_gpus_to_pending_instances() -> None:
     make_node("gpu-a", (80, 80))
     make_node("gpu-b", (80, 80))
     pipeline = deploy("chat", make_model("smol", memory_bytes=20 * GiB), replicas=2, gpus_per_replica=1)
-    [(group, result)] = actions.place_pending_instances(TEST_ACTOR)
+    [(group, result)] = upkeep.place_pending_instances(TEST_ACTOR)
     assert isinstance(result, Placement)
     assert group == pipeline.groups.get()
     placed = list(pipeline.instances.order_by("replica").values_list("node__name", "gpu_indexes", "state"))
@@ -191,9 +193,9 @@ def test_placed_instances_reserve_their_memory_for_later_placements() -> None:
     make_node("gpu-b", (80,))
     model = make_model("big", memory_bytes=50 * GiB)
     deploy("one", model, replicas=1, gpus_per_replica=1)
-    actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     pipeline = deploy("two", model, replicas=1, gpus_per_replica=1)
-    actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     # gpu-a holds 50 of its 80 GiB for "one" before it reports any use: "two" goes to gpu-b.
     nodes = set(Instance.objects.values_list("node__name", flat=True))
     assert nodes == {"gpu-a", "gpu-b"}
@@ -203,17 +205,17 @@ def test_placed_instances_reserve_their_memory_for_later_placements() -> None:
 def test_what_does_not_fit_keeps_its_reason_recorded_once() -> None:
     make_node("gpu-a", (16,))
     pipeline = deploy("chat", make_model("big", memory_bytes=40 * GiB), replicas=1, gpus_per_replica=2)
-    [(_, result)] = actions.place_pending_instances(TEST_ACTOR)
+    [(_, result)] = upkeep.place_pending_instances(TEST_ACTOR)
     assert isinstance(result, Unschedulable)
     reason = (
         "needs 2 GPUs with 20 GiB free each; the best node, gpu-a, has 0 (its GPU with the most free memory has 16 GiB)"
     )
     assert pipeline.instances.get().reason == reason
-    actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     assert AuditEntry.objects.filter(action="instance.unschedulable").count() == 1
     # A bigger node arrives: the next pass places the instance.
     make_node("gpu-b", (80, 80))
-    actions.place_pending_instances(TEST_ACTOR)
+    upkeep.place_pending_instances(TEST_ACTOR)
     instance = pipeline.instances.get()
     assert (instance.node.name if instance.node else None, instance.gpu_indexes, instance.reason) == (
         "gpu-b",
@@ -226,7 +228,7 @@ def test_stopped_pipelines_are_not_placed() -> None:
     make_node("gpu-a", (80,))
     pipeline = deploy("chat", gpus_per_replica=1)
     Pipeline.objects.filter(pk=pipeline.pk).update(state=Pipeline.State.STOPPED)
-    assert actions.place_pending_instances(TEST_ACTOR) == []
+    assert upkeep.place_pending_instances(TEST_ACTOR) == []
     assert not Node.objects.get().instances.exists()
 
 
@@ -239,6 +241,6 @@ def test_worker_groups_name_their_dyn_component() -> None:
 def test_a_served_name_the_field_would_refuse_is_invalid_for_every_caller() -> None:
     model = make_model("smol")
     with pytest.raises(Invalid, match="'bad name!'") as refused:
-        actions.deploy_pipeline(TEST_ACTOR, name="bad name!", model=model, groups=[GroupSpec(replicas=1)])
+        pipeline_actions.deploy_pipeline(TEST_ACTOR, name="bad name!", model=model, groups=[GroupSpec(replicas=1)])
     assert refused.value.field == "name"
     assert not Pipeline.objects.exists()

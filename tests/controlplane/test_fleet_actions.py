@@ -4,11 +4,16 @@ import pytest
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
-from controlplane.deployments.actions import place_pending_instances
+from controlplane.deployments import evacuation
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance
+from controlplane.deployments.reports import InstanceReport
+from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
-from controlplane.fleet import actions
-from controlplane.fleet.models import Download, Instance, InstanceState, Node
-from controlplane.fleet.reports import DownloadReport, InstanceReport
+from controlplane.fleet import actions as fleet_actions
+from controlplane.fleet.models import Download, Node
+from controlplane.fleet.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, node_report, run_instance
 
 pytestmark = pytest.mark.django_db
@@ -25,7 +30,9 @@ def placed_instance(replicas: int = 1) -> Instance:
 def report(instance: Instance, state: str, **fields: object) -> Instance:
     assert instance.node is not None
     name = instance.node.name
-    return actions.report_instance_state(Actor.agent(name), name, instance.pk, InstanceReport(state=state, **fields))  # type: ignore[arg-type]
+    return instance_actions.report_instance_state(
+        Actor.agent(name), name, instance.pk, InstanceReport(state=state, **fields)
+    )  # type: ignore[arg-type]
 
 
 def test_registering_a_node_stores_its_gpus_and_records_it() -> None:
@@ -40,7 +47,7 @@ def test_registering_a_node_stores_its_gpus_and_records_it() -> None:
 
 def test_registering_again_updates_the_gpus_and_keeps_the_drain() -> None:
     node = make_node("gpu-a", (80, 40))
-    actions.drain_node(TEST_ACTOR, node)
+    evacuation.drain_node(TEST_ACTOR, node)
     node = make_node("gpu-a", (80,))
     assert node.draining
     assert list(node.gpus.values_list("index", flat=True)) == [0]
@@ -51,22 +58,22 @@ def test_registering_again_updates_the_gpus_and_keeps_the_drain() -> None:
 
 def test_a_heartbeat_with_new_usage_only_is_not_audited() -> None:
     make_node("gpu-a", (80,))
-    node = actions.heartbeat(Actor.agent("gpu-a"), "gpu-a", node_report((80,), used_gib=12))
+    node = fleet_actions.heartbeat(Actor.agent("gpu-a"), "gpu-a", node_report((80,), used_gib=12))
     assert node.gpus.get().memory_used_bytes == 12 * GiB
     assert not AuditEntry.objects.filter(action="node.heartbeat").exists()
 
 
 def test_a_heartbeat_with_changed_hardware_is_audited() -> None:
     make_node("gpu-a", (80,))
-    actions.heartbeat(Actor.agent("gpu-a"), "gpu-a", node_report((80, 80)))
+    fleet_actions.heartbeat(Actor.agent("gpu-a"), "gpu-a", node_report((80, 80)))
     entry = AuditEntry.objects.get(action="node.heartbeat")
     assert (len(entry.before["gpus"]), len(entry.after["gpus"])) == (1, 2)
 
 
 def test_a_gpu_swapped_for_another_at_its_index_is_stored_and_audited() -> None:
     agent = Actor.agent("gpu-a")
-    actions.register_node(agent, "gpu-a", node_report((80, 80), uuids=("GPU-aaaa", "GPU-bbbb")))
-    node = actions.heartbeat(agent, "gpu-a", node_report((80, 80), uuids=("GPU-aaaa", "GPU-cccc")))
+    fleet_actions.register_node(agent, "gpu-a", node_report((80, 80), uuids=("GPU-aaaa", "GPU-bbbb")))
+    node = fleet_actions.heartbeat(agent, "gpu-a", node_report((80, 80), uuids=("GPU-aaaa", "GPU-cccc")))
     assert list(node.gpus.values_list("uuid", flat=True)) == ["GPU-aaaa", "GPU-cccc"]
     entry = AuditEntry.objects.get(action="node.heartbeat")
     assert (entry.before["gpus"][1]["uuid"], entry.after["gpus"][1]["uuid"]) == ("GPU-bbbb", "GPU-cccc")
@@ -75,7 +82,7 @@ def test_a_gpu_swapped_for_another_at_its_index_is_stored_and_audited() -> None:
 def test_a_heartbeat_brings_an_offline_node_back_online_and_is_audited() -> None:
     node = make_node("gpu-a", (80,))
     Node.objects.filter(pk=node.pk).update(state=Node.State.OFFLINE)
-    node = actions.heartbeat(Actor.agent("gpu-a"), "gpu-a", node_report((80,)))
+    node = fleet_actions.heartbeat(Actor.agent("gpu-a"), "gpu-a", node_report((80,)))
     assert node.state == Node.State.ONLINE
     entry = AuditEntry.objects.get(action="node.heartbeat")
     assert (entry.before["state"], entry.after["state"]) == ("offline", "online")
@@ -83,7 +90,7 @@ def test_a_heartbeat_brings_an_offline_node_back_online_and_is_audited() -> None
 
 def test_a_heartbeat_from_an_unregistered_node_asks_it_to_register() -> None:
     with pytest.raises(Missing, match="register it first"):
-        actions.heartbeat(Actor.agent("ghost"), "ghost", node_report())
+        fleet_actions.heartbeat(Actor.agent("ghost"), "ghost", node_report())
 
 
 def test_draining_keeps_a_ready_instance_until_its_replacement_elsewhere_is_ready() -> None:
@@ -91,7 +98,7 @@ def test_draining_keeps_a_ready_instance_until_its_replacement_elsewhere_is_read
     make_node("gpu-b", (80, 80))
     node = Node.objects.get(name="gpu-a")
 
-    actions.drain_node(TEST_ACTOR, node)
+    evacuation.drain_node(TEST_ACTOR, node)
 
     instance.refresh_from_db()
     assert instance.state == S.READY  # it serves on while its replacement starts
@@ -107,9 +114,9 @@ def test_draining_keeps_a_ready_instance_until_its_replacement_elsewhere_is_read
     replacement.refresh_from_db()
     assert replacement.node is not None and replacement.node.name == "gpu-b"
 
-    assert actions.retire_replaced_instances(TEST_ACTOR) == 0  # not ready yet
+    assert evacuation.retire_replaced_instances(TEST_ACTOR) == 0  # not ready yet
     run_instance(replacement)
-    assert actions.retire_replaced_instances(TEST_ACTOR) == 1
+    assert evacuation.retire_replaced_instances(TEST_ACTOR) == 1
     instance.refresh_from_db()
     assert (instance.state, instance.reason) == (S.STOPPING, f"replaced by {replacement.name} on node gpu-b")
 
@@ -120,11 +127,11 @@ def test_draining_the_last_place_a_pipeline_fits_is_refused_unless_forced() -> N
 
     stranded = r"draining gpu-a would stop pipeline smol \(no node can take new instances: gpu-a is draining\)"
     with pytest.raises(Conflict, match=stranded):
-        actions.drain_node(TEST_ACTOR, node)
+        evacuation.drain_node(TEST_ACTOR, node)
 
     node.refresh_from_db()
     assert not node.draining and Instance.objects.count() == 1  # nothing changed
-    actions.drain_node(TEST_ACTOR, node, force=True)
+    evacuation.drain_node(TEST_ACTOR, node, force=True)
     instance.refresh_from_db()
     assert (instance.state, instance.reason) == (S.STOPPING, "node gpu-a was drained by system:tests")
     replacement = Instance.objects.exclude(pk=instance.pk).get()
@@ -134,12 +141,12 @@ def test_draining_the_last_place_a_pipeline_fits_is_refused_unless_forced() -> N
 def test_a_drained_node_gets_no_new_instances_until_undrained() -> None:
     instance = placed_instance()
     node = Node.objects.get(name="gpu-a")
-    actions.drain_node(TEST_ACTOR, node, force=True)
+    evacuation.drain_node(TEST_ACTOR, node, force=True)
     with pytest.raises(Conflict, match="draining already"):
-        actions.drain_node(TEST_ACTOR, node)
+        evacuation.drain_node(TEST_ACTOR, node)
     [(_, result)] = place_pending_instances(TEST_ACTOR)
     assert "gpu-a is draining" in result.reason  # type: ignore[union-attr]
-    actions.undrain_node(TEST_ACTOR, node)
+    evacuation.undrain_node(TEST_ACTOR, node)
     assert AuditEntry.objects.filter(action="node.undrain").exists()
     place_pending_instances(TEST_ACTOR)
     assert Instance.objects.exclude(pk=instance.pk).get().node == node
@@ -148,9 +155,9 @@ def test_a_drained_node_gets_no_new_instances_until_undrained() -> None:
 def test_a_cordoned_node_gets_nothing_new_and_keeps_what_it_runs() -> None:
     instance = run_instance(placed_instance())
     node = Node.objects.get(name="gpu-a")
-    actions.cordon_node(TEST_ACTOR, node)
+    fleet_actions.cordon_node(TEST_ACTOR, node)
     with pytest.raises(Conflict, match="is cordoned already"):
-        actions.cordon_node(TEST_ACTOR, node)
+        fleet_actions.cordon_node(TEST_ACTOR, node)
 
     second = deploy("second", gpus_per_replica=0)
     [(_, result)] = place_pending_instances(TEST_ACTOR)
@@ -158,7 +165,7 @@ def test_a_cordoned_node_gets_nothing_new_and_keeps_what_it_runs() -> None:
     assert "gpu-a is cordoned" in result.reason  # type: ignore[union-attr]
     instance.refresh_from_db()
     assert instance.state == S.READY
-    actions.uncordon_node(TEST_ACTOR, node)
+    fleet_actions.uncordon_node(TEST_ACTOR, node)
     place_pending_instances(TEST_ACTOR)
     assert second.instances.get().node == node
     assert [e.action for e in AuditEntry.objects.filter(action__startswith="node.c").order_by("id")] == ["node.cordon"]
@@ -169,12 +176,12 @@ def test_a_node_with_instances_cannot_be_deleted() -> None:
     placed_instance()
     node = Node.objects.get(name="gpu-a")
     with pytest.raises(Conflict, match="drain it first"):
-        actions.delete_node(TEST_ACTOR, node)
+        evacuation.delete_node(TEST_ACTOR, node)
 
 
 def test_deleting_an_idle_node_is_audited() -> None:
     node = make_node("gpu-a", (80,))
-    actions.delete_node(TEST_ACTOR, node)
+    evacuation.delete_node(TEST_ACTOR, node)
     assert not Node.objects.exists()
     assert AuditEntry.objects.get(action="node.delete").before["name"] == "gpu-a"
 
@@ -213,12 +220,14 @@ def placed_instance_on_same_node() -> Instance:
 def test_an_agent_may_not_report_on_another_nodes_instance() -> None:
     instance = placed_instance()
     with pytest.raises(Forbidden, match="is on node gpu-a, not on node gpu-b"):
-        actions.report_instance_state(Actor.agent("gpu-b"), "gpu-b", instance.pk, InstanceReport(state=S.READY))
+        instance_actions.report_instance_state(
+            Actor.agent("gpu-b"), "gpu-b", instance.pk, InstanceReport(state=S.READY)
+        )
 
 
 def test_reports_on_unknown_instances_and_control_plane_states_are_refused() -> None:
     with pytest.raises(Missing):
-        actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", 999, InstanceReport(state=S.READY))
+        instance_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", 999, InstanceReport(state=S.READY))
     instance = placed_instance()
     with pytest.raises(Invalid, match="not 'stopping'") as caught:
         report(instance, S.STOPPING)
@@ -236,7 +245,7 @@ def test_a_state_that_cannot_follow_is_refused_and_nothing_changes() -> None:
 def test_a_report_about_an_older_attempt_is_refused_and_changes_nothing() -> None:
     """A late report from the worker of attempt 0, after the instance was restarted (attempt 1)."""
     instance = report(placed_instance(), S.FAILED, reason="crashed", attempt=0)
-    instance = actions.restart_instance(TEST_ACTOR, instance)
+    instance = instance_actions.restart_instance(TEST_ACTOR, instance)
     place_pending_instances(TEST_ACTOR)
     assert instance.restarts == 1
 
@@ -284,13 +293,13 @@ def test_a_failure_retrying_cannot_fix_gives_up_at_once_and_lets_the_gpus_go() -
 
     assert (instance.state, instance.gave_up, instance.node, instance.gpu_indexes) == (S.FAILED, True, None, [])
     assert instance.reason == "gave up on node gpu-a, as retrying cannot fix it: repository 'org/nope' not found"
-    revived = actions.restart_instance(TEST_ACTOR, instance)  # a person's restart, once the cause is fixed
+    revived = instance_actions.restart_instance(TEST_ACTOR, instance)  # a person's restart, once the cause is fixed
     assert (revived.state, revived.gave_up, revived.failure_streak) == (S.PENDING, False, 0)
 
 
 def test_an_instance_that_fails_while_stopping_is_stopped() -> None:
     instance = run_instance(placed_instance())
-    actions.drain_node(TEST_ACTOR, Node.objects.get(name="gpu-a"), force=True)
+    evacuation.drain_node(TEST_ACTOR, Node.objects.get(name="gpu-a"), force=True)
     instance = report(
         Instance.objects.select_related("node", "pipeline", "group").get(pk=instance.pk), S.FAILED, reason="killed"
     )
@@ -299,10 +308,10 @@ def test_an_instance_that_fails_while_stopping_is_stopped() -> None:
 
 def test_restarting_a_ready_instance_stops_it_then_makes_it_pending_where_it_was() -> None:
     instance = run_instance(placed_instance(replicas=2))  # the other replica serves meanwhile
-    instance = actions.restart_instance(TEST_ACTOR, instance)
+    instance = instance_actions.restart_instance(TEST_ACTOR, instance)
     assert (instance.state, instance.restart_requested) == (S.STOPPING, True)
     with pytest.raises(Conflict, match="restarting already"):
-        actions.restart_instance(TEST_ACTOR, instance)
+        instance_actions.restart_instance(TEST_ACTOR, instance)
     instance = report(instance, S.STOPPED)
     assert (instance.state, instance.restarts, instance.restart_requested) == (S.PENDING, 1, False)
     assert instance.node is not None and instance.node.name == "gpu-a"
@@ -314,7 +323,7 @@ def test_restarting_a_ready_instance_stops_it_then_makes_it_pending_where_it_was
 def test_restarting_the_only_replica_starts_its_replacement_before_stopping_it() -> None:
     instance = run_instance(placed_instance())
 
-    instance = actions.restart_instance(TEST_ACTOR, instance)
+    instance = instance_actions.restart_instance(TEST_ACTOR, instance)
 
     assert instance.state == S.READY
     replacement = Instance.objects.exclude(pk=instance.pk).get()
@@ -324,35 +333,37 @@ def test_restarting_the_only_replica_starts_its_replacement_before_stopping_it()
         f"replaces {instance.name}",
     )
     with pytest.raises(Conflict, match="being replaced already"):
-        actions.restart_instance(TEST_ACTOR, instance)
+        instance_actions.restart_instance(TEST_ACTOR, instance)
     place_pending_instances(TEST_ACTOR)
     run_instance(Instance.objects.select_related("node").get(pk=replacement.pk))
-    assert actions.retire_replaced_instances(TEST_ACTOR) == 1
+    assert evacuation.retire_replaced_instances(TEST_ACTOR) == 1
     instance.refresh_from_db()
     assert instance.state == S.STOPPING
 
 
 def test_restarting_a_failed_instance_makes_it_pending_again() -> None:
     instance = report(placed_instance(), S.FAILED, reason="crashed")
-    instance = actions.restart_instance(TEST_ACTOR, instance)
+    instance = instance_actions.restart_instance(TEST_ACTOR, instance)
     assert (instance.state, instance.restarts, instance.reason) == (S.PENDING, 1, "")
 
 
 def test_there_is_nothing_to_restart_in_a_pending_instance() -> None:
     with pytest.raises(Conflict, match="is pending: there is no process to restart"):
-        actions.restart_instance(TEST_ACTOR, placed_instance())
+        instance_actions.restart_instance(TEST_ACTOR, placed_instance())
 
 
 def test_download_reports_are_audited_when_their_state_changes() -> None:
     make_node("gpu-a", (80,))
     model = make_model("smol")
     agent = Actor.agent("gpu-a")
-    actions.report_download(agent, "gpu-a", model.pk, DownloadReport(state="downloading", bytes_done=1, bytes_total=10))
-    download = actions.report_download(
+    fleet_actions.report_download(
+        agent, "gpu-a", model.pk, DownloadReport(state="downloading", bytes_done=1, bytes_total=10)
+    )
+    download = fleet_actions.report_download(
         agent, "gpu-a", model.pk, DownloadReport(state="downloading", bytes_done=5, bytes_total=10)
     )
     assert download.progress == 0.5
-    actions.report_download(agent, "gpu-a", model.pk, DownloadReport(state="done", bytes_done=10, bytes_total=10))
+    fleet_actions.report_download(agent, "gpu-a", model.pk, DownloadReport(state="done", bytes_done=10, bytes_total=10))
     assert Download.objects.get().state == Download.State.DONE
     entries = AuditEntry.objects.filter(action="download.state").order_by("id")
     assert [entry.after["state"] for entry in entries] == ["downloading", "done"]
@@ -362,8 +373,8 @@ def test_impossible_download_reports_are_refused() -> None:
     make_node("gpu-a", (80,))
     model = make_model("smol")
     with pytest.raises(Invalid, match="more than bytes_total"):
-        actions.report_download(
+        fleet_actions.report_download(
             Actor.agent("gpu-a"), "gpu-a", model.pk, DownloadReport(state="downloading", bytes_done=11, bytes_total=10)
         )
     with pytest.raises(Missing, match="not registered"):
-        actions.report_download(Actor.agent("ghost"), "ghost", model.pk, DownloadReport(state="done"))
+        fleet_actions.report_download(Actor.agent("ghost"), "ghost", model.pk, DownloadReport(state="done"))

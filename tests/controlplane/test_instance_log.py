@@ -7,7 +7,8 @@ from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role
 from controlplane.deployments.dispatch import AgentFailed
-from controlplane.fleet.models import Instance, Node
+from controlplane.deployments.models import Instance
+from controlplane.fleet.models import Node
 from tests.controlplane.factories import deploy, placed_instance
 from tests.controlplane.reconciling import RecordingDispatcher
 

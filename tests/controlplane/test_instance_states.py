@@ -4,9 +4,10 @@ import re
 
 import pytest
 
+from controlplane.deployments.instance_states import TRANSITIONS, InstanceState, check_transition
+from controlplane.deployments.instances import transition
+from controlplane.deployments.models import Instance
 from controlplane.errors import Conflict, InvalidTransition
-from controlplane.fleet.actions import transition
-from controlplane.fleet.models import TRANSITIONS, Instance, InstanceState, check_transition
 from tests.controlplane.factories import deploy
 
 S = InstanceState

@@ -16,7 +16,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from nats.aio.client import Client as NATS
 
-from controlplane.fleet.models import Instance
+from controlplane.deployments.models import Instance
 from controlplane.live.bridge import (
     BridgeError,
     InstanceDirectory,

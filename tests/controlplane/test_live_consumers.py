@@ -10,9 +10,11 @@ from django.contrib.sessions.models import Session
 
 from controlplane.accounts.models import Role, User
 from controlplane.audit.records import Actor
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.reports import InstanceReport
 from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import InstanceState, Node
-from controlplane.fleet.reports import InstanceReport
+from controlplane.fleet.models import Node
 from controlplane.live import consumers
 from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
 from controlplane.live.publisher import Publisher
@@ -88,7 +90,7 @@ async def test_a_state_change_reaches_its_pipelines_socket_as_the_instance_parti
     on_b = await connected(f"/ws/pipelines/{rows.b.pk}/", username="bob")
 
     def report_ready(instance_id: int) -> None:
-        fleet_actions.report_instance_state(
+        instance_actions.report_instance_state(
             Actor.agent("gpu-a"), "gpu-a", instance_id, InstanceReport(state=InstanceState.READY, pid=7)
         )
 
@@ -113,7 +115,7 @@ async def test_download_progress_of_an_instance_reaches_its_page_though_its_stat
 
     def report(progress: float) -> None:
         state = InstanceReport(state=InstanceState.DOWNLOADING, download_progress=progress)
-        fleet_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", rows.a_instance.pk, state)
+        instance_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", rows.a_instance.pk, state)
 
     await database_sync_to_async(report)(0.1)
     await receive_element(socket, f"instance-{rows.a_instance.pk}")
@@ -141,7 +143,7 @@ async def test_a_change_a_socket_did_not_join_for_is_not_sent_to_it(live_layer: 
     assert await asyncio.to_thread(live_layer.flush, RECEIVE_S)  # the set-up's notices are gone
     socket = await connected(f"/ws/pipelines/{rows.a.pk}/")
     await database_sync_to_async(make_node)("gpu-b")  # the fleet's news, not a pipeline's
-    await database_sync_to_async(fleet_actions.report_instance_state)(
+    await database_sync_to_async(instance_actions.report_instance_state)(
         Actor.agent("gpu-a"), "gpu-a", rows.a_instance.pk, InstanceReport(state=InstanceState.STARTING)
     )
     # Notices leave in order: the node's, sent first, would come first if this socket heard it.

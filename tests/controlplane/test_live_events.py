@@ -6,7 +6,7 @@ import pytest
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
-from controlplane.deployments.actions import delete_pipeline, scale_pipeline, stop_pipeline
+from controlplane.deployments.pipelines import delete_pipeline, scale_pipeline, stop_pipeline
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
 from controlplane.fleet.reports import DownloadReport

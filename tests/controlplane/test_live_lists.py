@@ -12,8 +12,9 @@ from django.test import Client
 
 from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
-from controlplane.deployments.actions import delete_pipeline, stop_pipeline
+from controlplane.deployments import evacuation
 from controlplane.deployments.models import Pipeline
+from controlplane.deployments.pipelines import delete_pipeline, stop_pipeline
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
 from controlplane.fleet.reports import DownloadReport
@@ -67,7 +68,7 @@ async def test_a_deleted_pipeline_is_gone_from_the_table_that_follows(live_layer
 async def test_the_last_node_deleted_leaves_the_empty_state() -> None:
     node = await database_sync_to_async(make_node)("gpu-a")
     socket = await connected("/ws/fleet/?topics=nodes")
-    await database_sync_to_async(fleet_actions.delete_node)(TEST_ACTOR, node)
+    await database_sync_to_async(evacuation.delete_node)(TEST_ACTOR, node)
     while "No nodes yet" not in (table := await receive_element(socket, "nodes-table")):
         pass
     assert f"node-{node.pk}" not in table

@@ -6,6 +6,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from controlplane.audit.models import AuditEntry
+from controlplane.deployments import evacuation
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from controlplane.fleet.reports import NodeReport
@@ -75,7 +76,7 @@ def test_a_report_that_names_no_machine_is_not_checked() -> None:
 def test_a_deleted_node_can_be_registered_by_another_machine(agent_client: Callable[[str], APIClient]) -> None:
     agent = agent_client("gpu-a")
     register(agent, "m1")
-    fleet_actions.delete_node(TEST_ACTOR, Node.objects.get(name="gpu-a"))
+    evacuation.delete_node(TEST_ACTOR, Node.objects.get(name="gpu-a"))
     assert register(agent, "m2")[0] == 200
     assert Node.objects.get(name="gpu-a").machine_id == "m2"
 

@@ -10,8 +10,10 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import LEASE_NAME
-from controlplane.fleet.models import Instance, InstanceState, Node
+from controlplane.fleet.models import Node
 from controlplane.health.models import ReconcilerPass
 from controlplane.health.records import record_pass
 from tests.controlplane.factories import deploy, make_node

@@ -8,10 +8,8 @@ import threading
 import pytest
 from django.db import connection
 
-from controlplane.deployments import actions as deployment_actions
-from controlplane.deployments.models import Pipeline
-from controlplane.fleet import inventory
-from controlplane.fleet.models import Instance
+from controlplane.deployments import inventory, upkeep
+from controlplane.deployments.models import Instance, Pipeline
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node
 
 pytestmark = [
@@ -36,7 +34,7 @@ def reads_meet(monkeypatch: pytest.MonkeyPatch) -> threading.Barrier:
             barrier.wait()
         return found
 
-    monkeypatch.setattr(deployment_actions, "fleet_inventory", read_then_meet)
+    monkeypatch.setattr(upkeep, "fleet_inventory", read_then_meet)
     return barrier
 
 
@@ -51,7 +49,7 @@ def test_two_placements_at_once_do_not_put_two_replicas_on_one_gpus_last_room(
     def place(pipeline: Pipeline) -> None:
         # Each pass places another pipeline's instance (one saw only the first deploy, say).
         try:
-            deployment_actions.place_pending_instances(TEST_ACTOR, pipeline)
+            upkeep.place_pending_instances(TEST_ACTOR, pipeline)
         except BaseException as exc:  # reported by the test, not lost in the thread
             errors.append(exc)
         finally:

@@ -9,7 +9,7 @@ from kombu import Connection
 
 from controlplane import celery_app
 from controlplane.celery_app import create_app
-from controlplane.fleet.models import Instance
+from controlplane.deployments.models import Instance
 from runtime.fleet_tasks import TASK_START_INSTANCE
 from tests.controlplane.factories import deploy, make_node
 from tests.infra import RedisServer

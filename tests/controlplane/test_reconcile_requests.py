@@ -7,11 +7,12 @@ import pytest
 
 from controlplane import celery_app
 from controlplane.audit.records import Actor
-from controlplane.deployments import actions as deployment_actions
+from controlplane.deployments import evacuation
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments import pipelines as pipeline_actions
+from controlplane.deployments.models import Instance
+from controlplane.deployments.reports import InstanceReport
 from controlplane.errors import Invalid
-from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import Instance
-from controlplane.fleet.reports import InstanceReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node
 from tests.controlplane.reconciling import Clock, RecordingDispatcher, make_reconciler
 
@@ -45,7 +46,7 @@ def test_a_scale_asks_for_one_pass_after_its_commit(
 ) -> None:
     pipeline = Instance.objects.get().pipeline
     with committing():
-        deployment_actions.scale_pipeline(TEST_ACTOR, pipeline, 3)
+        pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 3)
         assert requests == []  # not before the commit: the pass must see the new rows
     assert requests == [celery_app.app]
 
@@ -53,11 +54,11 @@ def test_a_scale_asks_for_one_pass_after_its_commit(
 @pytest.mark.parametrize(
     "change",
     [
-        lambda i: deployment_actions.stop_pipeline(TEST_ACTOR, i.pipeline),
-        lambda i: deployment_actions.update_pipeline(TEST_ACTOR, i.pipeline, placement_policy="binpack"),
-        lambda i: fleet_actions.drain_node(TEST_ACTOR, i.node, force=True),
-        lambda i: fleet_actions.restart_instance(TEST_ACTOR, i),
-        lambda i: fleet_actions.report_instance_state(
+        lambda i: pipeline_actions.stop_pipeline(TEST_ACTOR, i.pipeline),
+        lambda i: pipeline_actions.update_pipeline(TEST_ACTOR, i.pipeline, placement_policy="binpack"),
+        lambda i: evacuation.drain_node(TEST_ACTOR, i.node, force=True),
+        lambda i: instance_actions.restart_instance(TEST_ACTOR, i),
+        lambda i: instance_actions.report_instance_state(
             Actor.agent("gpu-a"), "gpu-a", i.pk, InstanceReport(state="failed", reason="exit code 1")
         ),
     ],
@@ -67,7 +68,7 @@ def test_changes_that_give_the_reconciler_work_ask_for_a_pass(
     running: None, requests: list[object], committing: Callable[[], Any], change: Callable[[Instance], Any]
 ) -> None:
     instance = Instance.objects.select_related("pipeline", "node").get()
-    fleet_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", instance.pk, InstanceReport(state="ready"))
+    instance_actions.report_instance_state(Actor.agent("gpu-a"), "gpu-a", instance.pk, InstanceReport(state="ready"))
     with committing():
         change(instance)
     assert len(requests) == 1
@@ -78,7 +79,7 @@ def test_a_refused_action_asks_for_nothing(
 ) -> None:
     pipeline = Instance.objects.get().pipeline
     with committing(), pytest.raises(Invalid):
-        deployment_actions.scale_pipeline(TEST_ACTOR, pipeline, -1)
+        pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, -1)
     assert requests == []
 
 

@@ -8,11 +8,15 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
-from controlplane.deployments import actions as deployment_actions
+from controlplane.deployments import evacuation
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.dispatch import DispatchError
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance, Lease
 from controlplane.deployments.reconciler import LEASE_NAME, ReconcilerSettings
 from controlplane.fleet import actions as fleet_actions
-from controlplane.fleet.models import Instance, InstanceState, Lease, Node
+from controlplane.fleet.models import Node
 from runtime.errors import ConfigError
 from runtime.fencing import FENCES_PREFIX, fence_key
 from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
@@ -127,7 +131,7 @@ def test_scaling_down_sends_a_stop_to_the_instances_node(dispatcher: RecordingDi
         agent_reports(instance, S.READY)
     dispatcher.take()
 
-    deployment_actions.scale_pipeline(TEST_ACTOR, pipeline, 1)
+    pipeline_actions.scale_pipeline(TEST_ACTOR, pipeline, 1)
     report = reconciler.run_once()
 
     kept, stopped = instances("chat")
@@ -144,7 +148,7 @@ def test_a_stop_message_carries_the_reason_and_the_grace(dispatcher: RecordingDi
     agent_reports(instances("chat")[0], S.READY)
     dispatcher.sent.clear()
 
-    deployment_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
     reconciler.run_once()
 
     [sent] = dispatcher.sent
@@ -210,7 +214,7 @@ def test_an_instance_that_keeps_failing_is_given_up_after_max_restarts(
     reconciler.run_once()
     assert dispatcher.take() == []
 
-    fleet_actions.restart_instance(TEST_ACTOR, instance)  # a person's restart revives it
+    instance_actions.restart_instance(TEST_ACTOR, instance)  # a person's restart revives it
     reconciler.run_once()
     instance.refresh_from_db()
     assert (instance.state, instance.failure_streak) == (S.PENDING, 0)
@@ -421,7 +425,7 @@ def test_a_stopping_instance_on_a_lost_node_is_stopped(dispatcher: RecordingDisp
     # A fleet of one node is all silent when it is: only a share of 1 lets it be evicted.
     reconciler = make_reconciler(dispatcher, clock, node_timeout_s=15, evict_after_s=15, disruption_share=1.0)
     reconciler.run_once()
-    deployment_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
 
     clock.advance(16)
     reconciler.run_once()
@@ -459,7 +463,7 @@ def test_draining_starts_replacements_elsewhere_and_stops_each_instance_once_its
     agent_reports(old, S.READY)
     dispatcher.take()
 
-    fleet_actions.drain_node(TEST_ACTOR, node_a)
+    evacuation.drain_node(TEST_ACTOR, node_a)
     reconciler.run_once()
 
     old_now, replacement = instances("chat")
@@ -489,7 +493,7 @@ def test_an_instance_that_fails_while_its_replacement_starts_is_stopped_not_rest
     reconciler.run_once()
     [old] = instances("chat")
     agent_reports(old, S.READY)
-    fleet_actions.drain_node(TEST_ACTOR, node_a)
+    evacuation.drain_node(TEST_ACTOR, node_a)
     reconciler.run_once()
     agent_reports(old, S.FAILED, "killed by signal 9")
     clock.advance(60)
@@ -529,7 +533,7 @@ def test_a_restart_in_place_stops_then_starts_on_the_same_node(dispatcher: Recor
     agent_reports(instance, S.READY)
     dispatcher.take()
 
-    fleet_actions.restart_instance(TEST_ACTOR, instance)
+    instance_actions.restart_instance(TEST_ACTOR, instance)
     reconciler.run_once()
     assert dispatcher.take() == [("node.gpu-a", STOP, instance.pk)]
     agent_reports(instance, S.STOPPED)
@@ -693,7 +697,7 @@ def test_a_stop_is_sent_again_only_after_the_workers_grace_has_passed(
     reconciler.run_once()
     agent_reports(instances("chat")[0], S.READY)
     dispatcher.take()
-    deployment_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
     reconciler.run_once()
     [sent] = dispatcher.sent
     assert sent.task == STOP and sent.expires_s == 90
@@ -714,7 +718,7 @@ def test_a_group_short_of_its_replicas_gets_them_back(dispatcher: RecordingDispa
     reconciler.run_once()
     first, second = instances("chat")
     agent_reports(first, S.READY)
-    fleet_actions.restart_instance(TEST_ACTOR, Instance.objects.get(pk=first.pk))  # stopping, to restart in place
+    instance_actions.restart_instance(TEST_ACTOR, Instance.objects.get(pk=first.pk))  # stopping, to restart in place
     Instance.objects.filter(pk=second.pk).delete()  # lost some way no action replaced
     dispatcher.take()
 
@@ -743,7 +747,7 @@ def test_an_update_of_engine_args_replaces_the_instances_one_at_a_time_each_new_
     agent_reports(second, S.READY)
     dispatcher.take()
 
-    group = deployment_actions.update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 50})
+    group = pipeline_actions.update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 50})
     assert group.generation == 2
     report = reconciler.run_once()
 
@@ -784,7 +788,7 @@ def test_an_update_with_no_room_for_a_second_copy_restarts_in_place(
     agent_reports(instance, S.READY)
     dispatcher.take()
 
-    deployment_actions.update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 5})
+    pipeline_actions.update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 5})
     reconciler.run_once()
 
     instance.refresh_from_db()
@@ -807,10 +811,10 @@ def test_a_change_of_router_settings_rolls_out_with_a_new_router_generation(
     agent_reports(instance, S.READY)
     dispatcher.take()
 
-    deployment_actions.update_pipeline(TEST_ACTOR, pipeline, placement_policy="binpack")  # no restart for that
+    pipeline_actions.update_pipeline(TEST_ACTOR, pipeline, placement_policy="binpack")  # no restart for that
     reconciler.run_once()
     assert dispatcher.take() == []
-    deployment_actions.update_pipeline(TEST_ACTOR, pipeline, router_mode="kv")
+    pipeline_actions.update_pipeline(TEST_ACTOR, pipeline, router_mode="kv")
     reconciler.run_once()
 
     [sent] = dispatcher.sent

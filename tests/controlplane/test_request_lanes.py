@@ -18,9 +18,9 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from controlplane.accounts.models import Role
+from controlplane.deployments import log_tail
 from controlplane.deployments.dispatch import NodeDidNotAnswer
-from controlplane.fleet import log_tail
-from controlplane.fleet.models import Instance
+from controlplane.deployments.models import Instance
 from runtime.fleet_tasks import LogTailRequest
 from tests.controlplane.factories import agent_token, make_node, make_user, person_token, placed_instance
 from tests.servers import free_port

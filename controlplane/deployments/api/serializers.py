@@ -5,13 +5,7 @@ from rest_framework import serializers
 from controlplane.api.fields import JsonObjectField
 from controlplane.catalog.engines import Engine
 from controlplane.catalog.models import LanguageModel
-from controlplane.deployments.actions import (
-    MAX_GPUS_PER_REPLICA,
-    MAX_REPLICAS,
-    MAX_ROUTER_TEMPERATURE,
-    MAX_ROUTER_WEIGHT,
-    GroupSpec,
-)
+from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
 from controlplane.deployments.models import (
     NAMESPACE_PATTERN,
     SERVED_NAME_PATTERN,
@@ -20,7 +14,14 @@ from controlplane.deployments.models import (
     RouterMode,
     WorkerGroup,
 )
-from controlplane.fleet.models import LIVE_STATES, NODE_NAME_PATTERN, InstanceState, Node
+from controlplane.deployments.pipelines import (
+    MAX_GPUS_PER_REPLICA,
+    MAX_REPLICAS,
+    MAX_ROUTER_TEMPERATURE,
+    MAX_ROUTER_WEIGHT,
+    GroupSpec,
+)
+from controlplane.fleet.models import NODE_NAME_PATTERN, Node
 from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_PINS = 64

@@ -8,7 +8,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from controlplane.api.base import FlotillaViewSet
-from controlplane.deployments import actions
+from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.api.filters import PipelineFilter
 from controlplane.deployments.api.serializers import (
     GroupUpdateSerializer,
@@ -16,8 +16,8 @@ from controlplane.deployments.api.serializers import (
     PipelineUpdateSerializer,
     ScaleSerializer,
 )
+from controlplane.deployments.instance_states import InstanceState
 from controlplane.deployments.models import Pipeline, WorkerGroup
-from controlplane.fleet.models import InstanceState
 
 
 def _groups_with_state_counts() -> QuerySet[WorkerGroup]:
@@ -44,7 +44,7 @@ class PipelineViewSet(
         return super().get_queryset().prefetch_related(Prefetch("groups", queryset=_groups_with_state_counts()))
 
     def perform_create(self, serializer: Any) -> None:
-        serializer.instance = actions.deploy_pipeline(self.actor, **serializer.deploy_arguments())
+        serializer.instance = pipeline_actions.deploy_pipeline(self.actor, **serializer.deploy_arguments())
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         serializer = self.get_serializer(data=request.data)
@@ -59,11 +59,11 @@ class PipelineViewSet(
         pipeline = self.get_object()
         serializer = PipelineUpdateSerializer(data=request.data, partial=True, context={"pipeline": pipeline})
         serializer.is_valid(raise_exception=True)
-        actions.update_pipeline(self.actor, pipeline, **serializer.validated_data)
+        pipeline_actions.update_pipeline(self.actor, pipeline, **serializer.validated_data)
         return Response(self._fresh(pipeline))
 
     def perform_destroy(self, instance: Pipeline) -> None:
-        actions.delete_pipeline(self.actor, instance)
+        pipeline_actions.delete_pipeline(self.actor, instance)
 
     @extend_schema(request=ScaleSerializer, responses=PipelineSerializer)
     @action(detail=True, methods=["post"])
@@ -72,7 +72,7 @@ class PipelineViewSet(
         pipeline = self.get_object()
         serializer = ScaleSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        actions.scale_pipeline(self.actor, pipeline, **serializer.validated_data)
+        pipeline_actions.scale_pipeline(self.actor, pipeline, **serializer.validated_data)
         return Response(self._fresh(pipeline))
 
     @extend_schema(
@@ -90,21 +90,21 @@ class PipelineViewSet(
         pipeline = self.get_object()
         serializer = GroupUpdateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        actions.update_group(self.actor, pipeline, **serializer.validated_data)
+        pipeline_actions.update_group(self.actor, pipeline, **serializer.validated_data)
         return Response(self._fresh(pipeline))
 
     @extend_schema(request=None, responses=PipelineSerializer)
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, pk: str) -> Response:
         """Stop all instances; replica counts are kept for start."""
-        pipeline = actions.stop_pipeline(self.actor, self.get_object())
+        pipeline = pipeline_actions.stop_pipeline(self.actor, self.get_object())
         return Response(self._fresh(pipeline))
 
     @extend_schema(request=None, responses=PipelineSerializer)
     @action(detail=True, methods=["post"])
     def start(self, request: Request, pk: str) -> Response:
         """Run a stopped pipeline again with its replica counts."""
-        pipeline = actions.start_pipeline(self.actor, self.get_object())
+        pipeline = pipeline_actions.start_pipeline(self.actor, self.get_object())
         return Response(self._fresh(pipeline))
 
     def _fresh(self, pipeline: Pipeline) -> Any:

@@ -5,7 +5,7 @@ from django.db.models import CharField, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Cast
 
-from controlplane.fleet.models import Download, Instance, Node
+from controlplane.fleet.models import Download, Node
 
 
 class NodeFilter(django_filters.FilterSet):
@@ -23,18 +23,6 @@ class NodeFilter(django_filters.FilterSet):
         # The cast makes the comparison one of text on SQLite and PostgreSQL alike.
         label = Cast(KeyTextTransform(key, "labels"), CharField())
         return queryset.annotate(label_value=label).filter(label_value=wanted)
-
-
-class InstanceFilter(django_filters.FilterSet):
-    node = django_filters.CharFilter(field_name="node__name")
-    role = django_filters.CharFilter(field_name="group__role")
-    pipeline_name = django_filters.CharFilter(field_name="pipeline__name")
-    state = django_filters.MultipleChoiceFilter(choices=Instance.State.choices)
-    placed = django_filters.BooleanFilter(field_name="node", lookup_expr="isnull", exclude=True)
-
-    class Meta:
-        model = Instance
-        fields: ClassVar = ["pipeline", "node", "role", "state", "restart_requested"]
 
 
 class DownloadFilter(django_filters.FilterSet):

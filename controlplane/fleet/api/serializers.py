@@ -4,10 +4,13 @@ from rest_framework import serializers
 
 from controlplane.api.fields import LabelsField
 from controlplane.catalog.models import LanguageModel
-from controlplane.fleet.actions import AGENT_REPORTABLE_CHOICES
+from controlplane.deployments.instances import AGENT_REPORTABLE_CHOICES
+from controlplane.deployments.models import Instance
+from controlplane.deployments.reports import InstanceReport
+from controlplane.deployments.worker_specs import merged_engine_args
 from controlplane.fleet.machines import MACHINE_ID_PATTERN
-from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Instance, Node
-from controlplane.fleet.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
+from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Node
+from controlplane.fleet.reports import DownloadReport, GpuReport, NodeReport
 from runtime.fleet_tasks import GPU_UUID_PATTERN
 
 MAX_BYTES = 2**53
@@ -94,45 +97,6 @@ class DrainSerializer(serializers.Serializer):
         default=False,
         help_text="Drain even when some replacement fits on no other node: those replicas stop at once",
     )
-
-
-class InstanceSerializer(serializers.ModelSerializer):
-    name = serializers.CharField(read_only=True)
-    pipeline_name = serializers.CharField(source="pipeline.name", read_only=True)
-    role = serializers.CharField(source="group.role", read_only=True)
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
-    endpoint_instance_id = serializers.SerializerMethodField(
-        help_text="The worker's instance id in etcd, in hex (as the gateway's x-flotilla-instance header shows it)"
-    )
-
-    class Meta:
-        model = Instance
-        fields: ClassVar = [
-            "id",
-            "name",
-            "pipeline",
-            "pipeline_name",
-            "role",
-            "replica",
-            "node",
-            "gpu_indexes",
-            "state",
-            "reason",
-            "pid",
-            "endpoint_instance_id",
-            "restarts",
-            "restart_requested",
-            "gave_up",
-            "replaces",
-            "download_progress",
-            "created_at",
-            "state_changed_at",
-            "updated_at",
-        ]
-        read_only_fields = fields
-
-    def get_endpoint_instance_id(self, instance: Instance) -> str | None:
-        return None if instance.endpoint_instance_id is None else f"{instance.endpoint_instance_id:x}"
 
 
 class DownloadSerializer(serializers.ModelSerializer):
@@ -272,7 +236,7 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
     def get_engine_args(self, instance: Instance) -> dict[str, Any]:
-        return {**instance.pipeline.model.default_engine_args, **instance.group.engine_args}
+        return merged_engine_args(instance)
 
     def get_model(self, instance: Instance) -> dict[str, Any]:
         model = instance.pipeline.model

@@ -1,7 +1,7 @@
 from typing import Any, ClassVar
 
 from django.db.models import QuerySet
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -12,33 +12,26 @@ from controlplane.accounts.models import Role
 from controlplane.api.base import ID_PATTERN, FlotillaViewSet
 from controlplane.api.permissions import AgentPermission
 from controlplane.audit.records import Actor
+from controlplane.deployments import evacuation
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments.api.instances import InstanceSerializer
+from controlplane.deployments.instance_states import InstanceState
+from controlplane.deployments.models import Instance
 from controlplane.errors import Forbidden
-from controlplane.fleet import actions, log_tail
-from controlplane.fleet.api.filters import DownloadFilter, InstanceFilter, NodeFilter
+from controlplane.fleet import actions as fleet_actions
+from controlplane.fleet.api.filters import DownloadFilter, NodeFilter
 from controlplane.fleet.api.serializers import (
     AgentInstanceSerializer,
     DownloadReportSerializer,
     DownloadSerializer,
     DrainSerializer,
     InstanceReportSerializer,
-    InstanceSerializer,
     NodeRegistrationSerializer,
     NodeReportSerializer,
     NodeSerializer,
 )
 from controlplane.fleet.machines import audit_other_machine
-from controlplane.fleet.models import Download, Instance, InstanceState, Node
-from runtime.fleet_tasks import MAX_LOG_LINES
-
-_LOG_REPLY = inline_serializer(
-    "InstanceLog",
-    {
-        "instance": serializers.IntegerField(),
-        "node": serializers.CharField(),
-        "lines": serializers.IntegerField(),
-        "text": serializers.CharField(),
-    },
-)
+from controlplane.fleet.models import Download, Node
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, FlotillaViewSet):
@@ -64,70 +57,32 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
         is ready. Refused (409, naming the pipelines) when a replacement fits nowhere, unless ``force``."""
         options = DrainSerializer(data=request.data or {})
         options.is_valid(raise_exception=True)
-        node = actions.drain_node(self.actor, self.get_object(), force=options.validated_data["force"])
+        node = evacuation.drain_node(self.actor, self.get_object(), force=options.validated_data["force"])
         return Response(self.get_serializer(node).data)
 
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def undrain(self, request: Request, pk: str) -> Response:
         """Let new instances be placed here again."""
-        node = actions.undrain_node(self.actor, self.get_object())
+        node = evacuation.undrain_node(self.actor, self.get_object())
         return Response(self.get_serializer(node).data)
 
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def cordon(self, request: Request, pk: str) -> Response:
         """Place nothing new here; what runs here stays."""
-        node = actions.cordon_node(self.actor, self.get_object())
+        node = fleet_actions.cordon_node(self.actor, self.get_object())
         return Response(self.get_serializer(node).data)
 
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def uncordon(self, request: Request, pk: str) -> Response:
         """Let new instances be placed here again."""
-        node = actions.uncordon_node(self.actor, self.get_object())
+        node = fleet_actions.uncordon_node(self.actor, self.get_object())
         return Response(self.get_serializer(node).data)
 
     def perform_destroy(self, instance: Node) -> None:
-        actions.delete_node(self.actor, instance)
-
-
-class InstanceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FlotillaViewSet):
-    """Instances of all pipelines; ``restart`` needs operator."""
-
-    queryset = Instance.objects.select_related("pipeline", "group", "node")
-    serializer_class = InstanceSerializer
-    filterset_class = InstanceFilter
-    ordering_fields: ClassVar = ["id", "state", "state_changed_at", "restarts"]
-
-    @extend_schema(request=None, responses=InstanceSerializer)
-    @action(detail=True, methods=["post"])
-    def restart(self, request: Request, pk: str) -> Response:
-        """Stop and start the instance where it is (a failed one is started again)."""
-        instance = actions.restart_instance(self.actor, self.get_object())
-        return Response(self.get_serializer(instance).data)
-
-    @extend_schema(
-        parameters=[
-            OpenApiParameter("lines", int, description=f"how many of the last lines (1-{MAX_LOG_LINES}, default 100)")
-        ],
-        responses={
-            200: _LOG_REPLY,
-            409: OpenApiResponse(description="the instance is not placed on a node"),
-            502: OpenApiResponse(description="the node's agent answered with an error"),
-            503: OpenApiResponse(description="the node is offline, did not answer in time, or the broker is down"),
-        },
-    )
-    @action(detail=True, methods=["get"])
-    def log(self, request: Request, pk: str) -> Response:
-        """The last lines of the instance's worker log, as its node's agent keeps it."""
-        lines = log_tail.parse_lines(request.query_params.get("lines"))
-        tail = log_tail.log_tail(self.get_object(), lines)
-        if tail.problem is not None:
-            return Response({"detail": tail.problem}, status=tail.status)
-        node = tail.instance.node
-        assert node is not None  # a tail with text came from the node's agent
-        return Response({"instance": tail.instance.pk, "node": node.name, "lines": lines, "text": tail.text})
+        evacuation.delete_node(self.actor, instance)
 
 
 class DownloadViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FlotillaViewSet):
@@ -170,7 +125,7 @@ class AgentViewSet(viewsets.ViewSet):
         """Register (or re-register) this agent's node with its inventory."""
         report = self._report(NodeRegistrationSerializer, request)
         with audit_other_machine(self.actor):
-            node = actions.register_node(self.actor, self.node_name, report)
+            node = fleet_actions.register_node(self.actor, self.node_name, report)
         return Response(NodeSerializer(node).data)
 
     @extend_schema(
@@ -181,7 +136,7 @@ class AgentViewSet(viewsets.ViewSet):
     def heartbeat(self, request: Request) -> Response:
         """Report the node's current inventory; it keeps the node online."""
         with audit_other_machine(self.actor):
-            node = actions.heartbeat(self.actor, self.node_name, self._report(NodeReportSerializer, request))
+            node = fleet_actions.heartbeat(self.actor, self.node_name, self._report(NodeReportSerializer, request))
         return Response({"name": node.name, "state": node.state, "draining": node.draining})
 
     @extend_schema(responses=AgentInstanceSerializer(many=True))
@@ -200,7 +155,9 @@ class AgentViewSet(viewsets.ViewSet):
         """Report an instance's state (and its pid, endpoint instance id, download progress)."""
         serializer = InstanceReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        instance = actions.report_instance_state(self.actor, self.node_name, int(instance_id), serializer.to_report())
+        instance = instance_actions.report_instance_state(
+            self.actor, self.node_name, int(instance_id), serializer.to_report()
+        )
         return Response(InstanceSerializer(instance).data)
 
     @extend_schema(request=DownloadReportSerializer, responses=DownloadSerializer)
@@ -210,7 +167,7 @@ class AgentViewSet(viewsets.ViewSet):
         serializer = DownloadReportSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         model = serializer.validated_data["model"]
-        download = actions.report_download(self.actor, self.node_name, model.pk, serializer.to_report())
+        download = fleet_actions.report_download(self.actor, self.node_name, model.pk, serializer.to_report())
         return Response(DownloadSerializer(download).data, status=status.HTTP_200_OK)
 
     def _report(self, serializer_class: Any, request: Request) -> Any:

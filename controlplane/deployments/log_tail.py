@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from controlplane import celery_app
 from controlplane.deployments.dispatch import AgentFailed, CeleryDispatcher, Dispatcher, DispatchError
+from controlplane.deployments.models import Instance
 from controlplane.errors import Invalid
-from controlplane.fleet.models import Instance, Node
+from controlplane.fleet.models import Node
 from runtime.config import env_float
 from runtime.fleet_tasks import MAX_LOG_LINES, LogTailRequest
 

@@ -10,8 +10,10 @@ is likewise the smaller of what the agent reports available and the total minus 
 import math
 from collections import defaultdict
 
+from controlplane.deployments.instance_states import LIVE_STATES
+from controlplane.deployments.models import Instance
 from controlplane.deployments.placement import GpuInventory, NodeInventory
-from controlplane.fleet.models import LIVE_STATES, Instance, Node
+from controlplane.fleet.models import Node
 
 
 def fleet_inventory() -> list[NodeInventory]:

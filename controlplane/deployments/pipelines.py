@@ -1,13 +1,11 @@
-"""Changes to pipelines: deploy, update, scale, stop, start, delete, and placing their pending instances.
+"""Changes to pipelines: deploy, update, scale, stop, start, delete.
 
 Each action runs in one transaction and writes audit entries. Actions record desired state (a group's
 replica count, the pipeline's running/stopped state) together with the instance rows it implies: new
 instances are pending and unplaced; instances no longer wanted are stopping (or stopped when nothing
-runs). Each asks for a reconciler pass once it commits (``request_reconcile``), so that the change
-reaches the agents at once rather than at the next periodic pass. ``place_pending_instances`` is the
-reconciler's placement step: it places what is pending with ``placement.place`` and leaves the reason on
-whatever does not fit; dispatching the placed instances to their nodes' agents is the reconciler's next
-step (controlplane/deployments/reconciler.py).
+runs). Each asks for a reconciler pass once it commits (``controlplane.reconcile_requests``), so that
+the change reaches the agents at once rather than at the next periodic pass, which places the new
+instances and sends their tasks (``upkeep``, run by ``reconciler``).
 """
 
 import math
@@ -18,19 +16,17 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import Count, F, Q
+from django.db.models import F
 
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
-from controlplane.celery_app import request_reconcile
-from controlplane.deployments.demand import group_demand
-from controlplane.deployments.models import Pipeline, WorkerGroup, validate_served_name
-from controlplane.deployments.placement import Placement, Unschedulable, place
+from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
+from controlplane.deployments.instances import add_instances, stop_instance
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup, validate_served_name
 from controlplane.errors import Conflict, Invalid
-from controlplane.fleet.actions import add_instances, stop_instance, transition
-from controlplane.fleet.inventory import fleet_inventory
-from controlplane.fleet.models import LIVE_STATES, PROCESS_STATES, Instance, InstanceState, Node
+from controlplane.fleet.models import Node
+from controlplane.reconcile_requests import request_reconcile
 
 MAX_REPLICAS = 512
 MAX_GPUS_PER_REPLICA = 16
@@ -192,52 +188,6 @@ def update_group(
     return group
 
 
-def roll_out_updates(actor: Actor) -> int:
-    """One step of each rolling update: in every group of a running pipeline with instances of an older
-    generation and no replacement of one on its way, one outdated instance is replaced.
-
-    A ready one gets a replacement and stops once that one is ready (``retire_replaced_instances``); when
-    no node has room for the replacement beside it, it restarts in place instead (its group runs one short
-    meanwhile). One that does not serve yet stops at once, and the replica count brings a new one.
-    Returns how many instances were replaced or restarted.
-    """
-    outdated = Instance.objects.filter(state__in=LIVE_STATES, generation__lt=F("group__generation"))
-    groups = (
-        WorkerGroup.objects.filter(pipeline__state=Pipeline.State.RUNNING, instances__in=outdated)
-        .distinct()
-        .values_list("pk", flat=True)
-    )
-    return sum(_roll_one(actor, group_id) for group_id in list(groups))
-
-
-@transaction.atomic
-def _roll_one(actor: Actor, group_id: int) -> int:
-    group = WorkerGroup.objects.select_for_update().select_related("pipeline").get(pk=group_id)
-    instances = group.instances.select_related("pipeline", "group", "node")
-    in_flight = instances.filter(replaces__isnull=False, state__in=LIVE_STATES - {InstanceState.READY})
-    if in_flight.filter(generation=group.generation).exists():
-        return 0  # one at a time: the replacement under way goes first
-    outdated = list(
-        instances.filter(state__in=LIVE_STATES, generation__lt=group.generation)
-        .exclude(replacements__state__in=LIVE_STATES)
-        .order_by("replica")
-    )
-    if not outdated:
-        return 0
-    instance = min(outdated, key=lambda i: i.state == InstanceState.READY)  # those that do not serve first
-    reason = f"updated to generation {group.generation}"
-    if instance.state != InstanceState.READY:
-        stop_instance(actor, instance, reason)
-        add_instances(actor, group, 1, reason=f"replaces {instance.name} ({reason})", replaces=instance)
-    elif isinstance(place(group_demand(group, 1), fleet_inventory()), Unschedulable):
-        before = snapshot(instance)
-        transition(instance, InstanceState.STOPPING, restart_requested=True, generation=group.generation, reason=reason)
-        record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
-    else:
-        add_instances(actor, group, 1, reason=f"replaces {instance.name} ({reason})", replaces=instance)
-    return 1
-
-
 @transaction.atomic
 def scale_pipeline(actor: Actor, pipeline: Pipeline, replicas: int, role: str | None = None) -> WorkerGroup:
     """Set a worker group's replica count; a running pipeline gets new pending instances or stops some.
@@ -310,88 +260,6 @@ def delete_pipeline(actor: Actor, pipeline: Pipeline) -> None:
         raise Conflict(f"pipeline {pipeline.name} still has {stopping} instance(s) stopping; wait for them")
     record(actor, "pipeline.delete", pipeline, before=pipeline_snapshot(pipeline), after=None)
     pipeline.delete()
-
-
-@transaction.atomic
-def place_pending_instances(
-    actor: Actor, pipeline: Pipeline | None = None
-) -> list[tuple[WorkerGroup, Placement | Unschedulable]]:
-    """Place the unplaced pending instances of running pipelines (or of one), group by group.
-
-    Placed instances get their node and GPU indexes (still pending: dispatching them is the reconciler's
-    job); the rest keep a reason a person can act on. Audited per instance placed, and when an
-    instance's reason changes. Returns each group's placement result.
-
-    Two placements at once (two reconciler passes, a drain's check) would each read the same free GPU
-    and both fill it: the node rows are locked first, in one order, so that they run one after the other
-    on PostgreSQL (SQLite's single writer serializes them anyway).
-    """
-    list(Node.objects.select_for_update().order_by("pk").values_list("pk", flat=True))
-    groups = WorkerGroup.objects.select_related("pipeline__model").filter(
-        pipeline__state=Pipeline.State.RUNNING,
-        instances__state=InstanceState.PENDING,
-        instances__node__isnull=True,
-    )
-    if pipeline is not None:
-        groups = groups.filter(pipeline=pipeline)
-    results: list[tuple[WorkerGroup, Placement | Unschedulable]] = []
-    for group in groups.distinct().order_by("pipeline__created_at", "role"):
-        waiting = list(group.instances.filter(state=InstanceState.PENDING, node__isnull=True).order_by("replica"))
-        # The inventory is read again for each group, so that it includes the groups placed before.
-        result = place(group_demand(group, len(waiting)), fleet_inventory())
-        chosen = result.replicas if isinstance(result, Placement) else result.placed
-        nodes = {node.name: node for node in Node.objects.filter(name__in={r.node for r in chosen})}
-        for instance, where in zip(waiting, chosen, strict=False):
-            before = snapshot(instance)
-            claimed = Instance.objects.filter(pk=instance.pk, state=InstanceState.PENDING, node__isnull=True).update(
-                node=nodes[where.node], gpu_indexes=list(where.gpu_indexes), reason=""
-            )
-            if claimed:
-                instance.refresh_from_db()
-                record(actor, "instance.place", instance, before=before, after=snapshot(instance))
-        if isinstance(result, Unschedulable):
-            for instance in waiting[len(chosen) :]:
-                if instance.reason != result.reason:
-                    before = snapshot(instance)
-                    Instance.objects.filter(pk=instance.pk, node__isnull=True).update(reason=result.reason)
-                    instance.reason = result.reason
-                    record(actor, "instance.unschedulable", instance, before=before, after=snapshot(instance))
-        results.append((group, result))
-    return results
-
-
-# An instance restarting in place is stopping for a moment, but still one of its group's replicas.
-_COUNTS_AS_REPLICA = Q(state__in=LIVE_STATES) | Q(state=InstanceState.STOPPING, restart_requested=True)
-
-
-def keep_replica_counts(actor: Actor) -> list[Instance]:
-    """Add instances to the groups of running pipelines that have fewer replicas than their replica count
-    (a replica lost some way no action replaced: stopped by its node's eviction while it was being
-    restarted, or a row removed by hand). Never stops any: scaling down is a person's action.
-
-    Returns the instances added, unplaced and pending.
-    """
-    replicas = Count("instances", filter=Q(instances__in=Instance.objects.filter(_COUNTS_AS_REPLICA)))
-    short = (
-        WorkerGroup.objects.filter(pipeline__state=Pipeline.State.RUNNING)
-        .annotate(counted=replicas)
-        .filter(counted__lt=F("replicas"))
-        .values_list("pk", flat=True)
-    )
-    added: list[Instance] = []
-    for group_id in list(short):
-        added += _fill_group(actor, group_id)
-    return added
-
-
-@transaction.atomic
-def _fill_group(actor: Actor, group_id: int) -> list[Instance]:
-    """Top up one group, counted again under its row lock (a scale or a second pass may have come first)."""
-    group = WorkerGroup.objects.select_for_update().select_related("pipeline").get(pk=group_id)
-    if group.pipeline.state != Pipeline.State.RUNNING:
-        return []
-    missing = group.replicas - group.instances.filter(_COUNTS_AS_REPLICA).count()
-    return add_instances(actor, group, missing, reason="replaces a lost replica")
 
 
 def _group(pipeline: Pipeline, role: str | None) -> WorkerGroup:

@@ -1,0 +1,231 @@
+"""The reconciler's steps on instances, as actions: place what is pending, keep each group at its replica
+count, roll out configuration updates one replica at a time, send agents their tasks exactly once, fail
+what is overdue, restart what failed and give up on what keeps failing.
+
+Each step is idempotent and safe against a second pass running at the same time (conditional updates on
+what it read, row locks where it counts); the reconciler (``reconciler.py``) decides when each runs.
+"""
+
+import datetime
+from collections.abc import Callable
+
+from django.db import transaction
+from django.db.models import Count, F, Q
+from django.utils import timezone
+
+from controlplane.audit.records import Actor, record, snapshot
+from controlplane.deployments.demand import group_demand
+from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
+from controlplane.deployments.instances import add_instances, fresh_start, stop_instance, transition
+from controlplane.deployments.inventory import fleet_inventory
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
+from controlplane.deployments.placement import Placement, Unschedulable, place
+from controlplane.errors import Conflict
+from controlplane.fleet.models import Node
+
+
+@transaction.atomic
+def place_pending_instances(
+    actor: Actor, pipeline: Pipeline | None = None
+) -> list[tuple[WorkerGroup, Placement | Unschedulable]]:
+    """Place the unplaced pending instances of running pipelines (or of one), group by group.
+
+    Placed instances get their node and GPU indexes (still pending: dispatching them is the reconciler's
+    job); the rest keep a reason a person can act on. Audited per instance placed, and when an
+    instance's reason changes. Returns each group's placement result.
+
+    Two placements at once (two reconciler passes, a drain's check) would each read the same free GPU
+    and both fill it: the node rows are locked first, in one order, so that they run one after the other
+    on PostgreSQL (SQLite's single writer serializes them anyway).
+    """
+    list(Node.objects.select_for_update().order_by("pk").values_list("pk", flat=True))
+    groups = WorkerGroup.objects.select_related("pipeline__model").filter(
+        pipeline__state=Pipeline.State.RUNNING,
+        instances__state=InstanceState.PENDING,
+        instances__node__isnull=True,
+    )
+    if pipeline is not None:
+        groups = groups.filter(pipeline=pipeline)
+    results: list[tuple[WorkerGroup, Placement | Unschedulable]] = []
+    for group in groups.distinct().order_by("pipeline__created_at", "role"):
+        waiting = list(group.instances.filter(state=InstanceState.PENDING, node__isnull=True).order_by("replica"))
+        # The inventory is read again for each group, so that it includes the groups placed before.
+        result = place(group_demand(group, len(waiting)), fleet_inventory())
+        chosen = result.replicas if isinstance(result, Placement) else result.placed
+        nodes = {node.name: node for node in Node.objects.filter(name__in={r.node for r in chosen})}
+        for instance, where in zip(waiting, chosen, strict=False):
+            before = snapshot(instance)
+            claimed = Instance.objects.filter(pk=instance.pk, state=InstanceState.PENDING, node__isnull=True).update(
+                node=nodes[where.node], gpu_indexes=list(where.gpu_indexes), reason=""
+            )
+            if claimed:
+                instance.refresh_from_db()
+                record(actor, "instance.place", instance, before=before, after=snapshot(instance))
+        if isinstance(result, Unschedulable):
+            for instance in waiting[len(chosen) :]:
+                if instance.reason != result.reason:
+                    before = snapshot(instance)
+                    Instance.objects.filter(pk=instance.pk, node__isnull=True).update(reason=result.reason)
+                    instance.reason = result.reason
+                    record(actor, "instance.unschedulable", instance, before=before, after=snapshot(instance))
+        results.append((group, result))
+    return results
+
+
+# An instance restarting in place is stopping for a moment, but still one of its group's replicas.
+_COUNTS_AS_REPLICA = Q(state__in=LIVE_STATES) | Q(state=InstanceState.STOPPING, restart_requested=True)
+
+
+def keep_replica_counts(actor: Actor) -> list[Instance]:
+    """Add instances to the groups of running pipelines that have fewer replicas than their replica count
+    (a replica lost some way no action replaced: stopped by its node's eviction while it was being
+    restarted, or a row removed by hand). Never stops any: scaling down is a person's action.
+
+    Returns the instances added, unplaced and pending.
+    """
+    replicas = Count("instances", filter=Q(instances__in=Instance.objects.filter(_COUNTS_AS_REPLICA)))
+    short = (
+        WorkerGroup.objects.filter(pipeline__state=Pipeline.State.RUNNING)
+        .annotate(counted=replicas)
+        .filter(counted__lt=F("replicas"))
+        .values_list("pk", flat=True)
+    )
+    added: list[Instance] = []
+    for group_id in list(short):
+        added += _fill_group(actor, group_id)
+    return added
+
+
+@transaction.atomic
+def _fill_group(actor: Actor, group_id: int) -> list[Instance]:
+    """Top up one group, counted again under its row lock (a scale or a second pass may have come first)."""
+    group = WorkerGroup.objects.select_for_update().select_related("pipeline").get(pk=group_id)
+    if group.pipeline.state != Pipeline.State.RUNNING:
+        return []
+    missing = group.replicas - group.instances.filter(_COUNTS_AS_REPLICA).count()
+    return add_instances(actor, group, missing, reason="replaces a lost replica")
+
+
+def roll_out_updates(actor: Actor) -> int:
+    """One step of each rolling update: in every group of a running pipeline with instances of an older
+    generation and no replacement of one on its way, one outdated instance is replaced.
+
+    A ready one gets a replacement and stops once that one is ready (``retire_replaced_instances``); when
+    no node has room for the replacement beside it, it restarts in place instead (its group runs one short
+    meanwhile). One that does not serve yet stops at once, and the replica count brings a new one.
+    Returns how many instances were replaced or restarted.
+    """
+    outdated = Instance.objects.filter(state__in=LIVE_STATES, generation__lt=F("group__generation"))
+    groups = (
+        WorkerGroup.objects.filter(pipeline__state=Pipeline.State.RUNNING, instances__in=outdated)
+        .distinct()
+        .values_list("pk", flat=True)
+    )
+    return sum(_roll_one(actor, group_id) for group_id in list(groups))
+
+
+@transaction.atomic
+def _roll_one(actor: Actor, group_id: int) -> int:
+    group = WorkerGroup.objects.select_for_update().select_related("pipeline").get(pk=group_id)
+    instances = group.instances.select_related("pipeline", "group", "node")
+    in_flight = instances.filter(replaces__isnull=False, state__in=LIVE_STATES - {InstanceState.READY})
+    if in_flight.filter(generation=group.generation).exists():
+        return 0  # one at a time: the replacement under way goes first
+    outdated = list(
+        instances.filter(state__in=LIVE_STATES, generation__lt=group.generation)
+        .exclude(replacements__state__in=LIVE_STATES)
+        .order_by("replica")
+    )
+    if not outdated:
+        return 0
+    instance = min(outdated, key=lambda i: i.state == InstanceState.READY)  # those that do not serve first
+    reason = f"updated to generation {group.generation}"
+    if instance.state != InstanceState.READY:
+        stop_instance(actor, instance, reason)
+        add_instances(actor, group, 1, reason=f"replaces {instance.name} ({reason})", replaces=instance)
+    elif isinstance(place(group_demand(group, 1), fleet_inventory()), Unschedulable):
+        before = snapshot(instance)
+        transition(instance, InstanceState.STOPPING, restart_requested=True, generation=group.generation, reason=reason)
+        record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
+    else:
+        add_instances(actor, group, 1, reason=f"replaces {instance.name} ({reason})", replaces=instance)
+    return 1
+
+
+@transaction.atomic
+def fail_overdue_instance(actor: Actor, instance: Instance, reason: str) -> bool:
+    """Fail an instance that stayed too long in a state its agent should have moved it out of (a start nobody
+    took, a download that stopped moving, a worker that never became ready), as a failure of its own.
+
+    Returns False when its state changed meanwhile (a report came in).
+    """
+    before = snapshot(instance)
+    try:
+        transition(instance, InstanceState.FAILED, reason=reason, failure_streak=instance.failure_streak + 1)
+    except Conflict:
+        return False
+    record(actor, "instance.overdue", instance, before=before, after=snapshot(instance))
+    return True
+
+
+@transaction.atomic
+def restart_failed_instance(actor: Actor, instance: Instance) -> Instance:
+    """Make a failed instance pending again, unplaced, to be placed where it fits now (restarts + 1).
+
+    The reconciler calls it once the instance's backoff has passed. Raises Conflict when the instance
+    changed meanwhile, InvalidTransition when it is not failed.
+    """
+    before = snapshot(instance)
+    transition(instance, InstanceState.PENDING, **fresh_start(instance))
+    record(actor, "instance.restart", instance, before=before, after=snapshot(instance))
+    return instance
+
+
+@transaction.atomic
+def give_up_instance(actor: Actor, instance: Instance, restarts: int) -> bool:
+    """Leave a failed instance failed for good, its reason saying so; a person's restart revives it.
+
+    Its node and GPUs are let go (the reason names the node), so that what it reserved serves others; a
+    restart places it anew. Returns False when it is not failed any more, or was given up already.
+    """
+    if instance.state != InstanceState.FAILED or instance.gave_up:
+        return False
+    before = snapshot(instance)
+    where = f" on node {instance.node.name}" if instance.node is not None else ""
+    reason = f"gave up after {restarts} restarts{where}: {instance.reason}"
+    updated = Instance.objects.filter(pk=instance.pk, state=InstanceState.FAILED, gave_up=False).update(
+        reason=reason, gave_up=True, node=None, gpu_indexes=[], updated_at=timezone.now()
+    )
+    if not updated:
+        return False
+    instance.reason, instance.gave_up, instance.node, instance.gpu_indexes = reason, True, None, []
+    record(actor, "instance.give_up", instance, before=before, after=snapshot(instance))
+    return True
+
+
+@transaction.atomic
+def dispatch_instance(
+    actor: Actor, instance: Instance, task: str, send: Callable[[], None], now: datetime.datetime
+) -> bool:
+    """Record that ``task`` goes to the instance's agent now, and ``send`` it, exactly once per claim.
+
+    The claim is a conditional update on the state, node, attempt and last dispatch we read, so of two
+    passes that both see the instance due only one sends. ``send`` runs inside the transaction, after the
+    claim: if it raises (the broker is unreachable), the claim and its audit entry roll back and the
+    next pass tries again. Returns False when another pass (or a state change) got there first.
+    """
+    claimed = Instance.objects.filter(
+        pk=instance.pk,
+        state=instance.state,
+        node_id=instance.node_id,
+        restarts=instance.restarts,
+        dispatched_at=instance.dispatched_at,
+    ).update(dispatched_at=now, dispatches=F("dispatches") + 1)
+    if not claimed:
+        return False
+    before = snapshot(instance)
+    instance.dispatched_at, instance.dispatches = now, instance.dispatches + 1
+    after = snapshot(instance) | {"task": task}
+    record(actor, "instance.dispatch", instance, before=before, after=after)
+    send()
+    return True
