@@ -16,9 +16,9 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import F
-from django.utils import timezone
 
 from controlplane.audit.records import Actor, record, snapshot
+from controlplane.database import db_now
 from controlplane.deployments.demand import group_demand
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState, check_transition
 from controlplane.deployments.inventory import fleet_inventory
@@ -86,7 +86,7 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
         )
     if target == instance.state:
         if details:
-            Instance.objects.filter(pk=instance.pk).update(**details, updated_at=timezone.now())
+            Instance.objects.filter(pk=instance.pk).update(**details, updated_at=db_now())  # a stall is measured on it
             for name, value in details.items():
                 setattr(instance, name, value)
             row_changed(instance)  # unaudited: the dashboard hears of it here
@@ -211,7 +211,7 @@ def transition(instance: Instance, new_state: str, **fields: Any) -> None:
     InvalidTransition when the state machine forbids the move, Conflict when the row changed meanwhile.
     """
     check_transition(instance.state, new_state)
-    now = timezone.now()
+    now = db_now()  # the reconciler's deadlines and backoffs are measured from it, on the database's clock
     # A new state needs its own task sent (or none): what was dispatched for the old one no longer counts.
     changes = {
         "state": new_state,
@@ -231,7 +231,7 @@ def transition(instance: Instance, new_state: str, **fields: Any) -> None:
 
 def _failure_streak(instance: Instance) -> int:
     """The instance's failure count once this failure is counted: 1 after a long healthy run."""
-    healthy = instance.state == InstanceState.READY and timezone.now() - instance.state_changed_at >= HEALTHY_RUN
+    healthy = instance.state == InstanceState.READY and db_now() - instance.state_changed_at >= HEALTHY_RUN
     return 1 if healthy else instance.failure_streak + 1
 
 

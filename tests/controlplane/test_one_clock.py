@@ -10,11 +10,16 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from controlplane.audit.records import Actor
 from controlplane.database import db_now
+from controlplane.deployments import instances as instance_actions
+from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import PassReport, Reconciler, ReconcilerSettings
+from controlplane.deployments.reports import InstanceReport
+from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
-from tests.controlplane.factories import TEST_ACTOR, make_node, node_report
+from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, node_report
 from tests.controlplane.reconciling import RecordingDispatcher
 
 pytestmark = pytest.mark.django_db
@@ -65,6 +70,31 @@ def test_a_heartbeat_is_stamped_with_the_databases_time(clock_behind: Callable[[
     fleet_actions.heartbeat(TEST_ACTOR, "gpu-a", node_report((80,)))  # back online
     after = db_now()
     assert stamped_between("gpu-a", before, after)
+
+
+def test_an_instances_state_changes_and_progress_are_stamped_with_the_databases_time(
+    clock_behind: Callable[[], None],
+) -> None:
+    make_node("gpu-a", (80,))
+    deploy("chat", gpus_per_replica=1)
+    place_pending_instances(TEST_ACTOR)
+    instance = Instance.objects.get()
+    agent = Actor.agent("gpu-a")
+
+    before = db_now()
+    instance_actions.report_instance_state(agent, "gpu-a", instance.pk, InstanceReport(state="downloading"))
+    after = db_now()
+    instance.refresh_from_db()
+    # The start deadline and the restart backoff are measured from state_changed_at, a stalled download
+    # from updated_at: a process whose clock is behind would make them come an hour late.
+    assert before <= instance.state_changed_at <= after and before <= instance.updated_at <= after
+
+    before = db_now()
+    progress = InstanceReport(state="downloading", download_progress=0.5)
+    instance_actions.report_instance_state(agent, "gpu-a", instance.pk, progress)  # same state: details only
+    after = db_now()
+    instance.refresh_from_db()
+    assert before <= instance.updated_at <= after
 
 
 def test_the_reconcilers_clock_is_the_databases_by_default(clock_behind: Callable[[], None]) -> None:
