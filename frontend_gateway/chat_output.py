@@ -6,10 +6,12 @@ tool-call parser cannot return calls: tools are then refused unless ``tool_choic
 ``ChatOutputParser`` applies it to the answer, piece by piece; the gateway's fast path, plain text,
 is untouched when a request needs no parser.
 
-``tool_choice: "required"`` or a named function cannot be enforced while the model generates (no
-engine here constrains its output to a call yet), so it is checked once the answer is complete: an
-answer without the call is an error (``ToolCallMissing``), never passed off as the call asked for.
-A named function is the only tool the prompt shows, so that the model has no other to choose.
+``tool_choice: "required"`` or a named function is enforced where the engine can constrain its output
+(``structured_output``): the answer is held to a JSON schema of the call(s), as vLLM does, and read by
+``parsers.forced_calls`` whatever the model's own format (no tool-call parser is needed then). Where it
+cannot, the model's own format is parsed and the finished answer checked: one without the call is an
+error (``ToolCallMissing``), never passed off as the call asked for. Either way a named function is the
+only tool the prompt shows, so that the model has no other to choose.
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +20,13 @@ from typing import Any
 import msgspec
 
 from frontend_gateway.errors import InvalidRequest, ToolCallMissing
-from frontend_gateway.openai_types import ChatCompletionRequest, NamedToolChoice
+from frontend_gateway.openai_types import ChatCompletionRequest, NamedToolChoice, Tool
+from frontend_gateway.parsers.forced_calls import (
+    NamedCallParser,
+    RequiredCallsParser,
+    named_call_schema,
+    required_calls_schema,
+)
 from frontend_gateway.parsers.reasoning import ReasoningParser, reasoning_parser
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallParser, tool_call_parser
 
@@ -50,15 +58,22 @@ class ChatOutputParser:
     function that must be called.
     """
 
-    __slots__ = ("_reasoning", "_tools", "calls", "has_reasoning", "required")
+    __slots__ = ("_reasoning", "_tools", "calls", "has_reasoning", "max_calls", "required")
 
     def __init__(
-        self, reasoning: ReasoningParser | None, tools: ToolCallParser | None, required: str | None = None
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolCallParser | None,
+        required: str | None = None,
+        *,
+        max_calls: int | None = None,
     ) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self.has_reasoning = reasoning is not None
         self.required = required
+        #: 1 with ``parallel_tool_calls: false``: calls past the first are dropped.
+        self.max_calls = max_calls
         #: The calls found so far, in order.
         self.calls: list[ToolCall] = []
 
@@ -88,6 +103,8 @@ class ChatOutputParser:
             tail, last = self._tools.flush()
             shown += tail
             calls = [*calls, *last]
+        if self.max_calls is not None:
+            calls = calls[: max(0, self.max_calls - len(self.calls))]
         self.calls += calls
         return Delta(reasoning, shown, calls)
 
@@ -116,17 +133,29 @@ class ChatPlan:
 
     tools: list[dict[str, Any]] | None
     parser: ChatOutputParser | None
+    #: The JSON schema (as JSON text) the engine must hold the answer to, for a forced tool call.
+    json_schema: str | None = None
 
 
 def plan_chat_output(
-    request: ChatCompletionRequest, *, model: str, reasoning: str | None, tool_calls: str | None
+    request: ChatCompletionRequest,
+    *,
+    model: str,
+    reasoning: str | None,
+    tool_calls: str | None,
+    structured_output: bool = False,
 ) -> ChatPlan:
-    """Decide how to serve ``request`` on a model with these parsers (by name; None: none).
+    """Decide how to serve ``request`` on a model with these parsers (by name; None: none) whose engine
+    can, or cannot, constrain its output.
 
     Raises InvalidRequest when ``tools`` would be offered to a model whose calls cannot be parsed.
     """
     choice = request.tool_choice
     tools = request.tools
+    max_calls = 1 if request.parallel_tool_calls is False else None
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if tools is not None and forced and structured_output:
+        return _forced_call_plan(request, tools, max_calls)
     if tools is None or choice == "none":
         # "none": the model is not shown tools it may not call (vLLM's --exclude-tools-when-tool-choice-none).
         tool_parser, shown, required = None, None, None
@@ -146,5 +175,32 @@ def plan_chat_output(
             required = "" if choice == "required" else None
             shown = msgspec.to_builtins(tools)
     reasoner = reasoning_parser(reasoning) if reasoning is not None else None
-    parser = ChatOutputParser(reasoner, tool_parser, required) if reasoner or tool_parser else None
+    parser = ChatOutputParser(reasoner, tool_parser, required, max_calls=max_calls) if reasoner or tool_parser else None
     return ChatPlan(shown, parser)
+
+
+def _forced_call_plan(request: ChatCompletionRequest, tools: list[Tool], max_calls: int | None) -> ChatPlan:
+    """The plan of a required or named call on an engine that holds the answer to the call's schema.
+
+    No reasoning parser: the answer is the JSON from its first token. Raises InvalidRequest when
+    response_format also asks for a schema: the answer cannot be held to two.
+    """
+    if request.response_format is not None and request.response_format.get("type", "text") != "text":
+        raise InvalidRequest(
+            "response_format cannot be combined with a required or named tool_choice: both would "
+            "constrain the same answer",
+            param="response_format",
+        )
+    choice = request.tool_choice
+    tool_parser: ToolCallParser
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        named = [tool for tool in tools if tool.function.name == name]
+        schema = named_call_schema(named[0].function.parameters)
+        tool_parser, shown, required = NamedCallParser(name), named, name
+    else:
+        offered = [(tool.function.name, tool.function.parameters) for tool in tools]
+        schema = required_calls_schema(offered, parallel=max_calls is None)
+        tool_parser, shown, required = RequiredCallsParser(), tools, ""
+    parser = ChatOutputParser(None, tool_parser, required, max_calls=max_calls)
+    return ChatPlan(msgspec.to_builtins(shown), parser, msgspec.json.encode(schema).decode())

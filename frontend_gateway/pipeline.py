@@ -104,11 +104,15 @@ class TokenModel:
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
         plan = plan_chat_output(
-            request, model=self.name, reasoning=self.reasoning_parser, tool_calls=self.tool_call_parser
+            request,
+            model=self.name,
+            reasoning=self.reasoning_parser,
+            tool_calls=self.tool_call_parser,
+            structured_output=self.card.structured_output,
         )
         prompt_ids = await preprocessor.chat_prompt_ids(self.card, request, plan.tools)
         keep_special = plan.parser is not None and plan.parser.needs_special_tokens
-        generation = self._prepare(request, prompt_ids, keep_special_tokens=keep_special)
+        generation = self._prepare(request, prompt_ids, keep_special_tokens=keep_special, json_schema=plan.json_schema)
         generation.output = plan.parser
         return generation
 
@@ -116,10 +120,18 @@ class TokenModel:
         return self._prepare(request, await preprocessor.completion_prompt_ids(self.card, request))
 
     def _prepare(
-        self, request: SamplingFields, prompt_ids: list[int], *, keep_special_tokens: bool = False
+        self,
+        request: SamplingFields,
+        prompt_ids: list[int],
+        *,
+        keep_special_tokens: bool = False,
+        json_schema: str | None = None,
     ) -> Generation:
+        """The generation of a templated, tokenized request; ``json_schema``: a forced tool call's."""
         stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
-        schema = preprocessor.output_schema(request, model=self.name, structured_output=self.card.structured_output)
+        schema = json_schema or preprocessor.output_schema(
+            request, model=self.name, structured_output=self.card.structured_output
+        )
         request_id = _new_request_id()
         engine_request = PreprocessedRequest(
             request_id=request_id,

@@ -38,7 +38,8 @@ class ToolCall:
         return body
 
 
-def _call_id() -> str:
+def new_call_id() -> str:
+    """A fresh id for a call, in OpenAI's form (``call_`` and 24 characters)."""
     return "call_" + uuid.uuid4().hex[:24]
 
 
@@ -49,7 +50,7 @@ def _call_from(value: object) -> ToolCall | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(_call_id(), name, arguments)
+    return ToolCall(new_call_id(), name, arguments)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -250,7 +251,7 @@ class MistralParser(_WholeAnswerParser):
                     value, _ = _decoder.raw_decode(arguments.strip())
                 except ValueError:
                     return None
-                calls.append(ToolCall(_call_id(), name.strip(), json.dumps(value, ensure_ascii=False)))
+                calls.append(ToolCall(new_call_id(), name.strip(), json.dumps(value, ensure_ascii=False)))
         return calls or None
 
 

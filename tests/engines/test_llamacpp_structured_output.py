@@ -97,3 +97,88 @@ def test_a_response_format_that_cannot_be_honoured_is_a_bad_request(
                 model=MODEL, messages=PARIS, max_tokens=5, response_format=response_format, stream=stream
             )
         assert caught.value.param == param
+
+
+# --- forced tool calls: the answer held to the call's JSON schema --------------------------------
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "London"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME_TOOL: Any = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET"]}}}},
+}
+WEATHER: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_named_function_is_called_with_arguments_that_follow_its_parameters(client: openai.OpenAI) -> None:
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=WEATHER, temperature=0, max_tokens=40, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.choices[0].message.content is None
+    [call] = reply.choices[0].message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "London") and arguments["unit"] in ("celsius", "fahrenheit")
+
+
+def test_required_makes_a_model_without_a_tool_call_parser_call_an_offered_tool(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER,
+        temperature=0,
+        max_tokens=80,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    [call] = reply.choices[0].message.tool_calls or []  # parallel_tool_calls false: one at most
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_streamed_forced_call_arrives_whole_in_one_delta(client: openai.OpenAI) -> None:
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER,
+        temperature=0,
+        max_tokens=40,
+        tools=[WEATHER_TOOL],
+        tool_choice=choice,
+        stream=True,
+    )
+    chunks = [chunk for chunk in stream if chunk.choices]
+    calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert [(call.index, call.function.name if call.function else None) for call in calls] == [(0, "get_weather")]
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_still_needs_a_tool_call_parser(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="tool-call parser"):
+        client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=5, tools=[WEATHER_TOOL])
+
+
+def test_a_forced_call_and_a_response_format_are_refused_together(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="cannot be combined") as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=WEATHER,
+            max_tokens=5,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert caught.value.param == "response_format"

@@ -134,6 +134,17 @@ def test_streamed_tool_calls_arrive_as_deltas_the_client_can_assemble(client: op
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_only(client: openai.OpenAI) -> None:
+    text = HERMES_CALL + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    for stream in (False, True):
+        reply = ask(client, text, tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False, stream=stream)
+        if stream:
+            names = [c.function.name for chunk in reply for c in chunk.choices[0].delta.tool_calls or ()]
+        else:
+            names = [call.function.name for call in reply.choices[0].message.tool_calls]
+        assert names == ["get_weather"]
+
+
 def test_without_tools_the_call_text_is_just_content(client: openai.OpenAI) -> None:
     message = ask(client, HERMES_CALL).choices[0].message
     assert message.content == HERMES_CALL
