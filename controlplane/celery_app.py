@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 #: The reconciler's one pass (controlplane/deployments/tasks.py).
 RECONCILE_TASK = "flotilla.controlplane.reconcile"
+SYNC_API_KEYS_TASK = "flotilla.controlplane.sync_api_keys"
 # Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
 PUBLISH_CONNECT_TIMEOUT_S = 2.0
 _BROKER_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "memory://")
@@ -55,6 +56,11 @@ def reconcile_interval_s() -> float:
     return env_float("FLOTILLA_RECONCILE_S", 2.0, minimum=0.1)
 
 
+def api_keys_sync_s() -> float:
+    """``FLOTILLA_API_KEYS_SYNC_S``: how often etcd's API key records are checked against the database."""
+    return env_float("FLOTILLA_API_KEYS_SYNC_S", 10.0, minimum=1.0)
+
+
 def create_app(broker: str | None = None, *, interval_s: float | None = None) -> Celery:
     """A Celery app on ``broker`` (default: ``broker_url()``) with the reconciler's schedule and routes."""
     url = broker or broker_url()
@@ -69,14 +75,23 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         result_accept_content=["json"],
         # Nothing of ours may land on Celery's default "celery" queue, which nobody consumes.
         task_default_queue=CONTROL_PLANE_QUEUE,
-        task_routes={RECONCILE_TASK: {"queue": CONTROL_PLANE_QUEUE}},
+        task_routes={
+            RECONCILE_TASK: {"queue": CONTROL_PLANE_QUEUE},
+            SYNC_API_KEYS_TASK: {"queue": CONTROL_PLANE_QUEUE},
+        },
         beat_schedule={
             "reconcile": {
                 "task": RECONCILE_TASK,
                 "schedule": interval,
                 # A pass that waited longer than an interval is overtaken by the next one: drop it.
                 "options": {"queue": CONTROL_PLANE_QUEUE, "expires": interval},
-            }
+            },
+            # Etcd's API key records made equal to the database's (a change missed while etcd was down).
+            "sync-api-keys": {
+                "task": SYNC_API_KEYS_TASK,
+                "schedule": api_keys_sync_s(),
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": api_keys_sync_s()},
+            },
         },
         beat_schedule_filename=str(Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir()) / "celerybeat-schedule"),
         broker_connection_timeout=PUBLISH_CONNECT_TIMEOUT_S,
@@ -92,7 +107,7 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         timezone="UTC",
         enable_utc=True,
     )
-    celery.autodiscover_tasks(["controlplane.deployments"])
+    celery.autodiscover_tasks(["controlplane.deployments", "controlplane.apikeys"])
     return celery
 
 

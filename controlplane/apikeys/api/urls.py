@@ -1,0 +1,7 @@
+from rest_framework.routers import SimpleRouter
+
+from controlplane.apikeys.api.views import ApiKeyViewSet
+
+router = SimpleRouter()
+router.register("api-keys", ApiKeyViewSet, basename="api-key")
+urlpatterns = router.urls

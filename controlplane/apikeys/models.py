@@ -1,0 +1,65 @@
+"""API keys for the OpenAI endpoint: who holds each, what it may use, its limits, and whether it still works.
+
+Not the control plane's own tokens (``accounts.ApiToken``, for this API and the agents): these open the
+ingress's ``/v1/*`` to applications. The key is shown once and stored as its SHA-256; each ingress
+learns of keys from signed records in etcd (``runtime/api_keys.py``, published by ``publication.py``).
+"""
+
+from typing import ClassVar
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from runtime.api_keys import KeyRecord
+
+# Shown in listings so that a person can tell keys apart: "sk-flt-" and the next five characters.
+KEY_DISPLAY_CHARS = 12
+
+
+class ApiKey(models.Model):
+    """One application's key. ``allowed_models`` empty means every model; a limit left empty means none."""
+
+    name = models.CharField(max_length=100)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="api_keys")
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    key_start = models.CharField(max_length=KEY_DISPLAY_CHARS, editable=False)
+    allowed_models = models.JSONField(default=list, blank=True)  # served model names; [] = all
+    expires_at = models.DateTimeField(null=True, blank=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    # Grows with every change, so that an ingress can tell a newer record from an older one.
+    version = models.PositiveIntegerField(default=1)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering: ClassVar = ["id"]
+        constraints: ClassVar = [
+            models.UniqueConstraint(
+                fields=["owner", "name"], condition=Q(revoked_at__isnull=True), name="unique_live_key_name_per_owner"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.key_start}…, {self.owner})"
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def record(self) -> KeyRecord:
+        """What the ingress processes are told of this key."""
+        return KeyRecord(
+            key_id=self.pk,
+            name=self.name,
+            owner=self.owner.get_username(),
+            models=list(self.allowed_models) or None,
+            expires_at=None if self.expires_at is None else self.expires_at.timestamp(),
+            requests_per_minute=self.requests_per_minute,
+            tokens_per_minute=self.tokens_per_minute,
+            monthly_token_budget=self.monthly_token_budget,
+            revoked=self.revoked,
+            version=self.version,
+        )
