@@ -69,6 +69,7 @@ class RequestClient:
         # Open streams by instance subject (reply subject -> request id): what the probes watch.
         self._open: dict[str, dict[str, str]] = {}
         self._probing: set[str] = set()
+        self._gone_after = gone_after
         self._probe_failures = ProbeFailures(gone_after)
         # Acks not yet sent, by control subject (request id -> last DATA frame taken).
         self._acks = AckBatcher(nc, ack_interval, self._spawn)
@@ -273,19 +274,29 @@ class RequestClient:
                     self._spawn(self._probe(subject))
 
     async def _probe(self, subject: str) -> None:
-        # The probe names the open streams: the worker keeps those of a slow reader past its ack
-        # deadline, and stops any this client no longer reads (a Stop lost on the way).
-        probe = encode(Probe(list(self._open.get(subject, {}).values())))
+        """Probe ``subject`` until it answers, or until NATS has said nobody listens there for ``gone_after``.
+
+        After a "no responders" the probes come four times per ``gone_after``, so that a worker that is
+        gone has its streams cut soon after the span, and one whose connection blipped is cleared soon.
+        """
         try:
-            await self._nc.request(control_subject(subject), probe, timeout=self._probe_timeout)
-        except nats.errors.NoRespondersError:
-            if self._probe_failures.failed(subject, time.monotonic()):
+            while subject in self._open:
+                # The probe names the open streams: the worker keeps those of a slow reader past its ack
+                # deadline, and stops any this client no longer reads (a Stop lost on the way).
+                probe = encode(Probe(list(self._open[subject].values())))
+                try:
+                    await self._nc.request(control_subject(subject), probe, timeout=self._probe_timeout)
+                except nats.errors.NoRespondersError:
+                    if self._probe_failures.failed(subject, time.monotonic()):
+                        self._probe_failures.clear(subject)
+                        await self._cut(subject)
+                        return
+                    await asyncio.sleep(min(self.probe_interval, self._gone_after / 4))
+                    continue
+                except (TimeoutError, nats.errors.Error):
+                    return  # no answer in time: a hung worker, which the silence timeout deals with
                 self._probe_failures.clear(subject)
-                await self._cut(subject)
-        except (TimeoutError, nats.errors.Error):
-            pass  # no answer in time: a hung worker, which the silence timeout deals with
-        else:
-            self._probe_failures.clear(subject)
+                return
         finally:
             self._probing.discard(subject)
 
