@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError, RequestRejected
-from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions
+from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -227,12 +227,30 @@ class LlamaCppEngine:
                 emit(EngineOutput([], "stop", cached))
                 return
             generated += 1
+            logprobs = None if request.logprobs is None else [token_logprob(llama, token, request.logprobs)]
             if generated >= stop.max_tokens:
-                emit(EngineOutput([token], "length", cached))
+                emit(EngineOutput([token], "length", cached, logprobs))
                 return
-            emit(EngineOutput([token], None, cached))
+            emit(EngineOutput([token], None, cached, logprobs))
             cached = None
             llama.eval([token])
+
+
+def token_logprob(llama: Any, token: int, top: int) -> TokenLogprob:
+    """``token``'s log probability under the model's own distribution at the last decoded position
+    (before temperature, penalties or a grammar, as vLLM and OpenAI report it), and the ``top``
+    likeliest tokens there. Costs ~0.3 ms for SmolLM2's 49k-token vocabulary."""
+    import numpy as np
+
+    logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),))
+    peak = float(logits.max())
+    log_total = peak + float(np.log(np.exp(logits - peak).sum()))
+    likeliest: list[tuple[int, float]] = []
+    if top > 0:
+        ids = np.argpartition(logits, -top)[-top:]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        likeliest = [(int(i), float(logits[i]) - log_total) for i in ids]
+    return TokenLogprob(float(logits[token]) - log_total, likeliest)
 
 
 @functools.lru_cache(maxsize=64)

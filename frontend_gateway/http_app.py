@@ -21,7 +21,8 @@ import msgspec
 
 from frontend_gateway import preprocessor, responses
 from frontend_gateway.admission import Admission, AdmissionLimits
-from frontend_gateway.chat_output import ChatOutputParser, Delta
+from frontend_gateway.api_keys import KeyTable, check_model
+from frontend_gateway.chat_output import Delta
 from frontend_gateway.errors import (
     EngineFailed,
     GatewayError,
@@ -31,6 +32,7 @@ from frontend_gateway.errors import (
     NotFound,
     RequestTooLarge,
 )
+from frontend_gateway.logprobs import CompletionLogprobs, chat_logprobs
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.openai_types import (
     ChatCompletionRequest,
@@ -40,6 +42,7 @@ from frontend_gateway.openai_types import (
     completion_decoder,
 )
 from frontend_gateway.pipeline import Generation, ModelRegistry, ServedModel
+from runtime.api_keys import KeyRecord
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ Lifespan = Callable[[], contextlib.AbstractAsyncContextManager[None]]
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+# Where a checked request's API key record rides in its ASGI scope.
+_API_KEY = "flotilla.api_key"
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -74,12 +79,15 @@ class GatewayApp:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         limits: AdmissionLimits | None = None,
         lifespan: Lifespan | None = None,
+        api_keys: KeyTable | None = None,
     ) -> None:
         self.models = models
         self.metrics = metrics or GatewayMetrics()
         self.max_body_bytes = max_body_bytes
         self.admission = Admission(limits or AdmissionLimits(), self.metrics)
         self._lifespan = lifespan
+        #: When set, every /v1/* request needs one of its keys (frontend_gateway/api_keys.py).
+        self.api_keys = api_keys
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
@@ -106,6 +114,8 @@ class GatewayApp:
             method, handler = route
             if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
                 raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
+            if self.api_keys is not None and path.startswith("/v1/"):
+                scope[_API_KEY] = self.api_keys.check(_header(scope, b"authorization"))
             await handler(scope, receive, send)
         except GatewayError as exc:
             if exc.status >= 500 and exc.retry_after is None:  # refusals under load are counted, not logged
@@ -155,12 +165,13 @@ class GatewayApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        data = [_model_object(model) for model in self.models.all()]
+        key: KeyRecord | None = scope.get(_API_KEY)
+        data = [_model_object(model) for model in self.models.all() if key is None or key.allows_model(model.name)]
         await self._send_json(send, msgspec.json.encode({"object": "list", "data": data}))
 
     async def _retrieve_model(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/models/{id}`` (the client's ``models.retrieve``); the id may hold slashes (``org/name``)."""
-        model = self._find_model(scope["path"].rstrip("/")[len(_MODEL_PREFIX) :])
+        model = self._find_model(scope["path"].rstrip("/")[len(_MODEL_PREFIX) :], scope)
         await self._send_json(send, msgspec.json.encode(_model_object(model)))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -203,10 +214,13 @@ class GatewayApp:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _find_model(self, name: str) -> ServedModel:
+    def _find_model(self, name: str, scope: Scope) -> ServedModel:
+        key: KeyRecord | None = scope.get(_API_KEY)
+        if key is not None:
+            check_model(key, name)  # first: a key learns nothing of the models outside its list
         model = self.models.get(name)
         if model is None:
-            served = ", ".join(self.models.names()) or "none yet"
+            served = ", ".join(n for n in self.models.names() if key is None or key.allows_model(n)) or "none yet"
             shown = name if len(name) <= 200 else name[:200] + "..."  # a client may send megabytes here
             raise ModelNotFound(f"the model {shown!r} does not exist; served models: {served}", param="model")
         return model
@@ -239,7 +253,7 @@ class GatewayApp:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         preprocessor.check_chat(request)
-        model = self._find_model(request.model)
+        model = self._find_model(request.model, scope)
         await self._admit(receive)
         try:
             generation = await model.prepare_chat(request)
@@ -250,7 +264,7 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
-        model = self._find_model(request.model)
+        model = self._find_model(request.model, scope)
         await self._admit(receive)
         try:
             generation = await model.prepare_completion(request)
@@ -337,6 +351,12 @@ class GatewayApp:
             reasoning = parsed.reasoning if parser.has_reasoning else None
             message = responses.chat_message(text, reasoning=reasoning, tool_calls=parsed.tool_calls)
             finish_reason = parser.finish_reason(finish_reason)
+        logprobs = None
+        if generation.logprobs is not None:
+            if kind == "chat":
+                logprobs = chat_logprobs(generation.logprobs)
+            else:
+                logprobs = CompletionLogprobs().shape(generation.logprobs)
         body = responses.full_response(
             kind,
             response_id=_response_id(kind, generation),
@@ -349,6 +369,7 @@ class GatewayApp:
             cached_tokens=generation.cached_tokens,
             nvext=_nvext(generation) if show_instance else None,
             message=message,
+            logprobs=logprobs,
         )
         headers = _response_headers(_JSON_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -385,7 +406,8 @@ class GatewayApp:
             opening = encoder.first()
             if opening is not None:
                 await send({"type": "http.response.body", "body": opening, "more_body": True})
-            parsed = _ParsedFrames(encoder, generation.output) if generation.output is not None else None
+            rich = generation.output is not None or generation.logprobs is not None
+            parsed = _RichFrames(kind, encoder, generation) if rich else None
             if first is not None:
                 first_at = time.perf_counter()
                 metrics.ttft.observe(first_at - started)
@@ -418,7 +440,7 @@ class GatewayApp:
                 frame = responses.error_frame(failure.message, failure.error_type, failure.code)
                 await send({"type": "http.response.body", "body": frame + responses.DONE_FRAME})
                 return failure
-            finish_reason = parsed.parser.finish_reason(finish_reason)
+            finish_reason = parsed.finish_reason(finish_reason)
         tail = encoder.finish(finish_reason, _nvext(generation) if show_instance else None)
         if include_usage:
             tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
@@ -426,33 +448,47 @@ class GatewayApp:
         return None
 
 
-class _ParsedFrames:
-    """The frames of a streamed chat answer that goes through its model's parsers (chat_output)."""
+class _RichFrames:
+    """The frames of a streamed answer that goes through its model's parsers (chat_output), or carries
+    log probabilities: each frame a dict encoded whole, off the fast path of plain text pieces."""
 
-    __slots__ = ("_encoder", "_next_index", "parser")
+    __slots__ = ("_completion_logprobs", "_encoder", "_generation", "_kind", "_next_index", "_parser")
 
-    def __init__(self, encoder: responses.StreamEncoder, parser: ChatOutputParser) -> None:
+    def __init__(self, kind: responses.Kind, encoder: responses.StreamEncoder, generation: Generation) -> None:
+        self._kind = kind
         self._encoder = encoder
-        self.parser = parser
+        self._generation = generation
+        self._parser = generation.output
+        self._completion_logprobs = CompletionLogprobs()
         self._next_index = 0  # of the next tool call: a stream numbers them
 
     async def send(self, send: Send, piece: str) -> None:
-        await self._send(send, self.parser.feed(piece), more=True)
+        await self._send(send, self._parser.feed(piece) if self._parser is not None else Delta(content=piece))
 
     async def finish(self, send: Send) -> None:
         """Send what the parsers held back; raises ToolCallMissing if a required call never came."""
-        await self._send(send, self.parser.flush(), more=True)
-        self.parser.check_required()
+        if self._parser is not None:
+            await self._send(send, self._parser.flush())
+            self._parser.check_required()
+        await self._send(send, Delta())  # log probabilities of tokens whose text was held back or cut
 
-    async def _send(self, send: Send, delta: Delta, *, more: bool) -> None:
-        if not delta:
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self._parser.finish_reason(reason) if self._parser is not None else reason
+
+    async def _send(self, send: Send, delta: Delta) -> None:
+        entries = self._generation.take_logprobs()
+        if not delta and not entries:
             return  # held back: part of a tag, or a call not yet complete
         calls = []
         for call in delta.tool_calls:
             calls.append(call.as_openai(self._next_index))
             self._next_index += 1
-        frame = self._encoder.delta(delta.reasoning, delta.content, calls)
-        await send({"type": "http.response.body", "body": frame, "more_body": more})
+        logprobs = None
+        if self._generation.logprobs is not None:
+            chat = self._kind == "chat"
+            logprobs = chat_logprobs(entries) if chat else self._completion_logprobs.shape(entries)
+        frame = self._encoder.delta(delta.reasoning, delta.content, calls, logprobs)
+        await send({"type": "http.response.body", "body": frame, "more_body": True})
 
 
 def _as_gateway_error(exc: Exception, generation: Generation) -> GatewayError:
@@ -547,3 +583,11 @@ def _nvext(generation: Generation) -> dict[str, Any]:
 
 def _response_id(kind: responses.Kind, generation: Generation) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case, as ASGI gives them), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None

@@ -17,6 +17,7 @@ from tokenizers.decoders import DecodeStream
 from frontend_gateway import preprocessor
 from frontend_gateway.chat_output import ChatOutputParser, plan_chat_output
 from frontend_gateway.errors import EngineFailed, InvalidRequest, RequestTooLarge, ServiceUnavailable
+from frontend_gateway.logprobs import LogprobEntry
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -24,18 +25,20 @@ from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
 from runtime.errors import EngineError, EngineUnavailable, ModelError, PayloadTooLarge, RequestRejected
 from runtime.model_card import ModelCard
-from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest
+from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest, TokenLogprob
 
 
 class Generation:
     """One request's output stream. Iterate ``pieces()`` once; then read usage and finish_reason."""
 
     __slots__ = (
+        "_logprobs_sent",
         "_source",
         "cached_tokens",
         "completion_tokens",
         "context",
         "finish_reason",
+        "logprobs",
         "output",
         "prompt_tokens",
         "request_id",
@@ -51,7 +54,18 @@ class Generation:
         self.context = RequestContext(request_id)
         #: How a chat answer's text splits into reasoning, content and tool calls (None: all content).
         self.output: ChatOutputParser | None = None
+        #: Each generated token's log probability, in order, when the request asked for them.
+        self.logprobs: list[LogprobEntry] | None = None
+        self._logprobs_sent = 0
         self._source: AsyncIterator[str] | None = None
+
+    def take_logprobs(self) -> list[LogprobEntry]:
+        """The log probabilities that arrived since the last call (a stream sends each once)."""
+        if self.logprobs is None:
+            return []
+        new = self.logprobs[self._logprobs_sent :]
+        self._logprobs_sent = len(self.logprobs)
+        return new
 
     def bind(self, source: AsyncIterator[str]) -> "Generation":
         """Attach the stream that fills this generation in (it needs the generation to count into)."""
@@ -132,6 +146,7 @@ class TokenModel:
         schema = json_schema or preprocessor.output_schema(
             request, model=self.name, structured_output=self.card.structured_output
         )
+        logprobs = preprocessor.logprob_count(request, model=self.name, supported=self.card.logprobs)
         request_id = _new_request_id()
         engine_request = PreprocessedRequest(
             request_id=request_id,
@@ -141,12 +156,15 @@ class TokenModel:
             stop_conditions=stop,
             eos_token_ids=self.card.eos_token_ids,
             json_schema=schema,
+            logprobs=logprobs,
         )
         skip_special = request.skip_special_tokens
         if skip_special is None:
             # A tool-call format marked by special tokens ([TOOL_CALLS]) needs them in the text it parses.
             skip_special = self.engine.skip_special_tokens and not keep_special_tokens
         generation = Generation(request_id, len(prompt_ids))
+        if logprobs is not None:
+            generation.logprobs = []
         tokens = self._postprocess(generation, engine_request, skip_special)
         return generation.bind(_finish(generation, tokens, stop.stop))
 
@@ -172,6 +190,8 @@ class TokenModel:
                 if len(token_ids) > room:
                     token_ids = token_ids[:room]
                 generation.completion_tokens += len(token_ids)
+                if generation.logprobs is not None and output.logprobs:
+                    generation.logprobs += map(self._logprob_entry, token_ids, output.logprobs)
                 try:
                     if len(token_ids) == 1:
                         piece = step(tokenizer, token_ids[0])
@@ -189,6 +209,12 @@ class TokenModel:
                     return
         finally:
             await _aclose(outputs)
+
+    def _logprob_entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
+        # One token decoded alone: a character split over tokens shows as U+FFFD, as in vLLM.
+        decode = self._tokenizer.decode
+        top = [(decode([other], skip_special_tokens=False), value) for other, value in logprob.top]
+        return LogprobEntry(decode([token_id], skip_special_tokens=False), logprob.logprob, top)
 
 
 _UNBOUNDED_CONTEXT = 1 << 31
@@ -246,7 +272,9 @@ class TextModel:
     ) -> TextRequest:
         # Without a tokenizer the prompt cannot be counted here: the engine checks its own context.
         stop = preprocessor.stop_conditions(request, 0, self.context_length or _UNBOUNDED_CONTEXT)
-        preprocessor.output_schema(request, model=self.name, structured_output=False)  # refuses JSON output
+        # Text engines report neither: these refuse what the request asks of them.
+        preprocessor.output_schema(request, model=self.name, structured_output=False)
+        preprocessor.logprob_count(request, model=self.name, supported=False)
         return TextRequest(
             request_id=_new_request_id(),
             model=self.name,

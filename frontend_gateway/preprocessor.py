@@ -242,10 +242,6 @@ def refuse_unsupported(request: SamplingFields) -> None:
     A client that asks for one of these would otherwise get an answer that silently lacks it.
     Raises InvalidRequest naming the field.
     """
-    if request.logprobs is not None and request.logprobs is not False:
-        raise InvalidRequest("logprobs are not supported yet; leave the field out", param="logprobs")
-    if request.top_logprobs:
-        raise InvalidRequest("top_logprobs are not supported yet; leave the field out", param="top_logprobs")
     if request.logit_bias:
         raise InvalidRequest("logit_bias is not supported yet; leave the field out", param="logit_bias")
     if isinstance(request, CompletionRequest):
@@ -302,6 +298,45 @@ def output_schema(request: SamplingFields, *, model: str, structured_output: boo
         )
     schema = response_format.json_schema.schema
     return msgspec.json.encode(schema).decode() if schema else _ANY_OBJECT
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5; vLLM allows 20 there too)
+
+
+def logprob_count(request: SamplingFields, *, model: str, supported: bool) -> int | None:
+    """How many alternatives to report with each token's log probability (0: none); None: no logprobs.
+
+    Chat takes ``logprobs: true`` and ``top_logprobs: N``; completions ``logprobs: N``. Raises
+    InvalidRequest for a malformed pair, and for logprobs asked of a model whose engine does not
+    report them (the answer would lack them).
+    """
+    logprobs, top = request.logprobs, request.top_logprobs
+    if isinstance(request, ChatCompletionRequest):
+        if logprobs is not None and type(logprobs) is not bool:
+            raise InvalidRequest("logprobs is a boolean in chat completions; use top_logprobs: N", param="logprobs")
+        if top is not None and not logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        count = (top or 0) if logprobs else None
+    else:
+        if top is not None:
+            raise InvalidRequest("completions take logprobs: N, not top_logprobs", param="top_logprobs")
+        if type(logprobs) is bool:
+            if logprobs:
+                raise InvalidRequest("logprobs is a number in completions (0 to 20)", param="logprobs")
+            logprobs = None
+        count = logprobs
+    if count is None:
+        return None
+    param = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+    if count > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{param} must be at most {MAX_TOP_LOGPROBS}", param=param)
+    if not supported:
+        raise InvalidRequest(
+            f"model {model!r} does not report log probabilities (its engine has none to give; out=llamacpp "
+            "has); leave logprobs out",
+            param="logprobs",
+        )
+    return count
 
 
 def sampling_options(request: SamplingFields) -> SamplingOptions:

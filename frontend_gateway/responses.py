@@ -66,6 +66,7 @@ def full_response(
     cached_tokens: int | None = None,
     nvext: dict[str, Any] | None = None,
     message: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     """The body of a non-streaming chat.completion or text_completion (``nvext`` added when given).
 
@@ -76,7 +77,7 @@ def full_response(
         choice = {
             "index": 0,
             "message": message or {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": _openai_finish_reason(finish_reason),
         }
         obj = "chat.completion"
@@ -84,7 +85,7 @@ def full_response(
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": _openai_finish_reason(finish_reason),
         }
         obj = "text_completion"
@@ -128,16 +129,31 @@ class StreamEncoder:
     def piece(self, text: str) -> bytes:
         return self._piece_prefix + _encode(text) + self._piece_suffix
 
-    def delta(self, reasoning: str, content: str, tool_calls: list[dict[str, Any]]) -> bytes:
-        """A chat chunk of a parsed answer: reasoning, content and whole tool calls (each with its index)."""
-        delta: dict[str, Any] = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if content:
-            delta["content"] = content
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        return self._head + b'{"index":0,"delta":' + _encode(delta) + self._piece_suffix[1:]
+    def delta(
+        self,
+        reasoning: str,
+        content: str,
+        tool_calls: list[dict[str, Any]],
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+    ) -> bytes:
+        """A chunk of an answer that went through parsers or carries log probabilities: a chat delta
+        (reasoning, content, whole tool calls each with its index), or a completion's text."""
+        choice: dict[str, Any] = {"index": 0}
+        if self._kind == "chat":
+            delta: dict[str, Any] = {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content:
+                delta["content"] = content
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice["delta"] = delta
+        else:
+            choice["text"] = content
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = _openai_finish_reason(finish_reason)
+        return self._head + _encode(choice) + b"]}\n\n"
 
     def finish(self, finish_reason: str | None, nvext: dict[str, Any] | None = None) -> bytes:
         reason = _encode(_openai_finish_reason(finish_reason))

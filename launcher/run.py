@@ -58,7 +58,8 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         from engines.llamacpp import LlamaCppEngine
 
         card, path = load_card(options)
-        card = msgspec.structs.replace(card, structured_output=True)  # by llama.cpp's grammars
+        # Structured output by llama.cpp's grammars; log probabilities from its logits.
+        card = msgspec.structs.replace(card, structured_output=True, logprobs=True)
         llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
         return TokenModel(card, llama), llama
     if output == "mocker":

@@ -51,6 +51,8 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     #: Whether the engine can constrain its output to a JSON schema (``response_format``
     #: ``json_object``/``json_schema``; llama.cpp by grammars). False: such requests are refused.
     structured_output: bool = False
+    #: Whether the engine reports tokens' log probabilities (``logprobs``/``top_logprobs``; llama.cpp).
+    logprobs: bool = False
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -56,6 +56,17 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True):
     #: A JSON schema (as JSON text) the output must follow (``response_format``); only engines whose
     #: card says ``structured_output`` are sent one. None: free text.
     json_schema: str | None = None
+    #: Report each token's log probability and this many most likely alternatives (0: none); None:
+    #: no log probabilities. Only engines whose card says ``logprobs`` are sent one.
+    logprobs: int | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A generated token's log probability under the model, and the likeliest tokens at its place."""
+
+    logprob: float
+    #: (token id, log probability), likeliest first: as many as the request asked for.
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 class EngineOutput(msgspec.Struct, omit_defaults=True):
@@ -66,6 +77,8 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     #: On the first output of a request: how many prompt tokens the engine found already in its
     #: cache (prefix caching); reported to clients as ``usage.prompt_tokens_details.cached_tokens``.
     cached_tokens: int | None = None
+    #: One per token of ``token_ids``, when the request asked for log probabilities.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TextRequest(msgspec.Struct, kw_only=True):
