@@ -25,7 +25,7 @@ from frontend_gateway.routing.protocol import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, EngineUnavailable, PayloadTooLarge
-from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest
+from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest, TokenLogprob
 from runtime.request_plane import RemoteError, RequestTooLarge, StreamBroken, WorkerUnavailable
 
 log = logging.getLogger(__name__)
@@ -155,17 +155,21 @@ class RemoteTokenEngine(_RemoteBase):
 def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
     """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it.
 
-    The first reported ``cached_tokens`` is kept (engines report it on a request's first output).
+    The first reported ``cached_tokens`` is kept (engines report it on a request's first output), and
+    the tokens' log probabilities when the engine reported them.
     """
     if len(outputs) == 1:
         return outputs[0]
     token_ids: list[int] = []
     cached_tokens = next((output.cached_tokens for output in outputs if output.cached_tokens is not None), None)
+    logprobs: list[TokenLogprob] | None = [] if any(output.logprobs is not None for output in outputs) else None
     for output in outputs:
         token_ids += output.token_ids
+        if logprobs is not None and output.logprobs is not None:
+            logprobs += output.logprobs
         if output.finish_reason is not None:
-            return EngineOutput(token_ids, output.finish_reason, cached_tokens)
-    return EngineOutput(token_ids, cached_tokens=cached_tokens)
+            return EngineOutput(token_ids, output.finish_reason, cached_tokens, logprobs)
+    return EngineOutput(token_ids, cached_tokens=cached_tokens, logprobs=logprobs)
 
 
 def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:
