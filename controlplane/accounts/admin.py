@@ -12,14 +12,15 @@ from typing import Any
 
 from django.contrib import admin
 from django.contrib.auth.admin import UserAdmin
-from django.contrib.auth.forms import AdminPasswordChangeForm
+from django.contrib.auth.forms import AdminPasswordChangeForm, UserChangeForm
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 
 from controlplane.accounts import actions
 from controlplane.accounts.forms import ThrottledAdminLogin
-from controlplane.accounts.models import ApiToken, User
+from controlplane.accounts.models import ApiToken, Role, User
 from controlplane.audit.records import Actor
 from controlplane.readonly_admin import ForAdmins, is_admin
 
@@ -44,6 +45,22 @@ class AuditedPasswordChange(AdminPasswordChangeForm):
         return actions.set_password(_acting.get(), self.user, password)
 
 
+class PersonChangeForm(UserChangeForm):  # type: ignore[type-arg]
+    """The admin's form for a person, which says so when a change would leave no active admin (the action
+    refuses it anyway: this makes it an error on the form rather than a failed request)."""
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean()
+        old = self.instance
+        superuser = cleaned.get("is_superuser", old.is_superuser)  # read-only, so absent, for non-superusers
+        stays_admin = cleaned.get("is_active", False) and (cleaned.get("role") == Role.ADMIN or superuser)
+        if old.pk and not stays_admin and actions.is_last_active_admin(old):
+            raise ValidationError(
+                f"{old.username} is the only active admin: make another person an admin first.", code="last_admin"
+            )
+        return cleaned
+
+
 @admin.register(User)
 class FlotillaUserAdmin(ForAdmins, UserAdmin):  # type: ignore[misc]
     list_display = ("username", "role", "is_active", "is_superuser", "last_login")
@@ -61,6 +78,7 @@ class FlotillaUserAdmin(ForAdmins, UserAdmin):  # type: ignore[misc]
     readonly_fields = ("last_login", "date_joined")
     filter_horizontal = ()
     change_password_form = AuditedPasswordChange
+    form = PersonChangeForm
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return is_admin(request)

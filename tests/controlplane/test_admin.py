@@ -115,3 +115,15 @@ def test_pipelines_are_shown_in_the_admin_but_not_changed_there() -> None:
     assert client.get(f"/admin/deployments/pipeline/{pipeline.pk}/change/").status_code == 200
     assert client.post(f"/admin/deployments/pipeline/{pipeline.pk}/delete/", {"post": "yes"}).status_code == 403
     assert client.get("/admin/deployments/pipeline/add/").status_code == 403
+
+
+def test_the_last_admin_cannot_deactivate_or_demote_themself_in_the_admin() -> None:
+    client = logged_in()
+    admin_row = User.objects.get(username="admin")
+    for form in ({"username": "admin", "role": "admin"}, {"username": "admin", "role": "operator", "is_active": "on"}):
+        response = client.post(f"/admin/accounts/user/{admin_row.pk}/change/", form)
+        assert response.status_code == 200  # the form again, with the reason
+        assert "admin is the only active admin: make another person an admin first." in response.content.decode()
+    admin_row.refresh_from_db()
+    assert (admin_row.is_active, admin_row.role) == (True, Role.ADMIN)
+    assert not entries("user.update")

@@ -7,11 +7,20 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from controlplane.accounts.actions import deactivate_user
 from controlplane.accounts.models import ApiToken, Role, User
 from controlplane.deployments.evacuation import drain_node
 from controlplane.deployments.pipelines import stop_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
-from tests.controlplane.factories import TEST_ACTOR, agent_token, deploy, make_model, make_node, run_instance
+from tests.controlplane.factories import (
+    TEST_ACTOR,
+    agent_token,
+    deploy,
+    make_model,
+    make_node,
+    make_user,
+    run_instance,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -31,6 +40,8 @@ class World:
     draining_node: int
     idle_node: int
     token: int
+    person: int
+    inactive_person: int
 
 
 @pytest.fixture
@@ -53,6 +64,8 @@ def world() -> World:
         draining_node=draining.pk,
         idle_node=idle.pk,
         token=ApiToken.objects.get(node_name="gpu-z").pk,
+        person=make_user("pat", Role.READ_ONLY).pk,
+        inactive_person=deactivate_user(TEST_ACTOR, make_user("ian", Role.READ_ONLY)).pk,
     )
 
 
@@ -99,6 +112,15 @@ CALLS = [
     Call("get", "/api/v1/tokens/", Role.ADMIN),
     Call("post", "/api/v1/tokens/", Role.ADMIN, {"kind": "agent", "node_name": "gpu-y"}),
     Call("delete", "/api/v1/tokens/{token}/", Role.ADMIN),
+    Call("get", "/api/v1/people/", Role.ADMIN),
+    Call("get", "/api/v1/people/{person}/", Role.ADMIN),
+    Call("post", "/api/v1/people/", Role.ADMIN, {"username": "newcomer", "role": "operator"}),
+    Call("patch", "/api/v1/people/{person}/", Role.ADMIN, {"role": "operator"}),
+    Call("post", "/api/v1/people/{person}/deactivate/", Role.ADMIN),
+    Call("post", "/api/v1/people/{inactive_person}/reactivate/", Role.ADMIN),
+    Call("post", "/api/v1/people/{person}/reset-password/", Role.ADMIN),
+    Call("get", "/api/v1/me/", Role.READ_ONLY),
+    Call("get", "/api/v1/me/tokens/", Role.READ_ONLY),
     Call("post", "/api/v1/agent/register/", AGENT, {"name": "gpu-a", "gpus": []}),
     Call("post", "/api/v1/agent/heartbeat/", AGENT, {"gpus": [{"index": 0, "memory_total_bytes": 1}]}),
     Call("get", "/api/v1/agent/instances/", AGENT),

@@ -1,8 +1,9 @@
 from typing import Any, ClassVar
 
+from django.contrib.auth.validators import UnicodeUsernameValidator
 from rest_framework import serializers
 
-from controlplane.accounts.models import ApiToken, User
+from controlplane.accounts.models import ApiToken, Role, User
 from controlplane.fleet.models import NODE_NAME_PATTERN
 
 
@@ -66,3 +67,72 @@ class CreatedTokenSerializer(TokenSerializer):
     class Meta(TokenSerializer.Meta):
         fields: ClassVar = [*TokenSerializer.Meta.fields, "key"]
         read_only_fields = fields
+
+
+class PersonSerializer(serializers.ModelSerializer):
+    """A person as admins see them (and as each person sees themself at /me/)."""
+
+    has_password = serializers.SerializerMethodField(help_text="Whether they can log in (false: tokens only).")
+
+    class Meta:
+        model = User
+        fields: ClassVar = [
+            "id", "username", "first_name", "last_name", "email", "role", "is_active", "is_superuser", "has_password",
+            "last_login", "date_joined",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+    def get_has_password(self, user: User) -> bool:
+        return user.has_usable_password()
+
+
+class PersonCreateSerializer(serializers.Serializer):
+    """A new person; unless ``can_log_in`` is false, the answer carries their generated password, once."""
+
+    username = serializers.CharField(max_length=150, validators=[UnicodeUsernameValidator()])
+    role = serializers.ChoiceField(choices=Role.choices, default=Role.READ_ONLY)
+    email = serializers.EmailField(allow_blank=True, default="")
+    first_name = serializers.CharField(max_length=150, allow_blank=True, default="")
+    last_name = serializers.CharField(max_length=150, allow_blank=True, default="")
+    can_log_in = serializers.BooleanField(
+        default=True,
+        help_text="False: no password, the person uses tokens only (a password reset gives them one later).",
+    )
+
+    def validate_username(self, value: str) -> str:
+        if User.objects.filter(username=value).exists():
+            raise serializers.ValidationError(f"A person named {value!r} exists already.")
+        return value
+
+
+class PersonUpdateSerializer(serializers.Serializer):
+    """What an admin may change of a person (what is left out stays as it is)."""
+
+    role = serializers.ChoiceField(choices=Role.choices, required=False)
+    email = serializers.EmailField(allow_blank=True, required=False)
+    first_name = serializers.CharField(max_length=150, allow_blank=True, required=False)
+    last_name = serializers.CharField(max_length=150, allow_blank=True, required=False)
+
+
+class CreatedPersonSerializer(PersonSerializer):
+    password = serializers.CharField(
+        read_only=True, allow_null=True, help_text="The generated password: shown this once (null: tokens only)."
+    )
+
+    class Meta(PersonSerializer.Meta):
+        fields: ClassVar = [*PersonSerializer.Meta.fields, "password"]
+        read_only_fields = fields
+
+
+class PasswordResetSerializer(serializers.Serializer):
+    password = serializers.CharField(read_only=True, help_text="The new, generated password: shown this once.")
+
+
+class PasswordChangeSerializer(serializers.Serializer):
+    old_password = serializers.CharField(max_length=4096, trim_whitespace=False, style={"input_type": "password"})
+    new_password = serializers.CharField(
+        max_length=4096,
+        trim_whitespace=False,
+        style={"input_type": "password"},
+        help_text="Checked by the password validators (FLOTILLA_PASSWORD_MIN_LENGTH and Django's others).",
+    )

@@ -1,7 +1,14 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from controlplane.accounts.api.views import TokenViewSet
+from controlplane.accounts.api.views import MeViewSet, OwnTokenViewSet, PersonViewSet, TokenViewSet
 
 router = SimpleRouter()
 router.register("tokens", TokenViewSet, basename="token")
-urlpatterns = router.urls
+router.register("people", PersonViewSet, basename="person")
+router.register("me/tokens", OwnTokenViewSet, basename="own-token")
+urlpatterns = [
+    path("me/", MeViewSet.as_view({"get": "retrieve"}), name="me"),
+    path("me/password/", MeViewSet.as_view({"post": "change_password"}), name="me-password"),
+    *router.urls,
+]
