@@ -121,6 +121,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # the current ones (preprocessor.check_chat), since ignoring them would answer without tools.
     functions: list[Any] | None = None
     function_call: Any | None = None
+    # Asked-for outputs no engine here produces: refused rather than answered without them.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

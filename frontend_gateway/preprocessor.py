@@ -54,6 +54,13 @@ def check_chat(request: ChatCompletionRequest) -> None:
             f"{param} is the deprecated form of tools and tool_choice, and is not supported; use tools and tool_choice",
             param=param,
         )
+    if request.audio is not None or (request.modalities is not None and request.modalities != ["text"]):
+        param = "audio" if request.audio is not None else "modalities"
+        raise InvalidRequest("only text output is served here; leave audio and modalities out", param=param)
+    if request.web_search_options is not None:
+        raise InvalidRequest(
+            "web search is not available here; leave web_search_options out", param="web_search_options"
+        )
     for index, message in enumerate(request.messages):
         if message.content is None and message.role in _CONTENT_REQUIRED:
             raise InvalidRequest(
@@ -100,11 +107,13 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise InvalidRequest(
                         f"content part of type {part.type!r} is not supported by this model; only text parts are",
                         param=f"messages[{index}].content",
                     )
+                if part.text is None:
+                    raise InvalidRequest("a text content part needs its text", param=f"messages[{index}].content")
                 texts.append(part.text)
             content = "".join(texts)
         entry: dict[str, Any] = {"role": message.role, "content": content}

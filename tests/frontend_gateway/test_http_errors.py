@@ -74,6 +74,14 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
             "tool_choice",
             "not among tools",
         ),
+        ({**GOOD_CHAT, "modalities": ["text", "audio"]}, "modalities", "only text output"),
+        ({**GOOD_CHAT, "audio": {"voice": "alloy", "format": "mp3"}}, "audio", "only text output"),
+        ({**GOOD_CHAT, "web_search_options": {}}, "web_search_options", "web search"),
+        (
+            {"model": "echo", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content",
+            "needs its text",
+        ),
         ({**GOOD_CHAT, "functions": [{"name": "f"}]}, "functions", "deprecated"),
         ({**GOOD_CHAT, "function_call": "auto"}, "function_call", "deprecated"),
         ({**GOOD_CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
@@ -238,7 +246,13 @@ def test_fields_that_would_not_be_honoured_are_refused(
 
 
 def test_their_harmless_values_are_accepted(echo_full_server: Server) -> None:
-    harmless = {"logit_bias": {}, "logprobs": False, "stream_options": None, "response_format": {"type": "text"}}
+    harmless = {
+        "logit_bias": {},
+        "logprobs": False,
+        "stream_options": None,
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+    }
     assert post(echo_full_server, CHAT, {**GOOD_CHAT, **harmless}).status_code == 200
     completion = {"model": "echo", "prompt": "hi", "echo": False, "best_of": 1, "suffix": ""}
     assert post(echo_full_server, "/v1/completions", completion).status_code == 200
