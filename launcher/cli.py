@@ -397,6 +397,14 @@ def build_run_parser() -> EnvArgumentParser:
         switch=True,
         help="let several in=http processes share --http-port (SO_REUSEPORT) to use more cores",
     )
+    run.add_flag(
+        "--api-keys-secret-file",
+        env="FLOTILLA_API_KEYS_SECRET_FILE",
+        type=Path,
+        help="out=dyn: require an API key (Authorization: Bearer sk-flt-...) on /v1/*, checked against the keys "
+        "the control plane publishes in etcd; PATH is its signing secret (api-keys.secret in its data "
+        "directory). /health, /live and /metrics stay open",
+    )
     run.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return run
 
@@ -436,6 +444,11 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
     if namespace.extra_engine_args is not None and output not in EXTRA_ARGS_ENGINES:
         engines = " or ".join(f"out={engine}" for engine in EXTRA_ARGS_ENGINES)
         parser.error(f"--extra-engine-args (FLOTILLA_EXTRA_ENGINE_ARGS) configures {engines}, not out={output}")
+    if namespace.api_keys_secret_file is not None and output != "dyn":
+        parser.error(
+            "--api-keys-secret-file (FLOTILLA_API_KEYS_SECRET_FILE) is for the ingress (in=http out=dyn): API keys "
+            f"come from the control plane through etcd, which out={output} does not watch"
+        )
     if namespace.labels and not input_.startswith("dyn://"):
         parser.error(
             f"--labels (FLOTILLA_LABELS) labels a worker's registration: use it with in=dyn://..., not in={input_}"
@@ -468,6 +481,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         max_queued=namespace.max_queued,
         queue_timeout_s=namespace.queue_timeout,
         reuse_port=namespace.reuse_port,
+        api_keys_secret_file=namespace.api_keys_secret_file,
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},
     )

@@ -42,6 +42,8 @@ class RunOptions:
     max_queued: int = 16384
     queue_timeout_s: float = 120.0
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
+    #: out=dyn: the control plane's API key signing secret; when set, /v1/* needs an API key.
+    api_keys_secret_file: Path | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
     #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).

@@ -19,6 +19,7 @@ from runtime.errors import ConfigError
 from runtime.model_card import ModelCard, ModelType
 
 if TYPE_CHECKING:
+    from frontend_gateway.api_keys import KeyTable
     from runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,12 @@ async def run_ingress(options: RunOptions) -> int:
     )
     # Restarted if it fails: it resumes from what it had applied, so model changes are never missed.
     runtime.own(watcher.run, name="model watcher", restart=True)
+    try:
+        api_keys = await _api_keys(runtime, options.api_keys_secret_file)
+    except BaseException:
+        await watcher.close()
+        await runtime.close()
+        raise
     # A runtime shut down by a failed task stops the HTTP server too, and the process exits non-zero.
     stop = asyncio.Event()
     stop_on_failure = asyncio.create_task(_set_when_shut_down(runtime, stop))
@@ -221,6 +228,7 @@ async def run_ingress(options: RunOptions) -> int:
             metrics=metrics,
             stop=stop,
             reuse_port=options.reuse_port,
+            api_keys=api_keys,
         )
     finally:
         stop_on_failure.cancel()
@@ -231,6 +239,24 @@ async def run_ingress(options: RunOptions) -> int:
         log.error("the ingress stopped because %s", runtime.failure)
         return 1
     return exit_code_after(stopped_by)
+
+
+async def _api_keys(runtime: "DistributedRuntime", secret_file: Path | None) -> "KeyTable | None":
+    """The ingress's API keys, loaded from etcd and then watched; None when keys are not required.
+
+    Raises ConfigError for an unreadable secret, DiscoveryUnavailable when etcd cannot list the keys.
+    """
+    from frontend_gateway.api_keys import KeyTable
+    from runtime.api_keys import read_secret
+
+    if secret_file is None:
+        return None
+    table = KeyTable(read_secret(secret_file))
+    await table.load(runtime.discovery)
+    # Restarted if it fails: the watch resumes from the records it has applied.
+    runtime.own(lambda: table.run(runtime.discovery), name="API key watcher", restart=True)
+    log.info("API keys required on /v1/*: %d key(s) from the control plane", len(table))
+    return table
 
 
 def exit_code_after(signum: int | None) -> int:

@@ -11,6 +11,7 @@ from typing import TextIO
 import uvicorn
 
 from frontend_gateway.admission import AdmissionLimits
+from frontend_gateway.api_keys import KeyTable
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry
@@ -103,6 +104,7 @@ async def serve_http(
     stop: asyncio.Event | None = None,
     reuse_port: bool = False,
     banner: TextIO | None = sys.stdout,
+    api_keys: KeyTable | None = None,
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
@@ -111,7 +113,7 @@ async def serve_http(
     files = raise_open_file_limit()
     log.debug("open-file limit %d", files)
     sock = bind_socket(host, port, reuse_port=reuse_port)
-    app = GatewayApp(models, max_body_bytes=max_body_bytes, limits=limits, metrics=metrics)
+    app = GatewayApp(models, max_body_bytes=max_body_bytes, limits=limits, metrics=metrics, api_keys=api_keys)
     config = uvicorn.Config(
         app,
         loop="none",  # the caller's loop (uvloop, installed by the CLI)

@@ -1,0 +1,131 @@
+"""API keys on real ingress processes, called with the official ``openai`` client: records signed as the
+control plane signs them (controlplane/apikeys/publication.py) and put in etcd; missing, wrong, expired,
+revoked and out-of-scope keys are refused as OpenAI refuses them, and a revocation reaches two ingress
+processes within a second."""
+
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
+from tests.distributed.cluster import Cluster, etcd_put, wait_until
+from tests.servers import Server
+
+SECRET = "k" * 64
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "api-keys.secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def publish(cluster: Cluster, key: str, **fields: object) -> None:
+    """Put ``key``'s record in etcd, signed with the control plane's secret."""
+    record = KeyRecord(**{"key_id": 1, "name": "chat-app", "owner": "alice", **fields})  # type: ignore[arg-type]
+    hashed = key_hash(key)
+    etcd_put(cluster.etcd, etcd_key(hashed), sign(record, hashed, SECRET.encode()).decode())
+
+
+def client(server: Server, key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key=key or "unused", max_retries=0, timeout=30)
+
+
+def ask(server: Server, key: str | None, model: str = "alpha") -> str:
+    """The answer to "hi" with ``key``; None: with no Authorization header at all."""
+    headers = {"Authorization": openai.Omit()} if key is None else None
+    reply = client(server, key).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], extra_headers=headers
+    )
+    return reply.choices[0].message.content or ""
+
+
+def serving(server: Server) -> bool:
+    return httpx.get(server.base_url + "/health", timeout=5).json()["models"] == ["alpha", "beta"]
+
+
+def start(cluster: Cluster, secret_file: Path, count: int = 1) -> list[Server]:
+    ingresses = [cluster.start_ingress("--api-keys-secret-file", str(secret_file)) for _ in range(count)]
+    for name in ("alpha", "beta"):
+        cluster.start_worker(f"dyn://{name}", "out=echo_core", "--model-name", name)
+    for ingress in ingresses:
+        wait_until(lambda: serving(ingress), 15, "the models did not appear")  # noqa: B023
+    return ingresses
+
+
+def test_only_a_published_key_opens_the_endpoint(cluster: Cluster, secret_file: Path) -> None:
+    key = new_key()
+    publish(cluster, key)
+    (ingress,) = start(cluster, secret_file)
+
+    assert ask(ingress, key).endswith("hi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(openai.AuthenticationError, match="You didn't provide an API key") as missing:
+        ask(ingress, None)
+    assert missing.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError, match="Incorrect API key provided") as wrong:
+        ask(ingress, new_key())
+    assert wrong.value.code == "invalid_api_key"
+    # A record signed with another secret (a worker that can write etcd) opens nothing.
+    forged = new_key()
+    record = KeyRecord(key_id=9, name="forged", owner="mallory")
+    etcd_put(cluster.etcd, etcd_key(key_hash(forged)), sign(record, key_hash(forged), b"f" * 64).decode())
+    time.sleep(0.5)  # the watch event arrives in milliseconds; a forged key must not work even then
+    with pytest.raises(openai.AuthenticationError):
+        ask(ingress, forged)
+    # Health, liveness and metrics stay open for probes and scrapers.
+    for path in ("/health", "/live", "/metrics"):
+        assert httpx.get(ingress.base_url + path, timeout=5).status_code == 200
+
+
+def test_a_key_sees_and_uses_only_its_models(cluster: Cluster, secret_file: Path) -> None:
+    key = new_key()
+    publish(cluster, key, models=["alpha"])
+    (ingress,) = start(cluster, secret_file)
+
+    assert [model.id for model in client(ingress, key).models.list()] == ["alpha"]
+    assert ask(ingress, key, "alpha").endswith("hi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(openai.PermissionDeniedError, match="may not use the model 'beta'") as refused:
+        ask(ingress, key, "beta")
+    assert refused.value.code == "model_not_allowed"
+    with pytest.raises(openai.PermissionDeniedError):
+        client(ingress, key).models.retrieve("beta")
+    # Nor does a wrong name tell it which other models are served.
+    with pytest.raises(openai.PermissionDeniedError) as unknown:
+        ask(ingress, key, "gamma")
+    assert "beta" not in str(unknown.value)
+
+
+def test_an_expired_key_is_refused_saying_when(cluster: Cluster, secret_file: Path) -> None:
+    key = new_key()
+    publish(cluster, key, expires_at=time.time() - 60)
+    (ingress,) = start(cluster, secret_file)
+    with pytest.raises(openai.AuthenticationError, match="expired at"):
+        ask(ingress, key)
+
+
+def test_a_revocation_reaches_two_ingress_processes_within_a_second(cluster: Cluster, secret_file: Path) -> None:
+    key = new_key()
+    publish(cluster, key, version=1)
+    ingresses = start(cluster, secret_file, count=2)
+    for ingress in ingresses:
+        assert ask(ingress, key).endswith("hi<|im_end|>\n<|im_start|>assistant\n")
+
+    publish(cluster, key, version=2, revoked=True)
+    revoked_at = time.monotonic()
+    for ingress in ingresses:
+        wait_until(lambda: refused(ingress, key), 1.0, "a revoked key still worked after a second")  # noqa: B023
+    assert time.monotonic() - revoked_at < 1.0
+
+
+def refused(server: Server, key: str) -> bool:
+    """Whether ``server`` refuses ``key`` as revoked (True) or still serves it (False)."""
+    try:
+        ask(server, key)
+    except openai.AuthenticationError as exc:
+        return "was revoked" in str(exc)
+    return False

@@ -1,0 +1,97 @@
+"""frontend_gateway/api_keys.py: the ingress believes only key records the control plane signed, never
+an older one than it has seen, and answers missing, wrong, revoked, expired and out-of-scope keys as
+OpenAI does."""
+
+import logging
+
+import pytest
+
+from frontend_gateway.api_keys import InvalidApiKey, KeyTable, ModelNotAllowed, check_model
+from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
+from runtime.discovery import WatchEvent
+
+SECRET = b"s" * 64
+NOW = 1_800_000_000.0
+
+
+def published(key: str, record: KeyRecord, secret: bytes = SECRET) -> WatchEvent:
+    hashed = key_hash(key)
+    return WatchEvent("put", etcd_key(hashed), sign(record, hashed, secret))
+
+
+def record(**fields: object) -> KeyRecord:
+    return KeyRecord(**{"key_id": 1, "name": "chat-app", "owner": "alice", "version": 1, **fields})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def table() -> KeyTable:
+    return KeyTable(SECRET, clock=lambda: NOW)
+
+
+def bearer(key: str) -> bytes:
+    return f"Bearer {key}".encode()
+
+
+def test_a_published_key_is_known_and_the_record_says_what_it_may_use(table: KeyTable) -> None:
+    key = new_key()
+    table.apply(published(key, record(models=["smol"])))
+    found = table.check(bearer(key))
+    assert found.name == "chat-app" and len(table) == 1
+    check_model(found, "smol")
+    with pytest.raises(ModelNotAllowed, match="'chat-app' may not use the model 'big'") as refused:
+        check_model(found, "big")
+    assert (refused.value.status, refused.value.code) == (403, "model_not_allowed")
+
+
+@pytest.mark.parametrize("header", [None, b"", b"Bearer", b"Bearer   ", b"Basic dXNlcjpwYXNz", b"sk-flt-x"])
+def test_a_missing_key_is_a_401_that_says_how_to_send_one(table: KeyTable, header: bytes | None) -> None:
+    with pytest.raises(InvalidApiKey, match="You didn't provide an API key") as refused:
+        table.check(header)
+    assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+
+
+def test_an_unknown_key_is_a_401_that_shows_only_its_ends(table: KeyTable) -> None:
+    key = new_key()
+    with pytest.raises(InvalidApiKey, match="Incorrect API key provided") as refused:
+        table.check(bearer(key))
+    assert key not in refused.value.message and key[-4:] in refused.value.message
+
+
+def test_revoked_and_expired_keys_are_refused_saying_so(table: KeyTable) -> None:
+    revoked, expired = new_key(), new_key()
+    table.apply(published(revoked, record(version=1)))
+    table.apply(published(revoked, record(version=2, revoked=True)))
+    table.apply(published(expired, record(key_id=2, expires_at=NOW - 1)))
+    with pytest.raises(InvalidApiKey, match="was revoked"):
+        table.check(bearer(revoked))
+    with pytest.raises(InvalidApiKey, match="expired at 2027-01-15"):
+        table.check(bearer(expired))
+    assert len(table) == 1  # the expired one is still a key; the revoked one is not
+
+
+def test_a_record_not_signed_by_the_control_plane_is_ignored_and_logged(
+    table: KeyTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = new_key()
+    with caplog.at_level(logging.WARNING, "frontend_gateway.api_keys"):
+        table.apply(published(key, record(), secret=b"f" * 64))  # forged with another secret
+        hashed = key_hash(key)
+        good = sign(record(), hashed, SECRET)
+        table.apply(WatchEvent("put", etcd_key(key_hash(new_key())), good))  # a real record moved to a new key
+    with pytest.raises(InvalidApiKey, match="Incorrect API key"):
+        table.check(bearer(key))
+    assert len(table) == 0 and "signature does not match" in caplog.text
+
+
+def test_an_older_record_put_back_does_not_revive_a_revoked_key(table: KeyTable) -> None:
+    key = new_key()
+    first = published(key, record(version=1))
+    table.apply(first)
+    table.apply(published(key, record(version=2, revoked=True)))
+    table.apply(first)  # a copy of the active record, replayed by whoever kept it
+    with pytest.raises(InvalidApiKey, match="was revoked"):
+        table.check(bearer(key))
+    table.apply(WatchEvent("delete", first.key))
+    table.apply(first)  # not even after its record was deleted
+    with pytest.raises(InvalidApiKey):
+        table.check(bearer(key))
