@@ -61,6 +61,11 @@ def card_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
         differences["context_length"] = f"{first.context_length} vs {card.context_length}"
     if card.kv_cache_block_size != first.kv_cache_block_size:
         differences["kv_cache_block_size"] = f"{first.kv_cache_block_size} vs {card.kv_cache_block_size}"
+    # The pool's card decides what its requests may ask (JSON output, logprobs) and how answers are
+    # parsed: an instance that cannot honour them, or was started to be parsed otherwise, is not one of it.
+    for name in ("reasoning_parser", "tool_call_parser", "structured_output", "logprobs"):
+        if (value := getattr(card, name)) != (pooled := getattr(first, name)):
+            differences[name] = f"{pooled} vs {value}"
     return differences
 
 

@@ -269,15 +269,25 @@ def test_card_differences_name_every_field_that_would_change_the_answers(smollm2
         chat_template="{{ messages }}",
         context_length=99,
         kv_cache_block_size=32,
+        reasoning_parser="qwen3",
+        tool_call_parser="hermes",
+        structured_output=True,
+        logprobs=True,
     )
     other: Any = msgspec.structs.replace(first, card=other_card, tokenizer_sha256="bb" * 32)
-    assert set(card_differences(first, other)) == {
+    differences = card_differences(first, other)
+    assert set(differences) == {
         "model_type",
         "tokenizer",
         "chat_template",
         "context_length",
         "kv_cache_block_size",
+        "reasoning_parser",
+        "tool_call_parser",
+        "structured_output",
+        "logprobs",
     }
+    assert differences["tool_call_parser"] == "None vs hermes"
 
 
 def routed_entry(name: str, instance_id: int, mode: str, generation: int) -> bytes:
