@@ -91,7 +91,7 @@ class HermesParser(ToolCallParser):
     def __init__(self) -> None:
         super().__init__()
         self._in_call = False
-        self._called = False
+        self._after_call = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         text = self._held + text
@@ -139,11 +139,15 @@ class HermesParser(ToolCallParser):
             content.append(raw)
         else:
             calls.append(call)
-            self._called = True
+            self._after_call = True  # until text follows
 
     def _between_calls(self, text: str) -> str:
-        # Models put newlines between and after calls; only text with something in it is content.
-        return text if not self._called or text.strip() else ""
+        # Models put newlines between and after calls: the whitespace right after a call is dropped,
+        # up to the next text (whose own spaces, in later pieces, are kept).
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
 
 
 class _WholeAnswerParser(ToolCallParser):

@@ -46,6 +46,12 @@ TIME = ("get_time", {"zone": "CET"})
             [WEATHER, TIME],
         ),
         ("hermes", "No tools needed: 4 < 5.", "No tools needed: 4 < 5.", []),
+        (
+            "hermes",
+            'A<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n The result is near.',
+            "AThe result is near.",
+            [WEATHER],
+        ),
         ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
         ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [WEATHER]),  # unclosed
         ("hermes", "<tool_ca", "<tool_ca", []),
