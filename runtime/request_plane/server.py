@@ -128,6 +128,7 @@ class EndpointServer:
         self._heartbeat_interval = heartbeat_interval
         self._max_request_bytes = max_request_bytes
         self._ack_deadline = ack_deadline
+        self._limit = DEFAULT_MAX_REQUEST_BYTES - FRAME_OVERHEAD  # see _frame_limit()
         self._streams: dict[str, _Stream] = {}
         self._requests: Subscription | None = None
         self._control: Subscription | None = None
@@ -143,6 +144,7 @@ class EndpointServer:
         return len(self._streams)
 
     async def start(self) -> None:
+        self._frame_limit()
         self._due_wake = Wakeup()
         self._sender = asyncio.create_task(self._send_forever(), name=f"sender {self.subject}")
         self._requests = await self._nc.subscribe(self.subject, cb=self._on_request)
@@ -297,7 +299,7 @@ class EndpointServer:
                 stream.pending_bytes += len(payload)
                 if not stream.queued and not stream.window_full:
                     self._queue(stream)
-                if stream.pending_bytes >= self._frame_limit():
+                if stream.pending_bytes >= self._limit:
                     stream.room = asyncio.get_running_loop().create_future()
                     await stream.room
         except asyncio.CancelledError:
@@ -316,8 +318,10 @@ class EndpointServer:
             self._queue(stream)
 
     def _frame_limit(self) -> int:
-        """The most payload bytes one DATA or END frame may carry on this connection."""
-        return max(1, self._nc.max_payload - FRAME_OVERHEAD)
+        """The most payload bytes one DATA or END frame may carry on this connection (a server of another
+        ``max_payload`` after a reconnection changes it)."""
+        self._limit = max(1, self._nc.max_payload - FRAME_OVERHEAD)
+        return self._limit
 
     def _queue(self, stream: _Stream) -> None:
         stream.queued = True
@@ -356,7 +360,8 @@ class EndpointServer:
                     exc = stream.failure
                     # Bounded, so that the ERROR frame itself fits.
                     error = "" if exc is None else str(exc)[:_MAX_ERROR_CHARS]
-                    *before, last = batches(pending, limit - len(error.encode()))
+                    room_left = limit - len(error.encode())
+                    *before, last = [pending] if stream.pending_bytes <= room_left else batches(pending, room_left)
                     for batch in before:
                         stream.seq += 1
                         await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
@@ -369,9 +374,12 @@ class EndpointServer:
                     else:
                         await publish(stream.reply_to, encode(Frame(END, stream.seq, last)))
                 elif pending and not stream.window_full:
-                    count, size = fitting(pending, limit)
-                    batch, stream.pending = pending[:count], pending[count:]
-                    stream.pending_bytes -= size
+                    if stream.pending_bytes <= limit:
+                        batch, stream.pending, stream.pending_bytes = pending, [], 0
+                    else:
+                        count, size = fitting(pending, limit)
+                        batch, stream.pending = pending[:count], pending[count:]
+                        stream.pending_bytes -= size
                     stream.seq += 1
                     stream.last_sent = time.monotonic()
                     if stream.window_full:
