@@ -112,10 +112,15 @@ class ChatOutputParser:
         """OpenAI's finish reason: ``tool_calls`` when the answer ended by calling tools."""
         return "tool_calls" if self.calls and reason == "stop" else reason
 
-    def check_required(self) -> None:
-        """Raise ToolCallMissing when the answer lacks the call that ``tool_choice`` asked for."""
+    def check_required(self, finish_reason: str | None) -> None:
+        """Raise ToolCallMissing when the answer (which ended for ``finish_reason``) lacks the call
+        that ``tool_choice`` asked for."""
         if self.required is None:
             return
+        if not self.calls and finish_reason == "length":
+            raise ToolCallMissing(
+                "the answer reached max_tokens before the tool call asked for was complete; raise max_tokens"
+            )
         if not self.calls:
             raise ToolCallMissing(
                 "the model answered without calling a tool, although tool_choice required one; the answer "

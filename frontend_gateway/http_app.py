@@ -346,7 +346,7 @@ class GatewayApp:
         message = None
         if (parser := generation.output) is not None:
             parsed = parser.feed(text).extend(parser.flush())
-            parser.check_required()
+            parser.check_required(generation.finish_reason)
             text = parsed.content
             reasoning = parsed.reasoning if parser.has_reasoning else None
             message = responses.chat_message(text, reasoning=reasoning, tool_calls=parsed.tool_calls)
@@ -469,7 +469,7 @@ class _RichFrames:
         """Send what the parsers held back; raises ToolCallMissing if a required call never came."""
         if self._parser is not None:
             await self._send(send, self._parser.flush())
-            self._parser.check_required()
+            self._parser.check_required(self._generation.finish_reason)
         await self._send(send, Delta())  # log probabilities of tokens whose text was held back or cut
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -182,3 +182,12 @@ def test_a_forced_call_and_a_response_format_are_refused_together(client: openai
             response_format={"type": "json_object"},
         )
     assert caught.value.param == "response_format"
+
+
+def test_a_forced_call_cut_off_by_max_tokens_says_so(client: openai.OpenAI) -> None:
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    with pytest.raises(openai.InternalServerError, match="raise max_tokens") as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=WEATHER, max_tokens=3, tools=[WEATHER_TOOL], tool_choice=choice
+        )
+    assert caught.value.code == "tool_call_missing"
