@@ -146,6 +146,17 @@ for template in "$CHECKOUT"/deploy/systemd/env/*.env; do
     fi
 done
 
+# The API keys' signing secret: the control plane signs the keys it publishes with it, and every ingress
+# believes only what it signed. Copy it to each machine that runs an ingress. Made once, never overwritten.
+SECRET="$ETC/api-keys.secret"
+if [ -e "$SECRET" ]; then
+    note "keeping $SECRET"
+else
+    step sh -c "umask 0277 && od -An -N32 -tx1 /dev/urandom | tr -d ' \\n' > '$SECRET'"
+    step chmod 0440 "$SECRET"
+    [ -z "$OWNER_GROUP" ] || step chgrp "$OWNER_GROUP" "$SECRET"
+fi
+
 # -- units -----------------------------------------------------------------------------------------------
 step install -d -m 0755 "$UNITS"
 for unit in "$CHECKOUT"/deploy/systemd/*.service; do

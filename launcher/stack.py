@@ -48,6 +48,7 @@ from launcher.stack_controlplane import (
     ADMIN_TOKEN_FILE,
     ADMIN_USERNAME,
     AGENT_TOKEN_FILE,
+    API_KEY_FILE,
     LOCAL_NODE,
     ControlPlaneClient,
     ControlPlaneError,
@@ -62,6 +63,7 @@ from launcher.stack_controlplane import (
 from launcher.stack_processes import Child, choose_port, port_is_free
 from launcher.stack_restarts import GiveUp, RestartHistory, RestartPolicy, describe_end
 from launcher.stack_servers import ServerSpec, etcd_server, find_binaries, nats_server, redis_server
+from runtime.api_keys import secret_in
 from runtime.config import env_str
 from runtime.engine_names import GPU_ONLY_ENGINES, IMPLEMENTED_ENGINES
 from runtime.errors import ConfigError, FlotillaError, ModelError
@@ -112,6 +114,8 @@ class UpOptions:
     first_model: FirstModel | None  # None: --no-pipeline
     gpus: str | None = None
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    #: The gateway needs an API key on /v1/* (the first one is made for the admin and printed once).
+    api_keys: bool = True
 
 
 def _port(text: str) -> int:
@@ -194,6 +198,13 @@ def build_up_parser() -> EnvArgumentParser:
     )
     up.add_flag("--no-pipeline", env="FLOTILLA_NO_PIPELINE", switch=True, help="deploy no first pipeline")
     up.add_flag("--gpus", env="FLOTILLA_GPUS", type=_gpus, help="simulated GPUs of the local node, e.g. 2x24GiB")
+    up.add_flag(
+        "--no-api-keys",
+        env="FLOTILLA_UP_NO_API_KEYS",
+        switch=True,
+        help="let the gateway serve /v1/* without an API key (by default it needs one; the first is printed once "
+        "and kept in DATA_DIR/api.key)",
+    )
     default = RestartPolicy()
     up.add_flag(
         "--restart-burst",
@@ -237,6 +248,7 @@ def parse_up_options(parser: EnvArgumentParser, namespace: argparse.Namespace) -
         first_model=first_model,
         gpus=namespace.gpus,
         restarts=RestartPolicy(burst=namespace.restart_burst, window_s=namespace.restart_window),
+        api_keys=not namespace.no_api_keys,
     )
 
 
@@ -617,6 +629,9 @@ class Stack:
             "FLOTILLA_GATEWAY_URL": f"http://127.0.0.1:{options.http_port}",
             # the catalog accepts local models only under these folders: --model may be anywhere
             "FLOTILLA_LOCAL_MODEL_ROOTS": local_model_roots(layout.data_dir, options.first_model),
+            # API keys: published to the gateway through etcd, signed with the data folder's secret.
+            "ETCD_ENDPOINTS": etcd_url,
+            "FLOTILLA_API_KEYS_SECRET_FILE": str(secret_in(layout.data_dir)),
         }
         control_plane = f"http://127.0.0.1:{options.control_plane_port}"
         admin_token = await self._start_control_plane(control_plane, control_plane_env)
@@ -643,6 +658,8 @@ class Stack:
         gateway_url = f"http://127.0.0.1:{options.http_port}"
         gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]
         gateway_argv += ["--http-host", "127.0.0.1", "--http-port", str(options.http_port)]
+        if options.api_keys:
+            gateway_argv += ["--api-keys-secret-file", control_plane_env["FLOTILLA_API_KEYS_SECRET_FILE"]]
         gateway = self._launch(self._child("the gateway", "gateway", gateway_argv, served_env), answers=True)
         await self._wait_ready(
             gateway, lambda: self._http_answers(f"{gateway_url}/live", ok_only=True), SERVICE_START_S
@@ -676,13 +693,19 @@ class Stack:
         self.say("  control plane: applying database migrations")
         migrate = self._child("the control plane's migrations", "controlplane", [*manage_command(), "migrate"], env)
         await self._run_once(migrate)
-        argv, bootstrap_env, password = bootstrap_command(data_dir)
+        argv, bootstrap_env, password = bootstrap_command(data_dir, api_key=self.options.api_keys)
         bootstrap = self._child("the control plane's account bootstrap", "controlplane", argv, {**env, **bootstrap_env})
         result = parse_bootstrap(await self._run_once(bootstrap, capture=True))
         if result.admin_token is not None:
             write_secret(data_dir / ADMIN_TOKEN_FILE, result.admin_token)
         if result.agent_token is not None:
             write_secret(data_dir / AGENT_TOKEN_FILE, result.agent_token)
+        if result.api_key is not None:
+            write_secret(data_dir / API_KEY_FILE, result.api_key)
+            self.say(
+                f"\n  Created an API key for the OpenAI endpoint: {result.api_key}\n"
+                f"  (shown only this once; kept in {data_dir / API_KEY_FILE}, readable by you only)\n"
+            )
         if result.admin_created:
             # Shown now, once: a stack that fails later must not take the only copy with it.
             self.say(
@@ -723,8 +746,9 @@ class Stack:
 
     async def _served_models(self, gateway_url: str) -> list[str]:
         try:
-            response = await self._http.get(f"{gateway_url}/v1/models")
-            return [str(model["id"]) for model in response.json()["data"]]
+            # /health lists them too, and needs no API key.
+            response = await self._http.get(f"{gateway_url}/health")
+            return [str(name) for name in response.json()["models"]]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return []
 
@@ -745,6 +769,11 @@ class Stack:
             f"  logs           {self.layout.logs}/",
             "",
             f"  curl {gateway}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            *(
+                [f'    -H "Authorization: Bearer $(cat {self.layout.data_dir / API_KEY_FILE})" \\']
+                if self.options.api_keys
+                else []
+            ),
             f"    -d '{body}'",
             f'  curl -H "Authorization: Bearer $(cat {token_file})" {control_plane}/api/v1/pipelines/',
             "",

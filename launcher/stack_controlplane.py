@@ -24,6 +24,9 @@ ADMIN_USERNAME = "admin"
 LOCAL_NODE = "local"
 ADMIN_TOKEN_FILE = "admin.token"
 AGENT_TOKEN_FILE = f"agent-{LOCAL_NODE}.token"
+#: The admin's key for the OpenAI endpoint, made by the first `flotilla up` that needs one.
+API_KEY_FILE = "api.key"
+API_KEY_NAME = "flotilla up"
 
 # Run by `manage.py shell` in the control plane's own environment. Through the control plane's actions, so that
 # each account and token gets its audit entry. It creates the admin (with the password given) only when there is
@@ -51,6 +54,19 @@ if not known(env.get("FLOTILLA_UP_ADMIN_TOKEN", ""), user=admin):
 node = env["FLOTILLA_UP_NODE"]
 if not known(env.get("FLOTILLA_UP_AGENT_TOKEN", ""), kind=ApiToken.Kind.AGENT, node_name=node):
     result["agent_token"] = actions.create_agent_token(actor, node, "flotilla up: the local agent")[1]
+
+result["api_key"] = None
+if env.get("FLOTILLA_UP_API_KEY_NAME"):
+    from controlplane.apikeys import actions as key_actions
+    from controlplane.apikeys.models import ApiKey
+    from runtime.api_keys import key_hash
+
+    name, kept = env["FLOTILLA_UP_API_KEY_NAME"], env.get("FLOTILLA_UP_API_KEY", "")
+    mine = ApiKey.objects.filter(owner=admin, name=name, revoked_at__isnull=True)
+    if not (kept and mine.filter(key_hash=key_hash(kept)).exists()):
+        for lost in mine:  # its file is gone: nobody can use it any more
+            key_actions.revoke_key(actor, lost)
+        result["api_key"] = key_actions.create_key(actor, admin, name)[1]
 print(json.dumps(result))
 """
 
@@ -70,9 +86,9 @@ def manage_command() -> list[str]:
     return [sys.executable, "-m", "django"]
 
 
-def bootstrap_command(data_dir: Path) -> tuple[list[str], dict[str, str], str]:
-    """The command that makes sure the admin and the tokens exist, the variables it reads, and the password it
-    gives a new admin (printed only if it says it created one)."""
+def bootstrap_command(data_dir: Path, *, api_key: bool = False) -> tuple[list[str], dict[str, str], str]:
+    """The command that makes sure the admin and the tokens (and, with ``api_key``, the admin's API key) exist,
+    the variables it reads, and the password it gives a new admin (printed only if it says it created one)."""
     password = secrets.token_urlsafe(12)
     env = {
         "FLOTILLA_UP_ADMIN": ADMIN_USERNAME,
@@ -81,6 +97,8 @@ def bootstrap_command(data_dir: Path) -> tuple[list[str], dict[str, str], str]:
         "FLOTILLA_UP_ADMIN_TOKEN": read_secret(data_dir / ADMIN_TOKEN_FILE),
         "FLOTILLA_UP_AGENT_TOKEN": read_secret(data_dir / AGENT_TOKEN_FILE),
     }
+    if api_key:
+        env.update(FLOTILLA_UP_API_KEY_NAME=API_KEY_NAME, FLOTILLA_UP_API_KEY=read_secret(data_dir / API_KEY_FILE))
     return [*manage_command(), "shell", "--no-imports", "--command", _BOOTSTRAP], env, password
 
 
@@ -91,6 +109,7 @@ class Bootstrap:
     admin_created: bool
     admin_token: str | None
     agent_token: str | None
+    api_key: str | None = None
 
 
 def parse_bootstrap(output: str) -> Bootstrap:
@@ -98,7 +117,7 @@ def parse_bootstrap(output: str) -> Bootstrap:
     lines = output.strip().splitlines()
     try:
         data = json.loads(lines[-1])
-        return Bootstrap(bool(data["admin_created"]), data["admin_token"], data["agent_token"])
+        return Bootstrap(bool(data["admin_created"]), data["admin_token"], data["agent_token"], data.get("api_key"))
     except (IndexError, ValueError, KeyError, TypeError) as exc:
         raise ControlPlaneError(f"the control plane's account bootstrap printed no result: {output[-500:]!r}") from exc
 

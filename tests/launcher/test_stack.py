@@ -238,6 +238,10 @@ class Up:
             assert time.monotonic() < deadline, self.output()
             time.sleep(0.1)  # another process's output: no event to await
 
+    def api_key_header(self) -> dict[str, str]:
+        """The header of the API key ``flotilla up`` made for the OpenAI endpoint."""
+        return {"Authorization": f"Bearer {(self.data_dir / 'api.key').read_text().strip()}"}
+
     def admin(self) -> httpx.Client:
         token = (self.data_dir / "admin.token").read_text().strip()
         return httpx.Client(base_url=f"{self.control_plane}/api/v1", headers={"Authorization": f"Bearer {token}"})
@@ -302,13 +306,13 @@ def pid_titled(stack: Up, title: str, timeout: float = 60) -> int:
         time.sleep(0.1)  # another process's start: no event to await
 
 
-def chat(gateway: str) -> httpx.Response:
+def chat(stack: "Up") -> httpx.Response:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 8,
     }
-    return httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(f"{stack.gateway}/v1/chat/completions", json=body, headers=stack.api_key_header(), timeout=60)
 
 
 def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, stacks: list[Up]) -> None:
@@ -339,9 +343,15 @@ def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, 
     assert oct((stack.data_dir / "agent-local.token").stat().st_mode & 0o777) == "0o600"
 
     # The OpenAI API.
-    models = httpx.get(f"{stack.gateway}/v1/models", timeout=10).json()
+    # The OpenAI API needs the API key printed once (and kept in api.key); without it, a 401.
+    key = re.search(r"Created an API key for the OpenAI endpoint: (sk-flt-\S+)", output)
+    assert key is not None and stack.api_key_header() == {"Authorization": f"Bearer {key.group(1)}"}, output
+    assert oct((stack.data_dir / "api.key").stat().st_mode & 0o777) == "0o600"
+    refused = httpx.get(f"{stack.gateway}/v1/models", timeout=10)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    models = httpx.get(f"{stack.gateway}/v1/models", headers=stack.api_key_header(), timeout=10).json()
     assert [model["id"] for model in models["data"]] == [MODEL]
-    reply = chat(stack.gateway)
+    reply = chat(stack)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] > 0
 
@@ -360,6 +370,7 @@ def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and
     stacks.append(first)
     first.wait_until_up()
     admin_token = (first.data_dir / "admin.token").read_text()
+    api_key = first.api_key_header()
     # Killed outright, `flotilla up` stops nothing: its own children end (the kernel sends them SIGTERM), but the
     # engine worker, which the agent started and leaves running, is orphaned.
     first_processes = descendants(first.process.pid)
@@ -376,9 +387,11 @@ def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and
     assert process_start_time(orphan.pid) != orphan.start_time
     assert "Created the admin account" not in output
     assert (second.data_dir / "admin.token").read_text() == admin_token
+    # The API key too: the same one works, and no new one is printed.
+    assert "Created an API key" not in output and second.api_key_header() == api_key
     with second.admin() as api:
         assert [p["name"] for p in api.get("pipelines/").json()["results"]] == [MODEL]
-    assert chat(second.gateway).status_code == 200
+    assert chat(second).status_code == 200
 
     processes = descendants(second.process.pid)
     assert second.stop(signal.SIGTERM) == 0
@@ -413,7 +426,7 @@ def test_a_killed_agent_is_restarted_and_adopts_its_worker_while_the_gateway_ser
     def keep_asking() -> None:
         while not done.is_set():
             try:
-                statuses.append(chat(stack.gateway).status_code)
+                statuses.append(chat(stack).status_code)
             except httpx.HTTPError as exc:
                 statuses.append(repr(exc))
 
@@ -440,7 +453,7 @@ def test_a_killed_agent_is_restarted_and_adopts_its_worker_while_the_gateway_ser
     )
     assert process_start_time(worker.pid) == worker.start_time  # adopted, not started again
     assert [record.pid for record in load_records(stack.data_dir / "agent")] == [worker.pid]
-    assert chat(stack.gateway).status_code == 200
+    assert chat(stack).status_code == 200
     assert stack.process.poll() is None
 
 
