@@ -315,8 +315,8 @@ def is_last_active_admin(user: User) -> bool:
 
 
 def _keep_an_admin(actor: Actor, user: User, doing: str) -> None:
-    """Raise Conflict when ``user`` is the only active admin (call it with the rows locked by ``_locked``)."""
-    if is_last_active_admin(user):
+    """Raise Conflict when no one but ``user`` is an active admin (call it with the rows locked by ``_locked``)."""
+    if not User.objects.filter(_ACTIVE_ADMINS).exclude(pk=user.pk).exists():
         who = "you are" if actor.user_id == user.pk else f"{user.username} is"
         raise Conflict(
             f"{who} the only active admin: {doing} would leave no one to manage people and tokens; "

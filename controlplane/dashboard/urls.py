@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
-from controlplane.dashboard import controls, health_banner, views
+from controlplane.dashboard import controls, health_banner, people, views
 from controlplane.dashboard.login import LoginView
 
 
@@ -40,4 +40,11 @@ urlpatterns = [
     path("nodes/<row_id:pk>/uncordon/", controls.node_uncordon, name="node-uncordon"),
     path("audit/", views.audit_page, name="audit"),
     path("health-banner/", health_banner.health_banner, name="health-banner"),
+    path("people/", people.people_page, name="people"),
+    path("people/<row_id:pk>/edit/", people.person_edit, name="person-edit"),
+    path("people/<row_id:pk>/deactivate/", people.person_deactivate, name="person-deactivate"),
+    path("people/<row_id:pk>/reactivate/", people.person_reactivate, name="person-reactivate"),
+    path("people/<row_id:pk>/reset-password/", people.person_reset_password, name="person-reset-password"),
+    path("account/", people.account_page, name="account"),
+    path("account/tokens/<row_id:pk>/revoke/", people.own_token_revoke, name="own-token-revoke"),
 ]

@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 
+from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
 from controlplane.catalog.models import LanguageModel
 from controlplane.dashboard import audit_log, gateway, logs, partials, queries
@@ -28,7 +29,12 @@ GATEWAY_READING_KEY = "dashboard:gateway-reading"
 
 def render_page(request: HttpRequest, template: str, context: dict[str, Any], *, status: int = 200) -> HttpResponse:
     """Render a page with what base.html needs to know about the person's role."""
-    context = {"can_act": can_act(request), "can_read_audit": has_role(request, AUDIT_ROLE), **context}
+    context = {
+        "can_act": can_act(request),
+        "can_read_audit": has_role(request, AUDIT_ROLE),
+        "can_manage_people": has_role(request, Role.ADMIN),
+        **context,
+    }
     return render(request, template, context, status=status)
 
 
