@@ -700,17 +700,17 @@ class Stack:
             write_secret(data_dir / ADMIN_TOKEN_FILE, result.admin_token)
         if result.agent_token is not None:
             write_secret(data_dir / AGENT_TOKEN_FILE, result.agent_token)
-        if result.api_key is not None:
-            write_secret(data_dir / API_KEY_FILE, result.api_key)
-            self.say(
-                f"\n  Created an API key for the OpenAI endpoint: {result.api_key}\n"
-                f"  (shown only this once; kept in {data_dir / API_KEY_FILE}, readable by you only)\n"
-            )
         if result.admin_created:
             # Shown now, once: a stack that fails later must not take the only copy with it.
             self.say(
                 f"\n  Created the admin account: user {ADMIN_USERNAME!r}, password {password!r}\n"
                 "  (shown only this once; log in at the control plane's /admin/, or change it there)\n"
+            )
+        if result.api_key is not None:
+            write_secret(data_dir / API_KEY_FILE, result.api_key)
+            self.say(
+                f"\n  Created an API key for the OpenAI endpoint: {result.api_key}\n"
+                f"  (shown only this once; kept in {data_dir / API_KEY_FILE}, readable by you only)\n"
             )
         port = url.rsplit(":", 1)[1]
         uvicorn_argv = [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1"]
