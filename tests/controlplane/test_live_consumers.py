@@ -8,6 +8,7 @@ from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.contrib.sessions.models import Session
 
+from controlplane.accounts import actions as account_actions
 from controlplane.accounts.models import Role, User
 from controlplane.audit.records import Actor
 from controlplane.deployments import instances as instance_actions
@@ -283,6 +284,22 @@ async def test_a_socket_whose_session_ended_is_closed_with_4401() -> None:
     await database_sync_to_async(lambda: Session.objects.all().delete())()  # a logout
     closing = await _closing(socket)
     assert closing["code"] == NOT_LOGGED_IN
+
+
+@pytest.mark.usefixtures("quick_reauthorisation")
+async def test_a_deactivation_or_a_password_reset_on_the_people_page_closes_the_persons_sockets() -> None:
+    """The People page's actions, not only a changed row: a deactivation is a 4403, a reset a 4401."""
+    deactivated = await connected("/ws/fleet/?topics=nodes", Role.READ_ONLY, "alice")
+    reset = await connected("/ws/fleet/?topics=nodes", Role.READ_ONLY, "bob")
+
+    def act() -> None:
+        admin = Actor("boss", user_id=None)
+        account_actions.deactivate_user(admin, User.objects.get(username="alice"))
+        account_actions.reset_password(admin, User.objects.get(username="bob"))
+
+    await database_sync_to_async(act)()
+    assert (await _closing(deactivated))["code"] == FORBIDDEN
+    assert (await _closing(reset))["code"] == NOT_LOGGED_IN
 
 
 async def test_a_push_after_a_deactivation_is_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
