@@ -142,6 +142,9 @@ class ChatPlan:
     json_schema: str | None = None
 
 
+_PLAIN = ChatPlan(None, None)
+
+
 def plan_chat_output(
     request: ChatCompletionRequest,
     *,
@@ -155,8 +158,10 @@ def plan_chat_output(
 
     Raises InvalidRequest when ``tools`` would be offered to a model whose calls cannot be parsed.
     """
-    choice = request.tool_choice
     tools = request.tools
+    if tools is None and reasoning is None:
+        return _PLAIN  # most requests: plain text, nothing to decide
+    choice = request.tool_choice
     max_calls = 1 if request.parallel_tool_calls is False else None
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
     if tools is not None and forced and structured_output:
