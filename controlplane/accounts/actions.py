@@ -300,9 +300,10 @@ def _locked(user: User) -> User:
 
     Every action that may demote or deactivate someone locks the admins first, in id order, then its person:
     two admins demoting each other at once take turns (rather than deadlock), and the second one finds the
-    first change made, and itself the last admin."""
-    list(User.objects.select_for_update().filter(_ACTIVE_ADMINS).order_by("pk").values_list("pk", flat=True))
-    return User.objects.select_for_update().get(pk=user.pk)
+    first change made, and itself the last admin. "No key" locks: audit entries naming a locked person as their
+    actor (a foreign key) need not wait for them."""
+    list(User.objects.select_for_update(no_key=True).filter(_ACTIVE_ADMINS).order_by("pk").values_list("pk", flat=True))
+    return User.objects.select_for_update(no_key=True).get(pk=user.pk)
 
 
 def _is_active_admin(user: User) -> bool:
