@@ -704,7 +704,7 @@ class Stack:
             # Shown now, once: a stack that fails later must not take the only copy with it.
             self.say(
                 f"\n  Created the admin account: user {ADMIN_USERNAME!r}, password {password!r}\n"
-                "  (shown only this once; log in at the control plane's /admin/, or change it there)\n"
+                "  (shown only this once; log in to the dashboard and change it on your Account page, /account/)\n"
             )
         if result.api_key is not None:
             write_secret(data_dir / API_KEY_FILE, result.api_key)
@@ -764,7 +764,7 @@ class Stack:
             f"  dashboard      {control_plane}/" if self.dashboard else "  dashboard      (not in this version yet)",
             f"  REST API       {control_plane}/api/v1/  (docs: {control_plane}/api/v1/docs/; "
             f"admin token in {token_file})",
-            f"  admin          {control_plane}/admin/  (user {ADMIN_USERNAME})",
+            f"  people         {control_plane}/people/  (user {ADMIN_USERNAME}: add people, roles, passwords)",
             f"  etcd {self.urls['etcd']}, NATS {self.urls['nats']}, Redis {self.urls['redis']}",
             f"  logs           {self.layout.logs}/",
             "",
