@@ -164,5 +164,8 @@ SPECTACULAR_SETTINGS = {
         "ReportedInstanceStateEnum": "controlplane.deployments.instances.AGENT_REPORTABLE_CHOICES",
         "DownloadStateEnum": "controlplane.fleet.models.Download.State",
         "PipelineStateEnum": "controlplane.deployments.models.Pipeline.State",
+        # and two have a "role": a person's, and a worker group's (aggregated, prefill, decode).
+        "PersonRoleEnum": "controlplane.accounts.models.Role",
+        "WorkerRoleEnum": "controlplane.deployments.models.WorkerGroup.Role",
     },
 }
