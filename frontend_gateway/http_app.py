@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from frontend_gateway import preprocessor, responses
+from frontend_gateway import preprocessor, responses, responses_api
 from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.api_keys import KeyTable, check_model
 from frontend_gateway.chat_output import Delta
@@ -42,6 +42,7 @@ from frontend_gateway.openai_types import (
     completion_decoder,
 )
 from frontend_gateway.pipeline import Generation, ModelRegistry, ServedModel
+from frontend_gateway.responses_api import ResponseBuilder, ResponsesRequest
 from runtime.api_keys import KeyRecord
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class GatewayApp:
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
+            "/v1/responses": ("POST", self._responses),
             "/v1/models": ("GET", self._list_models),
             "/health": ("GET", self._health),
             "/live": ("GET", self._live),
@@ -272,6 +274,20 @@ class GatewayApp:
         finally:
             self.admission.release()
 
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/responses``: the Responses API over the chat pipeline (responses_api.py)."""
+        request: ResponsesRequest = _decode(responses_api.decoder, await self._read_body(scope, receive))
+        chat = responses_api.to_chat(request)
+        preprocessor.check_chat(chat)
+        model = self._find_model(chat.model, scope)
+        await self._admit(receive)
+        try:
+            generation = await model.prepare_chat(chat)
+            builder = ResponseBuilder(request, response_id=generation.request_id, model=model.name)
+            await self._respond("chat", "responses", model, chat, generation, receive, send, builder)
+        finally:
+            self.admission.release()
+
     async def _respond(
         self,
         kind: responses.Kind,
@@ -281,8 +297,10 @@ class GatewayApp:
         generation: Generation,
         receive: Receive,
         send: Send,
+        builder: ResponseBuilder | None = None,
     ) -> None:
-        """Run the generation, streamed or whole, and stop it if the client goes away."""
+        """Run the generation, streamed or whole, and stop it if the client goes away; ``builder``
+        shapes it as a Responses API answer."""
         stream, stream_options = request.stream, request.stream_options
         model_metrics = self.metrics.for_model(model.name)
         model_metrics.inflight.inc()
@@ -293,7 +311,9 @@ class GatewayApp:
             nvext = request.nvext
             show_instance = bool(nvext is not None and nvext.annotations and "instance_id" in nvext.annotations)
             failure = None
-            if stream:
+            if builder is not None:
+                failure = await _respond_responses(builder, generation, stream, send, started, model_metrics)
+            elif stream:
                 include_usage = bool(stream_options is not None and stream_options.include_usage)
                 failure = await self._stream(
                     kind, model, generation, include_usage, show_instance, send, started, model_metrics
@@ -489,6 +509,58 @@ class _RichFrames:
             logprobs = chat_logprobs(entries) if chat else self._completion_logprobs.shape(entries)
         frame = self._encoder.delta(delta.reasoning, delta.content, calls, logprobs)
         await send({"type": "http.response.body", "body": frame, "more_body": True})
+
+
+async def _respond_responses(
+    builder: ResponseBuilder, generation: Generation, stream: bool, send: Send, started: float, metrics: Any
+) -> GatewayError | None:
+    """Send a Responses API answer, whole or as its events; returns the failure that ended a stream.
+
+    As for chat, a failure before the first piece propagates (a proper error status) and one after
+    the status line ends the stream with an ``error`` event.
+    """
+    parser = generation.output
+    parsed = Delta()
+    async with contextlib.aclosing(generation):
+        pieces = generation.pieces()
+        first = await anext(pieces, None)
+        if first is not None:
+            metrics.ttft.observe(time.perf_counter() - started)
+        if not stream:
+            text = "".join([first or "", *[piece async for piece in pieces]])
+            parsed.content = text
+            if parser is not None:
+                parsed = parser.feed(text).extend(parser.flush())
+                parser.check_required(generation.finish_reason)
+        else:
+            headers = _response_headers(_SSE_HEADERS, generation)
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": builder.start(), "more_body": True})
+            try:
+                piece = first
+                while piece is not None:
+                    delta = parser.feed(piece) if parser is not None else Delta(content=piece)
+                    if delta:
+                        await send({"type": "http.response.body", "body": builder.delta(delta), "more_body": True})
+                    piece = await anext(pieces, None)
+                if parser is not None:
+                    if delta := parser.flush():
+                        await send({"type": "http.response.body", "body": builder.delta(delta), "more_body": True})
+                    parser.check_required(generation.finish_reason)
+            except Exception as exc:
+                failure = _as_gateway_error(exc, generation)
+                await send({"type": "http.response.body", "body": builder.error(failure.message, failure.code)})
+                return failure
+    finish_reason = parser.finish_reason(generation.finish_reason) if parser else generation.finish_reason
+    usage = builder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
+    if stream:
+        await send({"type": "http.response.body", "body": builder.finish(finish_reason=finish_reason, usage=usage)})
+    else:
+        body = builder.whole(parsed, finish_reason=finish_reason, usage=usage)
+        headers = _response_headers(_JSON_HEADERS, generation)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+    return None
 
 
 def _as_gateway_error(exc: Exception, generation: Generation) -> GatewayError:

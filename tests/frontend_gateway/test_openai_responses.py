@@ -1,0 +1,156 @@
+"""The Responses API (POST /v1/responses) through the official openai client: text in and out, whole
+and as its stream of events, with reasoning and function calls as output items.
+
+The gateway runs in this process over echo_full (it answers with the last message's text), served with
+the qwen3 reasoning parser and the hermes tool-call parser.
+"""
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from engines.echo import EchoFullEngine
+from frontend_gateway.http_app import GatewayApp
+from frontend_gateway.pipeline import ModelRegistry, TextModel
+
+WEATHER_TOOL: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+    registry = ModelRegistry()
+    registry.add(TextModel("echo", EchoFullEngine(0.0), reasoning_parser="qwen3", tool_call_parser="hermes"))
+    registry.add(TextModel("plain", EchoFullEngine(0.0), 64))
+    transport = httpx2.ASGITransport(app=GatewayApp(registry))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        yield openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+async def test_text_in_text_out(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.create(model="plain", input="Hello there", instructions="Be brief.")
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status == "completed"
+    assert response.output_text == "Hello there"
+    [item] = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert response.instructions == "Be brief."
+    assert response.usage is not None
+    assert (response.usage.output_tokens, response.usage.total_tokens) == (11, 22)
+
+
+async def test_input_items_become_the_conversation(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.create(
+        model="plain",
+        input=[
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Bonjour"}]},
+        ],
+    )
+    assert response.output_text == "Bonjour"  # echo answers with the last message
+
+
+async def test_max_output_tokens_makes_the_response_incomplete(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.create(model="plain", input="abcdefghij", max_output_tokens=4)
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == "abcd"
+
+
+async def test_the_stream_is_openais_sequence_of_events(client: openai.AsyncOpenAI) -> None:
+    stream = await client.responses.create(model="plain", input="Hi you", stream=True)
+    events = [event async for event in stream]
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == "Hi you" and len(deltas) == 6
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    completed: Any = events[-1]
+    assert completed.response.output_text == "Hi you" and completed.response.status == "completed"
+
+
+async def test_the_sdks_stream_helper_assembles_the_response(client: openai.AsyncOpenAI) -> None:
+    async with client.responses.stream(model="plain", input="Assembled") as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_response()
+    assert final.output_text == "Assembled"
+
+
+async def test_reasoning_and_a_function_call_are_output_items(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.create(
+        model="echo", input=f"<think>Need the weather.</think>{CALL}", tools=[WEATHER_TOOL]
+    )
+    reasoning, call = response.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert reasoning.content[0].text == "Need the weather."
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
+
+
+async def test_a_streamed_function_call_arrives_as_its_item_events(client: openai.AsyncOpenAI) -> None:
+    stream = await client.responses.create(model="echo", input=f"Checking. {CALL}", tools=[WEATHER_TOOL], stream=True)
+    events = [event async for event in stream]
+    done: Any = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert [json.loads(event.arguments) for event in done] == [{"city": "Paris"}]
+    completed: Any = events[-1]
+    assert [item.type for item in completed.response.output] == ["message", "function_call"]
+    assert completed.response.output[0].content[0].text == "Checking. "
+
+
+async def test_function_call_outputs_are_sent_back_as_tool_messages(client: openai.AsyncOpenAI) -> None:
+    response = await client.responses.create(
+        model="echo",
+        tools=[WEATHER_TOOL],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+        ],
+    )
+    assert response.output_text == "Sunny, 21 C"  # the tool's output is the last message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "contains"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores none"),
+        ({"background": True}, "background", "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]", "only named functions"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content", "only text"),
+        ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role", "wizard"),
+        ({"text": {"format": {"type": "json_object"}}}, "response_format", "cannot constrain"),
+        ({"tools": [WEATHER_TOOL], "model": "plain"}, "tools", "tool-call parser"),
+    ],
+)
+async def test_what_cannot_be_honoured_is_a_bad_request(
+    client: openai.AsyncOpenAI, fields: dict[str, Any], param: str, contains: str
+) -> None:
+    body: dict[str, Any] = {"model": "echo", "input": "hi", **fields}
+    with pytest.raises(openai.BadRequestError, match=contains) as caught:
+        await client.responses.create(**body)
+    assert caught.value.param == param
+
+
+async def test_an_unknown_model_is_not_found(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.create(model="gpt-9", input="hi")
