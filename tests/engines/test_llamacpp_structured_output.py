@@ -2,10 +2,11 @@
 a grammar, through the official openai client; a schema llama.cpp cannot express is a 400."""
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.servers import Server, llama_cpp_available
 
@@ -191,3 +192,16 @@ def test_a_forced_call_cut_off_by_max_tokens_says_so(client: openai.OpenAI) -> N
             model=MODEL, messages=WEATHER, max_tokens=3, tools=[WEATHER_TOOL], tool_choice=choice
         )
     assert caught.value.code == "tool_call_missing"
+
+
+class Capital(BaseModel):
+    city: Literal["Paris", "London", "Berlin"]
+    population_millions: float
+
+
+def test_the_sdks_parse_helper_gets_an_instance_of_its_pydantic_model(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.parse(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=60, response_format=Capital
+    )
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Capital) and parsed.city in ("Paris", "London", "Berlin")
