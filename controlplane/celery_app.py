@@ -38,6 +38,7 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 #: The reconciler's one pass (controlplane/deployments/tasks.py).
 RECONCILE_TASK = "flotilla.controlplane.reconcile"
 SYNC_API_KEYS_TASK = "flotilla.controlplane.sync_api_keys"
+DRAIN_USAGE_TASK = "flotilla.controlplane.drain_usage"
 # Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
 PUBLISH_CONNECT_TIMEOUT_S = 2.0
 _BROKER_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "memory://")
@@ -61,6 +62,16 @@ def api_keys_sync_s() -> float:
     return env_float("FLOTILLA_API_KEYS_SYNC_S", 10.0, minimum=1.0)
 
 
+def usage_drain_s() -> float:
+    """``FLOTILLA_USAGE_DRAIN_S``: how often the API keys' usage is moved from Redis to the database."""
+    return env_float("FLOTILLA_USAGE_DRAIN_S", 10.0, minimum=1.0)
+
+
+def quota_redis_url() -> str:
+    """``FLOTILLA_QUOTA_REDIS_URL``: the Redis where the ingresses count API keys' use (default: the broker)."""
+    return env_str("FLOTILLA_QUOTA_REDIS_URL") or broker_url()
+
+
 def create_app(broker: str | None = None, *, interval_s: float | None = None) -> Celery:
     """A Celery app on ``broker`` (default: ``broker_url()``) with the reconciler's schedule and routes."""
     url = broker or broker_url()
@@ -78,6 +89,7 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         task_routes={
             RECONCILE_TASK: {"queue": CONTROL_PLANE_QUEUE},
             SYNC_API_KEYS_TASK: {"queue": CONTROL_PLANE_QUEUE},
+            DRAIN_USAGE_TASK: {"queue": CONTROL_PLANE_QUEUE},
         },
         beat_schedule={
             "reconcile": {
@@ -91,6 +103,12 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
                 "task": SYNC_API_KEYS_TASK,
                 "schedule": api_keys_sync_s(),
                 "options": {"queue": CONTROL_PLANE_QUEUE, "expires": api_keys_sync_s()},
+            },
+            # The ingresses' usage counts, from Redis into the database.
+            "drain-usage": {
+                "task": DRAIN_USAGE_TASK,
+                "schedule": usage_drain_s(),
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": usage_drain_s()},
             },
         },
         beat_schedule_filename=str(Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir()) / "celerybeat-schedule"),

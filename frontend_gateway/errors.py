@@ -4,6 +4,7 @@ One handler (``http_app``) turns them into the OpenAI error envelope; anything e
 request is logged and answered with a 500 envelope, never a dropped connection.
 """
 
+from collections.abc import Sequence
 from http import HTTPStatus
 
 
@@ -15,6 +16,8 @@ class GatewayError(Exception):
     code: str | None = None
     #: Seconds a client should wait before retrying (sent as ``Retry-After``), or None.
     retry_after: int | None = None
+    #: More headers of the answer (a rate limit's ``x-ratelimit-*``).
+    headers: Sequence[tuple[bytes, bytes]] = ()
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -104,19 +107,3 @@ class QueueTimeout(ServiceUnavailable):
 
     code = "queue_timeout"
     retry_after = 2
-
-
-class AllWorkersBusy(ServiceUnavailable):
-    """Every instance of the model is busy (past a busy threshold, or its own queue is full): 503 with
-    Retry-After, on which load balancers fail over and clients back off."""
-
-    code = "all_workers_busy"
-    retry_after = 1
-
-
-class EngineTimeout(GatewayError):
-    """The engine sent no output within the progress deadline, and the request could not move (504)."""
-
-    status = HTTPStatus.GATEWAY_TIMEOUT
-    error_type = "timeout"
-    code = "progress_deadline_exceeded"

@@ -42,6 +42,7 @@ from frontend_gateway.openai_types import (
     completion_decoder,
 )
 from frontend_gateway.pipeline import Generation, ModelRegistry, ServedModel
+from frontend_gateway.quotas import UNKNOWN_MODEL, Meter
 from frontend_gateway.responses_api import ResponseBuilder, ResponsesRequest
 from runtime.api_keys import KeyRecord
 
@@ -56,8 +57,12 @@ Lifespan = Callable[[], contextlib.AbstractAsyncContextManager[None]]
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-# Where a checked request's API key record rides in its ASGI scope.
+# Where a checked request's API key record rides in its ASGI scope, with what its usage is counted from:
+# the model it named (when served), its generation, and how the generation ended.
 _API_KEY = "flotilla.api_key"
+_MODEL = "flotilla.model"
+_GENERATION = "flotilla.generation"
+_STATUS = "flotilla.status"
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -81,6 +86,7 @@ class GatewayApp:
         limits: AdmissionLimits | None = None,
         lifespan: Lifespan | None = None,
         api_keys: KeyTable | None = None,
+        meter: Meter | None = None,
     ) -> None:
         self.models = models
         self.metrics = metrics or GatewayMetrics()
@@ -89,6 +95,8 @@ class GatewayApp:
         self._lifespan = lifespan
         #: When set, every /v1/* request needs one of its keys (frontend_gateway/api_keys.py).
         self.api_keys = api_keys
+        #: Counts keyed requests against their limits, and their usage (frontend_gateway/quotas.py).
+        self.meter = meter
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
@@ -119,7 +127,9 @@ class GatewayApp:
             if self.api_keys is not None and path.startswith("/v1/"):
                 scope[_API_KEY] = self.api_keys.check(_header(scope, b"authorization"))
             await handler(scope, receive, send)
+            self._count_usage(scope, failed=scope.get(_STATUS) == "error")
         except GatewayError as exc:
+            self._count_usage(scope, failed=True)
             if exc.status >= 500 and exc.retry_after is None:  # refusals under load are counted, not logged
                 log.warning("%s %s failed: %s (HTTP %d)", scope["method"], scope["path"], exc.message, exc.status)
             await self._send_error(send, exc)
@@ -135,6 +145,8 @@ class GatewayApp:
         headers = _JSON_HEADERS
         if exc.retry_after is not None:
             headers = [*headers, (b"retry-after", str(exc.retry_after).encode())]
+        if exc.headers:
+            headers = [*headers, *exc.headers]
         with contextlib.suppress(Exception):  # the response may already have started
             await send({"type": "http.response.start", "status": int(exc.status), "headers": headers})
             await send({"type": "http.response.body", "body": body})
@@ -177,19 +189,9 @@ class GatewayApp:
         await self._send_json(send, msgspec.json.encode(_model_object(model)))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """200 while the gateway can serve: a model, and (distributed) NATS to reach its instances. etcd
-        lost only freezes the models known: reported, not a 503 that would empty a load balancer."""
         names = self.models.names()
-        body: dict[str, Any] = {"status": "healthy" if names else "no models", "models": names}
-        if (serving := self.models.status) is not None:
-            status = serving()
-            body.update(nats=status.nats, etcd=status.etcd, instances=status.instances)
-            if not status.nats:
-                body["status"] = "NATS unreachable"
-            elif names and not status.etcd:
-                body["status"] = "etcd unreachable"
-        ok = bool(names) and body["status"] != "NATS unreachable"
-        await self._send_json(send, msgspec.json.encode(body), 200 if ok else 503)
+        status = "healthy" if names else "no models"
+        await self._send_json(send, msgspec.json.encode({"status": status, "models": names}), 200 if names else 503)
 
     async def _live(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._send_json(send, b'{"status":"live"}')
@@ -231,11 +233,37 @@ class GatewayApp:
         if key is not None:
             check_model(key, name)  # first: a key learns nothing of the models outside its list
         model = self.models.get(name)
+        if model is not None:
+            scope[_MODEL] = model.name  # for its key's usage (a name no model has is not kept)
         if model is None:
             served = ", ".join(n for n in self.models.names() if key is None or key.allows_model(n)) or "none yet"
             shown = name if len(name) <= 200 else name[:200] + "..."  # a client may send megabytes here
             raise ModelNotFound(f"the model {shown!r} does not exist; served models: {served}", param="model")
         return model
+
+    def _charge(self, scope: Scope) -> None:
+        """Count the request against its key's limits. Raises RateLimited or QuotaExhausted (429)."""
+        key: KeyRecord | None = scope.get(_API_KEY)
+        if key is not None and self.meter is not None:
+            self.meter.charge(key)
+
+    def _count_usage(self, scope: Scope, *, failed: bool) -> None:
+        """Add a finished request to its key's usage (by model and day), with the tokens it used."""
+        key: KeyRecord | None = scope.get(_API_KEY)
+        generation: Generation | None = scope.get(_GENERATION)
+        if key is None or self.meter is None or (generation is None and not failed):
+            return  # a listing of models, say: usage counts generations and failed requests
+        if generation is None:
+            self.meter.finished(key, scope.get(_MODEL, UNKNOWN_MODEL), error=failed)
+            return
+        self.meter.finished(
+            key,
+            scope[_MODEL],
+            prompt_tokens=generation.prompt_tokens,
+            cached_tokens=generation.cached_tokens or 0,
+            completion_tokens=generation.completion_tokens,
+            error=failed,
+        )
 
     # The slot is taken after the body is read and validated (bad requests never wait behind good
     # ones) and before preprocessing, so the limit also bounds how many prompts are tokenized at once.
@@ -266,10 +294,11 @@ class GatewayApp:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         preprocessor.check_chat(request)
         model = self._find_model(request.model, scope)
+        self._charge(scope)
         await self._admit(receive)
         try:
-            generation = await model.prepare_chat(request)
-            await self._respond("chat", "chat_completions", model, request, generation, receive, send)
+            generation = scope[_GENERATION] = await model.prepare_chat(request)
+            scope[_STATUS] = await self._respond("chat", "chat_completions", model, request, generation, receive, send)
         finally:
             self.admission.release()
 
@@ -277,10 +306,11 @@ class GatewayApp:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
         model = self._find_model(request.model, scope)
+        self._charge(scope)
         await self._admit(receive)
         try:
-            generation = await model.prepare_completion(request)
-            await self._respond("completion", "completions", model, request, generation, receive, send)
+            generation = scope[_GENERATION] = await model.prepare_completion(request)
+            scope[_STATUS] = await self._respond("completion", "completions", model, request, generation, receive, send)
         finally:
             self.admission.release()
 
@@ -290,11 +320,12 @@ class GatewayApp:
         chat = responses_api.to_chat(request)
         preprocessor.check_chat(chat)
         model = self._find_model(chat.model, scope)
+        self._charge(scope)
         await self._admit(receive)
         try:
-            generation = await model.prepare_chat(chat)
+            generation = scope[_GENERATION] = await model.prepare_chat(chat)
             builder = ResponseBuilder(request, response_id=generation.request_id, model=model.name)
-            await self._respond("chat", "responses", model, chat, generation, receive, send, builder)
+            scope[_STATUS] = await self._respond("chat", "responses", model, chat, generation, receive, send, builder)
         finally:
             self.admission.release()
 
@@ -308,9 +339,9 @@ class GatewayApp:
         receive: Receive,
         send: Send,
         builder: ResponseBuilder | None = None,
-    ) -> None:
-        """Run the generation, streamed or whole, and stop it if the client goes away; ``builder``
-        shapes it as a Responses API answer."""
+    ) -> str:
+        """Run the generation, streamed or whole, and stop it if the client goes away; returns how it ended
+        ("success", "error" or "cancelled"). ``builder`` shapes it as a Responses API answer."""
         stream, stream_options = request.stream, request.stream_options
         model_metrics = self.metrics.for_model(model.name)
         model_metrics.inflight.inc()
@@ -352,6 +383,7 @@ class GatewayApp:
                 prompt_tokens=generation.prompt_tokens,
                 completion_tokens=generation.completion_tokens,
             )
+        return status
 
     async def _whole(
         self,

@@ -188,13 +188,6 @@ def _share(text: str) -> float:
     return value
 
 
-def _busy_share(text: str) -> float:
-    value = _share(text)
-    if value == 0.0:
-        raise argparse.ArgumentTypeError("0 would make every worker busy: give a share above 0, at most 1")
-    return value
-
-
 def _labels(text: str) -> dict[str, str]:
     # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
     from runtime.endpoint import parse_labels
@@ -356,21 +349,6 @@ def build_run_parser() -> EnvArgumentParser:
         "routing decisions, for engines that publish none (default true)",
     )
     run.add_flag(
-        "--busy-kv-usage",
-        env="FLOTILLA_BUSY_KV_USAGE",
-        type=_busy_share,
-        help="--router-mode kv: a worker whose KV cache is this full (0..1, e.g. 0.9) takes no new request; "
-        "when every worker of a model is busy the ingress answers 503 with Retry-After (default: no threshold)",
-    )
-    run.add_flag(
-        "--busy-waiting",
-        env="FLOTILLA_BUSY_WAITING",
-        type=_positive_int,
-        help="--router-mode kv: a worker reporting this many requests waiting for its engine takes no new "
-        "request; when every worker of a model is busy the ingress answers 503 with Retry-After (default: "
-        "no threshold)",
-    )
-    run.add_flag(
         "--router-generation",
         env="FLOTILLA_ROUTER_GENERATION",
         type=_generation,
@@ -427,6 +405,13 @@ def build_run_parser() -> EnvArgumentParser:
         "the control plane publishes in etcd; PATH is its signing secret (api-keys.secret in its data "
         "directory). /health, /live and /metrics stay open",
     )
+    run.add_flag(
+        "--quota-redis",
+        env="FLOTILLA_QUOTA_REDIS_URL",
+        help="with --api-keys-secret-file: the Redis (redis://host:port/db, the fleet's) through which every "
+        "ingress shares each key's limits and records its usage; unset, each process enforces limits alone "
+        "and records no usage",
+    )
     run.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return run
 
@@ -471,6 +456,8 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             "--api-keys-secret-file (FLOTILLA_API_KEYS_SECRET_FILE) is for the ingress (in=http out=dyn): API keys "
             f"come from the control plane through etcd, which out={output} does not watch"
         )
+    if namespace.quota_redis is not None and namespace.api_keys_secret_file is None:
+        parser.error("--quota-redis (FLOTILLA_QUOTA_REDIS_URL) counts API keys' use: give --api-keys-secret-file too")
     if namespace.labels and not input_.startswith("dyn://"):
         parser.error(
             f"--labels (FLOTILLA_LABELS) labels a worker's registration: use it with in=dyn://..., not in={input_}"
@@ -498,14 +485,13 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         use_kv_events=_or(namespace.use_kv_events, True),
         worker_router=_worker_router(namespace),
         router_ttl_s=namespace.router_ttl,
-        busy_kv_usage=namespace.busy_kv_usage,
-        busy_waiting=namespace.busy_waiting,
         migration_limit=namespace.migration_limit,
         max_inflight=namespace.max_inflight,
         max_queued=namespace.max_queued,
         queue_timeout_s=namespace.queue_timeout,
         reuse_port=namespace.reuse_port,
         api_keys_secret_file=namespace.api_keys_secret_file,
+        quota_redis_url=namespace.quota_redis,
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},
     )

@@ -37,8 +37,6 @@ class RunOptions:
     router_temperature: float = 0.0
     use_kv_events: bool = True
     router_ttl_s: float = 120.0  # how long --use-kv-events false assumes a routed prefix stays cached
-    busy_kv_usage: float | None = None  # --router-mode kv: busy thresholds (frontend_gateway/routing/)
-    busy_waiting: int | None = None
     migration_limit: int = 0
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)
     max_queued: int = 16384
@@ -46,6 +44,8 @@ class RunOptions:
     reuse_port: bool = False  # several in=http processes on one port (SO_REUSEPORT)
     #: out=dyn: the control plane's API key signing secret; when set, /v1/* needs an API key.
     api_keys_secret_file: Path | None = None
+    #: out=dyn with API keys: the Redis that every ingress shares keys' limits and usage through.
+    quota_redis_url: str | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
     #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).

@@ -20,6 +20,7 @@ from runtime.model_card import ModelCard, ModelType
 
 if TYPE_CHECKING:
     from frontend_gateway.api_keys import KeyTable
+    from frontend_gateway.quotas import Meter
     from runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,6 @@ async def run_ingress(options: RunOptions) -> int:
     """
     from frontend_gateway.metrics import GatewayMetrics
     from frontend_gateway.model_watcher import ModelWatcher
-    from frontend_gateway.pipeline import ServingStatus
     from frontend_gateway.routing.protocol import RouterMode, RouterSettings
     from launcher.inputs.http import admission_limits, serve_http
     from launcher.startup import connect_runtime
@@ -203,19 +203,15 @@ async def run_ingress(options: RunOptions) -> int:
             temperature=options.router_temperature,
             use_kv_events=options.use_kv_events,
             predicted_ttl_s=options.router_ttl_s,
-            busy_kv_usage=options.busy_kv_usage,
-            busy_waiting=options.busy_waiting,
         ),
         migration_limit=options.migration_limit,
         metrics=metrics,
     )
     # Restarted if it fails: it resumes from what it had applied, so model changes are never missed.
     runtime.own(watcher.run, name="model watcher", restart=True)
-    registry.status = lambda: ServingStatus(
-        nats=bool(runtime.nc.is_connected), etcd=runtime.discovery.connected, instances=watcher.instance_counts()
-    )
     try:
         api_keys = await _api_keys(runtime, options.api_keys_secret_file)
+        meter = _meter(runtime, options.quota_redis_url) if api_keys is not None else None
     except BaseException:
         await watcher.close()
         await runtime.close()
@@ -235,10 +231,13 @@ async def run_ingress(options: RunOptions) -> int:
             stop=stop,
             reuse_port=options.reuse_port,
             api_keys=api_keys,
+            meter=meter,
         )
     finally:
         stop_on_failure.cancel()
         await watcher.close()
+        if meter is not None:
+            await meter.close()  # the counts of the last moments go to Redis: a clean stop loses none
         await runtime.close()
         log.info("the ingress closed its etcd and NATS connections")
     if runtime.failure is not None:
@@ -263,6 +262,29 @@ async def _api_keys(runtime: "DistributedRuntime", secret_file: Path | None) -> 
     runtime.own(lambda: table.run(runtime.discovery), name="API key watcher", restart=True)
     log.info("API keys required on /v1/*: %d key(s) from the control plane", len(table))
     return table
+
+
+def _meter(runtime: "DistributedRuntime", redis_url: str | None) -> "Meter":
+    """The keys' limits and usage, shared through ``redis_url`` (None: this process counts alone).
+
+    Raises ConfigError for a malformed URL.
+    """
+    from frontend_gateway.quotas import Meter
+
+    if redis_url is None:
+        log.warning(
+            "API keys: no --quota-redis, so each ingress process enforces keys' limits alone and no usage is recorded"
+        )
+        return Meter(None)
+    import redis.asyncio as aioredis
+
+    try:
+        client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    except ValueError as exc:
+        raise ConfigError(f"--quota-redis (FLOTILLA_QUOTA_REDIS_URL): {exc}") from exc
+    meter = Meter(client)
+    runtime.own(meter.run, name="API key meter", restart=True)
+    return meter
 
 
 def exit_code_after(signum: int | None) -> int:

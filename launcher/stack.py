@@ -660,6 +660,7 @@ class Stack:
         gateway_argv += ["--http-host", "127.0.0.1", "--http-port", str(options.http_port)]
         if options.api_keys:
             gateway_argv += ["--api-keys-secret-file", control_plane_env["FLOTILLA_API_KEYS_SECRET_FILE"]]
+            gateway_argv += ["--quota-redis", redis_url]  # keys' limits shared, usage recorded
         gateway = self._launch(self._child("the gateway", "gateway", gateway_argv, served_env), answers=True)
         await self._wait_ready(
             gateway, lambda: self._http_answers(f"{gateway_url}/live", ok_only=True), SERVICE_START_S

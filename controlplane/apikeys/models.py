@@ -63,3 +63,35 @@ class ApiKey(models.Model):
             revoked=self.revoked,
             version=self.version,
         )
+
+
+class KeyUsage(models.Model):
+    """What one key used of one model on one UTC day, as the ingress processes counted it (drained from
+    Redis by ``usage.drain``)."""
+
+    key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="usage")
+    model = models.CharField(max_length=200)
+    day = models.DateField()
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)  # prompt tokens found in an engine's cache
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    errors = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering: ClassVar = ["day", "key_id", "model"]
+        constraints: ClassVar = [models.UniqueConstraint(fields=["key", "model", "day"], name="one_usage_row_per_day")]
+
+    def __str__(self) -> str:
+        return f"{self.key_id} {self.model} {self.day}: {self.requests} requests"
+
+
+class UsageBatch(models.Model):
+    """A batch of counts taken from Redis and added to ``KeyUsage``, by its claimed name: added in the same
+    transaction as the counts, so a batch whose deletion from Redis failed is not added twice."""
+
+    name = models.CharField(max_length=200, unique=True)
+    drained_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name

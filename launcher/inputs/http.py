@@ -15,6 +15,7 @@ from frontend_gateway.api_keys import KeyTable
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry
+from frontend_gateway.quotas import Meter
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 
@@ -105,6 +106,7 @@ async def serve_http(
     reuse_port: bool = False,
     banner: TextIO | None = sys.stdout,
     api_keys: KeyTable | None = None,
+    meter: Meter | None = None,
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
@@ -113,7 +115,9 @@ async def serve_http(
     files = raise_open_file_limit()
     log.debug("open-file limit %d", files)
     sock = bind_socket(host, port, reuse_port=reuse_port)
-    app = GatewayApp(models, max_body_bytes=max_body_bytes, limits=limits, metrics=metrics, api_keys=api_keys)
+    app = GatewayApp(
+        models, max_body_bytes=max_body_bytes, limits=limits, metrics=metrics, api_keys=api_keys, meter=meter
+    )
     config = uvicorn.Config(
         app,
         loop="none",  # the caller's loop (uvloop, installed by the CLI)

@@ -9,9 +9,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
 from tests.distributed.cluster import Cluster, etcd_put, wait_until
+from tests.infra import RedisServer
 from tests.servers import Server
 
 SECRET = "k" * 64
@@ -129,3 +131,45 @@ def refused(server: Server, key: str) -> bool:
     except openai.AuthenticationError as exc:
         return "was revoked" in str(exc)
     return False
+
+
+def test_a_requests_per_minute_limit_holds_across_two_ingress_processes(
+    cluster: Cluster, secret_file: Path, redis_server: RedisServer
+) -> None:
+    key = new_key()
+    publish(cluster, key, requests_per_minute=6)
+    ingresses = [
+        cluster.start_ingress("--api-keys-secret-file", str(secret_file), "--quota-redis", redis_server.url)
+        for _ in range(2)
+    ]
+    for name in ("alpha", "beta"):
+        cluster.start_worker(f"dyn://{name}", "out=echo_core", "--model-name", name)
+    for ingress in ingresses:
+        wait_until(lambda: serving(ingress), 15, "the models did not appear")  # noqa: B023
+    for turn in range(6):
+        assert ask(ingresses[turn % 2], key)
+        time.sleep(0.3)  # past a flush (0.1 s): each process has told Redis, and read the other's count
+    for ingress in ingresses:
+        with pytest.raises(openai.RateLimitError, match="6 requests per minute") as refused:
+            ask(ingress, key)
+        headers = refused.value.response.headers
+        assert refused.value.code == "rate_limit_exceeded" and int(headers["retry-after"]) >= 1
+        assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("6", "0")
+
+    # Their usage is in Redis for the control plane (within a flush): 6 served, 2 refused, on model alpha.
+    wait_until(lambda: usage_in(redis_server).get("1\talpha\trequests") == 8, 5, "the usage did not reach Redis")
+    usage = usage_in(redis_server)
+    assert usage["1\talpha\terrors"] == 2
+    assert usage["1\talpha\tprompt_tokens"] > 0 and usage["1\talpha\tcompletion_tokens"] > 0
+
+
+def usage_in(server: RedisServer) -> dict[str, int]:
+    """Every count of the ingresses' usage hashes in ``server``."""
+    client = redis.Redis.from_url(server.url)
+    try:
+        usage = {}
+        for name in client.scan_iter(match="flotilla:usage:*"):
+            usage.update({field.decode(): int(value) for field, value in client.hgetall(name).items()})
+        return usage
+    finally:
+        client.close()

@@ -3,7 +3,7 @@ from typing import Any, ClassVar
 from rest_framework import serializers
 
 from controlplane.accounts.models import User
-from controlplane.apikeys.models import ApiKey
+from controlplane.apikeys.models import ApiKey, KeyUsage
 from controlplane.deployments.models import SERVED_NAME_PATTERN
 
 MAX_MODELS_PER_KEY = 100
@@ -63,4 +63,17 @@ class CreatedApiKeySerializer(ApiKeySerializer):
 
     class Meta(ApiKeySerializer.Meta):
         fields: ClassVar = [*ApiKeySerializer.Meta.fields, "key"]
+        read_only_fields = fields
+
+
+class KeyUsageSerializer(serializers.ModelSerializer):
+    key_name = serializers.CharField(source="key.name", read_only=True)
+    owner = serializers.CharField(source="key.owner.username", read_only=True)
+
+    class Meta:
+        model = KeyUsage
+        fields: ClassVar = [
+            "day", "key", "key_name", "owner", "model", "requests", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "errors",
+        ]  # fmt: skip
         read_only_fields = fields

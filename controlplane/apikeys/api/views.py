@@ -31,6 +31,8 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FlotillaVi
     def get_queryset(self) -> QuerySet[ApiKey]:
         keys = ApiKey.objects.select_related("owner")
         user = self.request.user
+        if getattr(self, "swagger_fake_view", False):  # the schema generator's call: no person
+            return keys.none()
         if isinstance(user, User) and user.has_role(Role.ADMIN):
             return keys
         return keys.filter(owner=user)  # another's key is a 404, as if it did not exist

@@ -1,0 +1,167 @@
+"""frontend_gateway/quotas.py on a real redis-server: two ingress processes' meters share one limit per
+key, minutes slide, monthly budgets hold, usage adds up per key, model and day, and a Redis outage loses
+no count."""
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from frontend_gateway.quotas import USAGE_PREFIX, Meter, QuotaExhausted, RateLimited
+from runtime.api_keys import KeyRecord
+from tests.infra import RedisServer
+from tests.servers import free_port
+
+# 2027-01-15 08:00:00 UTC, the start of a minute.
+START = 1_800_000_000.0 - 1_800_000_000.0 % 60
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+def key(**limits: object) -> KeyRecord:
+    return KeyRecord(**{"key_id": 7, "name": "chat-app", "owner": "alice", **limits})  # type: ignore[arg-type]
+
+
+def admitted(meter: Meter, record: KeyRecord, count: int) -> int:
+    """How many of ``count`` requests ``meter`` admits."""
+    passed = 0
+    for _ in range(count):
+        try:
+            meter.charge(record)
+        except RateLimited:
+            continue
+        passed += 1
+    return passed
+
+
+async def test_two_processes_share_one_requests_per_minute_limit(redis: aioredis.Redis, clock: Clock) -> None:
+    first, second = Meter(redis, clock=clock), Meter(redis, clock=clock)
+    limited = key(requests_per_minute=10)
+    assert admitted(first, limited, 6) == 6
+    await first.flush()
+    # A process that meets a key learns the fleet's count for it at its next flush (0.1 s later).
+    assert admitted(second, limited, 1) == 1
+    await second.flush()
+    assert admitted(second, limited, 10) == 3
+    await second.flush()
+    await first.flush()
+    with pytest.raises(RateLimited, match="10 requests per minute") as refused:
+        first.charge(limited)
+    error = refused.value
+    # This minute's 10 go on counting in the next, fading: one more fits 6 s into it (10 x 0.9 = 9).
+    assert (error.status, error.code, error.retry_after) == (429, "rate_limit_exceeded", 66)
+    headers = dict(error.headers)
+    assert headers[b"x-ratelimit-limit-requests"] == b"10" and headers[b"x-ratelimit-remaining-requests"] == b"0"
+    assert headers[b"x-ratelimit-reset-requests"] == b"60s"
+
+
+async def test_the_minute_slides_the_previous_one_counting_for_the_part_still_in_the_last_60_s(
+    redis: aioredis.Redis, clock: Clock
+) -> None:
+    meter = Meter(redis, clock=clock)
+    limited = key(requests_per_minute=10)
+    assert admitted(meter, limited, 10) == 10
+    await meter.flush()
+    clock.now = START + 60 + 30  # half-way into the next minute: the 10 count as 5
+    await meter.flush()
+    assert admitted(meter, limited, 10) == 5
+    with pytest.raises(RateLimited) as refused:
+        meter.charge(limited)
+    # 5 of this minute and 10 x 0.5 of the last: one more fits once the last counts for 4 (at 36 s).
+    assert refused.value.retry_after == 6
+
+
+async def test_tokens_per_minute_refuse_once_the_finished_requests_reached_them(
+    redis: aioredis.Redis, clock: Clock
+) -> None:
+    meter = Meter(redis, clock=clock)
+    limited = key(tokens_per_minute=1000)
+    meter.charge(limited)
+    meter.finished(limited, "smol", prompt_tokens=700, completion_tokens=299)
+    meter.charge(limited)  # 999: under the limit, so served (its own tokens are not known yet)
+    meter.finished(limited, "smol", prompt_tokens=1, completion_tokens=10)
+    with pytest.raises(RateLimited, match="1000 tokens per minute") as refused:
+        meter.charge(limited)
+    assert dict(refused.value.headers)[b"x-ratelimit-remaining-tokens"] == b"0"
+
+
+async def test_a_monthly_budget_is_the_fleets_and_refused_with_insufficient_quota(
+    redis: aioredis.Redis, clock: Clock
+) -> None:
+    first, second = Meter(redis, clock=clock), Meter(redis, clock=clock)
+    budgeted = key(monthly_token_budget=5000)
+    first.charge(budgeted)
+    first.finished(budgeted, "smol", prompt_tokens=3000, completion_tokens=2000)
+    await first.flush()
+    second.charge(budgeted)  # this process has not read the fleet's month yet: its first flush does
+    await second.flush()
+    with pytest.raises(QuotaExhausted, match="monthly budget of 5000 tokens") as refused:
+        second.charge(budgeted)
+    assert (refused.value.status, refused.value.code) == (429, "insufficient_quota")
+    assert refused.value.retry_after == 17 * 86400 - 8 * 3600  # until 2027-02-01 00:00 UTC
+
+
+async def test_usage_adds_up_per_key_model_and_day_in_redis(redis: aioredis.Redis, clock: Clock) -> None:
+    first, second = Meter(redis, clock=clock), Meter(redis, clock=clock)
+    record = key()
+    first.finished(record, "smol", prompt_tokens=10, cached_tokens=4, completion_tokens=5)
+    second.finished(record, "smol", prompt_tokens=20, completion_tokens=1)
+    second.finished(record, "big", error=True)
+    await first.flush()
+    await second.flush()
+    usage = {k.decode(): int(v) for k, v in (await redis.hgetall(f"{USAGE_PREFIX}2027-01-15")).items()}
+    assert usage == {
+        "7\tsmol\trequests": 2,
+        "7\tsmol\tprompt_tokens": 30,
+        "7\tsmol\tcached_tokens": 4,
+        "7\tsmol\tcompletion_tokens": 6,
+        "7\tbig\trequests": 1,
+        "7\tbig\terrors": 1,
+    }
+
+
+async def test_counts_made_while_redis_is_down_are_kept_and_sent_when_it_answers(
+    redis_server: RedisServer, clock: Clock
+) -> None:
+    down = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+    meter = Meter(down, clock=clock)
+    limited = key(requests_per_minute=3)
+    assert admitted(meter, limited, 5) == 3  # still enforced, on what this process saw
+    meter.finished(limited, "smol", prompt_tokens=8, completion_tokens=2)
+    assert not await meter.flush()
+    await down.aclose()
+
+    meter._redis = aioredis.Redis.from_url(redis_server.url)  # Redis is back
+    try:
+        assert await meter.flush()
+        usage = await meter._redis.hgetall(f"{USAGE_PREFIX}2027-01-15")
+        assert int(usage[b"7\tsmol\tprompt_tokens"]) == 8
+        assert int(await meter._redis.get(f"flotilla:rate:7:{int(START // 60)}:r")) == 3
+    finally:
+        await meter._redis.aclose()
+
+
+def test_without_redis_each_process_enforces_its_limits_alone(clock: Clock) -> None:
+    meter = Meter(None, clock=clock)
+    assert admitted(meter, key(requests_per_minute=4), 9) == 4
+    unlimited: Callable[[], None] = lambda: meter.charge(key())  # noqa: E731
+    for _ in range(100):
+        unlimited()
