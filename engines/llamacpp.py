@@ -69,6 +69,7 @@ class LlamaCppEngine:
         self.context_length = context_length
         self.threads = threads or default_threads()
         self._llama: Any = None
+        self._embedder: Any = None  # an embedding-mode context, made by the first embed()
         # One thread owns the llama.cpp context; the lock queues requests in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self._lock = asyncio.Lock()
@@ -105,9 +106,44 @@ class LlamaCppEngine:
 
     async def close(self) -> None:
         llama, self._llama = self._llama, None
-        if llama is not None:
-            await asyncio.get_running_loop().run_in_executor(self._executor, llama.close)
+        embedder, self._embedder = self._embedder, None
+        loop = asyncio.get_running_loop()
+        for context in (llama, embedder):
+            if context is not None:
+                await loop.run_in_executor(self._executor, context.close)
         self._executor.shutdown(wait=False)
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """Mean-pooled, unit-length embeddings of ``texts``, and how many tokens they took.
+
+        A second llama.cpp context, in embedding mode, is made at the first request (the weights are
+        memory-mapped, so the two share them); it runs on the engine's one thread, between generations.
+        Raises EngineError.
+        """
+        if self._llama is None:
+            raise EngineError("the llama.cpp engine is not started")
+        loop = asyncio.get_running_loop()
+        try:
+            vectors, tokens = await loop.run_in_executor(self._executor, self._embed_blocking, texts)
+        except (ValueError, RuntimeError) as exc:
+            raise EngineError(f"llama.cpp could not embed: {exc}") from exc
+        return vectors, tokens
+
+    def _embed_blocking(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        if self._embedder is None:
+            import llama_cpp
+
+            self._embedder = llama_cpp.Llama(
+                model_path=str(self.model_path),
+                n_ctx=self.context_length,
+                n_threads=self.threads,
+                n_threads_batch=self.threads,
+                embedding=True,
+                pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+                verbose=False,
+            )
+        vectors, tokens = self._embedder.embed(texts, normalize=True, truncate=False, return_count=True)
+        return vectors, tokens
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         if self._llama is None:

@@ -19,10 +19,11 @@ from typing import Any
 
 import msgspec
 
-from frontend_gateway import preprocessor, responses, responses_api
+from frontend_gateway import embeddings, preprocessor, responses, responses_api
 from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.api_keys import KeyTable, check_model
 from frontend_gateway.chat_output import Delta
+from frontend_gateway.embeddings import EmbeddingRequest
 from frontend_gateway.errors import (
     EngineFailed,
     GatewayError,
@@ -101,6 +102,7 @@ class GatewayApp:
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
             "/v1/responses": ("POST", self._responses),
+            "/v1/embeddings": ("POST", self._embeddings),
             "/v1/models": ("GET", self._list_models),
             "/health": ("GET", self._health),
             "/live": ("GET", self._live),
@@ -313,6 +315,19 @@ class GatewayApp:
             scope[_STATUS] = await self._respond("completion", "completions", model, request, generation, receive, send)
         finally:
             self.admission.release()
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/embeddings``, for models whose engine embeds (embeddings.py)."""
+        request: EmbeddingRequest = _decode(embeddings.decoder, await self._read_body(scope, receive))
+        inputs = embeddings.texts(request)
+        model = self._find_model(request.model, scope)
+        card, embedder = embeddings.embedder_of(model)
+        await self._admit(receive)
+        try:
+            body = await embeddings.create(card, embedder, request, inputs)
+        finally:
+            self.admission.release()
+        await self._send_json(send, body)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``: the Responses API over the chat pipeline (responses_api.py)."""

@@ -60,8 +60,9 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         from engines.llamacpp import LlamaCppEngine
 
         card, path = load_card(options)
-        # Structured output by llama.cpp's grammars; log probabilities from its logits.
-        card = msgspec.structs.replace(card, structured_output=True, logprobs=True)
+        # Structured output by llama.cpp's grammars; log probabilities from its logits; embeddings from
+        # a second context in embedding mode.
+        card = msgspec.structs.replace(card, structured_output=True, logprobs=True, embeddings=True)
         llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
         return TokenModel(card, llama), llama
     if output == "mocker":

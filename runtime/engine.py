@@ -65,3 +65,12 @@ class TextEngine(Protocol):
 
 
 Engine = TokenEngine | TextEngine
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An engine that also embeds text (``POST /v1/embeddings``); its model's card says ``embeddings``."""
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """One unit-length vector per text, and the tokens they took. Raises EngineError."""
+        ...

@@ -53,6 +53,8 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     structured_output: bool = False
     #: Whether the engine reports tokens' log probabilities (``logprobs``/``top_logprobs``; llama.cpp).
     logprobs: bool = False
+    #: Whether the model embeds text (``POST /v1/embeddings``; llama.cpp, mean-pooled and normalized).
+    embeddings: bool = False
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
