@@ -107,3 +107,19 @@ class QueueTimeout(ServiceUnavailable):
 
     code = "queue_timeout"
     retry_after = 2
+
+
+class AllWorkersBusy(ServiceUnavailable):
+    """Every instance of the model is busy (past a busy threshold, or its own queue is full): 503 with
+    Retry-After, on which load balancers fail over and clients back off."""
+
+    code = "all_workers_busy"
+    retry_after = 1
+
+
+class EngineTimeout(GatewayError):
+    """The engine sent no output within the progress deadline, and the request could not move (504)."""
+
+    status = HTTPStatus.GATEWAY_TIMEOUT
+    error_type = "timeout"
+    code = "progress_deadline_exceeded"

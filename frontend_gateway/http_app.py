@@ -191,9 +191,19 @@ class GatewayApp:
         await self._send_json(send, msgspec.json.encode(_model_object(model)))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """200 while the gateway can serve: a model, and (distributed) NATS to reach its instances. etcd
+        lost only freezes the models known: reported, not a 503 that would empty a load balancer."""
         names = self.models.names()
-        status = "healthy" if names else "no models"
-        await self._send_json(send, msgspec.json.encode({"status": status, "models": names}), 200 if names else 503)
+        body: dict[str, Any] = {"status": "healthy" if names else "no models", "models": names}
+        if (serving := self.models.status) is not None:
+            status = serving()
+            body.update(nats=status.nats, etcd=status.etcd, instances=status.instances)
+            if not status.nats:
+                body["status"] = "NATS unreachable"
+            elif names and not status.etcd:
+                body["status"] = "etcd unreachable"
+        ok = bool(names) and body["status"] != "NATS unreachable"
+        await self._send_json(send, msgspec.json.encode(body), 200 if ok else 503)
 
     async def _live(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._send_json(send, b'{"status":"live"}')

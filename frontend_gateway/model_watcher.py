@@ -144,6 +144,10 @@ class ModelWatcher:
                 log.warning("skipped model registration %s: %s: %s", event.key, type(exc).__name__, exc, exc_info=True)
             self.changed.set()
 
+    def instance_counts(self) -> dict[str, int]:
+        """How many instances each served model has (those whose card differs from its pool's not counted)."""
+        return {name: len(pool.instances) for name, pool in self._pools.items()}
+
     async def close(self) -> None:
         """Close every pool's router (the ingress is stopping); the registry keeps its models.
 

@@ -8,7 +8,8 @@ the same ``Generation``.
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer
@@ -16,14 +17,29 @@ from tokenizers.decoders import DecodeStream
 
 from frontend_gateway import preprocessor
 from frontend_gateway.chat_output import ChatOutputParser, plan_chat_output
-from frontend_gateway.errors import EngineFailed, InvalidRequest, RequestTooLarge, ServiceUnavailable
+from frontend_gateway.errors import (
+    AllWorkersBusy,
+    EngineFailed,
+    EngineTimeout,
+    InvalidRequest,
+    RequestTooLarge,
+    ServiceUnavailable,
+)
 from frontend_gateway.logprobs import LogprobEntry
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
-from runtime.errors import EngineError, EngineUnavailable, ModelError, PayloadTooLarge, RequestRejected
+from runtime.errors import (
+    EngineBusy,
+    EngineError,
+    EngineStalled,
+    EngineUnavailable,
+    ModelError,
+    PayloadTooLarge,
+    RequestRejected,
+)
 from runtime.model_card import ModelCard
 from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest, TokenLogprob
 
@@ -350,6 +366,9 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: lis
             raise EngineFailed("the engine failed while generating; see the server log")
         if generation.finish_reason is None:
             generation.finish_reason = "stop"
+    except EngineBusy as exc:
+        generation.finish_reason = "error"
+        raise AllWorkersBusy(str(exc)) from exc
     except EngineUnavailable as exc:
         generation.finish_reason = "error"
         raise ServiceUnavailable(str(exc)) from exc
@@ -359,6 +378,9 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: lis
     except RequestRejected as exc:
         generation.finish_reason = "error"
         raise InvalidRequest(str(exc)) from exc
+    except EngineStalled as exc:
+        generation.finish_reason = "error"
+        raise EngineTimeout(str(exc)) from exc
     except EngineError as exc:
         generation.finish_reason = "error"
         raise EngineFailed(str(exc)) from exc
@@ -378,11 +400,25 @@ async def _aclose(iterator: AsyncIterator[object]) -> None:
         await aclose()
 
 
+@dataclass(frozen=True, slots=True)
+class ServingStatus:
+    """What a distributed gateway's ``/health`` reports beyond its models: its connections, and the
+    instances each model has."""
+
+    nats: bool
+    etcd: bool
+    instances: dict[str, int]
+
+
 class ModelRegistry:
-    """The models a gateway serves, by name. Models may come and go while it runs."""
+    """The models a gateway serves, by name. Models may come and go while it runs.
+
+    ``status``, when set (the ingress sets it), says how the gateway's connections and instances are.
+    """
 
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
+        self.status: Callable[[], ServingStatus] | None = None
 
     def add(self, model: ServedModel) -> None:
         self._models[model.name] = model

@@ -8,6 +8,12 @@ another instance (``migration_limit`` times at most), so the client sees one unb
 The outputs a worker sent in one frame become one output here (their tokens or text joined), so the
 pipeline does one detokenizing pass and one SSE event per frame rather than per engine step.
 
+Instances this ingress found gone (their streams were cut) or stuck (a stream passed the progress deadline)
+get no new request for a while (``RequestClient.avoided``), without waiting for their lease to expire. A
+new request goes only to instances that are not busy (``Router.busy``; a migrating one was admitted
+already), and an instance whose own queue is full refuses it (``WorkerBusy``) and the next is tried: when
+none is left, the request is refused as busy (``EngineBusy``, a 503 with Retry-After).
+
 Each attempt at a request is one routing decision, and the router hears how it went: ``prefill_done``
 at its first output and ``finished`` exactly once when the attempt is over, however it ends (finished,
 failed, cancelled by the client, or broken and about to migrate), so that a router tracking load
@@ -24,9 +30,17 @@ import msgspec
 from frontend_gateway.routing.protocol import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
-from runtime.errors import EngineError, EngineUnavailable, PayloadTooLarge
+from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge
 from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest, TokenLogprob
-from runtime.request_plane import RemoteError, RequestTooLarge, StreamBroken, WorkerUnavailable
+from runtime.request_plane import (
+    RemoteError,
+    RequestClient,
+    RequestTooLarge,
+    StreamBroken,
+    StreamStalled,
+    WorkerBusy,
+    WorkerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +87,28 @@ class _RemoteBase:
     async def close(self) -> None:
         return None
 
-    def _candidates(self, tried: set[int]) -> list[InstanceInfo]:
+    def _candidates(self, client: RequestClient, tried: set[int], *, admitted: bool = False) -> list[InstanceInfo]:
+        """The instances to choose from: not tried yet, not avoided (unless no other is left) and, for a
+        request not ``admitted`` yet, not busy. Raises EngineBusy when every one left is busy."""
         instances = self.instances.snapshot()
-        return [info for info in instances if info.instance_id not in tried] if tried else instances
+        untried = [info for info in instances if info.instance_id not in tried] if tried else instances
+        healthy = [info for info in untried if not client.avoided(info.subject)]
+        candidates = healthy or untried
+        if admitted or not candidates:
+            return candidates
+        busy = self.router.busy
+        free = [info for info in candidates if not busy(info.instance_id)]
+        if not free:
+            raise EngineBusy(f"every instance of {self.name!r} is busy; retry shortly")
+        return free
+
+    def _out_of_instances(self, busy_refusals: bool, generated: bool) -> EngineError:
+        """What to raise when no instance is left to try."""
+        if generated:
+            return EngineError(f"the worker of {self.name!r} stopped mid-stream and no other instance is left")
+        if busy_refusals:
+            return EngineBusy(f"every instance of {self.name!r} is busy; retry shortly")
+        return EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
 
 
 class RemoteTokenEngine(_RemoteBase):
@@ -101,15 +134,14 @@ class RemoteTokenEngine(_RemoteBase):
         generated: list[int] = []
         tried: set[int] = set()
         migrations = 0
+        busy_refusals = False
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
             attempt = _resume(request, generated) if generated else request
-            decision = self.router.choose(attempt, self._candidates(tried))
+            decision = self.router.choose(attempt, self._candidates(client, tried, admitted=bool(generated)))
             if decision is None:
-                if generated:
-                    raise EngineError(f"the worker of {self.name!r} stopped mid-stream and no other instance is left")
-                raise EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+                raise self._out_of_instances(busy_refusals, bool(generated))
             instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
@@ -129,13 +161,17 @@ class RemoteTokenEngine(_RemoteBase):
                         if output.finish_reason is not None:
                             return
                 return
+            except WorkerBusy as exc:
+                busy_refusals = True
+                log.debug("instance %s of %r is busy: %s", instance.name, self.name, exc)
             except WorkerUnavailable as exc:
                 log.info(
                     "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
                 )
             except StreamBroken as exc:
                 if migrations >= self.migration_limit:
-                    raise EngineError(
+                    failure = EngineStalled if isinstance(exc, StreamStalled) else EngineError
+                    raise failure(
                         f"the worker of {self.name!r} stopped mid-stream ({exc}) and the migration limit "
                         f"({self.migration_limit}) is reached"
                     ) from exc
@@ -214,12 +250,13 @@ class RemoteTextEngine(_RemoteBase):
     async def generate(self, request: TextRequest, context: RequestContext) -> AsyncIterator[TextOutput]:
         client = await self.runtime.client()
         tried: set[int] = set()
+        busy_refusals = False
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
-            decision = self.router.choose(request, self._candidates(tried))
+            decision = self.router.choose(request, self._candidates(client, tried))
             if decision is None:
-                raise EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+                raise self._out_of_instances(busy_refusals, False)
             instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
@@ -235,12 +272,17 @@ class RemoteTextEngine(_RemoteBase):
                         if output.finish_reason is not None:
                             return
                 return
+            except WorkerBusy as exc:
+                busy_refusals = True
+                log.debug("instance %s of %r is busy: %s", instance.name, self.name, exc)
             except WorkerUnavailable as exc:
                 log.info(
                     "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
                 )
             except RequestTooLarge as exc:
                 raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
+            except StreamStalled as exc:
+                raise EngineStalled(f"instance {instance.name} of {self.name!r} stalled: {exc}") from exc
             except (StreamBroken, RemoteError) as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
             finally:

@@ -188,6 +188,13 @@ def _share(text: str) -> float:
     return value
 
 
+def _busy_share(text: str) -> float:
+    value = _share(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("0 would make every worker busy: give a share above 0, at most 1")
+    return value
+
+
 def _labels(text: str) -> dict[str, str]:
     # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
     from runtime.endpoint import parse_labels
@@ -349,6 +356,21 @@ def build_run_parser() -> EnvArgumentParser:
         "routing decisions, for engines that publish none (default true)",
     )
     run.add_flag(
+        "--busy-kv-usage",
+        env="FLOTILLA_BUSY_KV_USAGE",
+        type=_busy_share,
+        help="--router-mode kv: a worker whose KV cache is this full (0..1, e.g. 0.9) takes no new request; "
+        "when every worker of a model is busy the ingress answers 503 with Retry-After (default: no threshold)",
+    )
+    run.add_flag(
+        "--busy-waiting",
+        env="FLOTILLA_BUSY_WAITING",
+        type=_positive_int,
+        help="--router-mode kv: a worker reporting this many requests waiting for its engine takes no new "
+        "request; when every worker of a model is busy the ingress answers 503 with Retry-After (default: "
+        "no threshold)",
+    )
+    run.add_flag(
         "--router-generation",
         env="FLOTILLA_ROUTER_GENERATION",
         type=_generation,
@@ -485,6 +507,8 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         use_kv_events=_or(namespace.use_kv_events, True),
         worker_router=_worker_router(namespace),
         router_ttl_s=namespace.router_ttl,
+        busy_kv_usage=namespace.busy_kv_usage,
+        busy_waiting=namespace.busy_waiting,
         migration_limit=namespace.migration_limit,
         max_inflight=namespace.max_inflight,
         max_queued=namespace.max_queued,

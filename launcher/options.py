@@ -37,6 +37,8 @@ class RunOptions:
     router_temperature: float = 0.0
     use_kv_events: bool = True
     router_ttl_s: float = 120.0  # how long --use-kv-events false assumes a routed prefix stays cached
+    busy_kv_usage: float | None = None  # --router-mode kv: busy thresholds (frontend_gateway/routing/)
+    busy_waiting: int | None = None
     migration_limit: int = 0
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)
     max_queued: int = 16384

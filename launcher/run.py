@@ -183,6 +183,7 @@ async def run_ingress(options: RunOptions) -> int:
     """
     from frontend_gateway.metrics import GatewayMetrics
     from frontend_gateway.model_watcher import ModelWatcher
+    from frontend_gateway.pipeline import ServingStatus
     from frontend_gateway.routing.protocol import RouterMode, RouterSettings
     from launcher.inputs.http import admission_limits, serve_http
     from launcher.startup import connect_runtime
@@ -204,12 +205,17 @@ async def run_ingress(options: RunOptions) -> int:
             temperature=options.router_temperature,
             use_kv_events=options.use_kv_events,
             predicted_ttl_s=options.router_ttl_s,
+            busy_kv_usage=options.busy_kv_usage,
+            busy_waiting=options.busy_waiting,
         ),
         migration_limit=options.migration_limit,
         metrics=metrics,
     )
     # Restarted if it fails: it resumes from what it had applied, so model changes are never missed.
     runtime.own(watcher.run, name="model watcher", restart=True)
+    registry.status = lambda: ServingStatus(
+        nats=bool(runtime.nc.is_connected), etcd=runtime.discovery.connected, instances=watcher.instance_counts()
+    )
     try:
         api_keys = await _api_keys(runtime, options.api_keys_secret_file)
         meter = _meter(runtime, options.quota_redis_url) if api_keys is not None else None

@@ -99,6 +99,8 @@ class Discovery:
         # a lease that is being replaced (it would vanish with it).
         self._lock = asyncio.Lock()
         self._closed = False
+        #: Whether etcd answered the last lease refresh (for /health).
+        self.connected = True
         self._keepalive = asyncio.create_task(self._keep_alive(), name="etcd-lease-keepalive")
 
     @classmethod
@@ -310,11 +312,14 @@ class Discovery:
                 # Warn once per outage, not at every retry.
                 log.log(logging.DEBUG if failing else logging.WARNING, "cannot refresh etcd lease: %s; retrying", exc)
                 failing = True
+                self.connected = False
                 continue
             except Exception:
                 log.exception("unexpected error refreshing etcd lease; retrying")
                 failing = True
+                self.connected = False
                 continue
+            self.connected = True
             if failing:
                 log.info("etcd at %s answers again; lease %x is live", self._endpoint, self._lease_id)
                 failing = False

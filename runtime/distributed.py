@@ -26,7 +26,12 @@ from runtime.loop_lag import watch_loop_lag
 from runtime.nats_connection import connect_nats
 from runtime.object_store import fetch_tokenizer
 from runtime.request_plane import EndpointServer, RequestClient
-from runtime.settings import stream_gone_after_seconds, stream_heartbeat_seconds, stream_silence_seconds
+from runtime.settings import (
+    stream_gone_after_seconds,
+    stream_heartbeat_seconds,
+    stream_progress_deadline_seconds,
+    stream_silence_seconds,
+)
 from runtime.supervision import Supervisor, TaskFactory
 
 log = logging.getLogger(__name__)
@@ -105,7 +110,12 @@ class DistributedRuntime:
         async with self._client_lock:
             if self._client is None:
                 silence = stream_silence_seconds()
-                client = RequestClient(self.nc, silence_timeout=silence, gone_after=stream_gone_after_seconds())
+                client = RequestClient(
+                    self.nc,
+                    silence_timeout=silence,
+                    gone_after=stream_gone_after_seconds(),
+                    progress_deadline=stream_progress_deadline_seconds(),
+                )
                 await client.start()
                 self._client = client  # published only once started
         return self._client

@@ -27,12 +27,12 @@ from runtime.errors import ConfigError, ModelError
 from runtime.fleet_tasks import PipelineRouter
 from runtime.kv_events import KvEventSource
 from runtime.kv_publisher import start_kv_publishing
-from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever
+from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever, waiting_requests
 from runtime.model_card import ModelCard, ModelType
 from runtime.object_store import publish_tokenizer
 from runtime.request_plane import EndpointServer, Handler
 from runtime.settings import drain_grace_seconds as drain_grace_seconds  # re-exported for workers
-from runtime.settings import max_request_bytes, stream_ack_deadline_seconds
+from runtime.settings import max_request_bytes, max_waiting_requests, stream_ack_deadline_seconds
 
 if TYPE_CHECKING:
     from runtime.distributed import DistributedRuntime
@@ -156,6 +156,8 @@ class Endpoint:
             heartbeat_interval=runtime.heartbeat_interval,
             max_request_bytes=max_request_bytes(),
             ack_deadline=stream_ack_deadline_seconds(),
+            max_waiting=max_waiting_requests(),
+            waiting=None if kv_source is None else waiting_requests(kv_source),
         )
         await server.start()
         self._server = server

@@ -29,6 +29,14 @@ class EngineUnavailable(EngineError):
     """No engine can take the request now (no instance, or the network is down): retry later."""
 
 
+class EngineBusy(EngineUnavailable):
+    """Every instance is past its busy threshold or refused the request as busy: retry in a moment."""
+
+
+class EngineStalled(EngineError):
+    """The engine sent no output within the progress deadline (the gateway answers 504)."""
+
+
 class TemplateError(FlotillaError):
     """A chat template failed to compile or render (the gateway answers 400)."""
 

@@ -32,6 +32,16 @@ def engine_load(instance_id: int, source: KvEventSource) -> LoadReports:
     return lambda: [replace(report, instance_id=instance_id) for report in source.load()]
 
 
+def waiting_requests(source: KvEventSource) -> Callable[[], int]:
+    """The requests waiting in ``source``'s queues, every rank together (a rank that does not say counts
+    all it holds)."""
+
+    def waiting() -> int:
+        return sum(report.active_requests if report.waiting is None else report.waiting for report in source.load())
+
+    return waiting
+
+
 async def publish_load_forever(
     nc: NATS, subject: str, reports: LoadReports, interval: float = LOAD_METRICS_INTERVAL
 ) -> None:

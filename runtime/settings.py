@@ -101,6 +101,20 @@ def stream_gone_after_seconds() -> float:
     return env_float("FLOTILLA_STREAM_GONE_AFTER_S", 1.0, minimum=0.0)
 
 
+def stream_progress_deadline_seconds() -> float:
+    """``$FLOTILLA_STREAM_PROGRESS_DEADLINE_S``: how long an ingress waits for a stream's next output while its
+    worker's heartbeats say it is there (default 60; 0: for ever). Before the first output it waits as long
+    as the worker's engine makes progress on other streams. Then the stream is migrated, or fails."""
+    return env_float("FLOTILLA_STREAM_PROGRESS_DEADLINE_S", 60.0, minimum=0.0)
+
+
+def max_waiting_requests() -> int:
+    """``$FLOTILLA_MAX_WAITING_REQUESTS``: requests a worker lets wait for its engine (its engine's queue where
+    the engine reports one, else every request it holds) before it refuses new ones as busy (default 0: no
+    limit); the ingress then tries another instance."""
+    return env_int("FLOTILLA_MAX_WAITING_REQUESTS", 0, minimum=0)
+
+
 def max_request_bytes() -> int:
     """``$FLOTILLA_MAX_REQUEST_BYTES``: the largest request a worker accepts (default 1 MiB, at least 1 KiB)."""
     return env_int("FLOTILLA_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024)
@@ -120,5 +134,7 @@ def check_settings() -> None:
     stream_silence_seconds()
     stream_ack_deadline_seconds()
     stream_gone_after_seconds()
+    stream_progress_deadline_seconds()
+    max_waiting_requests()
     max_request_bytes()
     drain_grace_seconds()

@@ -25,6 +25,9 @@ class _Stateless:
     def finished(self, request_id: str) -> None:
         return None
 
+    def busy(self, instance_id: int) -> bool:
+        return False  # it knows nothing of the load; a worker's own limit still refuses
+
     def instance_added(self, instance: InstanceInfo) -> None:
         return None
 

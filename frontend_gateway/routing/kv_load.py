@@ -45,7 +45,10 @@ class _Worker:
     requests: int = 0
     reported_blocks: int | None = None
     blocks_at_report: int = 0  # this router's own count when the report arrived
-    reported_at: float = 0.0
+    reported_at: float | None = None
+    reported_usage: float | None = None
+    reported_waiting: int | None = None
+    total_blocks: int | None = None  # the cache's size, as last reported
 
     @property
     def blocks(self) -> int:
@@ -111,16 +114,20 @@ class ActiveLoad:
         load.requests -= 1
 
     def observe(self, report: WorkerLoad) -> None:
-        """A worker's own report of its load; only ``kv_active_blocks`` corrects the count."""
-        if report.kv_active_blocks is None:
-            return
+        """A worker's own report of its load: ``kv_active_blocks`` corrects the count; its usage and
+        waiting requests are kept for the busy thresholds."""
         worker = (report.instance_id, report.dp_rank)
         load = self._workers.get(worker)
         if load is None:
             load = self._workers[worker] = _Worker()
-        load.reported_blocks = max(0, report.kv_active_blocks)
-        load.blocks_at_report = load.blocks
         load.reported_at = self._clock()
+        load.reported_usage = report.kv_usage
+        load.reported_waiting = report.waiting
+        if report.kv_total_blocks:
+            load.total_blocks = report.kv_total_blocks
+        if report.kv_active_blocks is not None:
+            load.reported_blocks = max(0, report.kv_active_blocks)
+            load.blocks_at_report = load.blocks
 
     def new_blocks(self, worker: Worker, hashes: Sequence[int]) -> int:
         """How many of the full prompt blocks ``hashes`` no running request on ``worker`` holds yet."""
@@ -139,9 +146,32 @@ class ActiveLoad:
         load = self._workers.get(worker)
         if load is None:
             return 0
-        if load.reported_blocks is None or self._clock() - load.reported_at > self._report_fresh_s:
+        if load.reported_blocks is None or not self._fresh(load):
             return load.blocks
         return max(load.blocks, load.reported_blocks + load.blocks - load.blocks_at_report)
+
+    def busy(self, worker: Worker, *, kv_usage: float | None, waiting: int | None) -> bool:
+        """Whether ``worker``'s KV cache is at least ``kv_usage`` full, or at least ``waiting`` requests wait
+        there (None: that threshold is off).
+
+        Its usage is the larger of its fresh report and this router's count of the blocks it holds (new
+        decisions count at once, reports a second late); its waiting requests are its fresh report's. A
+        worker never heard from is not busy.
+        """
+        load = self._workers.get(worker)
+        if load is None:
+            return False
+        fresh = self._fresh(load)
+        if kv_usage is not None:
+            usage = load.reported_usage if fresh and load.reported_usage is not None else 0.0
+            if load.total_blocks:
+                usage = max(usage, self.decode_blocks(worker) / load.total_blocks)
+            if usage >= kv_usage:
+                return True
+        return waiting is not None and fresh and load.reported_waiting is not None and load.reported_waiting >= waiting
+
+    def _fresh(self, load: _Worker) -> bool:
+        return load.reported_at is not None and self._clock() - load.reported_at <= self._report_fresh_s
 
     def requests(self, worker: Worker) -> int:
         """This router's requests active on ``worker``."""

@@ -177,6 +177,18 @@ class KvRouter:
     def finished(self, request_id: str) -> None:
         self.load.finished(request_id)
 
+    def busy(self, instance_id: int) -> bool:
+        """Whether every dp rank of the instance is past a busy threshold (Dynamo's rule: a rank with room
+        keeps the instance routable)."""
+        usage, waiting = self.settings.busy_kv_usage, self.settings.busy_waiting
+        if usage is None and waiting is None:
+            return False
+        load = self.load
+        return all(
+            load.busy((instance_id, rank), kv_usage=usage, waiting=waiting)
+            for rank in self._ranks.get(instance_id, (0,))
+        )
+
     def instance_added(self, instance: InstanceInfo) -> None:
         """Count ``instance`` in, and ask it for its cache (events mode)."""
         instance_id = instance.instance_id

@@ -76,6 +76,10 @@ class RouterSettings:
     use_kv_events: bool = True
     predicted_ttl_s: float = DEFAULT_PREDICTED_TTL_S
     predicted_max_blocks: int = DEFAULT_PREDICTED_MAX_BLOCKS
+    #: A worker whose KV cache is this full (0..1), or has this many requests waiting, takes no new
+    #: request; when every worker of a pool is busy the gateway answers 503 (None: no such threshold).
+    busy_kv_usage: float | None = None
+    busy_waiting: int | None = None
     seed: int | None = None  # for tests: repeatable random choices
 
     def __post_init__(self) -> None:
@@ -90,6 +94,10 @@ class RouterSettings:
             raise ValueError(f"predicted_ttl_s must be > 0, not {self.predicted_ttl_s}")
         if self.predicted_max_blocks < 1:
             raise ValueError(f"predicted_max_blocks must be >= 1, not {self.predicted_max_blocks}")
+        if self.busy_kv_usage is not None and not 0.0 < self.busy_kv_usage <= 1.0:
+            raise ValueError(f"busy_kv_usage must be above 0 and at most 1, not {self.busy_kv_usage}")
+        if self.busy_waiting is not None and self.busy_waiting < 1:
+            raise ValueError(f"busy_waiting must be >= 1, not {self.busy_waiting}")
 
 
 class Router(Protocol):
@@ -116,6 +124,10 @@ class Router(Protocol):
 
     def finished(self, request_id: str) -> None:
         """The attempt ``choose`` decided is over, however it ended (no-op for unknown ids)."""
+        ...
+
+    def busy(self, instance_id: int) -> bool:
+        """Whether the instance is past a busy threshold and should take no new request (every dp rank)."""
         ...
 
     def instance_added(self, instance: InstanceInfo) -> None:

@@ -28,7 +28,16 @@ Protocol (all messages msgpack):
   worker's connection is gone (a killed process's socket closes); once its probes have been answered
   so back to back for ``gone_after`` (1 s: a connection that blips for half a second reconnects), the
   client cuts every stream to that instance (StreamBroken) without waiting out the silence timeout,
-  which stays the fallback for a worker that hangs with its connection open.
+  and sends it no new request for a while. A worker that hangs with its connection open (frozen) is
+  found by the silence timeout: its confirming probe waits half a silence timeout when the worker is
+  silent on every stream of this client, six when other streams show it alive (slow, not hung).
+* Progress: heartbeats prove the worker's event loop runs, not its engine. A stream that waits
+  ``progress_deadline`` (``FLOTILLA_STREAM_PROGRESS_DEADLINE_S``) for its next output fails with
+  StreamStalled, and so do the other streams of that instance that waited as long; the instance
+  gets no new request for a while. Before its first output a request waits its turn for as long as
+  the worker's engine sends outputs on other streams (heartbeats carry the worker's count of them).
+* Busy: a worker whose queue is full (``FLOTILLA_MAX_WAITING_REQUESTS``) refuses a request with an
+  ERROR frame coded BUSY (WorkerBusy) before anything is generated; its client tries another.
 * Drain: a worker that shuts down stops taking requests, lets those in flight finish for a grace
   period, then sends each stream still running a ``CUT`` frame, which its client treats as a broken
   stream at once (and migrates).
@@ -44,10 +53,13 @@ from runtime.request_plane.errors import (
     RequestPlaneError,
     RequestTooLarge,
     StreamBroken,
+    StreamStalled,
+    WorkerBusy,
     WorkerUnavailable,
 )
 from runtime.request_plane.server import EndpointServer
 from runtime.request_plane.wire import (
+    BUSY,
     CUT,
     DATA,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -67,6 +79,7 @@ from runtime.request_plane.wire import (
 )
 
 __all__ = [
+    "BUSY",
     "CUT",
     "DATA",
     "DEFAULT_MAX_REQUEST_BYTES",
@@ -88,6 +101,8 @@ __all__ = [
     "RequestTooLarge",
     "Stop",
     "StreamBroken",
+    "StreamStalled",
+    "WorkerBusy",
     "WorkerUnavailable",
     "control_subject",
 ]

@@ -14,10 +14,25 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from runtime.nats_connection import flush
-from runtime.request_plane.errors import RemoteError, RequestTooLarge, StreamBroken, WorkerUnavailable
+from runtime.request_plane.errors import (
+    RemoteError,
+    RequestTooLarge,
+    StreamBroken,
+    StreamStalled,
+    WorkerBusy,
+    WorkerUnavailable,
+)
 from runtime.request_plane.flow import AckBatcher, take_following
-from runtime.request_plane.liveness import DEFAULT_GONE_AFTER, LIVENESS_WAIT, Inbox, ProbeFailures
+from runtime.request_plane.liveness import (
+    DEFAULT_GONE_AFTER,
+    HUNG_WAIT,
+    LIVENESS_WAIT,
+    STALLED,
+    Inbox,
+    ProbeFailures,
+)
 from runtime.request_plane.wire import (
+    BUSY,
     CUT,
     DATA,
     DEFAULT_WINDOW,
@@ -37,6 +52,10 @@ from runtime.request_plane.wire import (
 
 log = logging.getLogger(__name__)
 
+#: Seconds an instance whose streams were cut (its connection is gone) or stalled (its engine is stuck)
+#: gets no new request from this client, unless no other instance is left (``avoided``).
+AVOID_S = 60.0
+
 
 class RequestClient:
     """Sends requests to instance subjects and streams their answers.
@@ -54,6 +73,7 @@ class RequestClient:
         ack_interval: float = 0.005,
         probe_interval: float = 0.4,
         gone_after: float = DEFAULT_GONE_AFTER,
+        progress_deadline: float = 0.0,
     ) -> None:
         self._nc = nc
         self.silence_timeout = silence_timeout
@@ -81,10 +101,27 @@ class RequestClient:
         self._marker_subject = ""
         self._marker_sent = 0.0
         self._markers_sent = 0
+        #: Seconds a stream may wait for its worker's next output (0: for ever); see Inbox.
+        self.progress_deadline = progress_deadline
+        self._avoid: dict[str, float] = {}  # instance subject -> until when it gets no new request
 
     @property
     def connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    def avoided(self, subject: str) -> bool:
+        """Whether the instance behind ``subject`` should get no new request: its streams were cut because
+        its connection is gone, or stalled because its engine is stuck, less than AVOID_S ago."""
+        until = self._avoid.get(subject)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._avoid[subject]
+        return False
+
+    def _shun(self, subject: str) -> None:
+        self._avoid[subject] = time.monotonic() + AVOID_S
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch)
@@ -146,16 +183,23 @@ class RequestClient:
         """
         probe = self._liveness.get(subject)
         if probe is None or probe.done():
-            request_ids = list(self._open.get(subject, {}).values())
-            probe = self._liveness[subject] = asyncio.ensure_future(self._unknown_to(subject, request_ids))
+            streams = self._open.get(subject, {})
+            # A worker heard from lately on another stream is slow; one silent on all of them is hung.
+            now = time.monotonic()
+            heard = [inbox.last_heard for reply_to in streams if (inbox := self._inboxes.get(reply_to)) is not None]
+            alive = any(now - last < self.silence_timeout for last in heard)
+            wait = (LIVENESS_WAIT if alive else HUNG_WAIT) * self.silence_timeout
+            probe = self._liveness[subject] = asyncio.ensure_future(
+                self._unknown_to(subject, list(streams.values()), wait)
+            )
         unknown = await asyncio.shield(probe)
         return unknown is not None and request_id not in unknown
 
-    async def _unknown_to(self, subject: str, request_ids: list[str]) -> set[str] | None:
-        """Which of ``request_ids`` the worker says it does not run; None if it does not answer in time."""
+    async def _unknown_to(self, subject: str, request_ids: list[str], wait: float) -> set[str] | None:
+        """Which of ``request_ids`` the worker says it does not run; None if it does not answer in ``wait`` s."""
         try:
             probe = encode(Probe(request_ids))
-            answer = await self._nc.request(control_subject(subject), probe, LIVENESS_WAIT * self.silence_timeout)
+            answer = await self._nc.request(control_subject(subject), probe, wait)
             return set(unknown_decoder.decode(answer.data))
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError):
             return None
@@ -176,9 +220,10 @@ class RequestClient:
         """Send ``payload`` (one msgpack document) and yield the answer's payloads, a frame's worth at a time.
 
         Raises WorkerUnavailable before the first payload if no instance listens on ``subject`` (or
-        it is shutting down), RequestTooLarge if the request is over a size limit, RemoteError if the
-        worker reports an error, StreamBroken if the worker dies, goes silent, shuts down mid-stream,
-        or frames are lost. Closing the iterator early tells the worker to stop.
+        it is shutting down; WorkerBusy if its queue is full), RequestTooLarge if the request is over
+        a size limit, RemoteError if the worker reports an error, StreamBroken if the worker dies,
+        goes silent, shuts down mid-stream, or frames are lost (StreamStalled if it sends no output
+        within the progress deadline). Closing the iterator early tells the worker to stop.
         """
         if self._subscription is None:
             raise RuntimeError("RequestClient.start() was not awaited")
@@ -186,7 +231,11 @@ class RequestClient:
         self._next += 1
         reply_to = f"{self._prefix}.{self._next}"
         inbox = self._inboxes[reply_to] = Inbox(
-            self.silence_timeout, self._caught_up, lambda: self._still_running(subject, request_id)
+            self.silence_timeout,
+            self._caught_up,
+            lambda: self._still_running(subject, request_id),
+            progress_deadline=self.progress_deadline,
+            on_stall=lambda: self._stalled(subject),
         )
         open_streams = self._open.get(subject)
         if open_streams is None:
@@ -212,6 +261,10 @@ class RequestClient:
                 if frame is NO_RESPONDERS:
                     finished = True
                     raise WorkerUnavailable(f"no instance listens on {subject}")
+                if frame is STALLED:
+                    raise StreamStalled(
+                        f"{subject} sent no output for {self.progress_deadline:g} s (its engine makes no progress)"
+                    )
                 kind = frame.kind
                 if kind == HEARTBEAT:
                     continue
@@ -240,6 +293,7 @@ class RequestClient:
                     if expected - 1 - acked >= ack_every:
                         acked = expected - 1
                         self._acks.add(control, request_id, acked)
+                        inbox.read()
                     yield payloads
                     continue
                 finished = True
@@ -249,6 +303,8 @@ class RequestClient:
                     return
                 if frame.code == TOO_LARGE:
                     raise RequestTooLarge(frame.error)
+                if frame.code == BUSY:
+                    raise WorkerBusy(frame.error)
                 if frame.code == UNAVAILABLE:
                     raise WorkerUnavailable(frame.error)
                 raise RemoteError(frame.error)
@@ -307,6 +363,7 @@ class RequestClient:
         they arrive after every frame the worker sent before it died.
         """
         streams = list(self._open.get(subject, {}))
+        self._shun(subject)
         log.warning(
             "instance %s is gone (nobody listens on its subject, its NATS connection closed): breaking %d stream(s)",
             subject,
@@ -316,3 +373,22 @@ class RequestClient:
         for reply_to in streams:
             with contextlib.suppress(nats.errors.Error):
                 await self._nc.publish(reply_to, frame)
+
+    def _stalled(self, subject: str) -> None:
+        """A stream to ``subject`` stalled: its engine is stuck. Its other streams that have waited as long
+        (those waiting for their first output included) stall with it, and it gets no new request."""
+        self._shun(subject)
+        now = time.monotonic()
+        stalled = 1
+        for reply_to in self._open.get(subject, {}):
+            inbox = self._inboxes.get(reply_to)
+            if inbox is not None and not inbox.stalled and inbox.waited(now) >= self.progress_deadline:
+                inbox.stall()
+                stalled += 1
+        log.warning(
+            "instance %s sent no output for %g s (its engine is stuck?): %d stream(s) stalled, no new request for %g s",
+            subject,
+            self.progress_deadline,
+            stalled,
+            AVOID_S,
+        )

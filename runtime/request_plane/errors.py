@@ -11,8 +11,16 @@ class WorkerUnavailable(RequestPlaneError):
     """No instance listens on the subject, or it is shutting down; nothing was generated."""
 
 
+class WorkerBusy(WorkerUnavailable):
+    """The instance refused the request because its own queue is full; nothing was generated."""
+
+
 class StreamBroken(RequestPlaneError):
     """The stream stopped mid-way: the worker died, went silent, was shut down, or frames were lost."""
+
+
+class StreamStalled(StreamBroken):
+    """The worker is there but sent no output within the progress deadline: its engine is stuck."""
 
 
 class RemoteError(RequestPlaneError):

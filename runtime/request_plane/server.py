@@ -4,7 +4,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 import nats.errors
@@ -19,6 +19,7 @@ from runtime.nats_connection import flush
 from runtime.request_plane.flow import FRAME_OVERHEAD, batches, fitting
 from runtime.request_plane.wire import (
     ABANDONED,
+    BUSY,
     CUT,
     DATA,
     DEFAULT_ACK_DEADLINE,
@@ -110,6 +111,10 @@ class EndpointServer:
     ``ack_deadline`` s is stopped and its engine request aborted: its client is gone (killed, cut off,
     or its Stop was lost), and the engine would otherwise generate to ``max_tokens`` for nobody. A client
     that is there but reads slowly names its streams in its probes, so it keeps them.
+
+    With ``max_waiting``, a request that finds ``waiting()`` requests already waiting for the engine
+    (default: every request in flight here) is refused at once as busy, so that its client tries
+    another instance: a worker's own queue is bounded whatever its clients believe.
     """
 
     def __init__(
@@ -121,6 +126,8 @@ class EndpointServer:
         heartbeat_interval: float = 1.0,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         ack_deadline: float = DEFAULT_ACK_DEADLINE,
+        max_waiting: int = 0,
+        waiting: Callable[[], int] | None = None,
     ) -> None:
         self._nc = nc
         self.subject = subject
@@ -138,6 +145,12 @@ class EndpointServer:
         self._due: list[_Stream] = []
         self._due_wake: Wakeup | None = None
         self._draining = False
+        self._max_waiting = max_waiting
+        self._waiting = waiting or (lambda: len(self._streams))
+        # DATA and END frames sent on every stream: heartbeats carry it (see Frame.progress).
+        self._frames_sent = 0
+        #: Requests refused because the queue was full (for tests and metrics).
+        self.refused_busy = 0
 
     @property
     def active_requests(self) -> int:
@@ -228,6 +241,14 @@ class EndpointServer:
         if self._draining:
             # Delivered just before the unsubscribe took effect: send the client elsewhere.
             await self._refuse(msg.reply, f"{self.subject} is shutting down", UNAVAILABLE)
+            return
+        if self._max_waiting and (waiting := self._waiting()) >= self._max_waiting:
+            # Not logged per request: a busy worker refuses many; its clients count them.
+            self.refused_busy += 1
+            reason = (
+                f"{self.subject} is busy: {waiting} request(s) wait for its engine (the limit is {self._max_waiting})"
+            )
+            await self._refuse(msg.reply, reason, BUSY)
             return
         if len(msg.data) > self._max_request_bytes:
             size, limit = len(msg.data), self._max_request_bytes
@@ -347,6 +368,7 @@ class EndpointServer:
         frame's worth; the rest waits for the next pass), or, once its handler is done, the last frame,
         window or not (it ends the stream; outputs that do not fit in it go in DATA frames before it)."""
         due, self._due = self._due, []
+        self._frames_sent += len(due)  # near enough: it tells a stuck engine from a working one
         publish = self._nc.publish
         limit = self._frame_limit()
         for stream in due:
@@ -419,7 +441,8 @@ class EndpointServer:
                 elif now - stream.last_sent >= interval:
                     stream.last_sent = now
                     with contextlib.suppress(nats.errors.Error):
-                        await self._nc.publish(stream.reply_to, encode(Frame(HEARTBEAT, stream.seq)))
+                        heartbeat = Frame(HEARTBEAT, stream.seq, progress=self._frames_sent)
+                        await self._nc.publish(stream.reply_to, encode(heartbeat))
             if abandoned:
                 await self._abandon(abandoned)
 

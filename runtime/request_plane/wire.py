@@ -16,6 +16,7 @@ UNLIMITED = 1 << 62
 # Frame.code values: why a worker refused a request.
 TOO_LARGE = "too_large"
 UNAVAILABLE = "unavailable"
+BUSY = "busy"  # its own queue is full (FLOTILLA_MAX_WAITING_REQUESTS): another instance may take it
 # Why a worker stopped a stream: its window stayed full with no word from the client past the ack deadline.
 ABANDONED = "abandoned"
 
@@ -33,6 +34,9 @@ class Frame(msgspec.Struct, array_like=True):
     payloads: list[msgspec.Raw] = msgspec.field(default_factory=list)
     error: str = ""
     code: str = ""
+    #: On a HEARTBEAT: the frames of output the worker has sent on all its streams, so that a client
+    #: waiting for its first output can tell a worker whose engine works for others from a stuck one.
+    progress: int = 0
 
 
 class Stop(msgspec.Struct, array_like=True, tag=0):

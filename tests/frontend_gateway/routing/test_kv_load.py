@@ -110,3 +110,30 @@ def test_prompt_blocks_that_running_requests_share_are_held_once() -> None:
     assert load.new_blocks(A, [11, 21]) == 1
     load.finished("r2")
     assert (load.decode_blocks(A), load.new_blocks(A, [11, 12])) == (0, 2)
+
+
+def test_a_worker_whose_reported_cache_is_full_enough_is_busy_until_its_report_goes_stale() -> None:
+    clock = Clock()
+    load = ActiveLoad(clock=clock)
+    load.observe(WorkerLoad(instance_id=1, active_requests=3, kv_usage=0.95, kv_total_blocks=100))
+    assert load.busy(A, kv_usage=0.9, waiting=None)
+    assert not load.busy(A, kv_usage=0.96, waiting=None)
+    clock.now += 60  # no report since: the router's own count (nothing) is all it knows
+    assert not load.busy(A, kv_usage=0.9, waiting=None)
+
+
+def test_the_routers_own_blocks_make_a_worker_busy_before_its_next_report() -> None:
+    load = ActiveLoad()
+    load.observe(WorkerLoad(instance_id=1, active_requests=0, kv_usage=0.0, kv_total_blocks=10))
+    load.started("r1", A, prefill_tokens=10, own_blocks=9)
+    assert load.busy(A, kv_usage=0.9, waiting=None)
+    load.finished("r1")
+    assert not load.busy(A, kv_usage=0.9, waiting=None)
+
+
+def test_a_worker_reporting_enough_waiting_requests_is_busy() -> None:
+    load = ActiveLoad()
+    load.observe(WorkerLoad(instance_id=1, active_requests=5, waiting=3))
+    assert load.busy(A, kv_usage=None, waiting=3)
+    assert not load.busy(A, kv_usage=None, waiting=4)
+    assert not load.busy(B, kv_usage=0.5, waiting=1)  # never heard from: not busy

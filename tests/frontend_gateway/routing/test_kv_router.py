@@ -305,3 +305,21 @@ async def test_a_closed_router_stops_listening_and_asking(make_router: Any, nc: 
     await publish(publisher, A, 1, BlockStored(HASHES))
     await until(witness, lambda: blocks_of(witness, A) == 8)
     assert blocks_of(closed, A) == 0
+
+
+async def test_an_instance_is_busy_only_once_every_dp_rank_is_past_a_threshold(
+    make_router: Any, publisher: NATS
+) -> None:
+    router = await make_router(RouterSettings(mode=RouterMode.KV, busy_waiting=2))
+    for rank, waiting in ((0, 5), (1, 0)):
+        report = WorkerLoad(instance_id=A.instance_id, dp_rank=rank, active_requests=waiting, waiting=waiting)
+        await publisher.publish(ADDRESS.load_metrics_subject(), msgspec.json.encode(report))
+    await flush(publisher)
+    await until(router, lambda: router._ranks.get(A.instance_id) == (0, 1))
+    assert not router.busy(A.instance_id)  # rank 1 has room
+    report = WorkerLoad(instance_id=A.instance_id, dp_rank=1, active_requests=2, waiting=2)
+    await publisher.publish(ADDRESS.load_metrics_subject(), msgspec.json.encode(report))
+    await flush(publisher)
+    await until(router, lambda: router.busy(A.instance_id))
+    assert not router.busy(B.instance_id)
+    assert not (await make_router()).busy(A.instance_id)  # no thresholds: never busy

@@ -44,6 +44,9 @@ class RecordingRouter:
     def finished(self, request_id: str) -> None:
         self.calls.append(f"finished {request_id}")
 
+    def busy(self, instance_id: int) -> bool:
+        return False
+
     def instance_added(self, instance: InstanceInfo) -> None:
         self.calls.append(f"added {instance.instance_id}")
 

@@ -13,7 +13,7 @@ import pytest
 from frontend_gateway.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
 from frontend_gateway.routing.protocol import Decision, InstanceInfo
 from runtime.engine import RequestContext
-from runtime.errors import EngineError, EngineUnavailable
+from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable
 from runtime.protocol import (
     EngineOutput,
     PreprocessedRequest,
@@ -22,7 +22,7 @@ from runtime.protocol import (
     TextOutput,
     TextRequest,
 )
-from runtime.request_plane import RemoteError, StreamBroken, WorkerUnavailable
+from runtime.request_plane import RemoteError, StreamBroken, StreamStalled, WorkerBusy, WorkerUnavailable
 
 A, B = InstanceInfo(1, "s.1"), InstanceInfo(2, "s.2")
 
@@ -32,6 +32,7 @@ class ListRouter:
 
     def __init__(self) -> None:
         self.log: list[str] = []
+        self.busy_ids: set[int] = set()
 
     async def start(self) -> None: ...
 
@@ -49,6 +50,9 @@ class ListRouter:
     def finished(self, request_id: str) -> None:
         self.log.append("finished")
 
+    def busy(self, instance_id: int) -> bool:
+        return instance_id in self.busy_ids
+
     def instance_added(self, instance: InstanceInfo) -> None: ...
 
     def instance_removed(self, instance_id: int) -> None: ...
@@ -61,6 +65,10 @@ class ScriptedClient:
 
     def __init__(self, scripts: dict[str, tuple[list[Any], Exception | None]]) -> None:
         self.scripts = scripts
+        self.gone: set[str] = set()
+
+    def avoided(self, subject: str) -> bool:
+        return subject in self.gone
 
     async def call(self, subject: str, request_id: str, payload: bytes) -> AsyncIterator[list[bytes]]:
         outputs, error = self.scripts[subject]
@@ -179,3 +187,65 @@ async def test_the_chosen_dp_rank_travels_with_the_request() -> None:
     engine = RemoteTokenEngine("m", instances(A), RankRouter(), Runtime(client), 0)  # type: ignore[arg-type]
     await drain(engine)
     assert [request.dp_rank for request in sent] == [3]
+
+
+async def test_an_instance_that_refuses_as_busy_sends_the_request_to_the_next() -> None:
+    router = ListRouter()
+    scripts = {A.subject: ([], WorkerBusy("queue full")), B.subject: ([EngineOutput([5], finish_reason="stop")], None)}
+    await drain(token_engine(router, scripts))
+    assert router.log == ["choose 1", "finished", "choose 2", "prefill_done", "finished"]
+
+
+async def test_when_every_instance_refuses_as_busy_the_request_is_refused_as_busy() -> None:
+    router = ListRouter()
+    scripts: dict[str, Any] = {A.subject: ([], WorkerBusy("queue full")), B.subject: ([], WorkerBusy("queue full"))}
+    with pytest.raises(EngineBusy):
+        await drain(token_engine(router, scripts))
+
+
+async def test_an_instance_past_its_busy_threshold_gets_no_new_request() -> None:
+    router = ListRouter()
+    router.busy_ids = {1}
+    await drain(token_engine(router, {B.subject: ([EngineOutput([5], finish_reason="stop")], None)}))
+    assert router.log[0] == "choose 2"
+
+
+async def test_when_every_instance_is_past_its_busy_threshold_nothing_is_chosen() -> None:
+    router = ListRouter()
+    router.busy_ids = {1, 2}
+    with pytest.raises(EngineBusy):
+        await drain(token_engine(router, {}))
+    assert router.log == []
+
+
+async def test_a_migrating_request_goes_on_even_to_a_busy_instance() -> None:
+    router = ListRouter()
+    router.busy_ids = {2}
+    scripts = {
+        A.subject: ([EngineOutput([5])], StreamBroken("worker died")),
+        B.subject: ([EngineOutput([6], finish_reason="length")], None),
+    }
+    assert len(await drain(token_engine(router, scripts, migration_limit=1))) == 2
+
+
+async def test_an_avoided_instance_gets_no_request_while_another_is_left() -> None:
+    router = ListRouter()
+    client = ScriptedClient({B.subject: ([EngineOutput([5], finish_reason="stop")], None)})
+    client.gone = {A.subject}
+    await drain(RemoteTokenEngine("m", instances(A, B), router, Runtime(client), 0))  # type: ignore[arg-type]
+    assert router.log[0] == "choose 2"
+    client = ScriptedClient({A.subject: ([EngineOutput([5], finish_reason="stop")], None)})
+    client.gone = {A.subject}
+    router = ListRouter()
+    await drain(RemoteTokenEngine("m", instances(A), router, Runtime(client), 0))  # type: ignore[arg-type]
+    assert router.log[0] == "choose 1"
+
+
+async def test_a_stalled_stream_is_migrated_or_else_fails_as_stalled() -> None:
+    scripts = {
+        A.subject: ([EngineOutput([5])], StreamStalled("no output for 2 s")),
+        B.subject: ([EngineOutput([6], finish_reason="length")], None),
+    }
+    assert len(await drain(token_engine(ListRouter(), scripts, migration_limit=1))) == 2
+    with pytest.raises(EngineStalled):
+        await drain(token_engine(ListRouter(), scripts, migration_limit=0))
