@@ -320,6 +320,21 @@ def test_restarting_a_ready_instance_stops_it_then_makes_it_pending_where_it_was
     assert (entry.before["state"], entry.after["state"]) == ("ready", "stopping")
 
 
+def test_a_duplicate_stopped_report_of_a_restart_restarts_nothing_twice() -> None:
+    instance = run_instance(placed_instance(replicas=2))
+    instance = instance_actions.restart_instance(TEST_ACTOR, instance)
+    instance = report(instance, S.STOPPED, attempt=0)
+    assert (instance.state, instance.restarts) == (S.PENDING, 1)
+    # The agent's report sent again (a retry after a lost answer): about attempt 0, which is over.
+    with pytest.raises(Conflict, match=r"attempt 0 .* at attempt 1 now"):
+        report(instance, S.STOPPED, attempt=0)
+    # An agent that does not say its attempt: the instance is not stopping any more, so "stopped" is refused.
+    with pytest.raises(InvalidTransition, match="not stopping"):
+        report(instance, S.STOPPED)
+    instance.refresh_from_db()
+    assert (instance.state, instance.restarts) == (S.PENDING, 1)
+
+
 def test_restarting_the_only_replica_starts_its_replacement_before_stopping_it() -> None:
     instance = run_instance(placed_instance())
 
