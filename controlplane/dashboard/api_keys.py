@@ -183,6 +183,8 @@ def usage_page(request: HttpRequest) -> HttpResponse:
     labels = {key.pk: f"{key.name} ({key.key_start}…)" for key in keys}
     query = urlencode({name: str(value) for name, value in filters.items()})
     context |= {
+        "filtered": True,
+        "narrowed": "key" in filters or "model" in filters,
         "page": Paginator(rows, USAGE_PAGE_SIZE).get_page(page_number),
         "totals": totals(rows),
         "charts": charts(rows, days, labels),

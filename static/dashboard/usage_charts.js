@@ -32,6 +32,8 @@
         width: Math.max(element.clientWidth, 240),
         height: 220,
         cursor: { drag: { x: false, y: false } },
+        // The legend names the lines; values appear under the cursor only (not "--" at rest).
+        legend: { live: false },
         scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max)] } },
         axes: [{ size: 30 }, { size: 60 }],
         series: [

@@ -139,3 +139,12 @@ def test_many_series_are_folded_into_others() -> None:
     lines = usage.charts(rows, [DAY], {key.pk: key.name for key in keys})["by_key"]
     assert len(lines) == usage.MAX_SERIES + 1 and lines[0]["label"] == f"app-{usage.MAX_SERIES + 1}"
     assert lines[-1] == {"label": "2 others", "tokens": [3], "requests": [2]}
+
+
+def test_a_key_without_usage_yet_shows_zeros_and_says_so() -> None:
+    browser = logged_in(Role.OPERATOR, username="olga")
+    make_key(User.objects.get(username="olga"))
+    page = browser.get("/usage/").content.decode()
+    assert 'id="usage-requests">0<' in page and "No usage on these days." in page
+    assert charts_of(page)["by_key"] == []
+    assert "make one" in logged_in(Role.OPERATOR, username="kim").get("/usage/").content.decode()
