@@ -25,6 +25,7 @@ stop flushes them; a crash of this process loses at most the last ``FLUSH_S`` of
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -131,20 +132,20 @@ class Meter:
         tokens_now = window.fleet_tokens + window.tokens
         requests = requests_now + window.previous_requests * (1.0 - fraction)
         tokens = tokens_now + window.previous_tokens * (1.0 - fraction)
-        headers = _headers(key, requests, tokens, fraction)
         if rpm is not None and requests + 1 > rpm:
             wait = _wait_s(rpm - 1, requests_now, window.previous_requests, fraction)
             message = f"Rate limit reached for API key {key.name!r}: {rpm} requests per minute."
-            raise _limited(RateLimited(message), wait, headers)
+            raise _limited(RateLimited(message), wait, _headers(key, requests, tokens, fraction))
         if tpm is not None and tokens >= tpm:
             wait = _wait_s(tpm - 1, tokens_now, window.previous_tokens, fraction)
             message = f"Rate limit reached for API key {key.name!r}: {tpm} tokens per minute."
-            raise _limited(RateLimited(message), wait, headers)
+            raise _limited(RateLimited(message), wait, _headers(key, requests, tokens, fraction))
         if budget is not None and month.fleet_tokens + month.tokens >= budget:
             message = (
                 f"API key {key.name!r} used its monthly budget of {budget} tokens; it renews on the 1st (UTC), "
                 "or an operator raises it."
             )
+            headers = _headers(key, requests, tokens, fraction)
             raise _limited(QuotaExhausted(message), _seconds_to_next_month(now), headers)
         window.requests += 1
 
@@ -167,8 +168,7 @@ class Meter:
             state.month.tokens += tokens
         if self._redis is None:
             return
-        day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
-        counts = self._usage.setdefault((day, key.key_id, model), _Usage()).counts
+        counts = self._usage.setdefault((_day_of(now), key.key_id, model), _Usage()).counts
         for index, value in enumerate((1, prompt_tokens, cached_tokens, completion_tokens, int(error))):
             counts[index] += value
 
@@ -283,8 +283,19 @@ def _minute_of(now: float) -> tuple[int, float]:
     return int(minute), into / _WINDOW_S
 
 
+@functools.lru_cache(maxsize=4)
+def _dates_of_day(day: int) -> tuple[str, str]:
+    """The UTC day number ``day`` as "YYYY-MM-DD" and its month as "YYYY-MM" (cached: asked per request)."""
+    moment = datetime.fromtimestamp(day * 86400, UTC)
+    return moment.strftime("%Y-%m-%d"), moment.strftime("%Y-%m")
+
+
+def _day_of(now: float) -> str:
+    return _dates_of_day(int(now // 86400))[0]
+
+
 def _month_of(now: float) -> str:
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+    return _dates_of_day(int(now // 86400))[1]
 
 
 def _seconds_to_next_month(now: float) -> float:
