@@ -54,7 +54,8 @@ class ApiKeyForm(ActionForm):
     expires_at = forms.DateTimeField(
         label="Expires (UTC)",
         required=False,
-        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
+        # The format a datetime-local input shows (Django's default, with a space, it would leave empty).
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
         help_text="Empty: never.",
     )
     requests_per_minute = forms.IntegerField(
