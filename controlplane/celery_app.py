@@ -39,6 +39,7 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 RECONCILE_TASK = "flotilla.controlplane.reconcile"
 SYNC_API_KEYS_TASK = "flotilla.controlplane.sync_api_keys"
 DRAIN_USAGE_TASK = "flotilla.controlplane.drain_usage"
+SYNC_SERVED_NAMES_TASK = "flotilla.controlplane.sync_served_names"
 # Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
 PUBLISH_CONNECT_TIMEOUT_S = 2.0
 _BROKER_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "memory://")
@@ -90,6 +91,7 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
             RECONCILE_TASK: {"queue": CONTROL_PLANE_QUEUE},
             SYNC_API_KEYS_TASK: {"queue": CONTROL_PLANE_QUEUE},
             DRAIN_USAGE_TASK: {"queue": CONTROL_PLANE_QUEUE},
+            SYNC_SERVED_NAMES_TASK: {"queue": CONTROL_PLANE_QUEUE},
         },
         beat_schedule={
             "reconcile": {
@@ -101,6 +103,12 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
             # Etcd's API key records made equal to the database's (a change missed while etcd was down).
             "sync-api-keys": {
                 "task": SYNC_API_KEYS_TASK,
+                "schedule": api_keys_sync_s(),
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": api_keys_sync_s()},
+            },
+            # The served model names the ingresses answer "no ready replica" for (rather than "no such model").
+            "sync-served-names": {
+                "task": SYNC_SERVED_NAMES_TASK,
                 "schedule": api_keys_sync_s(),
                 "options": {"queue": CONTROL_PLANE_QUEUE, "expires": api_keys_sync_s()},
             },

@@ -45,6 +45,7 @@ from frontend_gateway.openai_types import (
 from frontend_gateway.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.quotas import UNKNOWN_MODEL, Meter
 from frontend_gateway.responses_api import ResponseBuilder, ResponsesRequest
+from frontend_gateway.served_names import ServedNames, not_ready
 from runtime.api_keys import KeyRecord
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class GatewayApp:
         lifespan: Lifespan | None = None,
         api_keys: KeyTable | None = None,
         meter: Meter | None = None,
+        served_names: ServedNames | None = None,
     ) -> None:
         self.models = models
         self.metrics = metrics or GatewayMetrics()
@@ -98,6 +100,8 @@ class GatewayApp:
         self.api_keys = api_keys
         #: Counts keyed requests against their limits, and their usage (frontend_gateway/quotas.py).
         self.meter = meter
+        #: The control plane's served names: a model with none of its replicas here is then a 503, not a 404.
+        self.served_names = served_names
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
@@ -248,6 +252,8 @@ class GatewayApp:
         if model is not None:
             scope[_MODEL] = model.name  # for its key's usage (a name no model has is not kept)
         if model is None:
+            if self.served_names is not None and (state := self.served_names.state(name)) is not None:
+                raise not_ready(name, state)
             served = ", ".join(n for n in self.models.names() if key is None or key.allows_model(n)) or "none yet"
             shown = name if len(name) <= 200 else name[:200] + "..."  # a client may send megabytes here
             raise ModelNotFound(f"the model {shown!r} does not exist; served models: {served}", param="model")

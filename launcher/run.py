@@ -185,6 +185,7 @@ async def run_ingress(options: RunOptions) -> int:
     from frontend_gateway.model_watcher import ModelWatcher
     from frontend_gateway.pipeline import ServingStatus
     from frontend_gateway.routing.protocol import RouterMode, RouterSettings
+    from frontend_gateway.served_names import ServedNames
     from launcher.inputs.http import admission_limits, serve_http
     from launcher.startup import connect_runtime
 
@@ -219,6 +220,8 @@ async def run_ingress(options: RunOptions) -> int:
     try:
         api_keys = await _api_keys(runtime, options.api_keys_secret_file)
         meter = _meter(runtime, options.quota_redis_url) if api_keys is not None else None
+        served_names = ServedNames()  # its watch lists them first: no request waits on it
+        runtime.own(lambda: served_names.run(runtime.discovery), name="served-name watcher", restart=True)
     except BaseException:
         await watcher.close()
         await runtime.close()
@@ -239,6 +242,7 @@ async def run_ingress(options: RunOptions) -> int:
             reuse_port=options.reuse_port,
             api_keys=api_keys,
             meter=meter,
+            served_names=served_names,
         )
     finally:
         stop_on_failure.cancel()

@@ -21,6 +21,7 @@ from django.db.models import F
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
+from controlplane.deployments import served_names
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
 from controlplane.deployments.instances import add_instances, stop_instance
 from controlplane.deployments.models import Instance, Pipeline, WorkerGroup, validate_served_name
@@ -117,6 +118,7 @@ def deploy_pipeline(
         )
         add_instances(actor, group, spec.replicas)
     record(actor, "pipeline.deploy", pipeline, before=None, after=pipeline_snapshot(pipeline))
+    served_names.publish_after_commit(pipeline)
     request_reconcile()
     return pipeline
 
@@ -226,6 +228,7 @@ def stop_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
         for instance in _live_instances(group):
             stop_instance(actor, instance, f"pipeline stopped by {actor.name}")
     record(actor, "pipeline.stop", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    served_names.publish_after_commit(pipeline)  # its model is a 503 "no ready replica" now, not a 404
     request_reconcile()
     return pipeline
 
@@ -242,6 +245,7 @@ def start_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
     for group in pipeline.groups.all():
         add_instances(actor, group, group.replicas - len(_live_instances(group)))
     record(actor, "pipeline.start", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    served_names.publish_after_commit(pipeline)
     request_reconcile()
     return pipeline
 
@@ -259,6 +263,7 @@ def delete_pipeline(actor: Actor, pipeline: Pipeline) -> None:
     if stopping:
         raise Conflict(f"pipeline {pipeline.name} still has {stopping} instance(s) stopping; wait for them")
     record(actor, "pipeline.delete", pipeline, before=pipeline_snapshot(pipeline), after=None)
+    served_names.withdraw_after_commit(pipeline.name)
     pipeline.delete()
 
 

@@ -16,6 +16,7 @@ from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry
 from frontend_gateway.quotas import Meter
+from frontend_gateway.served_names import ServedNames
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 
@@ -107,6 +108,7 @@ async def serve_http(
     banner: TextIO | None = sys.stdout,
     api_keys: KeyTable | None = None,
     meter: Meter | None = None,
+    served_names: ServedNames | None = None,
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
@@ -116,7 +118,13 @@ async def serve_http(
     log.debug("open-file limit %d", files)
     sock = bind_socket(host, port, reuse_port=reuse_port)
     app = GatewayApp(
-        models, max_body_bytes=max_body_bytes, limits=limits, metrics=metrics, api_keys=api_keys, meter=meter
+        models,
+        max_body_bytes=max_body_bytes,
+        limits=limits,
+        metrics=metrics,
+        api_keys=api_keys,
+        meter=meter,
+        served_names=served_names,
     )
     config = uvicorn.Config(
         app,

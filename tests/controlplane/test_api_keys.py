@@ -172,5 +172,5 @@ def test_with_etcd_down_a_key_is_still_made_and_the_sync_says_so(
     monkeypatch.setenv("ETCD_ENDPOINTS", f"http://127.0.0.1:{free_port()}")
     with committing():
         assert create(operator).status_code == 201  # published by the next sync instead
-    with pytest.raises(DiscoveryUnavailable, match="cannot reach etcd to publish API keys"):
+    with pytest.raises(DiscoveryUnavailable, match="cannot reach etcd to publish to the ingresses"):
         publication.sync()
