@@ -182,20 +182,26 @@ class TokenModel:
         if logprobs is not None:
             generation.logprobs = []
         tokens = self._postprocess(generation, engine_request, skip_special)
-        return generation.bind(_finish(generation, tokens, stop.stop))
+        # Stop strings are applied token by token in _postprocess, which then knows how many tokens were sent.
+        return generation.bind(_finish(generation, tokens, [], 0))
 
     async def _postprocess(
         self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
     ) -> AsyncIterator[str]:
-        """Detokenize incrementally and enforce max_tokens; stop strings are applied by _finish.
+        """Detokenize incrementally and enforce max_tokens and stop strings.
 
         Yields one piece per engine output (a remote engine's output stands for a whole network
-        frame), so the tokens that arrived together leave together, as one SSE event.
+        frame), so the tokens that arrived together leave together, as one SSE event. With stop
+        strings, each token's text is matched in turn: the tokens after the one that completes a
+        stop string are neither shown nor counted, as when each token arrives alone (vLLM's count),
+        and none ends the stream before ``min_tokens`` tokens.
         Raises EngineFailed when the tokens cannot be detokenized.
         """
         tokenizer = self._tokenizer
         step = DecodeStream(skip_special_tokens=skip_special_tokens).step
-        max_tokens = request.stop_conditions.max_tokens
+        conditions = request.stop_conditions
+        max_tokens, min_tokens = conditions.max_tokens, conditions.min_tokens
+        matcher = StopStringMatcher(conditions.stop) if conditions.stop else None
         outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
@@ -205,26 +211,59 @@ class TokenModel:
                 room = max_tokens - generation.completion_tokens
                 if len(token_ids) > room:
                     token_ids = token_ids[:room]
-                generation.completion_tokens += len(token_ids)
-                if generation.logprobs is not None and output.logprobs:
-                    generation.logprobs += map(self._logprob_entry, token_ids, output.logprobs)
+                stopped = False
+                piece: str | None
                 try:
-                    if len(token_ids) == 1:
+                    if matcher is not None:
+                        piece, sent, stopped = self._match_stops(generation, token_ids, step, matcher, min_tokens)
+                        token_ids = token_ids[:sent]
+                    elif len(token_ids) == 1:
                         piece = step(tokenizer, token_ids[0])
                     else:
                         piece = "".join([text for token_id in token_ids if (text := step(tokenizer, token_id))])
                 except Exception as exc:  # tokenizers raises plain Exception, e.g. "Invalid prefix encountered"
                     raise EngineFailed(f"the engine's tokens could not be detokenized: {exc}") from exc
+                generation.completion_tokens += len(token_ids)
+                if generation.logprobs is not None and output.logprobs:
+                    generation.logprobs += map(self._logprob_entry, token_ids, output.logprobs)
+                if stopped:
+                    generation.finish_reason = "stop"
+                elif generation.completion_tokens >= max_tokens:
+                    generation.finish_reason = "length"
+                elif output.finish_reason is not None:
+                    generation.finish_reason = output.finish_reason
+                if generation.finish_reason is not None and matcher is not None and not stopped:
+                    piece = (piece or "") + matcher.flush()
                 if piece:
                     yield piece
-                if generation.completion_tokens >= max_tokens:
-                    generation.finish_reason = "length"
+                if generation.finish_reason is not None:
                     return
-                if output.finish_reason is not None:
-                    generation.finish_reason = output.finish_reason
-                    return
+            if matcher is not None and (tail := matcher.flush()):
+                yield tail
         finally:
             await _aclose(outputs)
+
+    def _match_stops(
+        self,
+        generation: Generation,
+        token_ids: list[int],
+        step: Callable[[Tokenizer, int], str | None],
+        matcher: StopStringMatcher,
+        min_tokens: int,
+    ) -> tuple[str, int, bool]:
+        """(the text of ``token_ids`` that may be shown, how many of them count, whether a stop string
+        was completed): all of them, or those up to the one that completes a stop string."""
+        shown: list[str] = []
+        done = generation.completion_tokens
+        for index, token_id in enumerate(token_ids):
+            text = step(self._tokenizer, token_id)
+            if not text:
+                continue
+            safe, hit = matcher.feed(text, may_stop=done + index + 1 > min_tokens)
+            shown.append(safe)
+            if hit:
+                return "".join(shown), index + 1, True
+        return "".join(shown), len(token_ids), False
 
     def _logprob_entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
         # One token decoded alone: a character split over tokens shows as U+FFFD, as in vLLM.
@@ -304,7 +343,8 @@ class TextModel:
     def _prepare(self, text_request: TextRequest) -> Generation:
         generation = Generation(text_request.request_id, 0)
         texts = self._postprocess(generation, text_request)
-        return generation.bind(_finish(generation, texts, text_request.stop_conditions.stop))
+        stop = text_request.stop_conditions
+        return generation.bind(_finish(generation, texts, stop.stop, stop.min_tokens))
 
     async def _postprocess(self, generation: Generation, request: TextRequest) -> AsyncIterator[str]:
         """Count usage as the engine reports it; stop strings are applied by _finish."""
@@ -342,8 +382,12 @@ def check_parsers(model: str, reasoning: str | None, tool_calls: str | None) -> 
     return reasoning, tool_calls
 
 
-async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: list[str]) -> AsyncIterator[str]:
-    """The tail every pipeline shares: stop strings, the default finish reason, engine errors, cleanup.
+async def _finish(
+    generation: Generation, pieces: AsyncIterator[str], stops: list[str], min_tokens: int
+) -> AsyncIterator[str]:
+    """The tail every pipeline shares: stop strings (a text engine's: each piece with the tokens the
+    engine counted for it, none ending the stream before ``min_tokens``), the default finish reason,
+    engine errors, cleanup.
 
     Whatever ends the stream (its end, a stop string, the consumer closing it, a cancellation), the
     request's context is stopped and the engine's stream closed.
@@ -352,7 +396,7 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str], stops: lis
     try:
         async for piece in pieces:
             if matcher is not None:
-                shown, hit = matcher.feed(piece)
+                shown, hit = matcher.feed(piece, may_stop=generation.completion_tokens > min_tokens)
                 if shown:
                     yield shown
                 if hit:

@@ -1,5 +1,8 @@
 """Stop strings are found across piece boundaries and never shown."""
 
+from engines.echo import EchoFullEngine
+from frontend_gateway.openai_types import CompletionRequest
+from frontend_gateway.pipeline import TextModel
 from frontend_gateway.stop_strings import StopStringMatcher
 
 
@@ -38,3 +41,29 @@ def test_the_earliest_of_several_stop_strings_wins() -> None:
 
 def test_a_stop_string_that_is_a_prefix_of_another_still_stops() -> None:
     assert feed_all(StopStringMatcher(["ab", "abc"]), ["xa", "bc"]) == ("x", True)
+
+
+def test_no_stop_string_ends_in_text_fed_before_min_tokens() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("abENDc", may_stop=False) == ("abENDc", False)
+    assert matcher.feed("dENDe") == ("d", True)
+
+
+def test_a_stop_string_begun_before_min_tokens_and_completed_after_it_stops() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("abEN", may_stop=False) == ("ab", False)
+    assert matcher.feed("Dx") == ("", True)
+
+
+def test_a_short_stop_string_inside_held_text_from_before_min_tokens_does_not_stop() -> None:
+    matcher = StopStringMatcher(["ab", "xabc"])
+    assert matcher.feed("xab", may_stop=False) == ("", False)
+    assert matcher.feed("d") == ("xabd", False)
+
+
+async def test_a_text_engine_s_stop_string_waits_for_min_tokens_too() -> None:
+    model = TextModel("echo", EchoFullEngine(0.0))
+    request = CompletionRequest(model="echo", prompt="abcabcd", stop=["b"], min_tokens=3)
+    generation = await model.prepare_completion(request)
+    assert "".join([piece async for piece in generation.pieces()]) == "abca"
+    assert (generation.completion_tokens, generation.finish_reason) == (5, "stop")
