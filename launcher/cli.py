@@ -393,6 +393,15 @@ def build_run_parser() -> EnvArgumentParser:
         help="times out=dyn re-sends a request whose worker died mid-stream (default 0)",
     )
     run.add_flag(
+        "--progress-deadline",
+        env="FLOTILLA_STREAM_PROGRESS_DEADLINE_S",
+        type=_non_negative_number,
+        default=60.0,
+        help="out=dyn: seconds a stream may wait for its next output while its worker's heartbeats say it is "
+        "there (its engine is stuck); then it is migrated (--migration-limit) or ends with an error, a 504 if "
+        "nothing was sent yet (default 60; 0: for ever)",
+    )
+    run.add_flag(
         "--max-inflight",
         env="FLOTILLA_MAX_INFLIGHT",
         type=_positive_int,
@@ -510,6 +519,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         busy_kv_usage=namespace.busy_kv_usage,
         busy_waiting=namespace.busy_waiting,
         migration_limit=namespace.migration_limit,
+        progress_deadline_s=namespace.progress_deadline,
         max_inflight=namespace.max_inflight,
         max_queued=namespace.max_queued,
         queue_timeout_s=namespace.queue_timeout,

@@ -40,6 +40,7 @@ class RunOptions:
     busy_kv_usage: float | None = None  # --router-mode kv: busy thresholds (frontend_gateway/routing/)
     busy_waiting: int | None = None
     migration_limit: int = 0
+    progress_deadline_s: float = 60.0  # out=dyn: FLOTILLA_STREAM_PROGRESS_DEADLINE_S (runtime/request_plane/)
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)
     max_queued: int = 16384
     queue_timeout_s: float = 120.0

@@ -194,6 +194,7 @@ async def run_ingress(options: RunOptions) -> int:
     runtime = await connect_runtime()
     if runtime is None:
         return 0  # stopped by SIGTERM before etcd and NATS answered
+    runtime.progress_deadline = options.progress_deadline_s
     registry = ModelRegistry()
     metrics = GatewayMetrics()
     watcher = ModelWatcher(

@@ -54,6 +54,9 @@ class DistributedRuntime:
         self._client_lock = asyncio.Lock()
         self._shutdown = asyncio.Event()
         self._fenced: str | None = None  # why the control plane fenced this worker, once it has
+        #: How long the client's streams wait for an output (None: FLOTILLA_STREAM_PROGRESS_DEADLINE_S);
+        #: read when the client starts.
+        self.progress_deadline: float | None = None
 
     @classmethod
     async def connect(
@@ -114,7 +117,9 @@ class DistributedRuntime:
                     self.nc,
                     silence_timeout=silence,
                     gone_after=stream_gone_after_seconds(),
-                    progress_deadline=stream_progress_deadline_seconds(),
+                    progress_deadline=(
+                        stream_progress_deadline_seconds() if self.progress_deadline is None else self.progress_deadline
+                    ),
                 )
                 await client.start()
                 self._client = client  # published only once started

@@ -21,9 +21,13 @@ STUCK = Path(__file__).parent / "engines" / "stuck.py"
 DEADLINE_S = 2
 
 
-def start_ingress(cluster: Cluster, *args: str) -> Server:
+def start_ingress(cluster: Cluster, *args: str, flag: bool = False) -> Server:
+    """An ingress whose progress deadline is DEADLINE_S, by its flag or by its variable."""
     log_path = cluster.directory / f"ingress-{len(cluster.servers)}.log"
-    env = cluster.env(FLOTILLA_STREAM_PROGRESS_DEADLINE_S=str(DEADLINE_S))
+    if flag:
+        args, env = ("--progress-deadline", str(DEADLINE_S), *args), cluster.env()
+    else:
+        env = cluster.env(FLOTILLA_STREAM_PROGRESS_DEADLINE_S=str(DEADLINE_S))
     server = start_server(["out=dyn", *args], log_path, env=env)
     cluster.servers.append(server)
     return server
@@ -74,7 +78,7 @@ def stream(ingress: Server, max_tokens: int) -> tuple[int, list[dict[str, str]],
 def test_a_stream_whose_engine_gets_stuck_moves_to_another_worker_after_the_progress_deadline(
     cluster: Cluster,
 ) -> None:
-    ingress = start_ingress(cluster, "--migration-limit", "1")
+    ingress = start_ingress(cluster, "--migration-limit", "1", flag=True)
     stuck = start_worker(cluster, stuck_after=10)
     start_worker(cluster)
     wait_until(lambda: served_models(ingress) == [MODEL], 15, "the model did not appear")
