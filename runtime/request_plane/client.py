@@ -121,7 +121,10 @@ class RequestClient:
         return False
 
     def _shun(self, subject: str) -> None:
-        self._avoid[subject] = time.monotonic() + AVOID_S
+        now = time.monotonic()
+        # Expired entries go here (rarely), not only when asked about: a dead instance is never asked again.
+        self._avoid = {avoided: until for avoided, until in self._avoid.items() if until > now}
+        self._avoid[subject] = now + AVOID_S
 
     async def start(self) -> None:
         self._subscription = await self._nc.subscribe(self._prefix + ".*", cb=self._dispatch)
