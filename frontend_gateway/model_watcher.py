@@ -213,7 +213,7 @@ class ModelWatcher:
             return
         elif _newer_router(pool.router_entry, entry):
             await self._reroute(pool, entry, key)
-        instance = InstanceInfo(entry.instance_id, entry.subject)
+        instance = InstanceInfo(entry.instance_id, entry.subject, endpoint_of_model_key(key))
         pool.instances.add(instance)
         pool.router.instance_added(instance)
         self._pooled[key] = entry

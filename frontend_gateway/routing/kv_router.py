@@ -1,10 +1,20 @@
 """The KV-aware router (``--router-mode kv``): each request to the worker where it costs least.
 
-It listens, on the pool's component subjects, to the workers' KV events (which blocks each holds)
-and load reports, hashes each request's prompt in blocks of the card's block size, and scores the
-candidates with kv_scoring.py. Its decision (``choose``) is pure; the listening happens in tasks
-started by ``start``, supervised (a failed subscription is logged and made again) and stopped by
-``close``.
+It listens, on the subjects of the components its pool's instances serve, to the workers' KV events
+(which blocks each holds) and load reports, hashes each request's prompt in blocks of the card's
+block size, and scores the candidates with kv_scoring.py. Its decision (``choose``) is pure; the
+listening happens in tasks started by ``start`` (the first instance's component) and
+``instance_added`` (any other component), supervised (a failed subscription is logged and made
+again) and stopped by ``close``, or when the last instance of a component leaves.
+
+One router listens per component rather than pool only like endpoints: a pool is the instances
+that answer alike (model_watcher.card_differences), and where an instance listens says how to
+reach it, not how it answers. Instances of one served model under two namespaces or components (a
+pipeline redeployed under a new name, two deployments of one model) then all serve, with their
+caches known; refusing the second set would leave it idle with nothing but a log line. The cost is
+one pair of subscriptions per component, made when its first instance joins, dropped when its last
+leaves; an instance is asked for its cache only once its component's subscriptions are confirmed, so
+that no event between the answer and the subscription is lost.
 
 The index starts from what the workers say: each instance that joins is asked for its whole cache
 (``KvStateRequest`` on its ``kv_state`` subject), and asked again whenever its event batches show a
@@ -90,6 +100,8 @@ class KvRouter:
         self._instances: set[int] = set()  # in the pool: only their events and reports count
         self._ranks: dict[int, tuple[int, ...]] = {}  # instance -> dp ranks seen (0 until others show up)
         self._last_event: dict[Worker, int] = {}
+        self._component_of: dict[int, tuple[str, str]] = {}  # instance -> its (namespace, component)
+        self._components: dict[tuple[str, str], _Component] = {}
         self._syncing: set[Worker] = set()
         self._sync_tasks: set[asyncio.Task[None]] = set()
         self._supervisor = Supervisor(on_fatal=lambda: None)  # every task is restarted: none is fatal
@@ -102,18 +114,10 @@ class KvRouter:
         self.state_syncs = 0
 
     async def start(self) -> None:
-        """Subscribe to the pool's load reports (and KV events) and wait until NATS has the subscriptions."""
-        subscribed = [self._own_listener(self.address.load_metrics_subject(), self._on_load, "load reports")]
-        if self.settings.use_kv_events:
-            subscribed.append(self._own_listener(self.address.kv_events_subject(), self._on_events, "KV events"))
-        try:
-            async with asyncio.timeout(STATE_TIMEOUT_S):
-                for ready in subscribed:
-                    await ready.wait()
-            await flush(self._nc, within=STATE_TIMEOUT_S)
-        except (TimeoutError, nats.errors.Error) as exc:
-            # NATS is away: the subscriptions are made (nats-py sends them once it reconnects) or retried.
-            log.warning("the KV router of %s could not confirm its subscriptions yet: %r", self.address, exc)
+        """Subscribe to the load reports (and KV events) of the pool's first component and wait until NATS
+        has the subscriptions; that component is listened to until ``close``."""
+        component = self._listen(self.address, home=True)
+        await component.confirmed(self._nc)
 
     async def close(self) -> None:
         """Stop listening and asking; the router is not used afterwards."""
@@ -121,6 +125,9 @@ class KvRouter:
         for task in list(self._sync_tasks):
             task.cancel()
         await asyncio.gather(*self._sync_tasks, return_exceptions=True)
+        components, self._components = list(self._components.values()), {}
+        for component in components:
+            await component.supervisor.close()
         await self._supervisor.close()
 
     def choose(self, request: PreprocessedRequest | TextRequest, candidates: Sequence[InstanceInfo]) -> Decision | None:
@@ -194,6 +201,11 @@ class KvRouter:
         instance_id = instance.instance_id
         if instance_id in self._instances:
             return
+        address = instance.address or self.address
+        key = (address.namespace, address.component)
+        component = self._components.get(key) or self._listen(address, home=False)
+        component.instances.add(instance_id)
+        self._component_of[instance_id] = key
         self._instances.add(instance_id)
         self._ranks.setdefault(instance_id, (0,))
         if self.settings.use_kv_events:
@@ -203,6 +215,14 @@ class KvRouter:
         """Forget ``instance_id``: its blocks, its load, its ranks; its late events will be ignored."""
         self._instances.discard(instance_id)
         self._ranks.pop(instance_id, None)
+        key = self._component_of.pop(instance_id, None)
+        component = self._components.get(key) if key is not None else None
+        if component is not None:
+            component.instances.discard(instance_id)
+            if not component.home and not component.instances:
+                # Its last instance left: stop listening to it (in a task, owned like the others).
+                del self._components[component.key]
+                self._supervisor.own(component.supervisor.close, name=f"closing {component.name}", restart=False)
         self.indexer.remove_instance(instance_id)
         self.load.remove_instance(instance_id)
         for worker in [worker for worker in self._last_event if worker[0] == instance_id]:
@@ -210,11 +230,13 @@ class KvRouter:
 
     # -- what the router hears ------------------------------------------------------------------
 
-    def _on_events(self, data: bytes) -> None:
+    def _on_events(self, data: bytes, subject: str | None = None) -> None:
         try:
             batch = _decode_batch(data)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            self._malformed.report(f"a malformed KV event batch on {self.address.kv_events_subject()}: {exc}")
+            self._malformed.report(
+                f"a malformed KV event batch on {subject or self.address.kv_events_subject()}: {exc}"
+            )
             return
         if batch.event_id < 0 or not 0 <= batch.dp_rank <= MAX_DP_RANK:
             self._malformed.report(f"a KV event batch with event_id {batch.event_id}, dp_rank {batch.dp_rank}")
@@ -240,11 +262,13 @@ class KvRouter:
             log.debug("KV events of %x rank %d jumped to %d (expected %d)", *worker, batch.event_id, expected)
             self._ask_state(worker)
 
-    def _on_load(self, data: bytes) -> None:
+    def _on_load(self, data: bytes, subject: str | None = None) -> None:
         try:
             report = _decode_load(data)
         except msgspec.DecodeError as exc:
-            self._malformed.report(f"a malformed load report on {self.address.load_metrics_subject()}: {exc}")
+            self._malformed.report(
+                f"a malformed load report on {subject or self.address.load_metrics_subject()}: {exc}"
+            )
             return
         if report.instance_id not in self._instances or not 0 <= report.dp_rank <= MAX_DP_RANK:
             return
@@ -281,10 +305,15 @@ class KvRouter:
     async def _sync_state(self, worker: Worker) -> None:
         """Ask ``worker`` for its whole cache, a few times if it does not answer; apply the answer."""
         instance_id, rank = worker
-        subject = self.address.kv_state_subject(instance_id)
+        component = self._components.get(self._component_of.get(instance_id, ("", "")))
+        address = component.address if component is not None else self.address
+        subject = address.kv_state_subject(instance_id)
         payload = _encode(KvStateRequest(dp_rank=rank))
         why = "no answer"
         try:
+            if component is not None and not component.home:
+                # An answer that came before the events were heard would miss those in between.
+                await component.confirmed(self._nc)
             for delay in (*STATE_RETRY_DELAYS_S, None):
                 if instance_id not in self._instances:
                     return
@@ -317,23 +346,63 @@ class KvRouter:
         if worker[0] in self._instances:
             self._apply_state(worker, batch)
 
-    def _own_listener(self, subject: str, handle: Callable[[bytes], None], what: str) -> asyncio.Event:
-        """Listen on ``subject`` in a supervised task (re-subscribing after a failure); set once subscribed."""
+    def _listen(self, address: EndpointAddress, *, home: bool) -> "_Component":
+        """Start listening to the load reports (and KV events) of ``address``'s component."""
+        component = _Component(address, home=home)
+        self._components[component.key] = component
+        if not home:
+            log.info(
+                "the KV router of %s listens to %s too (an instance of its pool serves there)", self.address, address
+            )
+        self._own_listener(component, address.load_metrics_subject(), self._on_load, "load reports")
+        if self.settings.use_kv_events:
+            self._own_listener(component, address.kv_events_subject(), self._on_events, "KV events")
+        return component
+
+    def _own_listener(
+        self, component: "_Component", subject: str, handle: Callable[[bytes, str], None], what: str
+    ) -> None:
+        """Listen on ``subject`` in a task of ``component``'s supervisor (re-subscribing after a failure)."""
         subscribed = asyncio.Event()
+        component.subscribed.append(subscribed)
 
         async def listen() -> None:
             subscription = await self._nc.subscribe(subject)
             subscribed.set()
             try:
                 async for message in subscription.messages:
-                    handle(message.data)
+                    handle(message.data, subject)
                     self.changed.set()
             finally:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()
 
-        self._supervisor.own(listen, name=f"KV router {what} on {subject}", restart=True)
-        return subscribed
+        component.supervisor.own(listen, name=f"KV router {what} on {subject}", restart=True)
+
+
+class _Component:
+    """One component a pool's instances serve: its listeners, and the pool's instances there."""
+
+    def __init__(self, address: EndpointAddress, *, home: bool) -> None:
+        self.address = address
+        self.key = (address.namespace, address.component)
+        self.name = f"{address.namespace}.{address.component}"
+        #: The first instance's component: listened to from ``start`` to ``close``, whoever is in it.
+        self.home = home
+        self.instances: set[int] = set()
+        self.subscribed: list[asyncio.Event] = []
+        self.supervisor = Supervisor(on_fatal=lambda: None)  # every listener is restarted: none is fatal
+
+    async def confirmed(self, nc: NATS) -> None:
+        """Wait until NATS has this component's subscriptions (a warning, not an error, if it cannot say)."""
+        try:
+            async with asyncio.timeout(STATE_TIMEOUT_S):
+                for ready in self.subscribed:
+                    await ready.wait()
+            await flush(nc, within=STATE_TIMEOUT_S)
+        except (TimeoutError, nats.errors.Error) as exc:
+            # NATS is away: the subscriptions are made (nats-py sends them once it reconnects) or retried.
+            log.warning("the KV router could not confirm its subscriptions to %s yet: %r", self.name, exc)
 
 
 class _RateLimitedWarning:

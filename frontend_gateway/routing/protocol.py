@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from runtime.addressing import EndpointAddress
 from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.protocol import PreprocessedRequest, TextRequest
 
@@ -35,10 +36,12 @@ class RouterMode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class InstanceInfo:
-    """A routable instance: its id and the subject it listens on."""
+    """A routable instance: its id, the subject it listens on, and the endpoint it serves (None: the
+    pool's first instance's; the KV router hears each component's events on that component's subjects)."""
 
     instance_id: int
     subject: str
+    address: EndpointAddress | None = None
 
     @property
     def name(self) -> str:

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from frontend_gateway import model_watcher
 from frontend_gateway.model_watcher import ModelWatcher, endpoint_of_model_key
@@ -18,7 +19,9 @@ from runtime.discovery import MODELS_PREFIX
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
 from runtime.fleet_tasks import PipelineRouter
+from runtime.kv_events import BlockStored, KvEventBatch
 from runtime.model_card import ModelCard, ModelType
+from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, TextRequest
 from tests.infra import EtcdServer, NatsServer
 
@@ -232,3 +235,62 @@ async def test_each_model_is_routed_as_its_workers_registered_else_as_the_gatewa
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
+
+
+async def test_a_kv_pool_spanning_components_hears_each_component_s_events_and_answers(
+    runtime: DistributedRuntime, nats_server: NatsServer
+) -> None:
+    registry = ModelRegistry()
+    watcher = ModelWatcher(runtime, registry, router=RouterSettings(mode=RouterMode.KV))
+    watch = asyncio.create_task(watcher.run())
+    workers = await connect_nats(nats_server.url, name="workers")
+    other = EndpointAddress("llm", "other", "generate")
+    asked: list[str] = []
+
+    async def answer_state(message: Msg) -> None:
+        asked.append(message.subject)
+        await message.respond(
+            msgspec.msgpack.encode(KvEventBatch(instance_id=2, event_id=0, events=[BlockStored([7])]))
+        )
+
+    await workers.subscribe(other.kv_state_subject(2), cb=answer_state)
+    await flush(workers)
+    try:
+        await runtime.discovery.register(key(1), chat_entry("m", 1, block_size=16))
+        await until(watcher, lambda: registry.names() == ["m"])
+        router = router_of(registry, "m")
+        assert isinstance(router, KvRouter)
+        await runtime.discovery.register(key(2, component="other"), chat_entry("m", 2, block_size=16))
+        # Instance 2 is asked for its cache on its own component's subject, and its answer counts.
+        await kv_until(router, lambda: router.indexer.find_matches([7]) == {(2, 0): 1})
+        assert asked == [other.kv_state_subject(2)]
+        # Its events, published on its component's subject, are heard.
+        stored = KvEventBatch(instance_id=2, event_id=1, events=[BlockStored([8], parent_hash=7)])
+        await workers.publish(other.kv_events_subject(), msgspec.msgpack.encode(stored))
+        await flush(workers)
+        await kv_until(router, lambda: router.indexer.find_matches([7, 8]) == {(2, 0): 2})
+        # Once its last instance leaves, the component is no longer listened to.
+        await runtime.discovery.deregister(key(2, component="other"))
+        await until(watcher, lambda: pooled_ids(registry, "m") == {1})
+        assert [component.name for component in router._components.values()] == ["llm.backend"]
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await watcher.close()
+        await workers.close()
+
+
+def pooled_ids(registry: ModelRegistry, name: str) -> set[int]:
+    model = registry.get(name)
+    assert model is not None and isinstance(model.engine, RemoteTextEngine | RemoteTokenEngine)
+    return {info.instance_id for info in model.engine.instances.snapshot()}
+
+
+async def kv_until(router: KvRouter, condition: Callable[[], bool]) -> None:
+    """Wait for the KV router to reach ``condition`` (it sets ``changed`` after every message it hears)."""
+    async with asyncio.timeout(10):
+        while True:
+            router.changed.clear()
+            if condition():
+                return
+            await router.changed.wait()
