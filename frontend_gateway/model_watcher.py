@@ -13,8 +13,12 @@ instance registered (its pipeline's) or else the watcher's ``RouterSettings``, w
 block size, started with the pool and closed when the pool goes; it hears of every instance that joins
 or leaves. An instance that registers a later generation of its pipeline's router settings (the
 control plane rolls a change of them out to the workers) makes the pool change routers, without a
-restart. A registration that cannot be applied (a malformed entry, a tokenizer missing or broken, a NATS
-timeout) is logged with its key and skipped: it never stops the watch.
+restart. A later instance whose router settings differ from those the pool routes with, and are of
+no later generation, changes nothing: a warning (once per instance) names the settings that differ.
+The control plane's rule decides (``PipelineRouter.generation``): the newest generation wins, and
+between settings of one generation the first instance's. A registration that cannot be applied (a
+malformed entry, a tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it
+never stops the watch.
 """
 
 import asyncio
@@ -76,6 +80,24 @@ def _newer_router(current: ModelEntry, new: ModelEntry) -> bool:
     return current.router is None or new.router.generation > current.router.generation
 
 
+def router_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
+    """The router settings ``new`` registered that differ from those ``pool`` routes with.
+
+    Returns {setting: "pool value vs new value"}, with the generations when they differ too; empty when
+    ``new`` registered none (it takes whatever its pool is routed with) or settings that route alike.
+    """
+    ours, theirs = pool.router, new.router
+    if theirs is None or ours is None or theirs == ours:
+        return {}  # (settings registered to a pool routed with the gateway's own are a newer generation)
+    differences: dict[str, str] = {}
+    for field in theirs.__struct_fields__:
+        if (value := getattr(theirs, field)) != (pooled := getattr(ours, field)) and field != "generation":
+            differences[field] = f"{pooled} vs {value}"
+    if differences and theirs.generation != ours.generation:
+        differences["generation"] = f"{ours.generation} vs {theirs.generation}"
+    return differences
+
+
 def _short(digest: str | None) -> str:
     return "none" if digest is None else f"sha256 {digest[:12]}"
 
@@ -127,6 +149,7 @@ class ModelWatcher:
         self._pools: dict[str, _Pool] = {}
         self._pooled: dict[str, ModelEntry] = {}  # etcd key -> the entry of an instance in a pool
         self._refused: dict[str, ModelEntry] = {}  # etcd key -> an entry kept out of its model's pool
+        self._router_warned: set[str] = set()  # etcd keys whose ignored router settings were logged
         self._applied: dict[str, bytes] = {}  # etcd key -> its value, for every key pooled or refused
         self._tokenizers: dict[str, tuple[str, Tokenizer]] = {}  # digest -> (JSON, tokenizer), oldest first
         self.changed = asyncio.Event()  # set after every event handled (tests await it)
@@ -213,6 +236,14 @@ class ModelWatcher:
             return
         elif _newer_router(pool.router_entry, entry):
             await self._reroute(pool, entry, key)
+        elif (differences := router_differences(pool.router_entry, entry)) and key not in self._router_warned:
+            self._router_warned.add(key)
+            details = ", ".join(f"{field} ({values})" for field, values in differences.items())
+            log.warning(
+                "instance %x of model %r registered other router settings than its pool is routed with, of no "
+                "later generation; they are ignored (the newest generation wins, then the first instance's): %s",
+                entry.instance_id, name, details,
+            )  # fmt: skip
         instance = InstanceInfo(entry.instance_id, entry.subject, endpoint_of_model_key(key))
         pool.instances.add(instance)
         pool.router.instance_added(instance)
@@ -247,6 +278,7 @@ class ModelWatcher:
     async def _forget(self, key: str) -> None:
         """Drop what ``key`` registered; a model whose last instance left is no longer served."""
         self._applied.pop(key, None)
+        self._router_warned.discard(key)
         if self._refused.pop(key, None) is not None:
             return
         entry = self._pooled.pop(key, None)

@@ -321,3 +321,37 @@ async def test_an_instance_with_newer_router_settings_makes_its_pool_change_rout
         assert isinstance(model.engine.router, RandomRouter)
     finally:
         watch.cancel()
+
+
+async def test_a_later_instance_with_other_router_settings_of_no_newer_generation_is_warned_about_once(
+    runtime: DistributedRuntime, watcher: ModelWatcher, registry: ModelRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    watch = asyncio.create_task(watcher.run())
+    try:
+        await runtime.discovery.register(key(1), routed_entry("m", 1, "round-robin", generation=3))
+        await until(watcher, lambda: "m" in registry.names())
+        model = registry.get("m")
+        assert model is not None and isinstance(model.engine, RemoteTextEngine)
+        router = model.engine.router
+        with caplog.at_level(logging.WARNING, logger="frontend_gateway.model_watcher"):
+            # Same generation, other settings (two workers started by hand with other --router-* flags).
+            await runtime.discovery.register(key(2), routed_entry("m", 2, "random", generation=3))
+            await until(watcher, lambda: pooled(registry, "m") == {1, 2})
+            # Its registration changed (not its settings): no second warning.
+            entry = msgspec.json.decode(routed_entry("m", 2, "random", generation=3), type=ModelEntry)
+            await runtime.discovery.register(key(2), msgspec.json.encode(msgspec.structs.replace(entry, subject="s.2")))
+            await until(watcher, lambda: watcher._pooled[key(2)].subject == "s.2")
+            # An older generation: ignored too, and said; the same settings of another generation: nothing to say.
+            await runtime.discovery.register(key(3), routed_entry("m", 3, "random", generation=2))
+            await runtime.discovery.register(key(4), routed_entry("m", 4, "round-robin", generation=1))
+            await until(watcher, lambda: pooled(registry, "m") == {1, 2, 3, 4})
+        assert model.engine.router is router  # the first instance's settings, of the newest generation, stand
+        warnings = [record.getMessage() for record in caplog.records if "router settings" in record.getMessage()]
+        assert len(warnings) == 2, warnings
+        assert warnings[0].startswith("instance 2 of model 'm' registered other router settings")
+        assert warnings[0].endswith(": mode (round-robin vs random)")
+        assert warnings[1].startswith("instance 3 of model 'm'")
+        assert warnings[1].endswith(": mode (round-robin vs random), generation (3 vs 2)")
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
