@@ -29,6 +29,11 @@ class Supervisor:
         self._tasks: set[asyncio.Task[None]] = set()
         self.failure: str | None = None
 
+    @property
+    def running(self) -> int:
+        """How many owned tasks have not ended."""
+        return len(self._tasks)
+
     def own_task(self, task: asyncio.Task[None]) -> None:
         """Keep a running task; an exception from it is fatal (there is nothing to restart it from)."""
         self._tasks.add(task)

@@ -103,7 +103,8 @@ class KvRouter:
         self._component_of: dict[int, tuple[str, str]] = {}  # instance -> its (namespace, component)
         self._components: dict[tuple[str, str], _Component] = {}
         self._syncing: set[Worker] = set()
-        self._sync_tasks: set[asyncio.Task[None]] = set()
+        # The asks for workers' caches: one that fails (a bug, not an unanswered ask) is logged and made again.
+        self._syncs = Supervisor(on_fatal=lambda: None)
         self._supervisor = Supervisor(on_fatal=lambda: None)  # every task is restarted: none is fatal
         self._malformed = _RateLimitedWarning(MALFORMED_REPORT_S)
         self._closed = False
@@ -122,9 +123,7 @@ class KvRouter:
     async def close(self) -> None:
         """Stop listening and asking; the router is not used afterwards."""
         self._closed = True
-        for task in list(self._sync_tasks):
-            task.cancel()
-        await asyncio.gather(*self._sync_tasks, return_exceptions=True)
+        await self._syncs.close()
         components, self._components = list(self._components.values()), {}
         for component in components:
             await component.supervisor.close()
@@ -298,11 +297,25 @@ class KvRouter:
         if self._closed or worker in self._syncing:
             return
         self._syncing.add(worker)
-        task = asyncio.create_task(self._sync_state(worker), name=f"KV state of {worker[0]:x}")
-        self._sync_tasks.add(task)
-        task.add_done_callback(self._sync_tasks.discard)
+        self._syncs.own(
+            lambda: self._sync_state(worker), name=f"KV state of {worker[0]:x} rank {worker[1]}", restart=True
+        )
 
     async def _sync_state(self, worker: Worker) -> None:
+        """Ask ``worker`` for its cache until answered or given up (see _ask_for_state); on a failure the
+        worker stays being synced, and the supervisor logs it and starts the asking over."""
+        failed = False
+        try:
+            await self._ask_for_state(worker)
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if not failed:
+                self._syncing.discard(worker)
+            self.changed.set()
+
+    async def _ask_for_state(self, worker: Worker) -> None:
         """Ask ``worker`` for its whole cache, a few times if it does not answer; apply the answer."""
         instance_id, rank = worker
         component = self._components.get(self._component_of.get(instance_id, ("", "")))
@@ -310,29 +323,25 @@ class KvRouter:
         subject = address.kv_state_subject(instance_id)
         payload = _encode(KvStateRequest(dp_rank=rank))
         why = "no answer"
-        try:
-            if component is not None and not component.home:
-                # An answer that came before the events were heard would miss those in between.
-                await component.confirmed(self._nc)
-            for delay in (*STATE_RETRY_DELAYS_S, None):
-                if instance_id not in self._instances:
-                    return
-                try:
-                    reply = await self._nc.request(subject, payload, timeout=STATE_TIMEOUT_S)
-                except nats.errors.Error as exc:
-                    why = type(exc).__name__
-                else:
-                    self._on_state(worker, reply.data)
-                    return
-                if delay is not None:
-                    await asyncio.sleep(delay)
-            log.info(
-                "instance %x rank %d did not send its KV cache state (%s): its cache is learned from its events only",
-                instance_id, rank, why,
-            )  # fmt: skip
-        finally:
-            self._syncing.discard(worker)
-            self.changed.set()
+        if component is not None and not component.home:
+            # An answer that came before the events were heard would miss those in between.
+            await component.confirmed(self._nc)
+        for delay in (*STATE_RETRY_DELAYS_S, None):
+            if instance_id not in self._instances:
+                return
+            try:
+                reply = await self._nc.request(subject, payload, timeout=STATE_TIMEOUT_S)
+            except nats.errors.Error as exc:
+                why = type(exc).__name__
+            else:
+                self._on_state(worker, reply.data)
+                return
+            if delay is not None:
+                await asyncio.sleep(delay)
+        log.info(
+            "instance %x rank %d did not send its KV cache state (%s): its cache is learned from its events only",
+            instance_id, rank, why,
+        )  # fmt: skip
 
     def _on_state(self, worker: Worker, data: bytes) -> None:
         try:

@@ -298,9 +298,9 @@ async def test_a_subscription_that_fails_is_logged_and_made_again(
 
 async def test_a_closed_router_stops_listening_and_asking(make_router: Any, nc: NATS, publisher: NATS) -> None:
     closed = await make_router()  # A and B answer no kv_state: their asks are being retried now
-    assert closed._sync_tasks
+    assert closed._syncs.running
     await closed.close()
-    assert not closed._sync_tasks
+    assert not closed._syncs.running
     witness = await make_router()
     await publish(publisher, A, 1, BlockStored(HASHES))
     await until(witness, lambda: blocks_of(witness, A) == 8)
@@ -323,3 +323,36 @@ async def test_an_instance_is_busy_only_once_every_dp_rank_is_past_a_threshold(
     await until(router, lambda: router.busy(A.instance_id))
     assert not router.busy(B.instance_id)
     assert not (await make_router()).busy(A.instance_id)  # no thresholds: never busy
+
+
+async def test_an_ask_for_a_cache_that_dies_is_logged_and_made_again(
+    make_router: Any, publisher: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    asked = 0
+
+    async def answer(message: Msg) -> None:
+        nonlocal asked
+        asked += 1
+        state = KvEventBatch(instance_id=B.instance_id, event_id=0, events=[BlockStored(HASHES[:6])])
+        await message.respond(msgspec.msgpack.encode(state))
+
+    await publisher.subscribe(ADDRESS.kv_state_subject(B.instance_id), cb=answer)
+    await flush(publisher)
+    router = await make_router(instances=(A,))
+    on_state = router._on_state
+    deaths = 0
+
+    def dying_once(worker: Any, data: bytes) -> None:
+        nonlocal deaths
+        if deaths == 0:
+            deaths += 1
+            raise RuntimeError("a bug while applying the answer")
+        on_state(worker, data)
+
+    router._on_state = dying_once  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="runtime.supervision"):
+        router.instance_added(B)
+        await until(router, lambda: blocks_of(router, B) == 6)
+    assert (deaths, asked) == (1, 2)
+    assert "background task 'KV state of b rank 0' failed; restarting it" in caplog.text
+    assert "a bug while applying the answer" in caplog.text
