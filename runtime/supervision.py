@@ -41,22 +41,8 @@ class Supervisor:
 
     def own(self, factory: TaskFactory, *, name: str, restart: bool) -> None:
         """Run ``factory()`` as a task named ``name``; on an exception restart it, or fail if not ``restart``."""
-        coroutine = self._restarting(factory, name) if restart else factory()
+        coroutine = restarting(factory, name) if restart else factory()
         self.own_task(asyncio.create_task(coroutine, name=name))
-
-    async def _restarting(self, factory: TaskFactory, name: str) -> None:
-        delay = RESTART_DELAY_MIN
-        while True:
-            started = time.monotonic()
-            try:
-                await factory()
-                return
-            except Exception:
-                if time.monotonic() - started >= HEALTHY_RUN_S:
-                    delay = RESTART_DELAY_MIN
-                log.exception("background task %r failed; restarting it in %.1f s", name, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RESTART_DELAY_MAX)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -82,3 +68,20 @@ class Supervisor:
             # A task that failed while being cancelled (in its cleanup) would go unseen otherwise.
             if isinstance(result, Exception):
                 log.error("background task %r failed while stopping", task.get_name(), exc_info=result)
+
+
+async def restarting(factory: TaskFactory, name: str) -> None:
+    """Run ``factory()`` until it returns; each time it raises, log the traceback and run it again after
+    a backoff. For a task its owner holds and cancels itself (a server's loops): it dies only when cancelled."""
+    delay = RESTART_DELAY_MIN
+    while True:
+        started = time.monotonic()
+        try:
+            await factory()
+            return
+        except Exception:
+            if time.monotonic() - started >= HEALTHY_RUN_S:
+                delay = RESTART_DELAY_MIN
+            log.exception("background task %r failed; restarting it in %.1f s", name, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, RESTART_DELAY_MAX)

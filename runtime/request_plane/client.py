@@ -49,6 +49,7 @@ from runtime.request_plane.wire import (
     encode,
     unknown_decoder,
 )
+from runtime.supervision import restarting
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class RequestClient:
             # A burst of requests on a cold ingress queues ahead of the PONG; the SUB went out before
             # any request will, and the server keeps a connection's order, so requests may go on.
             log.warning("NATS is slow to confirm this ingress's inbox subscription (over 10 s); going on")
-        self._spawn(self._probe_forever())
+        # Restarted if it dies (a bug): without it, no dead worker's streams would be cut.
+        self._spawn(restarting(self._probe_forever, "request client probes"))
 
     async def close(self) -> None:
         self._acks.close()

@@ -40,6 +40,7 @@ from runtime.request_plane.wire import (
     encode,
     envelope_decoder,
 )
+from runtime.supervision import restarting
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +160,15 @@ class EndpointServer:
     async def start(self) -> None:
         self._frame_limit()
         self._due_wake = Wakeup()
-        self._sender = asyncio.create_task(self._send_forever(), name=f"sender {self.subject}")
+        # Both loops are restarted if they die (a bug): a worker without them looks frozen to its clients.
+        sender = f"sender {self.subject}"
+        self._sender = asyncio.create_task(restarting(self._send_forever, sender), name=sender)
         self._requests = await self._nc.subscribe(self.subject, cb=self._on_request)
         self._control = await self._nc.subscribe(control_subject(self.subject), cb=self._on_control)
         # Make sure the server has the subscriptions before anyone is told this instance exists.
         await flush(self._nc)
-        self._heartbeats = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeats {self.subject}")
+        name = f"heartbeats {self.subject}"
+        self._heartbeats = asyncio.create_task(restarting(self._heartbeat_loop, name), name=name)
 
     async def stop_taking_requests(self) -> None:
         """Refuse new requests from now on; streams in flight, stops, acks and probes go on."""

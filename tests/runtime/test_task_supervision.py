@@ -2,16 +2,19 @@
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
 import pytest
+from nats.aio.client import Client as NATS
 
 from runtime.addressing import EndpointAddress
 from runtime.distributed import DistributedRuntime, worker
 from runtime.engine import RequestContext
 from runtime.errors import BackgroundTaskFailed
+from runtime.nats_connection import connect_nats
+from runtime.request_plane import EndpointServer, RequestClient
 from runtime.supervision import Supervisor
 from tests.infra import EtcdServer, NatsServer
 
@@ -137,3 +140,62 @@ async def test_concurrent_first_calls_all_get_a_started_request_client(
 
     answers = await asyncio.gather(*(first_request(index) for index in range(16)))
     assert answers == [[0, 1, 2]] * 16
+
+
+def dying_once(loop: Callable[[], Coroutine[Any, Any, None]], second_run: asyncio.Event) -> Callable[[], Any]:
+    """``loop``, except that its first run dies of a bug."""
+    runs = 0
+
+    async def run() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            await asyncio.sleep(0)
+            raise Broken("the loop fell over")
+        second_run.set()
+        await loop()
+
+    return run
+
+
+@pytest.fixture
+async def connections(nats_server: NatsServer) -> AsyncIterator[tuple[NATS, NATS]]:
+    worker_nc = await connect_nats(nats_server.url, name="worker")
+    client_nc = await connect_nats(nats_server.url, name="client")
+    yield worker_nc, client_nc
+    await worker_nc.close()
+    await client_nc.close()
+
+
+@pytest.mark.parametrize("loop", ["_heartbeat_loop", "_send_forever"])
+async def test_a_request_plane_server_s_loop_that_dies_is_logged_and_restarted(
+    connections: tuple[NATS, NATS], loop: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker_nc, client_nc = connections
+    server = EndpointServer(worker_nc, "flotilla.test.backend.generate.1", count, heartbeat_interval=0.05)
+    second_run = asyncio.Event()
+    setattr(server, loop, dying_once(getattr(server, loop), second_run))
+    await server.start()
+    async with asyncio.timeout(30):
+        await second_run.wait()
+    assert "failed; restarting it" in caplog.text and "the loop fell over" in caplog.text
+    client = RequestClient(client_nc)
+    await client.start()
+    frames = client.call(server.subject, "r", msgspec.msgpack.encode(3))
+    assert [msgspec.msgpack.decode(payload) async for frame in frames for payload in frame] == [0, 1, 2]
+    await client.close()
+    await server.close()
+
+
+async def test_the_request_client_s_probe_loop_that_dies_is_logged_and_restarted(
+    connections: tuple[NATS, NATS], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, client_nc = connections
+    client = RequestClient(client_nc)
+    second_run = asyncio.Event()
+    client._probe_forever = dying_once(client._probe_forever, second_run)  # type: ignore[method-assign]
+    await client.start()
+    async with asyncio.timeout(30):
+        await second_run.wait()
+    assert "'request client probes' failed; restarting it" in caplog.text
+    await client.close()
