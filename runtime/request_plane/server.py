@@ -16,6 +16,7 @@ from runtime.engine import RequestContext
 from runtime.errors import FlotillaError
 from runtime.loop_bound import Wakeup
 from runtime.nats_connection import flush
+from runtime.rate_limited_log import RateLimitedLog
 from runtime.request_plane.flow import FRAME_OVERHEAD, batches, fitting
 from runtime.request_plane.wire import (
     ABANDONED,
@@ -150,12 +151,17 @@ class EndpointServer:
         self._waiting = waiting or (lambda: len(self._streams))
         # DATA and END frames sent on every stream: heartbeats carry it (see Frame.progress).
         self._frames_sent = 0
-        #: Requests refused because the queue was full (for tests and metrics).
-        self.refused_busy = 0
+        # Refusals are many when a worker is busy: one line per 10 s says so, with how many.
+        self._busy_log = RateLimitedLog(log, period_s=10.0)
 
     @property
     def active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def refused_busy(self) -> int:
+        """Requests refused because the queue was full."""
+        return self._busy_log.count
 
     async def start(self) -> None:
         self._frame_limit()
@@ -247,11 +253,10 @@ class EndpointServer:
             await self._refuse(msg.reply, f"{self.subject} is shutting down", UNAVAILABLE)
             return
         if self._max_waiting and (waiting := self._waiting()) >= self._max_waiting:
-            # Not logged per request: a busy worker refuses many; its clients count them.
-            self.refused_busy += 1
             reason = (
                 f"{self.subject} is busy: {waiting} request(s) wait for its engine (the limit is {self._max_waiting})"
             )
+            self._busy_log.warning(f"refused a request: {reason}")
             await self._refuse(msg.reply, reason, BUSY)
             return
         if len(msg.data) > self._max_request_bytes:
