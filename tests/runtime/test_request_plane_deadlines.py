@@ -6,15 +6,26 @@ stuck used to wait for ever, its heartbeats arriving on time.
 """
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from runtime.engine import RequestContext
 from runtime.nats_connection import connect_nats
-from runtime.request_plane import EndpointServer, RequestClient, StreamStalled, WorkerBusy
+from runtime.request_plane import (
+    DATA,
+    EndpointServer,
+    Frame,
+    RequestClient,
+    StreamBroken,
+    StreamStalled,
+    WorkerBusy,
+    control_subject,
+)
 from tests.infra import NatsServer
 
 SUBJECT = "flotilla.test.backend.generate.1"
@@ -80,6 +91,32 @@ async def test_a_stream_whose_engine_is_stuck_fails_as_stalled_and_its_worker_is
     assert server.active_requests == 0
     await client.close()
     await server.close()
+
+
+async def test_a_frozen_worker_is_given_half_a_silence_timeout_to_answer_once_silent_on_every_stream(
+    worker: NATS, ingress: NATS
+) -> None:
+    # A worker frozen with its connection open: it sent one output, then nothing, and its probes go
+    # unanswered (someone listens, so NATS does not say "no responders"). Its probe used to get six
+    # silence timeouts.
+    async def answer_once(msg: Msg) -> None:
+        await worker.publish(msg.reply, encode(Frame(DATA, 1, [msgspec.Raw(encode(0))])))
+
+    async def ignore(msg: Msg) -> None:
+        return None
+
+    await worker.subscribe(SUBJECT, cb=answer_once)
+    await worker.subscribe(control_subject(SUBJECT), cb=ignore)
+    await worker.flush()
+    client = RequestClient(ingress, silence_timeout=1.0)
+    await client.start()
+    stream = client.call(SUBJECT, "r1", encode(10))
+    await anext(stream)
+    started = time.monotonic()
+    with pytest.raises(StreamBroken, match="went silent"):
+        await anext(stream)
+    assert time.monotonic() - started < 5  # 1 s of silence and 0.5 s for the probe (7 s before)
+    await client.close()
 
 
 async def test_a_request_waiting_its_turn_is_not_stalled_while_the_engine_works_for_others(
