@@ -41,7 +41,7 @@ from runtime.errors import (
     RequestRejected,
 )
 from runtime.model_card import ModelCard
-from runtime.protocol import FinishReason, PreprocessedRequest, TextRequest, TokenLogprob
+from runtime.protocol import FinishReason, PreprocessedRequest, TextOutput, TextRequest, TokenLogprob
 
 
 class Generation:
@@ -182,8 +182,7 @@ class TokenModel:
         if logprobs is not None:
             generation.logprobs = []
         tokens = self._postprocess(generation, engine_request, skip_special)
-        # Stop strings are applied token by token in _postprocess, which then knows how many tokens were sent.
-        return generation.bind(_finish(generation, tokens, [], 0))
+        return generation.bind(_finish(generation, tokens))
 
     async def _postprocess(
         self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
@@ -342,25 +341,61 @@ class TextModel:
 
     def _prepare(self, text_request: TextRequest) -> Generation:
         generation = Generation(text_request.request_id, 0)
-        texts = self._postprocess(generation, text_request)
-        stop = text_request.stop_conditions
-        return generation.bind(_finish(generation, texts, stop.stop, stop.min_tokens))
+        return generation.bind(_finish(generation, self._postprocess(generation, text_request)))
 
     async def _postprocess(self, generation: Generation, request: TextRequest) -> AsyncIterator[str]:
-        """Count usage as the engine reports it; stop strings are applied by _finish."""
+        """Count usage as the engine reports it, and apply stop strings.
+
+        An output that stands for several (a remote worker's frame: ``parts``) is matched one part at a
+        time, so that a stop string bills the parts up to the one that completes it, as when each comes
+        alone; none ends the stream before ``min_tokens`` tokens.
+        """
+        conditions = request.stop_conditions
+        matcher = StopStringMatcher(conditions.stop) if conditions.stop else None
         outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
                 if output.prompt_tokens is not None:
                     generation.prompt_tokens = output.prompt_tokens
-                generation.completion_tokens += output.completion_tokens
-                if output.text:
-                    yield output.text
+                if matcher is None:
+                    generation.completion_tokens += output.completion_tokens
+                    piece = output.text
+                else:
+                    piece, stopped = self._match_stops(generation, output, matcher, conditions.min_tokens)
+                    if stopped:
+                        generation.finish_reason = "stop"
+                        if piece:
+                            yield piece
+                        return
+                    if output.finish_reason is not None:
+                        piece += matcher.flush()
+                if piece:
+                    yield piece
                 if output.finish_reason is not None:
                     generation.finish_reason = output.finish_reason
                     return
+            if matcher is not None and (tail := matcher.flush()):
+                yield tail
         finally:
             await _aclose(outputs)
+
+    @staticmethod
+    def _match_stops(
+        generation: Generation, output: TextOutput, matcher: StopStringMatcher, min_tokens: int
+    ) -> tuple[str, bool]:
+        """(the text of ``output`` that may be shown, whether a stop string was completed); counts the
+        tokens of its parts up to the one that completes a stop string, or all of them."""
+        shown: list[str] = []
+        start = 0
+        for length, tokens in output.parts or [(len(output.text), output.completion_tokens)]:
+            generation.completion_tokens += tokens
+            text = output.text[start : start + length]
+            start += length
+            safe, hit = matcher.feed(text, may_stop=generation.completion_tokens > min_tokens)
+            shown.append(safe)
+            if hit:
+                return "".join(shown), True
+        return "".join(shown), False
 
 
 def check_parsers(model: str, reasoning: str | None, tool_calls: str | None) -> tuple[str | None, str | None]:
@@ -382,30 +417,16 @@ def check_parsers(model: str, reasoning: str | None, tool_calls: str | None) -> 
     return reasoning, tool_calls
 
 
-async def _finish(
-    generation: Generation, pieces: AsyncIterator[str], stops: list[str], min_tokens: int
-) -> AsyncIterator[str]:
-    """The tail every pipeline shares: stop strings (a text engine's: each piece with the tokens the
-    engine counted for it, none ending the stream before ``min_tokens``), the default finish reason,
-    engine errors, cleanup.
+async def _finish(generation: Generation, pieces: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The tail every pipeline shares: the default finish reason, engine errors, cleanup (each
+    pipeline's _postprocess applies stop strings, where it knows which tokens they leave out).
 
     Whatever ends the stream (its end, a stop string, the consumer closing it, a cancellation), the
     request's context is stopped and the engine's stream closed.
     """
-    matcher = StopStringMatcher(stops) if stops else None
     try:
         async for piece in pieces:
-            if matcher is not None:
-                shown, hit = matcher.feed(piece, may_stop=generation.completion_tokens > min_tokens)
-                if shown:
-                    yield shown
-                if hit:
-                    generation.finish_reason = "stop"
-                    return
-            else:
-                yield piece
-        if matcher is not None and (tail := matcher.flush()):
-            yield tail
+            yield piece
         if generation.finish_reason == "error":
             raise EngineFailed("the engine failed while generating; see the server log")
         if generation.finish_reason is None:

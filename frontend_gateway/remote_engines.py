@@ -209,14 +209,17 @@ def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
 
 
 def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:
-    """One output standing for ``outputs`` in order: their text and token counts up to the first finish."""
+    """One output standing for ``outputs`` in order: their text and token counts up to the first finish,
+    and each one's share of them (``parts``)."""
     if len(outputs) == 1:
         return outputs[0]
-    merged = TextOutput(text="", completion_tokens=0)
+    parts: list[tuple[int, int]] = []
+    merged = TextOutput(text="", completion_tokens=0, parts=parts)
     texts: list[str] = []
     for output in outputs:
         texts.append(output.text)
         merged.completion_tokens += output.completion_tokens
+        parts.append((len(output.text), output.completion_tokens))
         if output.prompt_tokens is not None:
             merged.prompt_tokens = output.prompt_tokens
         if output.finish_reason is not None:

@@ -108,3 +108,7 @@ class TextOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     finish_reason: FinishReason | None = None
     completion_tokens: int = 1
     prompt_tokens: int | None = None
+    #: Set by the ingress on an output that stands for several (a network frame's): each one's
+    #: (characters of ``text``, completion tokens), in order, so that usage after a stop string counts
+    #: only the outputs up to it. Engines leave it None.
+    parts: list[tuple[int, int]] | None = None

@@ -1,8 +1,9 @@
 """Usage after a stop string, from a remote worker whose frames carry several outputs each.
 
-An ``out=echo_core`` worker with no delay between tokens hands all its outputs to the request plane
-before the first frame leaves, so they travel merged. What is billed must still be what a stream of
-one token per frame would bill: the tokens up to the one that completes the stop string (vLLM's count).
+An ``out=echo_core`` (token) or ``out=echo_full`` (text, a token per character) worker with no delay
+between tokens hands all its outputs to the request plane before the first frame leaves, so they travel
+merged. What is billed must still be what a stream of one token per frame would bill: the tokens up to
+the one that completes the stop string (vLLM's count).
 """
 
 from pathlib import Path
@@ -78,3 +79,21 @@ def test_a_stop_string_completed_by_the_first_token_past_min_tokens_ends_the_ans
     reply = complete(ingress_url, ids, min_tokens=first - 1).json()
     assert reply["choices"][0]["text"] == "one two three four five "
     assert reply["usage"]["completion_tokens"] == first
+
+
+@pytest.fixture
+def text_ingress_url(cluster: Cluster) -> str:
+    ingress = cluster.start_ingress()
+    cluster.start_worker("dyn://echo", "out=echo_full", "--model-name", "echo", delay_ms=0)
+    wait_until(lambda: served_models(ingress) == ["echo"], 15, "the model did not appear")
+    return ingress.base_url
+
+
+@pytest.mark.parametrize(("min_tokens", "text", "billed"), [(0, "one two ", 12), (12, "one two STOP three ", 23)])
+def test_a_text_engine_s_merged_frame_bills_only_the_characters_up_to_the_stop_string(
+    text_ingress_url: str, min_tokens: int, text: str, billed: int
+) -> None:
+    body = {"model": "echo", "prompt": "one two STOP three STOP four " * 4, "stop": ["STOP"], "min_tokens": min_tokens}
+    reply = httpx.post(text_ingress_url + "/v1/completions", json=body, timeout=30).json()
+    assert reply["choices"][0]["text"] == text
+    assert reply["usage"]["completion_tokens"] == billed
