@@ -11,6 +11,7 @@ These parsers hold the whole answer (a call is sent whole, as the other parsers 
 the end; an answer that is not the JSON (cut off by ``max_tokens``) is given back as content.
 """
 
+import abc
 import json
 from typing import Any
 
@@ -53,8 +54,9 @@ class _HoldAll(ToolCallParser):
             calls = None
         return ("", calls) if calls else (held, [])
 
+    @abc.abstractmethod
     def _calls(self, value: Any) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """The calls in the answer's JSON ``value``; None when it is not what the grammar held it to."""
 
 
 class NamedCallParser(_HoldAll):

@@ -15,8 +15,10 @@ call is sent whole, in one delta: its name and all its arguments. Text that look
 does not parse as one is given back as content, never dropped.
 """
 
+import abc
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -63,7 +65,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 _decoder = json.JSONDecoder()
 
 
-class ToolCallParser:
+class ToolCallParser(abc.ABC):
     """Splits one answer's content into text and tool calls as it streams. Use once per request.
 
     ``feed`` returns the text that is surely content, and the calls completed by this piece; ``flush``
@@ -76,11 +78,11 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]: ...
 
-    def flush(self) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def flush(self) -> tuple[str, list[ToolCall]]: ...
 
 
 class HermesParser(ToolCallParser):
@@ -158,12 +160,13 @@ class _WholeAnswerParser(ToolCallParser):
         self._holding = False
         self._seen_text = False
 
+    @abc.abstractmethod
     def _marker_at(self, text: str) -> tuple[int, int]:
         """Where calls start in ``text`` (-1: not here), and how much of its end may be a marker's start."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _parse(self, held: str) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """The calls in the text held from the marker on; None when it does not parse as calls."""
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if self._holding:
@@ -259,10 +262,13 @@ class MistralParser(_WholeAnswerParser):
         return calls or None
 
 
-TOOL_CALL_PARSERS: Final = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+TOOL_CALL_PARSERS: Final[dict[str, Callable[[], ToolCallParser]]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
 
 
 def tool_call_parser(name: str) -> ToolCallParser:
     """A new parser of the kind ``name``; raises KeyError for an unknown name (checked at start-up)."""
-    parser: ToolCallParser = TOOL_CALL_PARSERS[name]()
-    return parser
+    return TOOL_CALL_PARSERS[name]()
