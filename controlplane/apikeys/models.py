@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from controlplane.accounts.models import Role, User
 from runtime.api_keys import KeyRecord
 
 # Shown in listings so that a person can tell keys apart: "sk-flt-" and the next five characters.
@@ -48,6 +49,15 @@ class ApiKey(models.Model):
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+    @staticmethod
+    def visible_to(person: object) -> "models.QuerySet[ApiKey]":
+        """The keys ``person`` may see and manage, with their owners: their own, or everyone's for an admin
+        (another's key is then a 404 to them, as if it did not exist)."""
+        keys = ApiKey.objects.select_related("owner")
+        if not isinstance(person, User):
+            return keys.none()
+        return keys if person.has_role(Role.ADMIN) else keys.filter(owner=person)
 
     def record(self) -> KeyRecord:
         """What the ingress processes are told of this key."""

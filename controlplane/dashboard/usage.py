@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db.models import F, Max, Min, QuerySet, Sum
 
-from controlplane.accounts.models import Role, User
+from controlplane.accounts.models import User
 from controlplane.apikeys.models import ApiKey, KeyUsage
 
 # Series beyond this many (the largest first) are added up as one "others" line, so a chart stays legible.
@@ -21,8 +21,7 @@ MEASURES = ("tokens", "requests")
 
 def visible_keys(person: User) -> QuerySet[ApiKey]:
     """The keys whose usage ``person`` may see: their own, or everyone's for an admin."""
-    keys = ApiKey.objects.select_related("owner").order_by("name", "id")
-    return keys if person.has_role(Role.ADMIN) else keys.filter(owner=person)
+    return ApiKey.visible_to(person).order_by("name", "id")
 
 
 def usage_rows(
