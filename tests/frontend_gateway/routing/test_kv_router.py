@@ -209,14 +209,14 @@ async def test_malformed_messages_are_reported_and_change_nothing(
         msgspec.msgpack.encode({"instance_id": A.instance_id, "event_id": 1, "events": [["stored", "x"]]}),
         msgspec.msgpack.encode({"instance_id": A.instance_id, "event_id": -4, "events": []}),
     ]
-    with caplog.at_level(logging.WARNING, logger="frontend_gateway.routing.kv_router"):
+    with caplog.at_level(logging.WARNING, logger="runtime.kv_subscriber"):
         for data in bad:
             await publisher.publish(ADDRESS.kv_events_subject(), data)
         await publisher.publish(ADDRESS.load_metrics_subject(), b"{not json")
         await publish(publisher, A, 1, BlockStored(HASHES[:3]))
         await until(router, lambda: blocks_of(router, A) == 3)
-    assert router._malformed.count == 5
-    assert "KV router ignored a malformed KV event batch" in caplog.text
+    assert router.subscriber.malformed == 5
+    assert "the KV router ignored a malformed KV event batch" in caplog.text
     assert choose(router).overlap_blocks == 3
 
 
@@ -298,9 +298,9 @@ async def test_a_subscription_that_fails_is_logged_and_made_again(
 
 async def test_a_closed_router_stops_listening_and_asking(make_router: Any, nc: NATS, publisher: NATS) -> None:
     closed = await make_router()  # A and B answer no kv_state: their asks are being retried now
-    assert closed._syncs.running
+    assert closed.subscriber.asking
     await closed.close()
-    assert not closed._syncs.running
+    assert not closed.subscriber.asking
     witness = await make_router()
     await publish(publisher, A, 1, BlockStored(HASHES))
     await until(witness, lambda: blocks_of(witness, A) == 8)
@@ -315,7 +315,7 @@ async def test_an_instance_is_busy_only_once_every_dp_rank_is_past_a_threshold(
         report = WorkerLoad(instance_id=A.instance_id, dp_rank=rank, active_requests=waiting, waiting=waiting)
         await publisher.publish(ADDRESS.load_metrics_subject(), msgspec.json.encode(report))
     await flush(publisher)
-    await until(router, lambda: router._ranks.get(A.instance_id) == (0, 1))
+    await until(router, lambda: router.subscriber.ranks.get(A.instance_id) == (0, 1))
     assert not router.busy(A.instance_id)  # rank 1 has room
     report = WorkerLoad(instance_id=A.instance_id, dp_rank=1, active_requests=2, waiting=2)
     await publisher.publish(ADDRESS.load_metrics_subject(), msgspec.json.encode(report))
@@ -339,7 +339,7 @@ async def test_an_ask_for_a_cache_that_dies_is_logged_and_made_again(
     await publisher.subscribe(ADDRESS.kv_state_subject(B.instance_id), cb=answer)
     await flush(publisher)
     router = await make_router(instances=(A,))
-    on_state = router._on_state
+    on_state = router.subscriber._on_state
     deaths = 0
 
     def dying_once(worker: Any, data: bytes) -> None:
@@ -349,7 +349,7 @@ async def test_an_ask_for_a_cache_that_dies_is_logged_and_made_again(
             raise RuntimeError("a bug while applying the answer")
         on_state(worker, data)
 
-    router._on_state = dying_once  # type: ignore[method-assign]
+    router.subscriber._on_state = dying_once
     with caplog.at_level(logging.ERROR, logger="runtime.supervision"):
         router.instance_added(B)
         await until(router, lambda: blocks_of(router, B) == 6)

@@ -272,7 +272,7 @@ async def test_a_kv_pool_spanning_components_hears_each_component_s_events_and_a
         # Once its last instance leaves, the component is no longer listened to.
         await runtime.discovery.deregister(key(2, component="other"))
         await until(watcher, lambda: pooled_ids(registry, "m") == {1})
-        assert [component.name for component in router._components.values()] == ["llm.backend"]
+        assert router.subscriber.component_names() == ["llm.backend"]
     finally:
         watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
