@@ -12,7 +12,6 @@ of the rank asked for (one batch per rank when none is named).
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -23,6 +22,7 @@ from nats.aio.subscription import Subscription
 
 from runtime.addressing import EndpointAddress
 from runtime.kv_events import KvEvent, KvEventBatch, KvEventSource, KvStateRequest
+from runtime.rate_limited_log import RateLimitedLog
 
 if TYPE_CHECKING:
     from runtime.distributed import DistributedRuntime
@@ -62,7 +62,7 @@ class KvEventPublisher:
         # One flush at a time: batches of a rank must leave in the order of their ids.
         self._flushing = asyncio.Lock()
         self._subscription: Subscription | None = None
-        self._last_loss_report = -LOSS_REPORT_S
+        self._losses = RateLimitedLog(log, period_s=LOSS_REPORT_S, held_level=logging.DEBUG)
         #: Counters for tests and metrics.
         self.batches_published = 0
         self.batches_lost = 0
@@ -133,16 +133,10 @@ class KvEventPublisher:
             self.state_answers += 1
 
     def _report_loss(self, dp_rank: int, event_id: int, exc: Exception) -> None:
-        now = time.monotonic()
-        level = logging.DEBUG
-        if now - self._last_loss_report >= LOSS_REPORT_S:
-            self._last_loss_report = now
-            level = logging.WARNING
-        log.log(
-            level,
-            "KV event batch %d of rank %d was not published (%r); routers will ask for the whole cache",
-            event_id, dp_rank, exc,
-        )  # fmt: skip
+        self._losses.warning(
+            f"KV event batch {event_id} of rank {dp_rank} was not published ({exc!r}); routers will ask for the "
+            "whole cache"
+        )
 
 
 async def start_kv_publishing(

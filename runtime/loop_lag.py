@@ -8,6 +8,8 @@ import asyncio
 import logging
 import time
 
+from runtime.rate_limited_log import RateLimitedLog
+
 log = logging.getLogger(__name__)
 
 # How often the loop is sampled, and the lag worth a warning.
@@ -19,13 +21,12 @@ REPORT_EVERY_S = 10.0
 
 async def watch_loop_lag() -> None:
     """Sample the event loop's lag for ever, warning (rate-limited) when it exceeds WARN_LAG_S."""
+    warnings = RateLimitedLog(log, period_s=REPORT_EVERY_S)
     worst = 0.0
-    reported = -REPORT_EVERY_S
     while True:
         before = time.monotonic()
         await asyncio.sleep(SAMPLE_S)
-        now = time.monotonic()
-        worst = max(worst, now - before - SAMPLE_S)
-        if worst > WARN_LAG_S and now - reported >= REPORT_EVERY_S:
-            log.warning("this process's event loop ran up to %.1f s late: it is overloaded or blocked", worst)
-            worst, reported = 0.0, now
+        worst = max(worst, time.monotonic() - before - SAMPLE_S)
+        if worst > WARN_LAG_S and warnings.due():
+            warnings.warning(f"this process's event loop ran up to {worst:.1f} s late: it is overloaded or blocked")
+            worst = 0.0

@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -10,6 +9,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from runtime.errors import RequestPlaneUnavailable
+from runtime.rate_limited_log import RateLimitedLog
 from runtime.server_wait import ServerWait
 from runtime.settings import nats_servers, parse_nats_servers
 
@@ -55,7 +55,7 @@ async def connect_nats(
     async def reconnected() -> None:
         await note("reconnected")
 
-    slow_consumer = _DropCounter()
+    slow_consumer = RateLimitedLog(log, period_s=SLOW_CONSUMER_REPORT_S)
 
     async def error(exc: Exception) -> None:
         if not nc.is_connected:
@@ -63,11 +63,9 @@ async def connect_nats(
             log.debug("NATS error: %s", exc)
         elif isinstance(exc, nats.errors.SlowConsumerError):
             # nats-py drops what a subscription cannot queue: the streams waiting for it will break.
-            if (dropped := slow_consumer.add()) is not None:
-                log.warning(
-                    "NATS: this process reads too slowly and dropped %d message(s) (subject %s) in the last "
-                    "%.0f s; it is overloaded", dropped, exc.subject, SLOW_CONSUMER_REPORT_S,
-                )  # fmt: skip
+            slow_consumer.warning(
+                f"NATS: this process reads too slowly and dropped a message (subject {exc.subject}); it is overloaded"
+            )
         else:
             log.warning("NATS error (%s): %s", address, exc)
 
@@ -92,22 +90,6 @@ async def connect_nats(
         await nc.close()
         raise
     return nc
-
-
-class _DropCounter:
-    """Counts dropped messages; ``add`` returns the count to report when a report is due, else None."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._reported = -SLOW_CONSUMER_REPORT_S
-
-    def add(self) -> int | None:
-        self._count += 1
-        now = time.monotonic()
-        if now - self._reported < SLOW_CONSUMER_REPORT_S:
-            return None
-        count, self._count, self._reported = self._count, 0, now
-        return count
 
 
 async def flush(nc: NATS, within: float = 10.0) -> None:

@@ -11,15 +11,30 @@ from collections.abc import Callable
 
 
 class RateLimitedLog:
-    """Logs through ``logger`` at most one message per ``period_s`` seconds; ``count`` counts them all."""
+    """Logs through ``logger`` at most one message per ``period_s`` seconds; ``count`` counts them all.
 
-    def __init__(self, logger: logging.Logger, *, period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    The messages held back are counted in the next line that goes out; with ``held_level`` (say
+    ``logging.DEBUG``) each is also logged at that level, for whoever needs every one."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        period_s: float,
+        held_level: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._logger = logger
         self._period_s = period_s
+        self._held_level = held_level
         self._clock = clock
         self._held = 0
         self._last = -math.inf
         self.count = 0
+
+    def due(self) -> bool:
+        """Whether a message now would be logged (for a caller that gathers what to say until it is)."""
+        return self._clock() - self._last >= self._period_s
 
     def warning(self, message: str) -> bool:
         """Log ``message`` unless one went out less than a period ago; returns whether it was logged."""
@@ -27,6 +42,8 @@ class RateLimitedLog:
         now = self._clock()
         if now - self._last < self._period_s:
             self._held += 1
+            if self._held_level is not None:
+                self._logger.log(self._held_level, "%s", message)
             return False
         more = f" (and {self._held} more like it since the last such line)" if self._held else ""
         self._logger.warning("%s%s", message, more)

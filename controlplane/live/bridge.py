@@ -37,6 +37,7 @@ from controlplane.live.groups import html, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from runtime.errors import FlotillaError
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
+from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class InstanceDirectory:
         self._known: dict[int, Watched] = {}
         self._read_at: float | None = None
         self._reading = asyncio.Lock()
-        self._last_failure_report = -FAILURE_REPORT_S
+        self._read_failures = RateLimitedLog(log, period_s=FAILURE_REPORT_S, clock=clock)
 
     async def find(self, endpoint_id: int) -> Watched | None:
         """The row of ``endpoint_id``, or None when the database knows no such running worker."""
@@ -117,12 +118,9 @@ class InstanceDirectory:
             try:
                 self._known = await self._read()
             except DatabaseError as exc:
-                now = self._clock()
-                if now - self._last_failure_report >= FAILURE_REPORT_S:
-                    self._last_failure_report = now
-                    log.warning(
-                        "live bridge: cannot read the instances from the database (%s); using the last list", exc
-                    )
+                self._read_failures.warning(
+                    f"live bridge: cannot read the instances from the database ({exc}); using the last list"
+                )
             self._read_at = self._clock()
 
 
@@ -222,8 +220,8 @@ class LiveBridge:
         self._render = render or database_sync_to_async(render_load)
         self._instances: dict[int, _Pushes] = {}  # by endpoint instance id
         self._push_tasks: set[asyncio.Task[None]] = set()
-        self._last_failure_report = -FAILURE_REPORT_S
-        self._last_decode_report = -FAILURE_REPORT_S
+        self._layer_failures = RateLimitedLog(log, period_s=FAILURE_REPORT_S, held_level=logging.DEBUG)
+        self._bad_messages = RateLimitedLog(log, period_s=FAILURE_REPORT_S)
         #: Counters, for tests and logs.
         self.pushed = 0
         self.unknown = 0
@@ -335,21 +333,13 @@ class LiveBridge:
             pushes.timer.cancel()
 
     def _report_layer_failure(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if now - self._last_failure_report < FAILURE_REPORT_S:
-            log.debug("live bridge: a push failed: %s", describe(exc))
-            return
-        self._last_failure_report = now
-        log.warning(
-            "live bridge: cannot reach the channel layer at %s (%s); load figures are dropped until it answers",
-            layer_address(self._layer), describe(exc),
-        )  # fmt: skip
+        self._layer_failures.warning(
+            f"live bridge: cannot reach the channel layer at {layer_address(self._layer)} ({describe(exc)}); load "
+            "figures are dropped until it answers"
+        )
 
     def _report_bad_message(self, subject: str, exc: Exception) -> None:
-        now = time.monotonic()
-        if now - self._last_decode_report >= FAILURE_REPORT_S:
-            self._last_decode_report = now
-            log.warning("live bridge: a message on %s is not what workers publish (%s); ignored", subject, exc)
+        self._bad_messages.warning(f"live bridge: a message on {subject} is not what workers publish ({exc}); ignored")
 
 
 class NatsWatch:

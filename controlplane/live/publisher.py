@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from channels.layers import BaseChannelLayer, get_channel_layer
 
 from controlplane.live.groups import Kind, changed
+from runtime.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class Publisher:
         self._idle = threading.Condition(self._lock)
         self._sending = False
         self._pid: int | None = None
-        self._last_failure_report = -FAILURE_REPORT_S
+        # Only the publisher's thread logs through it.
+        self._failures = RateLimitedLog(log, period_s=FAILURE_REPORT_S, held_level=logging.DEBUG)
         self.sent = 0  # group sends made, for tests and logs
         self.failed = 0
 
@@ -113,16 +115,10 @@ class Publisher:
             self._report(exc, len(batch), layer)
 
     def _report(self, exc: Exception, notices: int, layer: BaseChannelLayer) -> None:
-        now = time.monotonic()
-        if now - self._last_failure_report < FAILURE_REPORT_S:
-            log.debug("live updates: %d change notice(s) dropped: %s", notices, describe(exc))
-            return
-        self._last_failure_report = now
-        log.warning(
-            "live updates: cannot reach the channel layer at %s (%s); %d change notice(s) dropped, dashboards "
-            "show them on their next change or reload",
-            layer_address(layer), describe(exc), notices,
-        )  # fmt: skip
+        self._failures.warning(
+            f"live updates: cannot reach the channel layer at {layer_address(layer)} ({describe(exc)}); {notices} "
+            "change notice(s) dropped, dashboards show them on their next change or reload"
+        )
 
 
 def describe(exc: BaseException) -> str:
