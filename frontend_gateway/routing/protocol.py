@@ -83,6 +83,8 @@ class RouterSettings:
     #: request; when every worker of a pool is busy the gateway answers 503 (None: no such threshold).
     busy_kv_usage: float | None = None
     busy_waiting: int | None = None
+    #: Share decisions with the pool's routers in other ingress processes (routing/replica_sync.py).
+    replica_sync: bool = False
     seed: int | None = None  # for tests: repeatable random choices
 
     def __post_init__(self) -> None:

@@ -1,0 +1,394 @@
+"""Router replicas of one model pool tell each other where they sent requests (``--router-replica-sync``).
+
+Each ingress process counts the load its own decisions put on each worker (kv_load.ActiveLoad), and
+the workers' reports, which see every process's traffic, come a second late. With several ingress
+processes (``--reuse-port``, or replicas on several machines) a hot prefix then draws a herd: every
+process sees the worker that holds it idle and sends its share there until the reports catch up.
+So, as Dynamo's ``--router-replica-sync`` does, each replica publishes its decisions: when it routes a
+request (the worker, the prompt's full block hashes, the tokens to compute and the blocks of its own),
+when that request's prefill is done and when it ends; every other replica of the pool applies them to
+its ActiveLoad (and to its predicted index when KV events are off), as if it had decided them itself.
+
+What a replica says is believed only about its own requests: they are kept under its replica id, so
+no message can touch another replica's entries or this router's; instances outside the pool and
+sizes past the bounds below are ignored, and a message that does not decode is counted and ignored.
+
+A replica that dies leaves its entries behind, and so does a lost ``finished``: every replica sends
+at least one batch per ``HEARTBEAT_S`` (empty if it has nothing to say), a replica not heard from for
+``EXPIRE_AFTER_S`` is forgotten with all its entries, one that closes says so and is forgotten at
+once, and every ``RECONCILE_S`` a replica lists the requests it still has in flight, so that the
+others drop those whose end they missed (a reconnect to NATS loses what was published meanwhile).
+A replica that joins learns the others' requests as they are routed, not those already in flight.
+
+Messages go out in batches: the decisions made while the sender task waited for its turn on the event
+loop leave in one message, so a burst costs a few publishes, and an idle pool one heartbeat a second
+per replica. They are msgpack, a routed request about 10 bytes per prompt block.
+"""
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, Worker
+from frontend_gateway.routing.kv_load import ActiveLoad
+from runtime.addressing import EndpointAddress
+from runtime.nats_connection import flush
+from runtime.rate_limited_log import RateLimitedLog
+from runtime.supervision import Supervisor
+
+log = logging.getLogger(__name__)
+
+#: A replica sends at least one batch this often; one not heard from for EXPIRE_AFTER_S is forgotten.
+HEARTBEAT_S = 1.0
+EXPIRE_AFTER_S = 5.0
+#: How often a replica lists the requests it has in flight (those missing from the list are dropped).
+RECONCILE_S = 10.0
+#: Bounds on what one replica may make this router keep (beyond them, messages are malformed).
+MAX_REPLICAS = 256
+MAX_REQUESTS_PER_REPLICA = 1 << 16
+MAX_REQUEST_ID_CHARS = 256
+MAX_HASHES = 1 << 15  # a 512k-token prompt in blocks of 16
+MAX_EVENTS_PER_BATCH = 4096
+MAX_DP_RANK = 1023
+#: A batch is cut after this many block hashes, to stay well below NATS's 1 MiB payload limit.
+HASHES_PER_BATCH = 40_000
+#: Requests in flight past this are not listed (the list would pass the payload limit): no reconcile.
+MAX_LISTED = 8192
+#: How long ``close`` waits to say goodbye before giving up (NATS may be away).
+GOODBYE_TIMEOUT_S = 1.0
+MALFORMED_REPORT_S = 10.0
+
+_RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
+
+
+class Routed(msgspec.Struct, frozen=True, array_like=True, tag="r"):
+    """The replica routed ``request_id`` to instance ``instance_id``'s rank ``dp_rank`` (ActiveLoad.started)."""
+
+    request_id: _RequestId
+    instance_id: Annotated[int, msgspec.Meta(ge=0)]
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
+    prefill_tokens: _Count
+    own_blocks: _Count
+    hashes: Annotated[list[int], msgspec.Meta(max_length=MAX_HASHES)]
+
+
+class PrefillDone(msgspec.Struct, frozen=True, array_like=True, tag="p"):
+    request_id: _RequestId
+
+
+class Finished(msgspec.Struct, frozen=True, array_like=True, tag="f"):
+    request_id: _RequestId
+
+
+SyncEvent = Routed | PrefillDone | Finished
+
+
+class SyncBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """What one replica says at once, in order, on its own subject; an empty batch says it is alive."""
+
+    #: Block hashes of another block size name other blocks: such a batch is ignored.
+    block_size: int
+    events: Annotated[list[SyncEvent], msgspec.Meta(max_length=MAX_EVENTS_PER_BATCH)] = []
+    #: Every request the replica has in flight, after ``events`` (sent every RECONCILE_S; None otherwise).
+    active: Annotated[list[_RequestId], msgspec.Meta(max_length=MAX_REQUESTS_PER_REPLICA)] | None = None
+    #: The replica is closing: forget its entries now.
+    closing: bool = False
+
+
+_decode_batch = msgspec.msgpack.Decoder(SyncBatch).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def sync_subjects(address: EndpointAddress) -> str:
+    """The subjects (a wildcard, one per replica) where the router replicas of the pool whose first
+    instance serves ``address`` talk."""
+    return f"flotilla.{address.namespace}.{address.component}.router_sync.{address.endpoint}.*"
+
+
+def _replica_of(subject: str) -> str | None:
+    """The replica id that ends ``subject``; None for a token that no replica would have sent."""
+    replica = subject.rpartition(".")[2]
+    if not 0 < len(replica) <= 64 or not all(char in _HEX for char in replica):
+        return None
+    return replica
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(slots=True)
+class _Peer:
+    heard_at: float
+    requests: set[str] = field(default_factory=set)  # its requests, as keys of ActiveLoad
+
+
+class ReplicaSync:
+    """Publishes this router's decisions and applies the other replicas' to ``load`` (and ``indexer``)."""
+
+    def __init__(
+        self,
+        *,
+        nc: NATS,
+        address: EndpointAddress,
+        block_size: int,
+        load: ActiveLoad,
+        indexer: KvIndexer | PredictedKvIndexer,
+        in_pool: Callable[[int], bool],
+        enabled: bool = True,
+        on_message: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``in_pool`` says whether an instance id is one of the pool's (others' decisions about any other
+        instance are ignored); ``on_message`` is called after each message heard. A predicting ``indexer``
+        records the others' decisions too (one fed by KV events learns them from the workers). Not
+        ``enabled``, ``start`` does nothing and what the router says is dropped: the router's calls
+        need no condition."""
+        self.enabled = enabled
+        self.replica_id = secrets.token_hex(8)
+        # Each replica publishes on a subject of its own (NATS permissions can then bind a replica to it),
+        # so its own messages are told apart without decoding them.
+        self.subjects = sync_subjects(address)
+        self.subject = self.subjects.removesuffix("*") + self.replica_id
+        self._nc = nc
+        self._block_size = block_size
+        self._load = load
+        self._indexer = indexer if isinstance(indexer, PredictedKvIndexer) else None
+        self._in_pool = in_pool
+        self._on_message = on_message
+        self._clock = clock
+        self._own: set[str] = set()  # this router's requests in flight
+        self._pending: list[SyncEvent] = []
+        self._wake = asyncio.Event()
+        self._peers: dict[str, _Peer] = {}
+        self._next_reconcile = clock() + RECONCILE_S
+        self._supervisor = Supervisor(on_fatal=lambda: None)  # both tasks are restarted: none is fatal
+        self._subscribed = asyncio.Event()
+        self._malformed = RateLimitedLog(log, period_s=MALFORMED_REPORT_S)
+        self._publish_failed = RateLimitedLog(log, period_s=MALFORMED_REPORT_S)
+        self._started = False
+        # Counters for tests and metrics.
+        self.expired_replicas = 0
+
+    @property
+    def malformed(self) -> int:
+        """Messages ignored as malformed (undecodable, out of bounds, another block size)."""
+        return self._malformed.count
+
+    def remote_requests(self) -> int:
+        """Other replicas' requests applied to the load and not ended yet."""
+        return sum(len(peer.requests) for peer in self._peers.values())
+
+    def replicas(self) -> int:
+        """Other replicas heard from and not forgotten."""
+        return len(self._peers)
+
+    def heard_at(self) -> dict[str, float]:
+        """When each other replica was last heard from (by this router's clock)."""
+        return {replica: peer.heard_at for replica, peer in self._peers.items()}
+
+    async def start(self) -> None:
+        """Listen to the other replicas (confirmed with NATS before returning) and start sending."""
+        if not self.enabled or self._started:
+            return
+        self._started = True
+        self._supervisor.own(self._listen, name=f"router replica sync on {self.subjects}", restart=True)
+        self._supervisor.own(self._send_loop, name=f"router replica sync sender on {self.subject}", restart=True)
+        try:
+            async with asyncio.timeout(GOODBYE_TIMEOUT_S * 2):
+                await self._subscribed.wait()
+            await flush(self._nc, within=GOODBYE_TIMEOUT_S * 2)
+        except (TimeoutError, nats.errors.Error) as exc:
+            # NATS is away: the subscription is made once it is back (nats-py sends it on reconnecting).
+            log.warning("the router replica sync could not confirm its subscription to %s yet: %r", self.subjects, exc)
+
+    async def close(self) -> None:
+        """Stop, telling the other replicas to forget this one's requests (best effort)."""
+        await self._supervisor.close()
+        if not self._started:
+            return
+        self._started = False
+        with contextlib.suppress(TimeoutError, nats.errors.Error):
+            async with asyncio.timeout(GOODBYE_TIMEOUT_S):
+                await self._publish(closing=True)
+                await flush(self._nc, within=GOODBYE_TIMEOUT_S)
+
+    # -- what this router says ----------------------------------------------------------------
+
+    def routed(
+        self, request_id: str, worker: Worker, *, prefill_tokens: int, hashes: Sequence[int], own_blocks: int
+    ) -> None:
+        """This router sent ``request_id`` to ``worker`` (the arguments of ActiveLoad.started)."""
+        if not self._started or len(request_id) > MAX_REQUEST_ID_CHARS or len(hashes) > MAX_HASHES:
+            return  # the others would refuse it: say nothing rather than something malformed
+        self._own.add(request_id)
+        self._say(Routed(request_id, worker[0], worker[1], prefill_tokens, own_blocks, list(hashes)))
+
+    def prefill_done(self, request_id: str) -> None:
+        if request_id in self._own:
+            self._say(PrefillDone(request_id))
+
+    def finished(self, request_id: str) -> None:
+        if request_id in self._own:
+            self._own.discard(request_id)
+            self._say(Finished(request_id))
+
+    def _say(self, event: SyncEvent) -> None:
+        self._pending.append(event)
+        self._wake.set()
+
+    async def _send_loop(self) -> None:
+        """Send what was said since the last batch as soon as the loop lets this task run, a heartbeat
+        when nothing was said for HEARTBEAT_S; forget the replicas that went silent."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEARTBEAT_S):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._publish()
+            except nats.errors.Error as exc:
+                # Best effort: what is lost here is corrected by the next list of requests in flight.
+                self._publish_failed.warning(f"the router replica sync could not publish on {self.subject}: {exc!r}")
+            self.expire_silent()
+
+    async def _publish(self, *, closing: bool = False) -> None:
+        events, self._pending = self._pending, []
+        active: list[str] | None = None
+        if closing or self._clock() >= self._next_reconcile:
+            self._next_reconcile = self._clock() + RECONCILE_S
+            if not closing and len(self._own) <= MAX_LISTED:
+                active = list(self._own)
+        chunks = list(_chunks(events)) or [[]]
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            batch = SyncBatch(
+                block_size=self._block_size,
+                events=chunk,
+                active=active if last else None,
+                closing=closing and last,
+            )
+            await self._nc.publish(self.subject, _encode(batch))
+
+    # -- what the others say ------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        subscription = await self._nc.subscribe(self.subjects)
+        self._subscribed.set()
+        own = self.subject
+        try:
+            async for message in subscription.messages:
+                if message.subject != own:
+                    self.on_batch(message.data, message.subject)
+                    self._on_message()
+        finally:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    def on_batch(self, data: bytes, subject: str) -> None:
+        """Apply the batch a replica sent on ``subject`` (this router's own are ignored; a malformed one
+        is counted)."""
+        replica = _replica_of(subject)
+        if replica is None:
+            self._malformed.warning(f"the router replica sync ignored a message on {subject}: not a replica's subject")
+            return
+        if replica == self.replica_id:
+            return
+        try:
+            batch = _decode_batch(data)
+        except msgspec.DecodeError as exc:  # ValidationError (a bound passed) is a DecodeError
+            self._malformed.warning(f"the router replica sync ignored a malformed message on {subject}: {exc}")
+            return
+        if batch.block_size != self._block_size:
+            self._malformed.warning(
+                f"the router replica sync ignored replica {replica}: its block size is {batch.block_size}, "
+                f"not {self._block_size} (are its routers built from another model card?)"
+            )
+            return
+        peer = self._peers.get(replica)
+        if peer is None:
+            if batch.closing:
+                return
+            if len(self._peers) >= MAX_REPLICAS:
+                self._malformed.warning(f"the router replica sync ignored replica {replica}: {MAX_REPLICAS} known")
+                return
+            peer = self._peers[replica] = _Peer(heard_at=self._clock())
+            log.debug("router replica %s of %s joined", replica, self.subjects)
+        peer.heard_at = self._clock()
+        prefix = f"{replica}\x00"  # its requests' keys: no other replica's, and no request id of this router's
+        for event in batch.events:
+            key = prefix + event.request_id
+            if isinstance(event, Routed):
+                self._apply_routed(replica, peer, key, event)
+            elif key in peer.requests:
+                if isinstance(event, PrefillDone):
+                    self._load.prefill_done(key)
+                else:
+                    peer.requests.discard(key)
+                    self._load.finished(key)
+        if batch.active is not None:
+            listed = {prefix + request_id for request_id in batch.active}
+            for key in peer.requests - listed:  # their end was lost
+                peer.requests.discard(key)
+                self._load.finished(key)
+        if batch.closing:
+            self._forget(replica)
+
+    def _apply_routed(self, replica: str, peer: _Peer, key: str, event: Routed) -> None:
+        if not self._in_pool(event.instance_id):
+            return  # not in this pool (yet, or any more)
+        if key not in peer.requests and len(peer.requests) >= MAX_REQUESTS_PER_REPLICA:
+            self._malformed.warning(
+                f"the router replica sync ignored a request of replica {replica}: it has "
+                f"{MAX_REQUESTS_PER_REPLICA} in flight already"
+            )
+            return
+        worker = (event.instance_id, event.dp_rank)
+        peer.requests.add(key)
+        self._load.started(
+            key, worker, prefill_tokens=event.prefill_tokens, hashes=event.hashes, own_blocks=event.own_blocks
+        )
+        if self._indexer is not None and event.hashes:
+            self._indexer.record(worker, event.hashes)
+
+    def expire_silent(self) -> None:
+        """Forget the replicas not heard from for EXPIRE_AFTER_S, and their requests."""
+        now = self._clock()
+        for replica in [replica for replica, peer in self._peers.items() if now - peer.heard_at > EXPIRE_AFTER_S]:
+            log.info(
+                "router replica %s of %s was silent for %.0f s: its %d requests no longer count",
+                replica, self.subjects, now - self._peers[replica].heard_at, len(self._peers[replica].requests),
+            )  # fmt: skip
+            self._forget(replica)
+            self.expired_replicas += 1
+
+    def _forget(self, replica: str) -> None:
+        peer = self._peers.pop(replica, None)
+        if peer is None:
+            return
+        for key in peer.requests:
+            self._load.finished(key)
+
+
+def _chunks(events: list[SyncEvent]) -> Iterator[list[SyncEvent]]:
+    """``events`` in order, cut into batches of at most MAX_EVENTS_PER_BATCH and about HASHES_PER_BATCH hashes."""
+    chunk: list[SyncEvent] = []
+    hashes = 0
+    for event in events:
+        size = len(event.hashes) if isinstance(event, Routed) else 0
+        if chunk and (len(chunk) >= MAX_EVENTS_PER_BATCH or hashes + size > HASHES_PER_BATCH):
+            yield chunk
+            chunk, hashes = [], 0
+        chunk.append(event)
+        hashes += size
+    if chunk:
+        yield chunk

@@ -1,0 +1,221 @@
+"""Router replicas of one pool on a real NATS share their decisions (``--router-replica-sync``).
+
+Each router has a NATS connection of its own, as routers in two ingress processes would.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client as NATS
+
+from frontend_gateway.routing import replica_sync
+from frontend_gateway.routing.kv_indexer import PredictedKvIndexer
+from frontend_gateway.routing.kv_router import KvRouter
+from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
+from frontend_gateway.routing.replica_sync import Finished, PrefillDone, Routed, SyncBatch, sync_subjects
+from runtime.addressing import EndpointAddress
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.nats_connection import connect_nats, flush
+from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+from tests.infra import NatsServer
+
+BLOCK = 16
+ADDRESS = EndpointAddress("llm", "backend", "generate")
+A, B = InstanceInfo(0xA, "s.a"), InstanceInfo(0xB, "s.b")
+PROMPT = list(range(1000, 1000 + 8 * BLOCK + 5))  # 8 full blocks and 5 tokens
+HASHES = sequence_block_hashes(PROMPT, BLOCK)
+SYNCED = RouterSettings(mode=RouterMode.KV, replica_sync=True, seed=1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def request(request_id: str) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id=request_id,
+        model="m",
+        token_ids=PROMPT,
+        sampling=SamplingOptions(),
+        stop_conditions=StopConditions(max_tokens=8),
+    )
+
+
+@pytest.fixture
+async def make_router(nats_server: NatsServer) -> AsyncIterator[Callable[..., Any]]:
+    """Routers of one pool, each on a NATS connection of its own (as in separate ingress processes)."""
+    made: list[tuple[KvRouter, NATS]] = []
+    connections: dict[int, NATS] = {}
+
+    async def make(settings: RouterSettings = SYNCED, clock: Callable[[], float] | None = None) -> KvRouter:
+        nc = await connect_nats(nats_server.url, name=f"ingress-{len(made)}")
+        extra = {} if clock is None else {"clock": clock}
+        router = KvRouter(settings, block_size=BLOCK, nc=nc, address=ADDRESS, **extra)
+        made.append((router, nc))
+        connections[id(router)] = nc
+        await router.start()
+        for instance in (A, B):
+            router.instance_added(instance)
+        return router
+
+    make.connection_of = lambda router: connections[id(router)]  # type: ignore[attr-defined]
+    yield make
+    for router, nc in made:
+        await router.close()
+        if not nc.is_closed:
+            await nc.close()
+
+
+@pytest.fixture
+async def forger(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    """A connection that publishes what the test writes by hand on the replicas' subjects."""
+    nc = await connect_nats(nats_server.url, name="forger")
+    yield nc
+    await nc.close()
+
+
+async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
+    """Wait for ``condition`` (the router sets ``changed`` after every message it hears)."""
+    async with asyncio.timeout(10):
+        while True:
+            router.changed.clear()
+            if condition():
+                return
+            await router.changed.wait()
+
+
+async def send(nc: NATS, replica: str, batch: SyncBatch | bytes) -> None:
+    payload = batch if isinstance(batch, bytes) else msgspec.msgpack.encode(batch)
+    await nc.publish(sync_subjects(ADDRESS).removesuffix("*") + replica, payload)
+    await flush(nc)
+
+
+def requests_on(router: KvRouter, instance: InstanceInfo) -> int:
+    return router.load.requests((instance.instance_id, 0))
+
+
+async def test_a_decision_of_one_replica_loads_the_workers_of_the_other(make_router: Any) -> None:
+    first, second = await make_router(), await make_router()
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+    chosen = decision.instance
+    worker = (chosen.instance_id, 0)
+    await until(second, lambda: requests_on(second, chosen) == 1)
+    assert second.load.prefill_tokens(worker) == len(PROMPT)
+    assert second.load.new_blocks(worker, HASHES) == 0  # the prompt's blocks are held there now
+    # The same hot prompt through the second replica goes to the other worker: the first's is busy with it.
+    herd = second.choose(request("r2"), [A, B])
+    assert herd is not None and herd.instance != chosen
+    second.finished("r2")
+
+    first.prefill_done("r1")
+    await until(second, lambda: second.load.prefill_tokens(worker) == 0)
+    assert requests_on(second, chosen) == 1
+    first.finished("r1")
+    await until(second, lambda: requests_on(second, chosen) == 0)
+    assert second.load.decode_blocks(worker) == 0
+    assert second.replica_sync.remote_requests() == 0
+
+
+async def test_a_predicting_router_learns_the_prefixes_another_replica_routed(make_router: Any) -> None:
+    settings = RouterSettings(mode=RouterMode.KV, replica_sync=True, use_kv_events=False, seed=1)
+    first, second = await make_router(settings), await make_router(settings)
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+    worker = (decision.instance.instance_id, 0)
+    assert isinstance(second.indexer, PredictedKvIndexer)
+    await until(second, lambda: second.indexer.find_matches(HASHES).get(worker) == len(HASHES))
+
+
+async def test_a_replica_that_falls_silent_has_its_requests_expire(make_router: Any) -> None:
+    clock = FakeClock()
+    first, second = await make_router(), await make_router(clock=clock)
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+    await until(second, lambda: requests_on(second, decision.instance) == 1)
+
+    # Alive, it is heard (a heartbeat a second at least) and its request stays counted past the expiry.
+    clock.now += replica_sync.EXPIRE_AFTER_S - 1
+    heard = second.replica_sync.heard_at()
+    await until(second, lambda: second.replica_sync.heard_at() != heard)
+    clock.now += replica_sync.EXPIRE_AFTER_S - 1
+    second.replica_sync.expire_silent()
+    assert requests_on(second, decision.instance) == 1
+
+    # Its process dies (its NATS connection goes, no goodbye): after the expiry its request no longer counts.
+    await make_router.connection_of(first).close()
+    last_heard = max(second.replica_sync.heard_at().values())
+    clock.now = last_heard + replica_sync.EXPIRE_AFTER_S - 0.5
+    second.replica_sync.expire_silent()
+    assert requests_on(second, decision.instance) == 1
+    clock.now += replica_sync.EXPIRE_AFTER_S + 1  # no await since: nothing was heard meanwhile
+    second.replica_sync.expire_silent()
+    assert requests_on(second, decision.instance) == 0
+    assert second.replica_sync.replicas() == 0
+    assert second.replica_sync.expired_replicas == 1
+
+
+async def test_a_replica_that_closes_takes_its_requests_with_it(make_router: Any) -> None:
+    first, second = await make_router(), await make_router()
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+    await until(second, lambda: requests_on(second, decision.instance) == 1)
+    await first.close()
+    await until(second, lambda: requests_on(second, decision.instance) == 0)
+    assert second.replica_sync.replicas() == 0
+
+
+async def test_the_requests_missing_from_a_replicas_list_are_dropped(make_router: Any, forger: NATS) -> None:
+    router = await make_router()
+    routed = [Routed(name, A.instance_id, 0, 100, 1, HASHES) for name in ("kept", "lost")]
+    await send(forger, "abc1", SyncBatch(block_size=BLOCK, events=list(routed)))
+    await until(router, lambda: requests_on(router, A) == 2)
+    # Its Finished("lost") never arrived; its next list of requests in flight says "kept" only.
+    await send(forger, "abc1", SyncBatch(block_size=BLOCK, active=["kept"]))
+    await until(router, lambda: requests_on(router, A) == 1)
+
+
+async def test_a_replica_is_believed_about_its_own_requests_only(make_router: Any, forger: NATS) -> None:
+    first, second = await make_router(), await make_router()
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+    await until(second, lambda: requests_on(second, decision.instance) == 1)
+    second.choose(request("mine"), [A, B])
+    in_flight = second.load.in_flight()
+    # Another replica says the same request ids ended: they are not its own, so nothing changes.
+    await send(forger, "f00d", SyncBatch(block_size=BLOCK, events=[Finished("r1"), Finished("mine")]))
+    await send(forger, "f00d", SyncBatch(block_size=BLOCK, events=[PrefillDone("r1")]))
+    await until(second, lambda: second.replica_sync.replicas() == 2)
+    assert second.load.in_flight() == in_flight
+    # Nor is a decision about an instance outside the pool kept.
+    await send(forger, "f00d", SyncBatch(block_size=BLOCK, events=[Routed("x", 0xC, 0, 10, 1, [])]))
+    await send(forger, "f00d", SyncBatch(block_size=BLOCK, events=[Routed("y", A.instance_id, 0, 10, 1, [])]))
+    await until(second, lambda: second.load.in_flight() == in_flight + 1)
+    assert second.load.requests((0xC, 0)) == 0
+
+
+async def test_a_malformed_sync_message_is_counted_and_ignored(make_router: Any, forger: NATS) -> None:
+    router = await make_router()
+    too_many_hashes = list(range(replica_sync.MAX_HASHES + 1))
+    malformed: list[tuple[str, SyncBatch | bytes]] = [
+        ("abc2", b"\x93not msgpack of a batch"),
+        ("abc2", msgspec.msgpack.encode({"block_size": BLOCK, "events": [["r", "a", -1, 0, 0, 0, []]]})),
+        ("abc2", SyncBatch(block_size=BLOCK, events=[Routed("big", A.instance_id, 0, 1, 1, too_many_hashes)])),
+        ("abc2", SyncBatch(block_size=BLOCK * 2, events=[Routed("other", A.instance_id, 0, 1, 1, [])])),
+        ("NOT-A-REPLICA", SyncBatch(block_size=BLOCK, events=[Routed("bad", A.instance_id, 0, 1, 1, [])])),
+    ]
+    for replica, batch in malformed:
+        await send(forger, replica, batch)
+    await until(router, lambda: router.replica_sync.malformed == len(malformed))
+    assert router.load.in_flight() == 0
+    # The router goes on hearing and routing.
+    await send(forger, "abc2", SyncBatch(block_size=BLOCK, events=[Routed("ok", A.instance_id, 0, 1, 1, [])]))
+    await until(router, lambda: requests_on(router, A) == 1)
+    assert router.choose(request("r"), [A, B]) is not None
