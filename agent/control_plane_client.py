@@ -30,6 +30,7 @@ import msgspec
 
 from agent.errors import AgentError
 from agent.inventory import NodeInventory
+from runtime.backoff import Backoff
 from runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 API = "api/v1/agent/"
 #: The control plane caps an instance's failure reason at this many characters.
 MAX_REASON_CHARS = 4000
+#: Retries after an outage wait a random 50 to 100 % of their delay: every agent of a fleet lost the control
+#: plane at the same moment, and would otherwise knock again all together, on the same doubling schedule.
+CONTROL_PLANE_RETRY_JITTER = 0.5
 
 
 class TokenRejected(AgentError):
@@ -211,23 +215,6 @@ class _Outage:
         self.answered.set()
 
 
-class Backoff:
-    """Delays that double from ``first_s`` up to ``max_s``; ``reset()`` after a success."""
-
-    def __init__(self, first_s: float = 0.5, max_s: float = 10.0) -> None:
-        self.first_s = first_s
-        self.max_s = max_s
-        self._next = first_s
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.max_s, self._next * 2)
-        return delay
-
-    def reset(self) -> None:
-        self._next = self.first_s
-
-
 _OutboxKey = tuple[str, int]  # ("instance", id) or ("download", model id)
 
 
@@ -246,11 +233,11 @@ class ControlPlaneClient:
         transport: httpx.AsyncBaseTransport | None = None,
         user_agent: str = "flotilla-agent",
     ) -> None:
-        """``base_url`` is the control plane's (``http://host:8000``); ``transport`` replaces the network
-        (tests)."""
+        """``base_url`` is the control plane's (``http://host:8000``); ``backoff`` paces the retries while it
+        does not answer (each retry loop starts a ``fresh()`` one); ``transport`` replaces the network (tests)."""
         self.base_url = base_url.rstrip("/")
         self.node = node
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or Backoff(0.5, 10.0, jitter=CONTROL_PLANE_RETRY_JITTER)
         self._http = httpx.AsyncClient(
             base_url=self.base_url + "/",
             headers={"Authorization": f"Bearer {token}", "User-Agent": user_agent},
@@ -311,7 +298,7 @@ class ControlPlaneClient:
         (409: another machine has this node's name), ConfigError when the URL is not the control plane (404),
         ControlPlaneRefused for another refusal.
         """
-        backoff = Backoff(self._backoff.first_s, self._backoff.max_s)
+        backoff = self._backoff.fresh()
         conflicts = 0
         while True:
             try:
@@ -417,7 +404,7 @@ class ControlPlaneClient:
 
     async def _send_reports(self) -> None:
         """Send queued reports, oldest first, one at a time; wait out outages with backoff."""
-        backoff = Backoff(self._backoff.first_s, self._backoff.max_s)
+        backoff = self._backoff.fresh()
         while True:
             if not self._outbox:
                 self._emptied.set()

@@ -42,8 +42,8 @@ from typing import Any, Protocol
 import msgspec
 
 from agent.control_plane_client import (
+    CONTROL_PLANE_RETRY_JITTER,
     AgentInstance,
-    Backoff,
     ControlPlaneClient,
     ControlPlaneRefused,
     ControlPlaneUnreachable,
@@ -66,6 +66,7 @@ from agent.readiness import RegistrationWatch
 from agent.supervisor import Readiness, RestartPolicy, Supervisor, WorkerState, WorkerStatus
 from agent.task_consumer import TaskConsumer
 from agent.worker_spec import DEFAULT_COMMAND, allowed_environment
+from runtime.backoff import Backoff
 from runtime.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed, ConfigError
 from runtime.fleet_tasks import LocalSource, LogTailRequest, ModelSource, StartInstance, StopInstance
@@ -248,7 +249,7 @@ class NodeAgent:
 
     async def _reconcile(self) -> None:
         """Match the workers running here with what the control plane wants (after an agent restart)."""
-        backoff = Backoff(1.0, 30.0)
+        backoff = Backoff(1.0, 30.0, jitter=CONTROL_PLANE_RETRY_JITTER)
         while True:
             accepted, asked_at = self._starts_accepted, time.monotonic()
             try:

@@ -37,6 +37,7 @@ from agent.errors import WorkerError
 from agent.processes import EXIT_CONFIG, ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail
 from agent.worker_records import WorkerRecord, load_records, remove_record, save_record
 from agent.worker_spec import DEFAULT_COMMAND, allowed_environment, worker_argv, worker_env
+from runtime.backoff import exponential_delay
 from runtime.fleet_tasks import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
     def delay(self, failures: int) -> float:
         """The delay before restart number ``failures`` (1-based) of a run of failures."""
-        return float(min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1)))
+        return exponential_delay(failures, first_s=self.backoff_s, max_s=self.backoff_max_s)
 
 
 class Readiness(Protocol):

@@ -8,6 +8,8 @@ import signal
 from collections import deque
 from dataclasses import dataclass
 
+from runtime.backoff import exponential_delay
+
 #: Exit code 2 is a refused command line or configuration (argparse, click, Go's flag package, ``flotilla``'s own
 #: EXIT_CONFIG): the same command would be refused again.
 EXIT_USAGE = 2
@@ -67,7 +69,8 @@ class RestartHistory:
         if ends > policy.burst:
             return GiveUp(ends)
         # A part that stayed up for a whole window starts again from the first delay.
-        return Restart(delay_s=min(policy.max_delay_s, policy.first_delay_s * 2 ** (ends - 1)), number=ends)
+        delay_s = exponential_delay(ends, first_s=policy.first_delay_s, max_s=policy.max_delay_s)
+        return Restart(delay_s=delay_s, number=ends)
 
 
 def describe_end(code: int) -> str:

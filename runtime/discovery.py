@@ -19,6 +19,7 @@ from typing import Any, Literal
 import aetcd
 
 from runtime.addressing import EndpointAddress
+from runtime.backoff import Backoff
 from runtime.errors import ConfigError, DiscoveryUnavailable
 from runtime.server_wait import ServerWait
 from runtime.settings import etcd_endpoints, parse_etcd_endpoint
@@ -30,6 +31,7 @@ INSTANCES_PREFIX = "flotilla/instances/"
 MODELS_PREFIX = "flotilla/models/"
 # Unary calls give up after this, so a hung etcd cannot stall the keepalive task for longer.
 RPC_TIMEOUT = 5
+# Retries wait 0.1 s, doubled after each failure up to 2 s (etcd restarts in about a second).
 BACKOFF_MIN, BACKOFF_MAX = 0.1, 2.0
 _CHANNEL_OPTIONS = {
     # gRPC waits up to two minutes between reconnection attempts by default; an etcd restart takes a second.
@@ -62,21 +64,6 @@ class WatchEvent:
     kind: Literal["put", "delete"]
     key: str
     value: bytes | None = None
-
-
-class _Backoff:
-    """Doubling delays from BACKOFF_MIN to BACKOFF_MAX, back to the minimum after ``reset()``."""
-
-    def __init__(self) -> None:
-        self._delay = BACKOFF_MIN
-
-    def next(self) -> float:
-        delay = self._delay
-        self._delay = min(2 * delay, BACKOFF_MAX)
-        return delay
-
-    def reset(self) -> None:
-        self._delay = BACKOFF_MIN
 
 
 def _lease_gone(exc: Exception) -> bool:
@@ -137,7 +124,7 @@ class Discovery:
     @classmethod
     async def _keep_trying(cls, targets: list[tuple[str, int]], ttl: int, waiting: ServerWait) -> "Discovery":
         """Try every endpoint in turn, with backoff between rounds, until one grants a lease."""
-        backoff = _Backoff()
+        backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
         while True:
             discovery = await cls._try_each(targets, ttl, waiting)
             if discovery is not None:
@@ -235,7 +222,7 @@ class Discovery:
         is what the caller already has: the first snapshot is then only what differs from it.
         """
         known = dict(known or {})
-        backoff = _Backoff()
+        backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
         failing = False
         while not self._closed:
             try:
@@ -294,7 +281,7 @@ class Discovery:
 
     async def _keep_alive(self) -> None:
         """Refresh the lease every ttl/3 until cancelled; replace it (and re-put the keys) if etcd lost it."""
-        backoff = _Backoff()
+        backoff = Backoff(BACKOFF_MIN, BACKOFF_MAX)
         failing = False
         while True:
             await asyncio.sleep(backoff.next() if failing else self._ttl / 3)

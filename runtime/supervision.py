@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from runtime.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 TaskFactory = Callable[[], Coroutine[Any, Any, None]]
@@ -73,7 +75,7 @@ class Supervisor:
 async def restarting(factory: TaskFactory, name: str) -> None:
     """Run ``factory()`` until it returns; each time it raises, log the traceback and run it again after
     a backoff. For a task its owner holds and cancels itself (a server's loops): it dies only when cancelled."""
-    delay = RESTART_DELAY_MIN
+    backoff = Backoff(RESTART_DELAY_MIN, RESTART_DELAY_MAX)
     while True:
         started = time.monotonic()
         try:
@@ -81,7 +83,7 @@ async def restarting(factory: TaskFactory, name: str) -> None:
             return
         except Exception:
             if time.monotonic() - started >= HEALTHY_RUN_S:
-                delay = RESTART_DELAY_MIN
+                backoff.reset()
+            delay = backoff.next()
             log.exception("background task %r failed; restarting it in %.1f s", name, delay)
         await asyncio.sleep(delay)
-        delay = min(delay * 2, RESTART_DELAY_MAX)

@@ -66,6 +66,7 @@ from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from controlplane.health.records import record_pass
+from runtime.backoff import exponential_delay
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
 from runtime.fencing import live_instance_ids, put_fences
@@ -144,9 +145,7 @@ class ReconcilerSettings:
 
     def backoff_s(self, failure_streak: int) -> float:
         """Seconds a failed instance waits before it is started again."""
-        if failure_streak <= 0:
-            return 0.0
-        return min(2.0 ** min(failure_streak - 1, 32), self.backoff_max_s)
+        return exponential_delay(failure_streak, first_s=1.0, max_s=self.backoff_max_s)
 
 
 @dataclass

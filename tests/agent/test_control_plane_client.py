@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from agent.control_plane_client import (
-    Backoff,
     ControlPlaneClient,
     DownloadReport,
     InstanceReport,
@@ -20,6 +19,7 @@ from agent.control_plane_client import (
     TokenRejected,
     fit_reason,
 )
+from runtime.backoff import Backoff
 from runtime.errors import ConfigError
 
 REPORT = NodeReport(

@@ -8,9 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.control_plane_client import Backoff, ControlPlaneClient, NodeReport, OtherMachine, TokenRejected
+from agent.control_plane_client import ControlPlaneClient, NodeReport, OtherMachine, TokenRejected
 from agent.machine_identity import STATE_FILE, local_machine_id, valid_machine_id
 from launcher.agent_command import agent_settings, build_agent_parser
+from runtime.backoff import Backoff
 from runtime.errors import ConfigError
 
 REFUSAL = (
