@@ -20,8 +20,8 @@ from launcher.proctitle import run_title, set_title
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.logging import configure_logging
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.settings import check_settings
 
 RUN_DESCRIPTION = """\
@@ -371,6 +371,15 @@ def build_run_parser() -> EnvArgumentParser:
         "no threshold)",
     )
     run.add_flag(
+        "--router-replica-sync",
+        env="FLOTILLA_ROUTER_REPLICA_SYNC",
+        type=parse_boolean,
+        default=True,
+        help="--router-mode kv: the ingress processes (--reuse-port, or several machines) tell each other "
+        "where they send requests, over NATS, so that each counts the others' load on a worker at once "
+        "(default true; it costs one small message per request event and a heartbeat a second)",
+    )
+    run.add_flag(
         "--router-generation",
         env="FLOTILLA_ROUTER_GENERATION",
         type=_generation,
@@ -518,6 +527,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         router_ttl_s=namespace.router_ttl,
         busy_kv_usage=namespace.busy_kv_usage,
         busy_waiting=namespace.busy_waiting,
+        router_replica_sync=namespace.router_replica_sync,
         migration_limit=namespace.migration_limit,
         progress_deadline_s=namespace.progress_deadline,
         max_inflight=namespace.max_inflight,

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.engine_names import IMPLEMENTED_ENGINES, PLANNED_ENGINES, SETTINGS_FILE_ENGINES
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
+from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
 # The engines (runtime/engine_names.py), and the ingress.
 ENGINES = (*IMPLEMENTED_ENGINES, "dyn")
@@ -39,6 +39,8 @@ class RunOptions:
     router_ttl_s: float = 120.0  # how long --use-kv-events false assumes a routed prefix stays cached
     busy_kv_usage: float | None = None  # --router-mode kv: busy thresholds (frontend_gateway/routing/)
     busy_waiting: int | None = None
+    #: --router-mode kv: share routing decisions with the other ingress processes (routing/replica_sync.py).
+    router_replica_sync: bool = True
     migration_limit: int = 0
     progress_deadline_s: float = 60.0  # out=dyn: FLOTILLA_STREAM_PROGRESS_DEADLINE_S (runtime/request_plane/)
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)

@@ -209,6 +209,7 @@ async def run_ingress(options: RunOptions) -> int:
             predicted_ttl_s=options.router_ttl_s,
             busy_kv_usage=options.busy_kv_usage,
             busy_waiting=options.busy_waiting,
+            replica_sync=options.router_replica_sync,
         ),
         migration_limit=options.migration_limit,
         metrics=metrics,

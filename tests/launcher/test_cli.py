@@ -20,7 +20,7 @@ from runtime.errors import (
     RequestPlaneUnavailable,
     TemplateError,
 )
-from runtime.router_settings import PipelineRouter
+from runtime.fleet_tasks import PipelineRouter
 from tests.servers import free_port
 
 
@@ -53,6 +53,13 @@ def test_router_flags_given_to_a_worker_are_registered_and_absent_ones_leave_it_
     assert (plain.router_mode, plain.kv_overlap_score_weight, plain.use_kv_events) == ("round-robin", 1.0, True)
     given = options("in=dyn://llm", "out=echo_full", "--router-mode", "kv", "--use-kv-events", "false")
     assert given.worker_router == PipelineRouter(mode="kv", use_kv_events=False)
+
+
+def test_router_replica_sync_is_on_unless_turned_off_by_flag_or_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert options("in=http", "out=dyn", "--router-mode", "kv").router_replica_sync is True
+    assert options("in=http", "out=dyn", "--router-replica-sync", "false").router_replica_sync is False
+    monkeypatch.setenv("FLOTILLA_ROUTER_REPLICA_SYNC", "false")
+    assert options("in=http", "out=dyn").router_replica_sync is False
 
 
 def test_a_worker_given_only_the_queued_prefill_weight_registers_router_settings_with_it() -> None:
