@@ -68,6 +68,8 @@ class Stack:
     log_dir: Path
     #: Fields to add to a request body so that its answer names the worker that served it.
     worker_fields: Mapping[str, Any] = field(default_factory=dict)
+    #: Every ingress's port when there are several (``port`` is the first's); a client spreads over them.
+    ports: tuple[int, ...] = ()
 
 
 def check_mocker_settings(settings: Mapping[str, Any], *, dynamo: bool = False) -> dict[str, Any]:
@@ -164,8 +166,10 @@ def flotilla_stack(
     model: str = MODEL,
     ingress_args: Sequence[str] = (),
     log_dir: Path | None = None,
+    ingresses: int = 1,
 ) -> Iterator[Stack]:
-    """Flotilla: etcd, NATS, ``workers`` mocker workers and the ingress; yields the running Stack.
+    """Flotilla: etcd, NATS, ``workers`` mocker workers and ``ingresses`` ingress processes (each on a port
+    of its own, as replicas behind a load balancer); yields the running Stack.
 
     ``overlap_weight`` is ``--kv-overlap-score-weight``: kv routing weighs a block of prefill saved by
     a cache hit this much against a block of decode load.
@@ -186,40 +190,53 @@ def flotilla_stack(
             )
             processes.append(_spawn(command, directory / f"worker-{number}.log", env))
             stack.callback(processes[-1].stop)
-        port = free_port()
-        ingress = _start_http(
-            stack,
-            flotilla(
-                "in=http", "out=dyn", "--http-port", str(port), "--router-mode", router_mode,
-                "--use-kv-events", "true" if use_kv_events else "false",
-                "--kv-overlap-score-weight", str(overlap_weight), *ingress_args,
-            ),
-            port, directory / "ingress.log", env,
-        )  # fmt: skip
+        fronts: list[ServerProcess] = []
+        ports = [free_port() for _ in range(ingresses)]
+        for number, port in enumerate(ports):
+            fronts.append(
+                _start_http(
+                    stack,
+                    flotilla(
+                        "in=http", "out=dyn", "--http-port", str(port), "--router-mode", router_mode,
+                        "--use-kv-events", "true" if use_kv_events else "false",
+                        "--kv-overlap-score-weight", str(overlap_weight), *ingress_args,
+                    ),
+                    port, directory / ("ingress.log" if ingresses == 1 else f"ingress-{number}.log"), env,
+                )
+            )  # fmt: skip
         instance_ids = _worker_banners(processes, directory)
-        _wait(lambda: model in _models(ingress.base_url), [*processes, ingress], directory, "flotilla: model")
-        answered: set[str] = set()
-
-        def every_worker_answered() -> bool:
-            # 4 tokens: less than a KV block, so the probes leave nothing cached for the benchmark to hit.
-            body = {"model": model, "prompt": [1000, 1001, 1002, 1003], "max_tokens": 1}
-            reply = httpx.post(ingress.base_url + "/v1/completions", json=body, timeout=10)
-            if reply.status_code == 200:
-                answered.add(reply.headers["x-flotilla-instance"])
-            return answered >= set(instance_ids)
-
-        _wait(every_worker_answered, [*processes, ingress], directory, "flotilla: a worker never answered")
+        for ingress in fronts:
+            _wait_routed(ingress, model, instance_ids, processes, directory)
         yield Stack(
             name="flotilla",
-            base_url=ingress.base_url,
-            port=port,
+            base_url=fronts[0].base_url,
+            port=ports[0],
             model=model,
             block_size=int(settings.get("block_size", 64)),
             worker_ids=tuple(instance_ids),
-            ingress_pids=(ingress.process.pid,),
+            ingress_pids=tuple(ingress.process.pid for ingress in fronts),
             worker_pids=tuple(p.process.pid for p in processes),
             log_dir=directory,
+            ports=tuple(ports),
         )
+
+
+def _wait_routed(
+    ingress: ServerProcess, model: str, instance_ids: Sequence[str], workers: list[ServerProcess], directory: Path
+) -> None:
+    """Wait until ``ingress`` lists ``model`` and has routed a probe to each of ``instance_ids``."""
+    _wait(lambda: model in _models(ingress.base_url), [*workers, ingress], directory, "flotilla: model")
+    answered: set[str] = set()
+
+    def every_worker_answered() -> bool:
+        # 4 tokens: less than a KV block, so the probes leave nothing cached for the benchmark to hit.
+        body = {"model": model, "prompt": [1000, 1001, 1002, 1003], "max_tokens": 1}
+        reply = httpx.post(ingress.base_url + "/v1/completions", json=body, timeout=10)
+        if reply.status_code == 200:
+            answered.add(reply.headers["x-flotilla-instance"])
+        return answered >= set(instance_ids)
+
+    _wait(every_worker_answered, [*workers, ingress], directory, "flotilla: a worker never answered")
 
 
 def _worker_banners(processes: list[ServerProcess], directory: Path) -> list[str]:
@@ -254,6 +271,9 @@ _DYNAMO_FLAGS = {
 }
 #: Keys Dynamo 1.6.1's mocker has no setting for, with the only value both stacks then agree on.
 _DYNAMO_FIXED = {"watermark": 0.01}
+#: Keys of ours only, given to Dynamo's mocker as nothing: it has one scheduler of its own (with the 1%
+#: watermark above), whichever of vLLM's ours simulates.
+_DYNAMO_IGNORED = ("scheduler",)
 
 
 def dynamo_mocker_flags(settings: Mapping[str, Any]) -> list[str]:
@@ -269,6 +289,8 @@ def dynamo_mocker_flags(settings: Mapping[str, Any]) -> list[str]:
             # prompt and 30 tokens took ~300 ms at 0, ~50 ms at 1e6).
             raise ValueError(f"Dynamo 1.6.1's mocker does not honour {key} 0: give a large ratio, e.g. 1e6")
     for key, value in check_mocker_settings(settings).items():
+        if key in _DYNAMO_IGNORED:
+            continue
         if key in _DYNAMO_FIXED:
             if value != _DYNAMO_FIXED[key]:
                 raise ValueError(f"Dynamo's mocker has no {key} setting: only {_DYNAMO_FIXED[key]} compares")

@@ -9,6 +9,7 @@ mocker workers with the same settings (bench/stacks.py; MOCKER_SETTINGS below sa
     .venv/bin/python bench/trace_replay.py [--generate] [--seed 0] [--rate 56] [--duration 30]
         [--arrivals poisson|fixed] [--dynamo] [--modes flotilla-kv,dynamo-kv,...] [--overlap-weight 8]
     .venv/bin/python bench/trace_replay.py --trace bench/traces/conversations-seed0-56rps.jsonl
+    .venv/bin/python bench/trace_replay.py --modes flotilla-kv --ingresses 1,2,4 --replica-sync both
 
 The default run (4 Flotilla modes of 30 s) takes ~3 minutes here, ~4.5 with ``--dynamo``.
 bench/traces/conversations-seed0-56rps.jsonl is the default generated trace (seed 0, 56 requests/s,
@@ -43,6 +44,7 @@ mode) and trace_replay_hit_rate.png.
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -368,13 +370,15 @@ async def send_one(port: int, request: bytes, expected_tokens: int, patience: fl
 
 
 async def replay(
-    port: int, requests: Sequence[bytes], trace: Sequence[TraceRequest], patience: float
+    ports: Sequence[int], requests: Sequence[bytes], trace: Sequence[TraceRequest], patience: float
 ) -> tuple[list[StreamResult], float]:
-    """Send each request at its trace time (open loop); returns the results in trace order, and wall seconds."""
+    """Send each request at its trace time (open loop), to the ingresses' ``ports`` in turn (as a load
+    balancer would); returns the results in trace order, and wall seconds."""
     start = time.perf_counter()
     tasks = []
-    for request, entry in zip(requests, trace, strict=True):
+    for number, (request, entry) in enumerate(zip(requests, trace, strict=True)):
         await asyncio.sleep(max(0.0, start + entry.timestamp / 1000 - time.perf_counter()))
+        port = ports[number % len(ports)]
         tasks.append(asyncio.create_task(send_one(port, request, entry.output_length, patience)))
     results = list(await asyncio.gather(*tasks))
     return results, time.perf_counter() - start
@@ -389,6 +393,8 @@ class Mode:
     stack: str  # "flotilla" or "dynamo"
     router_mode: str
     use_kv_events: bool = True
+    ingresses: int = 1  # Flotilla: ingress processes, each sent every Nth request (--ingresses)
+    replica_sync: bool = True  # Flotilla kv: --router-replica-sync (--replica-sync)
 
 
 MODES = {
@@ -422,7 +428,8 @@ def start_stack(
         "use_kv_events": mode.use_kv_events, "overlap_weight": overlap_weight,
     }  # fmt: skip
     if mode.stack == "flotilla":
-        with flotilla_stack(**common, ingress_args=ingress_args) as stack:
+        sync = ["--router-replica-sync", "true" if mode.replica_sync else "false"]
+        with flotilla_stack(**common, ingress_args=[*sync, *ingress_args], ingresses=mode.ingresses) as stack:
             yield stack
     else:
         with dynamo_stack(**common, frontend_args=dynamo_args) as stack:
@@ -598,6 +605,54 @@ def save_plots(summaries: Mapping[str, dict[str, Any]], ideal: float) -> list[Pa
     return paths
 
 
+def ingress_variants(modes: Sequence[Mode], counts: Sequence[int], replica_sync: str) -> Iterator[Mode]:
+    """Each mode through each count of ingress processes, with replica sync on and/or off (kv modes).
+
+    Names gain ``-xN`` when more than one count is listed or N > 1, and ``-sync``/``-nosync`` with
+    ``replica_sync="both"``; the defaults (one process, sync on) keep the mode's own name.
+    """
+    syncs = {"on": (True,), "off": (False,), "both": (True, False)}[replica_sync]
+    for mode in modes:
+        for count in counts:
+            for sync in syncs if mode.router_mode == "kv" and mode.stack == "flotilla" else (True,):
+                name = mode.name
+                if len(counts) > 1 or count > 1:
+                    name += f"-x{count}"
+                if len(syncs) > 1 and mode.router_mode == "kv":
+                    name += "-sync" if sync else "-nosync"
+                yield dataclasses.replace(mode, name=name, ingresses=count, replica_sync=sync)
+
+
+def ingress_ratios(modes: Sequence[Mode], summaries: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per run through several ingress processes (or without replica sync): its hit rate and TTFT p50 and
+    p99 over those of its mode's run through one process with replica sync (printed too)."""
+    ratios: dict[str, dict[str, float]] = {}
+    baseline_of = {
+        (mode.router_mode, mode.use_kv_events, mode.stack): mode.name
+        for mode in reversed(modes)
+        if mode.ingresses == 1 and mode.replica_sync
+    }
+    for mode in modes:
+        base_name = baseline_of.get((mode.router_mode, mode.use_kv_events, mode.stack))
+        if base_name is None or base_name == mode.name or mode.name not in summaries:
+            continue
+        run, base = summaries[mode.name], summaries[base_name]
+        ratios[mode.name] = {
+            key: run[key] / base[key]
+            for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
+            if run[key] is not None and base[key]
+        }
+    if ratios:
+        print("against one ingress process (same mode, replica sync on):")
+        print(f"  {'run':36}{'hit rate':>10}{'TTFT p50':>10}{'p99':>8}")
+        for name, values in ratios.items():
+            print(
+                f"  {name:36}{_fmt(values.get('hit_rate'), '10.3f')}{_fmt(values.get('ttft_p50_ms'), '10.3f')}"
+                f"{_fmt(values.get('ttft_p99_ms'), '8.3f')}"
+            )
+    return ratios
+
+
 # --- main --------------------------------------------------------------------------------------------
 
 
@@ -621,7 +676,7 @@ def run_mode(
         ]  # fmt: skip
         cpu_before = [cpu_seconds(pid) for pid in (*stack.ingress_pids, *stack.worker_pids)]
         with collector_paused():
-            results, seconds = uvloop.run(replay(stack.port, requests, trace, args.patience))
+            results, seconds = uvloop.run(replay(stack.ports or (stack.port,), requests, trace, args.patience))
         cpu = [
             cpu_seconds(pid) - before
             for pid, before in zip((*stack.ingress_pids, *stack.worker_pids), cpu_before, strict=True)
@@ -666,6 +721,16 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--dynamo-args", default="", help="extra flags for Dynamo's frontend")
     parser.add_argument("--patience", type=float, default=120.0, help="longest wait for one answer, seconds")
+    parser.add_argument(
+        "--ingresses", default="1", metavar="N[,N...]",
+        help="Flotilla modes: run each through N ingress processes (each sent every Nth request, as replicas "
+        "behind a load balancer), for each N listed, e.g. 1,2,4; with more than one N, the table ends with "
+        "each run's hit rate and TTFT as ratios to its mode's run through one process (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replica-sync", choices=("on", "off", "both"), default="on",
+        help="Flotilla kv modes: --router-replica-sync of the ingresses; both: run each way (default on)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.rate <= 0 or args.duration <= 0 or args.trace_block_size < 1:
         parser.error("--rate and --duration must be above 0, --trace-block-size at least 1")
@@ -682,6 +747,15 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     else:
         args.mode_list = [MODES[name] for name in DEFAULT_MODES + (DYNAMO_MODES if args.dynamo else ())]
+    try:
+        counts = [int(part) for part in args.ingresses.split(",")]
+    except ValueError:
+        parser.error(f"--ingresses: expected counts like 1,2,4, not {args.ingresses!r}")
+    if not counts or min(counts) < 1 or max(counts) > 16:
+        parser.error("--ingresses: each count must be between 1 and 16")
+    if max(counts) > 1 and any(mode.stack == "dynamo" for mode in args.mode_list):
+        parser.error("--ingresses above 1 is for Flotilla's modes only")
+    args.mode_list = list(ingress_variants(args.mode_list, counts, args.replica_sync))
     try:
         args.settings = {**MOCKER_SETTINGS, **json.loads(args.mocker)}
     except (json.JSONDecodeError, TypeError) as exc:
@@ -747,6 +821,7 @@ def main() -> None:
         )
     print()
     print_table(summaries)
+    ratios = ingress_ratios(args.mode_list, summaries)
     floors = floor_checks(summaries)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "trace_replay.json"
@@ -754,7 +829,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {"args": arguments, "mocker_settings": args.settings, "workers": WORKERS, "ideal_hit_rate": ideal,
-             "modes": summaries, "floors": floors},
+             "modes": summaries, "floors": floors, "ingress_ratios": ratios},
             indent=1,
         )
     )  # fmt: skip
