@@ -1,7 +1,9 @@
 """The mocker's settings: ``--extra-engine-args FILE.json``, with the key names of Dynamo's mocker.
 
 Defaults are vLLM's (and Dynamo's mocker's): 16384 blocks of 64 tokens, 256 sequences and 8192
-tokens per step, prefix caching and chunked prefill on, a 1% watermark, real time (speedup 1).
+tokens per step, prefix caching and chunked prefill on, real time (speedup 1), and vLLM v1's
+scheduler (``"scheduler": "v1"``; ``"v0"`` keeps vLLM v0's, with its 1% watermark: scheduler.py says
+how they differ).
 """
 
 from pathlib import Path
@@ -29,8 +31,12 @@ class MockerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     enable_prefix_caching: bool = True
     #: Prefill a long prompt over several steps instead of waiting for a step with room for all of it.
     enable_chunked_prefill: bool = True
-    #: Fraction of the blocks a new request may not take (kept for the running ones to grow into).
-    watermark: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.01
+    #: Whose scheduler and block manager to simulate: vLLM v1's (chunk-by-chunk admission, no watermark,
+    #: a copy per block computed) or v0's (whole-prompt admission, a watermark, identical blocks merged).
+    scheduler: Literal["v0", "v1"] = "v1"
+    #: v0 only: fraction of the blocks a new request may not take (kept for the running ones to grow
+    #: into); None: 0.01, v0's default.
+    watermark: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] | None = None
     #: Simulated time runs this many times faster than real time; 0: no waiting at all.
     speedup_ratio: NonNegativeFloat = 1.0
     #: An extra speed-up of decode steps only (speculative decoding); 0: decode steps take no time.
@@ -44,6 +50,7 @@ class MockerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
 
 
 KNOWN_KEYS: tuple[str, ...] = MockerConfig.__struct_fields__
+SCHEDULERS = ("v1", "v0")
 
 
 def parse_mocker_config(values: Any, source: str = "--extra-engine-args") -> MockerConfig:
@@ -57,6 +64,17 @@ def parse_mocker_config(values: Any, source: str = "--extra-engine-args") -> Moc
     for key in values:
         if key not in KNOWN_KEYS:
             raise ConfigError(f"{source}: unknown key {key!r}; known keys: {known}")
+    scheduler = values.get("scheduler", "v1")
+    if scheduler not in SCHEDULERS:
+        raise ConfigError(
+            f'{source}: "scheduler" must be "v1" (vLLM v1\'s scheduler, the default) or "v0" (vLLM v0\'s), '
+            f"not {scheduler!r}"
+        )
+    if scheduler == "v1" and values.get("watermark") is not None:
+        raise ConfigError(
+            f'{source}: "watermark" is a setting of vLLM v0\'s scheduler; v1 has none: drop it, or add '
+            '"scheduler": "v0"'
+        )
     try:
         config = msgspec.convert(values, MockerConfig)
     except msgspec.ValidationError as exc:

@@ -1,11 +1,13 @@
-"""The paged KV cache of one simulated dp rank: which blocks are in use, shared, cached or free.
+"""The paged KV cache of one simulated dp rank as vLLM v0 kept it (``scheduler`` "v0"; kv_cache_v1.py: v1).
 
 No memory is simulated, only the bookkeeping a vLLM-like block manager does:
 
 * A sequence's KV lives in blocks of ``block_size`` tokens. Once a block is full (its tokens
   computed) and prefix caching is on, it is named by its sequence hash (runtime/kv_blocks.py) and
   becomes shareable: another sequence whose prompt starts with the same tokens takes a reference to
-  it instead of computing it again. The last, partial block of a sequence is private to it.
+  it instead of computing it again. The last, partial block of a sequence is private to it. A block
+  computed again under a name already cached is merged into the cached one (v0's promotion to an
+  immutable block), its own copy freed.
 * A full block nobody references any more stays cached, in an LRU of idle blocks, until a new
   block is needed and no never-used one is left: then the least recently used idle block is evicted.
   A sequence frees its blocks last first, so a freed sequence's tail is evicted before its prefix.
@@ -85,6 +87,9 @@ class KvCache:
     def admission_limit(self) -> int:
         """The most blocks in use once a new sequence is admitted (all of them less the watermark)."""
         return self.num_blocks - self.watermark_blocks
+
+    def new_table(self) -> SequenceBlocks:
+        return SequenceBlocks()
 
     def prefix_hit(self, hashes: Sequence[int], max_blocks: int) -> tuple[int, int]:
         """(leading blocks of ``hashes`` cached, how many of those are idle), looking at ``max_blocks`` at most."""

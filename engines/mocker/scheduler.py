@@ -1,13 +1,26 @@
-"""The scheduler of one simulated dp rank, after vLLM v1's: which sequences compute what in a step.
+"""The scheduler of one simulated dp rank, after vLLM's: which sequences compute what in a step.
 
 Each step has a budget of ``max_num_batched_tokens`` tokens. Running sequences come first, in the
 order they were admitted: one that decodes computes one token; one still prefilling computes what
 is left of its prompt, or a chunk of it that fits the budget. Then, if no sequence had to be
 preempted, waiting sequences are admitted in arrival order while the budget, ``max_num_seqs`` and
-the KV cache allow (a new sequence may not eat into the watermark); an admitted sequence starts
-after its longest cached prefix (at most all of its tokens but the last, as in vLLM), and that
-prefix is its ``cached_tokens``. With ``enable_chunked_prefill`` off, a prompt waits until a step
-has room for all of it.
+the KV cache allow; an admitted sequence starts after its longest cached prefix (at most all of its
+tokens but the last, as in vLLM), and that prefix is its ``cached_tokens`` (counted in the prefix
+hit rate at its first admission). With ``enable_chunked_prefill`` off, a prompt is admitted only in
+a step with room for all of it.
+
+``scheduler`` picks whose admission and block manager are simulated:
+
+* "v1" (the default; vLLM v1's ``Scheduler.schedule`` and ``KVCacheManager.allocate_slots``): a
+  waiting sequence is admitted when the blocks of the chunk it computes in this step can be given
+  to it, however long the rest of its prompt; the next chunks take their blocks step by step like
+  a running sequence's tokens. No watermark. Each block is the sequence's own (kv_cache_v1.py): two
+  sequences that compute the same block both hold a copy. Without chunked prefill, a prompt too
+  long for the step's budget is passed over and the ones behind it are tried.
+* "v0" (vLLM v0's block manager): a waiting sequence is admitted only when all the blocks of its
+  prompt fit, less a watermark kept for the running ones; a block computed again under a name
+  already cached is merged into the cached one (kv_cache.py). Without chunked prefill, a prompt
+  too long for the budget holds back the ones behind it.
 
 When a running sequence needs a block and none is left, another running sequence is preempted
 (the newest, or the oldest with ``preemption_mode`` "fifo"): its blocks are freed, and it goes
@@ -33,6 +46,7 @@ from typing import Any, Protocol
 
 from engines.mocker.config import MockerConfig
 from engines.mocker.kv_cache import KvCache, SequenceBlocks
+from engines.mocker.kv_cache_v1 import KvCacheV1
 from runtime.errors import EngineError
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.protocol import FinishReason
@@ -40,6 +54,8 @@ from runtime.protocol import FinishReason
 _MASK64 = (1 << 64) - 1
 # The LCG of Knuth's MMIX: cheap, and good enough to look like text to a benchmark.
 _LCG_MULTIPLIER, _LCG_INCREMENT = 6364136223846793005, 1442695040888963407
+#: The watermark of ``scheduler`` "v0" when none is given (vLLM v0's default).
+V0_WATERMARK = 0.01
 #: Admissions over which the prefix hit rate is reported.
 HIT_RATE_WINDOW = 1000
 
@@ -193,12 +209,20 @@ class Scheduler:
 
     def __init__(self, config: MockerConfig) -> None:
         self.config = config
-        self.cache = KvCache(
-            config.num_gpu_blocks,
-            config.block_size,
-            prefix_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
-        )
+        self.cache: KvCache | KvCacheV1
+        if config.scheduler == "v1":
+            self.cache = KvCacheV1(
+                config.num_gpu_blocks, config.block_size, prefix_caching=config.enable_prefix_caching
+            )
+        else:
+            self.cache = KvCache(
+                config.num_gpu_blocks,
+                config.block_size,
+                prefix_caching=config.enable_prefix_caching,
+                watermark=V0_WATERMARK if config.watermark is None else config.watermark,
+            )
+        #: vLLM v1's admission: a new sequence needs blocks for the chunk it computes, not its whole prompt.
+        self._v1 = config.scheduler == "v1"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = PrefixStats()
@@ -220,8 +244,8 @@ class Scheduler:
         if blocks > self.cache.admission_limit:
             raise EngineError(
                 f"a prompt of {prompt_tokens} tokens needs {blocks} KV blocks of {config.block_size} tokens; "
-                f"a request may use {self.cache.admission_limit} (num_gpu_blocks {config.num_gpu_blocks} "
-                f"less the watermark)"
+                f"a request may use {self.cache.admission_limit} (num_gpu_blocks {config.num_gpu_blocks}"
+                f"{'' if self._v1 else ' less the watermark'})"
             )
         if not config.enable_chunked_prefill and prompt_tokens > config.max_num_batched_tokens:
             raise EngineError(
@@ -230,6 +254,7 @@ class Scheduler:
             )
         if config.enable_prefix_caching:
             sequence.block_hashes = sequence_block_hashes(sequence.prompt, config.block_size)
+        sequence.blocks = self.cache.new_table()
         self.waiting.append(sequence)
 
     def abort(self, sequence: Sequence) -> None:
@@ -306,6 +331,8 @@ class Scheduler:
         block_size = config.block_size
         cache = self.cache
         waiting, running = self.waiting, self.running
+        v1 = self._v1
+        passed_over: list[Sequence] = []
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             sequence = waiting[0]
             if sequence.stop.stopped:
@@ -314,25 +341,30 @@ class Scheduler:
                 step.dropped.append(sequence)
                 continue
             total = sequence.num_tokens
+            if -(-total // block_size) > cache.admission_limit:
+                # It could never hold all its tokens, whatever ends: a preempted sequence outgrew the cache.
+                waiting.popleft()
+                self._fail_outgrown(step, sequence)
+                continue
             # vLLM computes at least the last token, even when the whole prompt is cached.
             hit, idle_hit = cache.prefix_hit(sequence.block_hashes, (total - 1) // block_size)
             cached = hit * block_size
             tokens = total - cached
             if tokens > budget:
                 if not config.enable_chunked_prefill:
+                    if v1:
+                        passed_over.append(waiting.popleft())  # v1 tries the ones behind it in this step
+                        continue
                     break
                 tokens = budget
-            more_blocks = -(-total // block_size) - hit + idle_hit
+            # v0 admits a sequence once all its blocks fit beside the watermark; v1 once the blocks of the
+            # chunk it computes now fit (the rest it gets step by step, preempting others if need be).
+            more_blocks = -(-(cached + tokens if v1 else total) // block_size) - hit + idle_hit
             if not cache.can_admit(more_blocks):
                 if not running:
                     # Nothing will ever free a block for it: a preempted sequence outgrew the cache.
                     waiting.popleft()
-                    sequence.error = (
-                        f"the sequence grew to {total} tokens, more than the KV cache "
-                        f"({config.num_gpu_blocks} blocks of {block_size}) holds"
-                    )
-                    self._finish(sequence, "error")
-                    step.dropped.append(sequence)
+                    self._fail_outgrown(step, sequence)
                     continue
                 break
             waiting.popleft()
@@ -348,7 +380,18 @@ class Scheduler:
             running.append(sequence)
             step.scheduled[sequence] = tokens
             budget -= tokens
+        if passed_over:
+            waiting.extendleft(reversed(passed_over))
         return budget
+
+    def _fail_outgrown(self, step: Step, sequence: Sequence) -> None:
+        config = self.config
+        sequence.error = (
+            f"the sequence grew to {sequence.num_tokens} tokens, more than the KV cache "
+            f"({config.num_gpu_blocks} blocks of {config.block_size}) holds"
+        )
+        self._finish(sequence, "error")
+        step.dropped.append(sequence)
 
     def complete(self, step: Step) -> list[Sequence]:
         """Apply ``step`` (its time has passed): returns the sequences with new tokens or an end, those

@@ -13,7 +13,9 @@ def test_defaults_are_vllms() -> None:
     assert (config.num_gpu_blocks, config.block_size) == (16384, 64)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 8192)
     assert config.enable_prefix_caching and config.enable_chunked_prefill
-    assert (config.watermark, config.speedup_ratio, config.dp_size) == (0.01, 1.0, 1)
+    assert (config.speedup_ratio, config.dp_size) == (1.0, 1)
+    # vLLM v1's scheduler, which has no watermark.
+    assert (config.scheduler, config.watermark) == ("v1", None)
 
 
 def test_a_file_sets_the_keys_it_names(tmp_path: Path) -> None:
@@ -35,7 +37,7 @@ def test_an_unknown_key_is_named_with_the_known_ones() -> None:
     ("values", "key"),
     [
         ({"num_gpu_blocks": 0}, "num_gpu_blocks"),
-        ({"watermark": 1.0}, "watermark"),
+        ({"watermark": 1.0, "scheduler": "v0"}, "watermark"),
         ({"speedup_ratio": -1}, "speedup_ratio"),
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
         ({"preemption_mode": "random"}, "preemption_mode"),
@@ -71,3 +73,17 @@ def test_settings_may_be_given_inline_as_a_json_object() -> None:
     )
     with pytest.raises(ConfigError, match=r"--extra-engine-args \(inline JSON\): not valid JSON"):
         load_mocker_config('{"speedup_ratio": ')
+
+
+def test_the_scheduler_is_v1_or_v0_and_anything_else_is_refused_by_name() -> None:
+    assert parse_mocker_config({"scheduler": "v0"}).scheduler == "v0"
+    assert parse_mocker_config({"scheduler": "v1"}).scheduler == "v1"
+    for bad in ("v2", "V1", 1, None):
+        with pytest.raises(ConfigError, match=r'"scheduler" must be "v1" .* or "v0" .*, not ' + repr(bad)):
+            parse_mocker_config({"scheduler": bad})
+
+
+def test_a_watermark_is_refused_under_v1_which_has_none() -> None:
+    with pytest.raises(ConfigError, match=r'"watermark" is a setting of vLLM v0.s scheduler; v1 has none'):
+        parse_mocker_config({"watermark": 0.05})
+    assert parse_mocker_config({"watermark": 0.05, "scheduler": "v0"}).watermark == 0.05

@@ -1,4 +1,8 @@
-"""The mocker's vLLM-like scheduler: batch limits, chunked prefill, preemption, prefix hits."""
+"""The mocker's vLLM-like scheduler: batch limits, chunked prefill, preemption, prefix hits.
+
+Every test here holds for both ``scheduler`` settings and runs under each; test_scheduler_v1.py has
+what v1 does differently.
+"""
 
 import itertools
 
@@ -11,6 +15,14 @@ from runtime.kv_blocks import sequence_block_hashes
 
 BLOCK = 4
 _ids = itertools.count()
+#: The settings every scheduler() of a test starts from; the fixture below sets "scheduler".
+DEFAULTS: dict[str, object] = {"block_size": BLOCK, "num_gpu_blocks": 64}
+
+
+@pytest.fixture(autouse=True, params=["v0", "v1"])
+def version(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setitem(DEFAULTS, "scheduler", request.param)
+    return str(request.param)
 
 
 class Flag:
@@ -24,7 +36,7 @@ def sequence(prompt: list[int], max_tokens: int = 4, *, eos: tuple[int, ...] = (
 
 
 def scheduler(**settings: object) -> Scheduler:
-    values: dict[str, object] = {"block_size": BLOCK, "num_gpu_blocks": 64, "watermark": 0.0, **settings}
+    values: dict[str, object] = {**DEFAULTS, **settings}
     return Scheduler(MockerConfig(**values))  # type: ignore[arg-type]
 
 

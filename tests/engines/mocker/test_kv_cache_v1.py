@@ -1,0 +1,115 @@
+"""The mocker's v1 KV cache (vLLM v1's block pool): copies, one free queue, events per hash."""
+
+from engines.mocker.kv_cache import KvCache
+from engines.mocker.kv_cache_v1 import BlockTable, KvCacheV1
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+
+BLOCK = 4
+
+
+def filled(cache: KvCacheV1, tokens: list[int]) -> tuple[BlockTable, list[int]]:
+    """A table that computed ``tokens`` (its full blocks cached)."""
+    table = cache.new_table()
+    hashes = sequence_block_hashes(tokens, BLOCK)
+    assert cache.allocate(table, len(tokens))
+    cache.commit(table, hashes, len(tokens) // BLOCK)
+    return table, hashes
+
+
+def test_a_block_computed_twice_is_two_copies_announced_once_and_removed_with_the_last() -> None:
+    cache = KvCacheV1(4, BLOCK)
+    cache.record_events = True
+    first, hashes = filled(cache, list(range(4)))
+    second, _ = filled(cache, list(range(4)))
+    assert cache.active_blocks == 2 and cache.copies(hashes[0]) == 2 and cache.cached_blocks == 1
+    assert cache.take_events() == [BlockStored([hashes[0]], None)]
+    cache.free(first)
+    cache.free(second)
+    other = cache.new_table()
+    assert cache.allocate(other, 3 * BLOCK)  # two never used, then the head of the free queue: one copy
+    assert cache.copies(hashes[0]) == 1 and cache.take_events() == []
+    assert cache.allocate(other, 4 * BLOCK)  # the other copy: the hash is gone
+    assert cache.copies(hashes[0]) == 0 and cache.take_events() == [BlockRemoved([hashes[0]])]
+
+
+def test_the_first_copy_cached_is_the_one_a_hit_takes() -> None:
+    cache = KvCacheV1(4, BLOCK)
+    first, hashes = filled(cache, list(range(4)))
+    kept = first.held[0]
+    filled(cache, list(range(4)))  # a second copy, still in use
+    cache.free(first)
+    hit = cache.new_table()
+    assert cache.prefix_hit(hashes, 1) == (1, 1)  # the first copy, now free
+    cache.acquire_prefix(hit, hashes, 1)
+    assert hit.held[0] is kept and cache.active_blocks == 2
+
+
+def test_freed_blocks_are_reused_in_the_order_they_were_freed_cached_or_not() -> None:
+    # v1 has one free queue: a cached block freed before a plain one is evicted first (v0 reuses the
+    # plain one first and keeps the cached block).
+    for cache_type in (KvCacheV1, KvCache):
+        cache = cache_type(3, BLOCK)
+        cached = cache.new_table()
+        hashes = sequence_block_hashes(list(range(4)), BLOCK)
+        assert cache.allocate(cached, BLOCK)
+        cache.commit(cached, hashes, 1)
+        plain = cache.new_table()
+        assert cache.allocate(plain, 2)
+        cache.free(cached)
+        cache.free(plain)
+        newer = cache.new_table()
+        assert cache.allocate(newer, 2 * BLOCK)  # the one never used, then the head of the free queue
+        assert cache.prefix_hit(hashes, 1)[0] == (0 if cache_type is KvCacheV1 else 1)
+
+
+def test_a_sequence_frees_its_tail_first_so_its_prefix_is_evicted_last() -> None:
+    cache = KvCacheV1(3, BLOCK)
+    table, hashes = filled(cache, list(range(12)))
+    cache.free(table)
+    cache.record_events = True
+    newer = cache.new_table()
+    assert cache.allocate(newer, 2 * BLOCK)
+    assert cache.take_events() == [BlockRemoved([hashes[2], hashes[1]])]
+    assert cache.prefix_hit(hashes, 3) == (1, 1)
+
+
+def test_allocation_beyond_the_free_blocks_changes_nothing() -> None:
+    cache = KvCacheV1(2, BLOCK)
+    table, _ = filled(cache, list(range(4)))
+    other = cache.new_table()
+    assert not cache.allocate(other, 2 * BLOCK)
+    assert (other.count, cache.active_blocks, cache.free_blocks) == (0, 1, 1)
+    assert cache.can_admit(1) and not cache.can_admit(2)
+    cache.free(table)
+    assert cache.allocate(other, 2 * BLOCK) and cache.active_blocks == 2
+
+
+def test_reset_drops_the_free_cached_blocks_and_keeps_those_in_use() -> None:
+    cache = KvCacheV1(4, BLOCK)
+    cache.record_events = True
+    used, used_hashes = filled(cache, list(range(4)))
+    idle, idle_hashes = filled(cache, list(range(100, 104)))
+    cache.free(idle)
+    cache.take_events()
+    assert cache.reset_prefix_cache() == 1
+    assert cache.take_events() == [BlockRemoved([idle_hashes[0]])]
+    assert cache.prefix_hit(used_hashes, 1) == (1, 0) and cache.prefix_hit(idle_hashes, 1) == (0, 0)
+    cache.free(used)
+    assert cache.reset_prefix_cache() == 1 and cache.take_events() == [AllCleared()]
+    assert cache.cached_blocks == 0
+
+
+def test_cache_state_lists_each_cached_hash_once_in_chains() -> None:
+    cache = KvCacheV1(8, BLOCK)
+    _, hashes = filled(cache, list(range(12)))
+    filled(cache, list(range(12)))  # copies of all three
+    assert cache.cache_state() == [BlockStored(hashes, None)]
+
+
+def test_prefix_caching_off_caches_nothing() -> None:
+    cache = KvCacheV1(4, BLOCK, prefix_caching=False)
+    table, hashes = filled(cache, list(range(8)))
+    assert cache.cached_blocks == 0 and cache.prefix_hit(hashes, 2) == (0, 0) and table.count == 2
+    cache.free(table)
+    assert cache.active_blocks == 0
