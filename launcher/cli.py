@@ -20,8 +20,8 @@ from launcher.proctitle import run_title, set_title
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
-from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.logging import configure_logging
+from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.settings import check_settings
 
 RUN_DESCRIPTION = """\

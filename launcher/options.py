@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.engine_names import IMPLEMENTED_ENGINES, PLANNED_ENGINES, SETTINGS_FILE_ENGINES
-from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
+from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
 # The engines (runtime/engine_names.py), and the ingress.
 ENGINES = (*IMPLEMENTED_ENGINES, "dyn")

@@ -24,13 +24,13 @@ from runtime.addressing import EndpointAddress
 from runtime.discovery import instance_key, model_key
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
-from runtime.fleet_tasks import PipelineRouter
 from runtime.kv_events import KvEventSource
 from runtime.kv_publisher import start_kv_publishing
 from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever, waiting_requests
 from runtime.model_card import ModelCard, ModelType
 from runtime.object_store import publish_tokenizer
 from runtime.request_plane import EndpointServer, Handler
+from runtime.router_settings import PipelineRouter
 from runtime.settings import drain_grace_seconds as drain_grace_seconds  # re-exported for workers
 from runtime.settings import max_request_bytes, max_waiting_requests, stream_ack_deadline_seconds
 

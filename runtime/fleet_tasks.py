@@ -25,6 +25,7 @@ import msgspec
 
 from runtime.addressing import EndpointAddress
 from runtime.errors import ConfigError
+from runtime.router_settings import PipelineRouter
 
 #: Start (download if need be, then launch) one instance's worker: one StartInstance argument.
 TASK_START_INSTANCE = "flotilla.agent.start_instance"
@@ -71,26 +72,6 @@ class LocalSource(msgspec.Struct, frozen=True, tag="local", forbid_unknown_field
 
 
 ModelSource = HubSource | LocalSource
-
-#: Share of the prompt tokens already in flight to a worker that a new request is taken to wait for: by
-#: the time the router counts them, the step in progress has computed part of them and some are done with
-#: their notice on its way; and unlike the request's own prefill they delay only it, not every request
-#: queued behind it. 0.5 measured best with weight 8 (bench/routing_sim.py, docs/benchmarks.md). Here, not
-#: in the gateway, so that a pipeline's settings and a gateway's own share the one default.
-DEFAULT_QUEUED_PREFILL_WEIGHT = 0.5
-
-
-class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
-    """A pipeline's router settings. Its workers register them in etcd (``ModelEntry.router``), and the
-    gateway routes their model with them, so one gateway serves pipelines routed differently."""
-
-    mode: str = "round-robin"  # "random", "round-robin" or "kv"
-    overlap_score_weight: float = 1.0
-    queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
-    temperature: float = 0.0
-    use_kv_events: bool = True
-    #: Counts the pipeline's changes of these settings: a gateway routes a pool with the newest it has seen.
-    generation: int = 0
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -24,7 +24,7 @@ from controlplane.deployments.pipelines import (
     GroupSpec,
 )
 from controlplane.errors import Conflict, Invalid
-from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
 

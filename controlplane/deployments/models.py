@@ -14,7 +14,7 @@ from controlplane.catalog.engines import Engine
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.fleet.models import Node
 from runtime.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
-from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 # What clients put in an OpenAI request's "model": "smol", "Qwen/Qwen3-0.6B", "llama-3.1-8b:instruct".
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"

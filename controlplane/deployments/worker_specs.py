@@ -20,11 +20,11 @@ from runtime.fleet_tasks import (
     HubSource,
     LocalSource,
     ModelSource,
-    PipelineRouter,
     StartInstance,
     StopInstance,
     WorkerSpec,
 )
+from runtime.router_settings import PipelineRouter
 
 SETTINGS_FLAG = "--extra-engine-args"
 

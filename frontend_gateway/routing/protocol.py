@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.addressing import EndpointAddress
-from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.protocol import PreprocessedRequest, TextRequest
+from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 #: Defaults of the KV router's settings (the flags of launcher/cli.py show them too).
 DEFAULT_OVERLAP_SCORE_WEIGHT = 1.0

@@ -18,11 +18,11 @@ from launcher.startup import connect_runtime
 from runtime.addressing import EndpointAddress
 from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Engine, RequestContext
-from runtime.fleet_tasks import PipelineRouter
 from runtime.kv_events import KvEventSource
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
 from runtime.request_plane import Handler
+from runtime.router_settings import PipelineRouter
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from launcher.cli import build_run_parser, parse_run_options
 from launcher.options import RunOptions
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
 from runtime.errors import ConfigError
-from runtime.fleet_tasks import PipelineRouter, WorkerSpec
+from runtime.fleet_tasks import WorkerSpec
+from runtime.router_settings import PipelineRouter
 
 SPEC = WorkerSpec(
     instance_id=42,

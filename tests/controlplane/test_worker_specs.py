@@ -7,7 +7,8 @@ from controlplane.deployments.models import Instance
 from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.deployments.worker_specs import engine_argv, gpu_memory_bytes, start_message, stop_message
-from runtime.fleet_tasks import LocalSource, PipelineRouter, StartInstance, decode_task_argument
+from runtime.fleet_tasks import LocalSource, StartInstance, decode_task_argument
+from runtime.router_settings import PipelineRouter
 from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node
 
 MOCKER_SETTINGS = ["--extra-engine-args", '{"speedup_ratio":10}']

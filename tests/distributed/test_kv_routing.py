@@ -17,10 +17,10 @@ from nats.aio.msg import Msg
 
 from launcher.cli import build_run_parser, exit_code, parse_run_options
 from runtime.errors import ConfigError
-from runtime.fleet_tasks import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import BlockStored, KvEventBatch
 from runtime.nats_connection import flush
+from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 from tests.distributed.cluster import Cluster, served_models, wait_until
 from tests.distributed.kv_pool import (
     ADDRESS,

@@ -20,10 +20,10 @@ from runtime.discovery import MODELS_PREFIX
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry, register_model
 from runtime.engine import RequestContext
-from runtime.fleet_tasks import PipelineRouter
 from runtime.model_card import ModelCard, ModelType
 from runtime.model_loading import load_model_card
 from runtime.object_store import publish_tokenizer
+from runtime.router_settings import PipelineRouter
 from tests.infra import EtcdServer, NatsServer
 
 

@@ -20,7 +20,7 @@ from runtime.errors import (
     RequestPlaneUnavailable,
     TemplateError,
 )
-from runtime.fleet_tasks import PipelineRouter
+from runtime.router_settings import PipelineRouter
 from tests.servers import free_port
 
 

@@ -18,11 +18,11 @@ from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
-from runtime.fleet_tasks import PipelineRouter
 from runtime.kv_events import BlockStored, KvEventBatch
 from runtime.model_card import ModelCard, ModelType
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, TextRequest
+from runtime.router_settings import PipelineRouter
 from tests.infra import EtcdServer, NatsServer
 
 
