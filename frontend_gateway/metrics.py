@@ -1,13 +1,17 @@
 """Prometheus metrics of the gateway, named in the style of Dynamo's frontend and vLLM.
 
 The collectors live in a registry owned by the app (no module globals), and labelled children are
-cached per model so that the per-token path does one dict lookup, not a label resolution.
+cached per model so that the per-token path does one dict lookup, not a label resolution. The routing
+metrics (``flotilla_router_*``: the KV router's health and choices, busy refusals, migrations, deadlines)
+are router_metrics.py's, in the same registry.
 """
 
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+
+from frontend_gateway.router_metrics import ModelRoutingMetrics, RoutingCollectors
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -140,6 +144,15 @@ class GatewayMetrics:
             registry=r,
         )
         self._models: dict[str, ModelMetrics] = {}
+        self.routing = RoutingCollectors(r)
+        self._routing: dict[str, ModelRoutingMetrics] = {}
+
+    def for_routing(self, model: str) -> ModelRoutingMetrics:
+        """``model``'s routing health (its router's and its remote engine's), counted here."""
+        found = self._routing.get(model)
+        if found is None:
+            found = self._routing[model] = ModelRoutingMetrics(self.routing, model)
+        return found
 
     def for_model(self, model: str) -> ModelMetrics:
         found = self._models.get(model)

@@ -32,6 +32,7 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from frontend_gateway.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
 from frontend_gateway.routing.factory import build_router
+from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import InstanceInfo, Router, RouterMode, RouterSettings
 from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX, WatchEvent
@@ -321,8 +322,10 @@ class ModelWatcher:
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
+            engine.health = self._health(card.name)
             return _Pool(TokenModel(card, engine), engine, router, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
+        text_engine.health = self._health(card.name)
         served = TextModel(
             card.name,
             text_engine,
@@ -353,9 +356,14 @@ class ModelWatcher:
         try:
             settings = self.settings_for(entry)
             block_size = entry.card.kv_cache_block_size
-            return build_router(settings, block_size=block_size, nc=self.runtime.nc, address=address)
+            health = self._health(entry.card.name)
+            return build_router(settings, block_size=block_size, nc=self.runtime.nc, address=address, health=health)
         except ValueError as exc:
             raise EngineError(f"model {entry.card.name!r} cannot be routed: {exc}") from exc
+
+    def _health(self, model: str) -> RoutingHealth | None:
+        """Where ``model``'s router and remote engine count what they repaired, chose and refused."""
+        return self.metrics.for_routing(model) if self.metrics is not None else None
 
     async def _prepare(self, card: ModelCard, digest: str) -> ModelCard:
         """``card`` with its tokenizer (fetched and built, or kept from before) and chat template ready."""

@@ -17,7 +17,8 @@ none is left, the request is refused as busy (``EngineBusy``, a 503 with Retry-A
 Each attempt at a request is one routing decision, and the router hears how it went: ``prefill_done``
 at its first output and ``finished`` exactly once when the attempt is over, however it ends (finished,
 failed, cancelled by the client, or broken and about to migrate), so that a router tracking load
-never keeps a request that is gone.
+never keeps a request that is gone. Busy refusals, migrations (by the cause of the broken stream) and
+progress deadlines passed are told to the model's ``health`` (the gateway's metrics), when it has one.
 """
 
 import logging
@@ -27,6 +28,7 @@ from typing import Literal
 
 import msgspec
 
+from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
@@ -72,6 +74,9 @@ class InstanceSet:
 
 
 class _RemoteBase:
+    #: Told of busy refusals, migrations and deadlines passed (the gateway's metrics); None: nobody is.
+    health: RoutingHealth | None = None
+
     def __init__(
         self, name: str, instances: InstanceSet, router: Router, runtime: DistributedRuntime, migration_limit: int
     ) -> None:
@@ -99,7 +104,7 @@ class _RemoteBase:
         busy = self.router.busy
         free = [info for info in candidates if not busy(info.instance_id)]
         if not free:
-            raise EngineBusy(f"every instance of {self.name!r} is busy; retry shortly")
+            raise self._all_busy()
         return free
 
     def _out_of_instances(self, busy_refusals: bool, generated: bool) -> EngineError:
@@ -107,8 +112,14 @@ class _RemoteBase:
         if generated:
             return EngineError(f"the worker of {self.name!r} stopped mid-stream and no other instance is left")
         if busy_refusals:
-            return EngineBusy(f"every instance of {self.name!r} is busy; retry shortly")
+            return self._all_busy()
         return EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+
+    def _all_busy(self) -> EngineBusy:
+        """The refusal to raise when every instance is busy (a 503 ``all_workers_busy``), counted."""
+        if self.health is not None:
+            self.health.busy_refusal()
+        return EngineBusy(f"every instance of {self.name!r} is busy; retry shortly")
 
 
 class RemoteTokenEngine(_RemoteBase):
@@ -169,6 +180,9 @@ class RemoteTokenEngine(_RemoteBase):
                     "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
                 )
             except StreamBroken as exc:
+                health = self.health
+                if health is not None and isinstance(exc, StreamStalled):
+                    health.deadline_expired("progress")
                 if migrations >= self.migration_limit:
                     failure = EngineStalled if isinstance(exc, StreamStalled) else EngineError
                     raise failure(
@@ -176,6 +190,8 @@ class RemoteTokenEngine(_RemoteBase):
                         f"({self.migration_limit}) is reached"
                     ) from exc
                 migrations += 1
+                if health is not None:
+                    health.migration(exc.cause)
                 log.warning(
                     "migrating request %s of %r after %d tokens (%s); migration %d of %d",
                     request.request_id, self.name, len(generated), exc, migrations, self.migration_limit,
@@ -285,6 +301,8 @@ class RemoteTextEngine(_RemoteBase):
             except RequestTooLarge as exc:
                 raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
             except StreamStalled as exc:
+                if self.health is not None:
+                    self.health.deadline_expired("progress")
                 raise EngineStalled(f"instance {instance.name} of {self.name!r} stalled: {exc}") from exc
             except (StreamBroken, RemoteError) as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc

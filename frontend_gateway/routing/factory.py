@@ -3,16 +3,25 @@
 from nats.aio.client import Client as NATS
 
 from frontend_gateway.routing.basic import RandomRouter, RoundRobinRouter
+from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import Router, RouterMode, RouterSettings
 from runtime.addressing import EndpointAddress
 
 
-def build_router(settings: RouterSettings, *, block_size: int, nc: NATS, address: EndpointAddress | None) -> Router:
+def build_router(
+    settings: RouterSettings,
+    *,
+    block_size: int,
+    nc: NATS,
+    address: EndpointAddress | None,
+    health: RoutingHealth | None = None,
+) -> Router:
     """A new, not yet started router for one pool whose instances serve ``address``.
 
-    ``block_size`` is the card's ``kv_cache_block_size``. Raises ValueError in KV mode for a block
-    size below 1 or an unknown address (the KV router listens on its component's subjects).
+    ``block_size`` is the card's ``kv_cache_block_size``; ``health`` hears the KV router's repairs and
+    decisions (the basic routers have none to tell). Raises ValueError in KV mode for a block size below 1
+    or an unknown address (the KV router listens on its component's subjects).
     """
     if settings.mode is RouterMode.RANDOM:
         return RandomRouter(seed=settings.seed)
@@ -20,4 +29,4 @@ def build_router(settings: RouterSettings, *, block_size: int, nc: NATS, address
         return RoundRobinRouter()
     if address is None:
         raise ValueError("the KV router needs the endpoint the instances serve, to hear their KV events")
-    return KvRouter(settings, block_size=block_size, nc=nc, address=address)
+    return KvRouter(settings, block_size=block_size, nc=nc, address=address, health=health)

@@ -25,9 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 from nats.aio.client import Client as NATS
 
+from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, Worker
 from frontend_gateway.routing.kv_load import ActiveLoad
-from frontend_gateway.routing.kv_scoring import WorkerSnapshot, choose_worker
+from frontend_gateway.routing.kv_scoring import WorkerSnapshot, pick, worker_costs
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterSettings
 from frontend_gateway.routing.replica_sync import ReplicaSync
 from runtime.addressing import EndpointAddress
@@ -52,6 +53,7 @@ class KvRouter:
         nc: NATS,
         address: EndpointAddress,
         clock: Callable[[], float] = time.monotonic,
+        health: RoutingHealth | None = None,
     ) -> None:
         """Raises ValueError for a block size below 1."""
         if block_size < 1:
@@ -68,7 +70,8 @@ class KvRouter:
                 ttl_s=settings.predicted_ttl_s, max_blocks=settings.predicted_max_blocks, clock=clock
             )
         self.load = ActiveLoad(clock=clock)
-        self.subscriber = KvEventSubscriber(nc, address, self, use_kv_events=settings.use_kv_events)
+        self.subscriber = KvEventSubscriber(nc, address, self, use_kv_events=settings.use_kv_events, health=health)
+        self._health = health
         # The dp ranks of each instance in the pool, as the subscriber saw them (0 until others show up).
         self._ranks: Mapping[int, tuple[int, ...]] = self.subscriber.ranks
         # The pool's routers in other ingress processes: their decisions load this one's workers too.
@@ -135,16 +138,17 @@ class KvRouter:
                     )
                 )
         settings = self.settings
-        chosen = choose_worker(
+        scored = worker_costs(
             prompt_tokens,
             self.block_size,
             snapshots,
             overlap_score_weight=settings.overlap_score_weight,
             queued_prefill_weight=settings.queued_prefill_weight,
-            temperature=settings.temperature,
-            rng=self._rng,
         )
-        assert chosen is not None  # there was at least one candidate
+        chosen = pick(scored, temperature=settings.temperature, rng=self._rng)
+        if self._health is not None:
+            costs = [entry.cost for entry in scored]
+            self._health.chosen(chosen.overlap_blocks, len(hashes), max(costs) - min(costs))
         worker = chosen.worker
         load.started(
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks

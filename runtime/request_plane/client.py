@@ -262,7 +262,7 @@ class RequestClient:
             while True:
                 frame = await queue.get()
                 if frame is None:
-                    raise StreamBroken(f"{subject} went silent for {self.silence_timeout} s")
+                    raise StreamBroken(f"{subject} went silent for {self.silence_timeout} s", cause="silent")
                 if frame is NO_RESPONDERS:
                     finished = True
                     raise WorkerUnavailable(f"no instance listens on {subject}")
@@ -275,12 +275,15 @@ class RequestClient:
                     continue
                 if kind == CUT:
                     finished = True
-                    raise StreamBroken(frame.error)
+                    raise StreamBroken(frame.error, cause="cut")
                 if frame.seq == -1:
                     finished = True
                     raise RemoteError(frame.error)
                 if frame.seq != expected:
-                    raise StreamBroken(f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})")
+                    raise StreamBroken(
+                        f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})",
+                        cause="frames_lost",
+                    )
                 expected += 1
                 if kind == DATA:
                     payloads = frame.payloads

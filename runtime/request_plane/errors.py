@@ -16,11 +16,22 @@ class WorkerBusy(WorkerUnavailable):
 
 
 class StreamBroken(RequestPlaneError):
-    """The stream stopped mid-way: the worker died, went silent, was shut down, or frames were lost."""
+    """The stream stopped mid-way: the worker died, went silent, was shut down, or frames were lost.
+
+    ``cause`` says which, in one word for metrics: ``cut`` (the worker shut down, or its connection
+    closed), ``silent`` (nothing heard for the silence timeout), ``frames_lost``, or ``stalled``
+    (StreamStalled)."""
+
+    def __init__(self, message: str, *, cause: str = "cut") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class StreamStalled(StreamBroken):
     """The worker is there but sent no output within the progress deadline: its engine is stuck."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause="stalled")
 
 
 class RemoteError(RequestPlaneError):

@@ -94,7 +94,9 @@ async def test_a_pools_router_is_started_told_of_instances_and_closed_when_the_p
 ) -> None:
     built: list[tuple[RecordingRouter, RouterSettings, int, EndpointAddress | None]] = []
 
-    def build(settings: RouterSettings, *, block_size: int, nc: Any, address: EndpointAddress | None) -> Router:
+    def build(
+        settings: RouterSettings, *, block_size: int, nc: Any, address: EndpointAddress | None, **kwargs: Any
+    ) -> Router:
         router = RecordingRouter()
         built.append((router, settings, block_size, address))
         return router
@@ -201,7 +203,9 @@ async def test_each_model_is_routed_as_its_workers_registered_else_as_the_gatewa
 ) -> None:
     built: dict[str, RouterSettings] = {}
 
-    def build(settings: RouterSettings, *, block_size: int, nc: Any, address: EndpointAddress | None) -> Router:
+    def build(
+        settings: RouterSettings, *, block_size: int, nc: Any, address: EndpointAddress | None, **kwargs: Any
+    ) -> Router:
         built[f"{len(built)}"] = settings
         return RecordingRouter()
 
