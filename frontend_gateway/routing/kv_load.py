@@ -9,9 +9,11 @@ fill are its own. The answer's blocks are estimated from ``max_tokens`` (capped:
 it at the context's limit rarely writes that much), so identical prompts still spread: each running
 request grows its own blocks on its worker, and the router sees that before it happens.
 
-That count is exact and immediate but sees only this router's traffic; the workers' own reports
-(``WorkerLoad.kv_active_blocks``, once a second) see every router's traffic, but late, and without the
-requests still on their way to the worker. So when a fresh report exists, a worker's active blocks are
+That count is exact and immediate but sees only the decisions this router hears of: its own, and with
+``--router-replica-sync`` those of the pool's routers in other ingress processes (replica_sync.py keeps
+them under each replica's id, and ends them with that replica's notices or its silence). The workers'
+own reports (``WorkerLoad.kv_active_blocks``, once a second) see every router's traffic, but late, and
+without the requests still on their way to the worker. So when a fresh report exists, a worker's active blocks are
 the reported number plus what this router's decisions changed since it arrived, and never fewer than
 this router's own count: a report sent before a burst reached the worker must not make it look idle
 and draw the next burst as well.

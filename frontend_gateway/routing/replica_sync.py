@@ -63,7 +63,8 @@ MAX_DP_RANK = 1023
 HASHES_PER_BATCH = 40_000
 #: Requests in flight past this are not listed (the list would pass the payload limit): no reconcile.
 MAX_LISTED = 8192
-#: How long ``close`` waits to say goodbye before giving up (NATS may be away).
+#: How long ``start`` waits for NATS to confirm the subscription, and ``close`` to say goodbye (NATS may be away).
+CONFIRM_TIMEOUT_S = 2.0
 GOODBYE_TIMEOUT_S = 1.0
 MALFORMED_REPORT_S = 10.0
 
@@ -204,9 +205,9 @@ class ReplicaSync:
         self._supervisor.own(self._listen, name=f"router replica sync on {self.subjects}", restart=True)
         self._supervisor.own(self._send_loop, name=f"router replica sync sender on {self.subject}", restart=True)
         try:
-            async with asyncio.timeout(GOODBYE_TIMEOUT_S * 2):
+            async with asyncio.timeout(CONFIRM_TIMEOUT_S):
                 await self._subscribed.wait()
-            await flush(self._nc, within=GOODBYE_TIMEOUT_S * 2)
+            await flush(self._nc, within=CONFIRM_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as exc:
             # NATS is away: the subscription is made once it is back (nats-py sends it on reconnecting).
             log.warning("the router replica sync could not confirm its subscription to %s yet: %r", self.subjects, exc)

@@ -134,6 +134,22 @@ async def test_a_predicting_router_learns_the_prefixes_another_replica_routed(ma
     await until(second, lambda: second.indexer.find_matches(HASHES).get(worker) == len(HASHES))
 
 
+async def test_decisions_too_many_for_one_message_arrive_in_several_in_order(make_router: Any) -> None:
+    first, second = await make_router(), await make_router()
+    # Long prompts: their hashes pass the size of one batch, so the decisions leave in several messages.
+    count = 2 * replica_sync.HASHES_PER_BATCH // 8000 + 1
+    for number in range(count):
+        hashes = list(range(number * 8000, (number + 1) * 8000))
+        first.replica_sync.routed(f"long{number}", (A.instance_id, 0), prefill_tokens=1, hashes=hashes, own_blocks=1)
+    first.replica_sync.finished("long0")
+    worker = (A.instance_id, 0)
+    # Once the last decision is heard, all are (and the first one's end, sent after them, too).
+    await until(second, lambda: second.load.new_blocks(worker, hashes) == 0)
+    await until(second, lambda: second.replica_sync.remote_requests() == count - 1)
+    assert second.load.new_blocks(worker, range(8000, count * 8000)) == 0
+    assert second.load.new_blocks(worker, range(8000)) == 8000
+
+
 async def test_a_replica_that_falls_silent_has_its_requests_expire(make_router: Any) -> None:
     clock = FakeClock()
     first, second = await make_router(), await make_router(clock=clock)
