@@ -4,6 +4,7 @@ Each router has a NATS connection of its own, as routers in two ingress processe
 """
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -56,8 +57,7 @@ async def make_router(nats_server: NatsServer) -> AsyncIterator[Callable[..., An
 
     async def make(settings: RouterSettings = SYNCED, clock: Callable[[], float] | None = None) -> KvRouter:
         nc = await connect_nats(nats_server.url, name=f"ingress-{len(made)}")
-        extra = {} if clock is None else {"clock": clock}
-        router = KvRouter(settings, block_size=BLOCK, nc=nc, address=ADDRESS, **extra)
+        router = KvRouter(settings, block_size=BLOCK, nc=nc, address=ADDRESS, clock=clock or time.monotonic)
         made.append((router, nc))
         connections[id(router)] = nc
         await router.start()
