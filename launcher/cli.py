@@ -299,6 +299,13 @@ def build_run_parser() -> EnvArgumentParser:
         "(the node agent: pipeline, group, replica, node) can tell which instance it is",
     )
     run.add_flag(
+        "--metrics-port",
+        env="FLOTILLA_METRICS_PORT",
+        type=_port,
+        help="in=dyn://...: serve the worker's own Prometheus metrics (queues, KV usage, preemptions, lost KV "
+        "event batches: flotilla_worker_*) at http://--http-host:PORT/metrics (default: not served)",
+    )
+    run.add_flag(
         "--batch-concurrency",
         env="FLOTILLA_BATCH_CONCURRENCY",
         type=_positive_int,
@@ -498,6 +505,9 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         )
     if namespace.quota_redis is not None and namespace.api_keys_secret_file is None:
         parser.error("--quota-redis (FLOTILLA_QUOTA_REDIS_URL) counts API keys' use: give --api-keys-secret-file too")
+    if namespace.metrics_port is not None and not input_.startswith("dyn://"):
+        where = "in=http serves /metrics on --http-port" if input_ == "http" else f"in={input_} has no /metrics"
+        parser.error(f"--metrics-port (FLOTILLA_METRICS_PORT) is a worker's (in=dyn://...); {where}")
     if namespace.labels and not input_.startswith("dyn://"):
         parser.error(
             f"--labels (FLOTILLA_LABELS) labels a worker's registration: use it with in=dyn://..., not in={input_}"
@@ -538,6 +548,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         quota_redis_url=namespace.quota_redis,
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},
+        metrics_port=namespace.metrics_port,
     )
 
 

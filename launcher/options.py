@@ -53,6 +53,7 @@ class RunOptions:
     quota_redis_url: str | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
+    metrics_port: int | None = None  # in=dyn: serve the worker's own /metrics on http_host:metrics_port
     #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).
     worker_router: PipelineRouter | None = None
     extra: dict[str, str] = field(default_factory=dict)

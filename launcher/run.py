@@ -117,7 +117,13 @@ async def run(options: RunOptions) -> int:
 
             card = model.card if isinstance(model, TokenModel) else text_card(model, options)
             await serve_worker(
-                EndpointAddress.parse(address), engine, card, labels=options.labels, router=options.worker_router
+                EndpointAddress.parse(address),
+                engine,
+                card,
+                labels=options.labels,
+                router=options.worker_router,
+                metrics_host=options.http_host,
+                metrics_port=options.metrics_port,
             )
             return 0
         if options.input == "http":

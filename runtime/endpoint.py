@@ -25,7 +25,7 @@ from runtime.discovery import instance_key, model_key
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
 from runtime.kv_events import KvEventSource
-from runtime.kv_publisher import start_kv_publishing
+from runtime.kv_publisher import KvEventPublisher, start_kv_publishing
 from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever, waiting_requests
 from runtime.model_card import ModelCard, ModelType
 from runtime.object_store import publish_tokenizer
@@ -130,6 +130,9 @@ class Endpoint:
         self.address = address
         self.subject = address.subject(runtime.instance_id)
         self._server: EndpointServer | None = None
+        #: Once served: its KV event publisher (an engine that reports its cache), and its load reports.
+        self.kv_publisher: KvEventPublisher | None = None
+        self.load_reports: LoadReports | None = None
         # Models registered before serve(): announced once requests can be answered.
         self._pending_models: list[tuple[str, bytes]] = []
 
@@ -147,7 +150,7 @@ class Endpoint:
         runtime = self.runtime
         load_reports: LoadReports | None = None
         if kv_source is not None:
-            await start_kv_publishing(runtime, self.address, kv_source)
+            self.kv_publisher = await start_kv_publishing(runtime, self.address, kv_source)
             load_reports = engine_load(runtime.instance_id, kv_source)
         server = EndpointServer(
             runtime.nc,
@@ -175,6 +178,7 @@ class Endpoint:
         self._pending_models.clear()
         subject = self.address.load_metrics_subject()
         reports = load_reports or active_requests_load(runtime.instance_id, lambda: server.active_requests)
+        self.load_reports = reports
 
         def publish_load() -> Coroutine[Any, Any, None]:
             return publish_load_forever(runtime.nc, subject, reports)
@@ -182,6 +186,11 @@ class Endpoint:
         # Restarted if it fails: the load it publishes is advisory, never a reason to stop serving.
         runtime.own(publish_load, name=f"load metrics {self.address}", restart=True)
         log.info("serving %s as instance %x", self.address, runtime.instance_id)
+
+    @property
+    def server(self) -> EndpointServer | None:
+        """The request server, once ``serve_bytes`` started it."""
+        return self._server
 
     async def announce(self, key: str, value: bytes) -> None:
         """Put ``key`` in etcd now if this endpoint already answers requests, else once it does."""

@@ -68,6 +68,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefix_hit_rate: float | None = None  # of prompt tokens over the last period, 0..1
     # Output tokens produced since the engine started: a counter, whose differences give tokens/s.
     generated_tokens: int | None = None
+    # Running requests evicted to free KV blocks since the engine started (a counter).
+    preemptions: int | None = None
 
 
 class KvEventSink(Protocol):

@@ -243,6 +243,7 @@ class MockerEngine:
                     kv_usage=cache.usage,
                     prefix_hit_rate=scheduler.stats.hit_rate,
                     generated_tokens=scheduler.generated_tokens,
+                    preemptions=scheduler.preemptions,
                 )
             )
         return loads

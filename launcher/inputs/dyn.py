@@ -19,10 +19,12 @@ from runtime.addressing import EndpointAddress
 from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Engine, RequestContext
 from runtime.kv_events import KvEventSource
+from runtime.metrics_server import serve_metrics
 from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
 from runtime.request_plane import Handler
 from runtime.router_settings import PipelineRouter
+from runtime.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,15 @@ async def serve_worker(
     *,
     labels: dict[str, str] | None = None,
     router: PipelineRouter | None = None,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int | None = None,
 ) -> None:
     """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
 
     ``labels`` go into the instance's etcd registration (``--labels``); ``router`` (the ``--router-*`` flags
-    given to a worker) into its model's, for gateways to route it so.
+    given to a worker) into its model's, for gateways to route it so. With ``metrics_port``, the worker's
+    own metrics (runtime/worker_metrics.py) are served at ``http://metrics_host:metrics_port/metrics``.
+    Raises ConfigError when that port cannot be listened on.
 
     Raises BackgroundTaskFailed when a task the worker needs failed and stopped it.
     On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
@@ -66,11 +72,15 @@ async def serve_worker(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, runtime.shutdown)
+    metrics_server: asyncio.Server | None = None
     try:
         endpoint = runtime.endpoint(address)
         # An engine that reports its KV cache has its events, cache state and load published for KV routers.
         kv_source = engine if isinstance(engine, KvEventSource) else None
         await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source, labels=labels)
+        if metrics_port is not None:
+            metrics = WorkerMetrics.of(endpoint)
+            metrics_server = await serve_metrics(metrics_host, metrics_port, metrics.exposition)
         if engine.kind == "token":
             await register_model(
                 ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens, router=router
@@ -86,5 +96,7 @@ async def serve_worker(
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+        if metrics_server is not None:
+            metrics_server.close()
         await runtime.close()
     runtime.raise_if_failed()  # an owned task that died stopped the worker: exit 1, so it is restarted

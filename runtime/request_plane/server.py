@@ -153,6 +153,8 @@ class EndpointServer:
         self._frames_sent = 0
         # Refusals are many when a worker is busy: one line per 10 s says so, with how many.
         self._busy_log = RateLimitedLog(log, period_s=10.0)
+        #: Streams stopped because their client stopped acking past the ack deadline (for metrics).
+        self.abandoned = 0
 
     @property
     def active_requests(self) -> int:
@@ -462,6 +464,7 @@ class EndpointServer:
         seconds): it fails the request rather than wait for a silence and migrate it.
         """
         deadline = self._ack_deadline
+        self.abandoned += len(streams)
         for stream in streams:
             self._stop(stream)
             frame = Frame(ERROR, stream.seq + 1, error=f"no ack from the client for {deadline:g} s", code=ABANDONED)
