@@ -157,7 +157,7 @@ def test_prefix_hits_are_counted_once_when_a_prompt_is_first_admitted() -> None:
     rank.add(hog)
     rank.add(again)
     run_step(rank)
-    # `again` waits behind `hog` for blocks: looked at, not admitted, not counted (vLLM's stats count admissions).
+    # `again` waits behind `hog` (for the budget, then for blocks): not counted until it is admitted.
     assert (rank.stats.prompt_tokens, rank.stats.cached_tokens) == (12 + 24, 0)
     while again.cached_tokens is None:
         run_step(rank)
