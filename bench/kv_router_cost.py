@@ -5,7 +5,9 @@ worker; it runs synchronously on the event loop for every request, so it must st
 millisecond. This measures, for each case, the hashing alone, the index lookup alone and the whole
 ``KvRouter.choose`` (plus the ``finished`` notice that follows every decision), with an index as a
 busy fleet would have it: every worker holding ``--cached-blocks`` other blocks, and each a prefix
-of the request of a different length.
+of the request of a different length; then the same decision with the gateway's routing metrics
+attached (frontend_gateway/router_metrics.py: three histogram observations per decision), and the
+ratio of the two, measured in the same run.
 
     .venv/bin/python bench/kv_router_cost.py [--repeat 7] [--iterations 2000]
 
@@ -27,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from nats.aio.client import Client as NATS  # noqa: E402
 
+from frontend_gateway.metrics import GatewayMetrics  # noqa: E402
+from frontend_gateway.routing.health import RoutingHealth  # noqa: E402
 from frontend_gateway.routing.kv_indexer import KvIndexer  # noqa: E402
 from frontend_gateway.routing.kv_router import KvRouter  # noqa: E402
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings  # noqa: E402
@@ -50,11 +54,27 @@ def per_call_us(work: Callable[[], object], iterations: int, repeat: int) -> flo
     return statistics.median(runs)
 
 
-def build_router(prompt: list[int], workers: int, cached_blocks: int, rng: random.Random) -> KvRouter:
+def paired_us(
+    first: Callable[[], object], second: Callable[[], object], iterations: int, repeat: int
+) -> tuple[float, float]:
+    """``per_call_us`` of both, their runs interleaved so that the machine's noise falls on both alike."""
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for work, times in ((first, runs[0]), (second, runs[1])):
+            started = time.perf_counter_ns()
+            for _ in range(iterations):
+                work()
+            times.append((time.perf_counter_ns() - started) / iterations / 1000)
+    return statistics.median(runs[0]), statistics.median(runs[1])
+
+
+def build_router(
+    prompt: list[int], workers: int, cached_blocks: int, rng: random.Random, health: RoutingHealth | None = None
+) -> KvRouter:
     """A KV router whose index holds ``cached_blocks`` unrelated blocks per worker and a prefix of ``prompt``."""
     settings = RouterSettings(mode=RouterMode.KV, seed=1)
     # choose() does no I/O: the router is never started, so it needs no NATS connection.
-    router = KvRouter(settings, block_size=BLOCK_SIZE, nc=cast(NATS, None), address=EndpointAddress())
+    router = KvRouter(settings, block_size=BLOCK_SIZE, nc=cast(NATS, None), address=EndpointAddress(), health=health)
     assert isinstance(router.indexer, KvIndexer)
     hashes = sequence_block_hashes(prompt, BLOCK_SIZE)
     for instance_id in range(1, workers + 1):
@@ -69,7 +89,10 @@ def measure(
 ) -> str:
     """One line of the table: hashing, lookup and whole decision for one case, in µs."""
     prompt = [rng.randrange(49152) for _ in range(prompt_tokens)]
-    router = build_router(prompt, workers, cached_blocks, rng)
+    seed = rng.random()
+    router = build_router(prompt, workers, cached_blocks, random.Random(seed))
+    # The same index (same seed), with the gateway's metrics told of every decision.
+    watched = build_router(prompt, workers, cached_blocks, random.Random(seed), GatewayMetrics().for_routing("m"))
     candidates = [InstanceInfo(instance_id, f"s.{instance_id}") for instance_id in range(1, workers + 1)]
     request = PreprocessedRequest(
         request_id="bench",
@@ -84,10 +107,17 @@ def measure(
         router.choose(request, candidates)
         router.finished("bench")
 
+    def decide_watched() -> None:
+        watched.choose(request, candidates)
+        watched.finished("bench")
+
     hash_us = per_call_us(lambda: sequence_block_hashes(prompt, BLOCK_SIZE), iterations, repeat)
     lookup_us = per_call_us(lambda: router.indexer.find_matches(hashes), iterations, repeat)
-    choose_us = per_call_us(decide, iterations, repeat)
-    return f"{prompt_tokens:>8} {workers:>8} {hash_us:>8.1f} {lookup_us:>8.1f} {choose_us:>8.1f}"
+    choose_us, watched_us = paired_us(decide, decide_watched, iterations, repeat)
+    return (
+        f"{prompt_tokens:>8} {workers:>8} {hash_us:>8.1f} {lookup_us:>8.1f} {choose_us:>8.1f} {watched_us:>10.1f}"
+        f" {watched_us / choose_us:>8.3f}"
+    )
 
 
 def main() -> None:
@@ -98,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(42)
     print(f"block size {BLOCK_SIZE}, {args.cached_blocks} other blocks cached per worker; µs per decision (median)")
-    print(f"{'prompt':>8} {'workers':>8} {'hash':>8} {'lookup':>8} {'choose':>8}")
+    print(f"{'prompt':>8} {'workers':>8} {'hash':>8} {'lookup':>8} {'choose':>8} {'+metrics':>10} {'ratio':>8}")
     for prompt_tokens, workers in CASES:
         print(measure(prompt_tokens, workers, args.cached_blocks, args.iterations, args.repeat, rng))
 
