@@ -1,5 +1,6 @@
 """The ingress's /metrics counts what the fleet refused and what it moved: busy refusals (503
-all_workers_busy) and migrations by cause. Real worker and ingress processes on real etcd and NATS."""
+all_workers_busy), migrations by cause and progress deadlines passed. Real worker and ingress processes
+on real etcd and NATS."""
 
 import signal
 
@@ -10,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.distributed.cluster import Cluster, served_models, wait_until
 from tests.distributed.streaming import MODEL, PROMPT, start_ingress, while_streaming
 from tests.distributed.test_busy_workers import assert_all_busy, chat, streaming
+from tests.distributed.test_stuck_engines import start_worker as start_stuck_worker
+from tests.distributed.test_stuck_engines import stream as stream_stuck
 from tests.servers import Server
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,3 +58,13 @@ def test_a_stream_migrated_off_a_draining_worker_is_counted_with_its_cause(clust
     assert not result.errors
     assert scraped(ingress, "flotilla_router_migrations_total", model=MODEL, cause="cut") == 1
     assert scraped(ingress, "flotilla_router_deadline_expiries_total", model=MODEL, deadline="progress") == 0
+
+
+def test_a_stream_whose_engine_makes_no_progress_is_counted_as_a_progress_deadline_expiry(cluster: Cluster) -> None:
+    ingress = start_ingress(cluster, "--progress-deadline", "2")
+    start_stuck_worker(cluster, stuck_after=3)
+    wait_until(lambda: served_models(ingress) == [MODEL], 15, "the model did not appear")
+    _, errors, _ = stream_stuck(ingress, 40)
+    assert [error["code"] for error in errors] == ["progress_deadline_exceeded"]
+    assert scraped(ingress, "flotilla_router_deadline_expiries_total", model=MODEL, deadline="progress") == 1
+    assert scraped(ingress, "flotilla_router_migrations_total", model=MODEL, cause="stalled") == 0
