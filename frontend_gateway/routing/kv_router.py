@@ -12,9 +12,9 @@ router only what to apply: events and whole-cache states to the index, load repo
 ``use_kv_events`` off, no events are read: the index predicts the caches from the router's own
 decisions (kv_indexer.PredictedKvIndexer), and only load reports are heard.
 
-Given a ``RouterHealth`` (the gateway's Prometheus counters), the router tells it of every repair the
-subscriber made and, for each decision, the overlap of the chosen worker and the spread of the
-candidates' costs.
+Given a ``RoutingHealth`` (routing/health.py; the gateway's Prometheus counters), the subscriber tells
+it of every repair it made, and the router, for each decision, of the chosen worker's overlap and the
+spread of the candidates' costs.
 """
 
 import asyncio
