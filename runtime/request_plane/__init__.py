@@ -38,6 +38,11 @@ Protocol (all messages msgpack):
   the worker's engine sends outputs on other streams (heartbeats carry the worker's count of them).
 * Busy: a worker whose queue is full (``FLOTILLA_MAX_WAITING_REQUESTS``) refuses a request with an
   ERROR frame coded BUSY (WorkerBusy) before anything is generated; its client tries another.
+* Reconnection: a connection that is reset loses the frames on their way in it. A worker keeps each
+  stream's frames until they are acked (and those of a stream that ended, for ``ack_deadline``), and
+  sends them all again once it has reconnected to NATS. A client that finds a gap in a stream's frame
+  numbers skips the frames past it and those it already has, and waits up to ``silence_timeout`` for
+  the missing ones before it gives the stream up (StreamBroken, ``frames_lost``).
 * Drain: a worker that shuts down stops taking requests, lets those in flight finish for a grace
   period, then sends each stream still running a ``CUT`` frame, which its client treats as a broken
   stream at once (and migrates).

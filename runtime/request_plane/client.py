@@ -227,8 +227,9 @@ class RequestClient:
         Raises WorkerUnavailable before the first payload if no instance listens on ``subject`` (or
         it is shutting down; WorkerBusy if its queue is full), RequestTooLarge if the request is over
         a size limit, RemoteError if the worker reports an error, StreamBroken if the worker dies,
-        goes silent, shuts down mid-stream, or frames are lost (StreamStalled if it sends no output
-        within the progress deadline). Closing the iterator early tells the worker to stop.
+        goes silent, shuts down mid-stream, or frames are lost and not sent again within the silence
+        timeout (StreamStalled if it sends no output within the progress deadline). Closing the iterator
+        early tells the worker to stop.
         """
         if self._subscription is None:
             raise RuntimeError("RequestClient.start() was not awaited")
@@ -258,9 +259,23 @@ class RequestClient:
                 finished = True
                 raise RequestTooLarge(f"the request is over the NATS payload limit: {exc}") from exc
             expected = 1
+            # While frames are missing: when to stop waiting for them, and the first frame past the gap.
+            gap_until: float | None = None
+            past_gap = 0
             queue = inbox.queue
             while True:
-                frame = await queue.get()
+                if gap_until is None:
+                    frame = await queue.get()
+                else:
+                    try:
+                        async with asyncio.timeout_at(gap_until):
+                            frame = await queue.get()
+                    except TimeoutError:
+                        raise StreamBroken(
+                            f"frames lost on the stream from {subject} (got {past_gap}, wanted {expected}, and "
+                            f"nothing sent again for {self.silence_timeout:g} s)",
+                            cause="frames_lost",
+                        ) from None
                 if frame is None:
                     raise StreamBroken(f"{subject} went silent for {self.silence_timeout} s", cause="silent")
                 if frame is NO_RESPONDERS:
@@ -280,10 +295,13 @@ class RequestClient:
                     finished = True
                     raise RemoteError(frame.error)
                 if frame.seq != expected:
-                    raise StreamBroken(
-                        f"frames lost on the stream from {subject} (got {frame.seq}, wanted {expected})",
-                        cause="frames_lost",
-                    )
+                    if frame.seq > expected and gap_until is None:
+                        # Lost on the way (its worker's connection was reset): the worker sends every frame
+                        # not acked again once it has reconnected. Those past the gap come again too.
+                        gap_until = asyncio.get_running_loop().time() + self.silence_timeout
+                        past_gap = frame.seq
+                    continue  # past the gap, or sent again and taken already
+                gap_until = None
                 expected += 1
                 if kind == DATA:
                     payloads = frame.payloads

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 
 import msgspec
@@ -65,6 +66,7 @@ class _Stream:
         "reply_to",
         "request_id",
         "room",
+        "sent",
         "seq",
         "task",
         "window",
@@ -77,6 +79,8 @@ class _Stream:
         self.window = window
         self.seq = 0  # the last frame sent
         self.acked = 0  # the last DATA frame the client took
+        # The frames sent and not acked yet, (seq, encoded): sent again after a reconnection (see _resend).
+        self.sent: deque[tuple[int, bytes]] = deque()
         self.last_sent = time.monotonic()
         # When the client last showed that it reads this stream (an ack, a probe naming it), or when the
         # window last filled: a full window with no news past the ack deadline means the client is gone.
@@ -113,6 +117,11 @@ class EndpointServer:
     ``ack_deadline`` s is stopped and its engine request aborted: its client is gone (killed, cut off,
     or its Stop was lost), and the engine would otherwise generate to ``max_tokens`` for nobody. A client
     that is there but reads slowly names its streams in its probes, so it keeps them.
+
+    A connection that is reset loses the frames on their way in it. Each stream keeps the frames its
+    client has not acked (at most a window's worth, and the last one), and once the connection is back
+    they are all sent again; the client skips those it has. A stream that ended keeps them for
+    ``ack_deadline`` s, its last frame may have been lost too.
 
     With ``max_waiting``, a request that finds ``waiting()`` requests already waiting for the engine
     (default: every request in flight here) is refused at once as busy, so that its client tries
@@ -151,6 +160,13 @@ class EndpointServer:
         self._waiting = waiting or (lambda: len(self._streams))
         # DATA and END frames sent on every stream: heartbeats carry it (see Frame.progress).
         self._frames_sent = 0
+        # Streams whose last frame went less than an ack deadline ago (when, stream), oldest first: a
+        # reconnection sends their unacked frames again too.
+        self._ended: deque[tuple[float, _Stream]] = deque()
+        self._reconnects = 0  # the connection's reconnections seen so far
+        # Held by a pass of the sender, and by _resend: a frame sent meanwhile would land among the frames
+        # sent again, and the client, which skips frames past a gap, would never see it.
+        self._sending = asyncio.Lock()
         # Refusals are many when a worker is busy: one line per 10 s says so, with how many.
         self._busy_log = RateLimitedLog(log, period_s=10.0)
         #: Streams stopped because their client stopped acking past the ack deadline (for metrics).
@@ -168,6 +184,7 @@ class EndpointServer:
     async def start(self) -> None:
         self._frame_limit()
         self._due_wake = Wakeup()
+        self._reconnects = self._nc.stats["reconnects"]
         # Both loops are restarted if they die (a bug): a worker without them looks frozen to its clients.
         sender = f"sender {self.subject}"
         self._sender = asyncio.create_task(restarting(self._send_forever, sender), name=sender)
@@ -199,7 +216,8 @@ class EndpointServer:
         if running:
             log.info("draining %s: %d request(s) in flight, up to %g s", self.subject, len(running), grace)
             await asyncio.wait(running, timeout=grace)
-            await self._send_due()  # the last frames of those that finished
+            async with self._sending:
+                await self._send_due()  # the last frames of those that finished
         cut = list(self._streams.values())
         if not cut:
             return 0
@@ -297,6 +315,9 @@ class EndpointServer:
                 if stream is not None and seq > stream.acked:
                     stream.acked = seq
                     stream.heard = now
+                    sent = stream.sent
+                    while sent and sent[0][0] <= seq:
+                        sent.popleft()
                     if stream.pending and not stream.queued and not stream.window_full:
                         self._queue(stream)  # the window reopened on outputs that waited
         elif isinstance(control, Probe):
@@ -370,7 +391,8 @@ class EndpointServer:
             await wake.wait()
             wake.clear()
             try:
-                await self._send_due()
+                async with self._sending:
+                    await self._send_due()
             except Exception:
                 log.exception("the sender of %s failed on a batch of frames; it goes on", self.subject)
 
@@ -397,15 +419,16 @@ class EndpointServer:
                     *before, last = [pending] if stream.pending_bytes <= room_left else batches(pending, room_left)
                     for batch in before:
                         stream.seq += 1
-                        await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
+                        await self._publish(stream, Frame(DATA, stream.seq, batch))
                     stream.seq += 1
                     if exc is not None:
                         log.warning(
                             "request %s failed: %s", stream.request_id, exc, exc_info=not isinstance(exc, FlotillaError)
                         )
-                        await publish(stream.reply_to, encode(Frame(ERROR, stream.seq, last, error)))
+                        await self._publish(stream, Frame(ERROR, stream.seq, last, error))
                     else:
-                        await publish(stream.reply_to, encode(Frame(END, stream.seq, last)))
+                        await self._publish(stream, Frame(END, stream.seq, last))
+                    self._ended.append((time.monotonic(), stream))
                 elif pending and not stream.window_full:
                     if stream.pending_bytes <= limit:
                         batch, stream.pending, stream.pending_bytes = pending, [], 0
@@ -423,7 +446,7 @@ class EndpointServer:
                     if room is not None and stream.pending_bytes < limit:
                         stream.room = None
                         room.set_result(None)  # the handler may go on
-                    await publish(stream.reply_to, encode(Frame(DATA, stream.seq, batch)))
+                    await self._publish(stream, Frame(DATA, stream.seq, batch))
             except nats.errors.MaxPayloadError:
                 # One output alone is over the limit: say so, rather than leave the client to a silence.
                 size = max((len(payload) for payload in pending), default=0)
@@ -436,15 +459,45 @@ class EndpointServer:
                 log.warning("request %s: cannot publish its answer: %s", stream.request_id, exc)
                 self._stop(stream)
 
+    async def _publish(self, stream: _Stream, frame: Frame) -> None:
+        """Publish a numbered frame of ``stream``, kept until its client acks it (a client that acks
+        nothing, with no window, gets nothing sent again)."""
+        data = encode(frame)
+        if stream.window != UNLIMITED:
+            stream.sent.append((frame.seq, data))
+        await self._nc.publish(stream.reply_to, data)
+
+    async def _resend(self) -> None:
+        """Send again the frames not acked of every stream open or lately ended: the connection was reset,
+        and what was on its way in it is lost (their clients skip the frames they have)."""
+        streams = [*self._streams.values(), *(stream for _, stream in self._ended)]
+        frames = 0
+        async with self._sending:
+            for stream in streams:
+                for _, data in list(stream.sent):  # acks may come meanwhile
+                    with contextlib.suppress(nats.errors.Error):
+                        await self._nc.publish(stream.reply_to, data)
+                    frames += 1
+        if frames:
+            log.info("reconnected to NATS: sent %d frame(s) of %d stream(s) again", frames, len(streams))
+
     async def _heartbeat_loop(self) -> None:
         """Publish a heartbeat on every stream that has been quiet for an interval (a full window too),
-        and stop the streams whose client is gone (see ``_abandon``)."""
+        stop the streams whose client is gone (see ``_abandon``), and after a reconnection send the frames
+        not acked again (see ``_resend``)."""
         interval = self._heartbeat_interval
         deadline = self._ack_deadline
         while True:
             # Heartbeats at most a quarter of an interval late, abandoned streams a quarter of the deadline.
             await asyncio.sleep(min(interval, deadline) / 4)
+            reconnects = self._nc.stats["reconnects"]
+            if reconnects != self._reconnects:
+                self._reconnects = reconnects
+                await self._resend()
             now = time.monotonic()
+            ended = self._ended
+            while ended and now - ended[0][0] > deadline:
+                ended.popleft()
             abandoned = []
             for stream in list(self._streams.values()):
                 if stream.window_full and now - stream.heard > deadline:

@@ -2,7 +2,9 @@
 
 While the worker is disconnected, nobody listens on its subjects and NATS answers the client's probes
 "no responders". The client used to cut every stream to that worker at the first such answer; now
-only answers that come back to back for about a second count.
+only answers that come back to back for about a second count. The frames on their way when the
+connection was reset are lost: the worker sends them again once it has reconnected, and the client,
+which used to break the stream at the gap, waits for them.
 """
 
 import asyncio
@@ -32,6 +34,7 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._refusing = False
+        self._swallowing = False
 
     @property
     def url(self) -> str:
@@ -51,10 +54,15 @@ class Proxy:
             writer.transport.abort()  # a reset, as a cable pulled out looks once noticed
         self._writers.clear()
 
-    async def blip(self, seconds: float) -> None:
-        """Cut every connection and refuse new ones for ``seconds``."""
+    async def blip(self, seconds: float, *, swallow: float = 0.0) -> None:
+        """Cut every connection and refuse new ones for ``seconds``. With ``swallow``, first drop what the
+        clients send for that long: what a reset loses on its way (in buffers, on the wire), for sure."""
+        if swallow:
+            self._swallowing = True
+            await asyncio.sleep(swallow)
         self._refusing = True
         self.cut()
+        self._swallowing = False
         await asyncio.sleep(seconds)
         self._refusing = False
 
@@ -65,14 +73,16 @@ class Proxy:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         self._writers |= {writer, up_writer}
 
-        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, upstream: bool) -> None:
             with contextlib.suppress(OSError):
                 while data := await source.read(65536):
+                    if upstream and self._swallowing:
+                        continue
                     sink.write(data)
                     await sink.drain()
             sink.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, upstream=True), pipe(up_reader, writer, upstream=False))
 
 
 @pytest.fixture
@@ -116,6 +126,43 @@ async def test_streams_to_a_worker_whose_connection_blips_for_half_a_second_go_o
     release.set()
     for stream in streams:
         assert [msgspec.msgpack.decode(payload) async for frame in stream for payload in frame] == ["done"]
+    await server.close()
+    await client.close()
+    await worker.close()
+    await nc.close()
+
+
+async def test_frames_lost_with_a_reset_connection_are_sent_again_and_the_streams_go_on(
+    nats_server: NatsServer, proxy: Proxy
+) -> None:
+    worker = await connect_nats(proxy.url, name="worker")
+    nc = await connect_nats(nats_server.url, name="ingress")
+
+    async def counts(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        for number in range(300):
+            await asyncio.sleep(0.005)
+            yield encode(number)
+
+    server = EndpointServer(worker, SUBJECT, counts)
+    await server.start()
+    client = RequestClient(nc, probe_interval=0.1, silence_timeout=10)
+    await client.start()
+    streams = [client.call(SUBJECT, f"r{number}", encode(None)) for number in range(5)]
+    firsts = [await anext(stream) for stream in streams]
+
+    async def read_all(first: list[msgspec.Raw], stream: AsyncIterator[list[msgspec.Raw]]) -> list[int]:
+        return [
+            msgspec.msgpack.decode(payload)
+            for frame in [first] + [frame async for frame in stream]
+            for payload in frame
+        ]
+
+    readers = [asyncio.create_task(read_all(first, stream)) for first, stream in zip(firsts, streams, strict=True)]
+    # Whatever the worker sends for 0.1 s is lost, then its connection is reset and it reconnects.
+    await proxy.blip(0.5, swallow=0.1)
+    async with asyncio.timeout(30):
+        outputs = await asyncio.gather(*readers)
+    assert outputs == [list(range(300))] * 5  # nothing missing, nothing twice
     await server.close()
     await client.close()
     await worker.close()
