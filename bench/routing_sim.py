@@ -1,7 +1,7 @@
 """The trace replay of trace_replay.py in simulated time: router settings compared without noise.
 
     .venv/bin/python bench/routing_sim.py [--queued-prefill-weights 1,0.5] [--weights 8] [--seeds 8]
-                                          [--rate 56] [--trace FILE]
+                                          [--rate 56] [--trace FILE] [--mocker '{"scheduler": "v0"}']
 
 A real replay (trace_replay.py) runs each stack's processes on the machine's two cores, so its
 latencies move with whatever else the machine does. This script takes the same trace and the same 4
@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import heapq
 import itertools
+import json
 import random
 import statistics
 import sys
@@ -46,7 +47,7 @@ from trace_replay import (
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engines.mocker.config import MockerConfig  # noqa: E402
+from engines.mocker.config import MockerConfig, parse_mocker_config  # noqa: E402
 from engines.mocker.scheduler import Scheduler  # noqa: E402
 from engines.mocker.scheduler import Sequence as MockerSequence  # noqa: E402
 from engines.mocker.timing import StepTimer  # noqa: E402
@@ -54,6 +55,7 @@ from frontend_gateway.routing.kv_indexer import KvIndexer  # noqa: E402
 from frontend_gateway.routing.kv_router import KvRouter  # noqa: E402
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings  # noqa: E402
 from runtime.addressing import EndpointAddress  # noqa: E402
+from runtime.errors import ConfigError  # noqa: E402
 from runtime.kv_events import WorkerLoad  # noqa: E402
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 
@@ -90,6 +92,7 @@ async def simulate(
     prompts: Sequence[list[int]],
     settings: RouterSettings,
     *,
+    mocker: MockerConfig,
     delays: Delays,
     jitter_seed: int,
 ) -> Outcome:
@@ -97,7 +100,7 @@ async def simulate(
 
     A coroutine only because the router makes asyncio objects: nothing in it awaits until the end.
     """
-    config = MockerConfig(**MOCKER_SETTINGS)
+    config = mocker
     block_size = config.block_size
     step_seconds = StepTimer(config).step_seconds
     now = 0.0
@@ -205,10 +208,17 @@ async def simulate(
 
 
 async def _simulate_all(
-    trace: Sequence[TraceRequest], prompts: Sequence[list[int]], settings: Sequence[RouterSettings], seeds: int
+    trace: Sequence[TraceRequest],
+    prompts: Sequence[list[int]],
+    settings: Sequence[RouterSettings],
+    seeds: int,
+    mocker: MockerConfig,
 ) -> list[list[Outcome]]:
     return [
-        [await simulate(trace, prompts, setting, delays=Delays(), jitter_seed=seed) for seed in range(1, seeds + 1)]
+        [
+            await simulate(trace, prompts, setting, mocker=mocker, delays=Delays(), jitter_seed=seed)
+            for seed in range(1, seeds + 1)
+        ]
         for setting in settings
     ]
 
@@ -238,11 +248,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--queued-prefill-weights", type=_floats, default=[1.0, 0.5], help="--kv-queued-prefill-weight values (0..1)"
     )
     parser.add_argument("--seeds", type=int, default=8, help="delay draws per setting (default 8)")
+    parser.add_argument(
+        "--mocker", default="{}", help='JSON object of mocker settings over the defaults, e.g. \'{"scheduler": "v0"}\''
+    )
     args = parser.parse_args(argv)
     if args.seeds < 2 or args.rate <= 0 or args.duration <= 0:
         parser.error("--seeds must be 2 or more, --rate and --duration above 0")
     if any(value > 1.0 for value in args.queued_prefill_weights):
         parser.error("--queued-prefill-weights: each must be between 0 and 1")
+    try:
+        overrides = json.loads(args.mocker)
+    except ValueError as exc:
+        parser.error(f"--mocker: not valid JSON: {exc}")
+    if not isinstance(overrides, dict):
+        parser.error('--mocker: expected a JSON object of mocker settings, e.g. \'{"scheduler": "v0"}\'')
+    args.settings = {**MOCKER_SETTINGS, **overrides}
+    try:
+        args.config = parse_mocker_config(args.settings, "--mocker")
+    except ConfigError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -266,8 +290,8 @@ def main() -> None:
         for weight in args.weights
         for queued in args.queued_prefill_weights
     ]
-    print(f"{len(trace)} requests, {WORKERS} mockers {MOCKER_SETTINGS}, {args.seeds} delay draws per setting")
-    results = asyncio.run(_simulate_all(trace, prompts, settings, args.seeds))
+    print(f"{len(trace)} requests, {WORKERS} mockers {args.settings}, {args.seeds} delay draws per setting")
+    results = asyncio.run(_simulate_all(trace, prompts, settings, args.seeds, args.config))
     print(f"{'weight':>7} {'queued':>7} {'TTFT p50 ms':>12} {'±sd':>5} {'p99 ms':>8} {'hit':>7}   p50, p99 / first")
     first: tuple[float, float] | None = None
     for setting, outcomes in zip(settings, results, strict=True):
