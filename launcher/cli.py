@@ -33,6 +33,8 @@ Run a model and talk to it, in one process.
   in=dyn://ns.comp.ep   serve the engine as a worker instance, found through etcd, reached over NATS
 
   out=llamacpp     llama.cpp on a GGUF file (default)
+  out=mistralrs    mistral.rs on a GGUF file or a safetensors folder (a text engine: it templates and
+                   tokenizes itself); its Runner's settings in --extra-engine-args, e.g. {"max_seqs": 8}
   out=echo_core    echo the templated prompt's tokens (shows the chat template)
   out=echo_full    echo the prompt text; needs no model (--model-name names it)
   out=mocker       a simulated vLLM (no weights, MODEL gives the tokenizer): paged KV cache with
@@ -289,7 +291,9 @@ def build_run_parser() -> EnvArgumentParser:
         env="FLOTILLA_EXTRA_ENGINE_ARGS",
         type=_file_or_json,
         help="out=mocker: a JSON file of settings, or the JSON object itself, with the key names of Dynamo's "
-        'mocker (e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64})',
+        'mocker (e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64}); '
+        "out=mistralrs: likewise, with the names of mistral.rs's Runner arguments (engines/mistralrs.py), "
+        'e.g. {"max_seqs": 8, "seed": 1}',
     )
     run.add_flag(
         "--labels",

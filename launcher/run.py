@@ -1,6 +1,7 @@
 """``flotilla run``: compose one input (``in=``) with one engine (``out=``) in a single process."""
 
 import asyncio
+import importlib.util
 import logging
 import signal
 from pathlib import Path
@@ -65,6 +66,8 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         card = msgspec.structs.replace(card, structured_output=True, logprobs=True, embeddings=True)
         llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
         return TokenModel(card, llama), llama
+    if output == "mistralrs":
+        return build_mistralrs_model(options)
     if output == "mocker":
         return build_mocker_model(options)
     if (python_engine := python_engine_file(output)) is not None:
@@ -87,6 +90,27 @@ def build_mocker_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     card = msgspec.structs.replace(card, kv_cache_block_size=config.block_size)
     mocker = MockerEngine(config, vocab_size=card.tokenizer.get_vocab_size())
     return TokenModel(card, mocker), mocker
+
+
+def build_mistralrs_model(options: RunOptions) -> tuple[ServedModel, Engine]:
+    """``out=mistralrs``: a text engine (engines/mistralrs.py says why) on a GGUF file or a safetensors folder."""
+    from engines.mistralrs import MISSING_PACKAGE, MistralRsEngine, parse_settings
+
+    # Looked up, not imported (the engine imports it when it starts): one line, not a traceback.
+    if importlib.util.find_spec("mistralrs") is None:
+        raise ConfigError(MISSING_PACKAGE)
+    # The settings first: their mistakes are quicker to find than a model download.
+    settings = parse_settings(options.extra_engine_args)
+    card, path = load_card(options)
+    engine = MistralRsEngine(path, card, settings, threads=options.threads)
+    model = TextModel(
+        card.name,
+        engine,
+        card.context_length,
+        reasoning_parser=options.reasoning_parser,
+        tool_call_parser=options.tool_call_parser,
+    )
+    return model, engine
 
 
 def build_python_model(options: RunOptions, kind: str, file: str) -> tuple[ServedModel, Engine]:
@@ -176,7 +200,7 @@ def text_card(model: ServedModel, options: RunOptions) -> ModelCard:
     return ModelCard(
         name=model.name,
         model_type=ModelType.CHAT,
-        context_length=options.context_length or 0,
+        context_length=model.context_length or options.context_length or 0,
         reasoning_parser=options.reasoning_parser,
         tool_call_parser=options.tool_call_parser,
     )

@@ -274,6 +274,10 @@ def first_model_of(model: Path | None, engine: str) -> FirstModel:
                 "--engine llamacpp: llama-cpp-python is not installed (`make install` builds it); "
                 "or choose --engine mocker"
             )
+    if engine == "mistralrs" and importlib.util.find_spec("mistralrs") is None:
+        raise ConfigError(
+            "--engine mistralrs: the mistralrs package is not installed: pip install 'flotilla[mistralrs]'"
+        )
     # The catalog's name rule: letters, digits, '.', '_', '-', starting with a letter or digit.
     name = re.sub(r"[^A-Za-z0-9._-]", "-", default_model_name(path)).lstrip("._-")[:100] or "model"
     return FirstModel(name=name, source_kind="gguf" if path.is_file() else "folder", source=str(path), engine=engine)
