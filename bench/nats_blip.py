@@ -9,11 +9,12 @@ for ``--settle`` s, the relay resets every connection and refuses new ones for `
 is cut off from NATS, then reconnects (nats-py's own reconnection, every 0.5 s). Each stream is read to
 its end, and the worker reports the tokens it generated once its last request has ended.
 
-Two rounds, each with a fresh worker: first with the ingress's ``gone_after`` at 0 (as
-``FLOTILLA_STREAM_GONE_AFTER_S=0``: the first probe answered "no responders" cuts the worker's streams,
-the behaviour before the fix), then at its setting (``FLOTILLA_STREAM_GONE_AFTER_S``, 1 s by default:
-only such answers back to back for that long do). At the default ``--migration-limit 0`` every broken
-stream is an error to its client.
+``--repeat`` blips per setting, alternated, each with a fresh worker: the ingress's ``gone_after`` at 0
+(as ``FLOTILLA_STREAM_GONE_AFTER_S=0``: the first probe answered "no responders" cuts the worker's
+streams, the behaviour before the probe fix), and at its setting (``FLOTILLA_STREAM_GONE_AFTER_S``, 1 s by
+default: only such answers back to back for that long do). The frames the reset loses on their way are
+sent again by the worker once it has reconnected, whatever the setting (that has no switch: compare with
+the tree before it). At the default ``--migration-limit 0`` every broken stream is an error to its client.
 
     .venv/bin/python bench/nats_blip.py [--streams 500] [--max-tokens 300] [--blip 0.5] [--settle 2]
 
@@ -327,7 +328,7 @@ async def run(arguments: argparse.Namespace) -> None:
         report(arguments, result)
     print("client errors per blip:")
     for gone_after in settings:
-        label = "the fix off, FLOTILLA_STREAM_GONE_AFTER_S=0" if gone_after == 0 else "the fix on"
+        label = "the probe fix off, FLOTILLA_STREAM_GONE_AFTER_S=0" if gone_after == 0 else "the probe fix on"
         errors = [sum(result.errors.values()) for result in rounds if result.gone_after == gone_after]
         clean = sum(count == 0 for count in errors)
         print(
