@@ -22,7 +22,10 @@ A replica that joins learns the others' requests as they are routed, not those a
 
 Messages go out in batches: the decisions made while the sender task waited for its turn on the event
 loop leave in one message, so a burst costs a few publishes, and an idle pool one heartbeat a second
-per replica. They are msgpack, a routed request about 10 bytes per prompt block.
+per replica. They are msgpack, a routed request about 10 bytes per prompt block. A replica that hears
+no other sends heartbeats only: its decisions would be news to nobody (one that joins learns only the
+requests routed after it, whoever routed them), so a lone ingress pays one message a second. The first
+heartbeat goes out as the replica starts, and the others start telling it their decisions once heard.
 """
 
 import asyncio
@@ -232,28 +235,28 @@ class ReplicaSync:
         if not self._started or len(request_id) > MAX_REQUEST_ID_CHARS or len(hashes) > MAX_HASHES:
             return  # the others would refuse it: say nothing rather than something malformed
         self._own.add(request_id)
-        self._say(Routed(request_id, worker[0], worker[1], prefill_tokens, own_blocks, list(hashes)))
+        if self._peers:
+            self._say(Routed(request_id, worker[0], worker[1], prefill_tokens, own_blocks, list(hashes)))
 
     def prefill_done(self, request_id: str) -> None:
-        if request_id in self._own:
+        if self._peers and request_id in self._own:
             self._say(PrefillDone(request_id))
 
     def finished(self, request_id: str) -> None:
         if request_id in self._own:
             self._own.discard(request_id)
-            self._say(Finished(request_id))
+            if self._peers:
+                self._say(Finished(request_id))
 
     def _say(self, event: SyncEvent) -> None:
         self._pending.append(event)
         self._wake.set()
 
     async def _send_loop(self) -> None:
-        """Send what was said since the last batch as soon as the loop lets this task run, a heartbeat
-        when nothing was said for HEARTBEAT_S; forget the replicas that went silent."""
+        """Send a heartbeat at once (the others learn of this replica), then what was said since the last
+        batch as soon as the loop lets this task run, a heartbeat when nothing was said for HEARTBEAT_S;
+        forget the replicas that went silent."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(HEARTBEAT_S):
-                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self._publish()
@@ -261,13 +264,16 @@ class ReplicaSync:
                 # Best effort: what is lost here is corrected by the next list of requests in flight.
                 self._publish_failed.warning(f"the router replica sync could not publish on {self.subject}: {exc!r}")
             self.expire_silent()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEARTBEAT_S):
+                    await self._wake.wait()
 
     async def _publish(self, *, closing: bool = False) -> None:
         events, self._pending = self._pending, []
         active: list[str] | None = None
         if closing or self._clock() >= self._next_reconcile:
             self._next_reconcile = self._clock() + RECONCILE_S
-            if not closing and len(self._own) <= MAX_LISTED:
+            if not closing and self._peers and len(self._own) <= MAX_LISTED:
                 active = list(self._own)
         chunks = list(_chunks(events)) or [[]]
         for index, chunk in enumerate(chunks):

@@ -91,6 +91,16 @@ async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
             await router.changed.wait()
 
 
+def hears(router: KvRouter, replicas: int) -> Callable[[], bool]:
+    return lambda: router.replica_sync.replicas() == replicas
+
+
+async def heard(*routers: KvRouter) -> None:
+    """Wait until each router has heard every other (a replica tells its decisions once it hears others)."""
+    for router in routers:
+        await until(router, hears(router, len(routers) - 1))
+
+
 async def send(nc: NATS, replica: str, batch: SyncBatch | bytes) -> None:
     payload = batch if isinstance(batch, bytes) else msgspec.msgpack.encode(batch)
     await nc.publish(sync_subjects(ADDRESS).removesuffix("*") + replica, payload)
@@ -103,6 +113,7 @@ def requests_on(router: KvRouter, instance: InstanceInfo) -> int:
 
 async def test_a_decision_of_one_replica_loads_the_workers_of_the_other(make_router: Any) -> None:
     first, second = await make_router(), await make_router()
+    await heard(first, second)
     decision = first.choose(request("r1"), [A, B])
     assert decision is not None
     chosen = decision.instance
@@ -124,9 +135,25 @@ async def test_a_decision_of_one_replica_loads_the_workers_of_the_other(make_rou
     assert second.replica_sync.remote_requests() == 0
 
 
+async def test_a_replica_that_hears_no_other_sends_heartbeats_only(make_router: Any, forger: NATS) -> None:
+    subscription = await forger.subscribe(sync_subjects(ADDRESS))
+    await flush(forger)
+    lone = await make_router()
+    async with asyncio.timeout(10):
+        first = await subscription.next_msg(timeout=10)  # sent as it starts
+        lone.choose(request("r1"), [A, B])
+        lone.prefill_done("r1")
+        lone.finished("r1")
+        second = await subscription.next_msg(timeout=10)  # a second later
+    for message in (first, second):
+        assert message.subject == lone.replica_sync.subject
+        assert msgspec.msgpack.decode(message.data, type=SyncBatch) == SyncBatch(block_size=BLOCK)
+
+
 async def test_a_predicting_router_learns_the_prefixes_another_replica_routed(make_router: Any) -> None:
     settings = RouterSettings(mode=RouterMode.KV, replica_sync=True, use_kv_events=False, seed=1)
     first, second = await make_router(settings), await make_router(settings)
+    await heard(first, second)
     decision = first.choose(request("r1"), [A, B])
     assert decision is not None
     worker = (decision.instance.instance_id, 0)
@@ -136,6 +163,7 @@ async def test_a_predicting_router_learns_the_prefixes_another_replica_routed(ma
 
 async def test_decisions_too_many_for_one_message_arrive_in_several_in_order(make_router: Any) -> None:
     first, second = await make_router(), await make_router()
+    await heard(first, second)
     # Long prompts: their hashes pass the size of one batch, so the decisions leave in several messages.
     count = 2 * replica_sync.HASHES_PER_BATCH // 8000 + 1
     for number in range(count):
@@ -153,14 +181,15 @@ async def test_decisions_too_many_for_one_message_arrive_in_several_in_order(mak
 async def test_a_replica_that_falls_silent_has_its_requests_expire(make_router: Any) -> None:
     clock = FakeClock()
     first, second = await make_router(), await make_router(clock=clock)
+    await heard(first, second)
     decision = first.choose(request("r1"), [A, B])
     assert decision is not None
     await until(second, lambda: requests_on(second, decision.instance) == 1)
 
     # Alive, it is heard (a heartbeat a second at least) and its request stays counted past the expiry.
     clock.now += replica_sync.EXPIRE_AFTER_S - 1
-    heard = second.replica_sync.heard_at()
-    await until(second, lambda: second.replica_sync.heard_at() != heard)
+    before = second.replica_sync.heard_at()
+    await until(second, lambda: second.replica_sync.heard_at() != before)
     clock.now += replica_sync.EXPIRE_AFTER_S - 1
     second.replica_sync.expire_silent()
     assert requests_on(second, decision.instance) == 1
@@ -180,6 +209,7 @@ async def test_a_replica_that_falls_silent_has_its_requests_expire(make_router: 
 
 async def test_a_replica_that_closes_takes_its_requests_with_it(make_router: Any) -> None:
     first, second = await make_router(), await make_router()
+    await heard(first, second)
     decision = first.choose(request("r1"), [A, B])
     assert decision is not None
     await until(second, lambda: requests_on(second, decision.instance) == 1)
@@ -200,6 +230,7 @@ async def test_the_requests_missing_from_a_replicas_list_are_dropped(make_router
 
 async def test_a_replica_is_believed_about_its_own_requests_only(make_router: Any, forger: NATS) -> None:
     first, second = await make_router(), await make_router()
+    await heard(first, second)
     decision = first.choose(request("r1"), [A, B])
     assert decision is not None
     await until(second, lambda: requests_on(second, decision.instance) == 1)
