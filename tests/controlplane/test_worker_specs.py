@@ -97,6 +97,8 @@ def test_a_stop_message_says_why_and_how_long_to_drain() -> None:
         ("mocker", {"speedup_ratio": 10, "--context-length": 512}, ["--context-length", "512", *MOCKER_SETTINGS]),
         ("vllm", {"extra": {"a": [1, 2]}}, ["--extra", '{"a":[1,2]}']),
         ("mocker", {}, []),
+        # mistral.rs's own settings travel as one JSON object, checked by the worker against its Runner's arguments.
+        ("mistralrs", {"max_seqs": 4, "--threads": 2}, ["--threads", "2", "--extra-engine-args", '{"max_seqs":4}']),
     ],
 )  # fmt: skip
 def test_engine_args_become_flags_or_the_engines_own_settings(
