@@ -284,7 +284,7 @@ def build_run_parser() -> EnvArgumentParser:
         "--threads",
         env="FLOTILLA_THREADS",
         type=_positive_int,
-        help="CPU threads for llama.cpp (default: all cores)",
+        help="CPU threads for llama.cpp and mistral.rs (default: all cores)",
     )
     run.add_flag(
         "--extra-engine-args",
