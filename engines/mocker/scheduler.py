@@ -15,12 +15,10 @@ a step with room for all of it.
   waiting sequence is admitted when the blocks of the chunk it computes in this step can be given
   to it, however long the rest of its prompt; the next chunks take their blocks step by step like
   a running sequence's tokens. No watermark. Each block is the sequence's own (kv_cache_v1.py): two
-  sequences that compute the same block both hold a copy. Without chunked prefill, a prompt too
-  long for the step's budget is passed over and the ones behind it are tried.
+  sequences that compute the same block both hold a copy.
 * "v0" (vLLM v0's block manager): a waiting sequence is admitted only when all the blocks of its
   prompt fit, less a watermark kept for the running ones; a block computed again under a name
-  already cached is merged into the cached one (kv_cache.py). Without chunked prefill, a prompt
-  too long for the budget holds back the ones behind it.
+  already cached is merged into the cached one (kv_cache.py).
 
 When a running sequence needs a block and none is left, another running sequence is preempted
 (the newest, or the oldest with ``preemption_mode`` "fifo"): its blocks are freed, and it goes
@@ -332,7 +330,6 @@ class Scheduler:
         cache = self.cache
         waiting, running = self.waiting, self.running
         v1 = self._v1
-        passed_over: list[Sequence] = []
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             sequence = waiting[0]
             if sequence.stop.stopped:
@@ -352,10 +349,7 @@ class Scheduler:
             tokens = total - cached
             if tokens > budget:
                 if not config.enable_chunked_prefill:
-                    if v1:
-                        passed_over.append(waiting.popleft())  # v1 tries the ones behind it in this step
-                        continue
-                    break
+                    break  # first come, first served: the ones behind it wait too (v0 and v1 alike)
                 tokens = budget
             # v0 admits a sequence once all its blocks fit beside the watermark; v1 once the blocks of the
             # chunk it computes now fit (the rest it gets step by step, preempting others if need be).
@@ -380,8 +374,6 @@ class Scheduler:
             running.append(sequence)
             step.scheduled[sequence] = tokens
             budget -= tokens
-        if passed_over:
-            waiting.extendleft(reversed(passed_over))
         return budget
 
     def _fail_outgrown(self, step: Step, sequence: Sequence) -> None:

@@ -107,26 +107,11 @@ def no_watermark_holds_blocks_back_from_a_new_prompt(version: str) -> bool:
     return True
 
 
-def without_chunked_prefill_a_long_prompt_is_passed_over_for_the_ones_behind_it(version: str) -> bool:
-    rank = scheduler(version, max_num_batched_tokens=16, enable_chunked_prefill=False)
-    first, long, short = sequence(list(range(12))), sequence(list(range(100, 110))), sequence([7, 8, 9])
-    for seq in (first, long, short):
-        rank.add(seq)
-    step = run_step(rank)
-    if short not in step.scheduled:
-        return False
-    assert step.scheduled == {first: 12, short: 3}
-    assert list(rank.waiting) == [long]  # still first in line for the next step
-    assert run_step(rank).scheduled == {first: 1, short: 1, long: 10}
-    return True
-
-
 SCENARIOS: list[Callable[[str], bool]] = [
     a_prompt_larger_than_the_free_blocks_is_admitted_by_its_first_chunk,
     a_chunk_admitted_prompt_is_preempted_when_the_older_one_needs_its_blocks,
     two_identical_prompts_in_one_step_hold_separate_copies_of_their_last_block,
     no_watermark_holds_blocks_back_from_a_new_prompt,
-    without_chunked_prefill_a_long_prompt_is_passed_over_for_the_ones_behind_it,
 ]
 
 
