@@ -1,24 +1,26 @@
 """``POST /v1/embeddings`` for models whose engine embeds (the card's ``embeddings``: llama.cpp).
 
+The engine is the model's own in one process, or its workers' through the request plane
+(remote_embeddings.py, behind ``RemoteTokenEngine.embed``).
+
 Text in (a string or a list of strings), one unit-length vector per text out, as floats or, as the
 openai client asks by default, base64 of little-endian float32s. Each text must fit the model's
 context: a longer one is a 400, never silently cut. Token-id inputs and ``dimensions`` are refused.
 """
 
-import array
 import base64
-import sys
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from frontend_gateway import preprocessor
-from frontend_gateway.errors import ContextLengthExceeded, EngineFailed, InvalidRequest
+from frontend_gateway.errors import ContextLengthExceeded, InvalidRequest, from_engine_error
 from frontend_gateway.pipeline import ServedModel
 from runtime.engine import Embedder
 from runtime.errors import EngineError
 from runtime.model_card import ModelCard
+from runtime.protocol import float32_bytes
 
 __all__ = ["EmbeddingRequest", "create", "decoder", "embedder_of", "texts"]
 
@@ -61,13 +63,16 @@ def embedder_of(model: ServedModel) -> tuple[ModelCard, Embedder]:
     engine = getattr(model, "engine", None)
     if card is None or not card.embeddings or not isinstance(engine, Embedder):
         raise InvalidRequest(
-            f"model {model.name!r} does not embed (out=llamacpp models served in this process do)", param="model"
+            f"model {model.name!r} does not embed (llama.cpp models do, in one process or on workers)", param="model"
         )
     return card, engine
 
 
-async def create(card: ModelCard, embedder: Embedder, request: EmbeddingRequest, inputs: list[str]) -> bytes:
-    """The embeddings response body. Raises ContextLengthExceeded or EngineFailed."""
+async def create(
+    card: ModelCard, embedder: Embedder, request: EmbeddingRequest, inputs: list[str]
+) -> tuple[bytes, int]:
+    """The embeddings response body, and the prompt tokens it took. Raises ContextLengthExceeded, or the
+    GatewayError of the engine's failure (a 503 when no instance can embed now)."""
     for index, text in enumerate(inputs):
         param = "input" if isinstance(request.input, str) else f"input[{index}]"
         count = len(await preprocessor.tokenize(card, text, add_special_tokens=True, param=param))
@@ -80,19 +85,16 @@ async def create(card: ModelCard, embedder: Embedder, request: EmbeddingRequest,
     try:
         vectors, tokens = await embedder.embed(inputs)
     except EngineError as exc:
-        raise EngineFailed(str(exc)) from exc
+        raise from_engine_error(exc) from exc
     data: list[dict[str, Any]] = [
         {"object": "embedding", "index": index, "embedding": _encoded(vector, request.encoding_format)}
         for index, vector in enumerate(vectors)
     ]
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    return msgspec.json.encode({"object": "list", "data": data, "model": card.name, "usage": usage})
+    return msgspec.json.encode({"object": "list", "data": data, "model": card.name, "usage": usage}), tokens
 
 
 def _encoded(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return vector
-    packed = array.array("f", vector)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode()
+    return base64.b64encode(float32_bytes(vector)).decode()

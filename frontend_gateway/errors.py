@@ -7,6 +7,8 @@ request is logged and answered with a 500 envelope, never a dropped connection.
 from collections.abc import Sequence
 from http import HTTPStatus
 
+from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge, RequestRejected
+
 
 class GatewayError(Exception):
     """Base of the errors that map to an HTTP answer."""
@@ -123,3 +125,19 @@ class EngineTimeout(GatewayError):
     status = HTTPStatus.GATEWAY_TIMEOUT
     error_type = "timeout"
     code = "progress_deadline_exceeded"
+
+
+def from_engine_error(exc: EngineError) -> GatewayError:
+    """The answer to a request an engine failed: busy or away is a 503 (with Retry-After when busy), a
+    request it refused is the client's error (400, or 413 when too large), a stall a 504, the rest a 500."""
+    if isinstance(exc, EngineBusy):
+        return AllWorkersBusy(str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return ServiceUnavailable(str(exc))
+    if isinstance(exc, PayloadTooLarge):
+        return RequestTooLarge(str(exc))
+    if isinstance(exc, RequestRejected):
+        return InvalidRequest(str(exc))
+    if isinstance(exc, EngineStalled):
+        return EngineTimeout(str(exc))
+    return EngineFailed(str(exc))

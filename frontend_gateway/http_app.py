@@ -65,6 +65,7 @@ _API_KEY = "flotilla.api_key"
 _MODEL = "flotilla.model"
 _GENERATION = "flotilla.generation"
 _STATUS = "flotilla.status"
+_EMBEDDED_TOKENS = "flotilla.embedded_tokens"  # an embeddings request's prompt tokens, for its key's usage
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -269,10 +270,11 @@ class GatewayApp:
         """Add a finished request to its key's usage (by model and day), with the tokens it used."""
         key: KeyRecord | None = scope.get(_API_KEY)
         generation: Generation | None = scope.get(_GENERATION)
-        if key is None or self.meter is None or (generation is None and not failed):
-            return  # a listing of models, say: usage counts generations and failed requests
+        embedded: int | None = scope.get(_EMBEDDED_TOKENS)
+        if key is None or self.meter is None or (generation is None and embedded is None and not failed):
+            return  # a listing of models, say: usage counts generations, embeddings and failed requests
         if generation is None:
-            self.meter.finished(key, scope.get(_MODEL, UNKNOWN_MODEL), error=failed)
+            self.meter.finished(key, scope.get(_MODEL, UNKNOWN_MODEL), prompt_tokens=embedded or 0, error=failed)
             return
         self.meter.finished(
             key,
@@ -338,9 +340,10 @@ class GatewayApp:
         inputs = embeddings.texts(request)
         model = self._find_model(request.model, scope)
         card, embedder = embeddings.embedder_of(model)
+        self._charge(scope)
         await self._admit(receive)
         try:
-            body = await embeddings.create(card, embedder, request, inputs)
+            body, scope[_EMBEDDED_TOKENS] = await embeddings.create(card, embedder, request, inputs)
         finally:
             self.admission.release()
         await self._send_json(send, body)

@@ -18,12 +18,9 @@ from tokenizers.decoders import DecodeStream
 from frontend_gateway import preprocessor
 from frontend_gateway.chat_output import ChatOutputParser, plan_chat_output
 from frontend_gateway.errors import (
-    AllWorkersBusy,
     EngineFailed,
-    EngineTimeout,
     InvalidRequest,
-    RequestTooLarge,
-    ServiceUnavailable,
+    from_engine_error,
 )
 from frontend_gateway.logprobs import LogprobEntry
 from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -32,13 +29,8 @@ from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from frontend_gateway.stop_strings import StopStringMatcher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
 from runtime.errors import (
-    EngineBusy,
     EngineError,
-    EngineStalled,
-    EngineUnavailable,
     ModelError,
-    PayloadTooLarge,
-    RequestRejected,
 )
 from runtime.model_card import ModelCard
 from runtime.protocol import FinishReason, PreprocessedRequest, TextOutput, TextRequest, TokenLogprob
@@ -431,24 +423,9 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str]) -> AsyncIt
             raise EngineFailed("the engine failed while generating; see the server log")
         if generation.finish_reason is None:
             generation.finish_reason = "stop"
-    except EngineBusy as exc:
-        generation.finish_reason = "error"
-        raise AllWorkersBusy(str(exc)) from exc
-    except EngineUnavailable as exc:
-        generation.finish_reason = "error"
-        raise ServiceUnavailable(str(exc)) from exc
-    except PayloadTooLarge as exc:
-        generation.finish_reason = "error"
-        raise RequestTooLarge(str(exc)) from exc
-    except RequestRejected as exc:
-        generation.finish_reason = "error"
-        raise InvalidRequest(str(exc)) from exc
-    except EngineStalled as exc:
-        generation.finish_reason = "error"
-        raise EngineTimeout(str(exc)) from exc
     except EngineError as exc:
         generation.finish_reason = "error"
-        raise EngineFailed(str(exc)) from exc
+        raise from_engine_error(exc) from exc
     except Exception:
         # Anything else (a GatewayError from postprocessing, a bug in an engine) still means the
         # answer did not finish: no consumer may report it as stopped normally.

@@ -22,12 +22,14 @@ progress deadlines passed are told to the model's ``health`` (the gateway's metr
 """
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Literal
 
 import msgspec
 
+from frontend_gateway.remote_embeddings import RemoteEmbedder
 from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
@@ -139,6 +141,15 @@ class RemoteTokenEngine(_RemoteBase):
     ) -> None:
         super().__init__(name, instances, router, runtime, migration_limit)
         self.skip_special_tokens = skip_special_tokens
+        self._embedder = RemoteEmbedder(name)
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """Embed ``texts`` on the instances whose workers embed (remote_embeddings.py): one unit-length
+        vector per text, and the tokens they took. Raises EngineError (EngineUnavailable when none embeds)."""
+        client = await self.runtime.client()
+        if not client.connected:
+            raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
+        return await self._embedder.embed(client, self.instances.snapshot(), f"embed-{uuid.uuid4().hex}", texts)
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         client = await self.runtime.client()

@@ -59,6 +59,10 @@ class EndpointAddress:
         """The NATS subject one instance of this endpoint listens on."""
         return f"flotilla.{self.namespace}.{self.component}.{self.endpoint}.{instance_id:x}"
 
+    def embed_subject(self, instance_id: int) -> str:
+        """The NATS subject one instance answers embedding requests on (next to its generation subject)."""
+        return f"{self.subject(instance_id)}.embed"
+
     def load_metrics_subject(self) -> str:
         """Where instances of this endpoint's component publish their load."""
         return f"flotilla.{self.namespace}.{self.component}.load_metrics"

@@ -98,6 +98,8 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     user_data: dict[str, Any] | None = None
     #: How gateways route this model (``--router-*`` flags of the worker): None leaves it to the gateway.
     router: PipelineRouter | None = None
+    #: Where the instance embeds text (``EmbedRequest``), if its engine does: None, it does not.
+    embed_subject: str | None = None
 
 
 class Namespace:
@@ -192,6 +194,26 @@ class Endpoint:
         """The request server, once ``serve_bytes`` started it."""
         return self._server
 
+    async def serve_embeddings(self, handler: Handler) -> str:
+        """Answer embedding requests with ``handler`` on this instance's embed subject, and return it.
+
+        No instance is registered for it: it is a second door of the same instance, named in its model's
+        registration (``register_model(embed_subject=...)``), and drained with the generation endpoint.
+        """
+        runtime = self.runtime
+        server = EndpointServer(
+            runtime.nc,
+            self.address.embed_subject(runtime.instance_id),
+            handler,
+            heartbeat_interval=runtime.heartbeat_interval,
+            max_request_bytes=max_request_bytes(),
+            ack_deadline=stream_ack_deadline_seconds(),
+            max_waiting=max_waiting_requests(),
+        )
+        await server.start()
+        runtime._add_server(server)
+        return server.subject
+
     async def announce(self, key: str, value: bytes) -> None:
         """Put ``key`` in etcd now if this endpoint already answers requests, else once it does."""
         if self._server is None:
@@ -233,12 +255,14 @@ async def register_model(
     card: ModelCard | None = None,
     skip_special_tokens: bool = True,
     router: PipelineRouter | None = None,
+    embed_subject: str | None = None,
 ) -> ModelCard:
     """Announce the model ``endpoint`` serves, so that gateways add it to ``/v1/models``.
 
     Token-level models need their tokenizer and chat template: from ``model_path`` (a GGUF file or a
     Hugging Face folder or repo) or a ready ``card``. Chat and completion models need only a name.
     ``router`` asks gateways to route the model so (its pipeline's settings); the first instance's wins.
+    ``embed_subject`` is where the instance embeds text (``Endpoint.serve_embeddings``), if it does.
     Returns the card as registered. Raises ModelError / ConfigError on a bad model.
     """
     kind = ModelType(model_type)
@@ -267,6 +291,7 @@ async def register_model(
         skip_special_tokens=skip_special_tokens,
         user_data=user_data,
         router=router,
+        embed_subject=embed_subject,
     )
     await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
     log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)

@@ -6,6 +6,8 @@ without a second set of types. The gateway builds a ``PreprocessedRequest`` (tok
 ``EngineOutput`` or ``TextOutput``.
 """
 
+import array
+import sys
 from typing import Any, Literal
 
 import msgspec
@@ -112,3 +114,43 @@ class TextOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: (characters of ``text``, completion tokens), in order, so that usage after a stop string counts
     #: only the outputs up to it. Engines leave it None.
     parts: list[tuple[int, int]] | None = None
+
+
+class EmbedRequest(msgspec.Struct, kw_only=True):
+    """Texts for a worker's embedding endpoint (``POST /v1/embeddings`` through an ingress).
+
+    The ingress has checked each text against the model's context length; an ingress may split one
+    client request into several of these (see frontend_gateway/remote_embeddings.py).
+    """
+
+    request_id: str
+    texts: list[str]
+
+
+class EmbedOutput(msgspec.Struct, kw_only=True):
+    """The vectors of some of an ``EmbedRequest``'s texts, in order, from ``start``.
+
+    Each vector is its float32 values, little-endian, as bytes: under half the size of msgpack floats,
+    and exactly what the engine computed (llama.cpp embeds in float32). ``prompt_tokens`` counts the
+    tokens of the whole request on its first output, and is 0 on the others.
+    """
+
+    start: int
+    vectors: list[bytes]
+    prompt_tokens: int
+
+
+def float32_bytes(vector: list[float]) -> bytes:
+    """``vector`` as little-endian float32 values (``EmbedOutput.vectors``, OpenAI's base64 embeddings)."""
+    packed = array.array("f", vector)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def float32_values(data: bytes) -> list[float]:
+    """The values of little-endian float32 ``data``."""
+    packed = array.array("f", data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()

@@ -42,6 +42,8 @@ class InstanceInfo:
     instance_id: int
     subject: str
     address: EndpointAddress | None = None
+    #: Where the instance embeds text, if its engine does (``ModelEntry.embed_subject``).
+    embed_subject: str | None = None
 
     @property
     def name(self) -> str:

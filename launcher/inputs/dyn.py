@@ -2,7 +2,8 @@
 
 The engine's typed wire structs (runtime/protocol.py) travel as msgpack: token engines take a
 ``PreprocessedRequest`` and answer ``EngineOutput`` items; text engines take a ``TextRequest`` and
-answer ``TextOutput`` items.
+answer ``TextOutput`` items. A token engine that embeds (llama.cpp) also takes ``EmbedRequest``s on its
+instance's embed subject and answers ``EmbedOutput`` items.
 """
 
 import asyncio
@@ -17,11 +18,11 @@ import msgspec
 from launcher.startup import connect_runtime
 from runtime.addressing import EndpointAddress
 from runtime.endpoint import drain_grace_seconds, register_model
-from runtime.engine import Engine, RequestContext
+from runtime.engine import Embedder, Engine, RequestContext
 from runtime.kv_events import KvEventSource
 from runtime.metrics_server import serve_metrics
 from runtime.model_card import ModelCard, ModelType
-from runtime.protocol import PreprocessedRequest, TextRequest
+from runtime.protocol import EmbedOutput, EmbedRequest, PreprocessedRequest, TextRequest, float32_bytes
 from runtime.request_plane import Handler
 from runtime.router_settings import PipelineRouter
 from runtime.worker_metrics import WorkerMetrics
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 _token_request = msgspec.msgpack.Decoder(PreprocessedRequest)
 _text_request = msgspec.msgpack.Decoder(TextRequest)
+_embed_request = msgspec.msgpack.Decoder(EmbedRequest)
+#: The vector bytes one EmbedOutput carries at most: outputs stay well inside a NATS frame (1 MiB by default),
+#: which the request plane fills with as many outputs as fit.
+EMBED_OUTPUT_BYTES = 256 * 1024
 
 
 def engine_handler(engine: Engine) -> Handler:
@@ -41,6 +46,29 @@ def engine_handler(engine: Engine) -> Handler:
     async def handler(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
         async for output in generate(decoder.decode(payload), context):
             yield encode(output)
+
+    return handler
+
+
+def embed_handler(embedder: Embedder) -> Handler:
+    """A bytes-level handler for an instance's embed subject: an ``EmbedRequest`` in, ``EmbedOutput`` items out.
+
+    The vectors are float32 bytes, as many per output as fit in ``EMBED_OUTPUT_BYTES``.
+    """
+    encode = msgspec.msgpack.Encoder().encode
+
+    async def handler(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        request = _embed_request.decode(payload)
+        vectors, tokens = await embedder.embed(request.texts)
+        packed = [float32_bytes(vector) for vector in vectors]
+        start = 0
+        while start < len(packed):
+            end, size = start, 0
+            while end < len(packed) and (end == start or size + len(packed[end]) <= EMBED_OUTPUT_BYTES):
+                size += len(packed[end])
+                end += 1
+            yield encode(EmbedOutput(start=start, vectors=packed[start:end], prompt_tokens=tokens if start == 0 else 0))
+            start = end
 
     return handler
 
@@ -82,9 +110,14 @@ async def serve_worker(
             metrics = WorkerMetrics.of(endpoint)
             metrics_server = await serve_metrics(metrics_host, metrics_port, metrics.exposition)
         if engine.kind == "token":
+            # An engine that embeds answers POST /v1/embeddings of its ingresses on a second subject.
+            embed_subject = None
+            if card.embeddings and isinstance(engine, Embedder):
+                embed_subject = await endpoint.serve_embeddings(embed_handler(engine))
             await register_model(
-                ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens, router=router
-            )
+                ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens, router=router,
+                embed_subject=embed_subject,
+            )  # fmt: skip
         else:
             await register_model(ModelType.CHAT, endpoint, card=card, router=router)
         print(
