@@ -722,6 +722,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dynamo-args", default="", help="extra flags for Dynamo's frontend")
     parser.add_argument("--patience", type=float, default=120.0, help="longest wait for one answer, seconds")
     parser.add_argument(
+        "--warmup", type=float, default=5.0, metavar="SECONDS",
+        help="replay the trace's first SECONDS through a throwaway stack of the first mode before measuring: "
+        "the first replay of a run is slow, whatever its mode (default 5; 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--ingresses", default="1", metavar="N[,N...]",
         help="Flotilla modes: run each through N ingress processes (each sent every Nth request, as replicas "
         "behind a load balancer), for each N listed, e.g. 1,2,4; with more than one N, the table ends with "
@@ -805,6 +810,15 @@ def main() -> None:
     print(f"{WORKERS} mocker workers per stack, settings {json.dumps(args.settings)}")
     summaries: dict[str, dict[str, Any]] = {}
     began = time.monotonic()
+    if args.warmup > 0:
+        # The first replay of a run was slow whatever its mode (TTFT p50 2-10x a later run of the same mode,
+        # its first half slowest): a short replay through a throwaway stack first, so that no mode pays it.
+        head = [r for r in trace if r.timestamp < args.warmup * 1000]
+        try:
+            run_mode(args.mode_list[0], args, prompts[: len(head)], head, ideal)
+        except RuntimeError as exc:
+            sys.exit(f"warm-up: {exc}")
+        print(f"warm-up: {len(head)} requests through {args.mode_list[0].name}, discarded", flush=True)
     for number, mode in enumerate(args.mode_list, 1):
         started = time.monotonic()
         try:
