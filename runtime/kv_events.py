@@ -14,22 +14,39 @@ it starts serving, asks it for ``load()`` every second, and for ``cache_state()`
 asks. Engines that do not implement it publish only their active request count.
 """
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
+#: Where a block is kept, for engines that offload (vLLM's ``medium``): None is the GPU (or the engine's only
+#: tier). Routers count only blocks on the GPU as saved prefill; the others are heard and set aside.
+Medium = Literal["gpu", "cpu", "disk"]
+
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True):
-    """Blocks now cached, in prefix order: ``parent_hash`` is the block before the first (None: none)."""
+    """Blocks now cached, in prefix order: ``parent_hash`` is the block before the first (None: none).
+
+    The optional fields are what real engines say of a block, so that LoRA adapters, per-request cache
+    salts and offload tiers need no new wire format (trailing optional fields: a message without them
+    still decodes). ``token_ids`` are the blocks' tokens, for a router that names blocks itself
+    (re-hashing them); ``lora_id`` the adapter and ``salt`` the request's cache salt the blocks were
+    computed with (None: the base model, unsalted), each making a block that only requests with the same
+    adapter or salt can reuse; ``medium`` the tier the blocks are kept on.
+    """
 
     block_hashes: list[int]
     parent_hash: int | None = None
+    token_ids: list[int] | None = None
+    lora_id: int | None = None
+    medium: Medium | None = None
+    salt: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
-    """Blocks evicted from the cache."""
+    """Blocks evicted from the cache (from ``medium``'s tier: None, the GPU)."""
 
     block_hashes: list[int]
+    medium: Medium | None = None
 
 
 class AllCleared(msgspec.Struct, tag="cleared", array_like=True):
@@ -40,18 +57,28 @@ KvEvent = BlockStored | BlockRemoved | AllCleared
 
 
 class KvEventBatch(msgspec.Struct, kw_only=True):
-    """The events of one instance's dp rank since its previous batch, in order."""
+    """The events of one instance's dp rank since its previous batch, in order; or, with ``event_id`` 0,
+    (part of) an answer to a ``KvStateRequest``: every block the rank holds."""
 
     instance_id: int
     dp_rank: int = 0
     event_id: int  # 1, 2, 3 ... per (instance_id, dp_rank); 0 for a whole-state answer
     events: list[KvEvent]
+    #: A state answer's place among its parts: part ``part`` (from 0) of ``parts``. An answer larger than a
+    #: NATS message is sent in parts (the first as the reply, the others to ``KvStateRequest.parts_to``).
+    part: int = 0
+    parts: int = 1
+    #: A state answer covers every batch of its rank up to this ``event_id`` (0: none yet); None from a
+    #: publisher that does not say. Batches after it that a router heard first are applied after the answer.
+    covers_event_id: int | None = None
 
 
 class KvStateRequest(msgspec.Struct, kw_only=True):
     """A router's request for a worker's whole cache state (after it started, or saw a gap)."""
 
     dp_rank: int | None = None  # None: every rank
+    #: Where the parts of the answer after the first go (a subject the asking router listens on).
+    parts_to: str | None = None
 
 
 class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):

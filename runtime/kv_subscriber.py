@@ -13,7 +13,12 @@ load). It is the part of the router that deals with the network being what it is
 * **State syncs.** Each instance that joins is asked for its whole cache, and so is each dp rank that
   shows up and each worker whose batches show a gap; an unanswered ask is made again a few times (a
   worker may register in etcd a moment before it answers on NATS). An answer (``event_id`` 0) replaces
-  what the target knew of that worker, and the next batch, whatever its id, continues from it.
+  what the target knew of that worker. It names the last batch it covers (``covers_event_id``): the
+  batches heard while it was on its way (on another subject, so possibly before it) are held, and those
+  it does not cover are applied on top of it, so that neither a block stored nor one removed meanwhile
+  is lost. An answer larger than a NATS message comes in parts, put together before it is applied.
+* **What the index cannot use yet.** Blocks of a LoRA adapter, salted, or on another tier than the GPU
+  are set aside (``routable``).
 * **Malformed messages** are dropped and reported, at most one log line per ``MALFORMED_REPORT_S``.
 
 One subscriber listens per component rather than pool only like endpoints: a pool is the instances that
@@ -43,7 +48,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from runtime.addressing import EndpointAddress
-from runtime.kv_events import KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
+from runtime.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
 from runtime.nats_connection import flush
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
@@ -62,8 +67,35 @@ STATE_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
 MALFORMED_REPORT_S = 10.0
 #: dp ranks above this are taken for garbage rather than a worker with that many ranks.
 MAX_DP_RANK = 1023
-#: A worker whose state was just received accepts any next event_id as its new baseline.
+#: A worker whose state was just received (from a publisher that does not say which batch it covers)
+#: accepts any next event_id as its new baseline.
 _BASELINE = -1
+#: Batches held for a worker whose state is on its way (more are dropped, and the state asked again), and
+#: the parts a state answer may come in (a million blocks a part: far more than any cache).
+MAX_HELD_BATCHES = 1024
+MAX_STATE_PARTS = 1024
+
+
+def routable(events: list[KvEvent]) -> list[KvEvent]:
+    """The events a router's index takes today: blocks on the GPU, of the base model, unsalted.
+
+    The router names a request's blocks from its tokens alone, so a block computed with a LoRA adapter or a
+    cache salt could never match one of its requests, and a block offloaded to the CPU or a disk does not
+    save a prefill the way a block on the GPU does. Such events are heard (the wire carries them for the
+    routers that will use them) and set aside; a removal from another tier leaves the GPU's block alone.
+    """
+    if all(_plain(event) for event in events):
+        return events
+    return [event for event in events if _plain(event)]
+
+
+def _plain(event: KvEvent) -> bool:
+    if isinstance(event, BlockStored):
+        return event.medium in (None, "gpu") and event.lora_id is None and event.salt is None
+    if isinstance(event, BlockRemoved):
+        return event.medium in (None, "gpu")
+    return True
+
 
 #: A worker as routers see it: (instance id, dp rank).
 Worker = tuple[int, int]
@@ -120,6 +152,9 @@ class KvEventSubscriber:
         self._component_of: dict[int, tuple[str, str]] = {}  # instance -> its (namespace, component)
         self._components: dict[tuple[str, str], _Component] = {}
         self._syncing: set[Worker] = set()
+        # Batches heard while their worker's state is asked for, applied after the answer; workers to ask again.
+        self._held: dict[Worker, list[KvEventBatch]] = {}
+        self._resync: set[Worker] = set()
         # The asks for workers' caches: one that fails (a bug, not an unanswered ask) is logged and made again.
         self._syncs = Supervisor(on_fatal=lambda: None)
         self._supervisor = Supervisor(on_fatal=lambda: None)  # every task is restarted: none is fatal
@@ -193,6 +228,8 @@ class KvEventSubscriber:
                 self._supervisor.own(component.supervisor.close, name=f"closing {component.name}", restart=False)
         for worker in [worker for worker in self._last_event if worker[0] == instance_id]:
             del self._last_event[worker]
+        for worker in [worker for worker in self._held if worker[0] == instance_id]:
+            del self._held[worker]
 
     # -- what the subscriber hears ----------------------------------------------------------------
 
@@ -211,15 +248,27 @@ class KvEventSubscriber:
         worker = (batch.instance_id, batch.dp_rank)
         self._note_rank(worker)
         if batch.event_id == 0:
-            self._apply_state(worker, batch)
+            return  # a state answer comes as a reply to the router that asked, never on the events subject
+        if worker in self._syncing:
+            # Its state is on its way: a batch heard first may be newer than the answer (another subject,
+            # no order between them), so it is applied after the answer, on top, unless the answer covers it.
+            held = self._held.setdefault(worker, [])
+            if len(held) < MAX_HELD_BATCHES:
+                held.append(batch)
+            else:
+                self._resync.add(worker)  # what it said is lost: ask again once this answer is in
             return
+        self._take(worker, batch)
+
+    def _take(self, worker: Worker, batch: KvEventBatch) -> None:
+        """Apply ``batch`` of ``worker`` unless it is stale; a gap before it asks for the whole state."""
         last = self._last_event.get(worker)
         if last is not None and last != _BASELINE and batch.event_id <= last:
             self.stale_batches += 1  # a duplicate, or one overtaken by a whole-state answer
             if self._health is not None:
                 self._health.stale_batch()
             return
-        self._target.apply_events(worker, batch.events)
+        self._target.apply_events(worker, routable(batch.events))
         self._last_event[worker] = batch.event_id
         expected = 1 if last is None else last + 1
         if last != _BASELINE and batch.event_id != expected:
@@ -254,12 +303,21 @@ class KvEventSubscriber:
             self._ask_state(worker)
 
     def _apply_state(self, worker: Worker, batch: KvEventBatch) -> None:
-        self._target.replace_state(worker, batch.events)
+        """Replace what is known of ``worker`` with its state answer, then apply the batches held meanwhile
+        that the answer does not cover."""
+        self._target.replace_state(worker, routable(batch.events))
         self.state_syncs += 1
         if self._health is not None:
             self._health.state_sync()
-        # The answer covers everything up to now: the next batch, whatever its id, continues from it.
-        self._last_event[worker] = _BASELINE
+        held = sorted(self._held.pop(worker, []), key=lambda batch: batch.event_id)
+        if batch.covers_event_id is None:
+            # A publisher that does not say what its answer covers: the next batch, whatever its id, continues
+            # from it, and those heard meanwhile are taken as covered.
+            self._last_event[worker] = _BASELINE
+            return
+        self._last_event[worker] = batch.covers_event_id
+        for later in held:
+            self._take(worker, later)
 
     def _report_malformed(self, what: str) -> None:
         self._malformed.warning(f"the KV router ignored {what}")
@@ -269,7 +327,10 @@ class KvEventSubscriber:
     # -- asking a worker for its cache -----------------------------------------------------------
 
     def _ask_state(self, worker: Worker) -> None:
-        if self._closed or worker in self._syncing:
+        if self._closed:
+            return
+        if worker in self._syncing:
+            self._resync.add(worker)  # asked again while an ask is under way: once it is done
             return
         self._syncing.add(worker)
         self._syncs.own(
@@ -288,6 +349,12 @@ class KvEventSubscriber:
         finally:
             if not failed:
                 self._syncing.discard(worker)
+                # Unanswered: the batches held meanwhile are applied as they would have been without the ask.
+                for batch in sorted(self._held.pop(worker, []), key=lambda batch: batch.event_id):
+                    self._take(worker, batch)
+                if worker in self._resync:
+                    self._resync.discard(worker)
+                    self._ask_state(worker)
             self.changed.set()
 
     async def _ask_for_state(self, worker: Worker) -> None:
@@ -296,7 +363,6 @@ class KvEventSubscriber:
         component = self._components.get(self._component_of.get(instance_id, ("", "")))
         address = component.address if component is not None else self.address
         subject = address.kv_state_subject(instance_id)
-        payload = _encode(KvStateRequest(dp_rank=rank))
         why = "no answer"
         if component is not None and not component.home:
             # An answer that came before the events were heard would miss those in between.
@@ -305,11 +371,12 @@ class KvEventSubscriber:
             if instance_id not in self._instances:
                 return
             try:
-                reply = await self._nc.request(subject, payload, timeout=STATE_TIMEOUT_S)
-            except nats.errors.Error as exc:
+                answer = await self._request_state(worker, subject)
+            except (nats.errors.Error, TimeoutError) as exc:
                 why = type(exc).__name__
             else:
-                self._on_state(worker, reply.data)
+                if answer is not None and instance_id in self._instances:
+                    self._apply_state(worker, answer)
                 return
             if delay is not None:
                 await asyncio.sleep(delay)
@@ -318,17 +385,51 @@ class KvEventSubscriber:
             instance_id, rank, why,
         )  # fmt: skip
 
-    def _on_state(self, worker: Worker, data: bytes) -> None:
+    async def _request_state(self, worker: Worker, subject: str) -> KvEventBatch | None:
+        """``worker``'s whole state, its parts put together; None for a malformed answer (reported).
+
+        The first part is the request's reply (so that a worker not listening is known at once); the others
+        come to an inbox of this ask. Raises nats.errors.Error or TimeoutError when an answer is not whole
+        within STATE_TIMEOUT_S of its previous part.
+        """
+        inbox = self._nc.new_inbox()
+        parts_inbox = await self._nc.subscribe(inbox)
+        try:
+            payload = _encode(KvStateRequest(dp_rank=worker[1], parts_to=inbox))
+            reply = await self._nc.request(subject, payload, timeout=STATE_TIMEOUT_S)
+            first = self._state_part(worker, reply.data, None)
+            if first is None:
+                return None
+            parts = {first.part: first}
+            while len(parts) < first.parts:
+                message = await parts_inbox.next_msg(timeout=STATE_TIMEOUT_S)
+                part = self._state_part(worker, message.data, first)
+                if part is None:
+                    return None
+                parts[part.part] = part
+        finally:
+            with contextlib.suppress(Exception):
+                await parts_inbox.unsubscribe()
+        events = [event for index in range(first.parts) for event in parts[index].events]
+        return msgspec.structs.replace(first, events=events, part=0, parts=1)
+
+    def _state_part(self, worker: Worker, data: bytes, first: KvEventBatch | None) -> KvEventBatch | None:
+        """One part of ``worker``'s state answer, checked against the first part; None (reported) if it is
+        malformed or belongs to another answer."""
         try:
             batch = _decode_batch(data)
         except msgspec.DecodeError as exc:
             self._report_malformed(f"a malformed KV state answer from {worker[0]:x}: {exc}")
-            return
-        if (batch.instance_id, batch.dp_rank) != worker:
+            return None
+        if (batch.instance_id, batch.dp_rank) != worker or batch.event_id != 0:
             self._report_malformed(f"a KV state answer for {batch.instance_id:x} rank {batch.dp_rank}, not {worker}")
-            return
-        if worker[0] in self._instances:
-            self._apply_state(worker, batch)
+            return None
+        if not 0 <= batch.part < batch.parts <= MAX_STATE_PARTS or (
+            first is not None and (batch.parts, batch.covers_event_id) != (first.parts, first.covers_event_id)
+        ):
+            self._report_malformed(f"a KV state answer from {worker[0]:x} with part {batch.part} of {batch.parts}")
+            return None
+        return batch
 
     # -- listening ---------------------------------------------------------------------------------
 

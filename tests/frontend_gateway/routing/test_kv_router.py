@@ -159,7 +159,7 @@ async def test_a_joining_instance_is_asked_for_its_whole_cache(make_router: Any,
     router = await make_router(instances=(A,))
     router.instance_added(B)
     await until(router, lambda: blocks_of(router, B) == 7)
-    assert asked == [KvStateRequest(dp_rank=0)]
+    assert [ask.dp_rank for ask in asked] == [0]
     assert choose(router).instance == B
 
 
@@ -339,17 +339,17 @@ async def test_an_ask_for_a_cache_that_dies_is_logged_and_made_again(
     await publisher.subscribe(ADDRESS.kv_state_subject(B.instance_id), cb=answer)
     await flush(publisher)
     router = await make_router(instances=(A,))
-    on_state = router.subscriber._on_state
+    apply_state = router.subscriber._apply_state
     deaths = 0
 
-    def dying_once(worker: Any, data: bytes) -> None:
+    def dying_once(worker: Any, batch: KvEventBatch) -> None:
         nonlocal deaths
         if deaths == 0:
             deaths += 1
             raise RuntimeError("a bug while applying the answer")
-        on_state(worker, data)
+        apply_state(worker, batch)
 
-    router.subscriber._on_state = dying_once
+    router.subscriber._apply_state = dying_once
     with caplog.at_level(logging.ERROR, logger="runtime.supervision"):
         router.instance_added(B)
         await until(router, lambda: blocks_of(router, B) == 6)
