@@ -245,7 +245,9 @@ class ModelWatcher:
                 "later generation; they are ignored (the newest generation wins, then the first instance's): %s",
                 entry.instance_id, name, details,
             )  # fmt: skip
-        instance = InstanceInfo(entry.instance_id, entry.subject, endpoint_of_model_key(key), entry.embed_subject)
+        instance = InstanceInfo(
+            entry.instance_id, entry.subject, endpoint_of_model_key(key), entry.embed_subject, entry.kv_events
+        )
         pool.instances.add(instance)
         pool.router.instance_added(instance)
         self._pooled[key] = entry

@@ -100,6 +100,9 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     router: PipelineRouter | None = None
     #: Where the instance embeds text (``EmbedRequest``), if its engine does: None, it does not.
     embed_subject: str | None = None
+    #: Whether its engine publishes KV events (runtime/kv_publisher.py). KV routers predict the cache of an
+    #: instance that does not from their own decisions. (True when a registration does not say: older workers.)
+    kv_events: bool = True
 
 
 class Namespace:
@@ -132,6 +135,8 @@ class Endpoint:
         self.address = address
         self.subject = address.subject(runtime.instance_id)
         self._server: EndpointServer | None = None
+        #: Whether this endpoint publishes its engine's KV events: known once it serves.
+        self.publishes_kv_events: bool | None = None
         #: Once served: its KV event publisher (an engine that reports its cache), and its load reports.
         self.kv_publisher: KvEventPublisher | None = None
         self.load_reports: LoadReports | None = None
@@ -151,6 +156,7 @@ class Endpoint:
         """
         runtime = self.runtime
         load_reports: LoadReports | None = None
+        self.publishes_kv_events = kv_source is not None
         if kv_source is not None:
             self.kv_publisher = await start_kv_publishing(runtime, self.address, kv_source)
             load_reports = engine_load(runtime.instance_id, kv_source)
@@ -292,6 +298,8 @@ async def register_model(
         user_data=user_data,
         router=router,
         embed_subject=embed_subject,
+        # Registered before serving, it is not known yet: routers take it that events come, as they did.
+        kv_events=endpoint.publishes_kv_events is not False,
     )
     await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
     log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)

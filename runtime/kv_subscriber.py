@@ -147,6 +147,7 @@ class KvEventSubscriber:
         self._target = target
         self._health = health
         self._instances: set[int] = set()  # in the pool: only their events and reports count
+        self._silent: set[int] = set()  # in the pool, and their engines publish no KV events: never asked
         self._ranks: dict[int, tuple[int, ...]] = {}  # instance -> dp ranks seen (0 until others show up)
         self._last_event: dict[Worker, int] = {}
         self._component_of: dict[int, tuple[str, str]] = {}  # instance -> its (namespace, component)
@@ -200,10 +201,13 @@ class KvEventSubscriber:
             await component.supervisor.close()
         await self._supervisor.close()
 
-    def instance_added(self, instance_id: int, address: EndpointAddress | None) -> None:
-        """Count ``instance_id`` (serving ``address``; None: the pool's first) in, and ask it for its cache."""
+    def instance_added(self, instance_id: int, address: EndpointAddress | None, *, kv_events: bool = True) -> None:
+        """Count ``instance_id`` (serving ``address``; None: the pool's first) in, and ask it for its cache
+        unless its registration says its engine publishes no KV events (its load reports are still heard)."""
         if instance_id in self._instances:
             return
+        if not kv_events:
+            self._silent.add(instance_id)
         address = address or self.address
         key = (address.namespace, address.component)
         component = self._components.get(key) or self._listen(address, home=False)
@@ -211,12 +215,13 @@ class KvEventSubscriber:
         self._component_of[instance_id] = key
         self._instances.add(instance_id)
         self._ranks.setdefault(instance_id, (0,))
-        if self.use_kv_events:
+        if self.use_kv_events and kv_events:
             self._ask_state((instance_id, 0))
 
     def instance_removed(self, instance_id: int) -> None:
         """Forget ``instance_id``: its ranks and event ids; its late events and reports will be ignored."""
         self._instances.discard(instance_id)
+        self._silent.discard(instance_id)
         self._ranks.pop(instance_id, None)
         key = self._component_of.pop(instance_id, None)
         component = self._components.get(key) if key is not None else None
@@ -299,7 +304,7 @@ class KvEventSubscriber:
         if rank in ranks:
             return
         self._ranks[instance_id] = tuple(sorted((*ranks, rank)))
-        if self.use_kv_events:
+        if self.use_kv_events and instance_id not in self._silent:
             self._ask_state(worker)
 
     def _apply_state(self, worker: Worker, batch: KvEventBatch) -> None:

@@ -10,7 +10,9 @@ instances serve, kept whole there (gaps and stale batches detected, workers aske
 when they join or when batches were lost, malformed messages reported). The subscriber hands the
 router only what to apply: events and whole-cache states to the index, load reports to the load. With
 ``use_kv_events`` off, no events are read: the index predicts the caches from the router's own
-decisions (kv_indexer.PredictedKvIndexer), and only load reports are heard.
+decisions (kv_indexer.PredictedKvIndexer), and only load reports are heard. With it on, an instance whose
+registration says its engine publishes no events (llama.cpp, the echo engines) has its cache predicted
+so, beside the others' real ones, rather than being routed on load alone.
 
 Given a ``RoutingHealth`` (routing/health.py; the gateway's Prometheus counters), the subscriber tells
 it of every repair it made, and the router, for each decision, of the chosen worker's overlap and the
@@ -18,6 +20,7 @@ spread of the candidates' costs.
 """
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -36,6 +39,8 @@ from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import KvEvent, WorkerLoad
 from runtime.kv_subscriber import KvEventSubscriber
 from runtime.protocol import PreprocessedRequest, TextRequest
+
+log = logging.getLogger(__name__)
 
 #: The longest answer a request is expected to write, for the blocks it will hold: ``max_tokens`` is an
 #: upper bound, and a client that leaves it out gets the whole context left, which few answers fill.
@@ -62,13 +67,13 @@ class KvRouter:
         self.block_size = block_size
         self.address = address
         self._rng = random.Random(settings.seed)
-        self.indexer: KvIndexer | PredictedKvIndexer
-        if settings.use_kv_events:
-            self.indexer = KvIndexer()
-        else:
-            self.indexer = PredictedKvIndexer(
-                ttl_s=settings.predicted_ttl_s, max_blocks=settings.predicted_max_blocks, clock=clock
-            )
+        # The caches predicted from this router's decisions: every worker's with use_kv_events off, else
+        # those of the instances whose engines publish no events (their registrations say so).
+        self.predicted = PredictedKvIndexer(
+            ttl_s=settings.predicted_ttl_s, max_blocks=settings.predicted_max_blocks, clock=clock
+        )
+        self.indexer: KvIndexer | PredictedKvIndexer = KvIndexer() if settings.use_kv_events else self.predicted
+        self._predicting: set[int] = set()  # instances without events, in a pool routed on events
         self.load = ActiveLoad(clock=clock)
         self.subscriber = KvEventSubscriber(nc, address, self, use_kv_events=settings.use_kv_events, health=health)
         self._health = health
@@ -76,7 +81,7 @@ class KvRouter:
         self._ranks: Mapping[int, tuple[int, ...]] = self.subscriber.ranks
         # The pool's routers in other ingress processes: their decisions load this one's workers too.
         self.replica_sync = ReplicaSync(
-            nc=nc, address=address, block_size=block_size, load=self.load, indexer=self.indexer,
+            nc=nc, address=address, block_size=block_size, load=self.load, indexer=self.predicted,
             in_pool=self._ranks.__contains__, enabled=settings.replica_sync, on_message=self.changed.set, clock=clock,
         )  # fmt: skip
 
@@ -116,6 +121,10 @@ class KvRouter:
             prompt_tokens = len(request.token_ids)
             hashes = sequence_block_hashes(request.token_ids, self.block_size)
             matches = self.indexer.find_matches(hashes)
+            if self._predicting:
+                for worker, blocks in self.predicted.find_matches(hashes).items():
+                    if worker[0] in self._predicting:
+                        matches[worker] = blocks
             # Its last partial block and its answer's blocks are its own wherever it goes.
             answer = min(request.stop_conditions.max_tokens, EXPECTED_ANSWER_CAP_TOKENS)
             own_blocks = math.ceil((prompt_tokens % self.block_size + answer) / self.block_size)
@@ -153,8 +162,8 @@ class KvRouter:
         load.started(
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
         )
-        if isinstance(self.indexer, PredictedKvIndexer) and hashes:
-            self.indexer.record(worker, hashes)
+        if hashes and (self.indexer is self.predicted or worker[0] in self._predicting):
+            self.predicted.record(worker, hashes)
         self.replica_sync.routed(
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
         )
@@ -181,13 +190,23 @@ class KvRouter:
         )
 
     def instance_added(self, instance: InstanceInfo) -> None:
-        """Count ``instance`` in: its component is listened to, and it is asked for its cache (events mode)."""
-        self.subscriber.instance_added(instance.instance_id, instance.address)
+        """Count ``instance`` in: its component is listened to, and it is asked for its cache (events mode);
+        one whose engine publishes no events has its cache predicted from this router's decisions."""
+        if self.settings.use_kv_events and not instance.kv_events and instance.instance_id not in self._predicting:
+            self._predicting.add(instance.instance_id)
+            log.info(
+                "instance %s of %s publishes no KV events: its cache is predicted from this router's decisions",
+                instance.name, self.address,
+            )  # fmt: skip
+        self.subscriber.instance_added(instance.instance_id, instance.address, kv_events=instance.kv_events)
 
     def instance_removed(self, instance_id: int) -> None:
         """Forget ``instance_id``: its blocks, its load, its ranks; its late events will be ignored."""
         self.subscriber.instance_removed(instance_id)
         self.indexer.remove_instance(instance_id)
+        if instance_id in self._predicting:
+            self._predicting.discard(instance_id)
+            self.predicted.remove_instance(instance_id)
         self.load.remove_instance(instance_id)
 
     # -- what the subscriber hands over (runtime/kv_subscriber.py KvEventTarget) -------------------

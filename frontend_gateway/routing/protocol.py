@@ -44,6 +44,9 @@ class InstanceInfo:
     address: EndpointAddress | None = None
     #: Where the instance embeds text, if its engine does (``ModelEntry.embed_subject``).
     embed_subject: str | None = None
+    #: Whether its engine publishes KV events (``ModelEntry.kv_events``); a KV router predicts the cache of
+    #: one that does not from its own decisions.
+    kv_events: bool = True
 
     @property
     def name(self) -> str:
