@@ -21,6 +21,7 @@ from runtime.fleet_tasks import StartInstance
 ENGINE_FLAGS = (
     "--context-length",
     "--threads",
+    "--parallel",
     # Inline JSON only: a path would make the worker read a file the task chose.
     "--extra-engine-args",
 )

@@ -1,52 +1,56 @@
 """The llama.cpp engine (llama-cpp-python), the default: GGUF models on the CPU.
 
-One ``Llama`` context serves one request at a time, so requests queue on a FIFO lock and run on one
-worker thread; tokens cross back to the event loop with ``call_soon_threadsafe``. The context keeps
-its KV cache between requests and only the part of a new prompt that differs from the cached one is
-evaluated, so a shared prefix (a system prompt, a conversation) is reused.
+One llama.cpp context serves up to ``parallel`` requests at once, as ``llama-server``'s slots do: each
+request is a sequence of the context, and one engine thread decodes the next token of every sequence
+(and prompt chunks of new ones) in one batch per step (``engines/llamacpp_batch.py``); tokens cross back
+to the event loop with ``call_soon_threadsafe``. Each slot keeps its KV cache between requests, and a
+new request goes to the slot whose cached tokens share the longest prefix with its prompt: only the rest
+is evaluated, so a shared prefix (a system prompt, a conversation) is reused.
 
-Exact migration. llama.cpp's CPU kernels round a token's KV entry differently when the token is
-decoded alone than when it is decoded in a batch of two or more (the size of the batch does not
-matter), and its repeat/frequency/presence penalties look only at tokens its sampler produced. A
-stream migrated from a dead worker arrives as prompt + generated tokens (``migrated_tokens`` of
-them); decoded as one batch and unknown to the penalties, its greedy continuation drifted from the
-undisturbed run's (SmolLM2 Q4_1, 5 prompts x 4 cut points: 15 of 19 diverged; the batch decoding
-alone: 6 of 20). So the migrated tokens enter the penalty window, and at temperature 0 they are
-decoded one at a time, as where they were generated; the prompt is never decoded with a lone token
-(a fully cached prompt has its last two decoded again), so that a prompt is decoded the same way
-whatever the cache held. Measured: every resumed greedy run equals the undisturbed one, also
-across thread counts.
+Exact migration. llama.cpp's CPU kernels round a token's attention differently when the token is
+decoded alone (one token of its sequence in the micro-batch) than in a batch of two or more (how many
+does not matter), and its repeat/frequency/presence penalties look only at tokens its sampler
+produced. A stream migrated from a dead worker arrives as prompt + generated tokens
+(``migrated_tokens`` of them); decoded as one chunk and unknown to the penalties, its greedy
+continuation drifted from the undisturbed run's (SmolLM2 Q4_1, 5 prompts x 4 cut points: 15 of 19
+diverged; the chunk decoding alone: 6 of 20). So the migrated tokens enter the penalty window, and at
+temperature 0 they are decoded one a step, as where they were generated; the prompt is never decoded
+with a lone token (a fully cached prompt has its last two decoded again), so that a prompt is decoded
+the same way whatever the cache held. Each slot has its own KV stream, so a sequence is decoded the
+same way whatever the other slots run (``engines/llamacpp_batch.py``). Measured: every resumed greedy
+run equals the undisturbed one, also across thread counts, and a greedy answer among others equals
+the answer alone.
 
 What stays inexact: with temperature > 0 the random generator starts afresh after a migration (a
-different sample, so the migrated tokens are decoded as one batch there, which is faster); a
+different sample, so the migrated tokens are decoded as one chunk there, which is faster); a
 cached prefix that this worker *generated* (the previous answer in a conversation) was decoded
-token by token, while a worker without it decodes it as a batch: the next turn's answer (or its
+token by token, while a worker without it decodes it as a chunk: the next turn's answer (or its
 migration) may round its way to a different greedy token there; and builds or CPUs that round
 differently differ.
-Decoding one at a time costs time: resuming greedily after 400 tokens took ~5 s instead of ~2 s (2
-shared cores, 2 threads); a conversation's cached turns are reused as before (first token ~0.08 s).
 """
 
 import asyncio
-import concurrent.futures
-import contextlib
-import functools
+import importlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from engines.llamacpp_batch import END, BatchScheduler, SequenceJob
+from engines.llamacpp_sampling import json_schema_grammar
 from runtime.engine import RequestContext
-from runtime.errors import EngineError, ModelError, RequestRejected
-from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, TokenLogprob
+from runtime.errors import EngineError, ModelError
+from runtime.protocol import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
-# llama.cpp's own defaults (those of llama_cpp.server), used where the request leaves a field unset.
-_DEFAULTS = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1}
-_END = object()
+#: Requests decoded together by default (llama-server's -np); more wait for a free slot.
+DEFAULT_PARALLEL = 4
+#: The longest prompt chunk a step decodes: a long prompt is read over several steps, between which the
+#: running requests get their next token.
+PROMPT_CHUNK = 256
 
 
 def default_threads() -> int:
@@ -54,25 +58,32 @@ def default_threads() -> int:
 
 
 class LlamaCppEngine:
-    """Token engine backed by llama-cpp-python. ``start()`` loads the model."""
+    """Token engine backed by llama-cpp-python. ``start()`` loads the model.
+
+    ``parallel`` requests are decoded together (slots), each up to ``context_length`` tokens.
+    """
 
     kind: Literal["token"] = "token"
     skip_special_tokens = True
 
-    def __init__(self, model_path: Path, *, context_length: int, threads: int | None = None) -> None:
+    def __init__(
+        self, model_path: Path, *, context_length: int, threads: int | None = None, parallel: int = DEFAULT_PARALLEL
+    ) -> None:
         if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
             raise ModelError(
                 f"out=llamacpp needs a GGUF file, and {model_path} is not one; "
                 "pass a .gguf path (or a Hugging Face repo with a GGUF file)"
             )
+        if parallel < 1:
+            raise ModelError(f"out=llamacpp needs at least one slot (--parallel), not {parallel}")
         self.model_path = model_path
         self.context_length = context_length
         self.threads = threads or default_threads()
-        self._llama: Any = None
+        self.parallel = parallel
+        self._model: Any = None  # llama_cpp._internals.LlamaModel
+        self._ctx: Any = None  # its context, one sequence per slot
+        self._scheduler: BatchScheduler | None = None
         self._embedder: Any = None  # an embedding-mode context, made by the first embed()
-        # One thread owns the llama.cpp context; the lock queues requests in arrival order.
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
-        self._lock = asyncio.Lock()
 
     async def start(self) -> None:
         try:
@@ -82,49 +93,76 @@ class LlamaCppEngine:
                 "out=llamacpp needs llama-cpp-python; install it with `make install` "
                 "(it is built from source with portable CPU flags)"
             ) from exc
-        loop = asyncio.get_running_loop()
-
-        def load() -> Any:
-            return llama_cpp.Llama(
-                model_path=str(self.model_path),
-                n_ctx=self.context_length,
-                n_threads=self.threads,
-                n_threads_batch=self.threads,
-                verbose=False,
-            )
-
         try:
-            self._llama = await loop.run_in_executor(self._executor, load)
+            self._model, self._ctx = await asyncio.to_thread(self._load, llama_cpp)
         except (ValueError, RuntimeError) as exc:
             raise ModelError(f"llama.cpp could not load {self.model_path}: {exc}") from exc
+        self._scheduler = BatchScheduler(
+            self._model, self._ctx, n_seq=self.parallel, n_batch=PROMPT_CHUNK, plan=plan_prefill
+        )
         log.info(
-            "llama.cpp loaded %s (context %d, %d threads)",
+            "llama.cpp loaded %s (context %d, %d slots, %d threads)",
             self.model_path.name,
             self.context_length,
+            self.parallel,
             self.threads,
         )
 
+    def _load(self, llama_cpp: Any) -> tuple[Any, Any]:
+        # Typed loosely: llama-cpp-python's wrappers have no annotations.
+        _internals: Any = importlib.import_module("llama_cpp._internals")
+
+        llama_cpp.llama_backend_init()
+        model = _internals.LlamaModel(
+            path_model=str(self.model_path), params=llama_cpp.llama_model_default_params(), verbose=False
+        )
+        params = llama_cpp.llama_context_default_params()
+        # A KV stream of context_length cells per slot (not unified: see engines/llamacpp_batch.py).
+        params.n_ctx = self.context_length * self.parallel
+        params.n_seq_max = self.parallel
+        params.kv_unified = False
+        params.n_batch = params.n_ubatch = max(PROMPT_CHUNK, self.parallel)
+        params.n_threads = params.n_threads_batch = self.threads
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        try:
+            ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
+        except BaseException:
+            model.close()
+            raise
+        return model, ctx
+
     async def close(self) -> None:
-        llama, self._llama = self._llama, None
-        embedder, self._embedder = self._embedder, None
-        loop = asyncio.get_running_loop()
-        for context in (llama, embedder):
-            if context is not None:
-                await loop.run_in_executor(self._executor, context.close)
-        self._executor.shutdown(wait=False)
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            embedder, self._embedder = self._embedder, None
+            if embedder is not None:
+                await asyncio.wrap_future(scheduler.call(embedder.close))
+            await asyncio.to_thread(scheduler.close)
+        ctx, self._ctx = self._ctx, None
+        model, self._model = self._model, None
+        if ctx is not None:
+            ctx.close()
+        if model is not None:
+            model.close()
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as the model's token ids, special tokens parsed (for tests and benchmarks)."""
+        if self._model is None:
+            raise EngineError("the llama.cpp engine is not started")
+        tokens: list[int] = self._model.tokenize(text.encode(), add_bos=False, special=True)
+        return tokens
 
     async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
         """Mean-pooled, unit-length embeddings of ``texts``, and how many tokens they took.
 
         A second llama.cpp context, in embedding mode, is made at the first request (the weights are
-        memory-mapped, so the two share them); it runs on the engine's one thread, between generations.
+        memory-mapped, so the two share them); it runs on the engine's one thread, between two steps.
         Raises EngineError.
         """
-        if self._llama is None:
+        if self._scheduler is None:
             raise EngineError("the llama.cpp engine is not started")
-        loop = asyncio.get_running_loop()
         try:
-            vectors, tokens = await loop.run_in_executor(self._executor, self._embed_blocking, texts)
+            vectors, tokens = await asyncio.wrap_future(self._scheduler.call(lambda: self._embed_blocking(texts)))
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"llama.cpp could not embed: {exc}") from exc
         return vectors, tokens
@@ -146,7 +184,8 @@ class LlamaCppEngine:
         return vectors, tokens
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
-        if self._llama is None:
+        scheduler = self._scheduler
+        if scheduler is None:
             raise EngineError("the llama.cpp engine is not started")
         if len(request.token_ids) + request.stop_conditions.max_tokens > self.context_length:
             raise EngineError("the prompt plus max_tokens does not fit the llama.cpp context")
@@ -154,156 +193,32 @@ class LlamaCppEngine:
         grammar = (
             await loop.run_in_executor(None, json_schema_grammar, request.json_schema) if request.json_schema else None
         )
+        if context.stopped:
+            return
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        async with self._lock:
-            if context.stopped:
-                return
 
-            def emit(item: Any) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+        def emit(item: object) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
-            job = loop.run_in_executor(self._executor, self._run, request, context, emit, grammar)
-            try:
-                while True:
-                    item = await queue.get()
-                    if item is _END:
-                        break
-                    yield item
-                await job  # re-raises what the thread raised
-            finally:
-                # Reached on normal end, on a stop string / disconnect (aclose), or on cancellation:
-                # tell the thread to stop, and keep the lock until it has let go of the context.
-                context.stop()
-                if not job.done():
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(job)
-
-    def _run(
-        self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None], grammar: Any
-    ) -> None:
-        """Generate on the worker thread, emitting EngineOutput items and then _END."""
+        scheduler.submit(SequenceJob(request, context, emit, grammar))
         try:
-            self._generate_blocking(request, context, emit, grammar)
-        except Exception as exc:
-            log.exception("llama.cpp failed on request %s", request.request_id)
-            emit(EngineOutput([], "error"))
-            raise EngineError(f"llama.cpp failed: {exc}") from exc
+            while True:
+                item = await queue.get()
+                if item is END:
+                    break
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
         finally:
-            emit(_END)
+            # Reached on normal end, on a stop string / disconnect (aclose), or on cancellation: the
+            # engine thread drops the request at its next step, and its slot is free at once.
+            context.stop()
+            scheduler.wake()
 
-    def _generate_blocking(
-        self, request: PreprocessedRequest, context: RequestContext, emit: Callable[[Any], None], grammar: Any
-    ) -> None:
-        llama = self._llama
-        stop = request.stop_conditions
-        eos_ids = set(request.eos_token_ids)
-        eos_ids.add(llama.token_eos())
-        kwargs = _sampling_kwargs(request.sampling)
-        if request.sampling.seed is not None:
-            llama.set_seed(request.sampling.seed)
-        if stop.min_tokens > 0 and not stop.ignore_eos:
-            kwargs["logits_processor"] = _suppress_tokens_until(eos_ids, stop.min_tokens, len(request.token_ids))
-        # llama-cpp-python 0.3's own sampler chain (penalties, then greedy or top-k/p + dist); its
-        # ``generate`` would hide the chain, and the migrated tokens must enter its penalty window.
-        # The grammar (structured output) masks every token that would break the JSON schema; once the
-        # JSON is complete it allows only end-of-generation tokens, so the answer ends there.
-        sampler = llama._init_sampler(**kwargs, grammar=grammar)
-        try:
-            migrated = request.token_ids[len(request.token_ids) - request.migrated_tokens :]
-            for token in migrated:
-                sampler.accept(token)
-            # Only greedy decoding can continue exactly; a sampled continuation gains nothing from
-            # the slower one-at-a-time decoding.
-            one_at_a_time = request.migrated_tokens if kwargs["temp"] == 0 else 0
-            cached = self._prefill(request.token_ids, one_at_a_time)
-            self._sample_loop(sampler, request, context, eos_ids, emit, cached)
-        finally:
-            sampler.close()
-
-    def _prefill(self, token_ids: list[int], one_at_a_time: int) -> int:
-        """Bring the context to ``token_ids``, decoding the last ``one_at_a_time`` of them singly.
-
-        Returns how many of them were already in the context (the reused prefix).
-        """
-        llama = self._llama
-        plan = plan_prefill(llama.input_ids[: llama.n_tokens].tolist(), token_ids, one_at_a_time, llama.n_batch)
-        if plan.reuse > 0 and not llama._ctx.kv_cache_seq_rm(-1, plan.reuse, -1):
-            # A context that cannot drop a suffix (recurrent models) starts afresh.
-            plan = plan_prefill([], token_ids, one_at_a_time, llama.n_batch)
-        if plan.reuse == 0:
-            llama.reset()
-        else:
-            llama.n_tokens = plan.reuse
-        position = llama.n_tokens
-        for size in plan.batches:
-            llama.eval(token_ids[position : position + size])
-            position += size
-        for token in token_ids[position:]:
-            llama.eval([token])
-        return plan.reuse
-
-    def _sample_loop(
-        self,
-        sampler: Any,
-        request: PreprocessedRequest,
-        context: RequestContext,
-        eos_ids: set[int],
-        emit: Callable[[Any], None],
-        cached_tokens: int,
-    ) -> None:
-        llama = self._llama
-        stop = request.stop_conditions
-        generated = 0
-        cached: int | None = cached_tokens  # told once, on the first output
-        while True:
-            if context.stopped:
-                return
-            token = sampler.sample(llama._ctx, -1)  # also accepts the token into the penalty window
-            if token in eos_ids and not stop.ignore_eos:
-                emit(EngineOutput([], "stop", cached))
-                return
-            generated += 1
-            logprobs = None if request.logprobs is None else [token_logprob(llama, token, request.logprobs)]
-            if generated >= stop.max_tokens:
-                emit(EngineOutput([token], "length", cached, logprobs))
-                return
-            emit(EngineOutput([token], None, cached, logprobs))
-            cached = None
-            llama.eval([token])
-
-
-def token_logprob(llama: Any, token: int, top: int) -> TokenLogprob:
-    """``token``'s log probability under the model's own distribution at the last decoded position
-    (before temperature, penalties or a grammar, as vLLM and OpenAI report it), and the ``top``
-    likeliest tokens there. Costs ~0.3 ms for SmolLM2's 49k-token vocabulary."""
-    import numpy as np
-
-    logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),))
-    peak = float(logits.max())
-    log_total = peak + float(np.log(np.exp(logits - peak).sum()))
-    likeliest: list[tuple[int, float]] = []
-    if top > 0:
-        ids = np.argpartition(logits, -top)[-top:]
-        ids = ids[np.argsort(-logits[ids], kind="stable")]
-        likeliest = [(int(i), float(logits[i]) - log_total) for i in ids]
-    return TokenLogprob(float(logits[token]) - log_total, likeliest)
-
-
-@functools.lru_cache(maxsize=64)
-def json_schema_grammar(schema: str) -> Any:
-    """llama.cpp's grammar for a JSON schema (JSON text), kept for the next request with the same schema.
-
-    Raises RequestRejected when llama.cpp's converter cannot express the schema (it supports most of
-    JSON Schema, not all: e.g. ``{"type": "bogus"}`` or a ``$ref`` to another document).
-    """
-    from llama_cpp.llama_grammar import LlamaGrammar
-
-    try:
-        return LlamaGrammar.from_json_schema(schema, verbose=False)
-    except Exception as exc:  # the converter raises assertions, ValueErrors, KeyErrors...
-        raise RequestRejected(
-            f"llama.cpp cannot turn this JSON schema into a grammar: {type(exc).__name__}: {exc}"
-        ) from exc
+    @property
+    def decoded_rows(self) -> int:
+        """Token rows decoded so far (prompt chunks and generated tokens; for tests)."""
+        return 0 if self._scheduler is None else self._scheduler.decoded_rows
 
 
 @dataclass(frozen=True)
@@ -341,32 +256,3 @@ def plan_prefill(cached: Sequence[int], token_ids: Sequence[int], one_at_a_time:
     if len(batches) > 1 and batches[-1] == 1:
         batches[-2:] = [batches[-2] - 1, 2]
     return PrefillPlan(reuse, batches)
-
-
-def _sampling_kwargs(sampling: SamplingOptions) -> dict[str, Any]:
-    def pick(value: float | int | None, default: float | int) -> float | int:
-        return default if value is None else value
-
-    top_k = sampling.top_k
-    return {
-        "temp": pick(sampling.temperature, _DEFAULTS["temperature"]),
-        "top_p": pick(sampling.top_p, _DEFAULTS["top_p"]),
-        # OpenAI-style -1 (and 0) mean "no top-k"; llama.cpp spells that 0.
-        "top_k": _DEFAULTS["top_k"] if top_k is None else max(top_k, 0),
-        "min_p": pick(sampling.min_p, _DEFAULTS["min_p"]),
-        "repeat_penalty": pick(sampling.repetition_penalty, _DEFAULTS["repeat_penalty"]),
-        "frequency_penalty": pick(sampling.frequency_penalty, 0.0),
-        "presence_penalty": pick(sampling.presence_penalty, 0.0),
-    }
-
-
-def _suppress_tokens_until(token_ids: set[int], min_tokens: int, prompt_length: int) -> list[Callable[..., Any]]:
-    """A llama.cpp logits processor that forbids ``token_ids`` (EOS) until min_tokens are generated."""
-    ids = sorted(token_ids)
-
-    def processor(input_ids: Any, scores: Any) -> Any:
-        if len(input_ids) - prompt_length < min_tokens:
-            scores[ids] = float("-inf")
-        return scores
-
-    return [processor]

@@ -287,6 +287,14 @@ def build_run_parser() -> EnvArgumentParser:
         help="CPU threads for llama.cpp and mistral.rs (default: all cores)",
     )
     run.add_flag(
+        "--parallel",
+        env="FLOTILLA_PARALLEL",
+        type=_positive_int,
+        default=4,
+        help="out=llamacpp: requests decoded together in one context (slots, as llama-server's -np); "
+        "more wait for a free slot. Each slot holds up to --context-length tokens (default 4)",
+    )
+    run.add_flag(
         "--extra-engine-args",
         env="FLOTILLA_EXTRA_ENGINE_ARGS",
         type=_file_or_json,
@@ -529,6 +537,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         http_port=namespace.http_port,
         max_body_bytes=namespace.max_body_bytes,
         threads=namespace.threads,
+        parallel=namespace.parallel,
         batch_concurrency=namespace.batch_concurrency,
         max_tokens=namespace.max_tokens,
         temperature=namespace.temperature,

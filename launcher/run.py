@@ -64,7 +64,9 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         # Structured output by llama.cpp's grammars; log probabilities from its logits; embeddings from
         # a second context in embedding mode.
         card = msgspec.structs.replace(card, structured_output=True, logprobs=True, embeddings=True)
-        llama = LlamaCppEngine(path, context_length=card.context_length, threads=options.threads)
+        llama = LlamaCppEngine(
+            path, context_length=card.context_length, threads=options.threads, parallel=options.parallel
+        )
         return TokenModel(card, llama), llama
     if output == "mistralrs":
         return build_mistralrs_model(options)
