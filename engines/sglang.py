@@ -1,0 +1,289 @@
+"""The SGLang engine (``sglang.Engine``, in the worker process): token ids in, token ids out, on GPUs.
+
+SGLang runs with ``skip_tokenizer_init=True``: Flotilla's preprocessor templates and tokenizes, the
+request goes in as ``input_ids`` and the stream comes back as ``output_ids``, so routing, migration,
+stop strings and usage behave as for every token engine. ``async_generate(..., stream=True)`` yields
+dicts ``{"output_ids": [...], "meta_info": {"id", "finish_reason", "completion_tokens",
+"cached_tokens", ...}}``; whether ``output_ids`` holds the whole output so far or only the new tokens
+depends on SGLang's ``incremental_streaming_output``, so the new tokens are the last
+``completion_tokens - already sent`` of them, which is right either way.
+
+Cancellation: when the consumer stops (a stop string, a client gone, ``context.stop()``), the request
+is aborted in SGLang (``abort_request(rid)``), which frees its KV cache.
+
+The GPU share: SGLang's ``mem_fraction_static`` (weights and KV pool) is the memory share the control
+plane placed the worker by (``--gpu-memory-utilization``); ``--tensor-parallel-size`` is ``tp_size``,
+``--base-gpu-id`` ``base_gpu_id``, ``--context-length`` ``context_length``. Other ServerArgs come from
+``--extra-engine-args`` (JSON), checked against the names in ``SERVER_ARGS`` below.
+
+KV events: SGLang publishes them over ZMQ (``kv_events_config``); the worker subscribes and renames the
+blocks as Flotilla's router does (engines/sglang_kv_events.py, engines/engine_block_names.py). The block
+size is SGLang's ``page_size``: Flotilla sets 16 where the extra arguments do not say (SGLang's own
+default, 1, would name every token as a block).
+"""
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from engines.engine_block_names import EngineBlockNames
+from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
+from engines.sglang_kv_events import ZmqSubscriber, translate_batch
+from runtime.engine import RequestContext
+from runtime.errors import EngineError, ModelError
+from runtime.kv_events import BlockStored, KvEventSink, WorkerLoad
+from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest
+
+log = logging.getLogger(__name__)
+
+#: The one line a node without the package prints (exit 2).
+MISSING_PACKAGE = "out=sglang needs the sglang package (and a CUDA GPU): pip install 'flotilla[sglang]'"
+
+#: Where SERVER_ARGS were read, since SGLang does not import where the arguments are checked.
+SERVER_ARGS_READ_FROM = "SGLang's ServerArgs (python/sglang/srt/server_args.py, sgl-project/sglang commit 001067ff)"
+#: The ServerArgs fields a worker may set in --extra-engine-args: those of the sections a serving worker
+#: tunes (model, quantization, memory and scheduling, parallelism, kernels, LoRA, speculative decoding,
+#: hierarchical cache, logging). Those Flotilla sets itself are in SET_BY_FLOTILLA.
+SERVER_ARGS = frozenset(
+    {
+        # model and tokenizer
+        "tokenizer_path", "tokenizer_mode", "load_format", "model_loader_extra_config", "trust_remote_code",
+        "is_embedding", "revision", "model_impl", "json_model_override_args", "served_model_name",
+        "download_dir",
+        # quantization and data type
+        "dtype", "quantization", "quantization_param_path", "kv_cache_dtype", "enable_fp32_lm_head",
+        "modelopt_quant", "enable_tf32_matmul",
+        # memory and scheduling
+        "max_running_requests", "max_queued_requests", "max_total_tokens", "chunked_prefill_size",
+        "max_prefill_tokens", "prefill_max_requests", "schedule_policy", "enable_priority_scheduling",
+        "schedule_conservativeness", "page_size", "cpu_offload_gb", "enable_mixed_chunk",
+        "num_continuous_decode_steps", "retraction_policy", "radix_eviction_policy", "disable_radix_cache",
+        "stream_interval", "stream_output", "incremental_streaming_output",
+        # parallelism
+        "pp_size", "dp_size", "ep_size", "enable_dp_attention", "load_balance_method", "gpu_id_step",
+        "nnodes", "node_rank", "dist_init_addr",
+        # kernels and runtime
+        "attention_backend", "prefill_attention_backend", "decode_attention_backend", "sampling_backend",
+        "grammar_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_bs", "enable_torch_compile",
+        "torch_compile_max_bs", "moe_runner_backend", "moe_a2a_backend", "random_seed",
+        "enable_deterministic_inference", "triton_attention_reduce_in_fp32", "enable_nan_detection",
+        "watchdog_timeout", "device",
+        # LoRA
+        "enable_lora", "lora_paths", "max_lora_rank", "max_loras_per_batch", "lora_backend",
+        "lora_target_modules",
+        # speculative decoding
+        "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+        "speculative_eagle_topk", "speculative_num_draft_tokens",
+        # hierarchical cache (host memory tier)
+        "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
+        "hicache_storage_backend",
+        # logging and metrics
+        "log_level", "enable_metrics", "show_time_cost", "decode_log_interval",
+    }
+)  # fmt: skip
+#: ServerArgs Flotilla sets itself, and from what.
+SET_BY_FLOTILLA = {
+    "model_path": "from the MODEL argument",
+    "tp_size": "from --tensor-parallel-size",
+    "tensor_parallel_size": "from --tensor-parallel-size",
+    "base_gpu_id": "from --base-gpu-id",
+    "context_length": "from --context-length",
+    "mem_fraction_static": "from --gpu-memory-utilization, the share the control plane placed the worker by",
+    "skip_tokenizer_init": "always true: Flotilla tokenizes",
+    "kv_events_config": "the worker subscribes to SGLang's KV events itself",
+}
+#: SGLang's page size (tokens per KV block, the router's block size) where the arguments do not say.
+DEFAULT_PAGE_SIZE = 16
+_KV_TOPIC = "flotilla-kv"
+
+
+def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
+    """The ServerArgs in ``--extra-engine-args`` (JSON). Raises ConfigError naming a key it refuses."""
+    values = read_engine_args(raw, engine="sglang", syntax="json")
+    check_arg_names(
+        values, engine="sglang", documented=SERVER_ARGS, read_from=SERVER_ARGS_READ_FROM, set_by_flags=SET_BY_FLOTILLA
+    )
+    return values
+
+
+def engine_kwargs(
+    model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], *, kv_events_endpoint: str | None
+) -> dict[str, Any]:
+    """The keyword arguments of ``sglang.Engine`` for this worker."""
+    kwargs: dict[str, Any] = {
+        "model_path": str(model_path),
+        "skip_tokenizer_init": True,
+        "tp_size": placement.tensor_parallel_size,
+        "base_gpu_id": placement.base_gpu_id,
+        "page_size": DEFAULT_PAGE_SIZE,
+        **engine_args,
+    }
+    if placement.context_length is not None:
+        kwargs["context_length"] = placement.context_length
+    if placement.gpu_memory_fraction is not None:
+        kwargs["mem_fraction_static"] = placement.gpu_memory_fraction
+    if kv_events_endpoint is not None:
+        kwargs["kv_events_config"] = json.dumps(
+            {"publisher": "zmq", "endpoint": kv_events_endpoint, "topic": _KV_TOPIC}
+        )
+    return kwargs
+
+
+def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` dict for ``request`` (SGLang's SamplingParams names); None options are
+    left out, so that SGLang's defaults (the model's generation config) apply."""
+    sampling, stop = request.sampling, request.stop_conditions
+    params: dict[str, Any] = {
+        "max_new_tokens": stop.max_tokens,
+        "min_new_tokens": stop.min_tokens,
+        "ignore_eos": stop.ignore_eos,
+        # Stop strings are the gateway's (they need text); SGLang stops on the model's EOS ids and these.
+        "stop_token_ids": list(request.eos_token_ids),
+    }
+    optional = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        # OpenAI-style 0 means "no top-k"; SGLang spells that -1.
+        "top_k": (sampling.top_k if sampling.top_k > 0 else -1) if sampling.top_k is not None else None,
+        "min_p": sampling.min_p,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "sampling_seed": sampling.seed,
+    }
+    params.update({name: value for name, value in optional.items() if value is not None})
+    return params
+
+
+def finish_reason(meta_info: dict[str, Any]) -> FinishReason | None:
+    """SGLang's ``meta_info["finish_reason"]`` (``{"type": "stop" | "length" | "abort", ...}``) as Flotilla's."""
+    reason = meta_info.get("finish_reason")
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind == "length":
+        return "length"
+    if kind == "abort":
+        return "cancelled"
+    return "stop"
+
+
+def new_tokens(chunk: dict[str, Any], sent: int) -> list[int]:
+    """The tokens of ``chunk`` after the first ``sent`` of the request's output (cumulative or incremental
+    ``output_ids`` alike: ``completion_tokens`` counts the whole output so far)."""
+    output_ids: list[int] = chunk.get("output_ids") or []
+    total = chunk.get("meta_info", {}).get("completion_tokens", sent + len(output_ids))
+    fresh = max(total - sent, 0)
+    return output_ids[len(output_ids) - fresh :] if fresh else []
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class SglangEngine:
+    """Token engine backed by ``sglang.Engine``. ``start()`` loads the model on the GPUs."""
+
+    kind: Literal["token"] = "token"
+    skip_special_tokens = True
+
+    def __init__(self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any]) -> None:
+        self.model_path = model_path
+        self.placement = placement
+        self.engine_args = engine_args
+        self.block_size = int(engine_args.get("page_size", DEFAULT_PAGE_SIZE))
+        self._engine: Any = None
+        self._names = EngineBlockNames(self.block_size)
+        self._sink: KvEventSink | None = None
+        self._subscriber: ZmqSubscriber | None = None
+        self._active = 0
+
+    async def start(self) -> None:
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ModelError(MISSING_PACKAGE) from exc
+        endpoint = f"tcp://*:{free_tcp_port()}"
+        kwargs = engine_kwargs(self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoint)
+        try:
+            # In this thread: SGLang's tokenizer manager binds to the running event loop.
+            self._engine = sglang.Engine(**kwargs)
+        except Exception as exc:  # SGLang raises what its model loader, CUDA or its arguments raise
+            raise ModelError(f"SGLang could not load {self.model_path}: {exc}") from exc
+        loop = asyncio.get_running_loop()
+
+        def on_batch(batch: Any) -> None:  # in the subscriber's thread
+            loop.call_soon_threadsafe(self._publish_batch, batch)
+
+        self._subscriber = ZmqSubscriber(endpoint, _KV_TOPIC, on_batch)
+        log.info("SGLang loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
+
+    async def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.close()
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _publish_batch(self, batch: Any) -> None:
+        events = translate_batch(batch, self._names)
+        if events and self._sink is not None:
+            self._sink.publish(0, events)
+
+    def attach_kv_events(self, sink: KvEventSink) -> None:
+        self._sink = sink
+
+    def load(self) -> list[WorkerLoad]:
+        return [WorkerLoad(instance_id=0, active_requests=self._active)]
+
+    def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
+        return {0: self._names.state()} if dp_rank in (None, 0) else {}
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        if self._engine is None:
+            raise EngineError("the SGLang engine is not started")
+        extra: dict[str, Any] = {}
+        if request.dp_rank is not None:
+            extra["data_parallel_rank"] = request.dp_rank
+        rid: str | None = None
+        finished = False
+        sent = 0
+        self._active += 1
+        try:
+            stream = await self._engine.async_generate(
+                input_ids=request.token_ids, sampling_params=sampling_params(request), stream=True, **extra
+            )
+            async for chunk in stream:
+                meta = chunk.get("meta_info", {})
+                rid = meta.get("id", rid)
+                if context.stopped:
+                    return
+                tokens = new_tokens(chunk, sent)
+                reason = finish_reason(meta)
+                output = EngineOutput(token_ids=tokens, finish_reason=reason)
+                if sent == 0 and (cached := meta.get("cached_tokens")) is not None:
+                    output.cached_tokens = cached
+                sent += len(tokens)
+                if tokens or reason is not None:
+                    yield output
+                if reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._active -= 1
+            if not finished and rid is not None:
+                abort_request(self._engine, rid)
+
+
+def abort_request(engine: Any, rid: str) -> None:
+    """Abort ``rid`` in SGLang (its KV cache is freed): ``Engine.abort_request`` where the version has it,
+    else its tokenizer manager's."""
+    abort = getattr(engine, "abort_request", None) or engine.tokenizer_manager.abort_request
+    abort(rid)

@@ -1,0 +1,305 @@
+"""The SGLang engine without SGLang: its arguments, sampling, streaming, abort and KV event translation.
+
+SGLang needs CUDA and does not install here; its KV events are hand-built with msgspec structs declared
+as SGLang declares them (python/sglang/srt/disaggregation/kv_events.py, sgl-project/sglang commit 006d053f),
+and its Engine is a stand-in with the documented ``async_generate``/``abort_request``.
+"""
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from engines.engine_block_names import EngineBlockNames
+from engines.gpu_engine_args import GpuPlacement
+from engines.sglang import (
+    DEFAULT_PAGE_SIZE,
+    SglangEngine,
+    engine_kwargs,
+    finish_reason,
+    new_tokens,
+    parse_engine_args,
+    sampling_params,
+)
+from engines.sglang_kv_events import decode_message, translate_batch
+from runtime.engine import RequestContext
+from runtime.errors import ConfigError
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
+
+
+# SGLang's event types, as declared there (array_like, tagged with the class name).
+class _Event(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class BlockStoredSg(_Event, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class BlockRemovedSg(_Event, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+class AllBlocksClearedSg(_Event, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatchSg(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[BlockStoredSg | BlockRemovedSg | AllBlocksClearedSg]
+
+
+def zmq_frames(*events: _Event) -> list[bytes]:
+    """One message as SGLang's ZmqEventPublisher sends it: topic, 8-byte sequence number, msgpack batch."""
+    batch = KVEventBatchSg(ts=1.5, events=list(events))  # type: ignore[arg-type]
+    return [b"flotilla-kv", (0).to_bytes(8, "big"), msgspec.msgpack.encode(batch)]
+
+
+def request(sampling: SamplingOptions | None = None, **stop: Any) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id="r1",
+        model="m",
+        token_ids=[1, 2, 3],
+        sampling=sampling or SamplingOptions(),
+        stop_conditions=StopConditions(max_tokens=8, **stop),
+        eos_token_ids=[2, 7],
+    )
+
+
+# --- arguments -------------------------------------------------------------------------------------------
+
+
+def test_documented_server_args_pass_through_to_the_engine() -> None:
+    args = parse_engine_args('{"page_size": 32, "attention_backend": "fa3", "enable_dp_attention": false}')
+    kwargs = engine_kwargs(Path("/models/m"), GpuPlacement(), args, kv_events_endpoint=None)
+    assert (kwargs["page_size"], kwargs["attention_backend"], kwargs["enable_dp_attention"]) == (32, "fa3", False)
+
+
+def test_an_unknown_server_arg_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'mem_fraction' for out=sglang.*ServerArgs"):
+        parse_engine_args('{"page_size": 16, "mem_fraction": 0.5}')
+
+
+@pytest.mark.parametrize(
+    ("key", "flag"),
+    [
+        ("tp_size", "--tensor-parallel-size"),
+        ("mem_fraction_static", "--gpu-memory-utilization"),
+        ("base_gpu_id", "--base-gpu-id"),
+        ("context_length", "--context-length"),
+    ],
+)
+def test_a_server_arg_that_a_flag_sets_is_refused_naming_the_flag(key: str, flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}' is set by Flotilla for out=sglang.*{flag}"):
+        parse_engine_args(json.dumps({key: 1}))
+
+
+def test_extra_args_in_a_json_file_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "sglang.json"
+    path.write_text('{"max_running_requests": 64}')
+    assert parse_engine_args(path) == {"max_running_requests": 64}
+
+
+@pytest.mark.parametrize("raw", ["[1, 2]", "{not json"])
+def test_extra_args_that_are_not_a_json_object_are_refused(raw: str) -> None:
+    with pytest.raises(ConfigError, match="--extra-engine-args"):
+        parse_engine_args(raw)
+
+
+def test_the_placement_becomes_sglangs_gpu_arguments() -> None:
+    placement = GpuPlacement(tensor_parallel_size=2, base_gpu_id=1, context_length=4096, gpu_memory_fraction=0.45)
+    kwargs = engine_kwargs(Path("/models/m"), placement, {}, kv_events_endpoint="tcp://*:5557")
+    assert kwargs["model_path"] == "/models/m"
+    assert (kwargs["tp_size"], kwargs["base_gpu_id"], kwargs["context_length"]) == (2, 1, 4096)
+    assert kwargs["mem_fraction_static"] == 0.45
+    assert kwargs["skip_tokenizer_init"] is True
+    assert kwargs["page_size"] == DEFAULT_PAGE_SIZE
+    assert json.loads(kwargs["kv_events_config"]) == {
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",
+        "topic": "flotilla-kv",
+    }
+
+
+def test_without_a_share_sglang_keeps_its_own_memory_default() -> None:
+    kwargs = engine_kwargs(Path("/m"), GpuPlacement(), {}, kv_events_endpoint=None)
+    assert "mem_fraction_static" not in kwargs and "context_length" not in kwargs
+    assert "kv_events_config" not in kwargs
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5])
+def test_a_memory_share_outside_zero_to_one_is_refused(fraction: float) -> None:
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+        GpuPlacement(gpu_memory_fraction=fraction)
+
+
+# --- sampling and streaming ------------------------------------------------------------------------------
+
+
+def test_sampling_options_map_to_sglangs_sampling_params() -> None:
+    sampling = SamplingOptions(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3, repetition_penalty=1.1)
+    params = sampling_params(request(sampling, min_tokens=2, ignore_eos=True))
+    assert params == {
+        "max_new_tokens": 8,
+        "min_new_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [2, 7],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "sampling_seed": 3,
+    }
+
+
+def test_unset_options_are_left_to_sglang_and_top_k_zero_means_none() -> None:
+    params = sampling_params(request(SamplingOptions(top_k=0)))
+    assert params["top_k"] == -1
+    assert "temperature" not in params and "sampling_seed" not in params
+
+
+def test_finish_reasons_map_to_flotillas() -> None:
+    assert finish_reason({"finish_reason": None}) is None
+    assert finish_reason({"finish_reason": {"type": "length", "length": 8}}) == "length"
+    assert finish_reason({"finish_reason": {"type": "stop", "matched": 2}}) == "stop"
+    assert finish_reason({"finish_reason": {"type": "abort", "message": "x"}}) == "cancelled"
+
+
+def test_new_tokens_are_taken_from_cumulative_and_incremental_output_ids_alike() -> None:
+    cumulative = {"output_ids": [5, 6, 7], "meta_info": {"completion_tokens": 3}}
+    incremental = {"output_ids": [7], "meta_info": {"completion_tokens": 3}}
+    assert new_tokens(cumulative, 2) == [7]
+    assert new_tokens(incremental, 2) == [7]
+    assert new_tokens({"output_ids": [5], "meta_info": {"completion_tokens": 1}}, 0) == [5]
+
+
+class FakeSglang:
+    """sglang.Engine's async_generate(stream=True) and abort_request, as documented."""
+
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self.chunks = chunks
+        self.calls: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+
+    async def async_generate(self, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append(kwargs)
+
+        async def stream() -> AsyncIterator[dict[str, Any]]:
+            for chunk in self.chunks:
+                yield chunk
+
+        return stream()
+
+    def abort_request(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def chunk(ids: list[int], total: int, reason: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
+    return {"output_ids": ids, "meta_info": {"id": "sg-1", "completion_tokens": total, "finish_reason": reason, **meta}}
+
+
+def started_engine(fake: FakeSglang) -> SglangEngine:
+    engine = SglangEngine(Path("/m"), GpuPlacement(), {})
+    engine._engine = fake
+    return engine
+
+
+async def test_a_stream_yields_new_tokens_with_cached_tokens_first_and_the_finish_reason_last() -> None:
+    fake = FakeSglang(
+        [chunk([5], 1, cached_tokens=2), chunk([5, 6], 2), chunk([5, 6, 7], 3, {"type": "length", "length": 3})]
+    )
+    outputs = [out async for out in started_engine(fake).generate(request(), RequestContext("r1"))]
+    assert [out.token_ids for out in outputs] == [[5], [6], [7]]
+    assert outputs[0].cached_tokens == 2
+    assert outputs[-1].finish_reason == "length"
+    assert fake.calls[0]["input_ids"] == [1, 2, 3] and fake.calls[0]["stream"] is True
+    assert fake.aborted == []
+
+
+async def test_a_consumer_that_stops_early_aborts_the_request_in_sglang() -> None:
+    fake = FakeSglang([chunk([5], 1), chunk([5, 6], 2), chunk([5, 6, 7], 3)])
+    stream = cast(AsyncGenerator[EngineOutput], started_engine(fake).generate(request(), RequestContext("r1")))
+    assert (await anext(stream)).token_ids == [5]
+    await stream.aclose()
+    assert fake.aborted == ["sg-1"]
+
+
+async def test_a_stopped_context_aborts_the_request_at_the_next_chunk() -> None:
+    fake = FakeSglang([chunk([5], 1), chunk([5, 6], 2), chunk([5, 6, 7], 3)])
+    context = RequestContext("r1")
+    outputs = []
+    async for out in started_engine(fake).generate(request(), context):
+        outputs.append(out)
+        context.stop()
+    assert len(outputs) == 1 and fake.aborted == ["sg-1"]
+
+
+def test_the_engine_module_imports_and_builds_without_sglang() -> None:
+    engine = SglangEngine(Path("/m"), GpuPlacement(), {"page_size": 32})
+    assert engine.kind == "token" and engine.block_size == 32
+
+
+# --- KV events -------------------------------------------------------------------------------------------
+
+TOKENS = list(range(50, 82))  # two pages of 16
+
+
+def test_sglangs_stored_removed_and_cleared_events_become_flotillas() -> None:
+    names = EngineBlockNames(16)
+    batch = decode_message(
+        zmq_frames(
+            BlockStoredSg(block_hashes=[-3, 44], parent_block_hash=None, token_ids=TOKENS, block_size=16, lora_id=None),
+            BlockRemovedSg(block_hashes=[44]),
+            AllBlocksClearedSg(),
+        )
+    )
+    flotilla = sequence_block_hashes(TOKENS, 16)
+    assert translate_batch(batch, names) == [
+        BlockStored(block_hashes=flotilla, parent_hash=None),
+        BlockRemoved(block_hashes=[flotilla[1]]),
+        AllCleared(),
+    ]
+
+
+def test_a_stored_event_chains_from_an_earlier_one_and_keeps_its_lora_id() -> None:
+    names = EngineBlockNames(16)
+    first = BlockStoredSg(block_hashes=[1], parent_block_hash=None, token_ids=TOKENS[:16], block_size=16, lora_id=None)
+    second = BlockStoredSg(block_hashes=[2], parent_block_hash=1, token_ids=TOKENS[16:], block_size=16, lora_id=4)
+    events = translate_batch(decode_message(zmq_frames(first, second)), names)
+    flotilla = sequence_block_hashes(TOKENS, 16)
+    assert events[1] == BlockStored(block_hashes=[flotilla[1]], parent_hash=flotilla[0], lora_id=4)
+
+
+def test_events_of_another_page_size_or_unknown_parents_are_skipped() -> None:
+    names = EngineBlockNames(16)
+    other_size = BlockStoredSg(
+        block_hashes=[1], parent_block_hash=None, token_ids=TOKENS[:8], block_size=8, lora_id=None
+    )
+    orphan = BlockStoredSg(block_hashes=[2], parent_block_hash=99, token_ids=TOKENS[:16], block_size=16, lora_id=None)
+    assert (
+        translate_batch(decode_message(zmq_frames(other_size, orphan, BlockRemovedSg(block_hashes=[5]))), names) == []
+    )
+
+
+def test_a_trailing_medium_field_is_read_as_the_tier() -> None:
+    names = EngineBlockNames(16)
+    event = ["BlockStored", [1], None, TOKENS[:16], 16, None, "CPU"]
+    events = translate_batch([0.0, [event]], names)
+    assert isinstance(events[0], BlockStored) and events[0].medium == "cpu"
+
+
+def test_a_message_that_is_not_three_frames_or_not_msgpack_is_refused() -> None:
+    with pytest.raises(ValueError, match="3 frames"):
+        decode_message([b"x"])
+    with pytest.raises(ValueError, match="msgpack"):
+        decode_message([b"t", b"\0" * 8, b"\xc1"])

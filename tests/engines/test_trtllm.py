@@ -1,0 +1,297 @@
+"""The TensorRT-LLM engine without TensorRT-LLM: its arguments, memory share, sampling, streaming, abort and
+KV event translation.
+
+TensorRT-LLM needs CUDA and does not install here; its KV events are dicts shaped as its
+KVCacheEventSerializer writes them (tensorrt_llm/_utils.py, NVIDIA/TensorRT-LLM commit fcd3f316), and its
+LLM is a stand-in with the documented ``generate_async(streaming=True)`` and ``RequestOutput.abort()``.
+"""
+
+import importlib.util
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from engines.engine_block_names import EngineBlockNames
+from engines.gpu_engine_args import GpuPlacement
+from engines.trtllm import (
+    DEFAULT_TOKENS_PER_BLOCK,
+    EVENT_BUFFER_MAX_SIZE,
+    TrtLlmEngine,
+    finish_reason,
+    kv_cache_fraction,
+    llm_kwargs,
+    parse_engine_args,
+    sampling_kwargs,
+    visible_devices,
+    weight_bytes_per_gpu,
+)
+from engines.trtllm_kv_events import translate_event, translate_events
+from runtime.engine import RequestContext
+from runtime.errors import ConfigError
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv_events import BlockRemoved, BlockStored
+from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
+
+GiB = 2**30
+
+
+def request(sampling: SamplingOptions | None = None, **stop: Any) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id="r1",
+        model="m",
+        token_ids=[1, 2, 3],
+        sampling=sampling or SamplingOptions(),
+        stop_conditions=StopConditions(max_tokens=8, **stop),
+        eos_token_ids=[2, 7],
+    )
+
+
+# --- arguments -------------------------------------------------------------------------------------------
+
+
+def test_documented_llm_arguments_pass_through_and_kv_cache_config_is_merged() -> None:
+    args = parse_engine_args('{"max_batch_size": 64, "kv_cache_config": {"tokens_per_block": 64, "dtype": "fp8"}}')
+    kwargs = llm_kwargs(Path("/models/m"), GpuPlacement(), args)
+    assert kwargs["max_batch_size"] == 64
+    assert kwargs["kv_cache_config"] == {
+        "enable_block_reuse": True,
+        "tokens_per_block": 64,
+        "dtype": "fp8",
+        "event_buffer_max_size": EVENT_BUFFER_MAX_SIZE,
+    }
+    assert TrtLlmEngine(Path("/m"), GpuPlacement(), args).block_size == 64
+    assert TrtLlmEngine(Path("/m"), GpuPlacement(), {}).block_size == DEFAULT_TOKENS_PER_BLOCK
+
+
+@pytest.mark.skipif(importlib.util.find_spec("yaml") is None, reason="PyYAML comes with TensorRT-LLM")
+def test_extra_args_are_read_as_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "trtllm.yaml"
+    path.write_text("max_batch_size: 32\nkv_cache_config:\n  enable_block_reuse: false\n")
+    assert parse_engine_args(path) == {"max_batch_size": 32, "kv_cache_config": {"enable_block_reuse": False}}
+
+
+def test_extra_args_in_json_form_are_yaml_too(tmp_path: Path) -> None:
+    path = tmp_path / "trtllm.yaml"
+    path.write_text('{"max_num_tokens": 8192}')
+    assert parse_engine_args(path) == {"max_num_tokens": 8192}
+
+
+def test_an_unknown_llm_argument_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'max_batch' for out=trtllm.*LLM arguments"):
+        parse_engine_args('{"max_batch": 4}')
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"tensor_parallel_size": 2}', "'tensor_parallel_size' is set by Flotilla.*--tensor-parallel-size"),
+        ('{"max_seq_len": 2}', "'max_seq_len' is set by Flotilla.*--context-length"),
+        (
+            '{"kv_cache_config": {"free_gpu_memory_fraction": 0.9}}',
+            "kv_cache_config.free_gpu_memory_fraction is set by Flotilla.*--gpu-memory-utilization",
+        ),
+        ('{"kv_cache_config": 3}', "kv_cache_config must be a mapping"),
+    ],
+)
+def test_what_flotilla_sets_is_refused_in_the_extra_args(raw: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_engine_args(raw)
+
+
+def test_the_placement_becomes_the_llms_arguments() -> None:
+    placement = GpuPlacement(tensor_parallel_size=4, context_length=8192)
+    kwargs = llm_kwargs(Path("/models/m"), placement, {})
+    assert (kwargs["model"], kwargs["tensor_parallel_size"], kwargs["max_seq_len"]) == ("/models/m", 4, 8192)
+    assert kwargs["skip_tokenizer_init"] is True
+    assert kwargs["kv_cache_config"]["enable_block_reuse"] is True
+
+
+def test_the_memory_share_counts_the_weights_in_as_the_control_plane_does() -> None:
+    # An 80 GiB GPU, 78 GiB free, 16 GiB of weights, a 0.5 share: 40 GiB in all, so 24 GiB of KV cache out of
+    # the 62 GiB free after the weights.
+    fraction = kv_cache_fraction(0.5, total_bytes=80 * GiB, free_bytes=78 * GiB, weight_bytes=16 * GiB)
+    assert fraction == pytest.approx(24 / 62)
+    assert 16 * GiB + fraction * 62 * GiB == pytest.approx(40 * GiB)
+
+
+def test_a_share_smaller_than_the_weights_is_refused() -> None:
+    with pytest.raises(ConfigError, match="weights alone"):
+        kv_cache_fraction(0.1, total_bytes=80 * GiB, free_bytes=80 * GiB, weight_bytes=16 * GiB)
+
+
+def test_the_weights_per_gpu_are_the_safetensors_split_over_the_tensor_parallel_gpus(tmp_path: Path) -> None:
+    (tmp_path / "model-1.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "config.json").write_text("{}")
+    assert weight_bytes_per_gpu(tmp_path, 2) == 200
+
+
+def test_the_base_gpu_narrows_cuda_visible_devices() -> None:
+    assert visible_devices("GPU-a,GPU-b,GPU-c", 1, 2) == "GPU-b,GPU-c"
+    assert visible_devices(None, 2, 1) == "2"
+    assert visible_devices("0,1", 0, 2) is None
+    with pytest.raises(ConfigError, match="needs 3 visible GPUs"):
+        visible_devices("0,1", 1, 2)
+
+
+# --- sampling and streaming ------------------------------------------------------------------------------
+
+
+def test_sampling_options_map_to_trtllms_sampling_params() -> None:
+    sampling = SamplingOptions(temperature=0.0, top_k=-1, top_p=0.8, seed=9, frequency_penalty=0.5)
+    assert sampling_kwargs(request(sampling, min_tokens=1)) == {
+        "max_tokens": 8,
+        "min_tokens": 1,
+        "ignore_eos": False,
+        "stop_token_ids": [2, 7],
+        "end_id": 2,
+        "detokenize": False,
+        "temperature": 0.0,
+        "top_p": 0.8,
+        "top_k": 0,
+        "frequency_penalty": 0.5,
+        "seed": 9,
+    }
+
+
+def test_finish_reasons_map_to_flotillas() -> None:
+    assert [finish_reason(r) for r in (None, "stop", "length", "cancelled")] == [None, "stop", "length", "cancelled"]
+
+
+class FakeResult:
+    """A RequestOutput of generate_async(streaming=True): each step's outputs[0] holds the output so far."""
+
+    def __init__(self, steps: list[tuple[list[int], str | None]]) -> None:
+        self.steps = steps
+        self.aborted = False
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        for token_ids, reason in self.steps:
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, finish_reason=reason)])
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class FakeLlm:
+    def __init__(self, result: FakeResult) -> None:
+        self.result = result
+        self.calls: list[tuple[Any, ...]] = []
+
+    def generate_async(self, inputs: Any, sampling_params: Any, *, streaming: bool) -> FakeResult:
+        self.calls.append((inputs, sampling_params, streaming))
+        return self.result
+
+
+def started_engine(result: FakeResult) -> tuple[TrtLlmEngine, FakeLlm]:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    llm = FakeLlm(result)
+    engine._llm = llm
+    engine._sampling_params = dict  # SamplingParams(**kwargs), as a dict
+    return engine, llm
+
+
+async def test_a_stream_yields_the_new_tokens_of_each_step_and_the_finish_reason() -> None:
+    result = FakeResult([([5], None), ([5, 6, 7], None), ([5, 6, 7, 2], "stop")])
+    engine, llm = started_engine(result)
+    outputs = [out async for out in engine.generate(request(), RequestContext("r1"))]
+    assert [out.token_ids for out in outputs] == [[5], [6, 7], [2]]
+    assert outputs[-1].finish_reason == "stop"
+    inputs, params, streaming = llm.calls[0]
+    assert inputs == {"prompt_token_ids": [1, 2, 3]} and streaming is True and params["max_tokens"] == 8
+    assert not result.aborted
+
+
+async def test_a_consumer_that_stops_early_aborts_the_request_in_trtllm() -> None:
+    result = FakeResult([([5], None), ([5, 6], None), ([5, 6, 7], "length")])
+    engine, _ = started_engine(result)
+    stream = cast(AsyncGenerator[EngineOutput], engine.generate(request(), RequestContext("r1")))
+    await anext(stream)
+    await stream.aclose()
+    assert result.aborted
+
+
+# --- KV events -------------------------------------------------------------------------------------------
+
+TOKENS = list(range(200, 264))  # two blocks of 32
+
+
+def stored_block(block_hash: int, tokens: list[int], cache_level: int = 0) -> dict[str, Any]:
+    return {
+        "type": "stored_block",
+        "block_hash": block_hash,
+        "tokens": [{"type": "unique_token", "token_id": token, "token_extra_id": 0} for token in tokens],
+        "cache_level": cache_level,
+        "priority": 35,
+    }
+
+
+def event(data: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"event_id": 1, "data": data, "window_size": 32, **extra}
+
+
+def test_trtllms_stored_and_removed_events_become_flotillas() -> None:
+    names = EngineBlockNames(32)
+    stored = event(
+        {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:])],
+        }
+    )
+    flotilla = sequence_block_hashes(TOKENS, 32)
+    assert translate_event(stored, names) == [BlockStored(block_hashes=flotilla, parent_hash=None)]
+    assert translate_event(event({"type": "removed", "block_hashes": [11]}), names) == [
+        BlockRemoved(block_hashes=[flotilla[1]])
+    ]
+
+
+def test_blocks_stored_on_the_host_pool_are_a_run_of_their_own_tier() -> None:
+    names = EngineBlockNames(32)
+    stored = event(
+        {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:], cache_level=1)],
+        }
+    )
+    flotilla = sequence_block_hashes(TOKENS, 32)
+    assert translate_event(stored, names) == [
+        BlockStored(block_hashes=[flotilla[0]], parent_hash=None),
+        BlockStored(block_hashes=[flotilla[1]], parent_hash=flotilla[0], medium="cpu"),
+    ]
+
+
+def test_a_block_moved_off_the_gpu_is_removed_from_the_gpu_tier() -> None:
+    names = EngineBlockNames(32)
+    translate_event(event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]}), names)
+    moved = event(
+        {
+            "type": "updated",
+            "block_hash": 10,
+            "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1},
+            "priority": None,
+        }
+    )
+    assert translate_event(moved, names) == [BlockRemoved(block_hashes=sequence_block_hashes(TOKENS[:32], 32))]
+
+
+def test_created_events_and_unknown_removals_say_nothing() -> None:
+    names = EngineBlockNames(32)
+    assert translate_event(event({"type": "created", "num_blocks_per_cache_level": [100, 0]}), names) == []
+    assert translate_event(event({"type": "removed", "block_hashes": [5]}), names) == []
+
+
+def test_events_are_grouped_by_attention_dp_rank() -> None:
+    names = {0: EngineBlockNames(32), 1: EngineBlockNames(32)}
+    events = [
+        event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]}),
+        event({"type": "stored", "parent_hash": None, "blocks": [stored_block(20, TOKENS[32:])]}, attention_dp_rank=1),
+        event({"type": "stored", "parent_hash": None, "blocks": [stored_block(30, TOKENS[32:])]}, attention_dp_rank=5),
+    ]
+    translated = translate_events(events, names)
+    assert set(translated) == {0, 1}
+    assert translated[1] == [BlockStored(block_hashes=sequence_block_hashes(TOKENS[32:], 32))]
