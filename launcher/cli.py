@@ -197,6 +197,13 @@ def _busy_share(text: str) -> float:
     return value
 
 
+def _memory_share(text: str) -> float:
+    value = _share(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("an engine needs some memory: give a share above 0, at most 1")
+    return value
+
+
 def _labels(text: str) -> dict[str, str]:
     # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
     from runtime.endpoint import parse_labels
@@ -301,7 +308,28 @@ def build_run_parser() -> EnvArgumentParser:
         help="out=mocker: a JSON file of settings, or the JSON object itself, with the key names of Dynamo's "
         'mocker (e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64}); '
         "out=mistralrs: likewise, with the names of mistral.rs's Runner arguments (engines/mistralrs.py), "
-        'e.g. {"max_seqs": 8, "seed": 1}',
+        'e.g. {"max_seqs": 8, "seed": 1}; out=vllm: vLLM\'s AsyncEngineArgs fields (those of `vllm serve`, with '
+        'underscores), e.g. {"block_size": 32, "enable_prefix_caching": true}',
+    )
+    run.add_flag(
+        "--tensor-parallel-size",
+        env="FLOTILLA_TENSOR_PARALLEL_SIZE",
+        type=_positive_int,
+        help="out=vllm: GPUs the model is split across (default 1)",
+    )
+    run.add_flag(
+        "--base-gpu-id",
+        env="FLOTILLA_BASE_GPU_ID",
+        type=_non_negative_int,
+        help="out=vllm: the first of the GPUs to use, counted among CUDA_VISIBLE_DEVICES when that is set "
+        "(the engine sees --tensor-parallel-size GPUs from it; default: the first)",
+    )
+    run.add_flag(
+        "--gpu-memory-utilization",
+        env="FLOTILLA_GPU_MEMORY_UTILIZATION",
+        type=_memory_share,
+        help="out=vllm: the share of each GPU's memory the engine may take, weights and KV cache together "
+        "(the control plane's placement share; default vLLM's 0.9)",
     )
     run.add_flag(
         "--labels",
@@ -501,6 +529,13 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             parser.error("in=dyn://... serves an engine: choose one with out=ENGINE, not out=dyn")
     elif not (input_ in ("text", "http") or (input_.startswith("batch:") and len(input_) > len("batch:"))):
         parser.error(f"in={input_!r} is not an input; use in=text, in=http, in=batch:FILE.jsonl or in=dyn://ns.comp.ep")
+    for flag, value in (
+        ("--tensor-parallel-size", namespace.tensor_parallel_size),
+        ("--base-gpu-id", namespace.base_gpu_id),
+        ("--gpu-memory-utilization", namespace.gpu_memory_utilization),
+    ):
+        if value is not None and output != "vllm":
+            parser.error(f"{flag} places out=vllm on its GPUs, not out={output}")
     if (python_engine := python_engine_file(output)) is not None:
         kind, file = python_engine
         if not file:
@@ -550,6 +585,9 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         router_ttl_s=namespace.router_ttl,
         busy_kv_usage=namespace.busy_kv_usage,
         busy_waiting=namespace.busy_waiting,
+        tensor_parallel_size=namespace.tensor_parallel_size or 1,
+        base_gpu_id=namespace.base_gpu_id,
+        gpu_memory_utilization=namespace.gpu_memory_utilization,
         router_replica_sync=namespace.router_replica_sync,
         migration_limit=namespace.migration_limit,
         progress_deadline_s=namespace.progress_deadline,

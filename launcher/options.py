@@ -51,6 +51,9 @@ class RunOptions:
     #: out=dyn: the control plane's API key signing secret; when set, /v1/* needs an API key.
     api_keys_secret_file: Path | None = None
     #: out=dyn with API keys: the Redis that every ingress shares keys' limits and usage through.
+    tensor_parallel_size: int = 1  # out=vllm: GPUs the model is split across
+    base_gpu_id: int | None = None  # out=vllm: the first GPU, among CUDA_VISIBLE_DEVICES when set
+    gpu_memory_utilization: float | None = None  # out=vllm: the GPU memory share it may take (placement's)
     quota_redis_url: str | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration

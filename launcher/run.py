@@ -70,6 +70,8 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         return TokenModel(card, llama), llama
     if output == "mistralrs":
         return build_mistralrs_model(options)
+    if output == "vllm":
+        return build_vllm_model(options)
     if output == "mocker":
         return build_mocker_model(options)
     if (python_engine := python_engine_file(output)) is not None:
@@ -113,6 +115,35 @@ def build_mistralrs_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         tool_call_parser=options.tool_call_parser,
     )
     return model, engine
+
+
+def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
+    """``out=vllm``: vLLM's async engine on a safetensors folder, fed token ids by Flotilla's preprocessor."""
+    from engines.vllm import VllmEngine
+    from engines.vllm_settings import MISSING_PACKAGE, VllmSettings, check_extra_args, engine_arg_names, read_extra_args
+
+    # Looked up, not imported (importing vLLM takes seconds): one line, not a traceback.
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(MISSING_PACKAGE)
+    # The settings first: their mistakes are quicker to find than a model download.
+    extra = read_extra_args(options.extra_engine_args)
+    check_extra_args(extra, engine_arg_names())
+    card, path = load_card(options)
+    if not path.is_dir():
+        raise ConfigError(f"out=vllm loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
+    settings = VllmSettings(
+        model=str(path),
+        max_model_len=card.context_length,
+        tensor_parallel_size=options.tensor_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        extra=extra,
+    )
+    engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id)
+    # Log probabilities come with vLLM's outputs; its KV block size goes on the card for KV routers.
+    card = msgspec.structs.replace(
+        card, logprobs=True, kv_cache_block_size=extra.get("block_size") or card.kv_cache_block_size
+    )
+    return TokenModel(card, engine), engine
 
 
 def build_python_model(options: RunOptions, kind: str, file: str) -> tuple[ServedModel, Engine]:

@@ -26,7 +26,7 @@ ENGINE_LABELS: dict[str, str] = {
 FLEET_ENGINES = frozenset(ENGINE_LABELS)
 
 #: The engines this version of ``flotilla run`` implements.
-IMPLEMENTED_ENGINES = ("echo_core", "echo_full", "llamacpp", "mistralrs", "mocker")
+IMPLEMENTED_ENGINES = ("echo_core", "echo_full", "llamacpp", "mistralrs", "mocker", "vllm")
 #: The engines on the road map (DESIGN.md): in the catalog, refused by ``flotilla run`` with a clear answer.
 PLANNED_ENGINES = tuple(name for name in ENGINE_LABELS if name not in IMPLEMENTED_ENGINES)
 
@@ -37,10 +37,10 @@ GGUF_ONLY_ENGINES = frozenset({"llamacpp"})
 #: Engines whose workers need no model files: nothing to download, no MODEL argument.
 ENGINES_WITHOUT_FILES = frozenset({"echo_full"})
 #: Engines configured by one JSON object of their own settings (``flotilla run --extra-engine-args``).
-SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker"})
+SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "vllm"})
 
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
-_ENGINE_PACKAGES = {"llamacpp": "llama_cpp", "mistralrs": "mistralrs"}
+_ENGINE_PACKAGES = {"llamacpp": "llama_cpp", "mistralrs": "mistralrs", "vllm": "vllm"}
 
 
 def engines_on_this_node() -> frozenset[str]:

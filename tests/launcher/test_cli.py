@@ -195,9 +195,9 @@ def test_only_what_a_restart_cannot_fix_exits_2(error: FlotillaError, code: int)
 
 
 def test_an_engine_on_the_road_map_says_it_is_not_available_yet() -> None:
-    result = flotilla("run", "out=vllm")
+    result = flotilla("run", "out=sglang")
     assert result.returncode == 2
-    assert "out=vllm is not available in this version yet" in result.stderr
+    assert "out=sglang is not available in this version yet" in result.stderr
 
 
 def test_a_missing_model_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -1,0 +1,242 @@
+"""The vLLM engine: vLLM's async engine (``AsyncLLM``) inside the worker process, token in, token out.
+
+Flotilla's preprocessor renders and tokenizes; vLLM is given the token ids (``TokensPrompt``) and streams
+the new ids of each step back (``RequestOutputKind.DELTA``), never text: Flotilla detokenizes and applies
+stop strings, so routing, migration, stop handling and usage behave as for llama.cpp. A migrated stream
+arrives as prompt + generated tokens; at temperature 0 vLLM's greedy continuation of them is the one the
+dead worker would have produced (as far as vLLM's own batching is deterministic).
+
+Cancellation: when the consumer stops (a stop string, a client gone, a cancelled task) the request is
+aborted in vLLM (``AsyncLLM.abort``), which frees its KV blocks at once.
+
+Load: ``load()`` reads vLLM's scheduler stats (running and waiting requests, KV usage, prefix hits) from
+a stat logger the engine is built with. The worker does not publish it yet: a worker publishes an
+engine's load only with its KV events (``runtime.kv_events.KvEventSource``), and vLLM's events (ZMQ)
+are not translated yet.
+"""
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from engines.vllm_settings import MISSING_PACKAGE, VllmSettings
+from runtime.engine import RequestContext
+from runtime.errors import ConfigError, EngineError, ModelError
+from runtime.kv_events import WorkerLoad
+from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+def visible_devices(current: str | None, base_gpu_id: int, count: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for ``count`` GPUs from ``base_gpu_id``: indexes into ``current`` (the GPUs
+    this process was given, e.g. by the node agent) when set, else the machine's GPU indexes.
+
+    Raises ConfigError when ``current`` has too few.
+    """
+    if current is None or not current.strip():
+        return ",".join(str(index) for index in range(base_gpu_id, base_gpu_id + count))
+    given = [name.strip() for name in current.split(",") if name.strip()]
+    if base_gpu_id + count > len(given):
+        raise ConfigError(
+            f"--base-gpu-id {base_gpu_id} with --tensor-parallel-size {count} needs GPUs {base_gpu_id}.."
+            f"{base_gpu_id + count - 1} of CUDA_VISIBLE_DEVICES={current!r}, which has {len(given)}"
+        )
+    return ",".join(given[base_gpu_id : base_gpu_id + count])
+
+
+class VllmEngine:
+    """Token engine backed by vLLM's ``AsyncLLM``. ``start()`` loads the model (vLLM starts its engine core
+    process); ``close()`` shuts it down."""
+
+    kind: Literal["token"] = "token"
+    skip_special_tokens = True
+
+    def __init__(self, settings: VllmSettings, *, base_gpu_id: int | None = None) -> None:
+        self.settings = settings
+        self.base_gpu_id = base_gpu_id
+        self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
+        self._stats = _SchedulerStats()
+
+    async def start(self) -> None:
+        if self.base_gpu_id is not None:
+            # Before vLLM is imported: torch reads it once, and vLLM's workers inherit it.
+            current = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(
+                current, self.base_gpu_id, self.settings.tensor_parallel_size
+            )
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise ModelError(MISSING_PACKAGE) from exc
+        args = AsyncEngineArgs(**self.settings.engine_kwargs())
+        try:
+            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory()])
+        except Exception as exc:  # vLLM raises ValueError, RuntimeError, OSError... for a bad model or setting
+            raise ModelError(f"vLLM could not load {self.settings.model}: {exc}") from exc
+        log.info("vLLM loaded %s", self.settings.model)
+
+    async def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        engine = self._engine
+        if engine is None:
+            raise EngineError("the vLLM engine is not started")
+        from vllm.inputs import TokensPrompt
+
+        params = sampling_params(request)
+        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        request_id = request.request_id
+        first = True
+        finished = False
+        stream = engine.generate(prompt, params, request_id)
+        try:
+            async for output in stream:
+                if context.stopped:
+                    return
+                completion = output.outputs[0]
+                finish = finish_reason(completion.finish_reason) if completion.finished() else None
+                item = EngineOutput(token_ids=list(completion.token_ids), finish_reason=finish)
+                if first:
+                    item.cached_tokens = output.num_cached_tokens
+                    first = False
+                if request.logprobs is not None and completion.logprobs:
+                    item.logprobs = token_logprobs(completion.token_ids, completion.logprobs, request.logprobs)
+                if item.token_ids or finish is not None:
+                    yield item
+                if finish is not None or output.finished:
+                    finished = True
+                    return
+        except asyncio.CancelledError:
+            raise
+        except ValueError as exc:  # vLLM's validation of the request (too long a prompt, a bad parameter)
+            raise EngineError(f"vLLM refused the request: {exc}") from exc
+        finally:
+            context.stop()
+            await stream.aclose()
+            if not finished:
+                # Frees its KV blocks now; aclose() alone would leave vLLM to notice at its next output.
+                await engine.abort(request_id)
+
+    def load(self) -> list[WorkerLoad]:
+        """vLLM's scheduler stats at its last step (``instance_id`` 0): one rank."""
+        return [self._stats.load()]
+
+
+def sampling_params(request: PreprocessedRequest) -> Any:
+    """vLLM's ``SamplingParams`` for ``request``: its sampling options and stop conditions, outputs as deltas
+    of token ids (Flotilla detokenizes and applies stop strings)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling, stop = request.sampling, request.stop_conditions
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": stop.max_tokens,
+        "min_tokens": stop.min_tokens,
+        "ignore_eos": stop.ignore_eos,
+        # The request's own end tokens (the chat template's) besides the model's EOS.
+        "stop_token_ids": list(request.eos_token_ids),
+        "seed": sampling.seed,
+        "output_kind": RequestOutputKind.DELTA,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+    if sampling.temperature is not None:
+        kwargs["temperature"] = sampling.temperature
+    if sampling.top_p is not None:
+        kwargs["top_p"] = sampling.top_p
+    if sampling.top_k is not None:
+        # OpenAI-style 0 and -1 both mean "no top-k"; vLLM spells that 0 (or -1).
+        kwargs["top_k"] = max(sampling.top_k, 0)
+    if sampling.min_p is not None:
+        kwargs["min_p"] = sampling.min_p
+    if sampling.frequency_penalty is not None:
+        kwargs["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.presence_penalty is not None:
+        kwargs["presence_penalty"] = sampling.presence_penalty
+    if sampling.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
+    if request.logprobs is not None:
+        kwargs["logprobs"] = request.logprobs
+    return SamplingParams(**kwargs)
+
+
+def token_logprobs(token_ids: Any, logprobs: Any, top: int) -> list[TokenLogprob]:
+    """vLLM's per-token logprob dicts (token id -> Logprob, the sampled one included, ranked) as Flotilla's."""
+    result: list[TokenLogprob] = []
+    for token_id, ranked in zip(token_ids, logprobs, strict=False):
+        sampled = ranked[token_id].logprob
+        likeliest = sorted(ranked.items(), key=lambda item: item[1].rank)[:top] if top else []
+        result.append(TokenLogprob(sampled, [(other, entry.logprob) for other, entry in likeliest]))
+    return result
+
+
+def finish_reason(reason: str | None) -> FinishReason | None:
+    """vLLM's finish reason ("stop", "length", "abort") as Flotilla's."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        return "cancelled"
+    return "stop"
+
+
+class _SchedulerStats:
+    """The last scheduler stats vLLM recorded, kept by a stat logger it calls after each step."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.generated_tokens = 0
+        self.preemptions = 0
+
+    def load(self) -> WorkerLoad:
+        hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+        return WorkerLoad(
+            instance_id=0,
+            active_requests=self.running + self.waiting,
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            prefix_hit_rate=hit_rate,
+            generated_tokens=self.generated_tokens,
+            preemptions=self.preemptions,
+        )
+
+    def factory(self) -> Any:
+        """A vLLM stat logger factory (called with the VllmConfig and the engine index) feeding this."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class FlotillaStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM's class is untyped here
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    stats.running = scheduler_stats.num_running_reqs
+                    stats.waiting = scheduler_stats.num_waiting_reqs
+                    stats.kv_usage = scheduler_stats.kv_cache_usage
+                    prefix = scheduler_stats.prefix_cache_stats
+                    stats.prefix_queries += prefix.queries
+                    stats.prefix_hits += prefix.hits
+                if iteration_stats is not None:
+                    stats.generated_tokens += iteration_stats.num_generation_tokens
+                    stats.preemptions += len(getattr(iteration_stats, "finished_requests", ())) * 0
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return FlotillaStatLogger

