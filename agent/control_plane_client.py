@@ -22,7 +22,7 @@ so that the agent compares its workers with ``list_instances()``; the client its
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import httpx
@@ -93,6 +93,9 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[GpuReport]
     #: This machine's id (agent/machine_identity.py): the control plane refuses another machine's reports.
     machine_id: str = ""
+    #: The engines this node's workers can run (runtime.engine_names.engines_on_this_node()), sorted: the
+    #: control plane places a replica only on a node that reports its engine.
+    engines: list[str] = msgspec.field(default_factory=list)
 
 
 def node_report(
@@ -103,8 +106,9 @@ def node_report(
     labels: Mapping[str, str] | None = None,
     version: str = "",
     machine_id: str = "",
+    engines: Collection[str] = (),
 ) -> NodeReport:
-    """The API's report of ``inventory`` for node ``name`` on machine ``machine_id``."""
+    """The API's report of ``inventory`` for node ``name`` on machine ``machine_id``, which runs ``engines``."""
     return NodeReport(
         name=name,
         address=address or inventory.hostname,
@@ -125,6 +129,7 @@ def node_report(
             for gpu in inventory.gpus
         ],
         machine_id=machine_id,
+        engines=sorted(engines),
     )
 
 

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +68,7 @@ from agent.task_consumer import TaskConsumer
 from agent.worker_spec import DEFAULT_COMMAND, allowed_environment
 from runtime.backoff import Backoff
 from runtime.discovery import Discovery
+from runtime.engine_names import engines_on_this_node
 from runtime.errors import BackgroundTaskFailed, ConfigError
 from runtime.fleet_tasks import LocalSource, LogTailRequest, ModelSource, StartInstance, StopInstance
 from runtime.task_signing import agent_signing_key
@@ -155,10 +156,12 @@ class NodeAgent:
         machine_id: str = "",
         reconcile_s: float = 30.0,
         listing_lag_s: float = 5.0,
+        engines: Collection[str] | None = None,
     ) -> None:
         """``worker_env`` is the workers' environment (default: the agent's own); every ``reconcile_s`` the
         workers are compared with the control plane's list, which may not show a start sent less than
-        ``listing_lag_s`` before (its transaction not committed yet)."""
+        ``listing_lag_s`` before (its transaction not committed yet). ``engines``, reported with the node's
+        inventory, are those its workers can run (default: the fleet's engines installed here)."""
         self.node = node
         self.state_dir = state_dir
         self._client = client
@@ -172,6 +175,7 @@ class NodeAgent:
         self._version = version
         self._address = address
         self._machine_id = machine_id
+        self.engines = frozenset(engines_on_this_node() if engines is None else engines)
         self.supervisor = Supervisor(
             node=node,
             state_dir=state_dir,
@@ -228,7 +232,12 @@ class NodeAgent:
         """The node's inventory now (simulated GPUs' memory used: what the workers on them declared)."""
         inventory = await asyncio.to_thread(self._inventory.read, self.supervisor.gpu_memory_in_use())
         return node_report(
-            inventory, name=self.node, address=self._address, version=self._version, machine_id=self._machine_id
+            inventory,
+            name=self.node,
+            address=self._address,
+            version=self._version,
+            machine_id=self._machine_id,
+            engines=self.engines,
         )
 
     async def _heartbeats(self) -> None:
@@ -667,6 +676,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             loop=loop,
             # Tasks signed for this node only: the broker's other clients (every agent) cannot forge them.
             signing_key=agent_signing_key(settings.token, settings.node),
+            engines=agent.engines,  # the ones it reported: it refuses what it told the control plane it lacks
         )
         consumer.start()
         stack.push_async_callback(asyncio.to_thread, consumer.stop)

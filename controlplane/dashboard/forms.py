@@ -12,7 +12,6 @@ from django import forms
 
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
-from controlplane.catalog.engines import Engine
 from controlplane.catalog.models import LanguageModel, validate_model_name
 from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.models import Pipeline, PlacementPolicy, RouterMode, WorkerGroup, validate_served_name
@@ -24,6 +23,7 @@ from controlplane.deployments.pipelines import (
     GroupSpec,
 )
 from controlplane.errors import Conflict, Invalid
+from controlplane.fleet.node_engines import engine_choices
 from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
@@ -84,8 +84,12 @@ class ModelForm(ActionForm):
     filename = forms.CharField(
         max_length=255, required=False, help_text="Hugging Face only: the GGUF file to use in a repo of several."
     )
-    engine = forms.ChoiceField(choices=Engine.choices)
+    engine = forms.ChoiceField(help_text="The engines some node runs, with the nodes that run each.")
     default_engine_args = JsonObjectField(label="Default engine args (JSON)")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["engine"].choices = engine_choices()  # read per form: agents report theirs as they come
 
     def submit(self, actor: Actor) -> LanguageModel | None:
         """Create the model; None when the input or the action refused (the errors are on the form)."""
@@ -111,7 +115,7 @@ class PipelineForm(ActionForm):
     )
     model = forms.ModelChoiceField(queryset=LanguageModel.objects.order_by("name"), to_field_name="name")
     engine = forms.ChoiceField(
-        choices=[("", "the model's engine"), *Engine.choices], required=False, help_text="Left empty: the model's."
+        required=False, help_text="Left empty: the model's. The engines some node runs, with the nodes that run each."
     )
     replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS, initial=1)
     gpus_per_replica = forms.IntegerField(
@@ -134,6 +138,10 @@ class PipelineForm(ActionForm):
     use_kv_events = forms.BooleanField(required=False, initial=True, label="Use KV events")
     engine_args = JsonObjectField(label="Engine args (JSON)")
     placement_policy = forms.ChoiceField(choices=PlacementPolicy.choices, initial=PlacementPolicy.SPREAD)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["engine"].choices = [("", "the model's engine"), *engine_choices()]
 
     def submit(self, actor: Actor) -> Pipeline | None:
         """Deploy the pipeline; None when the input or the action refused (the errors are on the form)."""

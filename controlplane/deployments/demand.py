@@ -25,4 +25,5 @@ def group_demand(group: WorkerGroup, count: int) -> Demand:
         pinned_nodes=frozenset(pipeline.pinned_nodes),
         pinned_gpus=frozenset(pipeline.pinned_gpus),
         existing_replicas_by_node=dict(existing),
+        engine=group.engine,
     )

@@ -57,6 +57,7 @@ def fleet_inventory() -> list[NodeInventory]:
                 memory_free_bytes=memory_free,
                 instances=node_instances[node.pk],
                 unschedulable_because=because,
+                engines=frozenset(node.engines),
             )
         )
     return inventory

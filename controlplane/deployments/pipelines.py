@@ -27,6 +27,7 @@ from controlplane.deployments.instances import add_instances, stop_instance
 from controlplane.deployments.models import Instance, Pipeline, WorkerGroup, validate_served_name
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.models import Node
+from controlplane.fleet.node_engines import check_engine_runs_somewhere
 from controlplane.reconcile_requests import request_reconcile
 
 MAX_REPLICAS = 512
@@ -98,6 +99,8 @@ def deploy_pipeline(
     _check_served_name(name)
     _check_settings(settings)
     _check_groups(model, groups, settings.get("pinned_gpus") or [])
+    for spec in groups:  # at deploy only: a group deployed before its node went keeps its engine
+        check_engine_runs_somewhere(spec.engine or model.engine, f"the {spec.role} group", field="groups")
     if namespace is None:
         namespace = _free_namespace(name)
     elif Pipeline.objects.filter(namespace=namespace).exists():

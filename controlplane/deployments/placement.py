@@ -17,12 +17,16 @@ Rules:
   its free system memory covers the need (any node, when the need is unknown); both policies prefer
   nodes without GPUs, ``spread`` only after spreading over nodes, so that GPUs stay free for GPU work.
 * Only schedulable nodes (online, neither draining nor cordoned) are used; pins restrict nodes and GPU indexes.
+* A replica goes only to a node that runs its engine (as the node's agent reports); when no node does, the
+  reason says how to get one ("no node runs vllm: install it with pip install 'flotilla[vllm]' on a node").
 """
 
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
+
+from controlplane.catalog.engines import install_hint
 
 Policy = Literal["spread", "binpack"]
 _ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
@@ -42,17 +46,24 @@ class GpuInventory:
 
 @dataclass(frozen=True, slots=True)
 class NodeInventory:
-    """One node as placement sees it; ``unschedulable_because`` is "offline", "draining", "cordoned" or ""."""
+    """One node as placement sees it; ``unschedulable_because`` is "offline", "draining", "cordoned" or "".
+
+    ``engines`` are those its agent reports it can run; None: any (callers that do not say).
+    """
 
     name: str
     gpus: tuple[GpuInventory, ...] = ()
     memory_free_bytes: int = 0
     instances: int = 0
     unschedulable_because: str = ""
+    engines: frozenset[str] | None = None
 
     @property
     def schedulable(self) -> bool:
         return not self.unschedulable_because
+
+    def runs(self, engine: str) -> bool:
+        return not engine or self.engines is None or engine in self.engines
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +71,8 @@ class Demand:
     """New replicas wanted for one worker group.
 
     ``memory_per_replica_bytes`` is None when unknown. ``existing_replicas_by_node`` counts the group's
-    replicas already placed, so that ``spread`` keeps spreading across calls.
+    replicas already placed, so that ``spread`` keeps spreading across calls. ``engine`` is the group's
+    (the nodes that do not run it are passed over); "" places on any node.
     """
 
     replicas: int
@@ -70,6 +82,7 @@ class Demand:
     pinned_nodes: frozenset[str] = frozenset()
     pinned_gpus: frozenset[int] = frozenset()
     existing_replicas_by_node: Mapping[str, int] = field(default_factory=dict)
+    engine: str = ""
 
     @property
     def memory_per_gpu_bytes(self) -> int | None:
@@ -171,7 +184,8 @@ class _WorkingNode:
 
 
 def _allowed(node: NodeInventory, demand: Demand) -> bool:
-    return node.schedulable and (not demand.pinned_nodes or node.name in demand.pinned_nodes)
+    pinned_here = not demand.pinned_nodes or node.name in demand.pinned_nodes
+    return node.schedulable and pinned_here and node.runs(demand.engine)
 
 
 def _impossible(demand: Demand, nodes: list[NodeInventory]) -> str:
@@ -188,6 +202,11 @@ def _impossible(demand: Demand, nodes: list[NodeInventory]) -> str:
     if demand.pinned_nodes and len(missing) == len(demand.pinned_nodes):
         return f"pinned to {_names(missing)}, which {'is' if len(missing) == 1 else 'are'} not registered"
     considered = [node for node in nodes if not demand.pinned_nodes or node.name in demand.pinned_nodes]
+    running = [node for node in considered if node.runs(demand.engine)]
+    if not running:
+        where = f"no node it is pinned to ({_names(sorted(demand.pinned_nodes))})" if demand.pinned_nodes else "no node"
+        return f"{where} runs {demand.engine}: {install_hint(demand.engine)}"
+    considered = running
     if not any(node.schedulable for node in considered):
         why = ", ".join(f"{node.name} is {node.unschedulable_because}" for node in considered[:_MAX_NAMED])
         more = f" and {len(considered) - _MAX_NAMED} more" if len(considered) > _MAX_NAMED else ""

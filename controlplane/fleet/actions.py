@@ -85,14 +85,16 @@ def heartbeat(actor: Actor, name: str, report: NodeReport) -> Node:
     gpus = list(node.gpus.order_by("index"))  # read once: compared, snapshotted and updated below
     came_back = node.state != Node.State.ONLINE
     adopts = claimed_machine(node, report.machine_id) != node.machine_id  # registered before machine ids
-    if came_back or adopts or _hardware(node, gpus) != report.hardware():
+    # An engine installed or removed changes what may be placed here: audited, and a reconciler pass asked for.
+    new_engines = report.engines is not None and list(report.engines) != node.engines
+    if came_back or adopts or new_engines or _hardware(node, gpus) != report.hardware():
         before = node_snapshot(node, gpus)
         _apply_report(node, report)
         node.state = Node.State.ONLINE
         node.save()
         _sync_gpus(node, report.gpus)
         record(actor, "node.heartbeat", node, before=before, after=node_snapshot(node))
-        if came_back:
+        if came_back or new_engines:
             request_reconcile()
         return node
     # The common case (40 a second from 200 nodes): only usage moved. Two statements, no audit entry;
@@ -208,6 +210,8 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     node.memory_available_bytes = report.memory_available_bytes
     node.agent_version = report.agent_version
     node.machine_id = claimed_machine(node, report.machine_id)
+    if report.engines is not None:
+        node.engines = list(report.engines)
     # The database's time, the clock the reconciler measures silence on. Read, not written as Now(): on
     # SQLite Now() stores text in another format than Django's, and the reconciler's conditional update
     # (mark_node_offline: last_heartbeat_at equal to the value it read) would never match it.

@@ -15,6 +15,18 @@ validate_node_name = RegexValidator(
     re.compile(NODE_NAME_PATTERN), "1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
 )
 
+#: What a node is taken to run until its agent reports its engines (agents older than these reports never do):
+#: the engines those agents implemented. Taking them keeps a fleet placing what it placed before when the
+#: control plane is upgraded ahead of its agents; an older agent that lacks one (llama.cpp or mistral.rs not
+#: installed) refuses its task with a clear reason, as before. Frozen, not IMPLEMENTED_ENGINES: an engine added
+#: later is one no older agent runs. The first report of an agent that says replaces it.
+ENGINES_BEFORE_REPORTS = ("echo_core", "echo_full", "llamacpp", "mistralrs", "mocker")
+
+
+def engines_before_reports() -> list[str]:
+    """A new ``Node.engines``: a fresh list each time (a JSONField's default must not be shared)."""
+    return list(ENGINES_BEFORE_REPORTS)
+
 
 class Node(models.Model):
     """A machine with an agent.
@@ -46,6 +58,9 @@ class Node(models.Model):
     agent_version = models.CharField(max_length=64, blank=True)
     # The machine the node's agent runs on (controlplane/fleet/machines.py): blank until one is sent.
     machine_id = models.CharField(max_length=128, blank=True)
+    # The engines its agent says it can run (runtime.engine_names.engines_on_this_node()), sorted; placement
+    # puts a replica only where its engine is. Until the agent says: ENGINES_BEFORE_REPORTS (see there why).
+    engines = models.JSONField(default=engines_before_reports, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

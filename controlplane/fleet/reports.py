@@ -29,6 +29,9 @@ class NodeReport:
     gpus: tuple[GpuReport, ...] = ()
     #: The machine the agent runs on (controlplane/fleet/machines.py); "" when the agent does not say.
     machine_id: str = ""
+    #: The engines the node's agent can run, sorted; None when the agent does not say (older agents): the
+    #: node keeps what it had (``Node.engines``).
+    engines: tuple[str, ...] | None = None
 
     def hardware(self) -> dict[str, Any]:
         """What changes only when the machine does (the audit log records such changes, not usage)."""

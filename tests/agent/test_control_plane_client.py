@@ -18,7 +18,9 @@ from agent.control_plane_client import (
     NodeReport,
     TokenRejected,
     fit_reason,
+    node_report,
 )
+from agent.inventory import NodeInventory
 from runtime.backoff import Backoff
 from runtime.errors import ConfigError
 
@@ -174,6 +176,20 @@ async def test_registration_waits_for_the_control_plane(client: ControlPlaneClie
     [(path, body)] = stand_in.posts()
     assert path == "/api/v1/agent/register/"
     assert isinstance(body, dict) and (body["name"], body["cpu_count"]) == ("node-a", 8)
+
+
+async def test_registration_and_heartbeats_carry_the_engines_the_node_runs(
+    client: ControlPlaneClient, stand_in: StandIn
+) -> None:
+    inventory = NodeInventory(
+        hostname="host-a", cpu_count=8, memory_total_bytes=1 << 35, memory_available_bytes=0, gpus=[]
+    )
+    report = node_report(inventory, name="node-a", engines={"mocker", "llamacpp", "echo_full"})
+    await client.register(report)
+    await client.heartbeat(report)
+    sent = [(path, body["engines"]) for path, body in stand_in.posts() if isinstance(body, dict)]
+    engines = ["echo_full", "llamacpp", "mocker"]
+    assert sent == [("/api/v1/agent/register/", engines), ("/api/v1/agent/heartbeat/", engines)]
 
 
 async def test_registration_refused_for_the_token_or_the_url_says_which(

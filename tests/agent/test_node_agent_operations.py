@@ -27,6 +27,7 @@ from agent.downloads import ModelDownloader
 from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
 from agent.processes import process_start_time
+from runtime.engine_names import engines_on_this_node
 from runtime.fleet_tasks import LocalSource, LogTailRequest, StartInstance, StopInstance, WorkerSpec
 from tests.agent.test_supervisor import CHILD, SocketReadiness, kill_recorded_workers, pid_gone
 
@@ -172,6 +173,34 @@ async def test_a_start_reports_starting_then_ready_and_a_repeat_of_it_only_repor
     finally:
         await agent.supervisor.stop_all()
         await agent.close()
+
+
+async def test_the_agent_reports_the_engines_its_workers_can_run_and_refuses_the_others(
+    tmp_path: Path, child: Path, readiness: SocketReadiness
+) -> None:
+    control_plane = StandInControlPlane()
+    agent = make_agent(tmp_path, child, readiness, control_plane)
+    assert agent.engines == engines_on_this_node()
+    await agent.start()
+    try:
+        [registered] = control_plane.registered
+        assert registered.engines == sorted(engines_on_this_node())
+        assert {"mocker", "echo_core", "echo_full"} <= set(registered.engines)  # no package to install for these
+        assert (await agent.node_report()).engines == registered.engines  # and every heartbeat
+    finally:
+        await agent.close()
+
+    chosen = NodeAgent(
+        node="node-a",
+        client=control_plane,
+        downloader=ModelDownloader(tmp_path / "models"),
+        inventory=Inventory([]),
+        readiness=readiness,
+        state_dir=tmp_path / "state-2",
+        log_dir=tmp_path / "logs-2",
+        engines={"mocker"},
+    )
+    assert (await chosen.node_report()).engines == ["mocker"]
 
 
 async def test_a_newer_attempt_replaces_the_worker_and_an_older_one_is_ignored(

@@ -1,5 +1,7 @@
 """place(): hand-computed placements and reasons (a pure function: no database)."""
 
+from dataclasses import replace
+
 import pytest
 
 from controlplane.deployments.placement import (
@@ -123,6 +125,34 @@ def test_offline_and_draining_nodes_take_nothing_and_are_named() -> None:
 def test_only_schedulable_nodes_are_used() -> None:
     nodes = [gpu_node("a", 80, unschedulable_because="draining"), gpu_node("b", 30)]
     assert spots(place(demand(replicas=1), nodes)) == [("b", (0,))]
+
+
+def test_a_replica_goes_only_to_a_node_that_runs_its_engine_even_a_fuller_one() -> None:
+    nodes = [gpu_node("a", 80, 80, engines=frozenset({"mocker"})), gpu_node("b", 25, engines=frozenset({"vllm"}))]
+    assert spots(place(demand(replicas=1, engine="vllm"), nodes)) == [("b", (0,))]
+    result = place(demand(replicas=2, engine="vllm"), nodes)
+    assert result == Unschedulable(
+        "only 1 of 2 replicas fit; the second needs 1 GPU with 20 GiB free; the best node, b, has 0 "
+        "(its GPU with the most free memory has 5 GiB)",
+        (ReplicaPlacement("b", (0,)),),
+    )
+
+
+def test_when_no_node_runs_the_engine_the_reason_says_how_to_get_it() -> None:
+    nodes = [gpu_node("a", 80, engines=frozenset({"mocker"})), cpu_node("b", 64, engines=frozenset())]
+    result = place(demand(engine="vllm"), nodes)
+    assert result == Unschedulable("no node runs vllm: install it with pip install 'flotilla[vllm]' on a node")
+    pinned = place(demand(gpus=0, engine="mocker", pinned_nodes=frozenset({"b"})), nodes)
+    assert pinned == Unschedulable(
+        "no node it is pinned to (b) runs mocker: run an agent of this version on a node (it runs mocker with no "
+        "extra install)"
+    )
+
+
+def test_nodes_that_run_the_engine_but_take_nothing_new_are_named() -> None:
+    nodes = [gpu_node("a", 80, engines=frozenset({"vllm"}), unschedulable_because="cordoned"), gpu_node("b", 80)]
+    result = place(demand(engine="vllm"), [nodes[0], replace(nodes[1], engines=frozenset({"mocker"}))])
+    assert result == Unschedulable("no node can take new instances: a is cordoned")
 
 
 def test_pinned_nodes_restrict_placement_even_to_a_worse_node() -> None:

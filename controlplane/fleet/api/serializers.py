@@ -11,10 +11,14 @@ from controlplane.deployments.worker_specs import merged_engine_args
 from controlplane.fleet.machines import MACHINE_ID_PATTERN
 from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Node
 from controlplane.fleet.reports import DownloadReport, GpuReport, NodeReport
+from runtime.engine_names import ENGINE_LABELS, FLEET_ENGINES
 from runtime.fleet_tasks import GPU_UUID_PATTERN
 
 MAX_BYTES = 2**53
 MAX_GPUS_PER_NODE = 64
+# A node reports each of the fleet's engines at most once; room for a few more keeps a newer agent (which may
+# know an engine this control plane does not) answered by name rather than by a count.
+MAX_ENGINES_PER_NODE = 32
 MAX_INSTANCE_ID = 2**63 - 1
 
 
@@ -80,6 +84,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "memory_available_bytes",
             "agent_version",
             "machine_id",
+            "engines",
             "gpus",
             "registered_at",
             "updated_at",
@@ -152,6 +157,22 @@ class NodeReportSerializer(serializers.Serializer):
         default="",
         help_text="The machine the agent runs on (/etc/machine-id): another machine's report for this node is a 409.",
     )
+    engines = serializers.ListField(
+        child=serializers.CharField(max_length=64),
+        max_length=MAX_ENGINES_PER_NODE,
+        required=False,
+        help_text="The engines the agent can run here (the fleet's names); left out: those the node had.",
+    )
+
+    def validate_engines(self, engines: list[str]) -> tuple[str, ...]:
+        """The node's own word, believed only for the fleet's engines: any other name is refused by name."""
+        unknown = sorted(set(engines) - FLEET_ENGINES)
+        if unknown:
+            names = ", ".join(repr(name[:64]) for name in unknown)
+            raise serializers.ValidationError(
+                f"not an engine of this fleet: {names}; the fleet's engines are {', '.join(ENGINE_LABELS)}"
+            )
+        return tuple(sorted(set(engines)))
 
     def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         indexes = [gpu["index"] for gpu in gpus]
