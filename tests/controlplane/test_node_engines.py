@@ -96,7 +96,7 @@ def test_placement_skips_a_node_without_the_engine_and_says_when_no_node_runs_it
     assert waiting.reason == "no node runs llamacpp: install it with pip install 'flotilla[llamacpp]' on a node"
 
 
-def test_the_forms_offer_only_the_engines_some_node_runs_with_the_nodes_that_run_them() -> None:
+def test_the_forms_offer_only_the_engines_some_node_runs_with_their_nodes_and_the_node_page_lists_them() -> None:
     make_node_running("cpu-a", "llamacpp", "mocker")
     make_node_running("cpu-b", "llamacpp")
     make_model("smol")
@@ -106,6 +106,9 @@ def test_the_forms_offer_only_the_engines_some_node_runs_with_the_nodes_that_run
         assert '<option value="llamacpp">llama.cpp (GGUF) — nodes cpu-a, cpu-b</option>' in html, page
         assert '<option value="mocker">mocker (simulated vLLM, no weights) — node cpu-a</option>' in html, page
         assert 'value="vllm"' not in html and 'value="mistralrs"' not in html, page
+
+    nodes_page = browser.get("/nodes/").content.decode()
+    assert '<span class="engine">llamacpp</span>, <span class="engine">mocker</span>' in nodes_page
 
     chosen = {"name": "chat", "model": "smol", "engine": "vllm", "replicas": "1", "gpus_per_replica": "1"}
     response = browser.post("/pipelines/", {**chosen, "router_mode": "round_robin", "placement_policy": "spread"})
