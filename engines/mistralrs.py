@@ -12,7 +12,7 @@ template (``jinja_explicit``: the prompt is used as it is). Why not mistral.rs's
   the whole generation: the Runner's methods take ``&mut self``, so a second request sent meanwhile
   fails with "Already borrowed" (measured with 0.9.5). The streaming chat request returns as soon as
   the request is queued, so requests are sent under a lock and generate concurrently (mistral.rs
-  batches them, up to ``max_seqs``);
+  batches them, up to ``max_seqs``: one by default, see MistralRsSettings);
 * the chat template is rendered by ``runtime.chat_template`` (transformers' rendering), with the
   request's ``tools``, exactly as Flotilla renders it for the token engines.
 
@@ -57,8 +57,11 @@ class MistralRsSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True,
     """mistral.rs's own settings, by the names of its ``Runner`` and ``Which`` arguments: the keys of
     ``--extra-engine-args`` for ``out=mistralrs``."""
 
-    #: Sequences generated at once (batched); more wait in mistral.rs's queue.
-    max_seqs: PositiveInt = 32
+    #: Sequences generated at once (batched); more wait in mistral.rs's queue. One by default, not
+    #: mistral.rs's 32: with 0.9.5 on the CPU, a GGUF model fails requests whose prompts are prefilled
+    #: in one batch ("input tensor is not contiguous" in its lm_head; 6 of 8 staggered requests with
+    #: SmolLM2 Q4_1 at max_seqs 8). Raise it where batching works (a GPU build).
+    max_seqs: PositiveInt = 1
     no_kv_cache: bool = False
     #: Finished sequences kept in the prefix cache, for later requests with the same prefix.
     prefix_cache_n: Annotated[int, msgspec.Meta(ge=0)] = 16
