@@ -1,5 +1,6 @@
 """Two `flotilla agent` processes given one node name on two machines (told apart by ``--machine-id``), with a
-real control plane: the second is refused and stops with exit code 2, the first keeps its node."""
+real control plane: the second is refused and stops with exit code 2, the first keeps its node (registered
+with its machine id and the engines it runs, as the control plane stores them)."""
 
 import os
 import signal
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.engine_names import engines_on_this_node
 from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, json_of, wait_for
 from tests.infra import EtcdServer, NatsServer, RedisServer
 from tests.servers import stop_process
@@ -51,6 +53,7 @@ def test_a_second_machine_with_the_nodes_name_is_refused_and_its_agent_exits_2(
 
             registered = wait_for("the first agent to register", node, explain=lambda: first_log.read_text())
             assert registered["machine_id"] == "machine-one"
+            assert registered["engines"] == sorted(engines_on_this_node())  # what its workers can run, stored
 
             second, second_log = start_agent(control_plane, token, "machine-two", tmp_path, servers)
             assert second.wait(timeout=60) == 2, second_log.read_text()
