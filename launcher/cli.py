@@ -19,6 +19,7 @@ from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOp
 from launcher.proctitle import run_title, set_title
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
+from runtime.engine_names import GPU_ONLY_ENGINES
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
 from runtime.logging import configure_logging
 from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
@@ -37,6 +38,8 @@ Run a model and talk to it, in one process.
                    tokenizes itself); its Runner's settings in --extra-engine-args, e.g. {"max_seqs": 8}
   out=echo_core    echo the templated prompt's tokens (shows the chat template)
   out=echo_full    echo the prompt text; needs no model (--model-name names it)
+  out=sglang       SGLang on a safetensors folder, on GPUs (pip install 'flotilla[sglang]')
+  out=trtllm       TensorRT-LLM's LLM API on a safetensors folder, on GPUs (pip install 'flotilla[trtllm]')
   out=mocker       a simulated vLLM (no weights, MODEL gives the tokenizer): paged KV cache with
                    prefix caching, batching, timing, KV events; settings in --extra-engine-args
   out=pystr:FILE.py
@@ -309,27 +312,31 @@ def build_run_parser() -> EnvArgumentParser:
         'mocker (e.g. {"speedup_ratio": 100, "dp_size": 2, "num_gpu_blocks": 4096, "block_size": 64}); '
         "out=mistralrs: likewise, with the names of mistral.rs's Runner arguments (engines/mistralrs.py), "
         'e.g. {"max_seqs": 8, "seed": 1}; out=vllm: vLLM\'s AsyncEngineArgs fields (those of `vllm serve`, with '
-        'underscores), e.g. {"block_size": 32, "enable_prefix_caching": true}',
+        'underscores), e.g. {"block_size": 32, "enable_prefix_caching": true}; out=sglang: SGLang\'s ServerArgs '
+        'fields, e.g. {"page_size": 32}; out=trtllm: a YAML file (or JSON) of TensorRT-LLM\'s LLM arguments, as '
+        "trtllm-serve's --extra_llm_api_options (engines/sglang.py and engines/trtllm.py list the names)",
     )
     run.add_flag(
         "--tensor-parallel-size",
         env="FLOTILLA_TENSOR_PARALLEL_SIZE",
         type=_positive_int,
-        help="out=vllm: GPUs the model is split across (default 1)",
+        help="out=vllm, out=sglang, out=trtllm: GPUs the model is split across (default 1)",
     )
     run.add_flag(
         "--base-gpu-id",
         env="FLOTILLA_BASE_GPU_ID",
         type=_non_negative_int,
-        help="out=vllm: the first of the GPUs to use, counted among CUDA_VISIBLE_DEVICES when that is set "
+        help="out=vllm, out=sglang, out=trtllm: the first of the GPUs to use, counted among "
+        "CUDA_VISIBLE_DEVICES when that is set "
         "(the engine sees --tensor-parallel-size GPUs from it; default: the first)",
     )
     run.add_flag(
         "--gpu-memory-utilization",
         env="FLOTILLA_GPU_MEMORY_UTILIZATION",
         type=_memory_share,
-        help="out=vllm: the share of each GPU's memory the engine may take, weights and KV cache together "
-        "(the control plane's placement share; default vLLM's 0.9)",
+        help="out=vllm, out=sglang, out=trtllm: the share of each GPU's memory the engine may take, weights "
+        "and KV cache together (the control plane's placement share; SGLang's mem_fraction_static, a KV cache "
+        "fraction computed from it for TensorRT-LLM; default: the engine's own)",
     )
     run.add_flag(
         "--labels",
@@ -534,8 +541,9 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         ("--base-gpu-id", namespace.base_gpu_id),
         ("--gpu-memory-utilization", namespace.gpu_memory_utilization),
     ):
-        if value is not None and output != "vllm":
-            parser.error(f"{flag} places out=vllm on its GPUs, not out={output}")
+        if value is not None and output not in GPU_ONLY_ENGINES:
+            gpu_engines = ", ".join(f"out={engine}" for engine in sorted(GPU_ONLY_ENGINES))
+            parser.error(f"{flag} places a GPU engine ({gpu_engines}) on its GPUs, not out={output}")
     if (python_engine := python_engine_file(output)) is not None:
         kind, file = python_engine
         if not file:

@@ -72,6 +72,8 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         return build_mistralrs_model(options)
     if output == "vllm":
         return build_vllm_model(options)
+    if output in ("sglang", "trtllm"):
+        return build_gpu_model(options)
     if output == "mocker":
         return build_mocker_model(options)
     if (python_engine := python_engine_file(output)) is not None:
@@ -143,6 +145,38 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     card = msgspec.structs.replace(
         card, logprobs=True, kv_cache_block_size=extra.get("block_size") or card.kv_cache_block_size
     )
+    return TokenModel(card, engine), engine
+
+
+def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
+    """``out=sglang`` / ``out=trtllm``: SGLang's Engine or TensorRT-LLM's LLM on a safetensors folder, fed token
+    ids by Flotilla's preprocessor, placed on the GPUs and memory share the flags give."""
+    from engines import sglang, trtllm
+    from engines.gpu_engine_args import GpuPlacement
+
+    output = options.output
+    module = sglang if output == "sglang" else trtllm
+    # Looked up, not imported (importing either takes seconds and CUDA): one line, not a traceback.
+    if importlib.util.find_spec("sglang" if output == "sglang" else "tensorrt_llm") is None:
+        raise ConfigError(module.MISSING_PACKAGE)
+    # The arguments first: their mistakes are quicker to find than a model download.
+    extra = module.parse_engine_args(options.extra_engine_args)
+    placement = GpuPlacement(
+        tensor_parallel_size=options.tensor_parallel_size,
+        base_gpu_id=options.base_gpu_id or 0,
+        context_length=options.context_length,
+        gpu_memory_fraction=options.gpu_memory_utilization,
+    )
+    card, path = load_card(options)
+    if not path.is_dir():
+        raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
+    engine: sglang.SglangEngine | trtllm.TrtLlmEngine
+    if output == "sglang":
+        engine = sglang.SglangEngine(path, placement, extra)
+    else:
+        engine = trtllm.TrtLlmEngine(path, placement, extra)
+    # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.
+    card = msgspec.structs.replace(card, kv_cache_block_size=engine.block_size)
     return TokenModel(card, engine), engine
 
 

@@ -26,7 +26,9 @@ ENGINE_LABELS: dict[str, str] = {
 FLEET_ENGINES = frozenset(ENGINE_LABELS)
 
 #: The engines this version of ``flotilla run`` implements.
-IMPLEMENTED_ENGINES = ("echo_core", "echo_full", "llamacpp", "mistralrs", "mocker", "vllm")
+#: GPU-only engines are listed too: ``engines_on_this_node()`` reports one only where its library imports,
+#: so an agent on a CPU node refuses its tasks and the catalog offers it only where some node has it.
+IMPLEMENTED_ENGINES = ("echo_core", "echo_full", "llamacpp", "mistralrs", "mocker", "sglang", "trtllm", "vllm")
 #: The engines on the road map (DESIGN.md): in the catalog, refused by ``flotilla run`` with a clear answer.
 PLANNED_ENGINES = tuple(name for name in ENGINE_LABELS if name not in IMPLEMENTED_ENGINES)
 
@@ -36,11 +38,18 @@ GPU_ONLY_ENGINES = frozenset({"vllm", "sglang", "trtllm"})
 GGUF_ONLY_ENGINES = frozenset({"llamacpp"})
 #: Engines whose workers need no model files: nothing to download, no MODEL argument.
 ENGINES_WITHOUT_FILES = frozenset({"echo_full"})
-#: Engines configured by one JSON object of their own settings (``flotilla run --extra-engine-args``).
-SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "vllm"})
+#: Engines configured by one object of their own settings (``flotilla run --extra-engine-args``): JSON, YAML
+#: for trtllm (JSON is YAML too).
+SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "sglang", "trtllm", "vllm"})
 
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
-_ENGINE_PACKAGES = {"llamacpp": "llama_cpp", "mistralrs": "mistralrs", "vllm": "vllm"}
+_ENGINE_PACKAGES = {
+    "llamacpp": "llama_cpp",
+    "mistralrs": "mistralrs",
+    "sglang": "sglang",
+    "trtllm": "tensorrt_llm",
+    "vllm": "vllm",
+}
 
 
 def engines_on_this_node() -> frozenset[str]:

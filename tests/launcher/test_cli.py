@@ -194,12 +194,6 @@ def test_only_what_a_restart_cannot_fix_exits_2(error: FlotillaError, code: int)
     assert exit_code(error) == code
 
 
-def test_an_engine_on_the_road_map_says_it_is_not_available_yet() -> None:
-    result = flotilla("run", "out=sglang")
-    assert result.returncode == 2
-    assert "out=sglang is not available in this version yet" in result.stderr
-
-
 def test_a_missing_model_file_is_a_clear_error(tmp_path: Path) -> None:
     result = flotilla("run", "out=echo_core", str(tmp_path / "missing.gguf"))
     assert result.returncode == 2

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Smoke test of out=sglang and out=trtllm on a GPU machine: what the CPU-only test suite cannot run.
+#
+# Usage:  bench/gpu_engines_check.sh MODEL_DIR [ENGINE ...]
+#   MODEL_DIR  a Hugging Face folder with safetensors (config.json, tokenizer.json, *.safetensors), e.g.
+#              SmolLM2-135M-Instruct or Qwen2.5-0.5B-Instruct, already on the machine (it may have no network)
+#   ENGINE     sglang and/or trtllm (default: both); an engine whose package is missing is reported SKIP
+# Needs: one CUDA GPU, this repo's venv (.venv, or VENV=...) with `pip install -e '.[sglang]'` and/or
+# `pip install --extra-index-url https://pypi.nvidia.com -e '.[trtllm]'` (one library per venv is safest:
+# they pin different torch builds). GPU memory: each engine is started with --gpu-memory-utilization
+# $SHARE (default 0.4), one at a time.
+#
+# What it checks, per engine, printing one "PASS|FAIL|SKIP engine check: detail" line each, exit 1 on a FAIL:
+#   1. in the worker process (launcher.run.build_model, as `flotilla run` builds it): the engine starts with
+#      the placement's memory share; a greedy request completes with a finish reason; the same request again
+#      gives the same tokens (token-exact at temperature 0) and reports cached prompt tokens (prefix reuse);
+#      a request abandoned after 2 tokens is aborted (the engine serves the next one); the engine's KV events
+#      arrive as Flotilla BlockStored events named with runtime/kv_blocks.py's hashes, and cache_state()
+#      holds the blocks;
+#   2. through the CLI: `flotilla run in=http out=ENGINE MODEL_DIR` answers a chat completion over HTTP, and
+#      an unknown --extra-engine-args key exits 2 naming it.
+# It measures nothing: timings of real engines belong in a benchmark of their own.
+set -u -o pipefail
+
+MODEL_DIR=${1:?usage: bench/gpu_engines_check.sh MODEL_DIR [sglang] [trtllm]}
+shift
+ENGINES=("$@")
+[ ${#ENGINES[@]} -eq 0 ] && ENGINES=(sglang trtllm)
+PYTHON=${VENV:-.venv}/bin/python
+SHARE=${SHARE:-0.4}
+PORT=${PORT:-18431}
+cd "$(dirname "$0")/.." || exit 1
+failed=0
+
+report() {  # report STATUS ENGINE CHECK DETAIL
+    echo "$1 $2 $3: $4"
+    [ "$1" = FAIL ] && failed=1
+    return 0
+}
+
+for engine in "${ENGINES[@]}"; do
+    case $engine in
+        sglang) package=sglang ;;
+        trtllm) package=tensorrt_llm ;;
+        *) echo "unknown engine $engine (sglang or trtllm)"; exit 2 ;;
+    esac
+    if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$package') is None)"; then
+        report SKIP "$engine" install "the $package package is not installed in $PYTHON's environment"
+        continue
+    fi
+
+    # 1. The engine in this process.
+    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE timeout 900 "$PYTHON" - <<'PY'
+import asyncio, os, sys
+
+from launcher.options import RunOptions
+from launcher.run import build_model
+from runtime.engine import RequestContext
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv_events import BlockStored
+from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+
+engine_name = os.environ["ENGINE"]
+
+
+def report(status: str, check: str, detail: str) -> None:
+    print(f"{status} {engine_name} {check}: {detail}", flush=True)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, dp_rank: int, events: list) -> None:
+        self.events.extend(events)
+
+
+async def collect(engine, tokens, request_id, max_tokens=16, stop_after=None):
+    request = PreprocessedRequest(
+        request_id=request_id, model="m", token_ids=tokens, sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens), eos_token_ids=[],
+    )
+    out, finish, cached = [], None, None
+    stream = engine.generate(request, RequestContext(request_id))
+    async for step in stream:
+        out += step.token_ids
+        cached = step.cached_tokens if cached is None else cached
+        finish = step.finish_reason or finish
+        if stop_after is not None and len(out) >= stop_after:
+            await stream.aclose()
+            break
+    return out, finish, cached
+
+
+async def main() -> int:
+    options = RunOptions(
+        output=engine_name, model=os.environ["MODEL_DIR"], gpu_memory_utilization=float(os.environ["SHARE"])
+    )
+    model, engine = build_model(options)
+    await engine.start()
+    report("PASS", "start", f"loaded with --gpu-memory-utilization {os.environ['SHARE']}")
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    card = model.card
+    prompt = card.tokenizer.encode("The history of the lighthouse at Alexandria, told in full: " * 8).ids
+    try:
+        first, finish, _ = await collect(engine, prompt, "a1")
+        report("PASS" if first and finish in ("stop", "length") else "FAIL", "greedy", f"{len(first)} tokens, {finish}")
+        again, _, cached = await collect(engine, prompt, "a2")
+        report("PASS" if again == first else "FAIL", "token-exact", f"second greedy run equal: {again == first}")
+        report("PASS" if cached else "FAIL", "prefix reuse", f"cached_tokens {cached} of {len(prompt)}")
+        cut, _, _ = await collect(engine, prompt[:40], "b1", max_tokens=200, stop_after=2)
+        after, finish, _ = await collect(engine, prompt[:30], "b2")
+        report("PASS" if after and finish else "FAIL", "abort", f"abandoned after {len(cut)}; next got {len(after)}")
+        await asyncio.sleep(2)  # events are batched by the engine
+        stored = [event for event in sink.events if isinstance(event, BlockStored)]
+        ours = set(sequence_block_hashes(prompt, engine.block_size))
+        named = {h for event in stored for h in event.block_hashes} & ours
+        report("PASS" if named else "FAIL", "kv events", f"{len(sink.events)} events, {len(named)} of the prompt's {len(ours)} blocks named")
+        state = engine.cache_state(None)
+        report("PASS" if any(state.values()) else "FAIL", "cache state", f"{sum(map(len, state.values()))} blocks")
+    finally:
+        await engine.close()
+    return 0
+
+
+sys.exit(asyncio.run(main()))
+PY
+    [ $? -eq 0 ] || report FAIL "$engine" in-process "the check above stopped early (see its output)"
+
+    # 2. Through the CLI.
+    log=$(mktemp)
+    "$PYTHON" -m launcher.cli run in=http out="$engine" "$MODEL_DIR" --http-port "$PORT" \
+        --gpu-memory-utilization "$SHARE" >"$log" 2>&1 &
+    server=$!
+    ready=0
+    for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && { ready=1; break; }
+        kill -0 $server 2>/dev/null || break
+        sleep 1
+    done
+    if [ $ready = 1 ]; then
+        answer=$(curl -s "http://127.0.0.1:$PORT/v1/chat/completions" -H 'content-type: application/json' \
+            -d '{"model": "'"$(basename "$MODEL_DIR")"'", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}')
+        if echo "$answer" | grep -q '"finish_reason"'; then
+            report PASS "$engine" http "chat completion answered"
+        else
+            report FAIL "$engine" http "answer: $answer"
+        fi
+    else
+        report FAIL "$engine" http "not ready; last log lines: $(tail -3 "$log" | tr '\n' ' ')"
+    fi
+    kill $server 2>/dev/null; wait $server 2>/dev/null
+    rm -f "$log"
+    refused=$("$PYTHON" -m launcher.cli run out="$engine" "$MODEL_DIR" --extra-engine-args '{"no_such_key": 1}' 2>&1)
+    code=$?
+    if [ $code = 2 ] && echo "$refused" | grep -q "no_such_key"; then
+        report PASS "$engine" "unknown key" "exit 2 naming it"
+    else
+        report FAIL "$engine" "unknown key" "exit $code: $refused"
+    fi
+done
+exit $failed
