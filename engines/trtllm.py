@@ -253,9 +253,10 @@ class TrtLlmEngine:
                 weight_bytes=weight_bytes_per_gpu(self.model_path, self.placement.tensor_parallel_size),
             )
         kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
-        loop = asyncio.get_running_loop()
         try:
-            self._llm = await loop.run_in_executor(None, lambda: LLM(**kwargs))
+            # In this thread, as Dynamo's TensorRT-LLM worker does: the LLM starts its executor workers and
+            # may install signal handlers, which only the main thread can.
+            self._llm = LLM(**kwargs)
         except Exception as exc:  # TensorRT-LLM raises what its loader, CUDA or pydantic raise
             raise ModelError(f"TensorRT-LLM could not load {self.model_path}: {exc}") from exc
         self._sampling_params = SamplingParams
@@ -272,14 +273,15 @@ class TrtLlmEngine:
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
 
     async def _read_kv_events(self) -> None:
-        assert self._llm is not None
-        while True:
-            events = [event async for event in self._llm.get_kv_cache_events_async(timeout=1)]
-            for rank, translated in translate_events(events, self._names).items():
-                if self._sink is not None:
-                    self._sink.publish(rank, translated)
-            if not events:
-                await asyncio.sleep(0.05)
+        """Publish the LLM's KV events as they come. Its event stream may end (after ``timeout`` seconds without
+        an event, in some versions) or run for good (others): it is asked again whenever it ends."""
+        while (llm := self._llm) is not None:
+            async for event in llm.get_kv_cache_events_async(timeout=1):
+                # Translated even before a sink is attached: the names map must hear every stored block.
+                for rank, translated in translate_events([event], self._names).items():
+                    if self._sink is not None:
+                        self._sink.publish(rank, translated)
+            await asyncio.sleep(0.05)
 
     def attach_kv_events(self, sink: KvEventSink) -> None:
         self._sink = sink

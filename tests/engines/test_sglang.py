@@ -303,3 +303,25 @@ def test_a_message_that_is_not_three_frames_or_not_msgpack_is_refused() -> None:
         decode_message([b"x"])
     with pytest.raises(ValueError, match="msgpack"):
         decode_message([b"t", b"\0" * 8, b"\xc1"])
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.published: list[tuple[int, list[Any]]] = []
+
+    def publish(self, dp_rank: int, events: list[Any]) -> None:
+        self.published.append((dp_rank, events))
+
+
+def test_a_subscribed_batch_is_published_renamed_and_kept_for_a_state_request() -> None:
+    engine = SglangEngine(Path("/m"), GpuPlacement(), {})
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    stored = BlockStoredSg(block_hashes=[7, 8], parent_block_hash=None, token_ids=TOKENS, block_size=16, lora_id=None)
+    engine._publish_batch(decode_message(zmq_frames(stored)))
+    named = sequence_block_hashes(TOKENS, 16)
+    assert sink.published == [(0, [BlockStored(block_hashes=named)])]
+    assert engine.cache_state(0) == {
+        0: [BlockStored(block_hashes=[named[0]]), BlockStored(block_hashes=[named[1]], parent_hash=named[0])]
+    }
+    assert engine.cache_state(1) == {}

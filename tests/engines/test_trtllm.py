@@ -295,3 +295,34 @@ def test_events_are_grouped_by_attention_dp_rank() -> None:
     translated = translate_events(events, names)
     assert set(translated) == {0, 1}
     assert translated[1] == [BlockStored(block_hashes=sequence_block_hashes(TOKENS[32:], 32))]
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.published: list[tuple[int, list[Any]]] = []
+
+    def publish(self, dp_rank: int, events: list[Any]) -> None:
+        self.published.append((dp_rank, events))
+
+
+async def test_the_llms_kv_events_are_published_as_they_come_and_answer_a_state_request() -> None:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    stored = event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]})
+    created = event({"type": "created", "num_blocks_per_cache_level": [100, 0]})
+
+    class EventsLlm:
+        def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                yield created
+                yield stored
+                engine._llm = None  # the LLM is closed: the reader stops when this stream ends
+
+            return events()
+
+    engine._llm = EventsLlm()
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    await engine._read_kv_events()
+    named = sequence_block_hashes(TOKENS[:32], 32)
+    assert sink.published == [(0, [BlockStored(block_hashes=named)])]
+    assert engine.cache_state(None) == {0: [BlockStored(block_hashes=named)]}
