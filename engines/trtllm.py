@@ -20,6 +20,9 @@ KV events: ``KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=...)``
 ``get_kv_cache_events_async`` and renames the blocks as Flotilla's router does
 (engines/trtllm_kv_events.py, engines/engine_block_names.py). The block size is the KV cache's
 ``tokens_per_block`` (32 unless the extra arguments' ``kv_cache_config`` says).
+
+Load: another task reads ``get_stats_async`` (``enable_iter_perf_stats``) for each rank's running and waiting
+requests, KV usage and prefix hit rate (engines/trtllm_stats.py).
 """
 
 import asyncio
@@ -33,6 +36,7 @@ from typing import Any, Literal
 from engines.engine_block_names import EngineBlockNames
 from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
 from engines.trtllm_kv_events import translate_events
+from engines.trtllm_stats import StatsToLoad
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
 from runtime.kv_events import BlockStored, KvEventSink, WorkerLoad
@@ -121,6 +125,8 @@ def llm_kwargs(model_path: Path, placement: GpuPlacement, engine_args: dict[str,
         "event_buffer_max_size": EVENT_BUFFER_MAX_SIZE,
     }
     kwargs: dict[str, Any] = {
+        # The iteration stats the worker's load reports come from (engines/trtllm_stats.py).
+        "enable_iter_perf_stats": True,
         **engine_args,
         "model": str(model_path),
         "tensor_parallel_size": placement.tensor_parallel_size,
@@ -228,6 +234,8 @@ class TrtLlmEngine:
         self._names = {0: EngineBlockNames(self.block_size)}
         self._sink: KvEventSink | None = None
         self._events_task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self._stats = StatsToLoad()
         self._active = 0
 
     async def start(self) -> None:
@@ -261,13 +269,15 @@ class TrtLlmEngine:
             raise ModelError(f"TensorRT-LLM could not load {self.model_path}: {exc}") from exc
         self._sampling_params = SamplingParams
         self._events_task = asyncio.create_task(self._read_kv_events(), name="trtllm kv events")
+        self._stats_task = asyncio.create_task(self._read_stats(), name="trtllm stats")
         log.info("TensorRT-LLM loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
 
     async def close(self) -> None:
-        if self._events_task is not None:
-            self._events_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._events_task
+        for task in (self._events_task, self._stats_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
@@ -283,11 +293,21 @@ class TrtLlmEngine:
                         self._sink.publish(rank, translated)
             await asyncio.sleep(0.05)
 
+    async def _read_stats(self) -> None:
+        """Keep each rank's latest load from the LLM's iteration stats (asked again whenever the stream ends)."""
+        while (llm := self._llm) is not None:
+            async for stat in llm.get_stats_async(timeout=1):
+                self._stats.update(stat)
+            await asyncio.sleep(0.05)
+
     def attach_kv_events(self, sink: KvEventSink) -> None:
         self._sink = sink
 
     def load(self) -> list[WorkerLoad]:
-        return [WorkerLoad(instance_id=0, active_requests=self._active)]
+        """Each rank's load from the LLM's latest iteration stats; before the first, the requests taken."""
+        if not self._stats.loads:
+            return [WorkerLoad(instance_id=0, active_requests=self._active)]
+        return [self._stats.loads[rank] for rank in sorted(self._stats.loads)]
 
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
         return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}
