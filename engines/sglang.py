@@ -19,7 +19,8 @@ plane placed the worker by (``--gpu-memory-utilization``); ``--tensor-parallel-s
 KV events: SGLang publishes them over ZMQ (``kv_events_config``); the worker subscribes and renames the
 blocks as Flotilla's router does (engines/sglang_kv_events.py, engines/engine_block_names.py). The block
 size is SGLang's ``page_size``: Flotilla sets 16 where the extra arguments do not say (SGLang's own
-default, 1, would name every token as a block).
+default, 1, would name every token as a block). With attention DP each rank has its own cache and
+publisher (on the port after the previous rank's), subscribed to one by one and reported as that dp rank.
 """
 
 import asyncio
@@ -181,11 +182,32 @@ def new_tokens(chunk: dict[str, Any], sent: int) -> list[int]:
     return output_ids[len(output_ids) - fresh :] if fresh else []
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def attention_dp_ranks(engine_args: dict[str, Any]) -> int:
+    """How many KV caches (and event publishers) SGLang runs: one per attention-DP rank with
+    ``enable_dp_attention``, else one."""
+    return int(engine_args.get("dp_size", 1)) if engine_args.get("enable_dp_attention") else 1
+
+
+def rank_endpoints(port: int, ranks: int) -> list[str]:
+    """Where each rank's publisher binds: SGLang adds the rank to the port of a tcp endpoint
+    (``ZmqEventPublisher.offset_endpoint_port``)."""
+    return [f"tcp://*:{port + rank}" for rank in range(ranks)]
+
+
+def free_tcp_ports(count: int, attempts: int = 20) -> int:
+    """The first of ``count`` consecutive free loopback ports. Raises EngineError when none are found."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first: int = probe.getsockname()[1]
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise EngineError(f"no {count} consecutive free ports for SGLang's KV event publishers")
 
 
 class SglangEngine:
@@ -200,9 +222,9 @@ class SglangEngine:
         self.engine_args = engine_args
         self.block_size = int(engine_args.get("page_size", DEFAULT_PAGE_SIZE))
         self._engine: Any = None
-        self._names = EngineBlockNames(self.block_size)
+        self._names = {rank: EngineBlockNames(self.block_size) for rank in range(attention_dp_ranks(engine_args))}
         self._sink: KvEventSink | None = None
-        self._subscriber: ZmqSubscriber | None = None
+        self._subscribers: list[ZmqSubscriber] = []
         self._active = 0
 
     async def start(self) -> None:
@@ -210,32 +232,33 @@ class SglangEngine:
             import sglang
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
-        endpoint = f"tcp://*:{free_tcp_port()}"
-        kwargs = engine_kwargs(self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoint)
+        endpoints = rank_endpoints(free_tcp_ports(len(self._names)), len(self._names))
+        kwargs = engine_kwargs(self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoints[0])
         try:
             # In this thread: SGLang's tokenizer manager binds to the running event loop.
             self._engine = sglang.Engine(**kwargs)
         except Exception as exc:  # SGLang raises what its model loader, CUDA or its arguments raise
             raise ModelError(f"SGLang could not load {self.model_path}: {exc}") from exc
         loop = asyncio.get_running_loop()
+        for rank, endpoint in enumerate(endpoints):
 
-        def on_batch(batch: Any) -> None:  # in the subscriber's thread
-            loop.call_soon_threadsafe(self._publish_batch, batch)
+            def on_batch(batch: Any, rank: int = rank) -> None:  # in the subscriber's thread
+                loop.call_soon_threadsafe(self._publish_batch, rank, batch)
 
-        self._subscriber = ZmqSubscriber(endpoint, _KV_TOPIC, on_batch)
+            self._subscribers.append(ZmqSubscriber(endpoint, _KV_TOPIC, on_batch))
         log.info("SGLang loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
 
     async def close(self) -> None:
-        if self._subscriber is not None:
-            self._subscriber.close()
+        for subscriber in self._subscribers:
+            subscriber.close()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
 
-    def _publish_batch(self, batch: Any) -> None:
-        events = translate_batch(batch, self._names)
+    def _publish_batch(self, rank: int, batch: Any) -> None:
+        events = translate_batch(batch, self._names[rank])
         if events and self._sink is not None:
-            self._sink.publish(0, events)
+            self._sink.publish(rank, events)
 
     def attach_kv_events(self, sink: KvEventSink) -> None:
         self._sink = sink
@@ -244,7 +267,7 @@ class SglangEngine:
         return [WorkerLoad(instance_id=0, active_requests=self._active)]
 
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
-        return {0: self._names.state()} if dp_rank in (None, 0) else {}
+        return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         if self._engine is None:

@@ -18,10 +18,13 @@ from engines.gpu_engine_args import GpuPlacement
 from engines.sglang import (
     DEFAULT_PAGE_SIZE,
     SglangEngine,
+    attention_dp_ranks,
     engine_kwargs,
     finish_reason,
+    free_tcp_ports,
     new_tokens,
     parse_engine_args,
+    rank_endpoints,
     sampling_params,
 )
 from engines.sglang_kv_events import decode_message, translate_batch
@@ -318,10 +321,28 @@ def test_a_subscribed_batch_is_published_renamed_and_kept_for_a_state_request() 
     sink = ListSink()
     engine.attach_kv_events(sink)
     stored = BlockStoredSg(block_hashes=[7, 8], parent_block_hash=None, token_ids=TOKENS, block_size=16, lora_id=None)
-    engine._publish_batch(decode_message(zmq_frames(stored)))
+    engine._publish_batch(0, decode_message(zmq_frames(stored)))
     named = sequence_block_hashes(TOKENS, 16)
     assert sink.published == [(0, [BlockStored(block_hashes=named)])]
     assert engine.cache_state(0) == {
         0: [BlockStored(block_hashes=[named[0]]), BlockStored(block_hashes=[named[1]], parent_hash=named[0])]
     }
     assert engine.cache_state(1) == {}
+
+
+def test_each_attention_dp_rank_publishes_on_the_port_after_the_previous_ranks() -> None:
+    assert attention_dp_ranks({"dp_size": 4}) == 1  # data parallelism without attention DP: one cache
+    assert attention_dp_ranks({"dp_size": 4, "enable_dp_attention": True}) == 4
+    assert rank_endpoints(6000, 3) == ["tcp://*:6000", "tcp://*:6001", "tcp://*:6002"]
+    assert 0 < free_tcp_ports(3) < 65534
+
+
+def test_a_ranks_batch_is_published_as_that_rank_with_its_own_names() -> None:
+    engine = SglangEngine(Path("/m"), GpuPlacement(), {"dp_size": 2, "enable_dp_attention": True})
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    stored = BlockStoredSg(block_hashes=[7], parent_block_hash=None, token_ids=TOKENS[:16], block_size=16, lora_id=None)
+    engine._publish_batch(1, decode_message(zmq_frames(stored)))
+    named = sequence_block_hashes(TOKENS[:16], 16)
+    assert sink.published == [(1, [BlockStored(block_hashes=named)])]
+    assert engine.cache_state(None) == {0: [], 1: [BlockStored(block_hashes=named)]}
