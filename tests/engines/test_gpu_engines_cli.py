@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.gpu_engine_args import GpuPlacement
 from launcher.cli import build_run_parser, parse_run_options
 from launcher.options import RunOptions
 from launcher.run import build_model
@@ -105,3 +106,13 @@ def test_a_gpu_engine_refuses_a_model_that_is_not_a_folder(tmp_path: Path, monke
     monkeypatch.setattr(launcher.run, "load_card", lambda options: (None, gguf))
     with pytest.raises(ConfigError, match="out=trtllm loads a Hugging Face folder"):
         build_model(options("out=trtllm", str(gguf)))
+
+
+def test_both_engines_are_token_engines_that_report_their_kv_cache() -> None:
+    from engines.sglang import SglangEngine
+    from engines.trtllm import TrtLlmEngine
+    from runtime.engine import TokenEngine
+    from runtime.kv_events import KvEventSource
+
+    for engine in (SglangEngine(Path("/m"), GpuPlacement(), {}), TrtLlmEngine(Path("/m"), GpuPlacement(), {})):
+        assert isinstance(engine, TokenEngine) and isinstance(engine, KvEventSource)
