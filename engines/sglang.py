@@ -161,7 +161,8 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
 
 
 def finish_reason(meta_info: dict[str, Any]) -> FinishReason | None:
-    """SGLang's ``meta_info["finish_reason"]`` (``{"type": "stop" | "length" | "abort", ...}``) as Flotilla's."""
+    """SGLang's ``meta_info["finish_reason"]`` (``{"type": "stop" | "length" | "abort", ...}``) as Flotilla's: an
+    abort the worker did not ask for (it stops reading when it does) is SGLang refusing or failing the request."""
     reason = meta_info.get("finish_reason")
     if reason is None:
         return None
@@ -169,8 +170,15 @@ def finish_reason(meta_info: dict[str, Any]) -> FinishReason | None:
     if kind == "length":
         return "length"
     if kind == "abort":
-        return "cancelled"
+        return "error"
     return "stop"
+
+
+def abort_message(meta_info: dict[str, Any]) -> str:
+    """What SGLang said when it aborted a request (``finish_reason["message"]``), or that it said nothing."""
+    reason = meta_info.get("finish_reason")
+    message = reason.get("message") if isinstance(reason, dict) else None
+    return str(message) if message else "no reason given"
 
 
 def new_tokens(chunk: dict[str, Any], sent: int) -> list[int]:
@@ -290,6 +298,9 @@ class SglangEngine:
                     return
                 tokens = new_tokens(chunk, sent)
                 reason = finish_reason(meta)
+                if reason == "error":
+                    finished = True  # SGLang ended it: nothing to abort
+                    raise EngineError(f"SGLang aborted the request: {abort_message(meta)}")
                 output = EngineOutput(token_ids=tokens, finish_reason=reason)
                 if sent == 0 and (cached := meta.get("cached_tokens")) is not None:
                     output.cached_tokens = cached

@@ -215,6 +215,8 @@ def finish_reason(reason: str | None) -> FinishReason | None:
         return "length"
     if reason == "cancelled":
         return "cancelled"
+    if reason == "timeout":
+        return "error"  # the request outlived TensorRT-LLM's allotted time: it ends unfinished
     return "stop"
 
 

@@ -29,7 +29,7 @@ from engines.sglang import (
 )
 from engines.sglang_kv_events import decode_message, translate_batch
 from runtime.engine import RequestContext
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, EngineError
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
@@ -175,7 +175,7 @@ def test_finish_reasons_map_to_flotillas() -> None:
     assert finish_reason({"finish_reason": None}) is None
     assert finish_reason({"finish_reason": {"type": "length", "length": 8}}) == "length"
     assert finish_reason({"finish_reason": {"type": "stop", "matched": 2}}) == "stop"
-    assert finish_reason({"finish_reason": {"type": "abort", "message": "x"}}) == "cancelled"
+    assert finish_reason({"finish_reason": {"type": "abort", "message": "x"}}) == "error"
 
 
 def test_new_tokens_are_taken_from_cumulative_and_incremental_output_ids_alike() -> None:
@@ -346,3 +346,12 @@ def test_a_ranks_batch_is_published_as_that_rank_with_its_own_names() -> None:
     named = sequence_block_hashes(TOKENS[:16], 16)
     assert sink.published == [(1, [BlockStored(block_hashes=named)])]
     assert engine.cache_state(None) == {0: [], 1: [BlockStored(block_hashes=named)]}
+
+
+async def test_an_abort_sglang_did_on_its_own_is_an_engine_error_with_its_message() -> None:
+    refused = {"type": "abort", "message": "The input (9000 tokens) is longer than the model's context length"}
+    fake = FakeSglang([chunk([], 0, refused)])
+    with pytest.raises(EngineError, match=r"SGLang aborted the request: The input \(9000 tokens\) is longer"):
+        async for _ in started_engine(fake).generate(request(), RequestContext("r1")):
+            pass
+    assert fake.aborted == []

@@ -158,7 +158,8 @@ def test_sampling_options_map_to_trtllms_sampling_params() -> None:
 
 
 def test_finish_reasons_map_to_flotillas() -> None:
-    assert [finish_reason(r) for r in (None, "stop", "length", "cancelled")] == [None, "stop", "length", "cancelled"]
+    reasons = (None, "stop", "length", "cancelled", "timeout")
+    assert [finish_reason(r) for r in reasons] == [None, "stop", "length", "cancelled", "error"]
 
 
 class FakeResult:
