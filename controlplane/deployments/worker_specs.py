@@ -2,8 +2,9 @@
 
 ``start_message(instance)`` builds the StartInstance of a placed instance: the pipeline's namespace and
 served name, the group's role, engine and GPUs, the engine args (the model's defaults with the group's
-laid over them, as ``flotilla run`` flags), the pipeline's router settings, and where the model's files
-come from. ``attempt`` is the instance's restart count, so an agent can tell a restart from a repeat.
+laid over them, as ``flotilla run`` flags; for a GPU engine, the memory share it was placed by as
+``--gpu-memory-utilization``), the pipeline's router settings, and where the model's files come from.
+``attempt`` is the instance's restart count, so an agent can tell a restart from a repeat.
 """
 
 import json
@@ -15,7 +16,7 @@ from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.models import Instance
 from controlplane.fleet.models import Gpu
 from runtime.addressing import DEFAULT_ENDPOINT
-from runtime.engine_names import ENGINES_WITHOUT_FILES, SETTINGS_FILE_ENGINES
+from runtime.engine_names import ENGINES_WITHOUT_FILES, GPU_ONLY_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.fleet_tasks import (
     HubSource,
     LocalSource,
@@ -27,6 +28,7 @@ from runtime.fleet_tasks import (
 from runtime.router_settings import PipelineRouter
 
 SETTINGS_FLAG = "--extra-engine-args"
+MEMORY_SHARE_FLAG = "--gpu-memory-utilization"
 
 
 def start_message(instance: Instance) -> StartInstance:
@@ -35,6 +37,15 @@ def start_message(instance: Instance) -> StartInstance:
         raise ValueError(f"instance {instance.pk} is not placed on a node")
     pipeline, group = instance.pipeline, instance.group
     model = pipeline.model
+    gpus = instance_gpus(instance)
+    memory_per_gpu = gpu_memory_bytes(model.memory_bytes, group.gpus_per_replica)
+    engine_args = merged_engine_args(instance)
+    if group.engine in GPU_ONLY_ENGINES and MEMORY_SHARE_FLAG not in engine_args:
+        # The engine takes what it was placed by, not its own default (vLLM's 0.9 of the GPU): else a second
+        # replica placed on the same GPU "as long as memory lasts" would find none left.
+        share = gpu_memory_share(memory_per_gpu, [total for _, total in gpus])
+        if share is not None:
+            engine_args[MEMORY_SHARE_FLAG] = share
     spec = WorkerSpec(
         instance_id=instance.pk,
         pipeline=pipeline.namespace,
@@ -44,10 +55,11 @@ def start_message(instance: Instance) -> StartInstance:
         model_name=pipeline.name,
         component=group.component,
         endpoint=DEFAULT_ENDPOINT,
-        engine_args=engine_argv(group.engine, merged_engine_args(instance)),
+        engine_args=engine_argv(group.engine, engine_args),
         gpu_indexes=[int(index) for index in instance.gpu_indexes],
-        gpu_uuids=gpu_uuids(instance),
-        gpu_memory_bytes=gpu_memory_bytes(model.memory_bytes, group.gpus_per_replica),
+        # By UUID only when the node reported every one (the agent falls back to indexes).
+        gpu_uuids=uuids if all(uuids := [uuid for uuid, _ in gpus]) else [],
+        gpu_memory_bytes=memory_per_gpu,
         labels={"model": model.name},
         router=PipelineRouter(
             mode=pipeline.router_mode,
@@ -67,12 +79,21 @@ def merged_engine_args(instance: Instance) -> dict[str, Any]:
     return {**instance.pipeline.model.default_engine_args, **instance.group.engine_args}
 
 
-def gpu_uuids(instance: Instance) -> list[str]:
-    """The UUIDs of the instance's GPUs in the order of its indexes; [] unless its node reported all of them."""
+def instance_gpus(instance: Instance) -> list[tuple[str, int]]:
+    """The UUID ("" when its node did not report one) and total memory (0: unknown) of each of the instance's
+    GPUs, in the order of its indexes."""
     indexes = [int(index) for index in instance.gpu_indexes]
-    known = dict(Gpu.objects.filter(node_id=instance.node_id, index__in=indexes).values_list("index", "uuid"))
-    uuids = [known.get(index, "") for index in indexes]
-    return uuids if all(uuids) else []
+    rows = Gpu.objects.filter(node_id=instance.node_id, index__in=indexes)
+    known = {index: (uuid, total) for index, uuid, total in rows.values_list("index", "uuid", "memory_total_bytes")}
+    return [known.get(index, ("", 0)) for index in indexes]
+
+
+def gpu_memory_share(memory_bytes_per_gpu: int, gpu_totals: list[int]) -> float | None:
+    """The share of each GPU a replica was placed by: its memory on each GPU over the smallest GPU's, rounded
+    up to a thousandth (never less than placed), at most 1; None when either is unknown."""
+    if memory_bytes_per_gpu <= 0 or not gpu_totals or min(gpu_totals) <= 0:
+        return None
+    return min(math.ceil(memory_bytes_per_gpu * 1000 / min(gpu_totals)) / 1000, 1.0)
 
 
 def stop_message(instance: Instance, *, grace_s: float) -> StopInstance:

@@ -1,15 +1,25 @@
 """What an agent is told to run: an instance as StartInstance / StopInstance, and engine args as flags."""
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 
+from controlplane.audit.records import Actor
 from controlplane.deployments.models import Instance
 from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
-from controlplane.deployments.worker_specs import engine_argv, gpu_memory_bytes, start_message, stop_message
+from controlplane.deployments.worker_specs import (
+    engine_argv,
+    gpu_memory_bytes,
+    gpu_memory_share,
+    start_message,
+    stop_message,
+)
+from controlplane.fleet.actions import register_node
 from runtime.fleet_tasks import LocalSource, StartInstance, decode_task_argument
 from runtime.router_settings import PipelineRouter
-from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node
+from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node, node_report
 
 MOCKER_SETTINGS = ["--extra-engine-args", '{"speedup_ratio":10}']
 
@@ -111,3 +121,39 @@ def test_a_replicas_memory_is_split_over_its_gpus() -> None:
     assert gpu_memory_bytes(30 * GiB, 4) == 30 * GiB // 4
     assert gpu_memory_bytes(None, 2) == 0
     assert gpu_memory_bytes(8 * GiB, 0) == 0
+
+
+def node_running(*engines: str) -> None:
+    """Node gpu-a (as ``placed`` makes it), its agent reporting ``engines``."""
+    report = replace(node_report((80, 80, 80, 80)), engines=tuple(sorted(engines)))
+    register_node(Actor.agent("gpu-a"), "gpu-a", report)
+
+
+def test_a_memory_share_is_the_replicas_memory_per_gpu_over_the_smallest_gpus_rounded_up() -> None:
+    assert gpu_memory_share(15 * GiB, [80 * GiB, 80 * GiB]) == 0.188  # 0.1875, never less than placed
+    assert gpu_memory_share(15 * GiB, [80 * GiB, 40 * GiB]) == 0.375
+    assert gpu_memory_share(90 * GiB, [80 * GiB]) == 1.0
+    assert gpu_memory_share(0, [80 * GiB]) is None  # the model's memory is unknown
+    assert gpu_memory_share(15 * GiB, [80 * GiB, 0]) is None  # a GPU's memory is unknown
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("engine", ["sglang", "trtllm", "vllm"])
+def test_a_gpu_engine_is_told_the_memory_share_it_was_placed_by(engine: str) -> None:
+    node_running(engine)
+    instance = placed(source_kind="hf", source="org/llama", engine=engine, memory_bytes=30 * GiB)
+    argv = start_message(instance).spec.engine_args
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.188"  # 15 GiB of each 80 GiB GPU
+
+
+@pytest.mark.django_db
+def test_a_memory_share_given_in_the_engine_args_is_kept() -> None:
+    node_running("sglang")
+    instance = placed(
+        source_kind="hf", source="org/llama", engine="sglang", memory_bytes=30 * GiB,
+        default_engine_args={"--gpu-memory-utilization": 0.5},
+    )  # fmt: skip
+    argv = start_message(instance).spec.engine_args
+    assert argv.count("--gpu-memory-utilization") == 1
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.5"
+    # A CPU engine's start message has none: test_a_start_message_names_the_worker_its_gpus_router_and_model_files.
