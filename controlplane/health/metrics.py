@@ -49,6 +49,14 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"
 class FleetCollector(Collector):
     """The reconciler's passes and the fleet's states, read from the database at each scrape."""
 
+    def describe(self) -> Iterator[Any]:
+        """The metrics' names, without a query: registering a collector asks for them, and the middleware
+        registers it when Django loads it, which may be inside an event loop (the ASGI application's
+        import), where a query is refused."""
+        yield HistogramMetricFamily(f"{PREFIX}_reconcile_duration_seconds", "")
+        for name in ("reconcile_lag_seconds", "reconcile_late", "instances", "nodes", "database_up"):
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", "")
+
     def collect(self) -> Iterator[Any]:
         try:
             yield from self._reconciler()
