@@ -105,7 +105,14 @@ def test_a_stop_message_says_why_and_how_long_to_drain() -> None:
         ("llamacpp", {"threads": 4, "context_length": 2048}, ["--threads", "4", "--context-length", "2048"]),
         ("llamacpp", {"--reuse-port": True, "--verbose": False, "--x": None}, ["--reuse-port"]),
         ("mocker", {"speedup_ratio": 10, "--context-length": 512}, ["--context-length", "512", *MOCKER_SETTINGS]),
-        ("vllm", {"extra": {"a": [1, 2]}}, ["--extra", '{"a":[1,2]}']),
+        ("llamacpp", {"extra": {"a": [1, 2]}}, ["--extra", '{"a":[1,2]}']),
+        # The GPU engines' own arguments travel as one JSON object too (JSON is YAML, for out=trtllm).
+        ("vllm", {"block_size": 32}, ["--extra-engine-args", '{"block_size":32}']),
+        (
+            "trtllm",
+            {"kv_cache_config": {"max_tokens": 8}},
+            ["--extra-engine-args", '{"kv_cache_config":{"max_tokens":8}}'],
+        ),
         ("mocker", {}, []),
         # mistral.rs's own settings travel as one JSON object, checked by the worker against its Runner's arguments.
         ("mistralrs", {"max_seqs": 4, "--threads": 2}, ["--threads", "2", "--extra-engine-args", '{"max_seqs":4}']),
