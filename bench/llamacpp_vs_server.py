@@ -138,6 +138,9 @@ def baseline_command(gguf: Path, port: int) -> list[str]:
         # Its default computes logits for every prompt token, which Flotilla does not: turn that off too,
         # so that the comparison is engine settings alike, server code against server code.
         "--logits_all", "False",
+        # Its default lets a new request interrupt the one being streamed (empty answers at concurrency
+        # above 1): make it queue them, as a server that keeps every client's answer must.
+        "--interrupt_requests", "False",
     ]  # fmt: skip
 
 
