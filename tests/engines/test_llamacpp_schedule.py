@@ -1,8 +1,10 @@
-"""The llama.cpp engine's decoding schedule: a prompt never with a lone token, migrated tokens one at a time."""
+"""The llama.cpp engine's decoding schedule: a prompt never with a lone token, migrated tokens one at a time,
+a request to the slot that shares its prefix."""
 
 import pytest
 
 from engines.llamacpp import PrefillPlan, plan_prefill
+from engines.llamacpp_batch import Slot, choose_slot, take_chunk
 from runtime.errors import EngineError
 
 PROMPT = list(range(100, 110))
@@ -43,3 +45,23 @@ def test_a_one_token_prompt_is_decoded_alone() -> None:
 def test_a_request_without_prompt_tokens_is_refused() -> None:
     with pytest.raises(EngineError, match="no prompt tokens"):
         plan_prefill([], [1, 2], 2, n_batch=512)
+
+
+def test_a_prompt_chunk_never_leaves_a_lone_token_for_the_next() -> None:
+    prompt = list(range(9))
+    assert [len(take_chunk(prompt, 4)) for _ in range(3)] == [4, 3, 2]
+    assert take_chunk([1, 2, 3], 512) == [1, 2, 3]
+
+
+def test_a_request_goes_to_the_free_slot_with_the_longest_shared_prefix() -> None:
+    slots = [Slot(0, [1, 2, 9]), Slot(1, [1, 2, 3, 4]), Slot(2, [1, 2, 3, 4, 5], busy=True)]
+    assert choose_slot(slots, [1, 2, 3, 4, 5, 6]) is slots[1]
+
+
+def test_without_a_shared_prefix_the_least_recently_used_free_slot_is_taken() -> None:
+    slots = [Slot(0, [7], last_used=5), Slot(1, [8], last_used=2), Slot(2, [], last_used=9)]
+    assert choose_slot(slots, [1, 2]) is slots[1]
+
+
+def test_no_slot_is_chosen_while_all_are_busy() -> None:
+    assert choose_slot([Slot(0, busy=True), Slot(1, busy=True)], [1]) is None
