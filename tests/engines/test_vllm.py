@@ -3,7 +3,8 @@ with the official openai client, the same text as the engine gives for the same 
 aborting the request in vLLM, the memory share reaching vLLM's config, and bad engine arguments refused.
 
 CI does not install vLLM yet: its CPU build is ~3.4 GB with torch and Python 3.11-only, so these tests skip
-without it. Run them in a venv that has it (and accelerate, to convert the GGUF): `VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
+without it. Run them in a venv that has it (and accelerate, to convert the GGUF):
+`VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
 
 import importlib.util
 import os
@@ -131,6 +132,22 @@ def test_a_greedy_chat_answer_streams_through_flotilla_run(client: openai.OpenAI
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == text
     assert len([chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]) > 1
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_log_probabilities_come_from_vllm_one_per_token(client: openai.OpenAI) -> None:
+    answer = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=4, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    logprobs = answer.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == 4 and all(
+        value is not None and value <= 0 for value in logprobs.token_logprobs
+    )
+    # Greedy: each chosen token is the likeliest of its two alternatives.
+    assert all(
+        len(top) == 2 and max(top.values()) == chosen
+        for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True)
+    )
 
 
 @pytest.mark.asyncio(loop_scope="module")
