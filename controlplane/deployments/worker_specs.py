@@ -3,7 +3,8 @@
 ``start_message(instance)`` builds the StartInstance of a placed instance: the pipeline's namespace and
 served name, the group's role, engine and GPUs, the engine args (the model's defaults with the group's
 laid over them, as ``flotilla run`` flags; for a GPU engine, the memory share it was placed by as
-``--gpu-memory-utilization``), the pipeline's router settings, and where the model's files come from.
+``--gpu-memory-utilization``, and for vLLM its GPU count as ``--tensor-parallel-size``), the pipeline's
+router settings, and where the model's files come from.
 ``attempt`` is the instance's restart count, so an agent can tell a restart from a repeat.
 """
 
@@ -29,6 +30,8 @@ from runtime.router_settings import PipelineRouter
 
 SETTINGS_FLAG = "--extra-engine-args"
 MEMORY_SHARE_FLAG = "--gpu-memory-utilization"
+#: Engines split over a replica's GPUs by this flag (``flotilla run``'s), and the flag.
+TENSOR_PARALLEL_FLAGS = {"vllm": "--tensor-parallel-size"}
 
 
 def start_message(instance: Instance) -> StartInstance:
@@ -46,6 +49,10 @@ def start_message(instance: Instance) -> StartInstance:
         share = gpu_memory_share(memory_per_gpu, [total for _, total in gpus])
         if share is not None:
             engine_args[MEMORY_SHARE_FLAG] = share
+    tensor_parallel = TENSOR_PARALLEL_FLAGS.get(group.engine)
+    if tensor_parallel is not None and group.gpus_per_replica > 1 and tensor_parallel not in engine_args:
+        # The engine is given all the replica's GPUs (CUDA_VISIBLE_DEVICES); without this it would use one.
+        engine_args[tensor_parallel] = group.gpus_per_replica
     spec = WorkerSpec(
         instance_id=instance.pk,
         pipeline=pipeline.namespace,

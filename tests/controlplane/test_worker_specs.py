@@ -154,6 +154,15 @@ def test_a_gpu_engine_is_told_the_memory_share_it_was_placed_by(engine: str) -> 
 
 
 @pytest.mark.django_db
+def test_vllm_is_split_over_the_gpus_of_its_replica() -> None:
+    node_running("vllm")
+    argv = start_message(
+        placed(source_kind="hf", source="org/llama", engine="vllm", memory_bytes=30 * GiB)
+    ).spec.engine_args
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+
+
+@pytest.mark.django_db
 def test_a_memory_share_given_in_the_engine_args_is_kept() -> None:
     node_running("sglang")
     instance = placed(
