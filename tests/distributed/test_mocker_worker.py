@@ -124,7 +124,9 @@ def test_extra_engine_args_for_an_engine_that_takes_none_is_refused(tmp_path: Pa
     settings.write_text("{}")
     result = run_cli("out=echo_core", "--extra-engine-args", str(settings))
     assert result.returncode == 2
-    assert "configures out=mocker" in result.stderr
+    assert "configures out=mistralrs or out=mocker or out=sglang or out=trtllm or out=vllm, not out=echo_core" in (
+        result.stderr
+    )
 
 
 class FlakyNats:
