@@ -15,7 +15,6 @@ engine's load only with its KV events (``runtime.kv_events.KvEventSource``), and
 are not translated yet.
 """
 
-import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -90,6 +89,8 @@ class VllmEngine:
             raise EngineError("the vLLM engine is not started")
         from vllm.inputs import TokensPrompt
 
+        if context.stopped:
+            return
         params = sampling_params(request)
         prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
         request_id = request.request_id
@@ -113,8 +114,6 @@ class VllmEngine:
                 if finish is not None or output.finished:
                     finished = True
                     return
-        except asyncio.CancelledError:
-            raise
         except ValueError as exc:  # vLLM's validation of the request (too long a prompt, a bad parameter)
             raise EngineError(f"vLLM refused the request: {exc}") from exc
         finally:
@@ -141,8 +140,9 @@ def sampling_params(request: PreprocessedRequest) -> Any:
         "max_tokens": stop.max_tokens,
         "min_tokens": stop.min_tokens,
         "ignore_eos": stop.ignore_eos,
-        # The request's own end tokens (the chat template's) besides the model's EOS.
-        "stop_token_ids": list(request.eos_token_ids),
+        # The request's own end tokens (the chat template's) besides the model's EOS; ignore_eos ignores them
+        # too, as llama.cpp and the mocker do.
+        "stop_token_ids": [] if stop.ignore_eos else list(request.eos_token_ids),
         "seed": sampling.seed,
         "output_kind": RequestOutputKind.DELTA,
         "detokenize": False,
