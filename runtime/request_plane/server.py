@@ -82,8 +82,8 @@ class _Stream:
         # The frames sent and not acked yet, (seq, encoded): sent again after a reconnection (see _resend).
         self.sent: deque[tuple[int, bytes]] = deque()
         self.last_sent = time.monotonic()
-        # When the client last showed that it reads this stream (an ack, a probe naming it), or when the
-        # window last filled: a full window with no news past the ack deadline means the client is gone.
+        # When the client last showed that it reads this stream (an ack, a probe naming it; it starts as the
+        # stream's start): a full window with no news for the ack deadline means the client is gone.
         self.heard = self.last_sent
         self.task: asyncio.Task[None] | None = None
         self.pending: list[msgspec.Raw] = []  # outputs not sent yet
@@ -113,10 +113,11 @@ class EndpointServer:
     ``max_payload``), the handler is not asked for more until they leave; and no frame is larger than
     ``max_payload``, the last one included (its outputs go in DATA frames before it when need be).
 
-    A stream whose window stays full with no word from its client (no ack, no probe naming it) for
-    ``ack_deadline`` s is stopped and its engine request aborted: its client is gone (killed, cut off,
-    or its Stop was lost), and the engine would otherwise generate to ``max_tokens`` for nobody. A client
-    that is there but reads slowly names its streams in its probes, so it keeps them.
+    A stream whose window is full and whose client has sent no word (no ack, no probe naming it) for
+    ``ack_deadline`` s is stopped and its engine request aborted, at most ``ack_deadline`` s after the
+    client's last word: its client is gone (killed, cut off, or its Stop was lost), and the engine would
+    otherwise generate to ``max_tokens`` for nobody. A client that is there but reads slowly names its
+    streams in its probes (every 0.4 s), so it keeps them.
 
     A connection that is reset loses the frames on their way in it. Each stream keeps the frames its
     client has not acked (at most a window's worth, and the last one), and once the connection is back
@@ -438,9 +439,7 @@ class EndpointServer:
                         stream.pending_bytes -= size
                     stream.seq += 1
                     stream.last_sent = time.monotonic()
-                    if stream.window_full:
-                        stream.heard = stream.last_sent  # the ack deadline counts from here
-                    elif stream.pending:
+                    if stream.pending and not stream.window_full:
                         self._queue(stream)  # more than a frame's worth waited: the rest goes next pass
                     room = stream.room
                     if room is not None and stream.pending_bytes < limit:
@@ -488,8 +487,11 @@ class EndpointServer:
         interval = self._heartbeat_interval
         deadline = self._ack_deadline
         while True:
-            # Heartbeats at most a quarter of an interval late, abandoned streams a quarter of the deadline.
-            await asyncio.sleep(min(interval, deadline) / 4)
+            # Heartbeats at most a quarter of an interval late. A stream is abandoned at the first look past
+            # ``deadline - period`` without word, so never later than ``deadline``: a live client names its
+            # streams in a probe every 0.4 s, so a silence that long is a client gone.
+            period = min(interval, deadline) / 4
+            await asyncio.sleep(period)
             reconnects = self._nc.stats["reconnects"]
             if reconnects != self._reconnects:
                 self._reconnects = reconnects
@@ -500,7 +502,7 @@ class EndpointServer:
                 ended.popleft()
             abandoned = []
             for stream in list(self._streams.values()):
-                if stream.window_full and now - stream.heard > deadline:
+                if stream.window_full and now - stream.heard > deadline - period:
                     abandoned.append(stream)
                 elif now - stream.last_sent >= interval:
                     stream.last_sent = now
