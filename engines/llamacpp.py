@@ -46,8 +46,10 @@ from runtime.protocol import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
-#: Requests decoded together by default (llama-server's -np); more wait for a free slot.
-DEFAULT_PARALLEL = 4
+#: Requests decoded together by default (llama-server's -np); more wait for a free slot. One until batching
+#: is measured faster through HTTP too: in process, 4 slots put out 2.3x the tokens of one at concurrency 4,
+#: but through ``flotilla run in=http`` on 2 shared cores they were slower (docs/benchmarks.md).
+DEFAULT_PARALLEL = 1
 #: The longest prompt chunk a step decodes: a long prompt is read over several steps, between which the
 #: running requests get their next token.
 PROMPT_CHUNK = 256

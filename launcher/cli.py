@@ -300,9 +300,10 @@ def build_run_parser() -> EnvArgumentParser:
         "--parallel",
         env="FLOTILLA_PARALLEL",
         type=_positive_int,
-        default=4,
+        default=1,
         help="out=llamacpp: requests decoded together in one context (slots, as llama-server's -np); "
-        "more wait for a free slot. Each slot holds up to --context-length tokens (default 4)",
+        "more wait for a free slot. Each slot holds up to --context-length tokens (default 1: one request "
+        "at a time; 4 batches, but through HTTP it is not yet faster on a 2-core machine, see docs/benchmarks.md)",
     )
     run.add_flag(
         "--extra-engine-args",

@@ -28,7 +28,7 @@ class RunOptions:
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
     threads: int | None = None
-    parallel: int = 4  # out=llamacpp: slots decoded together (engines/llamacpp_batch.py)
+    parallel: int = 1  # out=llamacpp: slots decoded together (engines/llamacpp_batch.py)
     batch_concurrency: int = 4
     max_tokens: int | None = None
     temperature: float | None = None
