@@ -19,6 +19,7 @@ from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+from tests.frontend_gateway.routing.waiting import until
 from tests.infra import NatsServer
 
 BLOCK = 16
@@ -69,16 +70,6 @@ async def make_router(nc: NATS) -> AsyncIterator[Callable[..., Any]]:
     yield make
     for router in routers:
         await router.close()
-
-
-async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
-    """Wait for the router to reach ``condition`` (it sets ``changed`` after every message it hears)."""
-    async with asyncio.timeout(10):
-        while True:
-            router.changed.clear()
-            if condition():
-                return
-            await router.changed.wait()
 
 
 async def publish(nc: NATS, instance: InstanceInfo, event_id: int, *events: KvEvent, dp_rank: int = 0) -> None:

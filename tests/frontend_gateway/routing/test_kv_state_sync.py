@@ -18,6 +18,7 @@ from runtime.addressing import EndpointAddress
 from runtime.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventSink, WorkerLoad
 from runtime.kv_publisher import KvEventPublisher, state_parts
 from runtime.nats_connection import connect_nats, flush
+from tests.frontend_gateway.routing.waiting import until
 from tests.infra import NatsServer
 
 ADDRESS = EndpointAddress("llm", "backend", "generate")
@@ -49,15 +50,6 @@ async def make_router(connections: tuple[NATS, NATS]) -> AsyncIterator[Callable[
     yield make
     for router in routers:
         await router.close()
-
-
-async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(10):
-        while True:
-            router.changed.clear()
-            if condition():
-                return
-            await router.changed.wait()
 
 
 def blocks_of(router: KvRouter) -> int:

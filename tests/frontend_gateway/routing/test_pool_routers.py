@@ -23,6 +23,7 @@ from runtime.model_card import ModelCard, ModelType
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, TextRequest
 from runtime.router_settings import PipelineRouter
+from tests.frontend_gateway.routing import waiting
 from tests.infra import EtcdServer, NatsServer
 
 
@@ -75,12 +76,7 @@ def chat_entry(name: str, instance_id: int, block_size: int = 32, router: Pipeli
 
 
 async def until(watcher: ModelWatcher, condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            watcher.changed.clear()
-            if condition():
-                return
-            await watcher.changed.wait()
+    await waiting.until(watcher, condition, within_s=30)
 
 
 def router_of(registry: ModelRegistry, name: str) -> Router:

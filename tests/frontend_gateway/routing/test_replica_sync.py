@@ -21,6 +21,7 @@ from runtime.addressing import EndpointAddress
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+from tests.frontend_gateway.routing.waiting import until
 from tests.infra import NatsServer
 
 BLOCK = 16
@@ -79,16 +80,6 @@ async def forger(nats_server: NatsServer) -> AsyncIterator[NATS]:
     nc = await connect_nats(nats_server.url, name="forger")
     yield nc
     await nc.close()
-
-
-async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
-    """Wait for ``condition`` (the router sets ``changed`` after every message it hears)."""
-    async with asyncio.timeout(10):
-        while True:
-            router.changed.clear()
-            if condition():
-                return
-            await router.changed.wait()
 
 
 def hears(router: KvRouter, replicas: int) -> Callable[[], bool]:

@@ -2,7 +2,7 @@
 choices, per model, on a real NATS (and etcd, for the pools the model watcher builds)."""
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -28,6 +28,7 @@ from runtime.model_card import ModelCard, ModelType
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.frontend_gateway.asgi import Client
+from tests.frontend_gateway.routing.waiting import until
 from tests.infra import EtcdServer, NatsServer
 
 ADDRESS = EndpointAddress("llm", "backend", "generate")
@@ -66,15 +67,6 @@ async def scrape(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, st
 
 def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-async def until(router: KvRouter, condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(10):
-        while True:
-            router.changed.clear()
-            if condition():
-                return
-            await router.changed.wait()
 
 
 async def publish(nc: NATS, instance_id: int, event_id: int, *events: Any) -> None:
