@@ -186,7 +186,12 @@ def _settled_workers(fleet: FleetStack) -> dict[int, tuple[str, str, int, int]]:
         return pending or instance["state"] in ("downloading", "starting", "stopping")
 
     def settled() -> bool:
-        return not any(in_transit(i) for i in fleet.instances())
+        instances = fleet.instances()
+        # A replacement that is ready makes the reconciler stop the one it replaces at its next pass: until
+        # then that one is still "ready", but on its way out.
+        replaced = {i["replaces"] for i in instances if i["replaces"] is not None and i["state"] == "ready"}
+        leaving = any(i["id"] in replaced and i["state"] not in ("stopped", "failed") for i in instances)
+        return not leaving and not any(in_transit(i) for i in instances)
 
     wait_for("the fleet to settle", settled, explain=fleet.logs)
     return _workers(fleet)
