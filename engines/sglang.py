@@ -17,7 +17,7 @@ plane placed the worker by (``--gpu-memory-utilization``); ``--tensor-parallel-s
 ``--extra-engine-args`` (JSON), checked against the names in ``SERVER_ARGS`` below.
 
 KV events: SGLang publishes them over ZMQ (``kv_events_config``); the worker subscribes and renames the
-blocks as Flotilla's router does (engines/sglang_kv_events.py, engines/engine_block_names.py). The block
+blocks as Flotilla's router does (engines/zmq_kv_events.py, engines/engine_block_names.py). The block
 size is SGLang's ``page_size``: Flotilla sets 16 where the extra arguments do not say (SGLang's own
 default, 1, would name every token as a block). With attention DP each rank has its own cache and
 publisher (on the port after the previous rank's), subscribed to one by one and reported as that dp rank.
@@ -26,14 +26,13 @@ publisher (on the port after the previous rank's), subscribed to one by one and 
 import asyncio
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
 
 from engines.engine_block_names import EngineBlockNames
 from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
-from engines.sglang_kv_events import ZmqSubscriber, translate_batch
+from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
 from runtime.kv_events import BlockStored, KvEventSink, WorkerLoad
@@ -200,22 +199,6 @@ def rank_endpoints(port: int, ranks: int) -> list[str]:
     """Where each rank's publisher binds: SGLang adds the rank to the port of a tcp endpoint
     (``ZmqEventPublisher.offset_endpoint_port``)."""
     return [f"tcp://*:{port + rank}" for rank in range(ranks)]
-
-
-def free_tcp_ports(count: int, attempts: int = 20) -> int:
-    """The first of ``count`` consecutive free loopback ports. Raises EngineError when none are found."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first: int = probe.getsockname()[1]
-        try:
-            for port in range(first + 1, first + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise EngineError(f"no {count} consecutive free ports for SGLang's KV event publishers")
 
 
 class SglangEngine:

@@ -9,24 +9,34 @@ dead worker would have produced (as far as vLLM's own batching is deterministic)
 Cancellation: when the consumer stops (a stop string, a client gone, a cancelled task) the request is
 aborted in vLLM (``AsyncLLM.abort``), which frees its KV blocks at once.
 
+KV events: vLLM is started with a ZMQ KV event publisher on a free loopback port (``kv_events_config``,
+unless ``--extra-engine-args`` gives one), which this process subscribes to. Its stored blocks are renamed
+with Flotilla's chained hash of their token ids (engines/engine_block_names.py), so that a KV router's
+names for a request's blocks are the engine's; the map answers removals and the routers' state asks. The
+engine is thus a ``KvEventSource``: its events, cache state and load reach KV routers.
+
 Load: ``load()`` reads vLLM's scheduler stats (running and waiting requests, KV usage, prefix hits) from
-a stat logger the engine is built with. The worker does not publish it yet: a worker publishes an
-engine's load only with its KV events (``runtime.kv_events.KvEventSource``), and vLLM's events (ZMQ)
-are not translated yet.
+a stat logger the engine is built with.
 """
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from engines.engine_block_names import EngineBlockNames
 from engines.vllm_settings import MISSING_PACKAGE, VllmSettings
+from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
-from runtime.kv_events import WorkerLoad
+from runtime.kv_events import BlockStored, KvEventSink, WorkerLoad
 from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+#: The topic of the KV event publisher Flotilla gives vLLM.
+_KV_TOPIC = "flotilla-kv"
 
 
 def visible_devices(current: str | None, base_gpu_id: int, count: int) -> str:
@@ -53,11 +63,18 @@ class VllmEngine:
     kind: Literal["token"] = "token"
     skip_special_tokens = True
 
-    def __init__(self, settings: VllmSettings, *, base_gpu_id: int | None = None) -> None:
+    def __init__(
+        self, settings: VllmSettings, *, base_gpu_id: int | None = None, card_block_size: int | None = None
+    ) -> None:
         self.settings = settings
         self.base_gpu_id = base_gpu_id
+        #: The KV block size the model's card tells routers (None: whatever vLLM settles on).
+        self.card_block_size = card_block_size
         self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = _SchedulerStats()
+        self._names: EngineBlockNames | None = None  # vLLM's block hashes -> Flotilla's, once started
+        self._sink: KvEventSink | None = None
+        self._subscriber: ZmqSubscriber | None = None
 
     async def start(self) -> None:
         if self.base_gpu_id is not None:
@@ -71,14 +88,64 @@ class VllmEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
-        args = AsyncEngineArgs(**self.settings.engine_kwargs())
+        kwargs = self.settings.engine_kwargs()
+        endpoint = None
+        if "kv_events_config" not in kwargs:
+            from vllm.config import KVEventsConfig
+
+            # A wildcard endpoint: vLLM's publisher binds it, and this process connects.
+            endpoint = f"tcp://*:{free_tcp_ports(1)}"
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=_KV_TOPIC
+            )
+        args = AsyncEngineArgs(**kwargs)
         try:
             self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory()])
         except Exception as exc:  # vLLM raises ValueError, RuntimeError, OSError... for a bad model or setting
             raise ModelError(f"vLLM could not load {self.settings.model}: {exc}") from exc
-        log.info("vLLM loaded %s", self.settings.model)
+        if self.card_block_size is not None and self.block_size != self.card_block_size:
+            settled = self.block_size
+            await self.close()
+            raise ConfigError(
+                f"vLLM settled on KV blocks of {settled} tokens, and routers would name them by "
+                f"{self.card_block_size}: give vLLM its block size, --extra-engine-args '{{\"block_size\": {settled}}}'"
+            )
+        if endpoint is not None:
+            self._names = EngineBlockNames(self.block_size)
+            loop = asyncio.get_running_loop()
+
+            def on_batch(batch: Any) -> None:  # in the subscriber's thread
+                loop.call_soon_threadsafe(self._publish_batch, batch)
+
+            self._subscriber = ZmqSubscriber(endpoint, _KV_TOPIC, on_batch)
+        log.info("vLLM loaded %s (KV block size %d)", self.settings.model, self.block_size)
+
+    @property
+    def block_size(self) -> int:
+        """vLLM's KV block size, as it settled it (the card's, so that routers name blocks as vLLM does)."""
+        if self._engine is None:
+            raise EngineError("the vLLM engine is not started")
+        return int(self._engine.vllm_config.cache_config.block_size)
+
+    def _publish_batch(self, batch: Any) -> None:
+        if self._names is None or self._sink is None:
+            return
+        if events := translate_batch(batch, self._names):
+            self._sink.publish(0, events)
+
+    def attach_kv_events(self, sink: KvEventSink) -> None:
+        self._sink = sink
+
+    def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
+        """The blocks vLLM reported and did not evict since this process subscribed (rank 0)."""
+        if self._names is None or dp_rank not in (None, 0):
+            return {}
+        return {0: self._names.state()}
 
     async def close(self) -> None:
+        subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None:
+            subscriber.close()
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()

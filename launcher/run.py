@@ -140,11 +140,12 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         gpu_memory_utilization=options.gpu_memory_utilization,
         extra=extra,
     )
-    engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id)
-    # Log probabilities come with vLLM's outputs; its KV block size goes on the card for KV routers.
+    # Log probabilities come with vLLM's outputs; its KV block size goes on the card for KV routers (the
+    # engine refuses to start on another one).
     card = msgspec.structs.replace(
         card, logprobs=True, kv_cache_block_size=extra.get("block_size") or card.kv_cache_block_size
     )
+    engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id, card_block_size=card.kv_cache_block_size)
     return TokenModel(card, engine), engine
 
 

@@ -21,13 +21,12 @@ from engines.sglang import (
     attention_dp_ranks,
     engine_kwargs,
     finish_reason,
-    free_tcp_ports,
     new_tokens,
     parse_engine_args,
     rank_endpoints,
     sampling_params,
 )
-from engines.sglang_kv_events import decode_message, translate_batch
+from engines.zmq_kv_events import decode_message, free_tcp_ports, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError
 from runtime.kv_blocks import sequence_block_hashes

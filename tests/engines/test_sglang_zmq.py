@@ -9,8 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engines.sglang import free_tcp_ports
-from engines.sglang_kv_events import ZmqSubscriber
+from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports
 
 zmq = pytest.importorskip("zmq")
 

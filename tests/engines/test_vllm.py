@@ -6,6 +6,7 @@ CI does not install vLLM yet: its CPU build is ~3.4 GB with torch and Python 3.1
 without it. Run them in a venv that has it (and accelerate, to convert the GGUF):
 `VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
 
+import asyncio
 import importlib.util
 import os
 import subprocess
@@ -19,6 +20,8 @@ import pytest
 import pytest_asyncio
 
 from runtime.engine import RequestContext
+from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv_events import BlockStored, KvEvent
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.servers import Server, smollm2_path, start_server
 
@@ -244,3 +247,36 @@ def test_an_unknown_engine_argument_is_refused_naming_it(model_folder: Path) -> 
     )
     assert result.returncode == 2, result.stderr
     assert "unknown key 'blok_size'" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_vllms_kv_events_name_its_blocks_as_a_router_does(engine: object, model_folder: Path) -> None:
+    from engines.vllm import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    heard: list[KvEvent] = []
+    arrived = asyncio.Event()
+
+    class Sink:
+        def publish(self, dp_rank: int, events: list[KvEvent]) -> None:
+            assert dp_rank == 0
+            heard.extend(events)
+            arrived.set()
+
+    engine.attach_kv_events(Sink())
+    ids = prompt_ids(model_folder, "The quick brown fox jumps over the lazy dog. " * 12)  # several full blocks
+    async for _ in engine.generate(request(ids, 1), RequestContext("kv-events")):
+        pass
+    # The router names a prompt's blocks with Flotilla's chained hash: vLLM's events, renamed, must match.
+    expected = sequence_block_hashes(ids, engine.block_size)
+    assert len(expected) >= 3
+
+    def stored() -> set[int]:
+        return {name for event in heard if isinstance(event, BlockStored) for name in event.block_hashes}
+
+    async with asyncio.timeout(30):  # vLLM publishes from its engine core process, over ZMQ
+        while not set(expected) <= stored():
+            arrived.clear()
+            await arrived.wait()
+    state = {name for event in engine.cache_state(None)[0] for name in event.block_hashes}
+    assert set(expected) <= state  # what a router asking for the whole cache is told

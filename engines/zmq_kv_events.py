@@ -1,12 +1,18 @@
-"""SGLang's KV events, as Flotilla's.
+"""The KV events SGLang and vLLM publish over ZMQ (one format: SGLang took vLLM's), as Flotilla's.
 
-SGLang publishes its radix cache's events over ZMQ when started with ``kv_events_config`` (``--kv-events-config
-'{"publisher": "zmq", "endpoint": ..., "topic": ...}'``): each message is three frames, the topic, an 8-byte
+vLLM publishes them when given ``kv_events_config`` (``KVEventsConfig(enable_kv_cache_events=True,
+publisher="zmq", endpoint=..., topic=...)``); its ``KVEventBatch`` carries a trailing
+``data_parallel_rank``, and its ``BlockStored``/``BlockRemoved`` a trailing ``medium``. SGLang publishes
+its radix cache's events over ZMQ when started with ``kv_events_config`` (``--kv-events-config
+'{"publisher": "zmq", "endpoint": ..., "topic": ...}'``). Each message is three frames, the topic, an 8-byte
 big-endian sequence number and a msgpack ``KVEventBatch``. Their shapes, as ``python/sglang/srt/disaggregation/
 kv_events.py`` declares them (read at sgl-project/sglang commit 006d053f; msgspec structs, ``array_like`` and
 tagged with the class name)::
 
     KVEventBatch      [ts, [event, ...]]                       (a trailing attn_dp_rank in some versions)
+
+vLLM 0.32 sends each event as a map instead (``{"type": "BlockStored", "block_hashes": ..., ...}``, with
+more keys after ``medium``); both forms are read.
     BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]
     BlockRemoved      ["BlockRemoved", block_hashes]
     AllBlocksCleared  ["AllBlocksCleared"]
@@ -17,6 +23,7 @@ as the storage tier, anything else trailing is ignored. ``translate_batch`` is p
 """
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +31,7 @@ from typing import Any
 import msgspec
 
 from engines.engine_block_names import EngineBlockNames
+from runtime.errors import EngineError
 from runtime.kv_events import KvEvent, Medium
 
 log = logging.getLogger(__name__)
@@ -39,9 +47,23 @@ def medium_of(value: object) -> Medium | None:
     return None if medium == "gpu" else medium
 
 
+#: The fields of each event, in order, for events that come as maps (vLLM 0.32's: ``{"type": ..., ...}``).
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
 def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
-    """Flotilla's event for one decoded SGLang event (a tagged list), or None for one that names nothing
-    Flotilla can route on (unknown parent, another block size, an unknown tag)."""
+    """Flotilla's event for one decoded event (a tagged list as SGLang sends it, or a map with its ``type`` as
+    vLLM 0.32 sends it), or None for one that names nothing Flotilla can route on (unknown parent, another
+    block size, an unknown tag)."""
+    if isinstance(event, dict):
+        fields_of = _FIELDS.get(event.get("type"))  # type: ignore[arg-type]
+        if fields_of is None:
+            return None
+        event = [event["type"], *(event.get(field) for field in fields_of)]
     if not isinstance(event, list | tuple) or not event:
         return None
     tag, fields = event[0], event[1:]
@@ -110,3 +132,19 @@ class ZmqSubscriber:
         self._stopped.set()
         self._thread.join(timeout=2)
         self._socket.close(linger=0)
+
+
+def free_tcp_ports(count: int, attempts: int = 20) -> int:
+    """The first of ``count`` consecutive free loopback ports. Raises EngineError when none are found."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first: int = probe.getsockname()[1]
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise EngineError(f"no {count} consecutive free ports for an engine's KV event publishers")
