@@ -108,7 +108,7 @@ class ZmqSubscriber:
         import zmq  # SGLang depends on pyzmq; Flotilla does not
 
         self._zmq = zmq
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket: Any = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
         # SGLang's publisher binds a wildcard ("tcp://*:PORT") and connects anything else; Flotilla gives it
         # the wildcard form and connects here.

@@ -1,17 +1,15 @@
 """The SGLang KV event subscriber on a real ZMQ socket, fed as SGLang's ZmqEventPublisher sends (topic,
-8-byte big-endian sequence number, msgpack batch). pyzmq comes with SGLang, not with Flotilla: skipped
-where it is not installed."""
+8-byte big-endian sequence number, msgpack batch). pyzmq comes with SGLang and vLLM; the dev extra installs
+it for this test."""
 
 import asyncio
 import threading
 from typing import Any
 
 import msgspec
-import pytest
+import zmq
 
 from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports
-
-zmq = pytest.importorskip("zmq")
 
 
 async def test_the_subscriber_hands_each_published_batch_to_its_callback_decoded() -> None:
