@@ -22,6 +22,10 @@ ENGINE_FLAGS = (
     "--context-length",
     "--threads",
     "--parallel",
+    # A GPU engine's: the memory share and the GPU count the control plane placed it by
+    # (controlplane/deployments/worker_specs.py adds them to the start of vLLM, SGLang and TensorRT-LLM).
+    "--gpu-memory-utilization",
+    "--tensor-parallel-size",
     # Inline JSON only: a path would make the worker read a file the task chose.
     "--extra-engine-args",
 )
@@ -80,5 +84,12 @@ def _check_value(flag: str, value: str) -> None:
             raise TaskNotAllowed(
                 f"--extra-engine-args {value!r} names a file: a task gives the engine's settings as a JSON object"
             )
+    elif flag == "--gpu-memory-utilization":
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:  # NaN fails this too
+            raise TaskNotAllowed(f"engine arg {flag} {value!r}: the value is not a share of a GPU (0 to 1)")
     elif not value.isdigit():
         raise TaskNotAllowed(f"engine arg {flag} {value!r}: the value is not a whole number")

@@ -37,6 +37,9 @@ def test_a_start_of_an_engine_the_node_has_with_the_engines_own_flags_passes() -
     check_start(START, engines=HERE, node="gpu-a")
     check_start(with_spec(engine="echo_full", engine_args=[]), engines=HERE, node="gpu-a")
     check_start(with_spec(engine="llamacpp", engine_args=["--threads=4"]), engines=HERE, node="gpu-a")
+    # What the control plane adds to a GPU engine's start: the memory share and GPU count it placed it by.
+    vllm = with_spec(engine="vllm", engine_args=["--gpu-memory-utilization", "0.188", "--tensor-parallel-size", "2"])
+    check_start(vllm, engines={"vllm"}, node="gpu-a")
 
 
 def test_a_python_file_as_the_engine_is_refused_whatever_its_kind() -> None:
@@ -70,6 +73,10 @@ def test_a_model_path_is_the_agents_to_set_not_the_tasks() -> None:
         (["--threads", "--labels", "node=gpu-b"], "--threads '--labels': the value is not a whole number"),
         (["--context-length"], "'--context-length' needs a value"),
         (["--extra-engine-args", "/etc/flotilla/mocker.json"], "names a file"),
+        (["--gpu-memory-utilization", "1.5"], "'1.5': the value is not a share of a GPU (0 to 1)"),
+        (["--gpu-memory-utilization=nan"], "'nan': the value is not a share of a GPU"),
+        (["--gpu-memory-utilization", "--labels"], "'--labels': the value is not a share of a GPU"),
+        (["--tensor-parallel-size", "two"], "--tensor-parallel-size 'two': the value is not a whole number"),
     ],
 )
 def test_engine_args_that_would_set_what_the_agent_sets_are_refused_saying_which(args: list[str], why: str) -> None:

@@ -5,6 +5,7 @@ from dataclasses import replace
 import msgspec
 import pytest
 
+from agent.task_checks import check_engine_args
 from controlplane.audit.records import Actor
 from controlplane.deployments.models import Instance
 from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline
@@ -151,6 +152,7 @@ def test_a_gpu_engine_is_told_the_memory_share_it_was_placed_by(engine: str) -> 
     instance = placed(source_kind="hf", source="org/llama", engine=engine, memory_bytes=30 * GiB)
     argv = start_message(instance).spec.engine_args
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.188"  # 15 GiB of each 80 GiB GPU
+    check_engine_args(argv)  # and the agent takes it
 
 
 @pytest.mark.django_db
@@ -160,6 +162,7 @@ def test_vllm_is_split_over_the_gpus_of_its_replica() -> None:
         placed(source_kind="hf", source="org/llama", engine="vllm", memory_bytes=30 * GiB)
     ).spec.engine_args
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    check_engine_args(argv)  # and the agent takes it
 
 
 @pytest.mark.django_db
