@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Smoke test of out=sglang and out=trtllm on a GPU machine: what the CPU-only test suite cannot run.
+# Smoke test of out=vllm, out=sglang and out=trtllm on a GPU machine: what the CPU-only test suite cannot run.
 #
 # Usage:  bench/gpu_engines_check.sh MODEL_DIR [ENGINE ...]
 #   MODEL_DIR  a Hugging Face folder with safetensors (config.json, tokenizer.json, *.safetensors), e.g.
 #              SmolLM2-135M-Instruct or Qwen2.5-0.5B-Instruct, already on the machine (it may have no network)
-#   ENGINE     sglang and/or trtllm (default: both); an engine whose package is missing is reported SKIP
-# Needs: one CUDA GPU, this repo's venv (.venv, or VENV=...) with `pip install -e '.[sglang]'` and/or
+#   ENGINE     vllm, sglang and/or trtllm (default: all three); an engine whose package is missing is reported SKIP
+#   EXTRA_ENGINE_ARGS (environment) the engine's --extra-engine-args for every start, e.g. '{"enforce_eager": true}'
+# Needs: one CUDA GPU, this repo's venv (.venv, or VENV=...) with `pip install -e '.[vllm]'`, `'.[sglang]'` and/or
 # `pip install --extra-index-url https://pypi.nvidia.com -e '.[trtllm]'` (one library per venv is safest:
 # they pin different torch builds). GPU memory: each engine is started with --gpu-memory-utilization
 # $SHARE (default 0.4), one at a time.
@@ -22,10 +23,12 @@
 # It measures nothing: timings of real engines belong in a benchmark of their own.
 set -u -o pipefail
 
-MODEL_DIR=${1:?usage: bench/gpu_engines_check.sh MODEL_DIR [sglang] [trtllm]}
+MODEL_DIR=${1:?usage: bench/gpu_engines_check.sh MODEL_DIR [vllm] [sglang] [trtllm]}
 shift
 ENGINES=("$@")
-[ ${#ENGINES[@]} -eq 0 ] && ENGINES=(sglang trtllm)
+[ ${#ENGINES[@]} -eq 0 ] && ENGINES=(vllm sglang trtllm)
+EXTRA_ENGINE_ARGS=${EXTRA_ENGINE_ARGS:-}
+export EXTRA_ENGINE_ARGS
 PYTHON=${VENV:-.venv}/bin/python
 SHARE=${SHARE:-0.4}
 PORT=${PORT:-18431}
@@ -40,9 +43,10 @@ report() {  # report STATUS ENGINE CHECK DETAIL
 
 for engine in "${ENGINES[@]}"; do
     case $engine in
+        vllm) package=vllm ;;
         sglang) package=sglang ;;
         trtllm) package=tensorrt_llm ;;
-        *) echo "unknown engine $engine (sglang or trtllm)"; exit 2 ;;
+        *) echo "unknown engine $engine (vllm, sglang or trtllm)"; exit 2 ;;
     esac
     if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$package') is None)"; then
         report SKIP "$engine" install "the $package package is not installed in $PYTHON's environment"
@@ -50,7 +54,9 @@ for engine in "${ENGINES[@]}"; do
     fi
 
     # 1. The engine in this process.
-    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE timeout 900 "$PYTHON" - <<'PY'
+    # From a file, not stdin: vLLM's engine core is a spawned process, which imports the parent's main module.
+    check=$(mktemp --suffix=.py)
+    cat >"$check" <<'PY'
 import asyncio, os, sys
 
 from launcher.options import RunOptions
@@ -94,7 +100,8 @@ async def collect(engine, tokens, request_id, max_tokens=16, stop_after=None):
 
 async def main() -> int:
     options = RunOptions(
-        output=engine_name, model=os.environ["MODEL_DIR"], gpu_memory_utilization=float(os.environ["SHARE"])
+        output=engine_name, model=os.environ["MODEL_DIR"], gpu_memory_utilization=float(os.environ["SHARE"]),
+        extra_engine_args=os.environ["EXTRA_ENGINE_ARGS"] or None,
     )
     model, engine = build_model(options)
     await engine.start()
@@ -124,14 +131,19 @@ async def main() -> int:
     return 0
 
 
-sys.exit(asyncio.run(main()))
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
 PY
-    [ $? -eq 0 ] || report FAIL "$engine" in-process "the check above stopped early (see its output)"
+    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout 900 "$PYTHON" "$check"
+    status=$?
+    rm -f "$check"
+    [ $status -eq 0 ] || report FAIL "$engine" in-process "the check above stopped early (see its output)"
 
     # 2. Through the CLI.
     log=$(mktemp)
     "$PYTHON" -m launcher.cli run in=http out="$engine" "$MODEL_DIR" --http-port "$PORT" \
-        --gpu-memory-utilization "$SHARE" >"$log" 2>&1 &
+        --gpu-memory-utilization "$SHARE" ${EXTRA_ENGINE_ARGS:+--extra-engine-args "$EXTRA_ENGINE_ARGS"} >"$log" 2>&1 &
     server=$!
     ready=0
     for _ in $(seq 600); do
