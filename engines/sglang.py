@@ -13,7 +13,9 @@ is aborted in SGLang (``abort_request(rid)``), which frees its KV cache.
 
 The GPU share: SGLang's ``mem_fraction_static`` (weights and KV pool) is the memory share the control
 plane placed the worker by (``--gpu-memory-utilization``); ``--tensor-parallel-size`` is ``tp_size``,
-``--base-gpu-id`` ``base_gpu_id``, ``--context-length`` ``context_length``. Other ServerArgs come from
+``--base-gpu-id`` ``base_gpu_id``, ``--context-length`` ``context_length``; ``--num-nodes``, ``--node-rank`` and
+``--leader-addr`` are ``nnodes``, ``node_rank`` and ``dist_init_addr`` (a rank above 0 runs
+engines/sglang_follower.py, not this engine). Other ServerArgs come from
 ``--extra-engine-args`` (JSON), checked against the names in ``SERVER_ARGS`` below.
 
 KV events: SGLang publishes them over ZMQ (``kv_events_config``); the worker subscribes and renames the
@@ -32,6 +34,7 @@ from typing import Any, Literal
 
 from engines.engine_block_names import EngineBlockNames
 from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
+from engines.node_group import NodeGroup
 from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
@@ -65,7 +68,7 @@ SERVER_ARGS = frozenset(
         "stream_interval", "stream_output", "incremental_streaming_output",
         # parallelism
         "pp_size", "dp_size", "ep_size", "enable_dp_attention", "load_balance_method", "gpu_id_step",
-        "nnodes", "node_rank", "dist_init_addr",
+        "dist_timeout",
         # kernels and runtime
         "attention_backend", "prefill_attention_backend", "decode_attention_backend", "sampling_backend",
         "grammar_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_bs", "enable_torch_compile",
@@ -95,6 +98,9 @@ SET_BY_FLOTILLA = {
     "mem_fraction_static": "from --gpu-memory-utilization, the share the control plane placed the worker by",
     "skip_tokenizer_init": "always true: Flotilla tokenizes",
     "kv_events_config": "the worker subscribes to SGLang's KV events itself",
+    "nnodes": "from --num-nodes",
+    "node_rank": "from --node-rank",
+    "dist_init_addr": "from --leader-addr",
 }
 #: SGLang's page size (tokens per KV block, the router's block size) where the arguments do not say.
 DEFAULT_PAGE_SIZE = 16
@@ -111,9 +117,14 @@ def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
 
 
 def engine_kwargs(
-    model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], *, kv_events_endpoint: str | None
+    model_path: Path,
+    placement: GpuPlacement,
+    engine_args: dict[str, Any],
+    *,
+    kv_events_endpoint: str | None,
+    nodes: NodeGroup | None = None,
 ) -> dict[str, Any]:
-    """The keyword arguments of ``sglang.Engine`` for this worker."""
+    """The keyword arguments of ``sglang.Engine`` for this worker (rank ``nodes.node_rank`` of the nodes it spans)."""
     kwargs: dict[str, Any] = {
         "model_path": str(model_path),
         "skip_tokenizer_init": True,
@@ -126,6 +137,9 @@ def engine_kwargs(
         kwargs["context_length"] = placement.context_length
     if placement.gpu_memory_fraction is not None:
         kwargs["mem_fraction_static"] = placement.gpu_memory_fraction
+    if nodes is not None and nodes.spans_nodes and nodes.leader is not None:
+        # tp_size counts the GPUs of every node; SGLang starts tp_size / nnodes of them here, from base_gpu_id.
+        kwargs |= {"nnodes": nodes.num_nodes, "node_rank": nodes.node_rank, "dist_init_addr": str(nodes.leader)}
     if kv_events_endpoint is not None:
         kwargs["kv_events_config"] = json.dumps(
             {"publisher": "zmq", "endpoint": kv_events_endpoint, "topic": _KV_TOPIC}
@@ -207,10 +221,13 @@ class SglangEngine:
     kind: Literal["token"] = "token"
     skip_special_tokens = True
 
-    def __init__(self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], nodes: NodeGroup | None = None
+    ) -> None:
         self.model_path = model_path
         self.placement = placement
         self.engine_args = engine_args
+        self.nodes = nodes or NodeGroup()
         self.block_size = int(engine_args.get("page_size", DEFAULT_PAGE_SIZE))
         self._engine: Any = None
         self._names = {rank: EngineBlockNames(self.block_size) for rank in range(attention_dp_ranks(engine_args))}
@@ -224,7 +241,9 @@ class SglangEngine:
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
         endpoints = rank_endpoints(free_tcp_ports(len(self._names)), len(self._names))
-        kwargs = engine_kwargs(self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoints[0])
+        kwargs = engine_kwargs(
+            self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoints[0], nodes=self.nodes
+        )
         try:
             # In this thread: SGLang's tokenizer manager binds to the running event loop.
             self._engine = sglang.Engine(**kwargs)

@@ -80,9 +80,7 @@ class VllmEngine:
         if self.base_gpu_id is not None:
             # Before vLLM is imported: torch reads it once, and vLLM's workers inherit it.
             current = os.environ.get("CUDA_VISIBLE_DEVICES")
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(
-                current, self.base_gpu_id, self.settings.tensor_parallel_size
-            )
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(current, self.base_gpu_id, self.settings.local_gpus)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

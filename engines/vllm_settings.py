@@ -3,7 +3,7 @@
 ``--extra-engine-args`` is a JSON object of ``AsyncEngineArgs`` fields, by vLLM's own names (those of
 ``vllm serve``'s flags, with underscores). A key that is not a field of the installed vLLM's dataclass is
 refused, naming it, and so is a key that a Flotilla flag owns (the model, the context length, the
-tensor-parallel size, the GPU memory share): two places to set one thing would disagree.
+tensor-parallel size, the GPU memory share, the nodes it spans): two places to set one thing would disagree.
 """
 
 import dataclasses
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.node_group import NodeGroup
 from runtime.errors import ConfigError
 
 #: The one line a node without the package prints (exit 2).
@@ -26,6 +27,10 @@ OWNED_KEYS: dict[str, str] = {
     "tensor_parallel_size": "--tensor-parallel-size",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "skip_tokenizer_init": "nothing: Flotilla gives vLLM token ids",
+    "nnodes": "--num-nodes",
+    "node_rank": "--node-rank",
+    "master_addr": "--leader-addr (HOST of HOST:PORT)",
+    "master_port": "--leader-addr (PORT of HOST:PORT)",
 }
 
 
@@ -39,8 +44,19 @@ class VllmSettings:
     #: The share of each GPU's memory vLLM may take (weights, activations and KV cache): the control plane's
     #: placement share, so that engines sharing a GPU fit. None: vLLM's default (0.9).
     gpu_memory_utilization: float | None = None
+    #: The nodes one instance spans (--num-nodes), and this one's rank.
+    nodes: NodeGroup = field(default_factory=NodeGroup)
     #: Extra AsyncEngineArgs fields, checked against the dataclass.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def local_gpus(self) -> int:
+        """The GPUs vLLM uses on this node: its tensor x pipeline parallel ranks, split over the nodes.
+
+        Raises ConfigError when they do not split evenly.
+        """
+        stages = int(self.extra.get("pipeline_parallel_size", 1))
+        return self.nodes.local_share(self.tensor_parallel_size * stages)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``AsyncEngineArgs``."""
@@ -57,6 +73,15 @@ class VllmSettings:
             kwargs["max_model_len"] = self.max_model_len
         if self.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if (leader := self.nodes.leader) is not None and self.nodes.spans_nodes:
+            # vLLM's multiprocessing executor over nodes: each node starts its share of the workers, and they
+            # form one torch.distributed group at the leader's address.
+            kwargs |= {
+                "nnodes": self.nodes.num_nodes,
+                "node_rank": self.nodes.node_rank,
+                "master_addr": leader.host,
+                "master_port": leader.port,
+            }
         return kwargs
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from engines.echo import echo_delay_seconds
+from engines.node_group import MULTINODE_ENGINES, LeaderAddress, NodeGroup
 from engines.python_file import python_engine_file
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -207,6 +208,13 @@ def _memory_share(text: str) -> float:
     return value
 
 
+def _leader_address(text: str) -> LeaderAddress:
+    try:
+        return LeaderAddress.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _labels(text: str) -> dict[str, str]:
     # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
     from runtime.endpoint import parse_labels
@@ -338,6 +346,28 @@ def build_run_parser() -> EnvArgumentParser:
         help="out=vllm, out=sglang, out=trtllm: the share of each GPU's memory the engine may take, weights "
         "and KV cache together (the control plane's placement share; SGLang's mem_fraction_static, a KV cache "
         "fraction computed from it for TensorRT-LLM; default: the engine's own)",
+    )
+    run.add_flag(
+        "--num-nodes",
+        env="FLOTILLA_NUM_NODES",
+        type=_positive_int,
+        help="out=vllm, out=sglang: machines one engine instance spans (its --tensor-parallel-size GPUs split "
+        "evenly over them); run the same command on each, with its own --node-rank (default 1)",
+    )
+    run.add_flag(
+        "--node-rank",
+        env="FLOTILLA_NODE_RANK",
+        type=_non_negative_int,
+        help="with --num-nodes: this machine's rank, 0 to N-1. Rank 0, the leader, serves the requests (in=); "
+        "a rank above 0 runs its share of the model for the leader and serves nothing, so in= is ignored there "
+        "(default 0)",
+    )
+    run.add_flag(
+        "--leader-addr",
+        env="FLOTILLA_LEADER_ADDR",
+        type=_leader_address,
+        help="with --num-nodes: HOST:PORT of rank 0's machine and a free port on it, where every rank meets "
+        "(vLLM's master_addr:master_port, SGLang's dist_init_addr)",
     )
     run.add_flag(
         "--labels",
@@ -545,6 +575,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         if value is not None and output not in GPU_ONLY_ENGINES:
             gpu_engines = ", ".join(f"out={engine}" for engine in sorted(GPU_ONLY_ENGINES))
             parser.error(f"{flag} places a GPU engine ({gpu_engines}) on its GPUs, not out={output}")
+    nodes = _node_group(parser, namespace, output)
     if (python_engine := python_engine_file(output)) is not None:
         kind, file = python_engine
         if not file:
@@ -609,7 +640,40 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},
         metrics_port=namespace.metrics_port,
+        num_nodes=nodes.num_nodes,
+        node_rank=nodes.node_rank,
+        leader_addr=nodes.leader,
     )
+
+
+def _node_group(parser: EnvArgumentParser, namespace: argparse.Namespace, output: str) -> NodeGroup:
+    """The ``--num-nodes``/``--node-rank``/``--leader-addr`` of an engine that spans nodes; parser.error() on misuse."""
+    given = [
+        flag
+        for flag, value in (
+            ("--num-nodes", namespace.num_nodes),
+            ("--node-rank", namespace.node_rank),
+            ("--leader-addr", namespace.leader_addr),
+        )
+        if value is not None
+    ]
+    if not given:
+        return NodeGroup()
+    if output == "trtllm":
+        parser.error(
+            f"{given[0]}: out=trtllm runs over several nodes under MPI, not through --num-nodes: "
+            "mpirun -np <GPUs in all> ... trtllm-llmapi-launch flotilla run out=trtllm ... (one command, every rank)"
+        )
+    if output not in MULTINODE_ENGINES:
+        engines = " and ".join(f"out={engine}" for engine in MULTINODE_ENGINES)
+        parser.error(f"{given[0]} spans one engine over several machines, which {engines} do; out={output} does not")
+    num_nodes = namespace.num_nodes or 1
+    if namespace.leader_addr is not None and num_nodes == 1:
+        parser.error("--leader-addr is where several nodes meet: give --num-nodes N (2 or more) with it")
+    try:
+        return NodeGroup(num_nodes=num_nodes, node_rank=namespace.node_rank or 0, leader=namespace.leader_addr)
+    except ConfigError as exc:
+        parser.error(str(exc))
 
 
 def check_environment() -> None:
@@ -652,6 +716,10 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_run_options(parser, namespace)
         check_environment()
         set_title(run_title(options))
+        if options.node_rank > 0:
+            from launcher.follower import run_follower
+
+            return run_follower(options)  # serves nothing: no event loop (launcher/follower.py says why)
         import uvloop
 
         from launcher.run import run

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.node_group import LeaderAddress, NodeGroup
 from runtime.engine_names import IMPLEMENTED_ENGINES, PLANNED_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
@@ -54,6 +55,9 @@ class RunOptions:
     tensor_parallel_size: int = 1  # out=vllm: GPUs the model is split across
     base_gpu_id: int | None = None  # out=vllm: the first GPU, among CUDA_VISIBLE_DEVICES when set
     gpu_memory_utilization: float | None = None  # out=vllm: the GPU memory share it may take (placement's)
+    num_nodes: int = 1  # out=vllm, out=sglang: machines one engine instance spans (engines/node_group.py)
+    node_rank: int = 0  # this machine's among them: 0 serves, the others run their share of the model
+    leader_addr: LeaderAddress | None = None  # where they meet (rank 0's machine), when num_nodes > 1
     quota_redis_url: str | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
@@ -66,6 +70,11 @@ class RunOptions:
     def worker_address(self) -> str | None:
         """The dyn:// address to serve, for ``in=dyn://...``."""
         return self.input if self.input.startswith("dyn://") else None
+
+    @property
+    def node_group(self) -> NodeGroup:
+        """The nodes the engine spans, this one's rank among them."""
+        return NodeGroup(num_nodes=self.num_nodes, node_rank=self.node_rank, leader=self.leader_addr)
 
     @property
     def batch_file(self) -> Path | None:

@@ -16,6 +16,8 @@ def set_title(title: str) -> None:
 
 def run_title(options: RunOptions) -> str:
     """The title of ``flotilla run`` with ``options``. Raises ConfigError for a malformed in=dyn:// address."""
+    if options.node_rank > 0:  # it serves nothing, whatever in= says (launcher/follower.py)
+        return f"flotilla run out={options.output} rank {options.node_rank} of {options.num_nodes}"
     if options.output == "dyn" and options.input == "http":
         return "flotilla gateway"
     if (address := options.worker_address) is not None:

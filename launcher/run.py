@@ -130,6 +130,8 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     # The settings first: their mistakes are quicker to find than a model download.
     extra = read_extra_args(options.extra_engine_args)
     check_extra_args(extra, engine_arg_names())
+    # The GPUs must split evenly over the nodes (--num-nodes): said now, before a download.
+    options.node_group.local_share(options.tensor_parallel_size * int(extra.get("pipeline_parallel_size", 1)))
     card, path = load_card(options)
     if not path.is_dir():
         raise ConfigError(f"out=vllm loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
@@ -138,6 +140,7 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         max_model_len=card.context_length,
         tensor_parallel_size=options.tensor_parallel_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
+        nodes=options.node_group,
         extra=extra,
     )
     # Log probabilities come with vLLM's outputs; its KV block size goes on the card for KV routers (the
@@ -168,12 +171,14 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         context_length=options.context_length,
         gpu_memory_fraction=options.gpu_memory_utilization,
     )
+    if output == "sglang":  # the GPUs must split evenly over the nodes: said now, before a download
+        options.node_group.local_share(options.tensor_parallel_size * int(extra.get("pp_size", 1)))
     card, path = load_card(options)
     if not path.is_dir():
         raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
     engine: sglang.SglangEngine | trtllm.TrtLlmEngine
     if output == "sglang":
-        engine = sglang.SglangEngine(path, placement, extra)
+        engine = sglang.SglangEngine(path, placement, extra, options.node_group)
     else:
         engine = trtllm.TrtLlmEngine(path, placement, extra)
     # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.

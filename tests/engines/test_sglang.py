@@ -15,6 +15,7 @@ import pytest
 
 from engines.engine_block_names import EngineBlockNames
 from engines.gpu_engine_args import GpuPlacement
+from engines.node_group import LeaderAddress, NodeGroup
 from engines.sglang import (
     DEFAULT_PAGE_SIZE,
     SglangEngine,
@@ -98,6 +99,9 @@ def test_an_unknown_server_arg_is_refused_naming_it() -> None:
         ("mem_fraction_static", "--gpu-memory-utilization"),
         ("base_gpu_id", "--base-gpu-id"),
         ("context_length", "--context-length"),
+        ("nnodes", "--num-nodes"),
+        ("node_rank", "--node-rank"),
+        ("dist_init_addr", "--leader-addr"),
     ],
 )
 def test_a_server_arg_that_a_flag_sets_is_refused_naming_the_flag(key: str, flag: str) -> None:
@@ -130,6 +134,23 @@ def test_the_placement_becomes_sglangs_gpu_arguments() -> None:
         "endpoint": "tcp://*:5557",
         "topic": "flotilla-kv",
     }
+
+
+def test_the_nodes_an_instance_spans_become_sglangs_multi_node_arguments() -> None:
+    nodes = NodeGroup(num_nodes=2, node_rank=1, leader=LeaderAddress("10.0.0.1", 29500))
+    kwargs = engine_kwargs(Path("/m"), GpuPlacement(tensor_parallel_size=16), {}, kv_events_endpoint=None, nodes=nodes)
+    assert (kwargs["nnodes"], kwargs["node_rank"], kwargs["dist_init_addr"], kwargs["tp_size"]) == (
+        2,
+        1,
+        "10.0.0.1:29500",
+        16,
+    )
+    ipv6 = NodeGroup(num_nodes=2, leader=LeaderAddress("fd00::1", 29500))
+    assert engine_kwargs(Path("/m"), GpuPlacement(), {}, kv_events_endpoint=None, nodes=ipv6)["dist_init_addr"] == (
+        "[fd00::1]:29500"
+    )
+    alone = engine_kwargs(Path("/m"), GpuPlacement(), {}, kv_events_endpoint=None, nodes=NodeGroup())
+    assert not {"nnodes", "node_rank", "dist_init_addr"} & set(alone)
 
 
 def test_without_a_share_sglang_keeps_its_own_memory_default() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.node_group import LeaderAddress, NodeGroup
 from engines.vllm import visible_devices
 from engines.vllm_settings import VllmSettings, check_extra_args, read_extra_args
 from launcher.cli import build_run_parser, parse_run_options
@@ -47,6 +48,42 @@ def test_the_memory_share_placed_by_is_what_vllm_is_given() -> None:
     assert kwargs["gpu_memory_utilization"] == 0.35 and kwargs["max_model_len"] == 2048
     assert kwargs["block_size"] == 32 and kwargs["model"] == "/m"
     assert "gpu_memory_utilization" not in VllmSettings(model="/m").engine_kwargs()
+
+
+def test_the_nodes_an_instance_spans_become_vllms_multi_node_engine_arguments() -> None:
+    nodes = NodeGroup(num_nodes=2, node_rank=1, leader=LeaderAddress("10.0.0.1", 29500))
+    kwargs = VllmSettings(model="/m", tensor_parallel_size=8, nodes=nodes).engine_kwargs()
+    assert (kwargs["nnodes"], kwargs["node_rank"], kwargs["master_addr"], kwargs["master_port"]) == (
+        2,
+        1,
+        "10.0.0.1",
+        29500,
+    )
+    assert kwargs["tensor_parallel_size"] == 8  # every node's GPUs: vLLM starts 8 / 2 of them on each
+    assert not {"nnodes", "node_rank", "master_addr", "master_port"} & set(VllmSettings(model="/m").engine_kwargs())
+
+
+def test_a_node_uses_its_share_of_the_gpus_and_they_must_split_evenly() -> None:
+    nodes = NodeGroup(num_nodes=2, leader=LeaderAddress("h", 1))
+    assert VllmSettings(model="/m", tensor_parallel_size=8, nodes=nodes).local_gpus == 4
+    assert VllmSettings(model="/m", extra={"pipeline_parallel_size": 2}, nodes=nodes).local_gpus == 1
+    assert VllmSettings(model="/m", tensor_parallel_size=2).local_gpus == 2
+    with pytest.raises(ConfigError, match="do not split evenly over --num-nodes 2"):
+        _ = VllmSettings(model="/m", tensor_parallel_size=3, nodes=nodes).local_gpus
+
+
+@pytest.mark.parametrize(
+    ("key", "flag"),
+    [
+        ("nnodes", "--num-nodes"),
+        ("node_rank", "--node-rank"),
+        ("master_addr", "--leader-addr"),
+        ("master_port", "--leader-addr"),
+    ],
+)
+def test_the_multi_node_engine_arguments_are_refused_naming_their_flag(key: str, flag: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}' is set by {flag}"):
+        check_extra_args({key: 1}, FIELDS | {key})
 
 
 def test_an_unknown_engine_argument_is_refused_naming_it() -> None:

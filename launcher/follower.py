@@ -1,0 +1,146 @@
+"""``flotilla run out=vllm|sglang --num-nodes N --node-rank R`` with R above 0: this node's share of an engine
+instance whose leader (rank 0) serves.
+
+Such a rank takes no requests: it registers no endpoint, opens no HTTP port and reads no input, so ``in=`` is
+ignored (every node runs the same command but for ``--node-rank``). It starts the engine's processes for this
+node, which join the leader's ``torch.distributed`` group at ``--leader-addr``, and watches them: it exits 1
+when one of them dies (the leader's instance cannot go on without them, and a supervisor restarting the node
+is the way back), 0 on SIGTERM, 130 on Ctrl-C.
+
+It runs without an event loop, in the main thread, as vLLM's own ``run_headless`` does: a signal interrupts
+whatever the start is waiting for (the leader may not be up yet).
+"""
+
+import importlib.util
+import logging
+import signal
+import types
+from pathlib import Path
+from typing import Protocol
+
+from launcher.options import RunOptions
+from runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Follower(Protocol):
+    """The engine's processes of one rank above 0."""
+
+    def start(self) -> None: ...
+
+    def wait(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class _Stopped(BaseException):
+    """A stop signal, raised in the main thread wherever the run waits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def build_follower(options: RunOptions) -> Follower:
+    """This rank's processes for ``options.output`` (vllm or sglang), not yet started; the settings are checked
+    first (ConfigError), the model resolved (downloaded if needed) after."""
+    from runtime.model_source import resolve_model
+
+    nodes = options.node_group
+    if options.output == "vllm":
+        from engines.vllm_follower import VllmFollower
+        from engines.vllm_settings import (
+            MISSING_PACKAGE,
+            VllmSettings,
+            check_extra_args,
+            engine_arg_names,
+            read_extra_args,
+        )
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(MISSING_PACKAGE)
+        extra = read_extra_args(options.extra_engine_args)
+        check_extra_args(extra, engine_arg_names())
+        # The GPUs must split evenly over the nodes: said now, before a download.
+        nodes.local_share(options.tensor_parallel_size * int(extra.get("pipeline_parallel_size", 1)))
+        settings = VllmSettings(
+            model=str(_folder(resolve_model(options.model), "vllm")),
+            max_model_len=options.context_length,
+            tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            nodes=nodes,
+            extra=extra,
+        )
+        return VllmFollower(settings, base_gpu_id=options.base_gpu_id)
+    if options.output == "sglang":
+        from engines.gpu_engine_args import GpuPlacement
+        from engines.sglang import MISSING_PACKAGE as SGLANG_MISSING
+        from engines.sglang import parse_engine_args
+        from engines.sglang_follower import SglangFollower
+
+        if importlib.util.find_spec("sglang") is None:
+            raise ConfigError(SGLANG_MISSING)
+        engine_args = parse_engine_args(options.extra_engine_args)
+        placement = GpuPlacement(
+            tensor_parallel_size=options.tensor_parallel_size,
+            base_gpu_id=options.base_gpu_id or 0,
+            context_length=options.context_length,
+            gpu_memory_fraction=options.gpu_memory_utilization,
+        )
+        nodes.local_share(options.tensor_parallel_size * int(engine_args.get("pp_size", 1)))
+        path = _folder(resolve_model(options.model), "sglang")
+        return SglangFollower(path, placement, engine_args, nodes)
+    raise ConfigError(f"out={options.output} does not span nodes: --node-rank is for out=vllm and out=sglang")
+
+
+def _folder(path: Path, engine: str) -> Path:
+    if not path.is_dir():
+        raise ConfigError(f"out={engine} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
+    return path
+
+
+def run_follower(options: RunOptions) -> int:
+    """Run rank ``options.node_rank`` until its processes die (1) or a signal stops it (0, or 130 for SIGINT).
+
+    Raises ConfigError or ModelError (exit 2) for bad settings or a model it cannot start.
+    """
+    follower = build_follower(options)
+    nodes = options.node_group
+    log.info(
+        "out=%s: serving as rank %d of %d for the leader at %s; this node takes no requests (rank 0 serves them)%s",
+        options.output,
+        nodes.node_rank,
+        nodes.num_nodes,
+        nodes.leader,
+        "" if options.input == "text" else f", so in={options.input} is ignored here",
+    )
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop(signum: int, frame: types.FrameType | None) -> None:
+        raise _Stopped(signum)
+
+    for signum in previous:
+        signal.signal(signum, stop)
+    try:
+        follower.start()
+        log.info("rank %d of %d: the engine's processes are up, joined to the leader", nodes.node_rank, nodes.num_nodes)
+        ended = follower.wait()
+        log.error(
+            "rank %d of %d stops: %s; the leader's engine cannot run without this node's share of it",
+            nodes.node_rank,
+            nodes.num_nodes,
+            ended,
+        )
+        return 1
+    except _Stopped as stopped:
+        log.info("rank %d of %d stopped by %s", nodes.node_rank, nodes.num_nodes, signal.Signals(stopped.signum).name)
+        return 130 if stopped.signum == signal.SIGINT else 0
+    finally:
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        try:
+            follower.close()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
