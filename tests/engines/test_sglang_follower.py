@@ -85,8 +85,9 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_no_kv_events(
-    follower: tuple[subprocess.Popen[str], Path],
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_stops_them_on_a_signal(
+    follower: tuple[subprocess.Popen[str], Path], signum: signal.Signals, code: int
 ) -> None:
     process, record = follower
     started, logged = wait_until_up(process, record)
@@ -100,13 +101,13 @@ def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_
     )
     assert kwargs["page_size"] == 32 and "kv_events_config" not in kwargs
     assert started["block"] == "0"  # SGLang returns once its schedulers are ready instead of blocking
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, rest = process.communicate(timeout=60)
     stderr = logged + rest
-    assert process.returncode == 0, stderr
+    assert process.returncode == code, stderr
     assert "serving as rank 1 of 2 for the leader at 10.0.0.1:29500" in stderr
     assert "in=http is ignored here" in stderr
-    assert "stopped by SIGTERM" in stderr
+    assert f"stopped by {signum.name}" in stderr
     assert not alive(int(str(started["scheduler"])))
 
 
