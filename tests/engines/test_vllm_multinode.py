@@ -50,6 +50,16 @@ def test_the_multi_node_settings_are_vllms_own_engine_arguments(vllm_model_folde
     assert (parallel.node_rank_within_dp, parallel.world_size, parallel.local_world_size) == (1, 2, 1)
 
 
+def test_a_rank_that_would_run_data_parallel_engines_of_its_own_is_refused(vllm_model_folder: Path) -> None:
+    from engines.vllm_follower import VllmFollower
+
+    # Data parallelism over the nodes: rank 1 would hold a whole engine, which takes requests, not a worker.
+    extra = {**ENGINE_SETTINGS, "data_parallel_size": 2}
+    settings = VllmSettings(model=str(vllm_model_folder), nodes=rank(1, LeaderAddress("127.0.0.1", 29555)), extra=extra)
+    with pytest.raises(ConfigError, match="--node-rank 1 would run data-parallel engines of its own"):
+        VllmFollower(settings).engine_config()
+
+
 def test_extra_engine_args_cannot_set_what_the_multi_node_flags_set() -> None:
     for key, flag in (("nnodes", "--num-nodes"), ("node_rank", "--node-rank"), ("master_port", "--leader-addr")):
         with pytest.raises(ConfigError, match=f"'{key}' is set by {flag}"):
