@@ -46,9 +46,9 @@ from runtime.protocol import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
-#: Requests decoded together by default (llama-server's -np); more wait for a free slot. One until batching
-#: is measured faster through HTTP too: in process, 4 slots put out 2.3x the tokens of one at concurrency 4,
-#: but through ``flotilla run in=http`` on 2 shared cores they were slower (docs/benchmarks.md).
+#: Requests decoded together by default (llama-server's -np); more wait for a free slot. One: each slot holds
+#: context_length KV cells, and on small CPUs llama.cpp's kernels are near compute-bound, so 4 rows cost ~3x
+#: one step and 4 slots gain first tokens far sooner but little throughput (bench/llamacpp_step_cost.py).
 DEFAULT_PARALLEL = 1
 #: The longest prompt chunk a step decodes: a long prompt is read over several steps, between which the
 #: running requests get their next token.
