@@ -51,6 +51,7 @@ from typing import Any
 
 import httpx
 from _common import free_port, percentile, running_server
+from _openai_load import PROMPTS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "llamacpp_vs_server.json"
@@ -67,16 +68,6 @@ SERIAL = "flotilla-serial"
 BASELINE = "llama_cpp.server"
 
 WARM_UP_PROMPT = "Say hello."
-PROMPTS = (
-    "What is the capital of France?",
-    "Explain photosynthesis in two sentences.",
-    "Write a haiku about the sea.",
-    "List three uses of a paperclip.",
-    "How do I reverse a list in Python?",
-    "Why is the sky blue?",
-    "Give me a short recipe for pancakes.",
-    "What are the benefits of regular exercise?",
-)
 
 
 @dataclass
