@@ -14,7 +14,7 @@ from django.db import connection
 
 from tests.controlplane import postgres
 
-RUN_TIMEOUT = 540
+RUN_TIMEOUT = 1200  # a guard against a hang, not a speed check: the suite takes minutes on 2 shared cores
 
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
