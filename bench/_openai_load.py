@@ -60,11 +60,9 @@ def summarise(server: str, concurrency: int, wall_s: float, samples: Sequence[Sa
     return Result(server, concurrency, len(samples), tokens, wall_s, percentile(ttfts, 50))
 
 
-async def stream_chat(
-    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
-) -> Sample:
-    """One greedy streamed chat completion; ``extra`` adds request fields (e.g. ``ignore_eos``)."""
-    payload = {
+def chat_payload(model: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A greedy streamed chat request for one user prompt, asking for usage in the last chunk."""
+    return {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "temperature": 0,
@@ -73,6 +71,13 @@ async def stream_chat(
         "stream_options": {"include_usage": True},
         **(extra or {}),
     }
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
+) -> Sample:
+    """One greedy streamed chat completion; ``extra`` adds request fields (e.g. ``ignore_eos``)."""
+    payload = chat_payload(model, prompt, max_tokens, extra)
     started, ttft, tokens = time.perf_counter(), None, 0
     async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
         if response.status_code != 200:

@@ -51,7 +51,7 @@ from typing import Any
 
 import httpx
 from _common import free_port, percentile, running_server
-from _openai_load import PROMPTS
+from _openai_load import PROMPTS, chat_payload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "llamacpp_vs_server.json"
@@ -152,14 +152,7 @@ SERVERS = {
 
 async def stream_chat(client: httpx.AsyncClient, prompt: str, index: int, max_tokens: int) -> Sample:
     """Send one streamed chat completion; return its TTFT, token count and text."""
-    payload = {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": prompt}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    payload = chat_payload(MODEL_NAME, prompt, max_tokens)
     started = time.perf_counter()
     ttft: float | None = None
     parts: list[str] = []
