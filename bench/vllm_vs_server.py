@@ -37,16 +37,18 @@ MODEL_NAME = "bench-model"
 START_TIMEOUT_S = 900.0  # a first start compiles the model's graphs (torch.compile, CUDA graphs)
 
 
-def vllm_flags(engine_args: dict[str, Any]) -> list[str]:
+def vllm_flags(engine_args: dict[str, Any], *, false_flags: bool = True) -> list[str]:
     """``engine_args`` as ``vllm serve`` flags: ``--block-size 32``; a true boolean is a bare flag, a false one
-    ``--no-…``; a dict or list is given as JSON."""
+    ``--no-…`` (or left out where ``false_flags`` is false: SGLang's flags have no ``--no-`` form); a dict or
+    list is given as JSON."""
     flags: list[str] = []
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
         elif value is False:
-            flags.append("--no-" + key.replace("_", "-"))
+            if false_flags:
+                flags.append("--no-" + key.replace("_", "-"))
         elif isinstance(value, dict | list):
             flags += [flag, json.dumps(value)]
         else:
@@ -55,11 +57,13 @@ def vllm_flags(engine_args: dict[str, Any]) -> list[str]:
 
 
 def measure(name: str, command: list[str], args: argparse.Namespace, log: Path, env: dict[str, str]) -> list[Result]:
+    """Start ``command`` (an engine's own server, or ``flotilla run`` when ``name`` is "flotilla") on a free
+    port, wait for it, and run the load at each of ``args.concurrency``."""
     port = free_port()
-    command = [*command, "--port", str(port)] if name == "vllm" else [*command, "--http-port", str(port)]
+    command = [*command, "--http-port", str(port)] if name == "flotilla" else [*command, "--port", str(port)]
     extra = {"ignore_eos": True} if args.ignore_eos else None
     concurrencies = [int(value) for value in args.concurrency.split(",")]
-    ready = "/health" if name == "vllm" else "/live"
+    ready = "/live" if name == "flotilla" else "/health"
     with running_server(
         command, port=port, ready_path=ready, log_path=log, env=env, cwd=REPO_ROOT, timeout=START_TIMEOUT_S
     ) as server:
@@ -68,19 +72,28 @@ def measure(name: str, command: list[str], args: argparse.Namespace, log: Path, 
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str, engine_args_help: str) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The command line shared by the engine-against-its-own-server benchmarks, and ``--engine-args`` read."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("model", type=Path, help="a Hugging Face model folder (safetensors)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,8", help="comma-separated concurrencies (1,8)")
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency (16)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="both servers' share (0.5)")
-    parser.add_argument("--engine-args", default="{}", help="JSON AsyncEngineArgs fields for both servers")
+    parser.add_argument("--engine-args", default="{}", help=engine_args_help)
     parser.add_argument("--ignore-eos", action="store_true", help="every answer --max-tokens long")
     args = parser.parse_args()
-    engine_args = json.loads(args.engine_args)
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--engine-args is not JSON: {exc}")
     if not isinstance(engine_args, dict):
         parser.error("--engine-args must be a JSON object")
+    return args, engine_args
+
+
+def main() -> None:
+    args, engine_args = parse_args(__doc__.splitlines()[0], "JSON AsyncEngineArgs fields for both servers")
     model = str(args.model.resolve())
     share = str(args.gpu_memory_utilization)
     baseline_command = [

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 MISSING_PACKAGE = "out=sglang needs the sglang package (and a CUDA GPU): pip install 'flotilla[sglang]'"
 
 #: Where SERVER_ARGS were read, since SGLang does not import where the arguments are checked.
-SERVER_ARGS_READ_FROM = "SGLang's ServerArgs (python/sglang/srt/server_args.py, sgl-project/sglang commit 001067ff)"
+SERVER_ARGS_READ_FROM = "SGLang's ServerArgs (python/sglang/srt/server_args.py in sglang 0.5.15)"
 #: The ServerArgs fields a worker may set in --extra-engine-args: those of the sections a serving worker
 #: tunes (model, quantization, memory and scheduling, parallelism, kernels, LoRA, speculative decoding,
 #: hierarchical cache, logging). Those Flotilla sets itself are in SET_BY_FLOTILLA.
@@ -64,16 +64,18 @@ SERVER_ARGS = frozenset(
         "max_running_requests", "max_queued_requests", "max_total_tokens", "chunked_prefill_size",
         "max_prefill_tokens", "prefill_max_requests", "schedule_policy", "enable_priority_scheduling",
         "schedule_conservativeness", "page_size", "cpu_offload_gb", "enable_mixed_chunk",
-        "num_continuous_decode_steps", "retraction_policy", "radix_eviction_policy", "disable_radix_cache",
-        "stream_interval", "stream_output", "incremental_streaming_output",
+        "num_continuous_decode_steps", "radix_eviction_policy", "disable_radix_cache",
+        "stream_interval", "incremental_streaming_output",
         # parallelism
         "pp_size", "dp_size", "ep_size", "enable_dp_attention", "load_balance_method", "gpu_id_step",
         "dist_timeout",
         # kernels and runtime
         "attention_backend", "prefill_attention_backend", "decode_attention_backend", "sampling_backend",
-        "grammar_backend", "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_bs", "enable_torch_compile",
+        "grammar_backend", "disable_cuda_graph", "cuda_graph_backend_decode", "cuda_graph_backend_prefill",
+        "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "cuda_graph_bs_decode", "cuda_graph_bs_prefill",
+        "enable_torch_compile",
         "torch_compile_max_bs", "moe_runner_backend", "moe_a2a_backend", "random_seed",
-        "enable_deterministic_inference", "triton_attention_reduce_in_fp32", "enable_nan_detection",
+        "enable_deterministic_inference", "triton_attention_reduce_in_fp32",
         "watchdog_timeout", "device",
         # LoRA
         "enable_lora", "lora_paths", "max_lora_rank", "max_loras_per_batch", "lora_backend",

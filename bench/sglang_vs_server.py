@@ -1,0 +1,55 @@
+"""Flotilla's SGLang engine (``flotilla run in=http out=sglang``) against SGLang's own OpenAI server.
+
+Run from the repository root on a GPU node with ``flotilla[sglang]``:
+
+    python bench/sglang_vs_server.py MODEL_DIR [--max-tokens 128] [--concurrency 1,8] [--requests 16] \\
+        [--engine-args '{"attention_backend": "triton"}'] [--ignore-eos]
+
+As bench/vllm_vs_server.py, with ``python -m sglang.launch_server`` as the baseline: SGLang's HTTP server, its
+templating and detokenization, its scheduler in a process of its own. Both load MODEL_DIR with the same
+``ServerArgs`` (``--engine-args``, given to SGLang's server as its flags and to Flotilla as
+``--extra-engine-args``) and the same GPU memory share (SGLang's ``--mem-fraction-static``; Flotilla's
+``--gpu-memory-utilization`` becomes it), one server at a time. Flotilla gives SGLang token ids in-process
+(``skip_tokenizer_init``). Results also go to bench/results/sglang_vs_server.json.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import free_port
+from _openai_load import report
+from vllm_vs_server import MODEL_NAME, REPO_ROOT, measure, parse_args, vllm_flags
+
+RESULTS_PATH = REPO_ROOT / "bench" / "results" / "sglang_vs_server.json"
+
+
+def main() -> None:
+    args, engine_args = parse_args(__doc__.splitlines()[0], "JSON ServerArgs fields for both servers")
+    model = str(args.model.resolve())
+    share = str(args.gpu_memory_utilization)
+    baseline_command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+        "--served-model-name", MODEL_NAME, "--mem-fraction-static", share,
+        *vllm_flags(engine_args, false_flags=False),
+    ]  # fmt: skip
+    flotilla_command = [
+        sys.executable, "-m", "launcher.cli", "run", "in=http", "out=sglang", model, "--model-name", MODEL_NAME,
+        "--gpu-memory-utilization", share, "--extra-engine-args", json.dumps(engine_args),
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        # SGLang's server also opens a gRPC port, its HTTP port + 10000 unless told: past 65535 for a high port.
+        grpc = {"SGLANG_GRPC_PORT": str(free_port())}
+        baseline = measure("sglang", baseline_command, args, Path(folder, "sglang.log"), grpc)
+        quiet = {"FLOTILLA_LOG": "warning"}
+        flotilla = measure("flotilla", flotilla_command, args, Path(folder, "flotilla.log"), quiet)
+    title = (
+        f"{args.model.name}, max_tokens {args.max_tokens}, {args.requests} requests per concurrency, greedy, "
+        f"engine args {json.dumps(engine_args)}"
+    )
+    report(title, baseline, flotilla, RESULTS_PATH)
+
+
+if __name__ == "__main__":
+    main()
