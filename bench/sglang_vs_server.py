@@ -13,14 +13,10 @@ templating and detokenization, its scheduler in a process of its own. Both load 
 (``skip_tokenizer_init``). Results also go to bench/results/sglang_vs_server.json.
 """
 
-import json
 import sys
-import tempfile
-from pathlib import Path
 
 from _common import free_port
-from _openai_load import report
-from vllm_vs_server import MODEL_NAME, REPO_ROOT, measure, parse_args, vllm_flags
+from vllm_vs_server import MODEL_NAME, REPO_ROOT, compare, parse_args, vllm_flags
 
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "sglang_vs_server.json"
 
@@ -34,21 +30,9 @@ def main() -> None:
         "--served-model-name", MODEL_NAME, "--mem-fraction-static", share,
         *vllm_flags(engine_args, false_flags=False),
     ]  # fmt: skip
-    flotilla_command = [
-        sys.executable, "-m", "launcher.cli", "run", "in=http", "out=sglang", model, "--model-name", MODEL_NAME,
-        "--gpu-memory-utilization", share, "--extra-engine-args", json.dumps(engine_args),
-    ]  # fmt: skip
-    with tempfile.TemporaryDirectory() as folder:
-        # SGLang's server also opens a gRPC port, its HTTP port + 10000 unless told: past 65535 for a high port.
-        grpc = {"SGLANG_GRPC_PORT": str(free_port())}
-        baseline = measure("sglang", baseline_command, args, Path(folder, "sglang.log"), grpc)
-        quiet = {"FLOTILLA_LOG": "warning"}
-        flotilla = measure("flotilla", flotilla_command, args, Path(folder, "flotilla.log"), quiet)
-    title = (
-        f"{args.model.name}, max_tokens {args.max_tokens}, {args.requests} requests per concurrency, greedy, "
-        f"engine args {json.dumps(engine_args)}"
-    )
-    report(title, baseline, flotilla, RESULTS_PATH)
+    # SGLang's server also opens a gRPC port, its HTTP port + 10000 unless told: past 65535 for a high port.
+    grpc = {"SGLANG_GRPC_PORT": str(free_port())}
+    compare("sglang", baseline_command, args, engine_args, RESULTS_PATH, grpc)
 
 
 if __name__ == "__main__":

@@ -101,19 +101,33 @@ def main() -> None:
         "--served-model-name", MODEL_NAME, "--gpu-memory-utilization", share,
         *vllm_flags(engine_args),
     ]  # fmt: skip
+    compare("vllm", baseline_command, args, engine_args, RESULTS_PATH)
+
+
+def compare(
+    engine: str,
+    baseline_command: list[str],
+    args: argparse.Namespace,
+    engine_args: dict[str, Any],
+    results_path: Path,
+    baseline_env: dict[str, str] | None = None,
+) -> None:
+    """Measure ``baseline_command`` (the engine's own server) and then ``flotilla run in=http out=ENGINE`` with
+    the same engine arguments and memory share, and print (and write to ``results_path``) their ratios."""
     flotilla_command = [
-        sys.executable, "-m", "launcher.cli", "run", "in=http", "out=vllm", model, "--model-name", MODEL_NAME,
-        "--gpu-memory-utilization", share, "--extra-engine-args", json.dumps(engine_args),
+        sys.executable, "-m", "launcher.cli", "run", "in=http", f"out={engine}", str(args.model.resolve()),
+        "--model-name", MODEL_NAME, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--extra-engine-args", json.dumps(engine_args),
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
-        baseline = measure("vllm", baseline_command, args, Path(folder, "vllm.log"), {})
+        baseline = measure(engine, baseline_command, args, Path(folder, f"{engine}.log"), baseline_env or {})
         quiet = {"FLOTILLA_LOG": "warning"}
         flotilla = measure("flotilla", flotilla_command, args, Path(folder, "flotilla.log"), quiet)
     title = (
         f"{args.model.name}, max_tokens {args.max_tokens}, {args.requests} requests per concurrency, greedy, "
         f"engine args {json.dumps(engine_args)}"
     )
-    report(title, baseline, flotilla, RESULTS_PATH)
+    report(title, baseline, flotilla, results_path)
 
 
 if __name__ == "__main__":
