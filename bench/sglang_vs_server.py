@@ -16,7 +16,7 @@ templating and detokenization, its scheduler in a process of its own. Both load 
 import sys
 
 from _common import free_port
-from vllm_vs_server import MODEL_NAME, REPO_ROOT, compare, parse_args, vllm_flags
+from vllm_vs_server import MODEL_NAME, REPO_ROOT, compare, parse_args, server_flags
 
 RESULTS_PATH = REPO_ROOT / "bench" / "results" / "sglang_vs_server.json"
 
@@ -28,7 +28,7 @@ def main() -> None:
     baseline_command = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
         "--served-model-name", MODEL_NAME, "--mem-fraction-static", share,
-        *vllm_flags(engine_args, false_flags=False),
+        *server_flags(engine_args, false_flags=False),
     ]  # fmt: skip
     # SGLang's server also opens a gRPC port, its HTTP port + 10000 unless told: past 65535 for a high port.
     grpc = {"SGLANG_GRPC_PORT": str(free_port())}

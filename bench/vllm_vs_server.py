@@ -37,10 +37,10 @@ MODEL_NAME = "bench-model"
 START_TIMEOUT_S = 900.0  # a first start compiles the model's graphs (torch.compile, CUDA graphs)
 
 
-def vllm_flags(engine_args: dict[str, Any], *, false_flags: bool = True) -> list[str]:
-    """``engine_args`` as ``vllm serve`` flags: ``--block-size 32``; a true boolean is a bare flag, a false one
-    ``--no-…`` (or left out where ``false_flags`` is false: SGLang's flags have no ``--no-`` form); a dict or
-    list is given as JSON."""
+def server_flags(engine_args: dict[str, Any], *, false_flags: bool = True) -> list[str]:
+    """``engine_args`` as an engine server's flags (``vllm serve``, SGLang's): ``--block-size 32``; a true
+    boolean is a bare flag, a false one ``--no-…`` (or left out where ``false_flags`` is false: SGLang's
+    flags have no ``--no-`` form); a dict or list is given as JSON."""
     flags: list[str] = []
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
@@ -99,7 +99,7 @@ def main() -> None:
     baseline_command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--served-model-name", MODEL_NAME, "--gpu-memory-utilization", share,
-        *vllm_flags(engine_args),
+        *server_flags(engine_args),
     ]  # fmt: skip
     compare("vllm", baseline_command, args, engine_args, RESULTS_PATH)
 
