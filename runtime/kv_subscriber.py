@@ -195,11 +195,12 @@ class KvEventSubscriber:
     async def close(self) -> None:
         """Stop listening and asking; the subscriber is not used afterwards."""
         self._closed = True
-        await self._syncs.close()
         components, self._components = list(self._components.values()), {}
-        for component in components:
-            await component.supervisor.close()
-        await self._supervisor.close()
+        supervisors = [self._syncs, *(component.supervisor for component in components), self._supervisor]
+        for supervisor in supervisors:
+            supervisor.cancel()  # all of them before the first wait, so that none of their tasks runs again
+        for supervisor in supervisors:
+            await supervisor.close()
 
     def instance_added(self, instance_id: int, address: EndpointAddress | None, *, kv_events: bool = True) -> None:
         """Count ``instance_id`` (serving ``address``; None: the pool's first) in, and ask it for its cache

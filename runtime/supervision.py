@@ -58,12 +58,17 @@ class Supervisor:
             self.failure = f"background task {task.get_name()!r} failed: {type(exc).__name__}: {exc}"
         self._on_fatal()
 
-    async def close(self) -> None:
-        """Cancel every owned task and wait for them to end."""
-        tasks = list(self._tasks)
-        for task in tasks:
+    def cancel(self) -> None:
+        """Cancel every owned task now, without waiting (``close`` waits for them): one owner stopping
+        several supervisors cancels them all before its first wait lets any of their tasks run."""
+        for task in self._tasks:
             task.remove_done_callback(self._task_done)
             task.cancel()
+
+    async def close(self) -> None:
+        """Cancel every owned task and wait for them to end."""
+        self.cancel()
+        tasks = list(self._tasks)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         for task, result in zip(tasks, results, strict=True):

@@ -77,6 +77,25 @@ async def test_closing_cancels_owned_tasks_and_records_no_failure() -> None:
     assert supervisor.failure is None
 
 
+async def test_supervisors_cancelled_together_let_none_of_their_tasks_run() -> None:
+    """An owner that stops several supervisors cancels them all first: the first one's wait for its
+    tasks would otherwise let the others' tasks run (and fail, against a connection being closed)."""
+    ran: list[str] = []
+
+    async def note(name: str) -> None:
+        ran.append(name)
+
+    supervisors = [Supervisor(on_fatal=lambda: None) for _ in range(3)]
+    for number, supervisor in enumerate(supervisors):
+        supervisor.own(lambda number=number: note(f"task {number}"), name=f"task {number}", restart=False)
+    for supervisor in supervisors:
+        supervisor.cancel()
+    for supervisor in supervisors:
+        await supervisor.close()
+    assert ran == []
+    assert all(supervisor.running == 0 and supervisor.failure is None for supervisor in supervisors)
+
+
 @pytest.fixture
 async def runtime(etcd_server: EtcdServer, nats_server: NatsServer) -> AsyncIterator[DistributedRuntime]:
     connected = await DistributedRuntime.connect(nats_url=nats_server.url, etcd_endpoints=[etcd_server.endpoint])
