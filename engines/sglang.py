@@ -28,6 +28,7 @@ publisher (on the port after the previous rank's), subscribed to one by one and 
 import asyncio
 import json
 import logging
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +36,7 @@ from typing import Any, Literal
 from engines.engine_block_names import EngineBlockNames
 from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
 from engines.node_group import NodeGroup
-from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
+from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback_ports_free, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
 from runtime.kv_events import BlockStored, KvEventSink, WorkerLoad
@@ -103,10 +104,17 @@ SET_BY_FLOTILLA = {
     "nnodes": "from --num-nodes",
     "node_rank": "from --node-rank",
     "dist_init_addr": "from --leader-addr",
+    "port": "a free one per worker with enable_dp_attention (SGLang derives its processes' ports from it)",
 }
 #: SGLang's page size (tokens per KV block, the router's block size) where the arguments do not say.
 DEFAULT_PAGE_SIZE = 16
 _KV_TOPIC = "flotilla-kv"
+#: With ``enable_dp_attention`` on one node, SGLang's processes talk over TCP on ports derived from
+#: ServerArgs.port (default 30000): port + 233 to port + 239 (PortArgs.init_new). Two such workers on
+#: one node would wait on each other's ports at the default, so each gets a free base. SGLang refuses
+#: a port whose gRPC port (port + 10000) passes 65535.
+DP_ATTENTION_PORT_OFFSETS = range(233, 240)
+PORT_RANGE = range(20000, 65535 - 10000 + 1)
 
 
 def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
@@ -118,6 +126,19 @@ def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
     return values
 
 
+def dp_attention_port(engine_args: dict[str, Any], nodes: NodeGroup | None, *, attempts: int = 50) -> int | None:
+    """A ServerArgs.port whose derived dp-attention ports are free now, where SGLang derives them from it
+    (``enable_dp_attention`` on one node; across nodes they come from --leader-addr); else None.
+    Raises EngineError when no such port is found."""
+    if not engine_args.get("enable_dp_attention") or (nodes is not None and nodes.spans_nodes):
+        return None
+    for _ in range(attempts):
+        port = random.choice(PORT_RANGE)
+        if loopback_ports_free([port, *(port + offset for offset in DP_ATTENTION_PORT_OFFSETS)]):
+            return port
+    raise EngineError("no free ports for SGLang's dp-attention processes on this node")
+
+
 def engine_kwargs(
     model_path: Path,
     placement: GpuPlacement,
@@ -125,6 +146,7 @@ def engine_kwargs(
     *,
     kv_events_endpoint: str | None,
     nodes: NodeGroup | None = None,
+    port: int | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of ``sglang.Engine`` for this worker (rank ``nodes.node_rank`` of the nodes it spans)."""
     kwargs: dict[str, Any] = {
@@ -139,6 +161,8 @@ def engine_kwargs(
         kwargs["context_length"] = placement.context_length
     if placement.gpu_memory_fraction is not None:
         kwargs["mem_fraction_static"] = placement.gpu_memory_fraction
+    if port is not None:
+        kwargs["port"] = port
     if nodes is not None and nodes.spans_nodes and nodes.leader is not None:
         # tp_size counts the GPUs of every node; SGLang starts tp_size / nnodes of them here, from base_gpu_id.
         kwargs |= {"nnodes": nodes.num_nodes, "node_rank": nodes.node_rank, "dist_init_addr": str(nodes.leader)}
@@ -244,8 +268,9 @@ class SglangEngine:
             raise ModelError(MISSING_PACKAGE) from exc
         endpoints = rank_endpoints(free_tcp_ports(len(self._names)), len(self._names))
         kwargs = engine_kwargs(
-            self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoints[0], nodes=self.nodes
-        )
+            self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoints[0], nodes=self.nodes,
+            port=dp_attention_port(self.engine_args, self.nodes),
+        )  # fmt: skip
         try:
             # In this thread: SGLang's tokenizer manager binds to the running event loop.
             self._engine = sglang.Engine(**kwargs)

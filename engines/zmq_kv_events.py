@@ -25,7 +25,7 @@ as the storage tier, anything else trailing is ignored. ``translate_batch`` is p
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -134,17 +134,23 @@ class ZmqSubscriber:
         self._socket.close(linger=0)
 
 
+def loopback_ports_free(ports: Iterable[int]) -> bool:
+    """Whether each of ``ports`` can be bound on the loopback interface now."""
+    try:
+        for port in ports:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
 def free_tcp_ports(count: int, attempts: int = 20) -> int:
     """The first of ``count`` consecutive free loopback ports. Raises EngineError when none are found."""
     for _ in range(attempts):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             first: int = probe.getsockname()[1]
-        try:
-            for port in range(first + 1, first + count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
+        if loopback_ports_free(range(first + 1, first + count)):
+            return first
     raise EngineError(f"no {count} consecutive free ports for an engine's KV event publishers")

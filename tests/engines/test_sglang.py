@@ -6,6 +6,7 @@ and its Engine is a stand-in with the documented ``async_generate``/``abort_requ
 """
 
 import json
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -18,8 +19,10 @@ from engines.gpu_engine_args import GpuPlacement
 from engines.node_group import LeaderAddress, NodeGroup
 from engines.sglang import (
     DEFAULT_PAGE_SIZE,
+    DP_ATTENTION_PORT_OFFSETS,
     SglangEngine,
     attention_dp_ranks,
+    dp_attention_port,
     engine_kwargs,
     finish_reason,
     new_tokens,
@@ -151,6 +154,29 @@ def test_the_nodes_an_instance_spans_become_sglangs_multi_node_arguments() -> No
     )
     alone = engine_kwargs(Path("/m"), GpuPlacement(), {}, kv_events_endpoint=None, nodes=NodeGroup())
     assert not {"nnodes", "node_rank", "dist_init_addr"} & set(alone)
+
+
+def test_each_dp_attention_worker_on_a_node_gets_free_ports_of_its_own() -> None:
+    """SGLang derives its dp-attention processes' TCP ports from ServerArgs.port (+233 to +239): at its
+    default, two such workers on one node would wait on each other's ports."""
+    dp = {"enable_dp_attention": True, "dp_size": 2}
+    first = dp_attention_port(dp, None)
+    assert first is not None and first + 10000 <= 65535  # SGLang refuses a gRPC port past 65535
+    held = [socket.create_server(("127.0.0.1", first + offset)) for offset in DP_ATTENTION_PORT_OFFSETS]
+    try:
+        second = dp_attention_port(dp, NodeGroup())
+        assert second is not None and second != first
+        assert not {second + o for o in DP_ATTENTION_PORT_OFFSETS} & {first + o for o in DP_ATTENTION_PORT_OFFSETS}
+    finally:
+        for server in held:
+            server.close()
+    assert engine_kwargs(Path("/m"), GpuPlacement(), dp, kv_events_endpoint=None, port=first)["port"] == first
+    # Without dp attention SGLang uses IPC; across nodes it derives them from --leader-addr: no port then.
+    assert dp_attention_port({}, None) is None
+    assert dp_attention_port(dp, NodeGroup(num_nodes=2, leader=LeaderAddress("10.0.0.1", 29500))) is None
+    assert "port" not in engine_kwargs(Path("/m"), GpuPlacement(), {}, kv_events_endpoint=None)
+    with pytest.raises(ConfigError, match="port"):
+        parse_engine_args('{"port": 30000}')
 
 
 def test_without_a_share_sglang_keeps_its_own_memory_default() -> None:
