@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/routing_sim.py [--queued-prefill-weights 1,0.5] [--weights 8] [--seeds 8]
                                           [--rate 56] [--trace FILE] [--mocker '{"scheduler": "v0"}']
+                                          [--replicas 1,2,4] [--replica-sync on|off|both]
 
 A real replay (trace_replay.py) runs each stack's processes on the machine's two cores, so its
 latencies move with whatever else the machine does. This script takes the same trace and the same 4
@@ -11,6 +12,13 @@ stands for the network between them. A request reaches the router, is routed, re
 worker's KV events reach the router's index, its first token and its end reach the router's load
 count, and its load report arrives once a second, each after a delay. Only the routing and the
 simulated engine count: nothing here measures the serving path's own cost.
+
+With ``--replicas``, several routers (the routers of several ingress processes) take the requests in
+turn, as trace_replay.py's ``--ingresses`` sends every Nth request to each; each has its own index fed
+by the workers' KV events and its own load count, and with ``--replica-sync on`` each hands its
+``ReplicaSync`` messages (routing/replica_sync.py, the bytes it would publish) to the others after a
+delay, in the order sent, as NATS delivers one publisher's messages. This separates what several
+routers cost the routing from what several processes cost a machine's CPU.
 
 Even so, one run is not enough to compare two settings. Routing is chaotic: a notice that arrives a
 millisecond earlier changes one decision, which changes the caches, which changes later decisions,
@@ -72,6 +80,7 @@ class Delays:
     to_worker: float = 0.0015  # decision -> the worker's scheduler (NATS)
     back: float = 0.002  # a step's end -> the router hears of the first token, or of the end
     events: float = 0.004  # a step's scheduling -> its KV events in the router's index (5 ms batches)
+    sync: float = 0.0015  # a router's decision -> another router replica applies it (one NATS hop, as to_worker)
 
 
 @dataclass(frozen=True)
@@ -95,8 +104,10 @@ async def simulate(
     mocker: MockerConfig,
     delays: Delays,
     jitter_seed: int,
+    replicas: int = 1,
 ) -> Outcome:
-    """Replay ``trace`` through a KV router with ``settings`` and 4 mockers; delays drawn with ``jitter_seed``.
+    """Replay ``trace`` through ``replicas`` KV routers with ``settings`` (request N to router N mod
+    ``replicas``) and 4 mockers; delays drawn with ``jitter_seed``.
 
     A coroutine only because the router makes asyncio objects: nothing in it awaits until the end.
     """
@@ -104,18 +115,25 @@ async def simulate(
     block_size = config.block_size
     step_seconds = StepTimer(config).step_seconds
     now = 0.0
-    router = KvRouter(
-        settings,
-        block_size=block_size,
-        nc=None,  # type: ignore[arg-type]  # no NATS: what would come over it is handed to the router directly
-        address=EndpointAddress("sim", "mocker", "generate"),
-        clock=lambda: now,
-    )
-    assert isinstance(router.indexer, KvIndexer)
+    routers = [
+        KvRouter(
+            settings,
+            block_size=block_size,
+            nc=None,  # type: ignore[arg-type]  # no NATS: what would come over it is handed to the router directly
+            address=EndpointAddress("sim", "mocker", "generate"),
+            clock=lambda: now,
+        )
+        for _ in range(replicas)
+    ]
     instances = [InstanceInfo(number + 1, f"worker{number}") for number in range(WORKERS)]
-    for instance in instances:
-        # It asks the worker for its cache in a task, which close() cancels before it runs (caches start empty).
-        router.instance_added(instance)
+    for router in routers:
+        assert isinstance(router.indexer, KvIndexer)
+        for instance in instances:
+            router.instance_added(instance)
+        # Its subscriber would listen on NATS and ask each worker for its cache (they start empty) in tasks:
+        # stopped before they run, as this script hands the router what they would hear.
+        await router.subscriber.close()
+    syncing = settings.replica_sync and replicas > 1
     schedulers = [Scheduler(config) for _ in instances]
     for scheduler in schedulers:
         scheduler.cache.record_events = True
@@ -127,6 +145,25 @@ async def simulate(
     def at(delay: float, kind: str, payload: Any) -> None:
         heapq.heappush(heap, (now + delay * rng.uniform(0.3, 1.7), next(order), kind, payload))
 
+    # When the last sync message from one router to another arrives: NATS keeps one publisher's order.
+    sync_arrival: dict[tuple[int, int], float] = {}
+
+    def send_sync(sender: int) -> None:
+        """Hand what router ``sender`` said since its last batch to every other router, after a delay."""
+        sync = routers[sender].replica_sync
+        for data in sync.take_batches():
+            for receiver in range(replicas):
+                if receiver != sender:
+                    arrival = max(now + delays.sync * rng.uniform(0.3, 1.7), sync_arrival.get((sender, receiver), 0.0))
+                    sync_arrival[sender, receiver] = arrival
+                    heapq.heappush(heap, (arrival, next(order), "sync", (receiver, data, sync.subject)))
+
+    if syncing:
+        for router in routers:
+            router.replica_sync.begin()
+        for sender in range(replicas):
+            send_sync(sender)  # the first heartbeat: the others know it before the first request
+
     def start_step(worker: int) -> None:
         scheduler = schedulers[worker]
         stepping[worker] = scheduler.has_work
@@ -134,7 +171,8 @@ async def simulate(
             return
         step = scheduler.schedule()
         if events := scheduler.cache.take_events():
-            at(delays.events, "events", (worker, events))
+            for router in routers:
+                at(delays.events, "events", (router, worker, events))
         duration = step_seconds(step.prefill_chunks(), step.decodes(), scheduler.cache.usage) if step.scheduled else 0.0
         heapq.heappush(heap, (now + duration, next(order), "step", (worker, step)))
 
@@ -156,8 +194,11 @@ async def simulate(
                 sampling=SamplingOptions(),
                 stop_conditions=StopConditions(max_tokens=trace[index].output_length),
             )
-            decision = router.choose(routed, instances)
+            replica = index % replicas
+            decision = routers[replica].choose(routed, instances)
             assert decision is not None
+            if syncing:
+                send_sync(replica)
             at(delays.to_worker, "arrive", (index, decision.instance.instance_id - 1))
         elif kind == "arrive":
             index, worker = payload
@@ -185,20 +226,29 @@ async def simulate(
                     at(delays.back, "finished", sequence.request_id)
             start_step(worker)
         elif kind == "events":
-            worker, events = payload
+            router, worker, events = payload
             router.indexer.apply((worker + 1, 0), events)
-        elif kind == "prefill_done":
-            router.prefill_done(payload)
-        elif kind == "finished":
-            router.finished(payload)
+        elif kind in ("prefill_done", "finished"):
+            replica = int(payload) % replicas  # the router that routed it
+            if kind == "prefill_done":
+                routers[replica].prefill_done(payload)
+            else:
+                routers[replica].finished(payload)
+            if syncing:
+                send_sync(replica)
+        elif kind == "sync":
+            receiver, data, subject = payload
+            routers[receiver].replica_sync.on_batch(data, subject)
         elif kind == "report":
             cache = schedulers[payload].cache
-            router.load.observe(
-                WorkerLoad(instance_id=payload + 1, active_requests=0, kv_active_blocks=cache.active_blocks)
-            )
+            for router in routers:
+                router.load.observe(
+                    WorkerLoad(instance_id=payload + 1, active_requests=0, kv_active_blocks=cache.active_blocks)
+                )
             if len(ttft) < len(trace) or any(stepping):
                 heapq.heappush(heap, (now + REPORT_INTERVAL_S, next(order), "report", payload))
-    await router.close()
+    for router in routers:
+        await router.close()
     times = sorted(ttft.values())
     return Outcome(
         ttft_p50_ms=times[len(times) // 2] * 1000,
@@ -207,20 +257,56 @@ async def simulate(
     )
 
 
+@dataclass(frozen=True)
+class Row:
+    """One setting to simulate: the routers' settings and how many routers share the traffic."""
+
+    settings: RouterSettings
+    replicas: int = 1
+
+
+def rows(
+    weights: Sequence[float], queued_weights: Sequence[float], replicas: Sequence[int], replica_sync: str
+) -> list[Row]:
+    """Every combination; one router has no replicas to sync with, so it is one row whatever ``replica_sync``."""
+    syncs = {"on": [True], "off": [False], "both": [True, False]}[replica_sync]
+    kv: dict[str, Any] = {"mode": RouterMode.KV, "seed": 0}
+    return [
+        Row(RouterSettings(**kv, overlap_score_weight=w, queued_prefill_weight=q, replica_sync=sync), count)
+        for w in weights
+        for q in queued_weights
+        for count in replicas
+        for sync in (syncs if count > 1 else [True])
+    ]
+
+
 async def _simulate_all(
     trace: Sequence[TraceRequest],
     prompts: Sequence[list[int]],
-    settings: Sequence[RouterSettings],
+    settings: Sequence[Row],
     seeds: int,
     mocker: MockerConfig,
+    delays: Delays,
 ) -> list[list[Outcome]]:
     return [
         [
-            await simulate(trace, prompts, setting, mocker=mocker, delays=Delays(), jitter_seed=seed)
+            await simulate(
+                trace, prompts, row.settings, mocker=mocker, delays=delays, jitter_seed=seed, replicas=row.replicas
+            )
             for seed in range(1, seeds + 1)
         ]
-        for setting in settings
+        for row in settings
     ]
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts like 1,2,4, not {text!r}") from None
+    if not values or any(not 1 <= value <= 16 for value in values):
+        raise argparse.ArgumentTypeError(f"expected counts between 1 and 16, not {text!r}")
+    return values
 
 
 def _floats(text: str) -> list[float]:
@@ -247,13 +333,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--queued-prefill-weights", type=_floats, default=[1.0, 0.5], help="--kv-queued-prefill-weight values (0..1)"
     )
+    parser.add_argument(
+        "--replicas", type=_counts, default=[1],
+        help="router replicas sharing the traffic, e.g. 1,2,4 (the ingress processes of trace_replay.py --ingresses)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replica-sync", choices=("on", "off", "both"), default="on",
+        help="with more than one replica: whether they share their decisions (--router-replica-sync)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sync-ms", type=float, default=Delays.sync * 1000,
+        help=f"mean delay of a replica sync message, ms (default {Delays.sync * 1000:g}: one NATS hop)",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, default=8, help="delay draws per setting (default 8)")
     parser.add_argument(
         "--mocker", default="{}", help='JSON object of mocker settings over the defaults, e.g. \'{"scheduler": "v0"}\''
     )
     args = parser.parse_args(argv)
-    if args.seeds < 2 or args.rate <= 0 or args.duration <= 0:
-        parser.error("--seeds must be 2 or more, --rate and --duration above 0")
+    if args.seeds < 2 or args.rate <= 0 or args.duration <= 0 or not 0 <= args.sync_ms < 10_000:
+        parser.error("--seeds must be 2 or more, --rate and --duration above 0, --sync-ms between 0 and 10000")
     if any(value > 1.0 for value in args.queued_prefill_weights):
         parser.error("--queued-prefill-weights: each must be between 0 and 1")
     try:
@@ -285,24 +383,28 @@ def main() -> None:
         )  # fmt: skip
     tokens = BlockTokens(TRACE_BLOCK_SIZE)
     prompts = [tokens.prompt(request) for request in trace]
-    settings = [
-        RouterSettings(mode=RouterMode.KV, overlap_score_weight=weight, queued_prefill_weight=queued, seed=0)
-        for weight in args.weights
-        for queued in args.queued_prefill_weights
-    ]
+    settings = rows(args.weights, args.queued_prefill_weights, args.replicas, args.replica_sync)
     print(f"{len(trace)} requests, {WORKERS} mockers {args.settings}, {args.seeds} delay draws per setting")
-    results = asyncio.run(_simulate_all(trace, prompts, settings, args.seeds, args.config))
-    print(f"{'weight':>7} {'queued':>7} {'TTFT p50 ms':>12} {'±sd':>5} {'p99 ms':>8} {'hit':>7}   p50, p99 / first")
-    first: tuple[float, float] | None = None
-    for setting, outcomes in zip(settings, results, strict=True):
+    delays = Delays(sync=args.sync_ms / 1000)
+    results = asyncio.run(_simulate_all(trace, prompts, settings, args.seeds, args.config, delays))
+    print(
+        f"{'weight':>7} {'queued':>7} {'routers':>7} {'sync':>4} {'TTFT p50 ms':>12} {'±sd':>5} {'p99 ms':>8} "
+        f"{'hit':>7} {'±sd':>6}   p50, p99, hit / first"
+    )
+    first: tuple[float, float, float] | None = None
+    for row, outcomes in zip(settings, results, strict=True):
         p50 = statistics.mean(o.ttft_p50_ms for o in outcomes)
         p99 = statistics.mean(o.ttft_p99_ms for o in outcomes)
         hit = statistics.mean(o.hit_rate for o in outcomes)
         spread = statistics.stdev(o.ttft_p50_ms for o in outcomes)
-        first = first or (p50, p99)
+        hit_spread = statistics.stdev(o.hit_rate for o in outcomes)
+        first = first or (p50, p99, hit)
+        setting = row.settings
+        sync = "-" if row.replicas == 1 else ("on" if setting.replica_sync else "off")
         print(
-            f"{setting.overlap_score_weight:7g} {setting.queued_prefill_weight:7g} {p50:12.1f} {spread:5.1f} "
-            f"{p99:8.1f} {hit:7.4f}   {p50 / first[0]:.3f}, {p99 / first[1]:.3f}"
+            f"{setting.overlap_score_weight:7g} {setting.queued_prefill_weight:7g} {row.replicas:7d} {sync:>4} "
+            f"{p50:12.1f} {spread:5.1f} {p99:8.1f} {hit:7.4f} {hit_spread:6.4f}   "
+            f"{p50 / first[0]:.3f}, {p99 / first[1]:.3f}, {hit / first[2]:.3f}"
         )
 
 

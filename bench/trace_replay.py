@@ -51,6 +51,7 @@ import math
 import random
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from typing import Any
 import msgspec
 import uvloop
 from _common import collector_paused, cpu_seconds, percentile
+from prometheus_client.parser import text_string_to_metric_families
 from stacks import DYNAMO_PYTHON, Stack, check_mocker_settings, dynamo_stack, flotilla_stack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -650,7 +652,43 @@ def ingress_ratios(modes: Sequence[Mode], summaries: Mapping[str, dict[str, Any]
                 f"  {name:36}{_fmt(values.get('hit_rate'), '10.3f')}{_fmt(values.get('ttft_p50_ms'), '10.3f')}"
                 f"{_fmt(values.get('ttft_p99_ms'), '8.3f')}"
             )
+    for name, summary in summaries.items():
+        if delay := summary.get("replica_sync_delay"):
+            print(
+                f"  {name}: the other replicas' decisions arrived after {_fmt(delay['mean_ms'], '.1f')} ms on"
+                f" average (p50 under {_fmt(delay['p50_ms'], 'g')} ms, p90 under {_fmt(delay['p90_ms'], 'g')} ms)"
+            )
     return ratios
+
+
+def replica_sync_delay(ports: Sequence[int]) -> dict[str, float | None] | None:
+    """How late the replicas' decisions reached each other, from the ingresses' own histogram
+    (``flotilla_router_replica_sync_delay_seconds``, summed over them): mean, and the p50 and p90 as the
+    bucket bounds they fall under, in ms; None if no ingress measured any."""
+    buckets: dict[float, float] = {}
+    total = count = 0.0
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name != "flotilla_router_replica_sync_delay_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+                elif sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+
+    def bound(share: float) -> float | None:
+        reached = [le for le in sorted(buckets) if buckets[le] >= share * count]
+        return reached[0] * 1000 if reached else None
+
+    if not count:
+        return None
+    return {"mean_ms": total / count * 1000, "p50_ms": bound(0.5), "p90_ms": bound(0.9)}
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -682,7 +720,9 @@ def run_mode(
             for pid, before in zip((*stack.ingress_pids, *stack.worker_pids), cpu_before, strict=True)
         ]
         ingress_cpu = sum(cpu[: len(stack.ingress_pids)])
+        syncing = mode.stack == "flotilla" and mode.replica_sync and mode.ingresses > 1
         return {
+            "replica_sync_delay": replica_sync_delay(stack.ports) if syncing else None,
             **summarize(results, seconds, stack, ideal, trace),
             "stack_up_s": up,
             "ingress_cpu_ms_per_request": ingress_cpu / len(trace) * 1000,

@@ -30,3 +30,8 @@ class RoutingHealth(KvSubscriberHealth, Protocol):
     def deadline_expired(self, deadline: str) -> None:
         """A stream passed one of the request plane's deadlines (``progress``: no output in time)."""
         ...
+
+    def replica_sync_delay(self, seconds: float) -> None:
+        """A batch of another router replica's decisions arrived ``seconds`` after it was sent
+        (``--router-replica-sync``): decisions this late are routed around blind."""
+        ...

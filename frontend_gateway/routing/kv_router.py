@@ -81,8 +81,9 @@ class KvRouter:
         self._ranks: Mapping[int, tuple[int, ...]] = self.subscriber.ranks
         # The pool's routers in other ingress processes: their decisions load this one's workers too.
         self.replica_sync = ReplicaSync(
-            nc=nc, address=address, block_size=block_size, load=self.load, indexer=self.predicted,
-            in_pool=self._ranks.__contains__, enabled=settings.replica_sync, on_message=self.changed.set, clock=clock,
+            nc=nc, address=address, block_size=block_size, load=self.load, predict=self._predict,
+            in_pool=self._ranks.__contains__, enabled=settings.replica_sync, on_message=self.changed.set,
+            on_delay=None if health is None else health.replica_sync_delay, clock=clock,
         )  # fmt: skip
 
     @property
@@ -162,12 +163,18 @@ class KvRouter:
         load.started(
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
         )
-        if hashes and (self.indexer is self.predicted or worker[0] in self._predicting):
-            self.predicted.record(worker, hashes)
+        self._predict(worker, hashes)
         self.replica_sync.routed(
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
         )
         return Decision(by_id[worker[0]], worker[1], chosen.overlap_blocks, chosen.prefill_tokens)
+
+    def _predict(self, worker: Worker, hashes: Sequence[int]) -> None:
+        """A prompt of blocks ``hashes`` was routed to ``worker`` (by this router or a replica): record them
+        where that worker's cache is predicted (every worker's with use_kv_events off, else those whose
+        engines publish no events); KV events tell the others."""
+        if hashes and (self.indexer is self.predicted or worker[0] in self._predicting):
+            self.predicted.record(worker, hashes)
 
     def prefill_done(self, request_id: str) -> None:
         self.load.prefill_done(request_id)

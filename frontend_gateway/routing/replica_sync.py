@@ -26,6 +26,12 @@ per replica. They are msgpack, a routed request about 10 bytes per prompt block.
 no other sends heartbeats only: its decisions would be news to nobody (one that joins learns only the
 requests routed after it, whoever routed them), so a lone ingress pays one message a second. The first
 heartbeat goes out as the replica starts, and the others start telling it their decisions once heard.
+
+A decision made in another replica during the last few milliseconds is not known here yet, so each
+batch says when its first decision was made and the receiver reports how late they arrive
+(``flotilla_router_replica_sync_delay_seconds``). In simulated time (bench/routing_sim.py), four
+replicas lose 0.5% of one router's hit rate at 1.5 ms and 2.4% at 20 ms: the sync costs little as long
+as the ingress processes have CPU to spare.
 """
 
 import asyncio
@@ -41,7 +47,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, Worker
+from frontend_gateway.routing.kv_indexer import Worker
 from frontend_gateway.routing.kv_load import ActiveLoad
 from runtime.addressing import EndpointAddress
 from runtime.nats_connection import flush
@@ -107,6 +113,10 @@ class SyncBatch(msgspec.Struct, frozen=True, kw_only=True):
     active: Annotated[list[_RequestId], msgspec.Meta(max_length=MAX_REQUESTS_PER_REPLICA)] | None = None
     #: The replica is closing: forget its entries now.
     closing: bool = False
+    #: When the replica made the first decision in it (sent it, if none), by its wall clock (seconds since
+    #: the epoch; 0: not said): the receiver measures how late the others' decisions reach it, which is
+    #: what costs routing quality.
+    sent_at: float = 0.0
 
 
 _decode_batch = msgspec.msgpack.Decoder(SyncBatch).decode
@@ -137,7 +147,8 @@ class _Peer:
 
 
 class ReplicaSync:
-    """Publishes this router's decisions and applies the other replicas' to ``load`` (and ``indexer``)."""
+    """Publishes this router's decisions and applies the other replicas' to ``load`` (and to the caches it
+    predicts)."""
 
     def __init__(
         self,
@@ -146,17 +157,20 @@ class ReplicaSync:
         address: EndpointAddress,
         block_size: int,
         load: ActiveLoad,
-        indexer: KvIndexer | PredictedKvIndexer,
+        predict: Callable[[Worker, Sequence[int]], None],
         in_pool: Callable[[int], bool],
         enabled: bool = True,
         on_message: Callable[[], None] = lambda: None,
+        on_delay: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``in_pool`` says whether an instance id is one of the pool's (others' decisions about any other
-        instance are ignored); ``on_message`` is called after each message heard. A predicting ``indexer``
-        records the others' decisions too (one fed by KV events learns them from the workers). Not
-        ``enabled``, ``start`` does nothing and what the router says is dropped: the router's calls
-        need no condition."""
+        instance are ignored); ``on_message`` is called after each message heard, and ``on_delay`` (if
+        given) with the seconds each batch took from its sender's clock to this one's (never below 0).
+        ``predict`` is given each of the others' decisions too (the worker and the prompt's blocks): the
+        router records them where it predicts that worker's cache (where KV events tell it, the workers
+        do). Not ``enabled``, ``start`` does nothing and what the router says is dropped: the router's
+        calls need no condition."""
         self.enabled = enabled
         self.replica_id = secrets.token_hex(8)
         # Each replica publishes on a subject of its own (NATS permissions can then bind a replica to it),
@@ -166,12 +180,14 @@ class ReplicaSync:
         self._nc = nc
         self._block_size = block_size
         self._load = load
-        self._indexer = indexer if isinstance(indexer, PredictedKvIndexer) else None
+        self._predict = predict
         self._in_pool = in_pool
         self._on_message = on_message
+        self._on_delay = on_delay
         self._clock = clock
         self._own: set[str] = set()  # this router's requests in flight
         self._pending: list[SyncEvent] = []
+        self._pending_since = 0.0  # when the first of them was said, by the wall clock
         self._wake = asyncio.Event()
         self._peers: dict[str, _Peer] = {}
         self._next_reconcile = clock() + RECONCILE_S
@@ -180,6 +196,7 @@ class ReplicaSync:
         self._malformed = RateLimitedLog(log, period_s=MALFORMED_REPORT_S)
         self._publish_failed = RateLimitedLog(log, period_s=MALFORMED_REPORT_S)
         self._started = False
+        self._over_nats = False  # started by start(), not begin()
         # Counters for tests and metrics.
         self.expired_replicas = 0
 
@@ -204,7 +221,8 @@ class ReplicaSync:
         """Listen to the other replicas (confirmed with NATS before returning) and start sending."""
         if not self.enabled or self._started:
             return
-        self._started = True
+        self.begin()
+        self._over_nats = True
         self._supervisor.own(self._listen, name=f"router replica sync on {self.subjects}", restart=True)
         self._supervisor.own(self._send_loop, name=f"router replica sync sender on {self.subject}", restart=True)
         try:
@@ -215,12 +233,21 @@ class ReplicaSync:
             # NATS is away: the subscription is made once it is back (nats-py sends it on reconnecting).
             log.warning("the router replica sync could not confirm its subscription to %s yet: %r", self.subjects, exc)
 
+    def begin(self) -> None:
+        """Start recording what this router decides, with no NATS: the caller carries the messages, taking
+        them with ``take_batches`` and handing the others' to ``on_batch`` (``start`` does this over NATS;
+        bench/routing_sim.py does it in simulated time)."""
+        if self.enabled:
+            self._started = True
+
     async def close(self) -> None:
         """Stop, telling the other replicas to forget this one's requests (best effort)."""
         await self._supervisor.close()
         if not self._started:
             return
         self._started = False
+        if not self._over_nats:
+            return  # begun without NATS: the caller carries the messages
         with contextlib.suppress(TimeoutError, nats.errors.Error):
             async with asyncio.timeout(GOODBYE_TIMEOUT_S):
                 await self._publish(closing=True)
@@ -249,6 +276,8 @@ class ReplicaSync:
                 self._say(Finished(request_id))
 
     def _say(self, event: SyncEvent) -> None:
+        if not self._pending:
+            self._pending_since = time.time()
         self._pending.append(event)
         self._wake.set()
 
@@ -269,22 +298,33 @@ class ReplicaSync:
                     await self._wake.wait()
 
     async def _publish(self, *, closing: bool = False) -> None:
+        for data in self.take_batches(closing=closing):
+            await self._nc.publish(self.subject, data)
+
+    def take_batches(self, *, closing: bool = False) -> list[bytes]:
+        """The messages that say what was decided since the last call (at least one, a heartbeat when
+        nothing was), in order, encoded for ``subject``; every RECONCILE_S the last lists the requests
+        in flight."""
         events, self._pending = self._pending, []
+        said_at = self._pending_since if events else time.time()
         active: list[str] | None = None
         if closing or self._clock() >= self._next_reconcile:
             self._next_reconcile = self._clock() + RECONCILE_S
             if not closing and self._peers and len(self._own) <= MAX_LISTED:
                 active = list(self._own)
         chunks = list(_chunks(events)) or [[]]
-        for index, chunk in enumerate(chunks):
-            last = index == len(chunks) - 1
-            batch = SyncBatch(
-                block_size=self._block_size,
-                events=chunk,
-                active=active if last else None,
-                closing=closing and last,
+        return [
+            _encode(
+                SyncBatch(
+                    block_size=self._block_size,
+                    events=chunk,
+                    active=active if index == len(chunks) - 1 else None,
+                    closing=closing and index == len(chunks) - 1,
+                    sent_at=said_at,
+                )
             )
-            await self._nc.publish(self.subject, _encode(batch))
+            for index, chunk in enumerate(chunks)
+        ]
 
     # -- what the others say ------------------------------------------------------------------
 
@@ -315,6 +355,9 @@ class ReplicaSync:
         except msgspec.DecodeError as exc:  # ValidationError (a bound passed) is a DecodeError
             self._malformed.warning(f"the router replica sync ignored a malformed message on {subject}: {exc}")
             return
+        if self._on_delay is not None and batch.sent_at > 0:
+            # Wall clocks: across machines this includes their skew (NTP keeps it to about a millisecond).
+            self._on_delay(max(0.0, time.time() - batch.sent_at))
         if batch.block_size != self._block_size:
             self._malformed.warning(
                 f"the router replica sync ignored replica {replica}: its block size is {batch.block_size}, "
@@ -364,8 +407,8 @@ class ReplicaSync:
         self._load.started(
             key, worker, prefill_tokens=event.prefill_tokens, hashes=event.hashes, own_blocks=event.own_blocks
         )
-        if self._indexer is not None and event.hashes:
-            self._indexer.record(worker, event.hashes)
+        if event.hashes:
+            self._predict(worker, event.hashes)
 
     def expire_silent(self) -> None:
         """Forget the replicas not heard from for EXPIRE_AFTER_S, and their requests."""

@@ -11,7 +11,9 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
+from prometheus_client import CollectorRegistry
 
+from frontend_gateway.router_metrics import ModelRoutingMetrics, RoutingCollectors
 from frontend_gateway.routing import replica_sync
 from frontend_gateway.routing.kv_indexer import PredictedKvIndexer
 from frontend_gateway.routing.kv_router import KvRouter
@@ -126,6 +128,71 @@ async def test_a_decision_of_one_replica_loads_the_workers_of_the_other(make_rou
     assert second.replica_sync.remote_requests() == 0
 
 
+async def test_replicas_begun_without_nats_share_decisions_through_their_caller() -> None:
+    """``begin`` and ``take_batches`` carry the same messages as NATS would (bench/routing_sim.py carries
+    them in simulated time); closing such a replica sends nothing."""
+    routers = [
+        KvRouter(SYNCED, block_size=BLOCK, nc=None, address=ADDRESS)  # type: ignore[arg-type]  # NATS is never used
+        for _ in range(2)
+    ]
+    for router in routers:
+        for instance in (A, B):
+            router.instance_added(instance)
+        await router.subscriber.close()  # it would listen on NATS
+        router.replica_sync.begin()
+    first, second = routers
+
+    def carry(sender: KvRouter, receiver: KvRouter) -> None:
+        for data in sender.replica_sync.take_batches():
+            receiver.replica_sync.on_batch(data, sender.replica_sync.subject)
+
+    carry(first, second)  # a heartbeat: the second knows the first now
+    carry(second, first)
+    assert first.replica_sync.replicas() == second.replica_sync.replicas() == 1
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+    carry(first, second)
+    assert requests_on(second, decision.instance) == 1
+    assert second.load.new_blocks((decision.instance.instance_id, 0), HASHES) == 0
+    # KV events tell it which blocks the worker caches: nothing is predicted from the first's decision.
+    assert second.predicted.find_matches(HASHES) == {}
+    first.finished("r1")
+    carry(first, second)
+    assert requests_on(second, decision.instance) == 0
+    assert second.replica_sync.malformed == 0
+    for router in routers:
+        await router.close()  # no NATS to say goodbye on: nothing is published
+
+
+async def test_how_late_the_others_decisions_arrive_is_measured_in_the_routing_metrics() -> None:
+    registry = CollectorRegistry()
+    health = ModelRoutingMetrics(RoutingCollectors(registry), "m")
+    sender = KvRouter(SYNCED, block_size=BLOCK, nc=None, address=ADDRESS)  # type: ignore[arg-type]
+    receiver = KvRouter(SYNCED, block_size=BLOCK, nc=None, address=ADDRESS, health=health)  # type: ignore[arg-type]
+    sender.replica_sync.begin()
+    [late] = sender.replica_sync.take_batches()
+    await asyncio.sleep(0.05)
+    receiver.replica_sync.on_batch(late, sender.replica_sync.subject)
+    # A sender whose clock runs ahead counts as no delay, never as a negative one.
+    ahead = msgspec.msgpack.encode(SyncBatch(block_size=BLOCK, sent_at=time.time() + 60))
+    receiver.replica_sync.on_batch(ahead, sender.replica_sync.subject)
+    # One that does not say when it sent (an older version) is not counted.
+    receiver.replica_sync.on_batch(msgspec.msgpack.encode(SyncBatch(block_size=BLOCK)), sender.replica_sync.subject)
+
+    def sample(suffix: str) -> float | None:
+        return registry.get_sample_value(f"flotilla_router_replica_sync_delay_seconds_{suffix}", {"model": "m"})
+
+    assert sample("count") == 2
+    total = sample("sum")
+    assert total is not None and 0.05 <= total < 5
+    fastest = registry.get_sample_value(
+        "flotilla_router_replica_sync_delay_seconds_bucket", {"model": "m", "le": "0.0005"}
+    )
+    assert fastest == 1  # the one from ahead
+    for router in (sender, receiver):
+        await router.close()
+
+
 async def test_a_replica_that_hears_no_other_sends_heartbeats_only(make_router: Any, forger: NATS) -> None:
     subscription = await forger.subscribe(sync_subjects(ADDRESS))
     await flush(forger)
@@ -138,7 +205,9 @@ async def test_a_replica_that_hears_no_other_sends_heartbeats_only(make_router: 
         second = await subscription.next_msg(timeout=10)  # a second later
     for message in (first, second):
         assert message.subject == lone.replica_sync.subject
-        assert msgspec.msgpack.decode(message.data, type=SyncBatch) == SyncBatch(block_size=BLOCK)
+        heartbeat = msgspec.msgpack.decode(message.data, type=SyncBatch)
+        assert msgspec.structs.replace(heartbeat, sent_at=0.0) == SyncBatch(block_size=BLOCK)
+        assert abs(heartbeat.sent_at - time.time()) < 60
 
 
 async def test_a_predicting_router_learns_the_prefixes_another_replica_routed(make_router: Any) -> None:
