@@ -23,13 +23,19 @@ blocks as Flotilla's router does (engines/zmq_kv_events.py, engines/engine_block
 size is SGLang's ``page_size``: Flotilla sets 16 where the extra arguments do not say (SGLang's own
 default, 1, would name every token as a block). With attention DP each rank has its own cache and
 publisher (on the port after the previous rank's), subscribed to one by one and reported as that dp rank.
+
+Load: each SGLang scheduler publishes a load snapshot per dp rank (running and waiting requests, KV
+tokens used of the pool, token usage, prefix cache hit rate) to shared memory, which its tokenizer
+manager reads for ``/v1/loads`` (``TokenizerManager.get_loads``); the worker reads the same snapshots
+for its load reports, with the blocks counted in pages (``load_reports``).
 """
 
 import asyncio
 import json
 import logging
+import math
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -229,6 +235,44 @@ def new_tokens(chunk: dict[str, Any], sent: int) -> list[int]:
     return output_ids[len(output_ids) - fresh :] if fresh else []
 
 
+def load_reports(snapshots: Sequence[Any], *, page_size: int, active: int, per_rank: bool) -> list[WorkerLoad]:
+    """Flotilla's load reports from SGLang's load snapshots (``sglang.srt.managers.load_snapshot.LoadSnapshot``,
+    one per dp rank, as ``/v1/loads`` reads them): one per rank with ``per_rank`` (attention DP: each rank
+    is a cache the router routes to), else one for the instance, summed (plain DP replicas, which SGLang
+    balances itself). Without any (SGLang has not published one yet), the requests this worker has in
+    SGLang (``active``)."""
+    if not snapshots:
+        return [WorkerLoad(instance_id=0, active_requests=active)]
+    groups = [[snapshot] for snapshot in snapshots] if per_rank else [list(snapshots)]
+    reports = []
+    for group in groups:
+        running = sum(int(snapshot.num_running_reqs) for snapshot in group)
+        waiting = sum(int(snapshot.num_waiting_reqs) for snapshot in group)
+        used_tokens = sum(int(snapshot.num_used_tokens) for snapshot in group)
+        total_tokens = sum(int(snapshot.max_total_num_tokens) for snapshot in group)
+        reports.append(
+            WorkerLoad(
+                instance_id=0,
+                dp_rank=int(group[0].dp_rank) if per_rank else 0,
+                active_requests=running + waiting,
+                running=running,
+                waiting=waiting,
+                kv_active_blocks=math.ceil(used_tokens / page_size),
+                kv_total_blocks=total_tokens // page_size if total_tokens else None,
+                # token_usage is the fullest of a scheduler's pools (KV, SWA, mamba): for a plain
+                # transformer, its KV pool's share.
+                kv_usage=_share(max(float(snapshot.token_usage) for snapshot in group)),
+                prefix_hit_rate=_share(sum(float(snapshot.cache_hit_rate) for snapshot in group) / len(group)),
+            )
+        )
+    return sorted(reports, key=lambda report: report.dp_rank)
+
+
+def _share(value: float) -> float | None:
+    """``value`` within 0..1 (what a report may say of a share); None for a value that is no number."""
+    return min(max(value, 0.0), 1.0) if math.isfinite(value) else None
+
+
 def attention_dp_ranks(engine_args: dict[str, Any]) -> int:
     """How many KV caches (and event publishers) SGLang runs: one per attention-DP rank with
     ``enable_dp_attention``, else one."""
@@ -301,7 +345,16 @@ class SglangEngine:
         self._sink = sink
 
     def load(self) -> list[WorkerLoad]:
-        return [WorkerLoad(instance_id=0, active_requests=self._active)]
+        """SGLang's own load snapshots (a read of shared memory, as ``/v1/loads`` does); the requests in
+        flight only where SGLang has none to read."""
+        snapshots: list[Any] = []
+        reader = getattr(getattr(self._engine, "tokenizer_manager", None), "load_snapshot_reader", None)
+        if reader is not None:
+            try:
+                snapshots = list(reader.read_all())
+            except Exception as exc:  # a torn or missing shared-memory file: the next report reads again
+                log.debug("SGLang's load snapshots could not be read: %r", exc)
+        return load_reports(snapshots, page_size=self.block_size, active=self._active, per_rank=len(self._names) > 1)
 
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
         return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}

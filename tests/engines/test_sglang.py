@@ -9,6 +9,7 @@ import json
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import msgspec
@@ -25,6 +26,7 @@ from engines.sglang import (
     dp_attention_port,
     engine_kwargs,
     finish_reason,
+    load_reports,
     new_tokens,
     parse_engine_args,
     rank_endpoints,
@@ -291,6 +293,73 @@ async def test_a_stopped_context_aborts_the_request_at_the_next_chunk() -> None:
         outputs.append(out)
         context.stop()
     assert len(outputs) == 1 and fake.aborted == ["sg-1"]
+
+
+class LoadSnapshot(msgspec.Struct, kw_only=True):
+    """The fields Flotilla reads of SGLang's ``LoadSnapshot`` (sglang/srt/managers/load_snapshot.py in
+    0.5.15; SGLang itself does not import without a CUDA build of torch)."""
+
+    dp_rank: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_used_tokens: int = 0
+    max_total_num_tokens: int = 0
+    token_usage: float = 0.0
+    cache_hit_rate: float = 0.0
+
+
+RANK0 = LoadSnapshot(
+    num_running_reqs=3, num_waiting_reqs=2, num_used_tokens=1000, max_total_num_tokens=16000, token_usage=0.0625,
+    cache_hit_rate=0.5,
+)  # fmt: skip
+RANK1 = LoadSnapshot(
+    dp_rank=1, num_running_reqs=1, num_used_tokens=16, max_total_num_tokens=16000, token_usage=0.001, cache_hit_rate=0.1
+)
+
+
+def test_attention_dp_ranks_report_their_own_load_from_sglangs_snapshots() -> None:
+    first, second = load_reports([RANK1, RANK0], page_size=16, active=9, per_rank=True)
+    assert (first.dp_rank, first.running, first.waiting, first.active_requests) == (0, 3, 2, 5)
+    assert (first.kv_active_blocks, first.kv_total_blocks, first.kv_usage, first.prefix_hit_rate) == (
+        63,
+        1000,
+        0.0625,
+        0.5,
+    )
+    assert (second.dp_rank, second.running, second.kv_active_blocks, second.prefix_hit_rate) == (1, 1, 1, 0.1)
+
+
+def test_plain_dp_replicas_report_as_one_instance_and_odd_values_are_kept_in_bounds() -> None:
+    [merged] = load_reports([RANK0, RANK1], page_size=16, active=9, per_rank=False)
+    assert (merged.dp_rank, merged.running, merged.waiting, merged.kv_active_blocks) == (0, 4, 2, 64)
+    assert merged.kv_total_blocks == 2000 and merged.kv_usage == 0.0625
+    assert merged.prefix_hit_rate == pytest.approx(0.3)
+    [odd] = load_reports(
+        [LoadSnapshot(token_usage=float("nan"), cache_hit_rate=1.5)], page_size=16, active=0, per_rank=False
+    )
+    assert odd.kv_usage is None and odd.prefix_hit_rate == 1.0 and odd.kv_total_blocks is None
+
+
+class SnapshotReader:
+    def __init__(self, snapshots: list[LoadSnapshot] | Exception) -> None:
+        self.snapshots = snapshots
+
+    def read_all(self) -> list[LoadSnapshot]:
+        if isinstance(self.snapshots, Exception):
+            raise self.snapshots
+        return self.snapshots
+
+
+def test_the_worker_reports_sglangs_snapshots_or_its_own_count_until_there_are_some() -> None:
+    fake = FakeSglang([])
+    engine = started_engine(fake)
+    assert [(r.active_requests, r.running) for r in engine.load()] == [(0, None)]  # no reader: the count
+    fake.tokenizer_manager = SimpleNamespace(load_snapshot_reader=SnapshotReader([]))  # type: ignore[attr-defined]
+    assert [(r.active_requests, r.running) for r in engine.load()] == [(0, None)]  # nothing published yet
+    fake.tokenizer_manager.load_snapshot_reader.snapshots = [RANK0]  # type: ignore[attr-defined]
+    assert [(r.active_requests, r.running, r.kv_usage) for r in engine.load()] == [(5, 3, 0.0625)]
+    fake.tokenizer_manager.load_snapshot_reader.snapshots = OSError("torn")  # type: ignore[attr-defined]
+    assert [r.running for r in engine.load()] == [None]
 
 
 def test_the_engine_module_imports_and_builds_without_sglang() -> None:
