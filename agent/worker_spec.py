@@ -27,11 +27,23 @@ DEFAULT_COMMAND = (sys.executable, "-m", "launcher.cli")
 #: broker (FLOTILLA_BROKER_URL: with it a worker could send any node any task), not the agent token or its
 #: file (it speaks for the node to the control plane), not HF_TOKEN (the download runs in the agent and is
 #: the only step that needs it), not the flags of ``flotilla run`` (a worker's come from its task).
+#: To run an engine: the settings its libraries read from the environment (ENGINE_VARIABLES), so that a
+#: node's operator tunes them once, in the agent's environment file, as for the engines' own servers.
 WORKER_VARIABLES = re.compile(
     r"PATH|HOME|USER|LOGNAME|LANG|LANGUAGE|LC_[A-Z]+|TZ|TMPDIR|LD_LIBRARY_PATH|SSL_CERT_(FILE|DIR)|PYTHON[A-Z]+"
     r"|(ETCD_ENDPOINTS|NATS_SERVER)(_FILE)?"
     r"|FLOTILLA_(LOG|DRAIN_S|LEASE_TTL|MAX_REQUEST_BYTES|STREAM_SILENCE_S|STREAM_HEARTBEAT_S|TOKEN_ECHO_DELAY_MS)"
 )
+#: The engines' own settings: vLLM's (VLLM_CPU_KVCACHE_SPACE sizes a CPU node's KV cache), SGLang's,
+#: TensorRT-LLM's, NCCL's and CUDA's (but CUDA_VISIBLE_DEVICES, which the worker's GPUs set), PyTorch's,
+#: the thread counts of OpenMP and the math libraries, and Hugging Face's offline switches. One whose
+#: name says it holds a secret (VLLM_API_KEY, ..._TOKEN) is not inherited: an engine in a worker serves
+#: no HTTP of its own and reads no hub.
+ENGINE_VARIABLES = re.compile(
+    r"(VLLM|SGLANG|TLLM|TRTLLM|NCCL|CUDA|TORCH|PYTORCH|OMP|MKL|OPENBLAS|MISTRALRS|GGML|LLAMA)_[A-Z0-9_]+"
+    r"|(HF_HUB|TRANSFORMERS|HF_DATASETS)_OFFLINE"
+)
+SECRET_LOOKING = re.compile(r".*(KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL).*")
 #: Never a worker's, whatever environment it is given: the agent's credentials and a preloaded library.
 NEVER_TO_WORKERS = frozenset(
     {
@@ -85,17 +97,28 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
 
 
 def allowed_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``environ`` (the agent's) that a worker may inherit: ``WORKER_VARIABLES``."""
-    return {name: value for name, value in environ.items() if WORKER_VARIABLES.fullmatch(name)}
+    """The variables of ``environ`` (the agent's) that a worker may inherit: ``WORKER_VARIABLES``, and
+    ``ENGINE_VARIABLES`` whose names do not look like a secret's."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if WORKER_VARIABLES.fullmatch(name) or (ENGINE_VARIABLES.fullmatch(name) and not _engine_secret(name))
+    }
+
+
+def _engine_secret(name: str) -> bool:
+    """Whether ``name`` is an engine's variable that looks like it holds a secret (never a worker's)."""
+    return bool(ENGINE_VARIABLES.fullmatch(name) and SECRET_LOOKING.fullmatch(name))
 
 
 def worker_env(spec: WorkerSpec, base: Mapping[str, str]) -> dict[str, str]:
-    """The worker's environment: ``base`` (``allowed_environment`` of the agent's) less ``NEVER_TO_WORKERS``,
+    """The worker's environment: ``base`` (``allowed_environment`` of the agent's) less ``NEVER_TO_WORKERS``
+    and the engine variables that look like secrets,
     and its GPUs in ``CUDA_VISIBLE_DEVICES`` (by UUID when the spec has them, else by index).
 
     A worker with no GPUs gets an empty ``CUDA_VISIBLE_DEVICES``, so that it cannot take one it was not given.
     """
-    env = {name: value for name, value in base.items() if name not in NEVER_TO_WORKERS}
+    env = {name: value for name, value in base.items() if name not in NEVER_TO_WORKERS and not _engine_secret(name)}
     # By UUID when the agent checked them (agent/gpu_check.py): no renumbering of the GPUs changes those.
     names = spec.gpu_uuids or [str(index) for index in spec.gpu_indexes]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(names)

@@ -156,6 +156,13 @@ AGENTS_ENVIRONMENT = {
     "FLOTILLA_MODEL_PATH": "/models/other",
     "AWS_SECRET_ACCESS_KEY": "x",
     "LD_PRELOAD": "/tmp/evil.so",
+    "VLLM_CPU_KVCACHE_SPACE": "8",
+    "VLLM_API_KEY": "sk-vllm",
+    "SGLANG_DISABLE_CUDNN_CHECK": "1",
+    "NCCL_SOCKET_IFNAME": "eth0",
+    "OMP_NUM_THREADS": "8",
+    "HF_HUB_OFFLINE": "1",
+    "TRTLLM_SECRET_THING": "x",
 }
 
 
@@ -166,6 +173,9 @@ def test_a_worker_inherits_only_the_agents_variables_it_needs_to_run_and_serve()
         for name in (
             "PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH",
             "ETCD_ENDPOINTS", "NATS_SERVER_FILE", "FLOTILLA_DRAIN_S", "FLOTILLA_LEASE_TTL", "FLOTILLA_LOG",
+            # the engines' own settings, tuned once in the agent's environment (not their secrets)
+            "VLLM_CPU_KVCACHE_SPACE", "SGLANG_DISABLE_CUDNN_CHECK", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS",
+            "HF_HUB_OFFLINE",
         )
     }  # fmt: skip
 
@@ -178,5 +188,7 @@ def test_the_agents_credentials_never_reach_a_worker_even_in_an_environment_give
         "FLOTILLA_AGENT_TOKEN_FILE",
         "HF_TOKEN",
         "LD_PRELOAD",
+        "VLLM_API_KEY",
+        "TRTLLM_SECRET_THING",
     ):
         assert secret not in env
