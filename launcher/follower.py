@@ -5,7 +5,8 @@ Such a rank takes no requests: it registers no endpoint, opens no HTTP port and 
 ignored (every node runs the same command but for ``--node-rank``). It starts the engine's processes for this
 node, which join the leader's ``torch.distributed`` group at ``--leader-addr``, and watches them: it exits 1
 when one of them dies (the leader's instance cannot go on without them, and a supervisor restarting the node
-is the way back), 0 on SIGTERM, 130 on Ctrl-C.
+is the way back) or when the leader stops answering at ``--leader-addr`` for about 10 s (launcher/leader_watch.py:
+the engine's processes would wait for it for ever), 0 on SIGTERM, 130 on Ctrl-C.
 
 It runs without an event loop, in the main thread, as vLLM's own ``run_headless`` does: a signal interrupts
 whatever the start is waiting for (the leader may not be up yet).
@@ -14,10 +15,12 @@ whatever the start is waiting for (the leader may not be up yet).
 import importlib.util
 import logging
 import signal
+import threading
 import types
 from pathlib import Path
 from typing import Protocol
 
+from launcher.leader_watch import LeaderWatch
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 
@@ -40,6 +43,14 @@ class _Stopped(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+class _LeaderGone(BaseException):
+    """The leader stopped answering (LeaderWatch), raised in the main thread wherever the run waits."""
+
+
+#: What the leader watch sends the main thread when the leader is gone.
+LEADER_GONE_SIGNAL = signal.SIGUSR1
 
 
 def build_follower(options: RunOptions) -> Follower:
@@ -115,16 +126,27 @@ def run_follower(options: RunOptions) -> int:
         nodes.leader,
         "" if options.input == "text" else f", so in={options.input} is ignored here",
     )
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, LEADER_GONE_SIGNAL)}
+    why_gone: list[str] = []
+    main_thread = threading.get_ident()  # run_follower runs in the main thread (signals are handled there)
 
     def stop(signum: int, frame: types.FrameType | None) -> None:
+        if signum == LEADER_GONE_SIGNAL:
+            raise _LeaderGone
         raise _Stopped(signum)
 
+    def leader_gone(why: str) -> None:  # in the watch's thread
+        why_gone.append(why)
+        signal.pthread_kill(main_thread, LEADER_GONE_SIGNAL)
+
+    assert nodes.leader is not None  # a rank above 0 has a leader (NodeGroup checks)
+    watch = LeaderWatch(nodes.leader, leader_gone)
     for signum in previous:
         signal.signal(signum, stop)
     try:
         follower.start()
         log.info("rank %d of %d: the engine's processes are up, joined to the leader", nodes.node_rank, nodes.num_nodes)
+        watch.start()
         ended = follower.wait()
         log.error(
             "rank %d of %d stops: %s; the leader's engine cannot run without this node's share of it",
@@ -133,12 +155,19 @@ def run_follower(options: RunOptions) -> int:
             ended,
         )
         return 1
+    except _LeaderGone:
+        log.error(
+            "rank %d of %d stops: %s; its engine's processes would wait for the leader for ever",
+            nodes.node_rank, nodes.num_nodes, why_gone[0] if why_gone else "the leader is gone",
+        )  # fmt: skip
+        return 1
     except _Stopped as stopped:
         log.info("rank %d of %d stopped by %s", nodes.node_rank, nodes.num_nodes, signal.Signals(stopped.signum).name)
         return 130 if stopped.signum == signal.SIGINT else 0
     finally:
         for signum in previous:
             signal.signal(signum, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        watch.stop()
         try:
             follower.close()
         finally:

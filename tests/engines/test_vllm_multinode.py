@@ -123,3 +123,25 @@ def test_a_leader_and_its_rank_1_meet_and_the_rank_exits_1_when_its_worker_dies(
     _, rest = follower.communicate(timeout=120)
     assert follower.returncode == 1, logged + rest
     assert "rank 1 of 2 stops: a vLLM worker process died" in rest
+
+
+def test_a_rank_whose_leader_is_killed_exits_1_instead_of_waiting_for_it(
+    two_nodes: tuple[Server, subprocess.Popen[str]],
+) -> None:
+    """The leader's engine and workers die at once (kill -9): rank 1's workers would wait for its next step
+    for ever; the rank notices its leader's address answers no more and exits 1."""
+    import psutil
+
+    leader, follower = two_nodes
+    assert follower.stderr is not None
+    logged = ""
+    while "the engine's processes are up" not in logged:
+        line = follower.stderr.readline()
+        assert line, f"rank 1 ended (exit {follower.wait()}):\n{logged}"
+        logged += line
+    tree = [psutil.Process(leader.process.pid), *psutil.Process(leader.process.pid).children(recursive=True)]
+    for process in tree:
+        process.kill()
+    _, rest = follower.communicate(timeout=120)
+    assert follower.returncode == 1, logged + rest
+    assert "rank 1 of 2 stops: the leader at 127.0.0.1:" in rest and "has not answered" in rest
