@@ -371,10 +371,14 @@ def dynamo_stack(
     overlap_weight: float = 1.0,
     model: str = MODEL,
     frontend_args: Sequence[str] = (),
+    frontends: int = 1,
+    replica_sync: bool = True,
     python: Path = DYNAMO_PYTHON,
     log_dir: Path | None = None,
 ) -> Iterator[Stack]:
-    """NVIDIA Dynamo: NATS, one ``dynamo.mocker`` process with ``workers`` workers, and its frontend.
+    """NVIDIA Dynamo: NATS, one ``dynamo.mocker`` process with ``workers`` workers, and ``frontends``
+    frontends, each on its own port (with kv routing and more than one, ``--router-replica-sync`` as
+    ``replica_sync`` says: Dynamo's own, the counterpart of Flotilla's).
 
     ``overlap_weight`` is ``--router-prefill-load-scale``: Dynamo's cost is that scale × (prompt blocks −
     credit × cached blocks, at least 0) + decode blocks; with the credit left at 1 that is our
@@ -411,33 +415,42 @@ def dynamo_stack(
             directory / "mocker.log", env,
         )  # fmt: skip
         stack.callback(mocker.stop)
-        port = free_port()
         frontend_flags = ["--router-mode", router_mode]
         if router_mode == "kv":
             frontend_flags += ["--router-prefill-load-scale", str(overlap_weight)]
             if not use_kv_events:
                 frontend_flags.append("--no-router-kv-events")
-        frontend = _start_http(
-            stack,
-            [str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
-             *frontend_flags, *frontend_args],
-            port, directory / "frontend.log", env,
-        )  # fmt: skip
+            if frontends > 1:
+                frontend_flags.append("--router-replica-sync" if replica_sync else "--no-router-replica-sync")
+        ports = [free_port() for _ in range(frontends)]
+        fronts = []
+        for number, port in enumerate(ports):
+            command = [
+                str(python), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
+                *frontend_flags, *frontend_args,
+            ]  # fmt: skip
+            log_path = directory / f"frontend{'' if number == 0 else number}.log"
+            fronts.append(_start_http(stack, command, port, log_path, env))
+        frontend = fronts[0]
         _wait(
-            lambda: model in _models(frontend.base_url) and len(_dynamo_instances(frontend.base_url)) == workers,
-            [mocker, frontend],
+            lambda: all(
+                model in _models(front.base_url) and len(_dynamo_instances(front.base_url)) == workers
+                for front in fronts
+            ),
+            [mocker, *fronts],
             directory,
             "dynamo: the model or a worker never appeared",
         )
         yield Stack(
             name="dynamo",
             base_url=frontend.base_url,
-            port=port,
+            port=ports[0],
             model=model,
             block_size=int(mocker_settings.get("block_size", 64)),
             worker_ids=tuple(_dynamo_instances(frontend.base_url)),
-            ingress_pids=(frontend.process.pid,),
+            ingress_pids=tuple(front.process.pid for front in fronts),
             worker_pids=(mocker.process.pid,),
             log_dir=directory,
             worker_fields=DYNAMO_WORKER_FIELDS,
+            ports=tuple(ports),
         )

@@ -395,8 +395,8 @@ class Mode:
     stack: str  # "flotilla" or "dynamo"
     router_mode: str
     use_kv_events: bool = True
-    ingresses: int = 1  # Flotilla: ingress processes, each sent every Nth request (--ingresses)
-    replica_sync: bool = True  # Flotilla kv: --router-replica-sync (--replica-sync)
+    ingresses: int = 1  # ingress processes (Dynamo: frontends), each sent every Nth request (--ingresses)
+    replica_sync: bool = True  # kv through several: --router-replica-sync (--replica-sync), Flotilla's or Dynamo's
 
 
 MODES = {
@@ -434,7 +434,9 @@ def start_stack(
         with flotilla_stack(**common, ingress_args=[*sync, *ingress_args], ingresses=mode.ingresses) as stack:
             yield stack
     else:
-        with dynamo_stack(**common, frontend_args=dynamo_args) as stack:
+        with dynamo_stack(
+            **common, frontend_args=dynamo_args, frontends=mode.ingresses, replica_sync=mode.replica_sync
+        ) as stack:
             yield stack
 
 
@@ -616,7 +618,7 @@ def ingress_variants(modes: Sequence[Mode], counts: Sequence[int], replica_sync:
     syncs = {"on": (True,), "off": (False,), "both": (True, False)}[replica_sync]
     for mode in modes:
         for count in counts:
-            for sync in syncs if mode.router_mode == "kv" and mode.stack == "flotilla" else (True,):
+            for sync in syncs if mode.router_mode == "kv" else (True,):
                 name = mode.name
                 if len(counts) > 1 or count > 1:
                     name += f"-x{count}"
@@ -768,13 +770,14 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--ingresses", default="1", metavar="N[,N...]",
-        help="Flotilla modes: run each through N ingress processes (each sent every Nth request, as replicas "
+        help="run each mode through N ingress processes (Dynamo: frontends), each sent every Nth request, as replicas "
         "behind a load balancer), for each N listed, e.g. 1,2,4; with more than one N, the table ends with "
         "each run's hit rate and TTFT as ratios to its mode's run through one process (default 1)",
     )  # fmt: skip
     parser.add_argument(
         "--replica-sync", choices=("on", "off", "both"), default="on",
-        help="Flotilla kv modes: --router-replica-sync of the ingresses; both: run each way (default on)",
+        help="kv modes through several ingresses: their --router-replica-sync (Flotilla's, or Dynamo's own); both: "
+        "run each way (default on)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.rate <= 0 or args.duration <= 0 or args.trace_block_size < 1:
@@ -798,8 +801,6 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--ingresses: expected counts like 1,2,4, not {args.ingresses!r}")
     if not counts or min(counts) < 1 or max(counts) > 16:
         parser.error("--ingresses: each count must be between 1 and 16")
-    if max(counts) > 1 and any(mode.stack == "dynamo" for mode in args.mode_list):
-        parser.error("--ingresses above 1 is for Flotilla's modes only")
     args.mode_list = list(ingress_variants(args.mode_list, counts, args.replica_sync))
     try:
         args.settings = {**MOCKER_SETTINGS, **json.loads(args.mocker)}
