@@ -102,7 +102,7 @@ def allowed_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {
         name: value
         for name, value in environ.items()
-        if WORKER_VARIABLES.fullmatch(name) or (ENGINE_VARIABLES.fullmatch(name) and not _engine_secret(name))
+        if WORKER_VARIABLES.fullmatch(name) or (ENGINE_VARIABLES.fullmatch(name) and not SECRET_LOOKING.fullmatch(name))
     }
 
 

@@ -313,13 +313,15 @@ class ReplicaSync:
             if not closing and self._peers and len(self._own) <= MAX_LISTED:
                 active = list(self._own)
         chunks = list(_chunks(events)) or [[]]
+        last = len(chunks) - 1
+        # The list of requests in flight, and the goodbye, go with the last chunk: after every event.
         return [
             _encode(
                 SyncBatch(
                     block_size=self._block_size,
                     events=chunk,
-                    active=active if index == len(chunks) - 1 else None,
-                    closing=closing and index == len(chunks) - 1,
+                    active=active if index == last else None,
+                    closing=closing and index == last,
                     sent_at=said_at,
                 )
             )
