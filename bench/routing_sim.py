@@ -62,6 +62,7 @@ from engines.mocker.timing import StepTimer  # noqa: E402
 from frontend_gateway.routing.kv_indexer import KvIndexer  # noqa: E402
 from frontend_gateway.routing.kv_router import KvRouter  # noqa: E402
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings  # noqa: E402
+from frontend_gateway.routing.replica_sync import ENDS_WAIT_S  # noqa: E402
 from runtime.addressing import EndpointAddress  # noqa: E402
 from runtime.errors import ConfigError  # noqa: E402
 from runtime.kv_events import WorkerLoad  # noqa: E402
@@ -88,6 +89,7 @@ class Outcome:
     ttft_p50_ms: float
     ttft_p99_ms: float
     hit_rate: float
+    sync_messages: float = 0.0  # replica sync messages published per request
 
 
 class _NoStopping:
@@ -105,9 +107,11 @@ async def simulate(
     delays: Delays,
     jitter_seed: int,
     replicas: int = 1,
+    ends_wait_s: float = ENDS_WAIT_S,
 ) -> Outcome:
     """Replay ``trace`` through ``replicas`` KV routers with ``settings`` (request N to router N mod
-    ``replicas``) and 4 mockers; delays drawn with ``jitter_seed``.
+    ``replicas``) and 4 mockers; delays drawn with ``jitter_seed``; replicas let their requests' ends wait
+    up to ``ends_wait_s`` for a decision to ride with (ReplicaSync.ends_wait_s).
 
     A coroutine only because the router makes asyncio objects: nothing in it awaits until the end.
     """
@@ -134,6 +138,9 @@ async def simulate(
         # stopped before they run, as this script hands the router what they would hear.
         await router.subscriber.close()
     syncing = settings.replica_sync and replicas > 1
+    for router in routers:
+        router.replica_sync.ends_wait_s = ends_wait_s
+    sync_messages = 0
     schedulers = [Scheduler(config) for _ in instances]
     for scheduler in schedulers:
         scheduler.cache.record_events = True
@@ -150,8 +157,10 @@ async def simulate(
 
     def send_sync(sender: int) -> None:
         """Hand what router ``sender`` said since its last batch to every other router, after a delay."""
+        nonlocal sync_messages
         sync = routers[sender].replica_sync
         for data in sync.take_batches():
+            sync_messages += 1
             for receiver in range(replicas):
                 if receiver != sender:
                     arrival = max(now + delays.sync * rng.uniform(0.3, 1.7), sync_arrival.get((sender, receiver), 0.0))
@@ -234,8 +243,13 @@ async def simulate(
                 routers[replica].prefill_done(payload)
             else:
                 routers[replica].finished(payload)
-            if syncing:
-                send_sync(replica)
+            if syncing and (due := routers[replica].replica_sync.ends_due()) is not None:
+                # Ends wait for a decision to ride with, or go at ``due`` (ReplicaSync.ENDS_WAIT_S).
+                heapq.heappush(heap, (due, next(order), "sync_due", replica))
+        elif kind == "sync_due":
+            due = routers[payload].replica_sync.ends_due()
+            if due is not None and due <= now:
+                send_sync(payload)
         elif kind == "sync":
             receiver, data, subject = payload
             routers[receiver].replica_sync.on_batch(data, subject)
@@ -254,6 +268,7 @@ async def simulate(
         ttft_p50_ms=times[len(times) // 2] * 1000,
         ttft_p99_ms=times[int(0.99 * (len(times) - 1))] * 1000,
         hit_rate=cached / sum(len(prompt) for prompt in prompts),
+        sync_messages=sync_messages / len(trace),
     )
 
 
@@ -263,20 +278,27 @@ class Row:
 
     settings: RouterSettings
     replicas: int = 1
+    ends_wait_s: float = ENDS_WAIT_S
 
 
 def rows(
-    weights: Sequence[float], queued_weights: Sequence[float], replicas: Sequence[int], replica_sync: str
+    weights: Sequence[float],
+    queued_weights: Sequence[float],
+    replicas: Sequence[int],
+    replica_sync: str,
+    ends_waits: Sequence[float] = (ENDS_WAIT_S,),
 ) -> list[Row]:
-    """Every combination; one router has no replicas to sync with, so it is one row whatever ``replica_sync``."""
+    """Every combination; one router has no replicas to sync with, so it is one row whatever ``replica_sync``
+    and ``ends_waits`` (seconds), and so is a row of replicas that do not sync whatever ``ends_waits``."""
     syncs = {"on": [True], "off": [False], "both": [True, False]}[replica_sync]
     kv: dict[str, Any] = {"mode": RouterMode.KV, "seed": 0}
     return [
-        Row(RouterSettings(**kv, overlap_score_weight=w, queued_prefill_weight=q, replica_sync=sync), count)
+        Row(RouterSettings(**kv, overlap_score_weight=w, queued_prefill_weight=q, replica_sync=sync), count, wait)
         for w in weights
         for q in queued_weights
         for count in replicas
         for sync in (syncs if count > 1 else [True])
+        for wait in (ends_waits if count > 1 and sync else ends_waits[:1])
     ]
 
 
@@ -291,7 +313,14 @@ async def _simulate_all(
     return [
         [
             await simulate(
-                trace, prompts, row.settings, mocker=mocker, delays=delays, jitter_seed=seed, replicas=row.replicas
+                trace,
+                prompts,
+                row.settings,
+                mocker=mocker,
+                delays=delays,
+                jitter_seed=seed,
+                replicas=row.replicas,
+                ends_wait_s=row.ends_wait_s,
             )
             for seed in range(1, seeds + 1)
         ]
@@ -345,6 +374,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sync-ms", type=float, default=Delays.sync * 1000,
         help=f"mean delay of a replica sync message, ms (default {Delays.sync * 1000:g}: one NATS hop)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ends-wait-ms", type=_floats, default=[ENDS_WAIT_S * 1000],
+        help="how long a replica's prefill-done and end messages wait for a decision to ride with, ms, e.g. "
+        f"0,50 (default {ENDS_WAIT_S * 1000:g}: ReplicaSync's)",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, default=8, help="delay draws per setting (default 8)")
     parser.add_argument(
         "--mocker", default="{}", help='JSON object of mocker settings over the defaults, e.g. \'{"scheduler": "v0"}\''
@@ -383,13 +417,14 @@ def main() -> None:
         )  # fmt: skip
     tokens = BlockTokens(TRACE_BLOCK_SIZE)
     prompts = [tokens.prompt(request) for request in trace]
-    settings = rows(args.weights, args.queued_prefill_weights, args.replicas, args.replica_sync)
+    ends_waits = [ms / 1000 for ms in args.ends_wait_ms]
+    settings = rows(args.weights, args.queued_prefill_weights, args.replicas, args.replica_sync, ends_waits)
     print(f"{len(trace)} requests, {WORKERS} mockers {args.settings}, {args.seeds} delay draws per setting")
     delays = Delays(sync=args.sync_ms / 1000)
     results = asyncio.run(_simulate_all(trace, prompts, settings, args.seeds, args.config, delays))
     print(
-        f"{'weight':>7} {'queued':>7} {'routers':>7} {'sync':>4} {'TTFT p50 ms':>12} {'±sd':>5} {'p99 ms':>8} "
-        f"{'hit':>7} {'±sd':>6}   p50, p99, hit / first"
+        f"{'weight':>7} {'queued':>7} {'routers':>7} {'sync':>4} {'ends ms':>7} {'msg/req':>7} {'TTFT p50 ms':>12} "
+        f"{'±sd':>5} {'p99 ms':>8} {'hit':>7} {'±sd':>6}   p50, p99, hit / first"
     )
     first: tuple[float, float, float] | None = None
     for row, outcomes in zip(settings, results, strict=True):
@@ -400,10 +435,13 @@ def main() -> None:
         hit_spread = statistics.stdev(o.hit_rate for o in outcomes)
         first = first or (p50, p99, hit)
         setting = row.settings
+        syncing = row.replicas > 1 and setting.replica_sync
         sync = "-" if row.replicas == 1 else ("on" if setting.replica_sync else "off")
+        wait = f"{row.ends_wait_s * 1000:g}" if syncing else "-"
+        messages = f"{statistics.mean(o.sync_messages for o in outcomes):.2f}" if syncing else "-"
         print(
             f"{setting.overlap_score_weight:7g} {setting.queued_prefill_weight:7g} {row.replicas:7d} {sync:>4} "
-            f"{p50:12.1f} {spread:5.1f} {p99:8.1f} {hit:7.4f} {hit_spread:6.4f}   "
+            f"{wait:>7} {messages:>7} {p50:12.1f} {spread:5.1f} {p99:8.1f} {hit:7.4f} {hit_spread:6.4f}   "
             f"{p50 / first[0]:.3f}, {p99 / first[1]:.3f}, {hit / first[2]:.3f}"
         )
 

@@ -658,7 +658,8 @@ def ingress_ratios(modes: Sequence[Mode], summaries: Mapping[str, dict[str, Any]
         if delay := summary.get("replica_sync_delay"):
             print(
                 f"  {name}: the other replicas' decisions arrived after {_fmt(delay['mean_ms'], '.1f')} ms on"
-                f" average (p50 under {_fmt(delay['p50_ms'], 'g')} ms, p90 under {_fmt(delay['p90_ms'], 'g')} ms)"
+                f" average (p50 under {_fmt(delay['p50_ms'], 'g')} ms, p90 under {_fmt(delay['p90_ms'], 'g')} ms);"
+                f" the replicas published {_fmt(delay.get('messages_per_request'), '.2f')} messages per request"
             )
     return ratios
 
@@ -666,7 +667,7 @@ def ingress_ratios(modes: Sequence[Mode], summaries: Mapping[str, dict[str, Any]
 def replica_sync_delay(ports: Sequence[int]) -> dict[str, float | None] | None:
     """How late the replicas' decisions reached each other, from the ingresses' own histogram
     (``flotilla_router_replica_sync_delay_seconds``, summed over them): mean, and the p50 and p90 as the
-    bucket bounds they fall under, in ms; None if no ingress measured any."""
+    bucket bounds they fall under, in ms, and how many batches were heard; None if no ingress measured any."""
     buckets: dict[float, float] = {}
     total = count = 0.0
     for port in ports:
@@ -690,7 +691,7 @@ def replica_sync_delay(ports: Sequence[int]) -> dict[str, float | None] | None:
 
     if not count:
         return None
-    return {"mean_ms": total / count * 1000, "p50_ms": bound(0.5), "p90_ms": bound(0.9)}
+    return {"mean_ms": total / count * 1000, "p50_ms": bound(0.5), "p90_ms": bound(0.9), "batches": count}
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -714,6 +715,8 @@ def run_mode(
             )
             for prompt, r in zip(prompts, trace, strict=True)
         ]  # fmt: skip
+        syncing = mode.stack == "flotilla" and mode.replica_sync and mode.ingresses > 1
+        heard_before = ((replica_sync_delay(stack.ports) or {}).get("batches") or 0.0) if syncing else 0.0
         cpu_before = [cpu_seconds(pid) for pid in (*stack.ingress_pids, *stack.worker_pids)]
         with collector_paused():
             results, seconds = uvloop.run(replay(stack.ports or (stack.port,), requests, trace, args.patience))
@@ -722,9 +725,13 @@ def run_mode(
             for pid, before in zip((*stack.ingress_pids, *stack.worker_pids), cpu_before, strict=True)
         ]
         ingress_cpu = sum(cpu[: len(stack.ingress_pids)])
-        syncing = mode.stack == "flotilla" and mode.replica_sync and mode.ingresses > 1
+        delay = replica_sync_delay(stack.ports) if syncing else None
+        if delay is not None:
+            # Every batch one replica publishes is heard by each of the others.
+            heard = (delay["batches"] or 0.0) - heard_before
+            delay["messages_per_request"] = heard / (mode.ingresses - 1) / len(trace)
         return {
-            "replica_sync_delay": replica_sync_delay(stack.ports) if syncing else None,
+            "replica_sync_delay": delay,
             **summarize(results, seconds, stack, ideal, trace),
             "stack_up_s": up,
             "ingress_cpu_ms_per_request": ingress_cpu / len(trace) * 1000,

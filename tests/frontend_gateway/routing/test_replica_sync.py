@@ -326,3 +326,72 @@ async def test_a_malformed_sync_message_is_counted_and_ignored(make_router: Any,
     await send(forger, "abc2", SyncBatch(block_size=BLOCK, events=[Routed("ok", A.instance_id, 0, 1, 1, [])]))
     await until(router, lambda: requests_on(router, A) == 1)
     assert router.choose(request("r"), [A, B]) is not None
+
+
+async def test_ends_wait_for_a_decision_to_ride_with_and_go_alone_when_none_comes() -> None:
+    """A prefill done or an end costs every replica a message of its own only when no decision follows it
+    within ``ends_wait_s``: ``ends_due`` says when the sender must send them."""
+    clock = FakeClock()
+    router = KvRouter(SYNCED, block_size=BLOCK, nc=None, address=ADDRESS, clock=clock)  # type: ignore[arg-type]
+    peer = KvRouter(SYNCED, block_size=BLOCK, nc=None, address=ADDRESS)  # type: ignore[arg-type]
+    for each in (router, peer):
+        for instance in (A, B):
+            each.instance_added(instance)
+        await each.subscriber.close()
+        each.replica_sync.begin()
+    sync = router.replica_sync
+    [hello] = peer.replica_sync.take_batches()
+    sync.on_batch(hello, peer.replica_sync.subject)  # it has someone to tell now
+    sync.take_batches()
+    assert sync.ends_due() is None  # nothing waits
+
+    assert router.choose(request("r1"), [A, B]) is not None
+    assert sync.ends_due() is None  # a decision goes as soon as the sender runs: nothing to time
+    sync.take_batches()
+    router.prefill_done("r1")
+    assert sync.ends_due() == clock.now + replica_sync.ENDS_WAIT_S
+    clock.now += 0.01
+    router.finished("r1")
+    assert sync.ends_due() == clock.now - 0.01 + replica_sync.ENDS_WAIT_S  # the first end sets the time
+    [ends] = sync.take_batches()
+    assert [type(event) for event in msgspec.msgpack.decode(ends, type=SyncBatch).events] == [PrefillDone, Finished]
+    assert sync.ends_due() is None
+
+    # Ends said just before a decision leave with it, in the order said.
+    assert router.choose(request("r2"), [A, B]) is not None
+    sync.take_batches()
+    router.prefill_done("r2")
+    assert router.choose(request("r3"), [A, B]) is not None
+    assert sync.ends_due() is None
+    [both] = sync.take_batches()
+    batch = msgspec.msgpack.decode(both, type=SyncBatch)
+    assert [(type(event), event.request_id) for event in batch.events] == [(PrefillDone, "r2"), (Routed, "r3")]
+    peer.replica_sync.on_batch(both, sync.subject)
+    assert peer.replica_sync.remote_requests() == 1  # r3 (r2 was routed before the peer heard the batch)
+    for each in (router, peer):
+        await each.close()
+
+
+async def test_over_nats_an_end_alone_is_sent_after_its_wait_not_at_the_heartbeat(
+    make_router: Any, forger: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = await make_router(), await make_router()
+    await heard(first, second)
+    first.replica_sync.ends_wait_s = 0.2
+    subscription = await forger.subscribe(first.replica_sync.subject)
+    await flush(forger)
+    monkeypatch.setattr(replica_sync, "HEARTBEAT_S", 60.0)
+    monkeypatch.setattr(replica_sync, "EXPIRE_AFTER_S", 600.0)
+    await subscription.next_msg(timeout=10)  # the heartbeat due before the patch: the next is a minute away
+    decision = first.choose(request("r1"), [A, B])
+    assert decision is not None
+
+    async def next_events() -> list[type]:
+        message = await subscription.next_msg(timeout=30)  # well before the next heartbeat
+        return [type(event) for event in msgspec.msgpack.decode(message.data, type=SyncBatch).events]
+
+    assert await next_events() == [Routed]
+    first.prefill_done("r1")
+    first.finished("r1")
+    assert await next_events() == [PrefillDone, Finished]
+    await until(second, lambda: requests_on(second, decision.instance) == 0)
