@@ -119,6 +119,7 @@ def test_a_vllm_pipeline_deployed_through_the_control_plane_answers_a_chat(
             assert deployed.json()["groups"][0]["engine"] == "vllm"
             ready = wait_for_ready_instance(api, stack, START_S)
         assert (ready["pipeline_name"], ready["node"]) == ("smol", "local")
+        wait_for_gateway_model(stack, "smol", START_S)
         reply = httpx.post(
             f"{stack.gateway}/v1/chat/completions",
             json={
@@ -149,3 +150,17 @@ def wait_for_ready_instance(api: httpx.Client, stack: Up, timeout_s: float) -> d
         failed = [instance for instance in instances if instance["state"] == "failed"]
         assert not failed and time.monotonic() < deadline, f"{instances}\n{stack.output()[-3000:]}"
         time.sleep(1)  # the instance's state lives in another process: no event to await
+
+
+def wait_for_gateway_model(stack: Up, name: str, timeout_s: float) -> None:
+    """Wait until the gateway lists ``name`` in /v1/models. The control plane hears that an instance is ready
+    from its agent, the gateway from its own etcd watch (and then builds the model's pool): a moment apart,
+    during which the gateway answers 503 "its replicas are starting", as a client that honours Retry-After
+    would wait out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = httpx.get(f"{stack.gateway}/v1/models", headers=stack.api_key_header(), timeout=10)
+        if listed.status_code == 200 and name in [model["id"] for model in listed.json()["data"]]:
+            return
+        assert time.monotonic() < deadline, f"{listed.status_code} {listed.text}\n{stack.output()[-3000:]}"
+        time.sleep(0.5)  # the gateway is another process: no event to await
