@@ -46,10 +46,11 @@ from typing import Protocol
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from runtime.addressing import EndpointAddress
 from runtime.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
-from runtime.nats_connection import flush
+from runtime.nats_connection import consume, flush
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 
@@ -459,16 +460,12 @@ class KvEventSubscriber:
         subscribed = asyncio.Event()
         component.subscribed.append(subscribed)
 
+        def deliver(message: Msg) -> None:
+            handle(message.data, subject)
+            self.changed.set()
+
         async def listen() -> None:
-            subscription = await self._nc.subscribe(subject)
-            subscribed.set()
-            try:
-                async for message in subscription.messages:
-                    handle(message.data, subject)
-                    self.changed.set()
-            finally:
-                with contextlib.suppress(Exception):
-                    await subscription.unsubscribe()
+            await consume(self._nc, subject, deliver, subscribed=subscribed)
 
         component.supervisor.own(listen, name=f"KV router {what} on {subject}", restart=True)
 

@@ -1,12 +1,14 @@
 """The NATS connection of a process: waited for at start-up, reconnecting for ever after a loss."""
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from runtime.errors import RequestPlaneUnavailable
 from runtime.rate_limited_log import RateLimitedLog
@@ -114,6 +116,35 @@ async def flush(nc: NATS, within: float = 10.0) -> None:
         await nc.flush(timeout=_NO_LIMIT)
 
     await asyncio.wait_for(asyncio.shield(written_then_pinged()), within)
+
+
+async def consume(nc: NATS, subject: str, handle: Callable[[Msg], None], *, subscribed: asyncio.Event) -> None:
+    """Subscribe to ``subject`` and give ``handle`` each message, in order, until cancelled; set
+    ``subscribed`` once the subscription is made. An exception from ``handle`` ends the subscription
+    and is raised here, so the supervisor that owns the caller logs it and subscribes again.
+
+    For subjects every router replica hears (KV events, load reports, the replicas' decisions) rather
+    than ``subscription.messages``: nats-py's iterator starts a task and an ``asyncio.wait`` for each
+    message, where a callback subscription takes one queue get (about half the CPU per message:
+    bench/nats_consume.py).
+    """
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def deliver(message: Msg) -> None:
+        if failed.done():
+            return  # unsubscribing: the messages still queued are dropped, as a new subscription would miss them
+        try:
+            handle(message)
+        except Exception as exc:  # not lost: raised to the caller's supervisor below
+            failed.set_exception(exc)
+
+    subscription = await nc.subscribe(subject, cb=deliver)
+    try:
+        subscribed.set()
+        await failed
+    finally:
+        with contextlib.suppress(Exception):  # the connection may be closing already
+            await subscription.unsubscribe()
 
 
 # nats-py's flush takes a number of seconds; this one outlasts any process.

@@ -51,11 +51,12 @@ from typing import Annotated
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from frontend_gateway.routing.kv_indexer import Worker
 from frontend_gateway.routing.kv_load import ActiveLoad
 from runtime.addressing import EndpointAddress
-from runtime.nats_connection import flush
+from runtime.nats_connection import consume, flush
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 
@@ -360,17 +361,14 @@ class ReplicaSync:
     # -- what the others say ------------------------------------------------------------------
 
     async def _listen(self) -> None:
-        subscription = await self._nc.subscribe(self.subjects)
-        self._subscribed.set()
         own = self.subject
-        try:
-            async for message in subscription.messages:
-                if message.subject != own:
-                    self.on_batch(message.data, message.subject)
-                    self._on_message()
-        finally:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
+
+        def deliver(message: Msg) -> None:
+            if message.subject != own:
+                self.on_batch(message.data, message.subject)
+                self._on_message()
+
+        await consume(self._nc, self.subjects, deliver, subscribed=self._subscribed)
 
     def on_batch(self, data: bytes, subject: str) -> None:
         """Apply the batch a replica sent on ``subject`` (this router's own are ignored; a malformed one

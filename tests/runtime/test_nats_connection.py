@@ -6,7 +6,7 @@ import logging
 import pytest
 from nats.aio.msg import Msg
 
-from runtime.nats_connection import connect_nats, flush
+from runtime.nats_connection import connect_nats, consume, flush
 from tests.infra import NatsServer
 
 
@@ -108,3 +108,70 @@ async def test_a_flush_sends_its_ping_after_what_was_sent_before(nats_server: Na
     finally:
         transport.write, transport.writelines, transport.drain = write, writelines, drain  # type: ignore[method-assign]
         await nc.close()
+
+
+async def test_consume_hands_over_each_message_in_order_and_unsubscribes_when_cancelled(
+    nats_server: NatsServer,
+) -> None:
+    listener = await connect_nats(nats_server.url, name="listener")
+    sender = await connect_nats(nats_server.url, name="sender")
+    heard: list[bytes] = []
+    all_heard = asyncio.Event()
+
+    def handle(message: Msg) -> None:
+        heard.append(message.data)
+        if len(heard) == 200:
+            all_heard.set()
+
+    subscribed = asyncio.Event()
+    task = asyncio.create_task(consume(listener, "news", handle, subscribed=subscribed))
+    try:
+        await asyncio.wait_for(subscribed.wait(), 5)
+        await flush(listener)
+        for number in range(200):
+            await sender.publish("news", str(number).encode())
+        await flush(sender)
+        await asyncio.wait_for(all_heard.wait(), 5)
+        assert heard == [str(number).encode() for number in range(200)]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await flush(listener)
+        assert not listener._subs  # private in nats-py 2.16 (pinned): the subscription is gone from the server's view
+    finally:
+        task.cancel()
+        await listener.close()
+        await sender.close()
+
+
+async def test_consume_raises_what_the_handler_raised_and_stops_listening(nats_server: NatsServer) -> None:
+    """A handler's failure reaches the task (whose supervisor logs it and subscribes again), not nats-py's
+    error callback, where it would be a warning and the listener would go on half broken."""
+    listener = await connect_nats(nats_server.url, name="listener")
+    sender = await connect_nats(nats_server.url, name="sender")
+    heard: list[bytes] = []
+
+    def handle(message: Msg) -> None:
+        heard.append(message.data)
+        if message.data == b"poison":
+            raise ValueError("cannot digest this")
+
+    subscribed = asyncio.Event()
+    task = asyncio.create_task(consume(listener, "news", handle, subscribed=subscribed))
+    try:
+        await asyncio.wait_for(subscribed.wait(), 5)
+        await flush(listener)
+        for data in (b"first", b"poison", b"after"):
+            await sender.publish("news", data)
+        await flush(sender)
+        with pytest.raises(ValueError, match="cannot digest this"):
+            await asyncio.wait_for(task, 5)
+        await sender.publish("news", b"later")
+        await flush(sender)
+        await flush(listener)
+        assert heard == [b"first", b"poison"]  # nothing after the failure: the subscription ended with it
+        assert not listener._subs
+    finally:
+        task.cancel()
+        await listener.close()
+        await sender.close()
