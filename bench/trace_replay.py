@@ -10,6 +10,7 @@ mocker workers with the same settings (bench/stacks.py; MOCKER_SETTINGS below sa
         [--arrivals poisson|fixed] [--dynamo] [--modes flotilla-kv,dynamo-kv,...] [--overlap-weight 8]
     .venv/bin/python bench/trace_replay.py --trace bench/traces/conversations-seed0-56rps.jsonl
     .venv/bin/python bench/trace_replay.py --modes flotilla-kv --ingresses 1,2,4 --replica-sync both
+    .venv/bin/python bench/trace_replay.py --modes flotilla-kv --ingresses 4 --send-to first
 
 The default run (4 Flotilla modes of 30 s) takes ~3 minutes here, ~4.5 with ``--dynamo``.
 bench/traces/conversations-seed0-56rps.jsonl is the default generated trace (seed 0, 56 requests/s,
@@ -34,7 +35,10 @@ hit rate (an infinite single cache: every block some earlier request had is a hi
 engine blocks and never the last prompt token, as vLLM counts) and their ratio, and max/mean requests
 per worker (counted from the answers: Flotilla's ``x-flotilla-instance`` header, Dynamo's
 ``nvext.worker_id``), the drift (TTFT p50 of the trace's second half over its first: well above 1 when
-the stack is saturated and its queue grows), and the CPU each request cost the ingress and the workers.
+the stack is saturated and its queue grows), and the CPU each request cost the ingress and the workers
+(through several ingresses, also each one's). ``--send-to first`` sends every request to the first
+ingress while the others only listen: what a replica costs just by hearing the workers' KV events and
+load reports and the others' decisions.
 Then TTFT p50 apart for prompts at least half cached and for the others (does a gap between two
 stacks come from routing, or from serving?). Then the floor checks as ratios,
 bench/results/trace_replay.json, and two plots: bench/results/trace_replay_ttft.png (TTFT CDF per
@@ -655,6 +659,8 @@ def ingress_ratios(modes: Sequence[Mode], summaries: Mapping[str, dict[str, Any]
                 f"{_fmt(values.get('ttft_p99_ms'), '8.3f')}"
             )
     for name, summary in summaries.items():
+        if len(each := summary.get("each_ingress_cpu_ms_per_request", ())) > 1:
+            print(f"  {name}: CPU per request of the trace, each ingress: {', '.join(f'{ms:.2f}' for ms in each)} ms")
         if delay := summary.get("replica_sync_delay"):
             print(
                 f"  {name}: the other replicas' decisions arrived after {_fmt(delay['mean_ms'], '.1f')} ms on"
@@ -718,8 +724,11 @@ def run_mode(
         syncing = mode.stack == "flotilla" and mode.replica_sync and mode.ingresses > 1
         heard_before = ((replica_sync_delay(stack.ports) or {}).get("batches") or 0.0) if syncing else 0.0
         cpu_before = [cpu_seconds(pid) for pid in (*stack.ingress_pids, *stack.worker_pids)]
+        ports = stack.ports or (stack.port,)
         with collector_paused():
-            results, seconds = uvloop.run(replay(stack.ports or (stack.port,), requests, trace, args.patience))
+            results, seconds = uvloop.run(
+                replay(ports[:1] if args.send_to == "first" else ports, requests, trace, args.patience)
+            )
         cpu = [
             cpu_seconds(pid) - before
             for pid, before in zip((*stack.ingress_pids, *stack.worker_pids), cpu_before, strict=True)
@@ -735,6 +744,7 @@ def run_mode(
             **summarize(results, seconds, stack, ideal, trace),
             "stack_up_s": up,
             "ingress_cpu_ms_per_request": ingress_cpu / len(trace) * 1000,
+            "each_ingress_cpu_ms_per_request": [spent / len(trace) * 1000 for spent in cpu[: len(stack.ingress_pids)]],
             "workers_cpu_ms_per_request": (sum(cpu) - ingress_cpu) / len(trace) * 1000,
         }
 
@@ -780,6 +790,11 @@ def parse_args() -> argparse.Namespace:
         help="run each mode through N ingress processes (Dynamo: frontends), each sent every Nth request, as replicas "
         "behind a load balancer), for each N listed, e.g. 1,2,4; with more than one N, the table ends with "
         "each run's hit rate and TTFT as ratios to its mode's run through one process (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--send-to", choices=("all", "first"), default="all",
+        help="through several ingresses: all: each takes every Nth request; first: the first takes every request "
+        "and the others only listen (what hearing the KV events and the other replicas costs one) (default all)",
     )  # fmt: skip
     parser.add_argument(
         "--replica-sync", choices=("on", "off", "both"), default="on",
