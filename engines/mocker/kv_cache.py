@@ -22,19 +22,8 @@ Each operation costs in proportion to the blocks it touches: nothing scans the w
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent
-
-
-class SequenceBlocks:
-    """The blocks one sequence holds, in order: shared full blocks (by hash), then private ones."""
-
-    __slots__ = ("cached", "count", "private")
-
-    def __init__(self) -> None:
-        self.cached: list[int] = []
-        self.private = 0
-        #: len(cached) + private, kept as a plain attribute: the scheduler reads it every step.
-        self.count = 0
+from engines.mocker.kv_cache_base import KvCacheBase, SequenceBlocks, chains
+from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
 
 
 class _Block:
@@ -47,46 +36,28 @@ class _Block:
         self.refs = 1
 
 
-class KvCache:
-    """Blocks of one dp rank. Not thread-safe: one step loop owns it."""
+class KvCache(KvCacheBase):
+    """Blocks of one dp rank, v0 style. Not thread-safe: one step loop owns it."""
 
     def __init__(
         self, num_blocks: int, block_size: int, *, prefix_caching: bool = True, watermark: float = 0.0
     ) -> None:
         """Raises ValueError for a size below 1 or a watermark outside [0, 1)."""
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV cache needs at least one block of one token, not {num_blocks} x {block_size}")
+        super().__init__(num_blocks, block_size, prefix_caching=prefix_caching)
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"the watermark must be in [0, 1), not {watermark}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.prefix_caching = prefix_caching
         #: Blocks new sequences may not take (vLLM: int(watermark * num_gpu_blocks)).
         self.watermark_blocks = int(watermark * num_blocks)
-        #: Blocks held by sequences: private ones plus named ones with references.
-        self.active_blocks = 0
         self._named: dict[int, _Block] = {}
         # Named blocks with no reference, least recently used first: what eviction takes.
         self._idle: OrderedDict[int, None] = OrderedDict()
-        self.record_events = False
-        self._events: list[KvEvent] = []
 
     # -- what the scheduler asks -------------------------------------------------------------------
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the blocks in use by sequences (idle cached blocks count as free)."""
-        return self.active_blocks / self.num_blocks
 
     @property
     def cached_blocks(self) -> int:
         """Named blocks, in use or idle."""
         return len(self._named)
-
-    @property
-    def admission_limit(self) -> int:
-        """The most blocks in use once a new sequence is admitted (all of them less the watermark)."""
-        return self.num_blocks - self.watermark_blocks
 
     def new_table(self) -> SequenceBlocks:
         return SequenceBlocks()
@@ -197,24 +168,9 @@ class KvCache:
 
     # -- what routers learn ------------------------------------------------------------------------
 
-    def take_events(self) -> list[KvEvent]:
-        """The events recorded since the last call, in order."""
-        events = self._events
-        if events:
-            self._events = []
-        return events
-
     def cache_state(self) -> list[BlockStored]:
         """Every named block as stored events: chains in the order they were stored, parents first."""
-        state: list[BlockStored] = []
-        current: BlockStored | None = None
-        for block_hash, block in self._named.items():
-            if current is not None and block.parent == current.block_hashes[-1]:
-                current.block_hashes.append(block_hash)
-            else:
-                current = BlockStored([block_hash], block.parent)
-                state.append(current)
-        return state
+        return chains([(block_hash, block.parent) for block_hash, block in self._named.items()])
 
     def _evict(self, count: int) -> None:
         idle, named = self._idle, self._named
@@ -222,16 +178,4 @@ class KvCache:
         for block_hash in evicted:
             del named[block_hash]
         if self.record_events:
-            events = self._events
-            if events and isinstance(last := events[-1], BlockRemoved):
-                last.block_hashes.extend(evicted)
-            else:
-                events.append(BlockRemoved(evicted))
-
-    def _record_stored(self, block_hash: int, parent: int | None) -> None:
-        events = self._events
-        # A sequence's blocks are named one after the other: extend its chain in the last event.
-        if events and isinstance(last := events[-1], BlockStored) and last.block_hashes[-1] == parent:
-            last.block_hashes.append(block_hash)
-        else:
-            events.append(BlockStored([block_hash], parent))
+            self._record_removed(evicted)

@@ -24,8 +24,8 @@ eviction of one of two copies would erase a block the worker still has.)
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engines.mocker.kv_cache import SequenceBlocks
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent
+from engines.mocker.kv_cache_base import KvCacheBase, SequenceBlocks, chains
+from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
 
 
 class KvBlock:
@@ -49,36 +49,20 @@ class BlockTable(SequenceBlocks):
         self.held: list[KvBlock] = []
 
 
-class KvCacheV1:
-    """Blocks of one dp rank, v1 style. Not thread-safe: one step loop owns it."""
-
-    #: No watermark under v1: any free block may go to a new sequence.
-    watermark_blocks = 0
+class KvCacheV1(KvCacheBase):
+    """Blocks of one dp rank, v1 style (no watermark). Not thread-safe: one step loop owns it."""
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True) -> None:
         """Raises ValueError for a size below 1."""
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV cache needs at least one block of one token, not {num_blocks} x {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.prefix_caching = prefix_caching
-        #: Blocks held by sequences (a block shared by several counts once).
-        self.active_blocks = 0
+        super().__init__(num_blocks, block_size, prefix_caching=prefix_caching)
         # The free queue: first the blocks never used (a count: they have no state), then the freed
         # ones in the order they were freed; a block leaves it from the front, or when a hit revives it.
         self._never_used = num_blocks
         self._freed: OrderedDict[KvBlock, None] = OrderedDict()
         # Hash -> its cached copies, in the order they were cached; a hit takes the first.
         self._copies: dict[int, list[KvBlock]] = {}
-        self.record_events = False
-        self._events: list[KvEvent] = []
 
     # -- what the scheduler asks -------------------------------------------------------------------
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the blocks in use by sequences (cached blocks in the free queue count as free)."""
-        return self.active_blocks / self.num_blocks
 
     @property
     def cached_blocks(self) -> int:
@@ -89,11 +73,6 @@ class KvCacheV1:
     def free_blocks(self) -> int:
         """Blocks a sequence may be given now, evicting cached ones as needed."""
         return self.num_blocks - self.active_blocks
-
-    @property
-    def admission_limit(self) -> int:
-        """The most blocks one sequence may hold: all of them (no watermark)."""
-        return self.num_blocks
 
     def new_table(self) -> BlockTable:
         return BlockTable()
@@ -226,25 +205,9 @@ class KvCacheV1:
 
     # -- what routers learn ------------------------------------------------------------------------
 
-    def take_events(self) -> list[KvEvent]:
-        """The events recorded since the last call, in order."""
-        events = self._events
-        if events:
-            self._events = []
-        return events
-
     def cache_state(self) -> list[BlockStored]:
         """Every cached hash as stored events: chains in the order they were first cached, parents first."""
-        state: list[BlockStored] = []
-        current: BlockStored | None = None
-        for block_hash, found in self._copies.items():
-            parent = found[0].parent
-            if current is not None and parent == current.block_hashes[-1]:
-                current.block_hashes.append(block_hash)
-            else:
-                current = BlockStored([block_hash], parent)
-                state.append(current)
-        return state
+        return chains([(block_hash, found[0].parent) for block_hash, found in self._copies.items()])
 
     def _uncache(self, block: KvBlock) -> bool:
         """Take ``block`` out of its hash's copies; True when it was the last copy (the hash is gone)."""
@@ -256,21 +219,6 @@ class KvCacheV1:
             return False
         del self._copies[block_hash]
         return True
-
-    def _record_removed(self, hashes: list[int]) -> None:
-        events = self._events
-        if events and isinstance(last := events[-1], BlockRemoved):
-            last.block_hashes.extend(hashes)
-        else:
-            events.append(BlockRemoved(hashes))
-
-    def _record_stored(self, block_hash: int, parent: int | None) -> None:
-        events = self._events
-        # A sequence's blocks are cached one after the other: extend its chain in the last event.
-        if events and isinstance(last := events[-1], BlockStored) and last.block_hashes[-1] == parent:
-            last.block_hashes.append(block_hash)
-        else:
-            events.append(BlockStored([block_hash], parent))
 
 
 def _held(table: SequenceBlocks) -> list[KvBlock]:

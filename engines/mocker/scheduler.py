@@ -43,7 +43,8 @@ from collections.abc import Sequence as Tokens
 from typing import Any, Protocol
 
 from engines.mocker.config import MockerConfig
-from engines.mocker.kv_cache import KvCache, SequenceBlocks
+from engines.mocker.kv_cache import KvCache
+from engines.mocker.kv_cache_base import KvCacheBase, SequenceBlocks
 from engines.mocker.kv_cache_v1 import KvCacheV1
 from runtime.errors import EngineError
 from runtime.kv_blocks import sequence_block_hashes
@@ -207,7 +208,7 @@ class Scheduler:
 
     def __init__(self, config: MockerConfig) -> None:
         self.config = config
-        self.cache: KvCache | KvCacheV1
+        self.cache: KvCacheBase
         if config.scheduler == "v1":
             self.cache = KvCacheV1(
                 config.num_gpu_blocks, config.block_size, prefix_caching=config.enable_prefix_caching

@@ -1,6 +1,7 @@
 """The mocker's paged KV cache: sharing, LRU eviction, watermark, prefix caching off, KV events."""
 
-from engines.mocker.kv_cache import KvCache, SequenceBlocks
+from engines.mocker.kv_cache import KvCache
+from engines.mocker.kv_cache_base import SequenceBlocks
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
 
