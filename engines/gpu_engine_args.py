@@ -1,5 +1,7 @@
 """What the GPU engines (SGLang, TensorRT-LLM) are given: the placement the control plane reserved, and
 the library's own arguments from ``--extra-engine-args``, checked by name before the library loads.
+(vLLM reads its arguments here too, but checks their names against its installed ``AsyncEngineArgs``:
+vllm_settings.py.)
 
 The libraries import only on a CUDA machine, so their argument names cannot be looked up where the
 arguments are checked: each engine module keeps the list of names its library documents, with the

@@ -7,11 +7,11 @@ tensor-parallel size, the GPU memory share, the nodes it spans): two places to s
 """
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.gpu_engine_args import read_engine_args
 from engines.node_group import NodeGroup
 from runtime.errors import ConfigError
 
@@ -86,25 +86,9 @@ class VllmSettings:
 
 
 def read_extra_args(raw: Path | str | None) -> dict[str, Any]:
-    """The JSON object in file ``raw``, or in ``raw`` itself when a str (as the node agent passes it); {} for
-    None. Raises ConfigError naming the source."""
-    if raw is None:
-        return {}
-    if isinstance(raw, str):
-        source, text = "--extra-engine-args (inline JSON)", raw
-    else:
-        source = f"--extra-engine-args {raw}"
-        try:
-            text = raw.read_text()
-        except OSError as exc:
-            raise ConfigError(f"{source}: cannot be read: {exc.strerror}") from None
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source}: not valid JSON: {exc}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: expected a JSON object of vLLM engine arguments (AsyncEngineArgs fields)")
-    return values
+    """The JSON object of vLLM engine arguments in file ``raw``, or in ``raw`` itself when a str (as the node
+    agent passes it); {} for None. Raises ConfigError naming the source."""
+    return read_engine_args(raw, engine="vllm", syntax="json")
 
 
 def check_extra_args(values: dict[str, Any], known: frozenset[str]) -> None:
