@@ -21,6 +21,7 @@ from agent.downloads import HubSettings
 from agent.inventory import parse_gpu_spec
 from agent.machine_identity import valid_machine_id
 from agent.node_agent import AgentSettings, run_agent
+from launcher.arg_types import checked_by, number
 from launcher.env_flags import EnvArgumentParser
 from launcher.proctitle import set_title
 from runtime.config import env_str
@@ -93,10 +94,7 @@ def _broker_url(text: str) -> str:
 
 
 def _node_name(text: str) -> str:
-    try:
-        node_queue(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    checked_by(node_queue)(text)
     return text
 
 
@@ -107,21 +105,8 @@ def _gpus(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--gpus (FLOTILLA_GPUS): ")) from None
 
 
-def _machine_id(text: str) -> str:
-    try:
-        return valid_machine_id(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"{value} is outside 0.1..3600 seconds")
-    return value
+_machine_id = checked_by(valid_machine_id)
+_seconds = number(0.1, 3600.0, unit="seconds")
 
 
 def default_node_name(hostname: str | None = None) -> str:

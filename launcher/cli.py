@@ -6,7 +6,6 @@ variable (shown in ``--help``), so the same settings work from a systemd unit or
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,6 +14,7 @@ from engines.node_group import MULTINODE_ENGINES, LeaderAddress, NodeGroup
 from engines.python_file import python_engine_file
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
+from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser, parse_boolean
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
 from launcher.proctitle import run_title, set_title
@@ -116,82 +116,19 @@ def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
     )
 
 
-def _generation(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative: a generation counts from 0")
-    return value
-
-
 def _file_or_json(text: str) -> Path | str:
     """A JSON object given inline (it starts with ``{``), else the path of a file holding one."""
     return text if text.lstrip().startswith("{") else Path(text)
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer no smaller than ``minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
-def _port(text: str) -> int:
-    value = _positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
-    return value
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 2.0:
-        raise argparse.ArgumentTypeError(f"{value} is outside 0..2")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be a positive number of seconds")
-    return value
-
-
-def _non_negative_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number, 0 or more")
-    return value
-
-
-def _share(text: str) -> float:
-    value = _non_negative_number(text)
-    if value > 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1")
-    return value
+_positive_int = integer(1)
+_non_negative_int = integer(0)
+_port = tcp_port()
+_temperature = number(0.0, 2.0)
+_positive_seconds = number(0.0, above_minimum=True, unit="seconds")
+_non_negative_number = number(0.0)
+_share = number(0.0, 1.0)
+_leader_address = checked_by(LeaderAddress.parse)
 
 
 def _busy_share(text: str) -> float:
@@ -208,21 +145,11 @@ def _memory_share(text: str) -> float:
     return value
 
 
-def _leader_address(text: str) -> LeaderAddress:
-    try:
-        return LeaderAddress.parse(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _labels(text: str) -> dict[str, str]:
     # Imported here: runtime.endpoint loads NATS, which in=text never needs (labels are for in=dyn).
     from runtime.endpoint import parse_labels
 
-    try:
-        return parse_labels(text)
-    except FlotillaError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return checked_by(parse_labels)(text)
 
 
 def _folder(text: str) -> Path:
@@ -467,7 +394,7 @@ def build_run_parser() -> EnvArgumentParser:
     run.add_flag(
         "--router-generation",
         env="FLOTILLA_ROUTER_GENERATION",
-        type=_generation,
+        type=_non_negative_int,
         help="in=dyn:// workers of a pipeline: which change of the pipeline's router settings these are "
         "(the control plane counts them); gateways route a model with the newest settings its workers "
         "registered (default 0)",

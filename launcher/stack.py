@@ -42,6 +42,7 @@ from agent.inventory import parse_gpu_spec
 from agent.processes import WorkerProcess
 from agent.worker_records import load_records
 from controlplane.secret_key import default_data_dir
+from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser
 from launcher.proctitle import set_title
 from launcher.stack_controlplane import (
@@ -118,41 +119,13 @@ class UpOptions:
     api_keys: bool = True
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535, or 0 for any free port)")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-    return value
+_port = tcp_port(any_free=True)
+_count = integer(0)
+_seconds = number(0.0, above_minimum=True, unit="seconds")
 
 
 def _gpus(text: str) -> str:
-    try:
-        parse_gpu_spec(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    checked_by(parse_gpu_spec)(text)
     return text
 
 

@@ -158,7 +158,7 @@ def test_workers_that_publish_no_kv_events_are_never_asked_for_a_state_and_their
         ("--router-mode", "kvv", "argument --router-mode: invalid choice: 'kvv'"),
         ("--kv-overlap-score-weight", "-1", "argument --kv-overlap-score-weight: -1.0 must be a finite number"),
         ("--kv-queued-prefill-weight", "1.5", "argument --kv-queued-prefill-weight: 1.5 must be between 0 and 1"),
-        ("--kv-queued-prefill-weight", "-0.5", "argument --kv-queued-prefill-weight: -0.5 must be a finite number"),
+        ("--kv-queued-prefill-weight", "-0.5", "argument --kv-queued-prefill-weight: -0.5 must be between 0 and 1"),
         ("--router-temperature", "hot", "argument --router-temperature: 'hot' is not a number"),
         ("--use-kv-events", "maybe", "argument --use-kv-events: 'maybe' is not a boolean"),
         ("--router-ttl", "0", "argument --router-ttl: 0.0 must be a positive number of seconds"),
