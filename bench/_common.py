@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: free ports, server subprocesses, process CPU time, percentiles."""
+"""Helpers shared by the benchmarks: free ports, server subprocesses (nats-server too), process CPU time,
+percentiles."""
 
 import contextlib
 import gc
@@ -134,3 +135,36 @@ def _wait_ready(server: ServerProcess, ready_path: str, timeout: float) -> None:
                     return
             time.sleep(0.1)  # polling a process we do not control: there is no event to await
     raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{server.log_tail()}")
+
+
+@contextlib.contextmanager
+def nats_server(directory: Path, *, jetstream: bool = False, timeout: float = 10.0) -> Iterator[int]:
+    """nats-server on a free loopback port, logging to ``directory``/nats.log (and keeping JetStream's
+    store there with ``jetstream``); yields its port once it accepts connections, stops it on exit.
+
+    Raises RuntimeError (with the log's tail) when it exits or does not listen within ``timeout`` s.
+    """
+    port = free_port()
+    log_path = directory / "nats.log"
+    command = ["nats-server", "-a", "127.0.0.1", "-p", str(port), "-l", str(log_path)]
+    if jetstream:
+        command += ["-js", "-sd", str(directory / "jetstream")]
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise RuntimeError("nats-server is not installed (`make system-deps` installs it)") from None
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+                    raise RuntimeError(f"nats-server did not start on port {port}:\n{tail}") from None
+                time.sleep(0.02)  # another process's start-up: no event to await
+        yield port
+    finally:
+        process.terminate()
+        process.wait()

@@ -17,19 +17,17 @@ each step in milliseconds.
 
 import argparse
 import asyncio
-import socket
+import functools
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from _common import free_port
+from _common import nats_server
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,30 +70,6 @@ def timed(step: Callable[[], object], repeat: int) -> list[float]:
 
 def report(label: str, times: list[float]) -> None:
     print(f"{label:<66} {statistics.median(times):9.3f} {max(times):9.3f}")
-
-
-@contextmanager
-def nats_server(directory: Path) -> Iterator[str]:
-    port = free_port()
-    process = subprocess.Popen(
-        ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(directory)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("nats-server did not start (`make system-deps` installs it)") from None
-                time.sleep(0.02)  # another process's start-up: no event to await
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait()
 
 
 async def longest_stall(operation: Callable[[], Any]) -> float:
@@ -164,7 +138,8 @@ def main() -> None:
     print(f"SmolLM2 135M: tokenizer JSON {len(tokenizer_json) / 1e6:.1f} MB, chat template {len(source)} chars")
     print(f"{'step':<66} {'median ms':>9} {'max ms':>9}")
 
-    with tempfile.TemporaryDirectory() as directory, nats_server(Path(directory)) as url:
+    with tempfile.TemporaryDirectory() as directory, nats_server(Path(directory), jetstream=True) as nats_port:
+        url = f"nats://127.0.0.1:{nats_port}"
         decode, walls, stalls = asyncio.run(fetch_costs(url, card, repeat))
     report("model entry: decode (msgspec)", decode)
     report("model entry: tokenizer fetch, wall", walls)
@@ -180,7 +155,8 @@ def main() -> None:
     fresh.__dict__["tokenizer"] = tokenizer
 
     def longest_token() -> int:
-        return ModelCard.max_token_chars.func(fresh)  # what card.max_token_chars computes, uncached
+        compute: Callable[[ModelCard], int] = vars(ModelCard)["max_token_chars"].func  # the cached_property's
+        return compute(fresh)  # what card.max_token_chars computes, uncached
 
     report("tokenizer: longest token, token by token (the card's)", timed(longest_token, repeat))
     report(
@@ -201,14 +177,15 @@ def main() -> None:
     for label, messages in (("short, 1 message", conversation(0)), ("long, 40 turns", conversation(40))):
         texts[label] = template.render(messages, add_generation_prompt=True)
         chars = len(texts[label])
-        report(f"chat template: render {label} ({chars} chars)", timed(lambda m=messages: template.render(m), repeat))
+        render = functools.partial(template.render, messages)
+        report(f"chat template: render {label} ({chars} chars)", timed(render, repeat))
     prompts = [("short prompt", SHORT_PROMPT)]
     prompts += [(f"{size // 1024} KB prompt", (PARAGRAPH * 100)[:size]) for size in (1024, 2048, 4096, 16_384)]
     prompts.append(("long chat, 40 turns", texts["long, 40 turns"]))
     for label, text in prompts:
         report(
             f"tokenize: {label} ({len(text)} chars)",
-            timed(lambda t=text: tokenizer.encode(t, add_special_tokens=False), repeat),
+            timed(functools.partial(tokenizer.encode, text, add_special_tokens=False), repeat),
         )
 
 

@@ -18,19 +18,18 @@ Prints when each stream broke after the fault (p50 and last), and how.
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import uvloop
-from _common import free_port, percentile
+from _common import nats_server, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,18 +39,6 @@ from runtime.nats_connection import connect_nats  # noqa: E402
 from runtime.request_plane import EndpointServer, RequestClient, StreamBroken  # noqa: E402
 
 SUBJECT = "bench.frozen.generate.1"
-
-
-@contextlib.contextmanager
-def nats_server(directory: Path) -> Iterator[str]:
-    port = free_port()
-    log = (directory / "nats.log").open("wb")
-    process = subprocess.Popen(["nats-server", "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait()
 
 
 async def serve(url: str) -> None:
@@ -128,8 +115,8 @@ def main() -> None:
     if args.serve:
         uvloop.run(serve(args.serve))
         return
-    with tempfile.TemporaryDirectory() as directory, nats_server(Path(directory)) as url:
-        time.sleep(0.2)
+    with tempfile.TemporaryDirectory() as directory, nats_server(Path(directory)) as nats_port:
+        url = f"nats://127.0.0.1:{nats_port}"
         worker = subprocess.Popen(
             [sys.executable, __file__, "--serve", url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

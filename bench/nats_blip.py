@@ -34,13 +34,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import uvloop
-from _common import free_port
+from _common import free_port, nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -61,19 +61,6 @@ from runtime.settings import (  # noqa: E402
 SUBJECT = "bench.blip.generate.1"
 PROMPT = 64
 BLOCK = 64
-
-
-@contextlib.contextmanager
-def nats_server(directory: Path) -> Iterator[int]:
-    """nats-server on a free loopback port; yields the port."""
-    port = free_port()
-    log = (directory / "nats.log").open("wb")
-    process = subprocess.Popen(["nats-server", "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    try:
-        yield port
-    finally:
-        process.terminate()
-        process.wait()
 
 
 # -- the relay (a child process) ---------------------------------------------------------------------------

@@ -20,18 +20,17 @@ to a quarter of the deadline (the worker checks four times per deadline).
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import uvloop
-from _common import free_port, percentile
+from _common import nats_server, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -46,19 +45,6 @@ from runtime.request_plane import EndpointServer, RequestClient  # noqa: E402
 SUBJECT = "bench.zombies.generate.1"
 PROMPT = 64
 BLOCK = 64
-
-
-@contextlib.contextmanager
-def nats_server(directory: Path) -> Iterator[str]:
-    """nats-server on a free loopback port; yields its URL."""
-    port = free_port()
-    log = (directory / "nats.log").open("wb")
-    process = subprocess.Popen(["nats-server", "-a", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait()
 
 
 class Counted:
@@ -131,7 +117,8 @@ async def run(arguments: argparse.Namespace) -> None:
     engine = MockerEngine(config, vocab_size=49152)
     await engine.start()
     counted = Counted(engine, streams)
-    with tempfile.TemporaryDirectory(prefix="zombies-") as directory, nats_server(Path(directory)) as url:
+    with tempfile.TemporaryDirectory(prefix="zombies-") as directory, nats_server(Path(directory)) as nats_port:
+        url = f"nats://127.0.0.1:{nats_port}"
         worker = await connect_nats(url, name="bench worker")
         server = EndpointServer(worker, SUBJECT, counted.handler, ack_deadline=deadline)
         await server.start()
