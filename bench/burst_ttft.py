@@ -32,7 +32,7 @@ from engines.mocker.engine import MockerEngine
 from runtime.engine import RequestContext
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 
-MOCKER_SETTINGS = {"speedup_ratio": 1.0, "block_size": 64, "num_gpu_blocks": 2048}
+MOCKER_SETTINGS: dict[str, Any] = {"speedup_ratio": 1.0, "block_size": 64, "num_gpu_blocks": 2048}
 VOCABULARY = (100, 40000)
 MAX_TOKENS = 32
 

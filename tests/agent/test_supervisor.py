@@ -203,6 +203,7 @@ async def test_a_worker_starts_with_its_gpus_becomes_ready_and_stops_gracefully(
     supervisor.start(spec(7, "serve", gpu_indexes=[1, 3], gpu_memory_bytes=20 * GIB, model_path="/m.gguf"))
     starting = await statuses.next(WorkerState.STARTING)
     ready = await statuses.next(WorkerState.READY)
+    assert starting.pid is not None
     assert ready.pid == starting.pid and ready.endpoint_instance_id == starting.pid * 10
     assert readiness.asked == [(starting.pid, {"instance": "7", "node": "node-a"})]
     assert supervisor.gpu_memory_in_use() == {1: 20 * GIB, 3: 20 * GIB}
@@ -342,7 +343,9 @@ async def test_a_new_supervisor_adopts_running_workers_and_reports_vanished_ones
     assert failed.state is WorkerState.FAILED and failed.instance_id == 21
     assert "ended while the agent was not watching it" in failed.reason
     assert ready.state is WorkerState.READY
-    assert (ready.instance_id, ready.pid, ready.endpoint_instance_id) == (20, pids[20], pids[20] * 10)
+    kept = pids[20]
+    assert kept is not None
+    assert (ready.instance_id, ready.pid, ready.endpoint_instance_id) == (20, kept, kept * 10)
     assert [record.spec.instance_id for record in load_records(tmp_path / "state")] == [20]
 
     # Not its parent, it still notices the adopted worker's death, and starts it again.
