@@ -36,6 +36,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engines.extra_engine_args import engine_args_source, read_engine_args
 from runtime.chat_template import ChatTemplate
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
@@ -93,21 +94,9 @@ def parse_settings(raw: Path | str | None) -> MistralRsSettings:
     """
     if raw is None:
         return MistralRsSettings()
-    if isinstance(raw, str):
-        source, data = "--extra-engine-args (inline JSON)", raw.encode()
-    else:
-        source = f"--extra-engine-args {raw}"
-        try:
-            data = raw.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{source}: cannot be read: {exc.strerror}") from None
+    values = read_engine_args(raw, engine="mistralrs", syntax="json")
+    source = engine_args_source(raw)
     known = ", ".join(KNOWN_KEYS)
-    try:
-        values = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{source}: not valid JSON: {exc}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: expected a JSON object of mistral.rs settings (keys: {known})")
     for key in values:
         if key not in KNOWN_KEYS:
             raise ConfigError(f"{source}: unknown key {key!r} for out=mistralrs; known keys: {known}")

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engines.engine_block_names import EngineBlockNames
-from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
+from engines.extra_engine_args import check_arg_names, read_engine_args
+from engines.gpu_engine_args import GpuPlacement
 from engines.node_group import NodeGroup
 from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback_ports_free, translate_batch
 from runtime.engine import RequestContext

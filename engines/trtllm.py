@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engines.engine_block_names import EngineBlockNames
-from engines.gpu_engine_args import GpuPlacement, check_arg_names, read_engine_args
+from engines.extra_engine_args import check_arg_names, read_engine_args
+from engines.gpu_engine_args import GpuPlacement
 from engines.trtllm_kv_events import translate_events
 from engines.trtllm_stats import StatsToLoad
 from runtime.engine import RequestContext

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.gpu_engine_args import read_engine_args
+from engines.extra_engine_args import read_engine_args
 from engines.node_group import NodeGroup
 from runtime.errors import ConfigError
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engines.extra_engine_args import engine_args_source, read_engine_args
 from runtime.errors import ConfigError
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -99,16 +100,4 @@ def load_mocker_config(path: Path | str | None) -> MockerConfig:
     parse_mocker_config)."""
     if path is None:
         return MockerConfig()
-    if isinstance(path, str):
-        source, raw = "--extra-engine-args (inline JSON)", path.encode()
-    else:
-        source = f"--extra-engine-args {path}"
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{source}: cannot be read: {exc.strerror}") from None
-    try:
-        values = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{source}: not valid JSON: {exc}") from None
-    return parse_mocker_config(values, source)
+    return parse_mocker_config(read_engine_args(path, engine="mocker", syntax="json"), engine_args_source(path))
