@@ -145,6 +145,8 @@ async def simulate(
     for scheduler in schedulers:
         scheduler.cache.record_events = True
     stepping = [False] * len(instances)
+    # When each router's waiting ends were last queued to go: one "sync_due" per batch of them, not per end.
+    ends_queued: list[float | None] = [None] * replicas
     rng = random.Random(jitter_seed)
     heap: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
@@ -243,8 +245,10 @@ async def simulate(
                 routers[replica].prefill_done(payload)
             else:
                 routers[replica].finished(payload)
-            if syncing and (due := routers[replica].replica_sync.ends_due()) is not None:
+            due = routers[replica].replica_sync.ends_due() if syncing else None
+            if due is not None and due != ends_queued[replica]:
                 # Ends wait for a decision to ride with, or go at ``due`` (ReplicaSync.ENDS_WAIT_S).
+                ends_queued[replica] = due
                 heapq.heappush(heap, (due, next(order), "sync_due", replica))
         elif kind == "sync_due":
             due = routers[payload].replica_sync.ends_due()
