@@ -49,6 +49,7 @@ async def test_a_socket_without_a_session_is_closed_with_4401() -> None:
     closing = await socket.receive_output(timeout=RECEIVE_S)
     assert closing["type"] == "websocket.close"
     assert closing["code"] == NOT_LOGGED_IN
+    await socket.disconnect()  # as the ASGI server tells the consumer after a close
 
 
 async def test_a_page_of_another_site_cannot_open_a_socket_with_a_persons_session() -> None:
@@ -83,6 +84,7 @@ async def test_a_socket_for_a_pipeline_that_does_not_exist_is_closed_with_4404()
     assert accepted
     closing = await socket.receive_output(timeout=RECEIVE_S)
     assert closing["code"] == NOT_FOUND
+    await socket.disconnect()  # as the ASGI server tells the consumer after a close
 
 
 async def test_a_state_change_reaches_its_pipelines_socket_as_the_instance_partial_and_not_the_other() -> None:
@@ -182,6 +184,7 @@ async def test_an_unknown_fleet_topic_is_refused_naming_it() -> None:
     closing = await socket.receive_output(timeout=RECEIVE_S)
     assert closing["code"] == BAD_REQUEST
     assert closing["reason"].startswith("topics: gpus unknown")
+    await socket.disconnect()  # as the ASGI server tells the consumer after a close
 
 
 async def test_a_read_only_person_hears_no_audit_entries_as_the_audit_log_refuses_them() -> None:
@@ -205,6 +208,7 @@ async def test_a_read_only_person_asking_for_the_audit_topic_is_refused_with_440
     closing = await socket.receive_output(timeout=RECEIVE_S)
     assert closing["code"] == FORBIDDEN
     assert "audit needs the operator role" in closing["reason"]
+    await socket.disconnect()  # as the ASGI server tells the consumer after a close
 
 
 async def _until_quiet(socket: WebsocketCommunicator) -> str:
@@ -242,10 +246,12 @@ def _change_person(username: str, **fields: object) -> None:
 
 
 async def _closing(socket: WebsocketCommunicator) -> dict[str, object]:
-    """The socket's close message (pushes before it are skipped)."""
+    """The socket's close message (pushes before it are skipped), after which the consumer is told the
+    socket is gone and ended, as the ASGI server does."""
     while True:
         output = await socket.receive_output(timeout=RECEIVE_S)
         if output["type"] == "websocket.close":
+            await socket.disconnect()
             return output
 
 
@@ -309,6 +315,7 @@ async def test_a_push_after_a_deactivation_is_not_sent(monkeypatch: pytest.Monke
     await database_sync_to_async(make_node)("gpu-d")
     closing = await socket.receive_output(timeout=RECEIVE_S)
     assert (closing["type"], closing["code"]) == ("websocket.close", FORBIDDEN)
+    await socket.disconnect()  # as the ASGI server tells the consumer after a close
 
 
 async def _a_pipeline() -> int:
