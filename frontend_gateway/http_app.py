@@ -192,7 +192,7 @@ class GatewayApp:
 
     async def _retrieve_model(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/models/{id}`` (the client's ``models.retrieve``); the id may hold slashes (``org/name``)."""
-        model = self._find_model(scope["path"].rstrip("/")[len(_MODEL_PREFIX) :], scope)
+        model = await self._find_model(scope["path"].rstrip("/")[len(_MODEL_PREFIX) :], scope)
         await self._send_json(send, msgspec.json.encode(_model_object(model)))
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -245,11 +245,16 @@ class GatewayApp:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _find_model(self, name: str, scope: Scope) -> ServedModel:
+    async def _find_model(self, name: str, scope: Scope) -> ServedModel:
         key: KeyRecord | None = scope.get(_API_KEY)
         if key is not None:
             check_model(key, name)  # first: a key learns nothing of the models outside its list
         model = self.models.get(name)
+        if model is None and self.models.arrival is not None:
+            # Its first worker may have just registered (the agent reports it ready then): the ingress
+            # builds the pool in a few hundred ms, and a client acting on "ready" is served, not refused.
+            await self.models.arrival(name)
+            model = self.models.get(name)
         if model is not None:
             scope[_MODEL] = model.name  # for its key's usage (a name no model has is not kept)
         if model is None:
@@ -313,7 +318,7 @@ class GatewayApp:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         preprocessor.check_chat(request)
-        model = self._find_model(request.model, scope)
+        model = await self._find_model(request.model, scope)
         self._charge(scope)
         await self._admit(receive)
         try:
@@ -325,7 +330,7 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
-        model = self._find_model(request.model, scope)
+        model = await self._find_model(request.model, scope)
         self._charge(scope)
         await self._admit(receive)
         try:
@@ -338,7 +343,7 @@ class GatewayApp:
         """``POST /v1/embeddings``, for models whose engine embeds (embeddings.py)."""
         request: EmbeddingRequest = _decode(embeddings.decoder, await self._read_body(scope, receive))
         inputs = embeddings.texts(request)
-        model = self._find_model(request.model, scope)
+        model = await self._find_model(request.model, scope)
         card, embedder = embeddings.embedder_of(model)
         self._charge(scope)
         await self._admit(receive)
@@ -353,7 +358,7 @@ class GatewayApp:
         request: ResponsesRequest = _decode(responses_api.decoder, await self._read_body(scope, receive))
         chat = responses_api.to_chat(request)
         preprocessor.check_chat(chat)
-        model = self._find_model(chat.model, scope)
+        model = await self._find_model(chat.model, scope)
         self._charge(scope)
         await self._admit(receive)
         try:

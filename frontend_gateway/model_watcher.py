@@ -19,9 +19,14 @@ The control plane's rule decides (``PipelineRouter.generation``): the newest gen
 between settings of one generation the first instance's. A registration that cannot be applied (a
 malformed entry, a tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it
 never stops the watch.
+
+A model's first instance takes a few hundred ms to take in (its tokenizer fetched and built, its router
+started) after it registered, which is when its agent reports it ready: a request for that model in the
+meantime waits for the pool (``arrival``, at most ARRIVAL_WAIT_S) instead of being refused.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 
@@ -47,6 +52,9 @@ _model_entry = msgspec.json.Decoder(ModelEntry)
 # Tokenizers kept after their model left, by digest: building one holds the GIL (~100 ms for SmolLM2) on
 # whichever thread, so a model that comes back (its only worker restarted) must not stall the streams again.
 TOKENIZERS_KEPT = 4
+#: The longest a request waits for its model's first instance to be taken in (a tokenizer fetched from
+#: the object store, a router that asks the workers for their KV state: seconds at worst).
+ARRIVAL_WAIT_S = 10.0
 
 
 def card_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
@@ -154,6 +162,7 @@ class ModelWatcher:
         self._applied: dict[str, bytes] = {}  # etcd key -> its value, for every key pooled or refused
         self._tokenizers: dict[str, tuple[str, Tokenizer]] = {}  # digest -> (JSON, tokenizer), oldest first
         self.changed = asyncio.Event()  # set after every event handled (tests await it)
+        self._arrivals: dict[str, asyncio.Event] = {}  # model name -> set once its first instance is taken in
         self._closed = False
 
     async def run(self) -> None:
@@ -195,10 +204,28 @@ class ModelWatcher:
         except msgspec.DecodeError as exc:
             await self._forget(event.key)
             raise EngineError(f"malformed model entry: {exc}") from exc
-        if not self._still_fits(event.key, entry):
-            await self._forget(event.key)
-        await self._admit(event.key, entry)
-        self._applied[event.key] = event.value
+        name = entry.card.name
+        arrival = None
+        if name not in self._pools and name not in self._arrivals and not self._closed:
+            arrival = self._arrivals[name] = asyncio.Event()  # its first instance: requests wait for the pool
+        try:
+            if not self._still_fits(event.key, entry):
+                await self._forget(event.key)
+            await self._admit(event.key, entry)
+            self._applied[event.key] = event.value
+        finally:
+            if arrival is not None:
+                del self._arrivals[name]
+                arrival.set()
+
+    async def arrival(self, name: str) -> None:
+        """Return once model ``name`` is served, if its first instance is being taken in (at most
+        ARRIVAL_WAIT_S); at once otherwise. A pool that cannot be built ends the wait too."""
+        arriving = self._arrivals.get(name)
+        if arriving is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ARRIVAL_WAIT_S):
+                    await arriving.wait()
 
     def _still_fits(self, key: str, entry: ModelEntry) -> bool:
         """Whether ``key``, pooled already, may stay in its pool with ``entry`` (else it is forgotten first)."""

@@ -8,7 +8,7 @@ the same ``Generation``.
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -456,11 +456,14 @@ class ModelRegistry:
     """The models a gateway serves, by name. Models may come and go while it runs.
 
     ``status``, when set (the ingress sets it), says how the gateway's connections and instances are.
+    ``arrival``, when set (the ingress sets it), returns once a model of that name that is being taken in
+    (its first instance registered, its pool still being built) is served, or at once when none is.
     """
 
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
         self.status: Callable[[], ServingStatus] | None = None
+        self.arrival: Callable[[str], Awaitable[None]] | None = None
 
     def add(self, model: ServedModel) -> None:
         self._models[model.name] = model

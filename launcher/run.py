@@ -319,6 +319,7 @@ async def run_ingress(options: RunOptions) -> int:
     )
     # Restarted if it fails: it resumes from what it had applied, so model changes are never missed.
     runtime.own(watcher.run, name="model watcher", restart=True)
+    registry.arrival = watcher.arrival
     registry.status = lambda: ServingStatus(
         nats=bool(runtime.nc.is_connected), etcd=runtime.discovery.connected, instances=watcher.instance_counts()
     )

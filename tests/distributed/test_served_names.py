@@ -2,12 +2,15 @@
 Retry-After) on the ingress, not a 404 "does not exist": the ingress watches the names the control plane
 publishes (runtime/served_names.py)."""
 
+import time
+
 import httpx
 import openai
 import pytest
 
+from runtime.discovery import MODELS_PREFIX
 from runtime.served_names import etcd_key
-from tests.distributed.cluster import Cluster, etcd_put, served_models, wait_until
+from tests.distributed.cluster import Cluster, etcd_put, etcd_values, served_models, wait_until
 
 
 def chat(server_url: str, model: str) -> httpx.Response:
@@ -35,3 +38,26 @@ def test_a_stopped_or_starting_pipelines_model_is_a_503_and_an_unknown_one_a_404
     with pytest.raises(openai.APIStatusError, match="no ready replica") as refused:
         client.chat.completions.create(model="org/stopped", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.status_code == 503
+
+
+@pytest.mark.parametrize("name", ["beta", "gamma", "delta"])
+def test_a_request_sent_as_soon_as_the_worker_is_registered_waits_for_the_ingress_to_take_it_in(
+    cluster: Cluster, name: str
+) -> None:
+    """The agent reports a worker ready once its model is registered in etcd (agent/readiness.py); the
+    ingress then still builds the model's pool (its tokenizer, its router) for 40-250 ms. A client that
+    acts on "ready" at once is served, not told to come back in 5 s (each name is one more try at the
+    race: on the ingress that did not wait, at least one of them met the 503)."""
+    ingress = cluster.start_ingress()
+    etcd_put(cluster.etcd, etcd_key(name), '{"state":"running"}')
+    wait_until(lambda: chat(ingress.base_url, name).status_code == 503, 5, "the served name never arrived")
+
+    cluster.start_worker(f"dyn://{name}", "out=echo_core", "--model-name", name)
+    deadline = time.monotonic() + 30
+    while not any(f'"{name}"' in value for value in etcd_values(cluster.etcd, MODELS_PREFIX).values()):
+        assert time.monotonic() < deadline, "the worker never registered its model"
+        time.sleep(0.002)  # as the agent's watch sees it: within milliseconds of the registration
+
+    answer = chat(ingress.base_url, name)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"]
