@@ -57,6 +57,9 @@ def test_a_request_sent_as_soon_as_the_worker_is_registered_waits_for_the_ingres
     while not any(f'"{name}"' in value for value in etcd_values(cluster.etcd, MODELS_PREFIX).values()):
         assert time.monotonic() < deadline, "the worker never registered its model"
         time.sleep(0.002)  # as the agent's watch sees it: within milliseconds of the registration
+    # The agent's report reaches a client through the control plane (a task, the database, an API call):
+    # tens of ms at the least, by which time the ingress has heard the registration too.
+    time.sleep(0.02)
 
     answer = chat(ingress.base_url, name)
     assert answer.status_code == 200, answer.text
