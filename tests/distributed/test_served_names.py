@@ -2,6 +2,7 @@
 Retry-After) on the ingress, not a 404 "does not exist": the ingress watches the names the control plane
 publishes (runtime/served_names.py)."""
 
+import json
 import time
 
 import httpx
@@ -11,6 +12,10 @@ import pytest
 from runtime.discovery import MODELS_PREFIX
 from runtime.served_names import etcd_key
 from tests.distributed.cluster import Cluster, etcd_put, etcd_values, served_models, wait_until
+
+#: Less than the ingress's longest wait for an arriving model (ARRIVAL_WAIT_S, 10 s): an answer this soon
+#: shows the wait ended with the failed registration, not at its cap.
+ANSWER_WITHIN_S = 5.0
 
 
 def chat(server_url: str, model: str) -> httpx.Response:
@@ -64,3 +69,24 @@ def test_a_request_sent_as_soon_as_the_worker_is_registered_waits_for_the_ingres
     answer = chat(ingress.base_url, name)
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"]
+
+
+def test_a_registration_whose_pool_cannot_be_built_does_not_hold_its_requests(cluster: Cluster) -> None:
+    """A registration the ingress cannot take in (here a forged copy of a worker's, naming a tokenizer that
+    is not in the object store) ends the wait of the requests for its model as soon as it fails: they are
+    answered as for any model with no instance, well within the wait's 10 s cap."""
+    ingress = cluster.start_ingress()
+    cluster.start_worker("dyn://alpha", "out=echo_core", "--model-name", "alpha")
+    wait_until(lambda: served_models(ingress) == ["alpha"], 15, "the model did not appear")
+    key, value = next(iter(etcd_values(cluster.etcd, MODELS_PREFIX).items()))
+    entry = json.loads(value)
+    assert entry["card"]["model_type"] == "tokens", "the forgery needs a model whose tokenizer is fetched"
+    entry["card"]["name"], entry["tokenizer_sha256"] = "ghost", "0" * 64
+    etcd_put(cluster.etcd, etcd_key("ghost"), '{"state":"running"}')
+    etcd_put(cluster.etcd, key.rsplit("/", 1)[0] + "/1234abcd", json.dumps(entry))
+
+    body = {"model": "ghost", "messages": [{"role": "user", "content": "hi"}]}
+    answer = httpx.post(ingress.base_url + "/v1/chat/completions", json=body, timeout=ANSWER_WITHIN_S)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "model_not_ready"
+    assert served_models(ingress) == ["alpha"]
