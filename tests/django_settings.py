@@ -14,9 +14,13 @@ import os
 import shutil
 import tempfile
 
-if "FLOTILLA_DATA_DIR" not in os.environ:
+# Each pytest process has a folder of its own: under pytest-xdist the workers inherit the controller's
+# environment, and a folder the controller made (and will delete) is not a worker's to share.
+_owner = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+if os.environ.get("FLOTILLA_TESTS_DATA_DIR_OWNER", _owner) != _owner or "FLOTILLA_DATA_DIR" not in os.environ:
     _data_dir = tempfile.mkdtemp(prefix="flotilla-tests-")
     os.environ["FLOTILLA_DATA_DIR"] = _data_dir
+    os.environ["FLOTILLA_TESTS_DATA_DIR_OWNER"] = _owner
     atexit.register(shutil.rmtree, _data_dir, ignore_errors=True)
 
 # Local models in tests are made-up node paths and files under the temporary folder, beside the bundled one.
@@ -28,4 +32,9 @@ if "FLOTILLA_LOCAL_MODEL_ROOTS" not in os.environ:
 
 os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
 
-from controlplane.settings import *  # noqa: F403
+from controlplane.settings import *  # noqa: E402, F403  (after the environment it reads)
+
+# Django's default hasher (PBKDF2, a million rounds) takes ~0.9 s a password on these cores, and the tests set
+# hundreds of passwords. What the tests check is which password is accepted, not how it is stretched: a fast
+# hasher keeps that. Processes the tests start (a real control plane) keep the real settings' hashers.
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -6,9 +6,11 @@ its ``expires_at`` is refused (401) saying when it expired; what a read-scoped t
 permissions' to say (controlplane/api/permissions.py), from ``request.auth``.
 """
 
+import logging
 from dataclasses import dataclass
 from datetime import UTC, timedelta
 
+from django.db import DatabaseError, transaction
 from django.db.models import BooleanField, ExpressionWrapper, Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -21,6 +23,8 @@ from controlplane.accounts.models import ApiToken, User, hash_token
 # to tell a forgotten token from a live one.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 _SCHEMES = (b"bearer", b"token")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,15 @@ class TokenAuthentication(authentication.BaseAuthentication):
 
     @staticmethod
     def _touch(token: ApiToken) -> None:
+        """Record when the token was last used: bookkeeping, so a write that fails (a lock held by a
+        concurrent request, say) is logged and the request is served all the same. The savepoint keeps a
+        surrounding transaction usable after the failed write."""
         now = timezone.now()
         if token.last_used_at is None or now - token.last_used_at >= LAST_USED_RESOLUTION:
-            ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+            try:
+                with transaction.atomic():
+                    ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+            except DatabaseError as exc:
+                logger.warning("could not record that token %s was used (%s); the next request will", token.pk, exc)
+                return
             token.last_used_at = now

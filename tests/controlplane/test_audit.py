@@ -10,7 +10,7 @@ from controlplane.catalog.models import LanguageModel
 from controlplane.errors import Invalid
 from tests.controlplane.factories import make_model
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.postgresql]
 
 
 def test_an_entry_is_announced_once_its_transaction_commits(django_capture_on_commit_callbacks: Any) -> None:

@@ -63,6 +63,7 @@ def test_the_model_docstring_lists_exactly_the_allowed_moves() -> None:
 
 
 @pytest.mark.django_db
+@pytest.mark.postgresql
 def test_a_transition_from_a_state_read_before_another_change_is_refused() -> None:
     instance = deploy().instances.get()
     stale = Instance.objects.get(pk=instance.pk)

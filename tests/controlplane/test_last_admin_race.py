@@ -16,6 +16,7 @@ from controlplane.errors import Conflict
 from tests.controlplane.factories import make_user
 
 pytestmark = [
+    pytest.mark.postgresql,
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(
         not os.environ.get("DATABASE_URL", "").startswith("postgres"),

@@ -56,6 +56,7 @@ def test_a_send_that_fails_is_logged_with_the_layers_address(dead_redis: str, ca
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.postgresql
 def test_a_rolled_back_change_sends_nothing(live_layer: Publisher) -> None:
     make_node("gpu-a")
     assert live_layer.flush(RECEIVE_S)

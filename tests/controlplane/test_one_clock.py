@@ -22,7 +22,7 @@ from controlplane.fleet.models import Node
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, node_report
 from tests.controlplane.reconciling import RecordingDispatcher
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.postgresql]
 
 AN_HOUR = timedelta(hours=1)
 

@@ -13,6 +13,7 @@ from controlplane.deployments.models import Instance, Pipeline
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node
 
 pytestmark = [
+    pytest.mark.postgresql,
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(
         not os.environ.get("DATABASE_URL", "").startswith("postgres"),

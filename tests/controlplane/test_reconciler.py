@@ -26,7 +26,7 @@ from tests.distributed.cluster import etcd_put, etcd_values
 from tests.infra import EtcdServer
 from tests.servers import free_port
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.postgresql]
 S = InstanceState
 START, STOP = TASK_START_INSTANCE, TASK_STOP_INSTANCE
 HOUR = 3600  # a node timeout for tests that move the clock but are not about silent nodes

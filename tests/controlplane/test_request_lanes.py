@@ -25,7 +25,7 @@ from runtime.fleet_tasks import LogTailRequest
 from tests.controlplane.factories import agent_token, make_node, make_user, person_token, placed_instance
 from tests.servers import free_port
 
-pytestmark = pytest.mark.django_db(transaction=True)  # the server's threads see the rows
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgresql]  # the server's threads see the rows
 
 ANSWER_S = 3.0  # far below the body deadline and the hold times below: a request served at once
 HEARTBEAT = {

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import OperationalError
+from django.db.models import QuerySet
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -16,7 +18,7 @@ from controlplane.audit.models import AuditEntry
 from runtime.task_signing import agent_signing_key
 from tests.controlplane.factories import TEST_ACTOR, make_user
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.postgresql]
 
 
 def create_token(*args: str) -> tuple[str, str]:
@@ -139,3 +141,23 @@ def test_the_token_listing_shows_scope_and_expiry(admin: APIClient, agent_client
     rows = admin.get("/api/v1/tokens/", {"kind": "person"}).json()["results"]
     [gina] = [row for row in rows if row["user"] == "gina"]
     assert gina["scope"] == "read" and gina["expires_at"] is not None
+
+
+def test_a_request_is_served_when_recording_its_tokens_use_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last-used time is bookkeeping: SQLite's "table is locked" (two requests at once on a shared
+    in-memory database) on that write is logged, and the request is answered as if it had succeeded."""
+    _, key = actions.create_person_token(TEST_ACTOR, make_user("bob", Role.READ_ONLY))
+
+    def locked(self: QuerySet[ApiToken], **fields: object) -> int:
+        raise OperationalError("database table is locked: accounts_apitoken")
+
+    monkeypatch.setattr(QuerySet, "update", locked)
+    assert client_with(key).get("/api/v1/nodes/").status_code == 200
+    assert "could not record that token" in caplog.text
+    monkeypatch.undo()
+    assert ApiToken.objects.get(kind=ApiToken.Kind.PERSON).last_used_at is None
+    # The next request records it.
+    assert client_with(key).get("/api/v1/nodes/").status_code == 200
+    assert ApiToken.objects.get(kind=ApiToken.Kind.PERSON).last_used_at is not None
