@@ -9,6 +9,7 @@ side: the arguments, the log line, the wait on the scheduler processes, the exit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,7 +41,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def follower(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+def leader() -> Iterator[str]:
+    """The leader's address: a loopback socket that accepts connections, as the leader's distributed store does
+    (the rank's leader watch probes it; a made-up address would send it off this machine)."""
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen(16)
+        yield f"127.0.0.1:{store.getsockname()[1]}"
+
+
+@pytest.fixture
+def follower(tmp_path: Path, leader: str) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     (tmp_path / "lib" / "sglang").mkdir(parents=True)
     (tmp_path / "lib" / "sglang" / "__init__.py").write_text(STAND_IN)
     model = tmp_path / "model"
@@ -53,7 +64,7 @@ def follower(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
         "STAND_IN_RECORD": str(record),
     }
     args = ["in=http", "out=sglang", str(model), "--tensor-parallel-size", "2", "--num-nodes", "2", "--node-rank", "1"]
-    args += ["--leader-addr", "10.0.0.1:29500", "--extra-engine-args", '{"page_size": 32}']
+    args += ["--leader-addr", leader, "--extra-engine-args", '{"page_size": 32}']
     process = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "run", *args], stderr=subprocess.PIPE, text=True, env=env
     )
@@ -87,7 +98,7 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_stops_them_on_a_signal(
-    follower: tuple[subprocess.Popen[str], Path], signum: signal.Signals, code: int
+    follower: tuple[subprocess.Popen[str], Path], leader: str, signum: signal.Signals, code: int
 ) -> None:
     process, record = follower
     started, logged = wait_until_up(process, record)
@@ -96,7 +107,7 @@ def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_
     assert (kwargs["nnodes"], kwargs["node_rank"], kwargs["dist_init_addr"], kwargs["tp_size"]) == (
         2,
         1,
-        "10.0.0.1:29500",
+        leader,
         2,
     )
     assert kwargs["page_size"] == 32 and "kv_events_config" not in kwargs
@@ -105,7 +116,7 @@ def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_
     _, rest = process.communicate(timeout=60)
     stderr = logged + rest
     assert process.returncode == code, stderr
-    assert "serving as rank 1 of 2 for the leader at 10.0.0.1:29500" in stderr
+    assert f"serving as rank 1 of 2 for the leader at {leader}" in stderr
     assert "in=http is ignored here" in stderr
     assert f"stopped by {signum.name}" in stderr
     assert not alive(int(str(started["scheduler"])))
