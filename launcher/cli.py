@@ -16,7 +16,7 @@ from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser, parse_boolean
-from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, PLANNED_ENGINES, RunOptions
+from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, RunOptions
 from launcher.proctitle import run_title, set_title
 from runtime.addressing import EndpointAddress
 from runtime.config import env_str
@@ -507,7 +507,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         kind, file = python_engine
         if not file:
             parser.error(f"out={output!r} needs a file: out={kind}:FILE.py")
-    elif output not in ENGINES and output not in PLANNED_ENGINES:
+    elif output not in ENGINES:
         parser.error(f"out={output!r} is not an engine; use one of {', '.join(ENGINES)}, pystr:FILE.py, pytok:FILE.py")
     if namespace.extra_engine_args is not None and output not in EXTRA_ARGS_ENGINES:
         engines = " or ".join(f"out={engine}" for engine in EXTRA_ARGS_ENGINES)
