@@ -18,9 +18,9 @@
                log tail: the worker log's last lines
 
 Every outcome reaches the control plane as a state report (agent/control_plane_client.py), never as a
-task's result. The control plane decides restarts: the supervisor runs with ``max_restarts=0``, so a
-worker that ends unasked is reported failed with why (its exit, its log's last lines), and the
-control plane starts it again, with a higher ``attempt``, after its own backoff.
+task's result. The control plane decides restarts: the supervisor never restarts a worker, so a worker
+that ends unasked is reported failed with why (its exit, its log's last lines), and the control plane
+starts it again, with a higher ``attempt``, after its own backoff.
 
 Tasks are idempotent. A start of an instance at the attempt it runs (or is starting) at only reports
 its state again; a start at a newer attempt replaces the worker; one at an older attempt is ignored.
@@ -63,7 +63,7 @@ from agent.machine_identity import local_machine_id
 from agent.ownership import disowned
 from agent.processes import EXIT_CONFIG
 from agent.readiness import RegistrationWatch
-from agent.supervisor import Readiness, RestartPolicy, Supervisor, WorkerState, WorkerStatus
+from agent.supervisor import Readiness, Supervisor, WorkerState, WorkerStatus
 from agent.task_consumer import TaskConsumer
 from agent.worker_spec import DEFAULT_COMMAND, allowed_environment
 from runtime.backoff import Backoff
@@ -181,9 +181,8 @@ class NodeAgent:
             state_dir=state_dir,
             log_dir=log_dir,
             readiness=readiness,
-            on_status=self._on_worker_status,
             # The control plane decides restarts (with its own backoff): a worker that ends is reported.
-            policy=RestartPolicy(max_restarts=0),
+            on_status=self._on_worker_status,
             command=worker_command,
             stop_timeout_s=stop_timeout_s,
             base_env=worker_env,
