@@ -6,7 +6,7 @@ import pytest
 
 from agent.errors import TaskNotAllowed
 from agent.task_checks import ENGINE_FLAGS, check_engine_args, check_start
-from launcher.cli import build_run_parser
+from launcher.run_parser import build_run_parser
 from runtime.engine_names import FLEET_ENGINES, IMPLEMENTED_ENGINES
 from runtime.fleet_tasks import StartInstance, WorkerSpec
 
