@@ -2,8 +2,15 @@
 
 It shares code with the rest only through ``runtime``, and starts engines as ``flotilla run`` processes.
 
-* ``node_agent``: the main loop: register and heartbeat, take the control plane's tasks (start, stop, log
-  tail), report every instance's state; after a restart, adopt the workers left running and reconcile them;
+* ``node_agent``: the main loop, which builds the parts below and wires them (``run_agent``: as a process);
+* ``heartbeats``: the node registered, then its inventory sent every few seconds;
+* ``startup_reconcile``: after a restart, the workers left running adopted and reconciled with the control plane;
+* ``ownership_checks``: the workers compared with the control plane's list, and those it disowns
+  (``ownership``, the verdict) stopped;
+* ``task_intake``: the control plane's tasks (start, stop, log tail) taken idempotently, one operation per
+  instance at a time; ``instance_start``: a start's steps; ``reported_downloads``: its model's progress;
+* ``instance_table``, ``instance_reports``, ``attempt_files``, ``owned_tasks``: what the agent knows of each
+  instance, the instances' state reports, each worker's attempt on disk, the agent's background tasks;
 * ``control_plane_client``: the control plane's agent API over HTTP, with a report outbox that outlives
   outages of the control plane;
 * ``task_consumer``: the node's Celery queue (``node.<name>``), consumed in a thread, handed to the loop;

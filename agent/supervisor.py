@@ -1,4 +1,4 @@
-"""The agent's engine workers: launched as child processes, watched, restarted, stopped, and adopted.
+"""The agent's engine workers: launched as child processes, watched, stopped, and adopted.
 
 Each worker (agent/worker_spec.py) runs ``flotilla run in=dyn://… out=<engine> …`` in its own session,
 with ``CUDA_VISIBLE_DEVICES`` set to its GPUs and its output appended to ``<log_dir>/instance-<id>.log``.
@@ -8,12 +8,13 @@ Every state change goes to ``on_status`` as a WorkerStatus::
         │          │
         └────┬─────┘
              ▼
-          failed (reason; retry_in_s when a restart follows: starting again after that delay)
+          failed (reason, exit code or signal)
 
 Readiness is the worker's registration in etcd (agent/readiness.py). A worker that ends without being
-asked is restarted after a backoff (RestartPolicy) until it has failed ``max_restarts`` times in a row;
-a run that stayed ready for ``healthy_after_s`` clears the count. Exit code 2 (bad configuration) is
-never restarted: it would fail the same way.
+asked is reported failed, with how it ended (exit code or signal) and its log's last lines, and forgotten:
+the supervisor never starts it again itself. The control plane decides restarts (it starts the instance
+again, after its own backoff); the agent reports exit code 2 (EXIT_CONFIG, bad configuration) as a
+permanent failure, since a restart would fail the same way.
 
 The supervisor survives its own restart: each running worker has a record in ``state_dir``
 (agent/worker_records.py); ``adopt()`` in a new supervisor takes over the workers still running,
@@ -34,10 +35,9 @@ from typing import Protocol
 import msgspec
 
 from agent.errors import WorkerError
-from agent.processes import EXIT_CONFIG, ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail
+from agent.processes import ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail
 from agent.worker_records import WorkerRecord, load_records, remove_record, save_record
 from agent.worker_spec import DEFAULT_COMMAND, allowed_environment, worker_argv, worker_env
-from runtime.backoff import exponential_delay
 from runtime.fleet_tasks import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -65,28 +65,11 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     pid: int | None = None
     #: The worker's instance id in etcd, once it is ready.
     endpoint_instance_id: int | None = None
-    #: Restarts by this agent since the instance was first started here.
-    restarts: int = 0
     exit_code: int | None = None
     exit_signal: int | None = None
-    #: With ``failed``: a restart follows after this many seconds; None when the failure is final.
-    retry_in_s: float | None = None
 
 
 StatusCallback = Callable[[WorkerStatus], None]
-
-
-class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True):
-    """How often, and how soon, a worker that ends unasked is started again."""
-
-    max_restarts: int = 5  # failures in a row; 0: never restart
-    backoff_s: float = 1.0  # the first delay, doubled after each failure in a row
-    backoff_max_s: float = 60.0
-    healthy_after_s: float = 300.0  # a run ready this long clears the failures in a row
-
-    def delay(self, failures: int) -> float:
-        """The delay before restart number ``failures`` (1-based) of a run of failures."""
-        return exponential_delay(failures, first_s=self.backoff_s, max_s=self.backoff_max_s)
 
 
 class Readiness(Protocol):
@@ -101,8 +84,6 @@ class Readiness(Protocol):
 class _Worker:
     spec: WorkerSpec
     log_path: Path
-    restarts: int = 0
-    failures_in_row: int = 0
     process: WorkerProcess | None = None
     endpoint_instance_id: int | None = None
     state: WorkerState = WorkerState.STARTING
@@ -121,7 +102,6 @@ class Supervisor:
         log_dir: Path,
         readiness: Readiness,
         on_status: StatusCallback,
-        policy: RestartPolicy | None = None,
         command: Sequence[str] = DEFAULT_COMMAND,
         stop_timeout_s: float = 30.0,
         base_env: Mapping[str, str] | None = None,
@@ -132,7 +112,6 @@ class Supervisor:
         self.node = node
         self.state_dir = state_dir
         self.log_dir = log_dir
-        self.policy = policy or RestartPolicy()
         self.stop_timeout_s = stop_timeout_s
         self._readiness = readiness
         self._on_status = on_status
@@ -215,19 +194,9 @@ class Supervisor:
                 reason = await self._reason(
                     f"the worker (pid {record.pid}) ended while the agent was not watching it", log_path
                 )
-                self._emit(
-                    WorkerStatus(
-                        instance_id=instance_id, state=WorkerState.FAILED, reason=reason, restarts=record.restarts
-                    )
-                )
+                self._emit(WorkerStatus(instance_id=instance_id, state=WorkerState.FAILED, reason=reason))
                 continue
-            worker = _Worker(
-                record.spec,
-                log_path,
-                restarts=record.restarts,
-                process=process,
-                endpoint_instance_id=record.endpoint_instance_id,
-            )
+            worker = _Worker(record.spec, log_path, process=process, endpoint_instance_id=record.endpoint_instance_id)
             log.info("adopted the worker of instance %d (pid %d)", instance_id, process.pid)
             self._supervise(worker, adopted=process)
             adopted.append(instance_id)
@@ -283,45 +252,28 @@ class Supervisor:
 
     async def _run(self, worker: _Worker, adopted: WorkerProcess | None) -> None:
         try:
-            await self._keep_running(worker, adopted)
+            await self._run_once(worker, adopted)
         except Exception as exc:
             # A bug or a full disk here must not leave the instance looking alive: say so, once.
             log.exception("supervising instance %d failed", worker.spec.instance_id)
-            await self._give_up(worker, f"the agent could not supervise the worker: {type(exc).__name__}: {exc}")
+            await self._fail(worker, f"the agent could not supervise the worker: {type(exc).__name__}: {exc}")
 
-    async def _keep_running(self, worker: _Worker, adopted: WorkerProcess | None) -> None:
-        """Run the worker until it fails for good (or this task is cancelled by stop() or close())."""
+    async def _run_once(self, worker: _Worker, adopted: WorkerProcess | None) -> None:
+        """Run the worker until it ends, then report it failed (unless this task is cancelled by stop() or
+        close() first). Never started again here: the control plane decides that."""
         process = adopted
-        while True:
-            if process is None:
-                try:
-                    process = self._launch(worker)
-                except OSError as exc:
-                    await self._give_up(worker, f"cannot start the worker: {exc}")
-                    return
-            started = time.monotonic()
-            status, ready_at = await self._watch(worker, process)
-            worker.process = process = None
-            ran_healthy = ready_at is not None and time.monotonic() - ready_at >= self.policy.healthy_after_s
-            worker.failures_in_row = 1 if ran_healthy else worker.failures_in_row + 1
-            reason = await self._reason(f"the worker {describe_exit(status)}", worker.log_path)
-            log.warning("instance %d: %s (after %.1f s)", worker.spec.instance_id, reason, time.monotonic() - started)
-            if status.code == EXIT_CONFIG or worker.failures_in_row > self.policy.max_restarts:
-                if status.code != EXIT_CONFIG and self.policy.max_restarts > 0:
-                    reason += f"\n(gave up after {self.policy.max_restarts} restarts in a row)"
-                await self._give_up(worker, reason, status)
+        if process is None:
+            try:
+                process = self._launch(worker)
+            except OSError as exc:
+                await self._fail(worker, f"cannot start the worker: {exc}")
                 return
-            delay = self.policy.delay(worker.failures_in_row)
-            self._set(
-                worker,
-                WorkerState.FAILED,
-                reason=reason,
-                exit_code=status.code,
-                exit_signal=status.signal,
-                retry_in_s=delay,
-            )
-            await asyncio.sleep(delay)
-            worker.restarts += 1
+        started = time.monotonic()
+        status = await self._watch(worker, process)
+        worker.process = None
+        reason = await self._reason(f"the worker {describe_exit(status)}", worker.log_path)
+        log.warning("instance %d: %s (after %.1f s)", worker.spec.instance_id, reason, time.monotonic() - started)
+        await self._fail(worker, reason, status)
 
     def _launch(self, worker: _Worker) -> WorkerProcess:
         """Spawn the worker and record it. Synchronous on purpose: fork and exec take milliseconds, and no
@@ -330,8 +282,7 @@ class Supervisor:
         spec = worker.spec
         worker.log_path.parent.mkdir(parents=True, exist_ok=True)
         with worker.log_path.open("ab") as log_file:
-            log_file.write(f"--- flotilla agent: starting instance {spec.instance_id}".encode())
-            log_file.write(f" (restart {worker.restarts}) ---\n".encode() if worker.restarts else b" ---\n")
+            log_file.write(f"--- flotilla agent: starting instance {spec.instance_id} ---\n".encode())
         process = WorkerProcess.spawn(
             worker_argv(spec, self.node, self._command), worker_env(spec, self._base_env), worker.log_path
         )
@@ -345,30 +296,28 @@ class Supervisor:
         self._set(worker, WorkerState.STARTING, pid=process.pid)
         return process
 
-    async def _watch(self, worker: _Worker, process: WorkerProcess) -> tuple[ExitStatus, float | None]:
-        """Wait for the process to end, reporting it ready meanwhile; (how it ended, when it became ready)."""
+    async def _watch(self, worker: _Worker, process: WorkerProcess) -> ExitStatus:
+        """Wait for the process to end, reporting it ready meanwhile; how it ended."""
         exited = asyncio.create_task(process.wait(kill_leftovers=True), name=f"wait for pid {process.pid}")
         labels = {"instance": str(worker.spec.instance_id), "node": self.node}
         registered = asyncio.create_task(self._readiness.wait_registered(process.pid, labels))
-        ready_at: float | None = None
         try:
             await asyncio.wait([exited, registered], return_when=asyncio.FIRST_COMPLETED)
             if registered.done() and not exited.done():
                 if (error := registered.exception()) is not None:
                     log.error("instance %d: readiness cannot be watched: %s", worker.spec.instance_id, error)
                 else:
-                    ready_at = time.monotonic()
                     worker.endpoint_instance_id = registered.result()
                     self._save(worker)
                     self._set(worker, WorkerState.READY, pid=process.pid)
-            return await exited, ready_at
+            return await exited
         finally:
             registered.cancel()
             exited.cancel()
             await asyncio.gather(registered, exited, return_exceptions=True)
 
-    async def _give_up(self, worker: _Worker, reason: str, status: ExitStatus | None = None) -> None:
-        """Report the worker failed for good and forget it (its process, if any, is killed)."""
+    async def _fail(self, worker: _Worker, reason: str, status: ExitStatus | None = None) -> None:
+        """Report the worker failed and forget it (its process, if any, is killed)."""
         status = status or ExitStatus()
         if worker.process is not None:
             worker.process.kill()
@@ -404,7 +353,6 @@ class Supervisor:
                 start_time=process.start_time,
                 boot_id=self._boot_id,
                 log_path=str(worker.log_path),
-                restarts=worker.restarts,
                 endpoint_instance_id=worker.endpoint_instance_id,
             ),
         )
@@ -418,7 +366,6 @@ class Supervisor:
         pid: int | None = None,
         exit_code: int | None = None,
         exit_signal: int | None = None,
-        retry_in_s: float | None = None,
     ) -> None:
         worker.state = state
         self._emit(
@@ -428,10 +375,8 @@ class Supervisor:
                 reason=reason,
                 pid=pid,
                 endpoint_instance_id=worker.endpoint_instance_id if state is WorkerState.READY else None,
-                restarts=worker.restarts,
                 exit_code=exit_code,
                 exit_signal=exit_signal,
-                retry_in_s=retry_in_s,
             )
         )
 

@@ -24,8 +24,9 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     start_time: int  # clock ticks since boot (/proc/<pid>/stat)
     boot_id: str
     log_path: str
-    restarts: int = 0
     endpoint_instance_id: int | None = None
+    # Records of older agents also carry ``restarts`` (restarts by the agent itself, always 0 since the
+    # control plane decides restarts): an unknown field, ignored when they are read.
 
 
 _decoder = msgspec.json.Decoder(WorkerRecord)

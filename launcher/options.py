@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.node_group import LeaderAddress, NodeGroup
-from runtime.engine_names import IMPLEMENTED_ENGINES, PLANNED_ENGINES, SETTINGS_FILE_ENGINES
+from runtime.engine_names import IMPLEMENTED_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
 # The engines (runtime/engine_names.py), and the ingress.
@@ -12,7 +12,7 @@ ENGINES = (*IMPLEMENTED_ENGINES, "dyn")
 # Engines configured by --extra-engine-args FILE.json.
 EXTRA_ARGS_ENGINES = tuple(sorted(SETTINGS_FILE_ENGINES))
 
-__all__ = ["ENGINES", "EXTRA_ARGS_ENGINES", "PLANNED_ENGINES", "RunOptions"]
+__all__ = ["ENGINES", "EXTRA_ARGS_ENGINES", "RunOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)

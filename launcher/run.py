@@ -12,7 +12,7 @@ import msgspec
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
 from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
-from launcher.options import ENGINES, PLANNED_ENGINES, RunOptions
+from launcher.options import ENGINES, RunOptions
 from runtime import heap
 from runtime.addressing import EndpointAddress
 from runtime.engine import Engine, TextEngine
@@ -78,8 +78,6 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         return build_mocker_model(options)
     if (python_engine := python_engine_file(output)) is not None:
         return build_python_model(options, *python_engine)
-    if output in PLANNED_ENGINES:
-        raise ConfigError(f"out={output} is not available in this version yet; available: {', '.join(ENGINES)}")
     raise ConfigError(
         f"unknown engine out={output!r}; choose one of {', '.join(ENGINES)}, pystr:FILE.py or pytok:FILE.py"
     )

@@ -1,7 +1,7 @@
 """What ``flotilla up`` asks of the control plane: its commands, its first accounts, and its REST API.
 
 The launcher never imports Django: it runs the control plane's own ``manage.py`` (migrations, and the
-account bootstrap below through ``manage.py shell``), then talks to its REST API like any client.
+account bootstrap, ``manage.py bootstrapaccounts``), then talks to its REST API like any client.
 """
 
 import importlib.util
@@ -28,47 +28,8 @@ AGENT_TOKEN_FILE = f"agent-{LOCAL_NODE}.token"
 API_KEY_FILE = "api.key"
 API_KEY_NAME = "flotilla up"
 
-# Run by `manage.py shell` in the control plane's own environment. Through the control plane's actions, so that
-# each account and token gets its audit entry. It creates the admin (with the password given) only when there is
-# none, and a new token only when the one kept in the data folder is not (or no longer) in the database, such as
-# after a switch to another DATABASE_URL. It prints one JSON line.
-_BOOTSTRAP = """
-import json, os
-from controlplane.accounts import actions
-from controlplane.accounts.models import ApiToken, Role, User, hash_token
-from controlplane.audit.records import Actor
-
-actor = Actor.system("flotilla up")
-env = os.environ
-result = {"admin_created": False, "admin_token": None, "agent_token": None}
-admin = User.objects.filter(username=env["FLOTILLA_UP_ADMIN"]).first()
-if admin is None:
-    admin = actions.create_user(actor, env["FLOTILLA_UP_ADMIN"], Role.ADMIN, password=env["FLOTILLA_UP_PASSWORD"])
-    result["admin_created"] = True
-
-def known(key, **owner):
-    return bool(key) and ApiToken.objects.filter(key_hash=hash_token(key), **owner).exists()
-
-if not known(env.get("FLOTILLA_UP_ADMIN_TOKEN", ""), user=admin):
-    result["admin_token"] = actions.create_person_token(actor, admin, "flotilla up")[1]
-node = env["FLOTILLA_UP_NODE"]
-if not known(env.get("FLOTILLA_UP_AGENT_TOKEN", ""), kind=ApiToken.Kind.AGENT, node_name=node):
-    result["agent_token"] = actions.create_agent_token(actor, node, "flotilla up: the local agent")[1]
-
-result["api_key"] = None
-if env.get("FLOTILLA_UP_API_KEY_NAME"):
-    from controlplane.apikeys import actions as key_actions
-    from controlplane.apikeys.models import ApiKey
-    from runtime.api_keys import key_hash
-
-    name, kept = env["FLOTILLA_UP_API_KEY_NAME"], env.get("FLOTILLA_UP_API_KEY", "")
-    mine = ApiKey.objects.filter(owner=admin, name=name, revoked_at__isnull=True)
-    if not (kept and mine.filter(key_hash=key_hash(kept)).exists()):
-        for lost in mine:  # its file is gone: nobody can use it any more
-            key_actions.revoke_key(actor, lost)
-        result["api_key"] = key_actions.create_key(actor, admin, name)[1]
-print(json.dumps(result))
-"""
+#: The control plane's command that makes sure of the accounts (controlplane/accounts/management/commands/).
+BOOTSTRAP_COMMAND = "bootstrapaccounts"
 
 
 class ControlPlaneError(FlotillaError):
@@ -88,18 +49,23 @@ def manage_command() -> list[str]:
 
 def bootstrap_command(data_dir: Path, *, api_key: bool = False) -> tuple[list[str], dict[str, str], str]:
     """The command that makes sure the admin and the tokens (and, with ``api_key``, the admin's API key) exist,
-    the variables it reads, and the password it gives a new admin (printed only if it says it created one)."""
+    the variables it reads (the secrets: never in its arguments, which anyone can read in ``ps``), and the
+    password it gives a new admin (printed only if it says it created one).
+
+    The command creates the admin only when there is none, and a new token (or key) only when the one kept in
+    the data folder is not, or no longer, in the database, such as after a switch to another DATABASE_URL. It
+    prints one JSON line (parse_bootstrap)."""
     password = secrets.token_urlsafe(12)
+    argv = [*manage_command(), BOOTSTRAP_COMMAND, "--admin", ADMIN_USERNAME, "--node", LOCAL_NODE]
     env = {
-        "FLOTILLA_UP_ADMIN": ADMIN_USERNAME,
         "FLOTILLA_UP_PASSWORD": password,
-        "FLOTILLA_UP_NODE": LOCAL_NODE,
         "FLOTILLA_UP_ADMIN_TOKEN": read_secret(data_dir / ADMIN_TOKEN_FILE),
         "FLOTILLA_UP_AGENT_TOKEN": read_secret(data_dir / AGENT_TOKEN_FILE),
     }
     if api_key:
-        env.update(FLOTILLA_UP_API_KEY_NAME=API_KEY_NAME, FLOTILLA_UP_API_KEY=read_secret(data_dir / API_KEY_FILE))
-    return [*manage_command(), "shell", "--no-imports", "--command", _BOOTSTRAP], env, password
+        argv += ["--api-key-name", API_KEY_NAME]
+        env["FLOTILLA_UP_API_KEY"] = read_secret(data_dir / API_KEY_FILE)
+    return argv, env, password
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ its choices from ``ENGINE_LABELS``), and an agent refuses a task naming anything
 also takes ``out=pystr:FILE.py`` and ``out=pytok:FILE.py`` (a user's Python file as the engine): a person
 may run those by hand, but a task may not, since a name the broker carries would then run any code.
 
-``IMPLEMENTED_ENGINES`` are those this version runs; ``PLANNED_ENGINES`` are on the road map, named so
-that asking for one gets a clear answer. ``engines_on_this_node()`` is what an agent can run here.
+``IMPLEMENTED_ENGINES`` are those this version of ``flotilla run`` runs: every name of ``ENGINE_LABELS``.
+``engines_on_this_node()`` is what an agent can run here.
 """
 
 import importlib.util
@@ -25,12 +25,11 @@ ENGINE_LABELS: dict[str, str] = {
 }
 FLEET_ENGINES = frozenset(ENGINE_LABELS)
 
-#: The engines this version of ``flotilla run`` implements.
+#: The engines this version of ``flotilla run`` implements: every engine of the fleet
+#: (tests/agent/test_task_checks.py holds the two lists to the same names).
 #: GPU-only engines are listed too: ``engines_on_this_node()`` reports one only where its library imports,
 #: so an agent on a CPU node refuses its tasks and the catalog offers it only where some node has it.
 IMPLEMENTED_ENGINES = ("echo_core", "echo_full", "llamacpp", "mistralrs", "mocker", "sglang", "trtllm", "vllm")
-#: The engines on the road map (DESIGN.md): in the catalog, refused by ``flotilla run`` with a clear answer.
-PLANNED_ENGINES = tuple(name for name in ENGINE_LABELS if name not in IMPLEMENTED_ENGINES)
 
 #: These run only on a GPU: a worker group of theirs needs at least one GPU per replica.
 GPU_ONLY_ENGINES = frozenset({"vllm", "sglang", "trtllm"})

@@ -43,7 +43,7 @@ async def stopped(agent: NodeAgent, pids: dict[int, int], *instance_ids: int) ->
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.name == "agent.node_agent"]
+    return [record.getMessage() for record in caplog.records if record.name == "agent.ownership_checks"]
 
 
 async def test_workers_the_control_plane_disowns_are_stopped_within_one_comparison_period(

@@ -1,5 +1,6 @@
-"""The supervisor with tiny Python children standing in for `flotilla run`: start, crash, restart with
-backoff, graceful stop, and adoption by a new supervisor after the agent restarts.
+"""The supervisor with tiny Python children standing in for `flotilla run`: start, a crash reported (never
+restarted here: the control plane decides that), graceful stop, and adoption by a new supervisor after the
+agent restarts.
 
 The child is called as the supervisor calls `flotilla` (``CHILD run in=dyn://… out=ENGINE …``); its
 "engine" says how it behaves. It signals readiness by connecting to a Unix socket, standing in for its
@@ -20,8 +21,8 @@ import pytest
 
 from agent.errors import WorkerError
 from agent.processes import process_start_time
-from agent.supervisor import RestartPolicy, Supervisor, WorkerState, WorkerStatus
-from agent.worker_records import load_records
+from agent.supervisor import Supervisor, WorkerState, WorkerStatus
+from agent.worker_records import WorkerRecord, load_records, record_path
 from runtime.fleet_tasks import WorkerSpec
 
 CHILD = """
@@ -64,7 +65,6 @@ while True:
 """
 
 GIB = 1 << 30
-FAST = RestartPolicy(max_restarts=2, backoff_s=0.01, backoff_max_s=0.04, healthy_after_s=3600)
 
 
 class SocketReadiness:
@@ -109,6 +109,11 @@ class Statuses:
     def __call__(self, status: WorkerStatus) -> None:
         self.seen.append(status)
         self._queue.put_nowait(status)
+
+    async def nothing_more(self, wait_s: float = 0.2) -> None:
+        """No status follows within ``wait_s`` (a worker that ended is not started again)."""
+        await asyncio.sleep(wait_s)
+        assert self.pending() == []
 
     async def next(self, state: WorkerState | None = None) -> WorkerStatus:
         """The next status (which must be in ``state``, when given)."""
@@ -155,16 +160,13 @@ async def readiness(socket_dir: Path) -> AsyncIterator[SocketReadiness]:
     await ready.close()
 
 
-def make_supervisor(
-    tmp_path: Path, child: Path, readiness: SocketReadiness, statuses: Statuses, policy: RestartPolicy = FAST
-) -> Supervisor:
+def make_supervisor(tmp_path: Path, child: Path, readiness: SocketReadiness, statuses: Statuses) -> Supervisor:
     return Supervisor(
         node="node-a",
         state_dir=tmp_path / "state",
         log_dir=tmp_path / "logs",
         readiness=readiness,
         on_status=statuses,
-        policy=policy,
         command=[sys.executable, str(child)],
         stop_timeout_s=10,
         base_env={**os.environ, "READY_SOCKET": str(readiness.path)},
@@ -224,25 +226,20 @@ async def test_a_worker_starts_with_its_gpus_becomes_ready_and_stops_gracefully(
     assert supervisor.instances() == []
 
 
-async def test_a_crashing_worker_is_restarted_with_doubling_backoff_then_given_up(
+async def test_a_crashing_worker_is_reported_failed_and_forgotten_not_restarted(
     tmp_path: Path, child: Path, readiness: SocketReadiness
 ) -> None:
     statuses = Statuses()
     supervisor = make_supervisor(tmp_path, child, readiness, statuses)
     supervisor.start(spec(8, "crash"))
-    delays, restarts = [], []
-    for _ in range(3):
-        restarts.append((await statuses.next(WorkerState.STARTING)).restarts)
-        failed = await statuses.next(WorkerState.FAILED)
-        assert failed.exit_code == 3
-        assert "failed with exit code 3" in failed.reason
-        assert "boom: the engine fell over" in failed.reason  # the log's last lines come with it
-        delays.append(failed.retry_in_s)
-    assert restarts == [0, 1, 2]
-    assert delays == [0.01, 0.02, None]  # None: final
-    assert "gave up after 2 restarts in a row" in failed.reason
+    await statuses.next(WorkerState.STARTING)
+    failed = await statuses.next(WorkerState.FAILED)
+    assert failed.exit_code == 3
+    assert "failed with exit code 3" in failed.reason
+    assert "boom: the engine fell over" in failed.reason  # the log's last lines come with it
     assert supervisor.instances() == []
     assert load_records(tmp_path / "state") == []
+    await statuses.nothing_more()  # the control plane decides whether it runs again
 
 
 async def test_a_worker_that_refuses_its_configuration_is_not_restarted(
@@ -253,11 +250,11 @@ async def test_a_worker_that_refuses_its_configuration_is_not_restarted(
     supervisor.start(spec(9, "config"))
     await statuses.next(WorkerState.STARTING)
     failed = await statuses.next(WorkerState.FAILED)
-    assert failed.retry_in_s is None and failed.exit_code == 2
+    assert failed.exit_code == 2  # EXIT_CONFIG: the agent reports it as a permanent failure
     assert "restarting cannot help" in failed.reason and "unknown key" in failed.reason
 
 
-async def test_a_killed_worker_is_reported_with_its_signal_and_started_again(
+async def test_a_killed_worker_is_reported_with_its_signal_and_runs_again_only_when_started_again(
     tmp_path: Path, child: Path, readiness: SocketReadiness
 ) -> None:
     statuses = Statuses()
@@ -269,10 +266,22 @@ async def test_a_killed_worker_is_reported_with_its_signal_and_started_again(
     os.kill(first.pid, signal.SIGKILL)
     failed = await statuses.next(WorkerState.FAILED)
     assert failed.exit_signal == signal.SIGKILL and "out-of-memory" in failed.reason
+    assert supervisor.instances() == [] and load_records(tmp_path / "state") == []
+    await statuses.nothing_more()
+    # The control plane's next start of the instance (a new attempt) runs a new worker.
+    supervisor.start(spec(10, "serve"))
     second = await statuses.next(WorkerState.STARTING)
-    assert second.restarts == 1 and second.pid != first.pid
+    assert second.pid != first.pid
     assert (await statuses.next(WorkerState.READY)).pid == second.pid
     await supervisor.stop(10)
+
+
+def test_the_record_of_an_older_agent_with_its_restart_count_is_still_read(tmp_path: Path) -> None:
+    record = WorkerRecord(spec=spec(5, "serve"), pid=4242, start_time=17, boot_id="boot", log_path="/logs/5.log")
+    older = {**msgspec.to_builtins(record), "restarts": 0}  # the count older agents kept (always 0)
+    path = record_path(tmp_path, 5)
+    path.write_text(json.dumps(older))
+    assert load_records(tmp_path) == [record]
 
 
 async def test_a_worker_that_ignores_sigterm_is_killed_with_what_it_started(
@@ -348,17 +357,14 @@ async def test_a_new_supervisor_adopts_running_workers_and_reports_vanished_ones
     assert (ready.instance_id, ready.pid, ready.endpoint_instance_id) == (20, kept, kept * 10)
     assert [record.spec.instance_id for record in load_records(tmp_path / "state")] == [20]
 
-    # Not its parent, it still notices the adopted worker's death, and starts it again.
+    # Not its parent, it still notices the adopted worker's death, and reports it.
     adopted_pid = pids[20]
     assert adopted_pid is not None
     os.kill(adopted_pid, signal.SIGKILL)
     failed = await after.next(WorkerState.FAILED)
-    assert failed.exit_code is None and "exit code is unknown" in failed.reason and failed.retry_in_s == 0.01
-    restarted = await after.next(WorkerState.STARTING)
-    assert restarted.pid != adopted_pid
-    await after.next(WorkerState.READY)
-    await new.stop(20)
-    assert after.pending()[-1].exit_code == 0  # its own child again: the exit code is known
+    assert failed.instance_id == 20 and failed.exit_code is None and "exit code is unknown" in failed.reason
+    assert new.instances() == [] and load_records(tmp_path / "state") == []
+    await after.nothing_more()
 
 
 async def test_a_worker_sees_none_of_the_agents_credentials_only_what_it_needs_to_serve(
@@ -385,7 +391,6 @@ async def test_a_worker_sees_none_of_the_agents_credentials_only_what_it_needs_t
         log_dir=tmp_path / "logs",
         readiness=readiness,
         on_status=statuses,
-        policy=RestartPolicy(max_restarts=0),
         command=[sys.executable, str(child)],
     )
     supervisor.start(spec(4, "environment", gpu_indexes=[2]))

@@ -6,7 +6,7 @@ import pytest
 
 from agent.errors import TaskNotAllowed
 from agent.task_checks import ENGINE_FLAGS, check_engine_args, check_start
-from launcher.cli import build_run_parser
+from launcher.run_parser import build_run_parser
 from runtime.engine_names import FLEET_ENGINES, IMPLEMENTED_ENGINES
 from runtime.fleet_tasks import StartInstance, WorkerSpec
 
@@ -93,3 +93,8 @@ def test_the_flags_a_task_may_give_are_flags_of_flotilla_run_that_take_a_value()
 
 def test_every_engine_flotilla_run_implements_is_one_of_the_fleets() -> None:
     assert set(IMPLEMENTED_ENGINES) <= FLEET_ENGINES
+
+
+def test_flotilla_run_implements_every_engine_of_the_fleet() -> None:
+    # No engine is only planned: a name the catalog offers is one ``flotilla run`` runs.
+    assert set(IMPLEMENTED_ENGINES) >= FLEET_ENGINES

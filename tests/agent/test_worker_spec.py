@@ -8,8 +8,9 @@ import msgspec
 import pytest
 
 from agent.worker_spec import allowed_environment, worker_argv, worker_env, worker_labels
-from launcher.cli import build_run_parser, parse_run_options
+from launcher.cli import parse_run_options
 from launcher.options import RunOptions
+from launcher.run_parser import build_run_parser
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
 from runtime.errors import ConfigError
 from runtime.fleet_tasks import WorkerSpec

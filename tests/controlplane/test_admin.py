@@ -15,7 +15,7 @@ PASSWORD = "a long passphrase"
 
 
 def logged_in(role: Role = Role.ADMIN, username: str = "admin") -> Client:
-    # As launcher/stack_controlplane.py's bootstrap makes the admin of `flotilla up`.
+    # As `manage.py bootstrapaccounts` makes the admin of `flotilla up`.
     actions.create_user(Actor.system("flotilla up"), username, role, password=PASSWORD)
     client = Client()
     assert client.post("/admin/login/", {"username": username, "password": PASSWORD}).status_code == 302

@@ -16,7 +16,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from launcher.cli import build_run_parser, exit_code, parse_run_options
+from launcher.cli import exit_code, parse_run_options
+from launcher.run_parser import build_run_parser
 from runtime.errors import ConfigError
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import BlockStored, KvEventBatch

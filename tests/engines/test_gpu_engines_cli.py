@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from engines.gpu_engine_args import GpuPlacement
-from launcher.cli import build_run_parser, parse_run_options
+from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.run import build_model
+from launcher.run_parser import build_run_parser
 from runtime.errors import ConfigError
 
 EXTRAS = {"sglang": "sglang", "trtllm": "tensorrt_llm"}

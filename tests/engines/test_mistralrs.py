@@ -156,7 +156,6 @@ def test_a_node_without_mistralrs_says_which_extra_to_install() -> None:
 
 
 def test_an_installed_mistralrs_is_an_engine_of_this_node() -> None:
-    from runtime.engine_names import PLANNED_ENGINES, engines_on_this_node
+    from runtime.engine_names import engines_on_this_node
 
     assert "mistralrs" in engines_on_this_node()
-    assert "mistralrs" not in PLANNED_ENGINES

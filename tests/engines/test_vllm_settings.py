@@ -10,8 +10,9 @@ import pytest
 from engines.node_group import LeaderAddress, NodeGroup
 from engines.vllm import visible_devices
 from engines.vllm_settings import VllmSettings, check_extra_args, read_extra_args
-from launcher.cli import build_run_parser, parse_run_options
+from launcher.cli import parse_run_options
 from launcher.options import RunOptions
+from launcher.run_parser import build_run_parser
 from runtime.errors import ConfigError
 
 FIELDS = frozenset({"model", "block_size", "enable_prefix_caching", "gpu_memory_utilization", "max_model_len"})

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import build_run_parser, exit_code, parse_run_options
+from launcher.cli import exit_code, parse_run_options
 from launcher.options import RunOptions
+from launcher.run_parser import build_run_parser
 from runtime.errors import (
     BackgroundTaskFailed,
     ConfigError,

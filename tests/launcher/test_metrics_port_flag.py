@@ -2,7 +2,8 @@
 
 import pytest
 
-from launcher.cli import build_run_parser, parse_run_options
+from launcher.cli import parse_run_options
+from launcher.run_parser import build_run_parser
 
 
 def test_a_worker_takes_a_metrics_port_from_its_flag_or_variable(monkeypatch: pytest.MonkeyPatch) -> None:

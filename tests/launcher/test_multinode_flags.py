@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from engines.node_group import LeaderAddress, NodeGroup
-from launcher.cli import build_run_parser, parse_run_options
+from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.proctitle import run_title
+from launcher.run_parser import build_run_parser
 from runtime.errors import ConfigError
 
 LEADER = ["--leader-addr", "10.0.0.1:29500"]
