@@ -50,10 +50,10 @@ from typing import Any
 
 import httpx
 import uvloop
-from _common import ServerProcess, free_port, percentile, running_server
+from _common import RESULTS_DIR, ServerProcess, free_port, percentile, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = RESULTS_DIR
 # The control plane's modules, and the servers the tests start (PostgreSQL, Redis), come from the tree.
 sys.path.insert(0, str(ROOT))
 FLOOR_P99_MS = 100.0

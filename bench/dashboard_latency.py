@@ -39,11 +39,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import ServerProcess, free_port, percentile, running_server  # noqa: E402
+from bench._common import RESULTS_DIR, ServerProcess, free_port, percentile, running_server  # noqa: E402
 from tests.browser.chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402  (the browser tests' Chromium, flags and all)
 
 FLOOR_P99_MS = 500.0
-RESULTS = ROOT / "bench" / "results" / "dashboard_latency.json"
+RESULTS = RESULTS_DIR / "dashboard_latency.json"
 ADMIN, PASSWORD = "bench-admin", "bench-password-not-secret"
 FIRST_ENDPOINT_ID = 0x5EED0000
 ACTIVE = re.compile(r'data-active-requests="([0-9.e+]+)"')
@@ -365,9 +365,9 @@ def report(args: argparse.Namespace, fleet: Fleet, result: dict[str, Any]) -> bo
         "latencies_ms": values,
         "echo_round_trips_ms": rtts,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(raw, indent=1))
-    print(f"  raw numbers: {RESULTS.relative_to(ROOT)}")
+    print(f"  raw numbers: {RESULTS}")
     return met
 
 

@@ -50,11 +50,11 @@ from types import FrameType
 from typing import Any
 
 import httpx
-from _common import free_port, percentile, running_server
+from _common import RESULTS_DIR, free_port, percentile, running_server
 from _openai_load import PROMPTS, chat_payload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "llamacpp_vs_server.json"
+RESULTS_PATH = RESULTS_DIR / "llamacpp_vs_server.json"
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
 CONTEXT_LENGTH = 2048
 THREADS = 2
@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    print(f"results: {RESULTS_PATH}")
     return 0
 
 

@@ -31,15 +31,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import uvloop
-from _common import cpu_seconds, percentile
+from _common import RESULTS_DIR, cpu_seconds, percentile
 from stacks import Stack, dynamo_stack, flotilla_stack
 from trace_replay import StreamResult, http_request, read_stream
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 2
 MOCKER_SETTINGS = {"speedup_ratio": 1000}
 PROMPT = "Write a short poem about the sea, the wind and the boats that sail between them."
@@ -263,8 +261,8 @@ def main() -> None:
             f"p99 {paced_ratios['ttft_p99_ms']:.2f}x (lower is better)"
         )
         result["paced"] = {"rate": rate, "summary": paced_summary, "ratios": paced_ratios}
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "stack_vs_dynamo.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
