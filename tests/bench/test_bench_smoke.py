@@ -21,6 +21,7 @@ are run by those benches (gateway_overhead; the mocker stacks of idle_latency, b
 and trace_replay).
 """
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -343,7 +344,8 @@ SMOKES = [
 def run_bench(command: Sequence[str], timeout: float, env: dict[str, str]) -> tuple[int, str, float]:
     """Run ``command`` from the repository root; returns its exit code, its output (stdout and stderr
     together) and its seconds. Past ``timeout`` it gets SIGINT, so that it stops the servers it started,
-    then its process group SIGKILL, and the test fails."""
+    then SIGKILL, and the test fails. What is left of its process group once it has exited (servers it
+    started without a session of their own and did not stop) is killed."""
     started = time.monotonic()
     process = subprocess.Popen(
         command,
@@ -362,9 +364,12 @@ def run_bench(command: Sequence[str], timeout: float, env: dict[str, str]) -> tu
         try:
             output, _ = process.communicate(timeout=GRACE_S)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.kill()
             output, _ = process.communicate()
         pytest.fail(f"{' '.join(command)} ran past {timeout:g} s; its output:\n{output[-6000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     return process.returncode, output, time.monotonic() - started
 
 
