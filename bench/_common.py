@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: free ports, server subprocesses (nats-server too), process CPU time,
-percentiles."""
+percentiles, where the raw numbers go."""
 
 import contextlib
 import gc
@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+#: Where the benchmarks write their raw numbers: bench/results/ (not committed), or the folder that
+#: FLOTILLA_BENCH_RESULTS names: tests/bench/test_bench_smoke.py points it at a temporary one, so that its
+#: smoke runs leave a real run's numbers alone.
+RESULTS_DIR = Path(os.environ.get("FLOTILLA_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def free_port() -> int:

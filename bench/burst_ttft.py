@@ -8,7 +8,9 @@ mocker's own model gives for the same burst in this process, with no HTTP, routi
 that is the floor a stack can reach, and the difference is what its serving path adds when requests
 arrive together.
 
-    .venv/bin/python bench/burst_ttft.py [--sizes 1,2,4,8] [--tokens 3000] [--rounds 2]
+    .venv/bin/python bench/burst_ttft.py [--sizes 1,2,4,8] [--tokens 3000] [--rounds 2] [--stacks flotilla,dynamo]
+
+(``--stacks flotilla``: Flotilla's side alone, where Dynamo is not installed.)
 
 A diagnostic for issue 7: one request at a time the two paths differ by a few milliseconds
 (bench/idle_latency.py), yet Flotilla's TTFT under the replayed trace is ~8% above Dynamo's.
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from stacks import Stack, dynamo_stack, flotilla_stack
+from stacks import STACK_NAMES, Stack, dynamo_stack, flotilla_stack, stack_names
 from trace_replay import http_request, read_stream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -99,6 +101,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8", help="burst sizes, comma-separated")
     parser.add_argument("--tokens", type=int, default=3000, help="tokens per prompt")
     parser.add_argument("--rounds", type=int, default=2, help="bursts of each size per stack")
+    parser.add_argument(
+        "--stacks", type=stack_names, default=list(STACK_NAMES), help="e.g. flotilla (default: flotilla,dynamo)"
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
     batches = {
@@ -107,15 +112,16 @@ def main() -> None:
         for round_ in range(args.rounds)
     }
     measured: dict[str, dict[tuple[int, int], list[float]]] = {}
-    for name, make in (("flotilla", flotilla_stack), ("dynamo", dynamo_stack)):
-        with make(workers=1, mocker_settings=MOCKER_SETTINGS, router_mode="round-robin") as stack:
+    makers = {"flotilla": flotilla_stack, "dynamo": dynamo_stack}
+    for name in args.stacks:
+        with makers[name](workers=1, mocker_settings=MOCKER_SETTINGS, router_mode="round-robin") as stack:
             uvloop.run(stack_burst(stack, prompts(2, args.tokens, seed=1)))  # warm-up, not counted
             measured[name] = {key: uvloop.run(stack_burst(stack, batch)) for key, batch in batches.items()}
     print(f"TTFT ms of bursts of distinct {args.tokens}-token prompts on one mocker worker (speed-up 1), sorted:")
     for key, batch in batches.items():
         print(f"burst of {key[0]}, round {key[1] + 1}:")
         show("model", uvloop.run(model_burst(batch)))
-        for name in ("flotilla", "dynamo"):
+        for name in args.stacks:
             show(name, measured[name][key])
 
 

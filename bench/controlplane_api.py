@@ -50,13 +50,10 @@ from typing import Any
 
 import httpx
 import uvloop
-from _common import ServerProcess, free_port, percentile, running_server
-
-from controlplane.deployments import pipelines as pipeline_actions
-from controlplane.deployments import upkeep
+from _common import RESULTS_DIR, ServerProcess, free_port, percentile, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = RESULTS_DIR
 # The control plane's modules, and the servers the tests start (PostgreSQL, Redis), come from the tree.
 sys.path.insert(0, str(ROOT))
 FLOOR_P99_MS = 100.0
@@ -162,6 +159,8 @@ def deploy_pipelines(nodes: int, gpus: int) -> list[int]:
     from controlplane.audit.records import Actor
     from controlplane.catalog import actions as catalog
     from controlplane.catalog.models import LanguageModel
+    from controlplane.deployments import pipelines as pipeline_actions
+    from controlplane.deployments import upkeep
     from controlplane.deployments.pipelines import GroupSpec
 
     actor = Actor.system("bench")

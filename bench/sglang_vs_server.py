@@ -15,10 +15,10 @@ templating and detokenization, its scheduler in a process of its own. Both load 
 
 import sys
 
-from _common import free_port
-from vllm_vs_server import MODEL_NAME, REPO_ROOT, compare, parse_args, server_flags
+from _common import RESULTS_DIR, free_port
+from vllm_vs_server import MODEL_NAME, compare, parse_args, server_flags
 
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "sglang_vs_server.json"
+RESULTS_PATH = RESULTS_DIR / "sglang_vs_server.json"
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ closed loop of ``--concurrency`` keep-alive connections sending streamed chat co
 stacks take turns, in alternating order, for ``--rounds`` rounds, each on a fresh stack.
 
     .venv/bin/python bench/stack_vs_dynamo.py [--seconds 8] [--rounds 2] [--concurrency 32] [--tokens 32]
-        [--paced-share 0.8]
+        [--paced-share 0.8] [--stacks flotilla,dynamo]
 
 Then both stacks again, paced: requests due at one rate for both (``--paced-share`` of the slower
 stack's closed-loop requests/s), on at most ``--concurrency`` connections, each request's TTFT counted
@@ -17,7 +17,8 @@ different speeds are taken at different loads; paced, they are compared at one.
 
 Prints per stack requests/s, TTFT p50/p99 (first chunk with text) and the ingress process's CPU per
 request (from /proc, all its threads: the workers, NATS and etcd are not counted), then the ratios
-Flotilla/Dynamo; writes bench/results/stack_vs_dynamo.json. For context it also prints this load
+Flotilla/Dynamo (``--stacks flotilla``: Flotilla's side alone, no ratios, where Dynamo is not installed);
+writes bench/results/stack_vs_dynamo.json. For context it also prints this load
 generator's own CPU per request and the SSE chunks with text per answer: Flotilla's workers send
 what the engine produced meanwhile as one frame, so its 32 tokens come in fewer chunks than Dynamo's
 32, which costs the client (on the same 2 cores) less to read.
@@ -31,15 +32,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import uvloop
-from _common import cpu_seconds, percentile
-from stacks import Stack, dynamo_stack, flotilla_stack
+from _common import RESULTS_DIR, cpu_seconds, percentile
+from stacks import STACK_NAMES, Stack, dynamo_stack, flotilla_stack, stack_names
 from trace_replay import StreamResult, http_request, read_stream
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 2
 MOCKER_SETTINGS = {"speedup_ratio": 1000}
 PROMPT = "Write a short poem about the sea, the wind and the boats that sail between them."
@@ -166,9 +165,9 @@ def start(name: str) -> Iterator[Stack]:
 
 def run_rounds(args: argparse.Namespace, measure_one: Callable[[Stack, Measured], None]) -> dict[str, Measured]:
     """``measure_one`` on a fresh stack of each kind per round, the order alternating between rounds."""
-    runs = {"flotilla": Measured(), "dynamo": Measured()}
+    runs = {name: Measured() for name in args.stacks}
     for round_number in range(args.rounds):
-        order = ["flotilla", "dynamo"] if round_number % 2 == 0 else ["dynamo", "flotilla"]
+        order = args.stacks if round_number % 2 == 0 else args.stacks[::-1]
         for name in order:
             before = runs[name].requests
             try:
@@ -209,6 +208,9 @@ def main() -> None:
         default=0.8,
         help="then both stacks at this share of the slower one's closed-loop requests/s (0: skip)",
     )
+    parser.add_argument(
+        "--stacks", type=stack_names, default=list(STACK_NAMES), help="e.g. flotilla (default: flotilla,dynamo)"
+    )
     args = parser.parse_args()
     if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.concurrency < 1 or args.tokens < 1:
         parser.error("--seconds must be above 0, --warmup at least 0, the others at least 1")
@@ -231,15 +233,18 @@ def main() -> None:
             f"{row['ingress_cpu_ms_per_request']:20.3f}{row['client_cpu_ms_per_request']:19.3f}"
             f"{row['chunks_per_request']:12.1f}  {row['failures'] or ''}"
         )
-    ratios = {
-        key: summary["flotilla"][key] / summary["dynamo"][key]
-        for key in ("rps", "ttft_p50_ms", "ttft_p99_ms", "ingress_cpu_ms_per_request")
-    }
-    print(
-        f"Flotilla / Dynamo: requests/s {ratios['rps']:.2f}x (higher is better), "
-        f"TTFT p50 {ratios['ttft_p50_ms']:.2f}x, p99 {ratios['ttft_p99_ms']:.2f}x, "
-        f"ingress CPU per request {ratios['ingress_cpu_ms_per_request']:.2f}x (lower is better)"
-    )
+    both = len(summary) == len(STACK_NAMES)
+    ratios = {}
+    if both:
+        ratios = {
+            key: summary["flotilla"][key] / summary["dynamo"][key]
+            for key in ("rps", "ttft_p50_ms", "ttft_p99_ms", "ingress_cpu_ms_per_request")
+        }
+        print(
+            f"Flotilla / Dynamo: requests/s {ratios['rps']:.2f}x (higher is better), "
+            f"TTFT p50 {ratios['ttft_p50_ms']:.2f}x, p99 {ratios['ttft_p99_ms']:.2f}x, "
+            f"ingress CPU per request {ratios['ingress_cpu_ms_per_request']:.2f}x (lower is better)"
+        )
     result: dict[str, Any] = {"args": vars(args), "summary": summary, "ratios": ratios}
     if args.paced_share:
         # A closed loop runs each stack as fast as it goes, so a stack that answers more requests per
@@ -255,16 +260,19 @@ def main() -> None:
                 f"{name:10}{row['rps']:12.1f}{row['ttft_p50_ms']:13.2f}{row['ttft_p99_ms']:13.2f}"
                 f"{row['chunks_per_request']:12.1f}  {row['failures'] or ''}"
             )
-        paced_ratios = {
-            key: paced_summary["flotilla"][key] / paced_summary["dynamo"][key] for key in ("ttft_p50_ms", "ttft_p99_ms")
-        }
-        print(
-            f"Flotilla / Dynamo at {rate:.1f} requests/s: TTFT p50 {paced_ratios['ttft_p50_ms']:.2f}x, "
-            f"p99 {paced_ratios['ttft_p99_ms']:.2f}x (lower is better)"
-        )
+        paced_ratios = {}
+        if both:
+            paced_ratios = {
+                key: paced_summary["flotilla"][key] / paced_summary["dynamo"][key]
+                for key in ("ttft_p50_ms", "ttft_p99_ms")
+            }
+            print(
+                f"Flotilla / Dynamo at {rate:.1f} requests/s: TTFT p50 {paced_ratios['ttft_p50_ms']:.2f}x, "
+                f"p99 {paced_ratios['ttft_p99_ms']:.2f}x (lower is better)"
+            )
         result["paced"] = {"rate": rate, "summary": paced_summary, "ratios": paced_ratios}
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
+    out = RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "stack_vs_dynamo.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

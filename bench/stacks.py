@@ -17,6 +17,7 @@ Both mockers get the same settings (the keys of ``--extra-engine-args``, Dynamo'
 Dynamo's flags by ``dynamo_mocker_flags``.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -46,6 +47,8 @@ MODEL = "smol"
 #: Dynamo's interpreter: `make dynamo` installs it in .dynamo-venv/ (DYNAMO_PYTHON points elsewhere).
 DYNAMO_PYTHON = Path(os.environ.get("DYNAMO_PYTHON", ROOT / ".dynamo-venv" / "bin" / "python"))
 ROUTER_MODES = ("kv", "round-robin", "random")
+#: The stacks a side-by-side benchmark compares, in the order they run (its ``--stacks`` picks some).
+STACK_NAMES = ("flotilla", "dynamo")
 #: Ask Dynamo's frontend to name the worker in every streamed chunk (``nvext.worker_id``).
 DYNAMO_WORKER_FIELDS: dict[str, Any] = {"nvext": {"extra_fields": ["worker_id"]}}
 _READY_TIMEOUT_S = 120.0
@@ -84,6 +87,17 @@ def check_mocker_settings(settings: Mapping[str, Any], *, dynamo: bool = False) 
     if dynamo:
         dynamo_mocker_flags(settings)
     return dict(settings)
+
+
+def stack_names(text: str) -> list[str]:
+    """An argparse type: comma-separated names from STACK_NAMES (``flotilla`` alone: where Dynamo is not
+    installed), in STACK_NAMES's order."""
+    names = [name for name in text.split(",") if name]
+    if unknown := [name for name in names if name not in STACK_NAMES]:
+        raise argparse.ArgumentTypeError(f"unknown stack {unknown[0]!r} (choose from {', '.join(STACK_NAMES)})")
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one stack")
+    return [name for name in STACK_NAMES if name in names]
 
 
 def _spawn(command: Sequence[str], log_path: Path, env: Mapping[str, str]) -> ServerProcess:

@@ -64,12 +64,11 @@ from typing import Any
 
 import msgspec
 import uvloop
-from _common import collector_paused, cpu_seconds, percentile
+from _common import RESULTS_DIR, collector_paused, cpu_seconds, percentile
 from prometheus_client.parser import text_string_to_metric_families
 from stacks import DYNAMO_PYTHON, Stack, check_mocker_settings, dynamo_stack, flotilla_stack
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+RESULTS = RESULTS_DIR
 
 # The mockers of every mode, at the timing model's own speed (speed-up 1). 64-token blocks (vLLM's
 # default) divide the trace's 512-token blocks. 8192 blocks (524k tokens) per worker is what an 8B model

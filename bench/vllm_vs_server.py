@@ -28,11 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, running_server
+from _common import RESULTS_DIR, free_port, running_server
 from _openai_load import Result, http_load, report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_PATH = REPO_ROOT / "bench" / "results" / "vllm_vs_server.json"
+RESULTS_PATH = RESULTS_DIR / "vllm_vs_server.json"
 MODEL_NAME = "bench-model"
 START_TIMEOUT_S = 900.0  # a first start compiles the model's graphs (torch.compile, CUDA graphs)
 
