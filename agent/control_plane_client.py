@@ -30,6 +30,10 @@ import msgspec
 
 from agent.errors import AgentError
 from agent.inventory import NodeInventory
+from runtime.agent_reports import DownloadReport as DownloadReport
+from runtime.agent_reports import GpuReport
+from runtime.agent_reports import InstanceReport as InstanceReport
+from runtime.agent_reports import NodeReport as NodeReport
 from runtime.backoff import Backoff
 from runtime.errors import ConfigError
 
@@ -68,34 +72,8 @@ class NodeNotRegistered(AgentError):
     retryable = True
 
 
-# What the agent sends (field names as the API's serializers have them).
-
-
-class GpuReport(msgspec.Struct, frozen=True, kw_only=True):
-    index: int
-    name: str
-    uuid: str
-    memory_total_bytes: int
-    memory_used_bytes: int
-    utilization_percent: int
-
-
-class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
-    """A node's inventory, as registration and heartbeats send it."""
-
-    name: str
-    address: str
-    labels: dict[str, str]
-    cpu_count: int
-    memory_total_bytes: int
-    memory_available_bytes: int
-    agent_version: str
-    gpus: list[GpuReport]
-    #: This machine's id (agent/machine_identity.py): the control plane refuses another machine's reports.
-    machine_id: str = ""
-    #: The engines this node's workers can run (runtime.engine_names.engines_on_this_node()), sorted: the
-    #: control plane places a replica only on a node that reports its engine.
-    engines: list[str] = msgspec.field(default_factory=list)
+# What the agent sends: the reports of runtime/agent_reports.py (exported here too, ``as``, for the agent's
+# modules that hand them to the client).
 
 
 def node_report(
@@ -131,29 +109,6 @@ def node_report(
         machine_id=machine_id,
         engines=sorted(engines),
     )
-
-
-class InstanceReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """An instance's state as the agent reports it (None fields are left out: the API refuses nulls)."""
-
-    state: str
-    reason: str = ""
-    pid: int | None = None
-    endpoint_instance_id: int | None = None
-    download_progress: float | None = None
-    #: The attempt the report is about: the control plane refuses (409) a report of an older one.
-    attempt: int | None = None
-    #: With "failed": retrying cannot fix it (exit code 2, a repository that does not exist); given up at once.
-    permanent: bool = False
-
-
-class DownloadReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A model download on this node: pending, downloading, done or failed (with ``error``)."""
-
-    state: str
-    bytes_done: int = 0
-    bytes_total: int | None = None
-    error: str = ""
 
 
 # What the control plane answers.

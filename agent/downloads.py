@@ -16,30 +16,16 @@ bars). The settings of huggingface_hub apply: ``HF_TOKEN`` (or ``HF_TOKEN_FILE``
 """
 
 import asyncio
-import errno
-import fnmatch
 import logging
 import os
 import shutil
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import filelock
-import httpx2  # huggingface_hub's HTTP client; its transport errors mean the hub is unreachable
 import msgspec
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-from huggingface_hub.errors import (
-    DisabledRepoError,
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
 
 from agent.errors import (
     DiskFull,
@@ -49,11 +35,10 @@ from agent.errors import (
     RepoNotFound,
     RepoUnauthorized,
 )
-from runtime.config import env_bool, env_float, env_str
 from runtime.errors import ModelError
 from runtime.fleet_tasks import HubSource, LocalSource, ModelSource
-from runtime.hub_download import SKIPPED_WITH_SAFETENSORS
-from runtime.model_source import HF_FOLDER_FILES, parse_hub_model, resolve_model
+from runtime.hub_download import HubCaller, HubError, HubProblem, HubSettings, hub_error, pick_files
+from runtime.model_source import HubModel, parse_hub_model, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +54,6 @@ class DownloadProgress(msgspec.Struct, frozen=True):
 ProgressCallback = Callable[[DownloadProgress], None]
 
 
-@dataclass(frozen=True)
-class HubSettings:
-    """How to reach the hub; ``from_environment()`` reads huggingface_hub's own variables."""
-
-    endpoint: str | None = None
-    token: str | None = None
-    offline: bool = False
-    timeout_s: float = 10.0
-
-    @classmethod
-    def from_environment(cls) -> "HubSettings":
-        """HF_ENDPOINT, HF_TOKEN (or HF_TOKEN_FILE), HF_HUB_OFFLINE, HF_HUB_ETAG_TIMEOUT. Raises ConfigError."""
-        return cls(
-            endpoint=env_str("HF_ENDPOINT") or None,
-            token=env_str("HF_TOKEN") or None,
-            offline=env_bool("HF_HUB_OFFLINE", False),
-            timeout_s=env_float("HF_HUB_ETAG_TIMEOUT", 10.0, minimum=0.1),
-        )
-
-
 class ModelDownloader:
     """Fetches models into ``models_dir``; one per agent."""
 
@@ -96,6 +61,12 @@ class ModelDownloader:
         self.models_dir = models_dir
         self.hub = hub if hub is not None else HubSettings.from_environment()
         self.progress_interval_s = progress_interval_s
+        self._caller = HubCaller(
+            quant_tags=False,
+            local_path="register the model as a local path",
+            cache=str(models_dir),
+            who=" for the agent",
+        )
         # In-flight downloads by source, shared by every fetch of that source meanwhile.
         self._running: dict[ModelSource, asyncio.Future[Path]] = {}
         self._listeners: dict[ModelSource, list[ProgressCallback]] = {}
@@ -168,8 +139,13 @@ class ModelDownloader:
                 lock.release()
         except DownloadError:
             raise
+        except HubError as exc:
+            raise _AGENT_ERRORS[exc.problem](str(exc)) from exc
         except Exception as exc:
-            raise translate_hub_error(exc, source, self.hub, self.models_dir) from exc
+            error = hub_error(exc, _hub_model(source), self.hub, self._caller)
+            if error is None:
+                raise DownloadError(f"downloading {source.repo_id!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise _AGENT_ERRORS[error.problem](str(error)) from exc
 
     def _download(self, source: HubSource, report: ProgressCallback) -> Path:
         """Download under the repo's lock. huggingface_hub's exceptions go out untranslated."""
@@ -188,8 +164,8 @@ class ModelDownloader:
         api = HfApi(endpoint=hub.endpoint, token=hub.token)
         info = api.model_info(source.repo_id, revision=source.revision, files_metadata=True, timeout=hub.timeout_s)
         sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
-        files, ignore = _plan(source, sorted(sizes))
-        total = sum(sizes[name] for name in files)
+        plan = pick_files(_hub_model(source), sorted(sizes), self._caller)
+        total = sum(sizes[name] for name in plan.names)
         blobs = self.models_dir / _repo_folder(source.repo_id) / "blobs"
         _check_space(self.models_dir, needed=total - _bytes_in(blobs), what=source.repo_id)
         stop_polling = threading.Event()
@@ -202,10 +178,10 @@ class ModelDownloader:
         poller.start()
         try:
             # Pinned to the commit model_info saw, so that every file comes from one commit.
-            if len(files) == 1 and ignore is None:
+            if plan.file is not None:
                 path = hf_hub_download(
                     source.repo_id,
-                    files[0],
+                    plan.file,
                     revision=info.sha,
                     cache_dir=cache,
                     endpoint=hub.endpoint,
@@ -217,7 +193,7 @@ class ModelDownloader:
                     source.repo_id,
                     revision=info.sha,
                     cache_dir=cache,
-                    ignore_patterns=ignore,
+                    ignore_patterns=plan.ignore,
                     endpoint=hub.endpoint,
                     token=hub.token,
                     etag_timeout=hub.timeout_s,
@@ -234,38 +210,24 @@ def _ignore(progress: DownloadProgress) -> None:
     del progress
 
 
+def _hub_model(source: HubSource) -> HubModel:
+    return HubModel(source.repo_id, source.file, source.revision)
+
+
+# What each problem the hub module names is to the agent: HubUnreachable and DiskFull are worth a retry.
+_AGENT_ERRORS: dict[HubProblem, type[DownloadError]] = {
+    HubProblem.UNREACHABLE: HubUnreachable,
+    HubProblem.NOT_FOUND: RepoNotFound,
+    HubProblem.UNAUTHORIZED: RepoUnauthorized,
+    HubProblem.NOT_CACHED: LocalModelInvalid,
+    HubProblem.DISK_FULL: DiskFull,
+    HubProblem.REFUSED: DownloadError,
+}
+
+
 def _repo_folder(repo_id: str) -> str:
     """The hub cache's folder name of a model repo (``models--org--name``)."""
     return "models--" + repo_id.replace("/", "--")
-
-
-def _plan(source: HubSource, files: list[str]) -> tuple[list[str], list[str] | None]:
-    """(the files to fetch, the ignore patterns for a snapshot, or None to fetch one file). Raises RepoNotFound."""
-    if source.file is not None:
-        if source.file not in files:
-            raise RepoNotFound(
-                f"Hugging Face repo {source.repo_id!r} at {source.revision!r} has no file {source.file!r}"
-            )
-        return [source.file], None
-    ggufs = [name for name in files if name.endswith(".gguf")]
-    if not any(name in files for name in HF_FOLDER_FILES):
-        if len(ggufs) == 1:
-            return ggufs, None
-        if ggufs:
-            raise DownloadError(
-                f"Hugging Face repo {source.repo_id!r} holds {len(ggufs)} GGUF files: name the one to serve "
-                f"as the model's file (e.g. {ggufs[0]!r})"
-            )
-        raise DownloadError(
-            f"Hugging Face repo {source.repo_id!r} has no config.json, tokenizer.json or .gguf file, "
-            "so it is not a model Flotilla can run"
-        )
-    ignore = ["*.gguf"]
-    if any(name.endswith(".safetensors") for name in files):
-        ignore += SKIPPED_WITH_SAFETENSORS
-    # The same matching as huggingface_hub's own filter of ignore_patterns (fnmatch on the whole path).
-    kept = [name for name in files if not any(fnmatch.fnmatch(name, pattern) for pattern in ignore)]
-    return kept, ignore
 
 
 def _bytes_in(folder: Path) -> int:
@@ -311,51 +273,3 @@ def check_local_model(path: Path) -> Path:
         return resolve_model(str(path))
     except ModelError as exc:
         raise LocalModelInvalid(str(exc)) from exc
-
-
-def translate_hub_error(exc: BaseException, source: HubSource, hub: HubSettings, models_dir: Path) -> DownloadError:
-    """The DownloadError that says what to do about ``exc``, raised while fetching ``source``."""
-    repo = source.repo_id
-    where = hub.endpoint or "https://huggingface.co"
-    # GatedRepoError is a RepositoryNotFoundError, and every HfHubHTTPError is an OSError: order matters.
-    if isinstance(exc, GatedRepoError):
-        return RepoUnauthorized(
-            f"Hugging Face repo {repo!r} is gated: accept its terms on the hub, then set HF_TOKEN for the agent "
-            "to a token of an account that has access"
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        return RepoNotFound(
-            f"Hugging Face repo {repo!r} does not exist, or is private: check the name, or set HF_TOKEN for the "
-            "agent to a token that can read it"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return RepoNotFound(f"Hugging Face repo {repo!r} has no revision {source.revision!r}")
-    if isinstance(exc, RemoteEntryNotFoundError):
-        return RepoNotFound(f"Hugging Face repo {repo!r} at {source.revision!r} lacks a file: {exc}")
-    if isinstance(exc, DisabledRepoError):
-        return RepoNotFound(f"Hugging Face repo {repo!r} has been disabled by its owner or the hub")
-    if isinstance(exc, (LocalEntryNotFoundError, OfflineModeIsEnabled)) and hub.offline:
-        return LocalModelInvalid(
-            f"HF_HUB_OFFLINE is set and {repo!r} at {source.revision!r} is not in {models_dir}: put it there, "
-            "unset HF_HUB_OFFLINE to download it, or register the model as a local path"
-        )
-    if isinstance(exc, HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            return RepoUnauthorized(
-                f"the Hugging Face hub refused {repo!r} ({status}): set HF_TOKEN for the agent to a token that "
-                "can read it"
-            )
-        if status is not None and status >= 500:
-            return HubUnreachable(f"the Hugging Face hub failed on {repo!r} ({status}); try again later")
-        return DownloadError(f"the Hugging Face hub refused {repo!r}: {exc}")
-    if isinstance(exc, (httpx2.TransportError, LocalEntryNotFoundError, OfflineModeIsEnabled)):
-        cause = exc.__cause__ if isinstance(exc, LocalEntryNotFoundError) and exc.__cause__ else exc
-        return HubUnreachable(
-            f"cannot reach the Hugging Face hub at {where} ({type(cause).__name__}: {cause}). If this node has no "
-            "network to the hub, set HF_HUB_OFFLINE=1 for the agent and put the model in its models folder, or "
-            "register the model as a local path"
-        )
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return DiskFull(f"no space left in {models_dir} while downloading {repo!r}: free some space and retry")
-    return DownloadError(f"downloading {repo!r} failed: {type(exc).__name__}: {exc}")

@@ -142,16 +142,13 @@ def prepare(env: dict[str, str], instances: int) -> Fleet:
     from controlplane.deployments import pipelines as pipeline_actions
     from controlplane.deployments import upkeep
     from controlplane.deployments.pipelines import GroupSpec
-    from controlplane.deployments.reports import InstanceReport
     from controlplane.fleet import actions as fleet_actions
-    from controlplane.fleet.reports import NodeReport
+    from runtime.agent_reports import InstanceReport, NodeReport
 
     call_command("migrate", verbosity=0, interactive=False)
     actor = Actor.system("bench")
     accounts.create_user(actor, ADMIN, Role.ADMIN, password=PASSWORD)
-    report = NodeReport(
-        address="127.0.0.1", cpu_count=64, memory_total_bytes=1 << 40, memory_available_bytes=1 << 40, gpus=()
-    )
+    report = NodeReport(address="127.0.0.1", cpu_count=64, memory_total_bytes=1 << 40, memory_available_bytes=1 << 40)
     fleet_actions.register_node(Actor.agent("bench-node"), "bench-node", report)
     model = catalog.create_model(
         actor,

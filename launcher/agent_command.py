@@ -17,7 +17,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from agent.control_plane_client import TokenRejected
-from agent.downloads import HubSettings
 from agent.inventory import parse_gpu_spec
 from agent.machine_identity import valid_machine_id
 from agent.node_agent import AgentSettings, run_agent
@@ -27,6 +26,7 @@ from launcher.proctitle import set_title
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError
 from runtime.fleet_tasks import node_queue
+from runtime.hub_download import HubSettings
 from runtime.logging import configure_logging
 from runtime.settings import check_settings
 

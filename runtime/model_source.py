@@ -33,10 +33,14 @@ HF_FOLDER_FILES = ("config.json", "tokenizer.json")
 
 @dataclass(frozen=True)
 class HubModel:
-    """A model on the Hugging Face hub: a repo, and optionally one file or a quantization tag in it."""
+    """A model on the Hugging Face hub: a repo, optionally one file or a quantization tag in it, at a revision.
+
+    ``revision`` None is the repo's default branch (``flotilla run`` names none); it is not part of ``str()``.
+    """
 
     repo_id: str
     file: str | None = None
+    revision: str | None = None
 
     def __str__(self) -> str:
         return f"{self.repo_id}:{self.file}" if self.file else self.repo_id

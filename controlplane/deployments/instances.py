@@ -24,10 +24,10 @@ from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES
 from controlplane.deployments.inventory import fleet_inventory
 from controlplane.deployments.models import Instance, WorkerGroup
 from controlplane.deployments.placement import Unschedulable, place
-from controlplane.deployments.reports import InstanceReport
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.live.events import row_changed
 from controlplane.reconcile_requests import request_reconcile
+from runtime.agent_reports import InstanceReport
 
 # States an agent may report; pending and stopping are the control plane's to set.
 AGENT_REPORTABLE_STATES = frozenset(

@@ -26,8 +26,8 @@ from controlplane.database import db_now
 from controlplane.errors import Conflict, Invalid, Missing
 from controlplane.fleet.machines import check_machine, claimed_machine
 from controlplane.fleet.models import Download, Gpu, Node
-from controlplane.fleet.reports import DownloadReport, GpuReport, NodeReport
 from controlplane.reconcile_requests import request_reconcile
+from runtime.agent_reports import DownloadReport, GpuReport, NodeReport
 
 # What a heartbeat that changes only usage figures writes.
 _HEARTBEAT_FIELDS = [
@@ -87,7 +87,7 @@ def heartbeat(actor: Actor, name: str, report: NodeReport) -> Node:
     adopts = claimed_machine(node, report.machine_id) != node.machine_id  # registered before machine ids
     # An engine installed or removed changes what may be placed here: audited, and a reconciler pass asked for.
     new_engines = report.engines is not None and list(report.engines) != node.engines
-    if came_back or adopts or new_engines or _hardware(node, gpus) != report.hardware():
+    if came_back or adopts or new_engines or _hardware(node, gpus) != _reported_hardware(report):
         before = node_snapshot(node, gpus)
         _apply_report(node, report)
         node.state = Node.State.ONLINE
@@ -218,8 +218,21 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     node.last_heartbeat_at = db_now()
 
 
+def _reported_hardware(report: NodeReport) -> dict[str, Any]:
+    """What changes only when the machine does (the audit log records such changes, not usage)."""
+    return {
+        "cpu_count": report.cpu_count,
+        "memory_total_bytes": report.memory_total_bytes,
+        "gpus": [[gpu.index, gpu.name, gpu.uuid, gpu.memory_total_bytes] for gpu in sorted(report.gpus, key=_by_index)],
+    }
+
+
+def _by_index(gpu: GpuReport) -> int:
+    return gpu.index
+
+
 def _hardware(node: Node, gpus: Sequence[Gpu]) -> dict[str, Any]:
-    """What NodeReport.hardware() says of a report, of the node as recorded (``gpus`` in index order)."""
+    """What ``_reported_hardware`` says of a report, of the node as recorded (``gpus`` in index order)."""
     return {
         "cpu_count": node.cpu_count,
         "memory_total_bytes": node.memory_total_bytes,

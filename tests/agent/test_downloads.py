@@ -231,7 +231,7 @@ def _response(status: int) -> httpx2.Response:
 @pytest.mark.parametrize(
     ("error", "translated", "says"),
     [
-        (RepositoryNotFoundError("404", response=_response(404)), RepoNotFound, "does not exist, or is private"),
+        (RepositoryNotFoundError("404", response=_response(404)), RepoNotFound, "does not exist or is private"),
         (GatedRepoError("403", response=_response(403)), RepoUnauthorized, "is gated"),
         (HfHubHTTPError("401", response=_response(401)), RepoUnauthorized, "HF_TOKEN"),
         (RevisionNotFoundError("404", response=_response(404)), RepoNotFound, "has no revision 'main'"),

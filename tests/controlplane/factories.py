@@ -15,10 +15,9 @@ from controlplane.deployments import upkeep
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.deployments.models import Instance, Pipeline
 from controlplane.deployments.pipelines import GroupSpec
-from controlplane.deployments.reports import InstanceReport
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
-from controlplane.fleet.reports import GpuReport, NodeReport
+from runtime.agent_reports import GpuReport, InstanceReport, NodeReport
 
 GiB = 1 << 30
 TEST_ACTOR = Actor.system("tests")
@@ -53,7 +52,7 @@ def node_report(
     gpus_gib: tuple[float, ...] = (), *, memory_gib: float = 64, used_gib: float = 0, uuids: tuple[str, ...] = ()
 ) -> NodeReport:
     """A node's report with GPUs of ``gpus_gib``; ``uuids``: theirs, in index order (none: the agent says none)."""
-    gpus = tuple(
+    gpus = [
         GpuReport(
             index=index,
             name="Simulated GPU",
@@ -62,7 +61,7 @@ def node_report(
             memory_used_bytes=int(used_gib * GiB),
         )
         for index, size in enumerate(gpus_gib)
-    )
+    ]
     return NodeReport(
         address="127.0.0.1",
         cpu_count=8,

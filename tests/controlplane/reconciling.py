@@ -11,7 +11,7 @@ from controlplane.audit.records import Actor
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import Reconciler, ReconcilerSettings
-from controlplane.deployments.reports import InstanceReport
+from runtime.agent_reports import InstanceReport
 from runtime.fleet_tasks import (
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,

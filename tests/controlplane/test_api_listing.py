@@ -1,9 +1,9 @@
 """Listing: pagination, filters and ordering; the schema and the Swagger page."""
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role

@@ -8,12 +8,11 @@ from controlplane.deployments import evacuation
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.deployments.models import Instance
-from controlplane.deployments.reports import InstanceReport
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download, Node
-from controlplane.fleet.reports import DownloadReport
+from runtime.agent_reports import DownloadReport, InstanceReport
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, node_report, run_instance
 
 pytestmark = pytest.mark.django_db

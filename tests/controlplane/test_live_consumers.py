@@ -13,12 +13,12 @@ from controlplane.accounts.models import Role, User
 from controlplane.audit.records import Actor
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments.instance_states import InstanceState
-from controlplane.deployments.reports import InstanceReport
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from controlplane.live import consumers
 from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
 from controlplane.live.publisher import Publisher
+from runtime.agent_reports import InstanceReport
 from tests.controlplane.factories import deploy, make_node, node_report
 from tests.controlplane.live_fixtures import (
     communicator,

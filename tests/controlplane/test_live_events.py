@@ -9,9 +9,9 @@ from controlplane.catalog import actions as catalog_actions
 from controlplane.deployments.pipelines import delete_pipeline, scale_pipeline, stop_pipeline
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
-from controlplane.fleet.reports import DownloadReport
 from controlplane.live.events import Notice, notices_of_entry, notices_of_row
 from controlplane.live.groups import DOWNLOADS, FLEET_LIST, MODELS, NODES, PIPELINES, pipeline_group
+from runtime.agent_reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, node_report
 
 pytestmark = pytest.mark.django_db

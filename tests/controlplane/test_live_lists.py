@@ -17,8 +17,8 @@ from controlplane.deployments.models import Pipeline
 from controlplane.deployments.pipelines import delete_pipeline, stop_pipeline
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
-from controlplane.fleet.reports import DownloadReport
 from controlplane.live.publisher import Publisher
+from runtime.agent_reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, make_user, node_report
 from tests.controlplane.live_fixtures import caught_up, communicator, connected, element, live_layer
 

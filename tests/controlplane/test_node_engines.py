@@ -3,10 +3,10 @@ names are believed), placement puts a replica only where its engine is, and the 
 only the engines some node runs, saying which node has each."""
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role
@@ -27,7 +27,7 @@ INVENTORY: dict[str, Any] = {"cpu_count": 8, "memory_total_bytes": 64 << 30, "me
 
 
 def make_node_running(name: str, *engines: str, gpus_gib: tuple[float, ...] = ()) -> Node:
-    return register_node(Actor.agent(name), name, replace(node_report(gpus_gib), engines=tuple(sorted(engines))))
+    return register_node(Actor.agent(name), name, replace(node_report(gpus_gib), engines=sorted(engines)))
 
 
 def test_registration_and_heartbeats_carry_the_nodes_engines_and_the_node_api_shows_them(

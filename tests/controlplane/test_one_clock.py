@@ -15,10 +15,10 @@ from controlplane.database import db_now
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import PassReport, Reconciler, ReconcilerSettings
-from controlplane.deployments.reports import InstanceReport
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
+from runtime.agent_reports import InstanceReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, node_report
 from tests.controlplane.reconciling import RecordingDispatcher
 

@@ -1,9 +1,8 @@
 """What an agent is told to run: an instance as StartInstance / StopInstance, and engine args as flags."""
 
-from dataclasses import replace
-
 import msgspec
 import pytest
+from msgspec.structs import replace
 
 from agent.task_checks import check_engine_args
 from controlplane.audit.records import Actor
@@ -133,7 +132,7 @@ def test_a_replicas_memory_is_split_over_its_gpus() -> None:
 
 def node_running(*engines: str) -> None:
     """Node gpu-a (as ``placed`` makes it), its agent reporting ``engines``."""
-    report = replace(node_report((80, 80, 80, 80)), engines=tuple(sorted(engines)))
+    report = replace(node_report((80, 80, 80, 80)), engines=sorted(engines))
     register_node(Actor.agent("gpu-a"), "gpu-a", report)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import ModelError
+from runtime.errors import ModelError, ModelUnreachable
 from runtime.model_card import ModelCard
 from runtime.model_loading import load_model_card
 from runtime.model_source import HubModel, parse_hub_model, resolve_model
@@ -186,6 +186,12 @@ def test_a_gated_repo_is_a_model_error_that_asks_for_a_token(fake_hub: FakeHub, 
     fake_hub.errors["org/gated"] = (403, "GatedRepo")
     with pytest.raises(ModelError, match=r"'org/gated' is gated: .*set HF_TOKEN"):
         resolve_model("org/gated", cache_dir=tmp_path)
+
+
+def test_a_failing_hub_is_unreachable_so_that_a_supervisor_retries(fake_hub: FakeHub, tmp_path: Path) -> None:
+    fake_hub.errors["org/model"] = (503, "")
+    with pytest.raises(ModelUnreachable, match=r"the Hugging Face hub failed on 'org/model' \(503\); try again later"):
+        resolve_model("org/model", cache_dir=tmp_path)
 
 
 def test_a_model_folder_is_downloaded_into_the_cache_and_loads(

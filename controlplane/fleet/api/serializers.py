@@ -1,16 +1,16 @@
 from typing import Any, ClassVar
 
+import msgspec
 from rest_framework import serializers
 
 from controlplane.api.fields import LabelsField
 from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.instances import AGENT_REPORTABLE_CHOICES
 from controlplane.deployments.models import Instance
-from controlplane.deployments.reports import InstanceReport
 from controlplane.deployments.worker_specs import merged_engine_args
 from controlplane.fleet.machines import MACHINE_ID_PATTERN
 from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Node
-from controlplane.fleet.reports import DownloadReport, GpuReport, NodeReport
+from runtime.agent_reports import DownloadReport, InstanceReport, NodeReport
 from runtime.engine_names import ENGINE_LABELS, FLEET_ENGINES
 from runtime.fleet_tasks import GPU_UUID_PATTERN
 
@@ -127,7 +127,9 @@ class DownloadSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-# What agents send.
+# What agents send: the reports of runtime/agent_reports.py, each checked against the limits here and then
+# converted into its report (``to_report``). tests/controlplane/test_agent_reports.py holds each serializer
+# to its report field for field: the same names, required where the report has no default, and defaults equal.
 
 
 class GpuReportSerializer(serializers.Serializer):
@@ -164,7 +166,7 @@ class NodeReportSerializer(serializers.Serializer):
         help_text="The engines the agent can run here (the fleet's names); left out: those the node had.",
     )
 
-    def validate_engines(self, engines: list[str]) -> tuple[str, ...]:
+    def validate_engines(self, engines: list[str]) -> list[str]:
         """The node's own word, believed only for the fleet's engines: any other name is refused by name."""
         unknown = sorted(set(engines) - FLEET_ENGINES)
         if unknown:
@@ -172,7 +174,7 @@ class NodeReportSerializer(serializers.Serializer):
             raise serializers.ValidationError(
                 f"not an engine of this fleet: {names}; the fleet's engines are {', '.join(ENGINE_LABELS)}"
             )
-        return tuple(sorted(set(engines)))
+        return sorted(set(engines))
 
     def validate_gpus(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         indexes = [gpu["index"] for gpu in gpus]
@@ -181,10 +183,7 @@ class NodeReportSerializer(serializers.Serializer):
         return gpus
 
     def to_report(self) -> NodeReport:
-        data = dict(self.validated_data)
-        data.pop("name", None)
-        gpus = tuple(GpuReport(**gpu) for gpu in data.pop("gpus"))
-        return NodeReport(gpus=gpus, **data)
+        return msgspec.convert(self.validated_data, NodeReport)
 
 
 class NodeRegistrationSerializer(NodeReportSerializer):
@@ -206,7 +205,7 @@ class InstanceReportSerializer(serializers.Serializer):
         return data
 
     def to_report(self) -> InstanceReport:
-        return InstanceReport(**self.validated_data)
+        return msgspec.convert(self.validated_data, InstanceReport)
 
 
 class DownloadReportSerializer(serializers.Serializer):
@@ -217,9 +216,10 @@ class DownloadReportSerializer(serializers.Serializer):
     error = serializers.CharField(max_length=4000, allow_blank=True, default="")
 
     def to_report(self) -> DownloadReport:
+        """The report, without ``model``: the model it is about is sent beside it."""
         data = dict(self.validated_data)
         data.pop("model")
-        return DownloadReport(**data)
+        return msgspec.convert(data, DownloadReport)
 
 
 class AgentInstanceSerializer(serializers.ModelSerializer):
