@@ -14,6 +14,7 @@ whatever the start is waiting for (the leader may not be up yet).
 
 import importlib.util
 import logging
+import os
 import signal
 import threading
 import types
@@ -130,7 +131,16 @@ def run_follower(options: RunOptions) -> int:
     why_gone: list[str] = []
     main_thread = threading.get_ident()  # run_follower runs in the main thread (signals are handled there)
 
+    this_process = os.getpid()
+
     def stop(signum: int, frame: types.FrameType | None) -> None:
+        if os.getpid() != this_process:
+            # A process the engine forked inherits this handler: there it must do what the signal does by
+            # default (end the process), or SIGTERM from the engine's own shutdown would be swallowed and the
+            # engine would wait for that process for ever.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if signum == LEADER_GONE_SIGNAL:
             raise _LeaderGone
         raise _Stopped(signum)

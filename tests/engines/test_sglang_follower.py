@@ -35,6 +35,8 @@ class Engine:
     def shutdown(self):
         self.scheduler.terminate()
         self.scheduler.join()
+        with open(os.environ["STAND_IN_RECORD"] + ".exit", "w") as file:
+            file.write(str(self.scheduler.exitcode))
 """
 
 pytestmark = pytest.mark.slow
@@ -120,6 +122,10 @@ def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_
     assert "in=http is ignored here" in stderr
     assert f"stopped by {signum.name}" in stderr
     assert not alive(int(str(started["scheduler"])))
+    # The scheduler, forked after the rank set its signal handlers, ended by the engine's SIGTERM as any
+    # process does, not by the rank's own handler (which, raising in the fork, could swallow the signal).
+    assert Path(f"{record}.exit").read_text() == str(-signal.SIGTERM), stderr
+    assert "_Stopped" not in stderr
 
 
 def test_a_rank_above_0_exits_1_when_its_scheduler_dies(follower: tuple[subprocess.Popen[str], Path]) -> None:
