@@ -14,12 +14,13 @@ from nats.aio.msg import Msg
 from frontend_gateway.routing.kv_indexer import KvIndexer
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterMode, RouterSettings
+from runtime import kv_subscriber
 from runtime.addressing import EndpointAddress
 from runtime.kv_blocks import sequence_block_hashes
 from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
-from tests.frontend_gateway.routing.waiting import until
+from tests.frontend_gateway.routing.waiting import QUICK_STATE_RETRIES, until
 from tests.infra import NatsServer
 
 BLOCK = 16
@@ -38,6 +39,11 @@ def request(tokens: list[int], request_id: str = "r", max_tokens: int = 8) -> Pr
         sampling=SamplingOptions(),
         stop_conditions=StopConditions(max_tokens=max_tokens),
     )
+
+
+@pytest.fixture(autouse=True)
+def _quick_state_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_subscriber, "STATE_RETRY_DELAYS_S", QUICK_STATE_RETRIES)
 
 
 @pytest.fixture

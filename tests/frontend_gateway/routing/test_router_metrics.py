@@ -18,6 +18,7 @@ from frontend_gateway.pipeline import ModelRegistry
 from frontend_gateway.remote_engines import RemoteTextEngine, RemoteTokenEngine
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
+from runtime import kv_subscriber
 from runtime.addressing import EndpointAddress
 from runtime.discovery import MODELS_PREFIX
 from runtime.distributed import DistributedRuntime
@@ -28,13 +29,18 @@ from runtime.model_card import ModelCard, ModelType
 from runtime.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.frontend_gateway.asgi import Client
-from tests.frontend_gateway.routing.waiting import until
+from tests.frontend_gateway.routing.waiting import QUICK_STATE_RETRIES, until
 from tests.infra import EtcdServer, NatsServer
 
 ADDRESS = EndpointAddress("llm", "backend", "generate")
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 8 * BLOCK + 5))  # 8 full blocks and 5 tokens
 HASHES = sequence_block_hashes(PROMPT, BLOCK)
+
+
+@pytest.fixture(autouse=True)
+def _quick_state_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_subscriber, "STATE_RETRY_DELAYS_S", QUICK_STATE_RETRIES)
 
 
 @pytest.fixture
