@@ -37,7 +37,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
+#: The runs that judge a floor (exit 1 below it) or load both cores with an engine run alone, after the
+#: parallel part of `make test`; the others print ratios that a busy neighbour cannot fail.
+SERIAL = pytest.mark.serial
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -150,6 +153,7 @@ SMOKES = [
             rf"^operator p99 heartbeating / no heartbeats: {NUMBER}x",
             r"^floor \(operator p99 <= 100 ms under the heartbeats, no errors\): ",
         ],
+        marks=[SERIAL],
     ),
     Smoke(
         "dashboard_latency",
@@ -161,6 +165,7 @@ SMOKES = [
             r"floor p99 <= 500 ms: met",
         ],
         timeout=120,
+        marks=[SERIAL],
     ),
     Smoke(
         "event_loop_costs",
@@ -177,6 +182,7 @@ SMOKES = [
         "--rounds 1",
         [rf"call -> 4 answering via gateway\s+median\s+{NUMBER} s", r"^floor: 4 ready <= .* s after the call: met$"],
         timeout=120,
+        marks=[SERIAL],
     ),
     Smoke(
         "frozen_worker-stop",
@@ -229,7 +235,7 @@ SMOKES = [
             r"^SmolLM2-135M-Instruct\.Q4_1-q8_0\.gguf: 1 row ",
         ],
         skip=no_llama_cpp,
-        marks=[pytest.mark.llamacpp],
+        marks=[SERIAL, pytest.mark.llamacpp],
     ),
     Smoke(
         "llamacpp_vs_server",
@@ -242,7 +248,7 @@ SMOKES = [
         ],
         timeout=180,
         skip=no_llama_cpp,
-        marks=[pytest.mark.llamacpp],
+        marks=[SERIAL, pytest.mark.llamacpp],
     ),
     Smoke(
         "mistralrs_vs_server",
@@ -251,7 +257,7 @@ SMOKES = [
         [rf"^  concurrency 1: throughput {NUMBER}x, TTFT p50 {NUMBER}x"],
         timeout=120,
         skip=no_mistralrs,
-        marks=[pytest.mark.mistralrs],
+        marks=[SERIAL, pytest.mark.mistralrs],
     ),
     Smoke(
         "mocker_cost",
