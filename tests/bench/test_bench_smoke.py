@@ -97,7 +97,7 @@ def no_gpu_run(*packages: str) -> str:
     if absent := [package for package in packages if importlib.util.find_spec(package) is None]:
         missing.append(f"{' or '.join(absent)} (not installed in {sys.prefix})")
     if "vllm" in packages:
-        missing.append("vLLM's CPU build (.vllm-venv, `make vllm`) takes over a minute to start each server")
+        missing.append("vLLM's CPU build (`make vllm`) takes over a minute to start each server")
     missing.append("a Hugging Face model folder to load (an argument, no default)")
     return "needs " + "; ".join(missing) + ": run it by hand on a GPU machine, as docs/benchmarks.md does"
 

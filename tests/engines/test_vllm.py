@@ -3,7 +3,8 @@ with the official openai client, the same text as the engine gives for the same 
 aborting the request in vLLM, the memory share reaching vLLM's config, and bad engine arguments refused.
 
 vLLM's CPU build is ~3.4 GB with its torch and Python 3.11-only, so it has a venv of its own: `make test-vllm`
-(part of `make test`) builds `.vllm-venv` once and runs the tests marked vllm there; the main venv skips them."""
+(part of `make test`) builds that venv once (`make vllm`) and runs the tests marked vllm there; the main venv
+skips them."""
 
 import asyncio
 import os

@@ -5,7 +5,7 @@ meeting at --leader-addr, the rank exiting 1 when its worker dies.
 What cannot be tested here: generation across the two stages. vLLM 0.32's CPU model runner fails every step
 with pipeline parallelism, on one node as on two (``assert self.intermediate_tensors is not None`` in
 ``sync_and_gather_intermediate_tensors``), and SmolLM2's 9 attention heads split over no tensor-parallel size
-but 1 and 3; two machines with GPUs would be needed. Run in `.vllm-venv` (`make test-vllm`), skipped elsewhere.
+but 1 and 3; two machines with GPUs would be needed. Run in the vLLM venv (`make test-vllm`), skipped elsewhere.
 """
 
 import json

