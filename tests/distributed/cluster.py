@@ -60,6 +60,27 @@ class Cluster:
         self, address: str, *args: str, delay_ms: int = 0, env: dict[str, str] | None = None, timeout: float = 60
     ) -> Worker:
         """Start `flotilla run in=ADDRESS ARGS` and wait for its banner (it has registered by then)."""
+        [worker] = self.start_workers(1, address, *args, delay_ms=delay_ms, env=env, timeout=timeout)
+        return worker
+
+    def start_workers(
+        self,
+        count: int,
+        address: str,
+        *args: str,
+        delay_ms: int = 0,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> list[Worker]:
+        """Start ``count`` workers of `flotilla run in=ADDRESS ARGS` at once, then wait for each one's banner:
+        their starts overlap instead of adding up."""
+        started = [self._launch(address, args, delay_ms, env) for _ in range(count)]
+        deadline = time.monotonic() + timeout
+        for worker in started:
+            self._wait_for_banner(worker, deadline, timeout)
+        return started
+
+    def _launch(self, address: str, args: tuple[str, ...], delay_ms: int, env: dict[str, str] | None) -> Worker:
         log_path = self.directory / f"worker-{len(self.workers)}.log"
         command = [sys.executable, "-m", "launcher.cli", "run", f"in={address}", *args]
         with log_path.open("wb") as log_file:
@@ -71,13 +92,16 @@ class Cluster:
             )
         worker = Worker(process, log_path)
         self.workers.append(worker)
-        deadline = time.monotonic() + timeout
+        return worker
+
+    @staticmethod
+    def _wait_for_banner(worker: Worker, deadline: float, timeout: float) -> None:
         while time.monotonic() < deadline:
             if (found := _BANNER.search(worker.log())) is not None:
                 worker.instance_id = found.group(1)
-                return worker
-            if process.poll() is not None:
-                raise RuntimeError(f"worker exited with {process.returncode}:\n{worker.log()}")
+                return
+            if worker.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {worker.process.returncode}:\n{worker.log()}")
             time.sleep(0.05)  # waiting on another process's output: no event to await
         raise RuntimeError(f"worker did not register in {timeout}s:\n{worker.log()}")
 

@@ -142,7 +142,7 @@ def test_workers_that_publish_no_kv_events_are_never_asked_for_a_state_and_their
     # echo_core registers that it publishes no KV events (as llama.cpp does): a KV router asks it for no
     # cache state (test_kv_routing_mocker.py has the asks of workers that do) and predicts its cache from
     # where it sent requests, rather than routing it on load alone.
-    workers = [cluster.start_worker(f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL) for _ in range(3)]
+    workers = cluster.start_workers(3, f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL)
     prefix = prefix_tokens(8, 16, start=6000)
     with StateResponder(cluster.nats.url, int(workers[2].instance_id, 16), sequence_block_hashes(prefix, 16)) as state:
         ingress = cluster.start_ingress("--router-mode", "kv")

@@ -88,9 +88,7 @@ async def run_streams(base_url: str, workers: list[Worker], load: LoadWatcher) -
 
 def test_many_streams_over_two_workers_complete_intact_and_abandoned_ones_free_the_workers(cluster: Cluster) -> None:
     ingress = cluster.start_ingress()
-    workers = [
-        cluster.start_worker(f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL, delay_ms=20) for _ in range(2)
-    ]
+    workers = cluster.start_workers(2, f"dyn://{MODEL}", "out=echo_core", "--model-name", MODEL, delay_ms=20)
     wait_until(lambda: served_models(ingress) == [MODEL], 15, "the model did not appear")
     with LoadWatcher(cluster.nats.url, f"flotilla.{MODEL}.backend.load_metrics") as load:
         outcomes = asyncio.run(run_streams(ingress.base_url, workers, load))

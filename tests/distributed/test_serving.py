@@ -19,7 +19,7 @@ def chat(server_url: str, model: str, content: str = "hi", **fields: object) -> 
 def test_two_models_with_two_instances_each_are_served_round_robin(cluster: Cluster) -> None:
     ingress = cluster.start_ingress("--router-mode", "round-robin")
     workers = {
-        name: [cluster.start_worker(f"dyn://{name}", "out=echo_core", "--model-name", name) for _ in range(2)]
+        name: cluster.start_workers(2, f"dyn://{name}", "out=echo_core", "--model-name", name)
         for name in ("alpha", "beta")
     }
     wait_until(lambda: served_models(ingress) == ["alpha", "beta"], 15, "models did not appear")
@@ -35,7 +35,7 @@ def test_two_models_with_two_instances_each_are_served_round_robin(cluster: Clus
 
 def test_random_routing_reaches_every_instance_in_no_fixed_order(cluster: Cluster) -> None:
     ingress = cluster.start_ingress("--router-mode", "random")
-    pair = [cluster.start_worker("dyn://alpha", "out=echo_core", "--model-name", "alpha") for _ in range(2)]
+    pair = cluster.start_workers(2, "dyn://alpha", "out=echo_core", "--model-name", "alpha")
     wait_until(lambda: served_models(ingress) == ["alpha"], 15, "the model did not appear")
     wait_until(
         lambda: len({chat(ingress.base_url, "alpha").headers["x-flotilla-instance"] for _ in range(4)}) == 2,

@@ -52,8 +52,10 @@ def cluster(etcd_server: EtcdServer, nats_server: NatsServer, tmp_path: Path) ->
     deployment.stop()
 
 
-def start_vllm_worker(cluster: Cluster, model_folder: Path) -> Worker:
-    return cluster.start_worker(
+def start_vllm_workers(cluster: Cluster, model_folder: Path, count: int) -> list[Worker]:
+    """``count`` vLLM workers, started at once."""
+    return cluster.start_workers(
+        count,
         f"dyn://{MODEL}",
         "out=vllm",
         str(model_folder),
@@ -69,7 +71,7 @@ def start_vllm_worker(cluster: Cluster, model_folder: Path) -> Worker:
 def test_a_prompt_sharing_a_prefix_goes_to_the_vllm_worker_whose_kv_events_said_it_cached_it(
     cluster: Cluster, vllm_model_folder: Path
 ) -> None:
-    workers = [start_vllm_worker(cluster, vllm_model_folder) for _ in range(2)]
+    workers = start_vllm_workers(cluster, vllm_model_folder, 2)
     assert registered_block_size(cluster.etcd) == BLOCK_SIZE
     kv_ingress = cluster.start_ingress("--router-mode", "kv")
     round_robin = cluster.start_ingress()
