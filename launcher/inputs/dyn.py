@@ -25,7 +25,6 @@ from runtime.model_card import ModelCard, ModelType
 from runtime.protocol import EmbedOutput, EmbedRequest, PreprocessedRequest, TextRequest, float32_bytes
 from runtime.request_plane import Handler
 from runtime.router_settings import PipelineRouter
-from runtime.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +106,10 @@ async def serve_worker(
         kv_source = engine if isinstance(engine, KvEventSource) else None
         await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source, labels=labels)
         if metrics_port is not None:
+            # Imported here: prometheus_client (and the http.server, urllib and wsgiref it brings) costs
+            # every worker start ~20 ms of CPU before it registers, and only --metrics-port uses it.
+            from runtime.worker_metrics import WorkerMetrics
+
             metrics = WorkerMetrics.of(endpoint)
             metrics_server = await serve_metrics(metrics_host, metrics_port, metrics.exposition)
         if engine.kind == "token":
