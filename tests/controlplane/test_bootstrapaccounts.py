@@ -28,6 +28,10 @@ from launcher.stack_controlplane import (
     parse_bootstrap,
     write_secret,
 )
+from runtime.api_keys import API_KEYS_PREFIX, etcd_key, key_hash
+from tests.distributed.cluster import etcd_values
+from tests.infra import EtcdServer
+from tests.servers import free_port
 
 pytestmark = pytest.mark.django_db
 
@@ -117,3 +121,33 @@ def test_a_new_admin_needs_its_password(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(CommandError, match="FLOTILLA_UP_PASSWORD is not set"):
         call_command("bootstrapaccounts", "--admin", "admin", "--node", "local", stdout=io.StringIO())
     assert not User.objects.exists()
+
+
+def test_every_key_is_in_a_fresh_etcd_when_a_run_ends_not_only_after_the_beats_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, etcd_server: EtcdServer
+) -> None:
+    """`flotilla up` starts a fresh etcd each time and its gateway right after this command: a kept key (and
+    any other) must be there at once, or the gateway refuses it (401) until the sync runs."""
+    monkeypatch.setenv("ETCD_ENDPOINTS", etcd_server.endpoint)
+    first, _ = flotilla_up(tmp_path, monkeypatch, api_key=True)
+    assert first.api_key is not None
+    other = ApiKey.objects.create(owner=User.objects.get(username=ADMIN_USERNAME), name="app", key_hash="a" * 64)
+    etcd_server.restart(wipe=True)  # the stack stops, and the next one starts a fresh etcd
+    assert etcd_values(etcd_server, API_KEYS_PREFIX) == {}
+    again, _ = flotilla_up(tmp_path, monkeypatch, api_key=True)
+    assert again.api_key is None  # the kept key still works: none is made
+    published = etcd_values(etcd_server, API_KEYS_PREFIX)
+    assert set(published) == {etcd_key(key_hash(first.api_key)), etcd_key(other.key_hash)}
+
+
+def test_a_run_whose_etcd_does_not_answer_says_so_and_still_makes_the_accounts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETCD_ENDPOINTS", f"http://127.0.0.1:{free_port()}")
+    argv, env, _ = bootstrap_command(tmp_path, api_key=True)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out, err = io.StringIO(), io.StringIO()
+    call_command(*argv[len(manage_command()) :], stdout=out, stderr=err)
+    assert parse_bootstrap(out.getvalue()).api_key is not None
+    assert "the API keys are not in etcd yet" in err.getvalue()

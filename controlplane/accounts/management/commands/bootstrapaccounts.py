@@ -12,7 +12,9 @@ control plane's actions, so that each account, token and key gets its audit entr
 * an agent token of node ``--node``: a new one only when FLOTILLA_UP_AGENT_TOKEN is not one of that node's;
 * with ``--api-key-name``: an API key of the admin by that name, a new one only when FLOTILLA_UP_API_KEY is not
   the admin's live key of that name; the admin's other live keys of that name are revoked (their file is gone:
-  nobody can use them any more).
+  nobody can use them any more). Then every key's record is put in etcd (``ETCD_ENDPOINTS``): `flotilla up`
+  starts a fresh etcd each time, and its gateway, which starts next, must know the keys that exist from its
+  first request on, not only once the beat's sync has run (up to ``FLOTILLA_API_KEYS_SYNC_S`` later).
 
 The secrets come in environment variables, never on the command line (which anyone on the machine can read
 in ``ps``). It prints one JSON line on stdout, the keys it created (null where the kept one still works)::
@@ -29,10 +31,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from controlplane.accounts import actions
 from controlplane.accounts.models import ApiToken, Role, User, hash_token
 from controlplane.apikeys import actions as key_actions
+from controlplane.apikeys import publication
 from controlplane.apikeys.models import ApiKey
 from controlplane.audit.records import Actor
 from controlplane.errors import ControlPlaneError
 from runtime.api_keys import key_hash
+from runtime.errors import DiscoveryUnavailable
 
 ACTOR = Actor.system("flotilla up")
 #: The password of a new admin.
@@ -77,7 +81,15 @@ class Command(BaseCommand):
             result["agent_token"] = actions.create_agent_token(ACTOR, node_name, "flotilla up: the local agent")[1]
         if api_key_name:
             result["api_key"] = _api_key(admin, api_key_name, os.environ.get(API_KEY_VARIABLE, ""))
+            self._publish_keys()
         return result
+
+    def _publish_keys(self) -> None:
+        """Every key's record in etcd now; when etcd does not answer, say so and leave it to the beat's sync."""
+        try:
+            publication.sync()
+        except DiscoveryUnavailable as exc:
+            self.stderr.write(f"the API keys are not in etcd yet ({exc}); the control plane's sync puts them there")
 
 
 def _known_token(key: str, **owner: Any) -> bool:
