@@ -39,7 +39,10 @@ class Engine:
             file.write(str(self.scheduler.exitcode))
 """
 
-pytestmark = pytest.mark.slow
+# serial: beside the parallel part a rank has at times logged its stop and then not exited (in 3 of 8 full
+# runs, and in 2 of 15 runs of this file beside one; never in 60 beside a busy loop alone). Run alone until
+# the cause is found; on such a hang the test puts the rank's threads' stacks (faulthandler) in its failure.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture
@@ -64,6 +67,7 @@ def follower(tmp_path: Path, leader: str) -> Iterator[tuple[subprocess.Popen[str
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "lib"), str(Path.cwd())]),
         "STAND_IN_RECORD": str(record),
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT dumps every thread's stack: see ended()
     }
     args = ["in=http", "out=sglang", str(model), "--tensor-parallel-size", "2", "--num-nodes", "2", "--node-rank", "1"]
     args += ["--leader-addr", leader, "--extra-engine-args", '{"page_size": 32}']
@@ -87,6 +91,17 @@ def wait_until_up(process: subprocess.Popen[str], record: Path) -> tuple[dict[st
         logged += line
     values: dict[str, object] = json.loads(record.read_text())
     return values, logged
+
+
+def ended(process: subprocess.Popen[str]) -> str:
+    """The rest of the rank's log once it exits; a rank still running after a minute is made to dump its
+    threads' stacks (SIGABRT, faulthandler) and the test fails with them."""
+    try:
+        return process.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, dump = process.communicate(timeout=30)
+        raise AssertionError(f"the rank did not exit within 60 s; its threads:\n{dump[-6000:]}") from None
 
 
 def alive(pid: int) -> bool:
@@ -115,7 +130,7 @@ def test_a_rank_above_0_starts_its_schedulers_with_the_multi_node_arguments_and_
     assert kwargs["page_size"] == 32 and "kv_events_config" not in kwargs
     assert started["block"] == "0"  # SGLang returns once its schedulers are ready instead of blocking
     process.send_signal(signum)
-    _, rest = process.communicate(timeout=60)
+    rest = ended(process)
     stderr = logged + rest
     assert process.returncode == code, stderr
     assert f"serving as rank 1 of 2 for the leader at {leader}" in stderr
@@ -133,7 +148,7 @@ def test_a_rank_above_0_exits_1_when_its_scheduler_dies(follower: tuple[subproce
     started, logged = wait_until_up(process, record)
     scheduler = int(str(started["scheduler"]))
     os.kill(scheduler, signal.SIGKILL)
-    _, rest = process.communicate(timeout=60)
+    rest = ended(process)
     stderr = logged + rest
     assert process.returncode == 1, stderr
     assert f"rank 1 of 2 stops: SGLang's process scheduler_TP1 (pid {scheduler}) exited with code -9" in stderr
