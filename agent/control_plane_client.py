@@ -30,12 +30,12 @@ import msgspec
 
 from agent.errors import AgentError
 from agent.inventory import NodeInventory
-from runtime.agent_reports import DownloadReport as DownloadReport
-from runtime.agent_reports import GpuReport
-from runtime.agent_reports import InstanceReport as InstanceReport
-from runtime.agent_reports import NodeReport as NodeReport
 from runtime.backoff import Backoff
 from runtime.errors import ConfigError
+from runtime.fleet_contract.reports import DownloadReport as DownloadReport
+from runtime.fleet_contract.reports import GpuReport
+from runtime.fleet_contract.reports import InstanceReport as InstanceReport
+from runtime.fleet_contract.reports import NodeReport as NodeReport
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class NodeNotRegistered(AgentError):
     retryable = True
 
 
-# What the agent sends: the reports of runtime/agent_reports.py (exported here too, ``as``, for the agent's
+# What the agent sends: the reports of runtime/fleet_contract/reports.py (exported here too, ``as``, for the agent's
 # modules that hand them to the client).
 
 

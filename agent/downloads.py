@@ -36,9 +36,9 @@ from agent.errors import (
     RepoUnauthorized,
 )
 from runtime.errors import ModelError
-from runtime.fleet_tasks import HubSource, LocalSource, ModelSource
-from runtime.hub_download import HubCaller, HubError, HubProblem, HubSettings, hub_error, pick_files
-from runtime.model_source import HubModel, parse_hub_model, resolve_model
+from runtime.fleet_contract.tasks import HubSource, LocalSource, ModelSource
+from runtime.models.hub_download import HubCaller, HubError, HubProblem, HubSettings, hub_error, pick_files
+from runtime.models.source import HubModel, parse_hub_model, resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ the GPUs by UUID, which no renumbering changes.
 import msgspec
 
 from agent.inventory import GpuInfo
-from runtime.fleet_tasks import WorkerSpec
+from runtime.fleet_contract.tasks import WorkerSpec
 
 
 class GpuMismatch(Exception):

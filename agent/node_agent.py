@@ -7,23 +7,23 @@
         │
         ├──► adopt the workers a previous agent left running, and reconcile with the control plane:
         │    those it no longer wants are stopped, instances it thinks run here but do not are failed
-        │                                                                    agent/startup_reconcile.py
+        │                                                                    agent/instances/startup_reconcile.py
         │
         ├──► compare the workers with the control plane's list of the node's instances every
         │    ``reconcile_s``, when it answers again after an outage, and when it refuses a report
-        │    (403/404/409): the workers it disowns (agent/ownership.py) are stopped; a list that cannot
-        │    be had changes nothing                                          agent/ownership_checks.py
+        │    (403/404/409): the workers it disowns (agent/instances/ownership.py) are stopped; a list that cannot
+        │    be had changes nothing                                          agent/instances/ownership_checks.py
         │
-        └──► tasks from the node's queue (agent/task_consumer.py)            agent/task_intake.py
+        └──► tasks from the node's queue (agent/tasks/consumer.py)            agent/tasks/intake.py
                start: download (progress reported) ──► launch ──► starting ──► ready | failed
                stop:  drain, terminate, kill ──► stopped
                log tail: the worker log's last lines
 
 Each of those is its module's; NodeAgent builds the parts, wires them together, and starts and stops
-them. The parts share what the agent knows of each instance (agent/instance_table.py); every outcome
-reaches the control plane as a state report through agent/instance_reports.py, never as a task's result
-(the control plane decides restarts). A start's steps are agent/instance_start.py's, its download's
-reports agent/reported_downloads.py's; each worker's attempt is kept on disk by agent/attempt_files.py;
+them. The parts share what the agent knows of each instance (agent/instances/table.py); every outcome
+reaches the control plane as a state report through agent/instances/reports.py, never as a task's result
+(the control plane decides restarts). A start's steps are agent/instances/start.py's, its download's
+reports agent/reported_downloads.py's; each worker's attempt is kept on disk by agent/workers/attempt_files.py;
 the background tasks are agent/owned_tasks.py's.
 
 ``run_agent`` runs a NodeAgent as the ``flotilla agent`` process, with the control plane's client, the
@@ -39,29 +39,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent.attempt_files import AttemptFiles
 from agent.control_plane_client import ControlPlaneClient, NodeReport
 from agent.downloads import ModelDownloader
 from agent.heartbeats import Heartbeats, NodeRegistry
-from agent.instance_reports import InstanceReporter, InstanceReportSink
-from agent.instance_start import InstanceStarter
-from agent.instance_table import InstanceTable
+from agent.instances.ownership_checks import InstanceListing, OwnershipChecks
+from agent.instances.reports import InstanceReporter, InstanceReportSink
+from agent.instances.start import InstanceStarter
+from agent.instances.startup_reconcile import StartupReconciliation
+from agent.instances.table import InstanceTable
 from agent.inventory import Inventory
 from agent.machine_identity import local_machine_id
 from agent.owned_tasks import OwnedTasks
-from agent.ownership_checks import InstanceListing, OwnershipChecks
-from agent.readiness import RegistrationWatch
 from agent.reported_downloads import DownloadReportSink, ReportedDownloads
-from agent.startup_reconcile import StartupReconciliation
-from agent.supervisor import Readiness, Supervisor
-from agent.task_consumer import TaskConsumer
-from agent.task_intake import TaskIntake
-from agent.worker_spec import DEFAULT_COMMAND, allowed_environment
-from runtime.discovery import Discovery
-from runtime.engine_names import engines_on_this_node
+from agent.tasks.consumer import TaskConsumer
+from agent.tasks.intake import TaskIntake
+from agent.workers.attempt_files import AttemptFiles
+from agent.workers.readiness import RegistrationWatch
+from agent.workers.spec import DEFAULT_COMMAND, allowed_environment
+from agent.workers.supervisor import Readiness, Supervisor
+from runtime.cluster.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed
-from runtime.fleet_tasks import LogTailRequest, StartInstance, StopInstance
-from runtime.task_signing import agent_signing_key
+from runtime.fleet_contract.engine_names import engines_on_this_node
+from runtime.fleet_contract.signing import agent_signing_key
+from runtime.fleet_contract.tasks import LogTailRequest, StartInstance, StopInstance
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,12 @@ class NodeAgent:
         return await self._heartbeats.node_report()
 
     async def compare(self, context: str) -> None:
-        """Stop the workers the control plane's list disowns (agent/ownership_checks.py). Raises TokenRejected."""
+        """Stop the workers the control plane's list disowns (agent/instances/ownership_checks.py).
+
+        Raises TokenRejected."""
         await self._ownership.compare(context)
 
-    # -- tasks (TaskHandler: agent/task_intake.py) ----------------------------------------------------
+    # -- tasks (TaskHandler: agent/tasks/intake.py) ----------------------------------------------------
 
     async def accept_start(self, request: StartInstance) -> None:
         await self._intake.accept_start(request)

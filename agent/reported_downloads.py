@@ -21,7 +21,7 @@ from agent.control_plane_client import (
 )
 from agent.downloads import DownloadProgress, ModelDownloader
 from agent.errors import DownloadError
-from runtime.fleet_tasks import LocalSource, ModelSource
+from runtime.fleet_contract.tasks import LocalSource, ModelSource
 
 log = logging.getLogger(__name__)
 

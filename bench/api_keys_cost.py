@@ -37,7 +37,7 @@ from network_path import MODEL, Run, flotilla, infrastructure, request_bytes, wa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign  # noqa: E402
+from runtime.fleet_contract.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign  # noqa: E402
 
 SECRET = b"b" * 64
 FLOOR = 1.10

@@ -143,7 +143,7 @@ def prepare(env: dict[str, str], instances: int) -> Fleet:
     from controlplane.deployments import upkeep
     from controlplane.deployments.pipelines import GroupSpec
     from controlplane.fleet import actions as fleet_actions
-    from runtime.agent_reports import InstanceReport, NodeReport
+    from runtime.fleet_contract.reports import InstanceReport, NodeReport
 
     call_command("migrate", verbosity=0, interactive=False)
     actor = Actor.system("bench")
@@ -205,7 +205,7 @@ async def publish_loads(
     """Each instance's load once a second, spread over the second, until ``seconds`` have passed."""
     from nats.aio.client import Client as NATS
 
-    from runtime.kv_events import WorkerLoad
+    from runtime.kv.events import WorkerLoad
 
     nc = NATS()
     await nc.connect(nats_url, name="bench-publisher")

@@ -33,12 +33,12 @@ from tokenizers import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.chat_template import ChatTemplate  # noqa: E402
+from runtime.cluster.nats_connection import connect_nats  # noqa: E402
+from runtime.cluster.object_store import fetch_tokenizer, publish_tokenizer  # noqa: E402
 from runtime.endpoint import ModelEntry  # noqa: E402
-from runtime.model_card import ModelCard  # noqa: E402
-from runtime.model_loading import load_model_card  # noqa: E402
-from runtime.nats_connection import connect_nats  # noqa: E402
-from runtime.object_store import fetch_tokenizer, publish_tokenizer  # noqa: E402
+from runtime.models.card import ModelCard  # noqa: E402
+from runtime.models.chat_template import ChatTemplate  # noqa: E402
+from runtime.models.loading import load_model_card  # noqa: E402
 from tests.servers import smollm2_path  # noqa: E402
 
 SHORT_PROMPT = "What is the capital of France? Answer in one sentence."

@@ -34,8 +34,8 @@ from _common import nats_server, percentile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runtime.cluster.nats_connection import connect_nats  # noqa: E402
 from runtime.engine import RequestContext  # noqa: E402
-from runtime.nats_connection import connect_nats  # noqa: E402
 from runtime.request_plane import EndpointServer, RequestClient, StreamBroken  # noqa: E402
 
 SUBJECT = "bench.frozen.generate.1"

@@ -16,7 +16,7 @@
 #      the placement's memory share; a greedy request completes with a finish reason; the same request again
 #      gives the same tokens (token-exact at temperature 0) and reports cached prompt tokens (prefix reuse);
 #      a request abandoned after 2 tokens is aborted (the engine serves the next one); the engine's KV events
-#      arrive as Flotilla BlockStored events named with runtime/kv_blocks.py's hashes, and cache_state()
+#      arrive as Flotilla BlockStored events named with runtime/kv/blocks.py's hashes, and cache_state()
 #      holds the blocks;
 #   2. through the CLI: `flotilla run in=http out=ENGINE MODEL_DIR` answers a chat completion over HTTP, and
 #      an unknown --extra-engine-args key exits 2 naming it.
@@ -62,8 +62,8 @@ import asyncio, os, sys
 from launcher.options import RunOptions
 from launcher.run import build_model
 from runtime.engine import RequestContext
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import BlockStored
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 
 engine_name = os.environ["ENGINE"]

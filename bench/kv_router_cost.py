@@ -6,7 +6,7 @@ millisecond. This measures, for each case, the hashing alone, the index lookup a
 ``KvRouter.choose`` (plus the ``finished`` notice that follows every decision), with an index as a
 busy fleet would have it: every worker holding ``--cached-blocks`` other blocks, and each a prefix
 of the request of a different length; then the same decision with the gateway's routing metrics
-attached (frontend_gateway/router_metrics.py: three histogram observations per decision), and the
+attached (frontend_gateway/routing/metrics.py: three histogram observations per decision), and the
 ratio of the two, measured in the same run.
 
     .venv/bin/python bench/kv_router_cost.py [--repeat 7] [--iterations 2000]
@@ -34,9 +34,9 @@ from frontend_gateway.routing.health import RoutingHealth  # noqa: E402
 from frontend_gateway.routing.kv_indexer import KvIndexer  # noqa: E402
 from frontend_gateway.routing.kv_router import KvRouter  # noqa: E402
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings  # noqa: E402
-from runtime.addressing import EndpointAddress  # noqa: E402
-from runtime.kv_blocks import sequence_block_hashes  # noqa: E402
-from runtime.kv_events import BlockStored  # noqa: E402
+from runtime.cluster.addressing import EndpointAddress  # noqa: E402
+from runtime.kv.blocks import sequence_block_hashes  # noqa: E402
+from runtime.kv.events import BlockStored  # noqa: E402
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 
 BLOCK_SIZE = 64

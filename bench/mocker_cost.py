@@ -27,7 +27,7 @@ from engines.mocker.config import MockerConfig  # noqa: E402
 from engines.mocker.engine import MockerEngine  # noqa: E402
 from launcher.inputs.dyn import engine_handler  # noqa: E402
 from runtime.engine import RequestContext  # noqa: E402
-from runtime.kv_events import KvEvent  # noqa: E402
+from runtime.kv.events import KvEvent  # noqa: E402
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 
 

@@ -7,7 +7,7 @@ second one (timing.py's decode time for the KV usage then); the script records e
 duration and prints, per way of sleeping, how far the gaps stray from them: the median and p90 of
 |gap - step|, and the median gap against the median step. The baseline, measured in the same run,
 is the engine with its timerfd closed, which sleeps with asyncio.sleep on the loop's millisecond
-timers (runtime/precise_sleep.py says why that is coarse).
+timers (engines/mocker/precise_sleep.py says why that is coarse).
 
     .venv/bin/python bench/mocker_step_precision.py [--requests 20] [--tokens 40] [--prompt 4500] [--speedup 1]
 """

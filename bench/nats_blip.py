@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from engines.mocker.config import MockerConfig  # noqa: E402
 from engines.mocker.engine import MockerEngine  # noqa: E402
+from runtime.cluster.nats_connection import connect_nats  # noqa: E402
 from runtime.engine import RequestContext  # noqa: E402
-from runtime.nats_connection import connect_nats  # noqa: E402
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 from runtime.request_plane import EndpointServer, RequestClient, StreamBroken  # noqa: E402
 from runtime.settings import (  # noqa: E402

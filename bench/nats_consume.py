@@ -1,5 +1,5 @@
 """What hearing one NATS message costs a listener: nats-py's ``subscription.messages`` iterator against
-``runtime.nats_connection.consume`` (a callback subscription).
+``runtime.cluster.nats_connection.consume`` (a callback subscription).
 
 Every router replica hears every worker's KV events and load reports and every other replica's
 decisions, so this per-message cost is paid once per ingress process: through 4 ingresses, 4 times.
@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.nats_connection import connect_nats, consume, flush  # noqa: E402
+from runtime.cluster.nats_connection import connect_nats, consume, flush  # noqa: E402
 
 SUBJECT = "bench.consume"
 

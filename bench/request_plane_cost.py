@@ -27,8 +27,8 @@ import msgspec
 import uvloop
 from network_path import infrastructure
 
+from runtime.cluster.nats_connection import connect_nats
 from runtime.engine import RequestContext
-from runtime.nats_connection import connect_nats
 from runtime.request_plane import EndpointServer, RequestClient
 
 SUBJECT = "bench.request_plane.generate.1"

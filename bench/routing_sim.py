@@ -63,14 +63,14 @@ from frontend_gateway.routing.kv_indexer import KvIndexer  # noqa: E402
 from frontend_gateway.routing.kv_router import KvRouter  # noqa: E402
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings  # noqa: E402
 from frontend_gateway.routing.replica_sync import ENDS_WAIT_S  # noqa: E402
-from runtime.addressing import EndpointAddress  # noqa: E402
+from runtime.cluster.addressing import EndpointAddress  # noqa: E402
 from runtime.errors import ConfigError  # noqa: E402
-from runtime.kv_events import WorkerLoad  # noqa: E402
+from runtime.kv.events import WorkerLoad  # noqa: E402
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 
 TRACE_BLOCK_SIZE = 512  # trace_replay.py's default --trace-block-size
 VOCAB_SIZE = 49152  # SmolLM2's, as in the real replay
-REPORT_INTERVAL_S = 1.0  # workers publish their load once a second (runtime/load_metrics.py)
+REPORT_INTERVAL_S = 1.0  # workers publish their load once a second (runtime/kv/load_metrics.py)
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from engines.mocker.config import parse_mocker_config  # noqa: E402
 from runtime.errors import ConfigError  # noqa: E402
-from runtime.model_loading import load_model_card  # noqa: E402
-from runtime.tokenizer import gguf_metadata, open_gguf  # noqa: E402
+from runtime.models.loading import load_model_card  # noqa: E402
+from runtime.models.tokenizer import gguf_metadata, open_gguf  # noqa: E402
 
 MODEL = "smol"
 #: Dynamo's interpreter: `make dynamo` installs it in .dynamo-venv/ (DYNAMO_PYTHON points elsewhere).

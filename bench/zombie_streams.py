@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from engines.mocker.config import MockerConfig  # noqa: E402
 from engines.mocker.engine import MockerEngine  # noqa: E402
+from runtime.cluster.nats_connection import connect_nats  # noqa: E402
 from runtime.engine import RequestContext  # noqa: E402
-from runtime.nats_connection import connect_nats  # noqa: E402
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 from runtime.request_plane import EndpointServer, RequestClient  # noqa: E402
 

@@ -2,9 +2,9 @@
 
 * Broker and result backend: Redis at ``FLOTILLA_BROKER_URL`` (default ``redis://127.0.0.1:6379/0``);
   results are kept only for what the control plane waits on (an agent's log tail).
-* JSON only, both ways: agents decode the payloads of ``runtime.fleet_tasks`` with msgspec.
+* JSON only, both ways: agents decode the payloads of ``runtime.fleet_contract.tasks`` with msgspec.
 * Beat runs the reconcile task every ``FLOTILLA_RECONCILE_S`` seconds (default 2) on queue
-  ``controlplane`` (``runtime.fleet_tasks.CONTROL_PLANE_QUEUE``), which only the control plane's own
+  ``controlplane`` (``runtime.fleet_contract.tasks.CONTROL_PLANE_QUEUE``), which only the control plane's own
   worker consumes; agents consume ``node.<name>``.
 
 Run it as ``celery -A controlplane.celery_app worker -Q controlplane`` plus ``celery -A
@@ -27,7 +27,7 @@ from kombu.utils.url import maybe_sanitize_url
 from controlplane.secret_key import default_data_dir
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError
-from runtime.fleet_tasks import CONTROL_PLANE_QUEUE
+from runtime.fleet_contract.tasks import CONTROL_PLANE_QUEUE
 
 # Celery's worker and beat import this module first: they need Django's settings to load the tasks.
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")

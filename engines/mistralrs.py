@@ -13,7 +13,7 @@ template (``jinja_explicit``: the prompt is used as it is). Why not mistral.rs's
   fails with "Already borrowed" (measured with 0.9.5). The streaming chat request returns as soon as
   the request is queued, so requests are sent under a lock and generate concurrently (mistral.rs
   batches them, up to ``max_seqs``: one by default, see MistralRsSettings);
-* the chat template is rendered by ``runtime.chat_template`` (transformers' rendering), with the
+* the chat template is rendered by ``runtime.models.chat_template`` (transformers' rendering), with the
   request's ``tools``, exactly as Flotilla renders it for the token engines.
 
 Cancellation: dropping the chunk stream drops mistral.rs's receiver; its next token cannot be sent, and
@@ -36,11 +36,11 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engines.extra_engine_args import engine_args_source, read_engine_args
-from runtime.chat_template import ChatTemplate
+from engines.shared.extra_engine_args import engine_args_source, read_engine_args
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
-from runtime.model_card import ModelCard
+from runtime.models.card import ModelCard
+from runtime.models.chat_template import ChatTemplate
 from runtime.protocol import FinishReason, TextOutput, TextRequest
 
 log = logging.getLogger(__name__)

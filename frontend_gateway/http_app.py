@@ -19,11 +19,9 @@ from typing import Any
 
 import msgspec
 
-from frontend_gateway import embeddings, preprocessor, responses, responses_api
+from frontend_gateway.access.api_keys import KeyTable, check_model
+from frontend_gateway.access.quotas import UNKNOWN_MODEL, Meter
 from frontend_gateway.admission import Admission, AdmissionLimits
-from frontend_gateway.api_keys import KeyTable, check_model
-from frontend_gateway.chat_output import Delta
-from frontend_gateway.embeddings import EmbeddingRequest
 from frontend_gateway.errors import (
     EngineFailed,
     GatewayError,
@@ -33,20 +31,22 @@ from frontend_gateway.errors import (
     NotFound,
     RequestTooLarge,
 )
-from frontend_gateway.logprobs import CompletionLogprobs, chat_logprobs
 from frontend_gateway.metrics import GatewayMetrics
-from frontend_gateway.openai_types import (
+from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
+from frontend_gateway.models.served_names import ServedNames, not_ready
+from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api
+from frontend_gateway.openai_api.chat_output import Delta
+from frontend_gateway.openai_api.embeddings import EmbeddingRequest
+from frontend_gateway.openai_api.logprobs import CompletionLogprobs, chat_logprobs
+from frontend_gateway.openai_api.responses_api import ResponseBuilder, ResponsesRequest
+from frontend_gateway.openai_api.types import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     chat_decoder,
     completion_decoder,
 )
-from frontend_gateway.pipeline import Generation, ModelRegistry, ServedModel
-from frontend_gateway.quotas import UNKNOWN_MODEL, Meter
-from frontend_gateway.responses_api import ResponseBuilder, ResponsesRequest
-from frontend_gateway.served_names import ServedNames, not_ready
-from runtime.api_keys import KeyRecord
+from runtime.fleet_contract.api_keys import KeyRecord
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,9 @@ class GatewayApp:
         self.max_body_bytes = max_body_bytes
         self.admission = Admission(limits or AdmissionLimits(), self.metrics)
         self._lifespan = lifespan
-        #: When set, every /v1/* request needs one of its keys (frontend_gateway/api_keys.py).
+        #: When set, every /v1/* request needs one of its keys (frontend_gateway/access/api_keys.py).
         self.api_keys = api_keys
-        #: Counts keyed requests against their limits, and their usage (frontend_gateway/quotas.py).
+        #: Counts keyed requests against their limits, and their usage (frontend_gateway/access/quotas.py).
         self.meter = meter
         #: The control plane's served names: a model with none of its replicas here is then a 503, not a 404.
         self.served_names = served_names
@@ -148,7 +148,7 @@ class GatewayApp:
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         self.metrics.error(exc.error_type, int(exc.status))
-        body = responses.error_body(exc.message, exc.error_type, exc.code, exc.param)
+        body = encoding.error_body(exc.message, exc.error_type, exc.code, exc.param)
         headers = _JSON_HEADERS
         if exc.retry_after is not None:
             headers = [*headers, (b"retry-after", str(exc.retry_after).encode())]
@@ -340,7 +340,7 @@ class GatewayApp:
             self.admission.release()
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/embeddings``, for models whose engine embeds (embeddings.py)."""
+        """``POST /v1/embeddings``, for models whose engine embeds (openai_api/embeddings.py)."""
         request: EmbeddingRequest = _decode(embeddings.decoder, await self._read_body(scope, receive))
         inputs = embeddings.texts(request)
         model = await self._find_model(request.model, scope)
@@ -354,7 +354,7 @@ class GatewayApp:
         await self._send_json(send, body)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``POST /v1/responses``: the Responses API over the chat pipeline (responses_api.py)."""
+        """``POST /v1/responses``: the Responses API over the chat pipeline (openai_api/responses_api.py)."""
         request: ResponsesRequest = _decode(responses_api.decoder, await self._read_body(scope, receive))
         chat = responses_api.to_chat(request)
         preprocessor.check_chat(chat)
@@ -370,7 +370,7 @@ class GatewayApp:
 
     async def _respond(
         self,
-        kind: responses.Kind,
+        kind: encoding.Kind,
         endpoint: str,
         model: ServedModel,
         request: SamplingFields,
@@ -426,7 +426,7 @@ class GatewayApp:
 
     async def _whole(
         self,
-        kind: responses.Kind,
+        kind: encoding.Kind,
         model: ServedModel,
         generation: Generation,
         show_instance: bool,
@@ -450,7 +450,7 @@ class GatewayApp:
             parser.check_required(generation.finish_reason)
             text = parsed.content
             reasoning = parsed.reasoning if parser.has_reasoning else None
-            message = responses.chat_message(text, reasoning=reasoning, tool_calls=parsed.tool_calls)
+            message = encoding.chat_message(text, reasoning=reasoning, tool_calls=parsed.tool_calls)
             finish_reason = parser.finish_reason(finish_reason)
         logprobs = None
         if generation.logprobs is not None:
@@ -458,7 +458,7 @@ class GatewayApp:
                 logprobs = chat_logprobs(generation.logprobs)
             else:
                 logprobs = CompletionLogprobs().shape(generation.logprobs)
-        body = responses.full_response(
+        body = encoding.full_response(
             kind,
             response_id=_response_id(kind, generation),
             created=int(time.time()),
@@ -478,7 +478,7 @@ class GatewayApp:
 
     async def _stream(
         self,
-        kind: responses.Kind,
+        kind: encoding.Kind,
         model: ServedModel,
         generation: Generation,
         include_usage: bool,
@@ -493,7 +493,7 @@ class GatewayApp:
         the status line, any exception ends the stream with an OpenAI error event and ``[DONE]``,
         and no finish chunk: the answer did not finish.
         """
-        encoder = responses.StreamEncoder(
+        encoder = encoding.StreamEncoder(
             kind, response_id=_response_id(kind, generation), created=int(time.time()), model=model.name
         )
         # aclosing: see _whole; here a cancellation may also land inside a send to a slow client.
@@ -524,8 +524,8 @@ class GatewayApp:
                             await parsed.send(send, piece)
                 except Exception as exc:
                     failure = _as_gateway_error(exc, generation)
-                    frame = responses.error_frame(failure.message, failure.error_type, failure.code)
-                    await send({"type": "http.response.body", "body": frame + responses.DONE_FRAME})
+                    frame = encoding.error_frame(failure.message, failure.error_type, failure.code)
+                    await send({"type": "http.response.body", "body": frame + encoding.DONE_FRAME})
                     return failure
                 # One observation per request, not per token: the mean time between tokens after
                 # the first (what benchmarks call ITL or TPOT).
@@ -538,14 +538,14 @@ class GatewayApp:
                 await parsed.finish(send)
             except GatewayError as exc:  # ToolCallMissing: the answer lacks the call asked for
                 failure = _as_gateway_error(exc, generation)
-                frame = responses.error_frame(failure.message, failure.error_type, failure.code)
-                await send({"type": "http.response.body", "body": frame + responses.DONE_FRAME})
+                frame = encoding.error_frame(failure.message, failure.error_type, failure.code)
+                await send({"type": "http.response.body", "body": frame + encoding.DONE_FRAME})
                 return failure
             finish_reason = parsed.finish_reason(finish_reason)
         tail = encoder.finish(finish_reason, _nvext(generation) if show_instance else None)
         if include_usage:
             tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
-        await send({"type": "http.response.body", "body": tail + responses.DONE_FRAME})
+        await send({"type": "http.response.body", "body": tail + encoding.DONE_FRAME})
         return None
 
 
@@ -555,7 +555,7 @@ class _RichFrames:
 
     __slots__ = ("_completion_logprobs", "_encoder", "_generation", "_kind", "_next_index", "_parser")
 
-    def __init__(self, kind: responses.Kind, encoder: responses.StreamEncoder, generation: Generation) -> None:
+    def __init__(self, kind: encoding.Kind, encoder: encoding.StreamEncoder, generation: Generation) -> None:
         self._kind = kind
         self._encoder = encoder
         self._generation = generation
@@ -734,7 +734,7 @@ def _nvext(generation: Generation) -> dict[str, Any]:
     return {"instance_id": generation.context.served_by}
 
 
-def _response_id(kind: responses.Kind, generation: Generation) -> str:
+def _response_id(kind: encoding.Kind, generation: Generation) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id
 
 

@@ -3,7 +3,7 @@
 The collectors live in a registry owned by the app (no module globals), and labelled children are
 cached per model so that the per-token path does one dict lookup, not a label resolution. The routing
 metrics (``flotilla_router_*``: the KV router's health and choices, busy refusals, migrations, deadlines)
-are router_metrics.py's, in the same registry.
+are routing/metrics.py's, in the same registry.
 """
 
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-from frontend_gateway.router_metrics import ModelRoutingMetrics, RoutingCollectors
+from frontend_gateway.routing.metrics import ModelRoutingMetrics, RoutingCollectors
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)

@@ -25,9 +25,9 @@ from launcher.env_flags import EnvArgumentParser
 from launcher.proctitle import set_title
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError
-from runtime.fleet_tasks import node_queue
-from runtime.hub_download import HubSettings
+from runtime.fleet_contract.tasks import node_queue
 from runtime.logging import configure_logging
+from runtime.models.hub_download import HubSettings
 from runtime.settings import check_settings
 
 log = logging.getLogger(__name__)

@@ -10,18 +10,18 @@ import sys
 from typing import TypeVar
 
 from engines.echo import echo_delay_seconds
-from engines.node_group import MULTINODE_ENGINES, NodeGroup
 from engines.python_file import python_engine_file
+from engines.shared.node_group import MULTINODE_ENGINES, NodeGroup
 from launcher.env_flags import EnvArgumentParser
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, RunOptions
 from launcher.proctitle import run_title, set_title
 from launcher.run_parser import build_run_parser
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
 from runtime.config import env_str
-from runtime.engine_names import GPU_ONLY_ENGINES
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
+from runtime.fleet_contract.engine_names import GPU_ONLY_ENGINES
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.logging import configure_logging
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.settings import check_settings
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(TOP_HELP, end="")
         return EXIT_OK if args else EXIT_CONFIG
     if args[0] == "up":
-        from launcher.stack import main as up
+        from launcher.stack.up import main as up
 
         return up(args[1:])
     if args[0] == "agent":

@@ -57,12 +57,12 @@ LEADER_GONE_SIGNAL = signal.SIGUSR1
 def build_follower(options: RunOptions) -> Follower:
     """This rank's processes for ``options.output`` (vllm or sglang), not yet started; the settings are checked
     first (ConfigError), the model resolved (downloaded if needed) after."""
-    from runtime.model_source import resolve_model
+    from runtime.models.source import resolve_model
 
     nodes = options.node_group
     if options.output == "vllm":
-        from engines.vllm_follower import VllmFollower
-        from engines.vllm_settings import (
+        from engines.vllm.follower import VllmFollower
+        from engines.vllm.settings import (
             MISSING_PACKAGE,
             VllmSettings,
             check_extra_args,
@@ -86,10 +86,10 @@ def build_follower(options: RunOptions) -> Follower:
         )
         return VllmFollower(settings, base_gpu_id=options.base_gpu_id)
     if options.output == "sglang":
-        from engines.gpu_engine_args import GpuPlacement
-        from engines.sglang import MISSING_PACKAGE as SGLANG_MISSING
-        from engines.sglang import parse_engine_args
-        from engines.sglang_follower import SglangFollower
+        from engines.sglang.engine import MISSING_PACKAGE as SGLANG_MISSING
+        from engines.sglang.engine import parse_engine_args
+        from engines.sglang.follower import SglangFollower
+        from engines.shared.gpu_engine_args import GpuPlacement
 
         if importlib.util.find_spec("sglang") is None:
             raise ConfigError(SGLANG_MISSING)

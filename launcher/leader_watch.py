@@ -12,7 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from engines.node_group import LeaderAddress
+from engines.shared.node_group import LeaderAddress
 
 INTERVAL_S = 2.0
 MISSES = 5

@@ -3,11 +3,11 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.node_group import LeaderAddress, NodeGroup
-from runtime.engine_names import IMPLEMENTED_ENGINES, SETTINGS_FILE_ENGINES
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
+from engines.shared.node_group import LeaderAddress, NodeGroup
+from runtime.fleet_contract.engine_names import IMPLEMENTED_ENGINES, SETTINGS_FILE_ENGINES
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 
-# The engines (runtime/engine_names.py), and the ingress.
+# The engines (runtime/fleet_contract/engine_names.py), and the ingress.
 ENGINES = (*IMPLEMENTED_ENGINES, "dyn")
 # Engines configured by --extra-engine-args FILE.json.
 EXTRA_ARGS_ENGINES = tuple(sorted(SETTINGS_FILE_ENGINES))
@@ -29,7 +29,7 @@ class RunOptions:
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
     threads: int | None = None
-    parallel: int = 1  # out=llamacpp: slots decoded together (engines/llamacpp_batch.py)
+    parallel: int = 1  # out=llamacpp: slots decoded together (engines/llamacpp/batch.py)
     batch_concurrency: int = 4
     max_tokens: int | None = None
     temperature: float | None = None
@@ -55,7 +55,7 @@ class RunOptions:
     tensor_parallel_size: int = 1  # out=vllm: GPUs the model is split across
     base_gpu_id: int | None = None  # out=vllm: the first GPU, among CUDA_VISIBLE_DEVICES when set
     gpu_memory_utilization: float | None = None  # out=vllm: the GPU memory share it may take (placement's)
-    num_nodes: int = 1  # out=vllm, out=sglang: machines one engine instance spans (engines/node_group.py)
+    num_nodes: int = 1  # out=vllm, out=sglang: machines one engine instance spans (engines/shared/node_group.py)
     node_rank: int = 0  # this machine's among them: 0 serves, the others run their share of the model
     leader_addr: LeaderAddress | None = None  # where they meet (rank 0's machine), when num_nodes > 1
     quota_redis_url: str | None = None

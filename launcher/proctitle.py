@@ -5,7 +5,7 @@ ENGINE``, ``flotilla run in=… out=…``."""
 import setproctitle
 
 from launcher.options import RunOptions
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
 
 
 def set_title(title: str) -> None:

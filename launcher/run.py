@@ -11,17 +11,17 @@ import msgspec
 
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
-from frontend_gateway.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
+from frontend_gateway.models.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
+from launcher import heap
 from launcher.options import ENGINES, RunOptions
-from runtime import heap
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
 from runtime.engine import Engine, TextEngine
 from runtime.errors import ConfigError
-from runtime.model_card import ModelCard, ModelType
+from runtime.models.card import ModelCard, ModelType
 
 if TYPE_CHECKING:
-    from frontend_gateway.api_keys import KeyTable
-    from frontend_gateway.quotas import Meter
+    from frontend_gateway.access.api_keys import KeyTable
+    from frontend_gateway.access.quotas import Meter
     from runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 def load_card(options: RunOptions) -> tuple[ModelCard, Path]:
     """Resolve the model argument (downloading if needed) and read its card."""
     # Imported here: echo_full needs no model, and these pull in gguf and huggingface_hub.
-    from runtime.model_loading import load_model_card
-    from runtime.model_source import resolve_model
+    from runtime.models.loading import load_model_card
+    from runtime.models.source import resolve_model
 
     path = resolve_model(options.model)
     card = load_model_card(
@@ -58,7 +58,7 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         core = EchoCoreEngine(echo_delay_seconds())
         return TokenModel(card, core), core
     if output == "llamacpp":
-        from engines.llamacpp import LlamaCppEngine
+        from engines.llamacpp.engine import LlamaCppEngine
 
         card, path = load_card(options)
         # Structured output by llama.cpp's grammars; log probabilities from its logits; embeddings from
@@ -119,8 +119,8 @@ def build_mistralrs_model(options: RunOptions) -> tuple[ServedModel, Engine]:
 
 def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     """``out=vllm``: vLLM's async engine on a safetensors folder, fed token ids by Flotilla's preprocessor."""
-    from engines.vllm import VllmEngine
-    from engines.vllm_settings import MISSING_PACKAGE, VllmSettings, check_extra_args, engine_arg_names, read_extra_args
+    from engines.vllm.engine import VllmEngine
+    from engines.vllm.settings import MISSING_PACKAGE, VllmSettings, check_extra_args, engine_arg_names, read_extra_args
 
     # Looked up, not imported (importing vLLM takes seconds): one line, not a traceback.
     if importlib.util.find_spec("vllm") is None:
@@ -153,8 +153,9 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
 def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     """``out=sglang`` / ``out=trtllm``: SGLang's Engine or TensorRT-LLM's LLM on a safetensors folder, fed token
     ids by Flotilla's preprocessor, placed on the GPUs and memory share the flags give."""
-    from engines import sglang, trtllm
-    from engines.gpu_engine_args import GpuPlacement
+    from engines.sglang import engine as sglang
+    from engines.shared.gpu_engine_args import GpuPlacement
+    from engines.trtllm import engine as trtllm
 
     output = options.output
     module = sglang if output == "sglang" else trtllm
@@ -205,7 +206,7 @@ async def run(options: RunOptions) -> int:
         return await run_ingress(options)
     model, engine = build_model(options)
     await engine.start()
-    heap.settle()  # the model, the tokenizer and the engine are loaded: see runtime/heap.py
+    heap.settle()  # the model, the tokenizer and the engine are loaded: see launcher/heap.py
     try:
         if (address := options.worker_address) is not None:
             from launcher.inputs.dyn import serve_worker
@@ -283,10 +284,10 @@ async def run_ingress(options: RunOptions) -> int:
     Returns 0 after SIGINT/SIGTERM, 1 when a background task the ingress needs failed (logged).
     """
     from frontend_gateway.metrics import GatewayMetrics
-    from frontend_gateway.model_watcher import ModelWatcher
-    from frontend_gateway.pipeline import ServingStatus
+    from frontend_gateway.models.pipeline import ServingStatus
+    from frontend_gateway.models.served_names import ServedNames
+    from frontend_gateway.models.watcher import ModelWatcher
     from frontend_gateway.routing.protocol import RouterMode, RouterSettings
-    from frontend_gateway.served_names import ServedNames
     from launcher.inputs.http import admission_limits, serve_http
     from launcher.startup import connect_runtime
 
@@ -333,7 +334,7 @@ async def run_ingress(options: RunOptions) -> int:
     # A runtime shut down by a failed task stops the HTTP server too, and the process exits non-zero.
     stop = asyncio.Event()
     stop_on_failure = asyncio.create_task(_set_when_shut_down(runtime, stop))
-    heap.settle()  # connected and imported: see runtime/heap.py
+    heap.settle()  # connected and imported: see launcher/heap.py
     try:
         stopped_by = await serve_http(
             registry,
@@ -366,8 +367,8 @@ async def _api_keys(runtime: "DistributedRuntime", secret_file: Path | None) -> 
 
     Raises ConfigError for an unreadable secret, DiscoveryUnavailable when etcd cannot list the keys.
     """
-    from frontend_gateway.api_keys import KeyTable
-    from runtime.api_keys import read_secret
+    from frontend_gateway.access.api_keys import KeyTable
+    from runtime.fleet_contract.api_keys import read_secret
 
     if secret_file is None:
         return None
@@ -384,7 +385,7 @@ def _meter(runtime: "DistributedRuntime", redis_url: str | None) -> "Meter":
 
     Raises ConfigError for a malformed URL.
     """
-    from frontend_gateway.quotas import Meter
+    from frontend_gateway.access.quotas import Meter
 
     if redis_url is None:
         log.warning(

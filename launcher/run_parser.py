@@ -10,12 +10,12 @@ container. What the flags mean together, and which combinations are refused, is 
 import argparse
 from pathlib import Path
 
-from engines.node_group import LeaderAddress
+from engines.shared.node_group import LeaderAddress
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser, parse_boolean
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 RUN_DESCRIPTION = """\
 Run a model and talk to it, in one process.
@@ -227,7 +227,7 @@ def _add_engine_flags(parser: EnvArgumentParser) -> None:
         'e.g. {"max_seqs": 8, "seed": 1}; out=vllm: vLLM\'s AsyncEngineArgs fields (those of `vllm serve`, with '
         'underscores), e.g. {"block_size": 32, "enable_prefix_caching": true}; out=sglang: SGLang\'s ServerArgs '
         'fields, e.g. {"page_size": 32}; out=trtllm: a YAML file (or JSON) of TensorRT-LLM\'s LLM arguments, as '
-        "trtllm-serve's --extra_llm_api_options (engines/sglang.py and engines/trtllm.py list the names)",
+        "trtllm-serve's --extra_llm_api_options (engines/sglang/engine.py and engines/trtllm/engine.py list the names)",
     )
 
 

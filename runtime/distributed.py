@@ -17,14 +17,14 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from runtime.addressing import EndpointAddress, new_instance_id
-from runtime.discovery import Discovery
+from runtime.cluster.addressing import EndpointAddress, new_instance_id
+from runtime.cluster.discovery import Discovery
+from runtime.cluster.nats_connection import connect_nats
+from runtime.cluster.object_store import fetch_tokenizer
 from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
 from runtime.errors import BackgroundTaskFailed, Fenced
-from runtime.fencing import watch_own_fence
+from runtime.fleet_contract.fences import watch_own_fence
 from runtime.loop_lag import watch_loop_lag
-from runtime.nats_connection import connect_nats
-from runtime.object_store import fetch_tokenizer
 from runtime.request_plane import EndpointServer, RequestClient
 from runtime.settings import (
     stream_gone_after_seconds,

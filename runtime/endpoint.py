@@ -20,17 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from runtime.addressing import EndpointAddress
-from runtime.discovery import instance_key, model_key
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.discovery import instance_key, model_key
+from runtime.cluster.object_store import publish_tokenizer
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
-from runtime.kv_events import KvEventSource
-from runtime.kv_publisher import KvEventPublisher, start_kv_publishing
-from runtime.load_metrics import LoadReports, active_requests_load, engine_load, publish_load_forever, waiting_requests
-from runtime.model_card import ModelCard, ModelType
-from runtime.object_store import publish_tokenizer
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.kv.events import KvEventSource
+from runtime.kv.load_metrics import (
+    LoadReports,
+    active_requests_load,
+    engine_load,
+    publish_load_forever,
+    waiting_requests,
+)
+from runtime.kv.publisher import KvEventPublisher, start_kv_publishing
+from runtime.models.card import ModelCard, ModelType
 from runtime.request_plane import EndpointServer, Handler
-from runtime.router_settings import PipelineRouter
 from runtime.settings import drain_grace_seconds as drain_grace_seconds  # re-exported for workers
 from runtime.settings import max_request_bytes, max_waiting_requests, stream_ack_deadline_seconds
 
@@ -100,7 +106,7 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     router: PipelineRouter | None = None
     #: Where the instance embeds text (``EmbedRequest``), if its engine does: None, it does not.
     embed_subject: str | None = None
-    #: Whether its engine publishes KV events (runtime/kv_publisher.py). KV routers predict the cache of an
+    #: Whether its engine publishes KV events (runtime/kv/publisher.py). KV routers predict the cache of an
     #: instance that does not from their own decisions. (True when a registration does not say: older workers.)
     kv_events: bool = True
 
@@ -152,7 +158,7 @@ class Endpoint:
         its workers by them.
 
         With ``kv_source`` (an engine that reports its KV cache), its KV events, cache state and
-        per-rank load are published for KV routers (runtime/kv_publisher.py), from before the first request.
+        per-rank load are published for KV routers (runtime/kv/publisher.py), from before the first request.
         """
         runtime = self.runtime
         load_reports: LoadReports | None = None
@@ -274,8 +280,8 @@ async def register_model(
     kind = ModelType(model_type)
     if card is None:
         if model_path is not None:
-            from runtime.model_loading import load_model_card
-            from runtime.model_source import resolve_model
+            from runtime.models.loading import load_model_card
+            from runtime.models.source import resolve_model
 
             card = load_model_card(resolve_model(str(model_path)), name=model_name, context_length=context_length)
         elif kind is ModelType.TOKENS:

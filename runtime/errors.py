@@ -63,4 +63,4 @@ class BackgroundTaskFailed(FlotillaError):
 
 
 class Fenced(FlotillaError):
-    """The control plane retired this worker (its node was given up on, runtime/fencing.py): it exits."""
+    """The control plane retired this worker (its node was given up on, runtime/fleet_contract/fences.py): it exits."""

@@ -120,7 +120,7 @@ class EmbedRequest(msgspec.Struct, kw_only=True):
     """Texts for a worker's embedding endpoint (``POST /v1/embeddings`` through an ingress).
 
     The ingress has checked each text against the model's context length; an ingress may split one
-    client request into several of these (see frontend_gateway/remote_embeddings.py).
+    client request into several of these (see frontend_gateway/models/remote_embeddings.py).
     """
 
     request_id: str

@@ -1,4 +1,4 @@
-"""The keys the control plane signs a node's tasks with: one per agent token of the node (runtime/task_signing.py).
+"""The keys the control plane signs a node's tasks with: one per agent token (runtime/fleet_contract/signing.py).
 
 Derived from the token's stored hash, the one thing the control plane keeps of it: whoever can read the
 ``ApiToken`` table can sign a node's tasks, as whoever can write the database can already tell the fleet
@@ -9,7 +9,7 @@ expired token's key signs nothing more, so its agent refuses every task from the
 from django.db.models.functions import Now
 
 from controlplane.accounts.models import ApiToken
-from runtime.task_signing import SigningKey, signing_key
+from runtime.fleet_contract.signing import SigningKey, signing_key
 
 
 def node_task_keys(node: str) -> list[SigningKey]:

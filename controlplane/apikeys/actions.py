@@ -15,7 +15,7 @@ from controlplane.apikeys.models import KEY_DISPLAY_CHARS, ApiKey
 from controlplane.apikeys.publication import publish_after_commit
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.errors import Conflict, Invalid
-from runtime.api_keys import key_hash, new_key
+from runtime.fleet_contract.api_keys import key_hash, new_key
 
 # The hash is no secret, but it is nothing a person needs to read either.
 _AUDIT_EXCLUDE = ("key_hash",)

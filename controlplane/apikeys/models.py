@@ -2,7 +2,7 @@
 
 Not the control plane's own tokens (``accounts.ApiToken``, for this API and the agents): these open the
 ingress's ``/v1/*`` to applications. The key is shown once and stored as its SHA-256; each ingress
-learns of keys from signed records in etcd (``runtime/api_keys.py``, published by ``publication.py``).
+learns of keys from signed records in etcd (``runtime/fleet_contract/api_keys.py``, published by ``publication.py``).
 """
 
 from typing import ClassVar
@@ -12,7 +12,7 @@ from django.db import models
 from django.db.models import Q
 
 from controlplane.accounts.models import Role, User
-from runtime.api_keys import KeyRecord
+from runtime.fleet_contract.api_keys import KeyRecord
 
 # Shown in listings so that a person can tell keys apart: "sk-flt-" and the next five characters.
 KEY_DISPLAY_CHARS = 12

@@ -1,4 +1,4 @@
-"""API keys to the ingress processes: one signed record per key in etcd (``runtime/api_keys.py``).
+"""API keys to the ingress processes: one signed record per key in etcd (``runtime/fleet_contract/api_keys.py``).
 
 A change is published right after its transaction commits, so a revocation reaches every ingress in
 milliseconds. When etcd does not answer then, the change is not lost: ``sync`` (a Celery beat task, every
@@ -18,8 +18,15 @@ from django.db import transaction
 
 from controlplane.apikeys.models import ApiKey
 from controlplane.etcd_records import SyncReport, etcd_endpoints, put_now, sync_prefix
-from runtime.api_keys import API_KEYS_PREFIX, SECRET_FILE_VARIABLE, etcd_key, read_secret, secret_in, sign
 from runtime.config import env_str
+from runtime.fleet_contract.api_keys import (
+    API_KEYS_PREFIX,
+    SECRET_FILE_VARIABLE,
+    etcd_key,
+    read_secret,
+    secret_in,
+    sign,
+)
 
 
 def secret_file() -> Path:

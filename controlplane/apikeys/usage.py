@@ -1,7 +1,7 @@
 """Usage of API keys: the ingress processes' counts, drained from Redis into ``KeyUsage`` rows.
 
 Each ingress adds its counts to a Redis hash per UTC day (``flotilla:usage:<day>``, fields
-``<key id>\\t<model>\\t<what>``; frontend_gateway/quotas.py). ``drain`` (a Celery beat task, every
+``<key id>\\t<model>\\t<what>``; frontend_gateway/access/quotas.py). ``drain`` (a Celery beat task, every
 ``FLOTILLA_USAGE_DRAIN_S``) claims each hash by renaming it to a unique name (ingresses then start a new
 one), adds its counts to the rows of its key, model and day, and deletes it. The claimed name is stored
 with the counts in one transaction, so a batch is added once even when its deletion failed; a batch
@@ -25,7 +25,7 @@ from controlplane.apikeys.models import ApiKey, KeyUsage, UsageBatch
 
 log = logging.getLogger(__name__)
 
-USAGE_PREFIX = "flotilla:usage:"  # as frontend_gateway/quotas.py writes it
+USAGE_PREFIX = "flotilla:usage:"  # as frontend_gateway/access/quotas.py writes it
 CLAIMED_PREFIX = "flotilla:usage-claimed:"
 FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors")
 _KEEP_BATCH_NAMES = timedelta(days=7)

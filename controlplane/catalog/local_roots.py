@@ -18,7 +18,7 @@ from pathlib import Path
 from controlplane.errors import Invalid
 from runtime.config import env_list
 from runtime.errors import ConfigError
-from runtime.model_source import DEFAULT_MODEL_PACKAGE
+from runtime.models.source import DEFAULT_MODEL_PACKAGE
 
 VARIABLE = "FLOTILLA_LOCAL_MODEL_ROOTS"
 

@@ -24,7 +24,7 @@ from controlplane.deployments.pipelines import (
 )
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.node_engines import engine_choices
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
 

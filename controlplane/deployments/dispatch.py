@@ -2,8 +2,8 @@
 
 The reconciler and the log view talk to agents only through a Dispatcher, so tests can put a recording
 one in its place and assert what went to which queue. ``CeleryDispatcher`` publishes the payloads of
-``runtime.fleet_tasks`` as JSON onto queue ``node.<name>``, which only that node's agent consumes, each
-signed with the keys of the node's agent tokens (runtime/task_signing.py): an agent acts on nothing else.
+``runtime.fleet_contract.tasks`` as JSON onto queue ``node.<name>``, which only that node's agent consumes, each
+signed with the keys of the node's agent tokens (runtime/fleet_contract/signing.py): an agent acts on nothing else.
 """
 
 import contextlib
@@ -17,7 +17,8 @@ from kombu.utils.url import maybe_sanitize_url
 
 from controlplane.accounts.task_keys import node_task_keys
 from controlplane.errors import ControlPlaneError
-from runtime.fleet_tasks import (
+from runtime.fleet_contract.signing import sign_payload
+from runtime.fleet_contract.tasks import (
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
@@ -26,7 +27,6 @@ from runtime.fleet_tasks import (
     StopInstance,
     node_queue,
 )
-from runtime.task_signing import sign_payload
 
 
 class DispatchError(ControlPlaneError):

@@ -27,7 +27,7 @@ from controlplane.deployments.placement import Unschedulable, place
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.live.events import row_changed
 from controlplane.reconcile_requests import request_reconcile
-from runtime.agent_reports import InstanceReport
+from runtime.fleet_contract.reports import InstanceReport
 
 # States an agent may report; pending and stopping are the control plane's to set.
 AGENT_REPORTABLE_STATES = frozenset(

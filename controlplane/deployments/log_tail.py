@@ -13,7 +13,7 @@ from controlplane.deployments.models import Instance
 from controlplane.errors import Invalid
 from controlplane.fleet.models import Node
 from runtime.config import env_float
-from runtime.fleet_tasks import MAX_LOG_LINES, LogTailRequest
+from runtime.fleet_contract.tasks import MAX_LOG_LINES, LogTailRequest
 
 DEFAULT_LOG_LINES = 100
 

@@ -13,8 +13,8 @@ from django.db.models import Q
 from controlplane.catalog.engines import Engine
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.fleet.models import Node
-from runtime.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.cluster.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 # What clients put in an OpenAI request's "model": "smol", "Qwen/Qwen3-0.6B", "llama-3.1-8b:instruct".
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
@@ -22,7 +22,7 @@ validate_served_name = RegexValidator(
     re.compile(SERVED_NAME_PATTERN),
     "1-200 letters, digits or . _ : / @ + -, starting with a letter or digit",
 )
-# runtime.addressing's rule for one part of dyn://namespace.component.endpoint.
+# runtime.cluster.addressing's rule for one part of dyn://namespace.component.endpoint.
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 validate_namespace = RegexValidator(re.compile(NAMESPACE_PATTERN), "1-64 letters, digits, '-' or '_'")
 

@@ -17,7 +17,7 @@ A pass, in order (each step is an action of its own: audited, idempotent, safe b
      instance is not evicted, whatever its agent's silence; and when etcd cannot be asked, nobody is.
 
    The evicted workers that may still run (a dead agent, a live machine) are fenced in etcd
-   (runtime/fencing.py), so they deregister and exit instead of serving beside their replacements.
+   (runtime/fleet_contract/fences.py), so they deregister and exit instead of serving beside their replacements.
    Then deadlines: a start nobody took after ``max_dispatches`` sends, a download with no progress for
    ``download_stall_s``, a worker not ready ``start_deadline_s`` after it started: each fails, with why.
    Then replaced instances retire: one whose replacement (a drain's, a one-replica restart's) is ready
@@ -69,8 +69,8 @@ from controlplane.health.records import record_pass
 from runtime.backoff import exponential_delay
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
-from runtime.fencing import live_instance_ids, put_fences
-from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
+from runtime.fleet_contract.fences import live_instance_ids, put_fences
+from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
 from runtime.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Served model names to the ingress processes (``runtime/served_names.py``): one record per pipeline,
+"""Served model names to the ingress processes (``runtime/fleet_contract/served_names.py``): one record per pipeline,
 put after each change commits and checked against the database by a Celery beat task."""
 
 import msgspec
@@ -6,7 +6,7 @@ from django.db import transaction
 
 from controlplane.deployments.models import Pipeline
 from controlplane.etcd_records import SyncReport, put_now, sync_prefix
-from runtime.served_names import SERVED_NAMES_PREFIX, ServedName, etcd_key
+from runtime.fleet_contract.served_names import SERVED_NAMES_PREFIX, ServedName, etcd_key
 
 _WHAT = "served model names"
 

@@ -1,4 +1,4 @@
-"""What an agent is told to run: an instance as ``runtime.fleet_tasks`` messages (one query: its GPUs' UUIDs).
+"""What an agent is told to run: an instance as ``runtime.fleet_contract.tasks`` messages (one query: its GPUs' UUIDs).
 
 ``start_message(instance)`` builds the StartInstance of a placed instance: the pipeline's namespace and
 served name, the group's role, engine and GPUs, the engine args (the model's defaults with the group's
@@ -16,9 +16,10 @@ from typing import Any
 from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.models import Instance
 from controlplane.fleet.models import Gpu
-from runtime.addressing import DEFAULT_ENDPOINT
-from runtime.engine_names import ENGINES_WITHOUT_FILES, GPU_ONLY_ENGINES, SETTINGS_FILE_ENGINES
-from runtime.fleet_tasks import (
+from runtime.cluster.addressing import DEFAULT_ENDPOINT
+from runtime.fleet_contract.engine_names import ENGINES_WITHOUT_FILES, GPU_ONLY_ENGINES, SETTINGS_FILE_ENGINES
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.fleet_contract.tasks import (
     HubSource,
     LocalSource,
     ModelSource,
@@ -26,7 +27,6 @@ from runtime.fleet_tasks import (
     StopInstance,
     WorkerSpec,
 )
-from runtime.router_settings import PipelineRouter
 
 SETTINGS_FLAG = "--extra-engine-args"
 MEMORY_SHARE_FLAG = "--gpu-memory-utilization"

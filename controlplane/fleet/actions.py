@@ -27,7 +27,7 @@ from controlplane.errors import Conflict, Invalid, Missing
 from controlplane.fleet.machines import check_machine, claimed_machine
 from controlplane.fleet.models import Download, Gpu, Node
 from controlplane.reconcile_requests import request_reconcile
-from runtime.agent_reports import DownloadReport, GpuReport, NodeReport
+from runtime.fleet_contract.reports import DownloadReport, GpuReport, NodeReport
 
 # What a heartbeat that changes only usage figures writes.
 _HEARTBEAT_FIELDS = [

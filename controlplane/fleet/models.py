@@ -8,7 +8,7 @@ from typing import ClassVar
 from django.core.validators import RegexValidator
 from django.db import models
 
-from runtime.fleet_tasks import NODE_NAME_PATTERN
+from runtime.fleet_contract.tasks import NODE_NAME_PATTERN
 
 # A node's name is also its Celery queue (node.<name>) and a label of its workers in etcd: a DNS label.
 validate_node_name = RegexValidator(
@@ -58,8 +58,8 @@ class Node(models.Model):
     agent_version = models.CharField(max_length=64, blank=True)
     # The machine the node's agent runs on (controlplane/fleet/machines.py): blank until one is sent.
     machine_id = models.CharField(max_length=128, blank=True)
-    # The engines its agent says it can run (runtime.engine_names.engines_on_this_node()), sorted; placement
-    # puts a replica only where its engine is. Until the agent says: ENGINES_BEFORE_REPORTS (see there why).
+    # The engines its agent says it can run (runtime.fleet_contract.engine_names.engines_on_this_node()), sorted;
+    # placement puts a replica only where its engine is. Until the agent says: ENGINES_BEFORE_REPORTS (see there why).
     engines = models.JSONField(default=engines_before_reports, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

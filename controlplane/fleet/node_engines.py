@@ -9,7 +9,7 @@ with a reason that says to start an agent. Once a node is registered, only the e
 from controlplane.catalog.engines import install_hint
 from controlplane.errors import Invalid
 from controlplane.fleet.models import Node
-from runtime.engine_names import ENGINE_LABELS, FLEET_ENGINES
+from runtime.fleet_contract.engine_names import ENGINE_LABELS, FLEET_ENGINES
 
 # A label names this many nodes, then counts the rest.
 _NODES_NAMED = 3

@@ -2,7 +2,7 @@
 
 Workers publish a ``WorkerLoad`` per dp rank once a second on ``flotilla.<ns>.<comp>.load_metrics``
 (JSON) and their KV events on ``flotilla.<ns>.<comp>.kv_events`` (msgpack ``KvEventBatch``), named by
-their endpoint instance id (runtime/load_metrics.py, runtime/kv_publisher.py). The bridge maps that id to
+their endpoint instance id (runtime/kv/load_metrics.py, runtime/kv/publisher.py). The bridge maps that id to
 the instance's row (``InstanceDirectory``), sums the ranks and counts the blocks stored and removed per
 second (``InstanceFigures``), renders the load partial once and sends it to ``pipeline.<pk>`` through
 the channel layer, at most once per ``interval`` per instance: the first report after a quiet interval
@@ -36,7 +36,7 @@ from controlplane.deployments.models import Instance
 from controlplane.live.groups import html, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from runtime.errors import FlotillaError
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 

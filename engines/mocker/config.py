@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from engines.extra_engine_args import engine_args_source, read_engine_args
+from engines.shared.extra_engine_args import engine_args_source, read_engine_args
 from runtime.errors import ConfigError
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

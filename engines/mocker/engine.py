@@ -2,14 +2,14 @@
 
 It takes token ids like any token engine and answers with pseudo-random tokens, at the pace the
 timing model (timing.py) gives a real engine on a GPU, divided by ``speedup_ratio``. Each of its
-``dp_size`` ranks has its own scheduler and KV cache (scheduler.py, kv_cache.py) and its own step
+``dp_size`` ranks has its own scheduler and KV cache (scheduler.py, kv_cache_v0.py or kv_cache_v1.py) and its own step
 loop: plan a step, wait its simulated time, apply it, hand each sequence's new tokens to its
 consumer. A request goes to the rank the router chose (``dp_rank``), else to the least loaded one.
 
 It is a ``KvEventSource``: once a sink is attached, every step's KV events (blocks stored,
 removed, all cleared) go to it per rank as the step is scheduled, before its simulated time (vLLM
 v1's scheduler publishes them before the forward pass), and ``load()`` / ``cache_state()`` say what
-each rank holds, so that the worker publishes them as a real engine's would (runtime/kv_publisher.py).
+each rank holds, so that the worker publishes them as a real engine's would (runtime/kv/publisher.py).
 
 A step loop that fails is logged, every request it held fails with an EngineError, and the rank
 starts again with an empty cache (routers are told: all cleared); nothing waits forever.
@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Literal
 
 from engines.mocker.config import MockerConfig
+from engines.mocker.precise_sleep import PreciseSleeper
 from engines.mocker.scheduler import Scheduler, Sequence
 from engines.mocker.timing import StepTimer
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
-from runtime.kv_events import AllCleared, BlockStored, KvEventSink, WorkerLoad
-from runtime.precise_sleep import PreciseSleeper
+from runtime.kv.events import AllCleared, BlockStored, KvEventSink, WorkerLoad
 from runtime.protocol import EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)

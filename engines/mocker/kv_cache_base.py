@@ -1,6 +1,6 @@
 """What the v0 and v1 KV caches of the mocker share: sizes, usage, block tables and the KV event log.
 
-kv_cache.py keeps v0's bookkeeping, kv_cache_v1.py v1's block pool; the scheduler talks to either
+kv_cache_v0.py keeps v0's bookkeeping, kv_cache_v1.py v1's block pool; the scheduler talks to either
 through this interface. Both record the same events, the way a router indexes them: a chain of
 ``BlockStored`` blocks (a sequence's blocks are named one after the other), ``BlockRemoved`` for
 evictions, ``AllCleared`` when a reset leaves nothing.
@@ -9,7 +9,7 @@ evictions, ``AllCleared`` when a reset leaves nothing.
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from runtime.kv_events import BlockRemoved, BlockStored, KvEvent
+from runtime.kv.events import BlockRemoved, BlockStored, KvEvent
 
 
 class SequenceBlocks:

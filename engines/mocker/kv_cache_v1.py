@@ -1,7 +1,7 @@
 """The paged KV cache of one simulated dp rank as vLLM v1's block pool keeps it (``scheduler`` "v1").
 
 vLLM v1 (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``) differs from the v0 bookkeeping
-of kv_cache.py in three ways this module copies:
+of kv_cache_v0.py in three ways this module copies:
 
 * Blocks are physical: a sequence owns the blocks it was given, and its block table only grows. A
   full block is cached (named by its sequence hash) when the step that computes it is scheduled,
@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from engines.mocker.kv_cache_base import KvCacheBase, SequenceBlocks, chains
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
 
 class KvBlock:

@@ -18,7 +18,7 @@ a step with room for all of it.
   sequences that compute the same block both hold a copy.
 * "v0" (vLLM v0's block manager): a waiting sequence is admitted only when all the blocks of its
   prompt fit, less a watermark kept for the running ones; a block computed again under a name
-  already cached is merged into the cached one (kv_cache.py).
+  already cached is merged into the cached one (kv_cache_v0.py).
 
 When a running sequence needs a block and none is left, another running sequence is preempted
 (the newest, or the oldest with ``preemption_mode`` "fifo"): its blocks are freed, and it goes
@@ -43,11 +43,11 @@ from collections.abc import Sequence as Tokens
 from typing import Any, Protocol
 
 from engines.mocker.config import MockerConfig
-from engines.mocker.kv_cache import KvCache
 from engines.mocker.kv_cache_base import KvCacheBase, SequenceBlocks
+from engines.mocker.kv_cache_v0 import KvCacheV0
 from engines.mocker.kv_cache_v1 import KvCacheV1
 from runtime.errors import EngineError
-from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv.blocks import sequence_block_hashes
 from runtime.protocol import FinishReason
 
 _MASK64 = (1 << 64) - 1
@@ -214,7 +214,7 @@ class Scheduler:
                 config.num_gpu_blocks, config.block_size, prefix_caching=config.enable_prefix_caching
             )
         else:
-            self.cache = KvCache(
+            self.cache = KvCacheV0(
                 config.num_gpu_blocks,
                 config.block_size,
                 prefix_caching=config.enable_prefix_caching,

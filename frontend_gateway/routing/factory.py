@@ -6,7 +6,7 @@ from frontend_gateway.routing.basic import RandomRouter, RoundRobinRouter
 from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import Router, RouterMode, RouterSettings
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
 
 
 def build_router(

@@ -6,7 +6,7 @@ must be cheap and must not block: it counts, it does not log or wait.
 
 from typing import Protocol
 
-from runtime.kv_subscriber import KvSubscriberHealth
+from frontend_gateway.routing.kv_subscriber import KvSubscriberHealth
 
 
 class RoutingHealth(KvSubscriberHealth, Protocol):

@@ -1,6 +1,6 @@
 """Which worker holds which KV-cache blocks: the KV router's index.
 
-Blocks are named by their *sequence* hash (runtime/kv_blocks.py), which covers the block's whole
+Blocks are named by their *sequence* hash (runtime/kv/blocks.py), which covers the block's whole
 prefix; so the index can be a flat map from hash to the workers (instance id, dp rank) that hold it,
 and a request's cache hit on a worker is the number of its leading block hashes found there in a row.
 A stored block's parent is therefore not needed to place it: a block stored under a parent the index
@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 #: A worker as the router sees it: (instance id, dp rank).
 Worker = tuple[int, int]

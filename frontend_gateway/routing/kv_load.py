@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from frontend_gateway.routing.kv_indexer import Worker
-from runtime.kv_events import WorkerLoad
+from runtime.kv.events import WorkerLoad
 
 #: A report older than this no longer corrects the router's own count (workers report every second).
 REPORT_FRESH_S = 5.0

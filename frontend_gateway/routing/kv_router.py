@@ -4,7 +4,7 @@ The router is an index and a decision. It hashes each request's prompt in blocks
 size, looks up which workers hold its leading blocks (kv_indexer.py), weighs their load (kv_load.py),
 and scores the candidates with kv_scoring.py; ``choose`` is pure: no I/O, no awaiting.
 
-What it knows comes from the workers through a ``KvEventSubscriber`` (runtime/kv_subscriber.py, next to
+What it knows comes from the workers through a ``KvEventSubscriber`` (frontend_gateway/routing/kv_subscriber.py, next to
 the workers' publisher): their KV events and load reports, on the subjects of every component the pool's
 instances serve, kept whole there (gaps and stale batches detected, workers asked for their whole cache
 when they join or when batches were lost, malformed messages reported). The subscriber hands the
@@ -32,12 +32,12 @@ from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, Worker
 from frontend_gateway.routing.kv_load import ActiveLoad
 from frontend_gateway.routing.kv_scoring import WorkerSnapshot, pick, worker_costs
+from frontend_gateway.routing.kv_subscriber import KvEventSubscriber
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterSettings
 from frontend_gateway.routing.replica_sync import ReplicaSync
-from runtime.addressing import EndpointAddress
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import KvEvent, WorkerLoad
-from runtime.kv_subscriber import KvEventSubscriber
+from runtime.cluster.addressing import EndpointAddress
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import KvEvent, WorkerLoad
 from runtime.protocol import PreprocessedRequest, TextRequest
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class KvRouter:
             self.predicted.remove_instance(instance_id)
         self.load.remove_instance(instance_id)
 
-    # -- what the subscriber hands over (runtime/kv_subscriber.py KvEventTarget) -------------------
+    # -- what the subscriber hands over (frontend_gateway/routing/kv_subscriber.py KvEventTarget) -------------------
 
     def apply_events(self, worker: Worker, events: list[KvEvent]) -> None:
         if isinstance(self.indexer, KvIndexer):

@@ -1,8 +1,8 @@
 """The router seam: what every router of a model pool offers, and the decision it returns.
 
-A router is created per model pool by the model watcher (frontend_gateway/model_watcher.py) from
+A router is created per model pool by the model watcher (frontend_gateway/models/watcher.py) from
 ``RouterSettings``, started when the pool is built and closed when it goes. The engine that forwards
-requests (frontend_gateway/remote_engines.py) asks it to ``choose`` an instance for each attempt at a
+requests (frontend_gateway/models/remote_engines.py) asks it to ``choose`` an instance for each attempt at a
 request, and tells it when that attempt's prefill is done (its first output) and when it is over
 (``finished``: exactly once per decision, whether the stream ended, failed, was cancelled or is about
 to be migrated), so that a router can track the load it put on each worker.
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.protocol import PreprocessedRequest, TextRequest
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 #: Defaults of the KV router's settings (the flags of launcher/cli.py show them too).
 DEFAULT_OVERLAP_SCORE_WEIGHT = 1.0
@@ -76,7 +76,7 @@ class RouterSettings:
     #: Weight of the prefill work still to do (in blocks) against the decode blocks already active.
     overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT
     #: Weight of the prompt tokens already in flight to a worker against the request's own prefill (the
-    #: default, shared with pipelines' settings, is explained in runtime/fleet_tasks.py).
+    #: default, shared with pipelines' settings, is explained in runtime/fleet_contract/tasks.py).
     queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     #: 0: always the cheapest worker; above: sample from a softmax over normalised costs.
     temperature: float = 0.0

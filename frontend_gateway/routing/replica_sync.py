@@ -55,8 +55,8 @@ from nats.aio.msg import Msg
 
 from frontend_gateway.routing.kv_indexer import Worker
 from frontend_gateway.routing.kv_load import ActiveLoad
-from runtime.addressing import EndpointAddress
-from runtime.nats_connection import consume, flush
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import consume, flush
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 

@@ -17,8 +17,8 @@ import msgspec
 from tqdm import tqdm
 
 from frontend_gateway.errors import GatewayError
-from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage
-from frontend_gateway.pipeline import ServedModel
+from frontend_gateway.models.pipeline import ServedModel
+from frontend_gateway.openai_api.types import ChatCompletionRequest, ChatMessage
 from runtime.errors import ConfigError
 
 OUTPUT_NAME: Final = "output.jsonl"

@@ -15,16 +15,16 @@ from typing import Any
 
 import msgspec
 
+from launcher.metrics_server import serve_metrics
 from launcher.startup import connect_runtime
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
 from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Embedder, Engine, RequestContext
-from runtime.kv_events import KvEventSource
-from runtime.metrics_server import serve_metrics
-from runtime.model_card import ModelCard, ModelType
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.kv.events import KvEventSource
+from runtime.models.card import ModelCard, ModelType
 from runtime.protocol import EmbedOutput, EmbedRequest, PreprocessedRequest, TextRequest, float32_bytes
 from runtime.request_plane import Handler
-from runtime.router_settings import PipelineRouter
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ async def serve_worker(
 
     ``labels`` go into the instance's etcd registration (``--labels``); ``router`` (the ``--router-*`` flags
     given to a worker) into its model's, for gateways to route it so. With ``metrics_port``, the worker's
-    own metrics (runtime/worker_metrics.py) are served at ``http://metrics_host:metrics_port/metrics``.
+    own metrics (launcher/worker_metrics.py) are served at ``http://metrics_host:metrics_port/metrics``.
     Raises ConfigError when that port cannot be listened on.
 
     Raises BackgroundTaskFailed when a task the worker needs failed and stopped it.
@@ -108,7 +108,7 @@ async def serve_worker(
         if metrics_port is not None:
             # Imported here: prometheus_client (and the http.server, urllib and wsgiref it brings) costs
             # every worker start ~20 ms of CPU before it registers, and only --metrics-port uses it.
-            from runtime.worker_metrics import WorkerMetrics
+            from launcher.worker_metrics import WorkerMetrics
 
             metrics = WorkerMetrics.of(endpoint)
             metrics_server = await serve_metrics(metrics_host, metrics_port, metrics.exposition)

@@ -10,13 +10,13 @@ from typing import TextIO
 
 import uvicorn
 
+from frontend_gateway.access.api_keys import KeyTable
+from frontend_gateway.access.quotas import Meter
 from frontend_gateway.admission import AdmissionLimits
-from frontend_gateway.api_keys import KeyTable
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
-from frontend_gateway.pipeline import ModelRegistry
-from frontend_gateway.quotas import Meter
-from frontend_gateway.served_names import ServedNames
+from frontend_gateway.models.pipeline import ModelRegistry
+from frontend_gateway.models.served_names import ServedNames
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Final, TextIO, TypeVar
 
 from frontend_gateway.errors import GatewayError
-from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage
-from frontend_gateway.pipeline import ServedModel
+from frontend_gateway.models.pipeline import ServedModel
+from frontend_gateway.openai_api.types import ChatCompletionRequest, ChatMessage
 
 PROMPT: Final = "> "
 EXIT_COMMAND: Final = "/exit"

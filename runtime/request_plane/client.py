@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from runtime.nats_connection import flush
+from runtime.cluster.nats_connection import flush
 from runtime.request_plane.errors import (
     RemoteError,
     RequestTooLarge,

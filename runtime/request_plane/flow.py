@@ -10,7 +10,7 @@ import nats.errors
 from msgspec import Raw
 from nats.aio.client import Client as NATS
 
-from runtime.loop_bound import SingleReaderQueue
+from runtime.request_plane.loop_bound import SingleReaderQueue
 from runtime.request_plane.wire import DATA, END, Acks, Frame, encode
 
 # Bytes of a DATA or END frame beyond its payloads' (its array and list headers, kind, seq, the empty

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from nats.aio.msg import Msg
 
-from runtime.loop_bound import SingleReaderQueue
+from runtime.request_plane.loop_bound import SingleReaderQueue
 from runtime.request_plane.wire import DATA, ERROR, HEARTBEAT, NO_RESPONDERS, Frame, frame_decoder
 
 log = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from runtime.cluster.nats_connection import flush
 from runtime.engine import RequestContext
 from runtime.errors import FlotillaError
-from runtime.loop_bound import Wakeup
-from runtime.nats_connection import flush
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.request_plane.flow import FRAME_OVERHEAD, batches, fitting
+from runtime.request_plane.loop_bound import Wakeup
 from runtime.request_plane.wire import (
     ABANDONED,
     BUSY,

@@ -27,7 +27,7 @@ from agent.errors import (
     RepoNotFound,
     RepoUnauthorized,
 )
-from runtime.fleet_tasks import HubSource, LocalSource
+from runtime.fleet_contract.tasks import HubSource, LocalSource
 from tests.servers import free_port
 
 REPO = "acme/tiny-llm"

@@ -4,8 +4,8 @@ import pytest
 
 from agent.gpu_check import GpuMismatch, check_gpus, named_by_uuid
 from agent.inventory import GpuInfo
-from agent.worker_spec import worker_env
-from runtime.fleet_tasks import WorkerSpec
+from agent.workers.spec import worker_env
+from runtime.fleet_contract.tasks import WorkerSpec
 
 
 def gpu(index: int, uuid: str, *, simulated: bool = False) -> GpuInfo:

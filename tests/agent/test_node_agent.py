@@ -21,8 +21,9 @@ import pytest
 from celery import Celery
 from celery.result import AsyncResult
 
-from agent.processes import process_start_time
-from runtime.fleet_tasks import (
+from agent.workers.processes import process_start_time
+from runtime.fleet_contract.signing import agent_signing_key, sign_payload
+from runtime.fleet_contract.tasks import (
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
@@ -33,7 +34,6 @@ from runtime.fleet_tasks import (
     WorkerSpec,
     node_queue,
 )
-from runtime.task_signing import agent_signing_key, sign_payload
 from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, add_mocker_model, json_of, wait_for
 from tests.agent.test_supervisor import kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer, RedisServer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine_names import engines_on_this_node
+from runtime.fleet_contract.engine_names import engines_on_this_node
 from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, json_of, wait_for
 from tests.infra import EtcdServer, NatsServer, RedisServer
 from tests.servers import stop_process

@@ -26,9 +26,9 @@ from agent.control_plane_client import (
 from agent.downloads import ModelDownloader
 from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
-from agent.processes import process_start_time
-from runtime.engine_names import engines_on_this_node
-from runtime.fleet_tasks import LocalSource, LogTailRequest, StartInstance, StopInstance, WorkerSpec
+from agent.workers.processes import process_start_time
+from runtime.fleet_contract.engine_names import engines_on_this_node
+from runtime.fleet_contract.tasks import LocalSource, LogTailRequest, StartInstance, StopInstance, WorkerSpec
 from tests.agent.test_supervisor import CHILD, SocketReadiness, kill_recorded_workers, pid_gone
 
 pytestmark = pytest.mark.timeout(60)

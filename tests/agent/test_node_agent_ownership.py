@@ -14,7 +14,7 @@ import pytest
 
 from agent.control_plane_client import AgentInstance
 from agent.node_agent import NodeAgent
-from agent.processes import process_start_time
+from agent.workers.processes import process_start_time
 from tests.agent.test_node_agent_operations import StandInControlPlane, child, make_agent, readiness, start
 from tests.agent.test_supervisor import SocketReadiness, pid_gone
 
@@ -43,7 +43,7 @@ async def stopped(agent: NodeAgent, pids: dict[int, int], *instance_ids: int) ->
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.name == "agent.ownership_checks"]
+    return [record.getMessage() for record in caplog.records if record.name == "agent.instances.ownership_checks"]
 
 
 async def test_workers_the_control_plane_disowns_are_stopped_within_one_comparison_period(

@@ -2,7 +2,7 @@
 wants no process, or at a newer attempt; what the list leaves in doubt is kept."""
 
 from agent.control_plane_client import AgentInstance
-from agent.ownership import disowned
+from agent.instances.ownership import disowned
 
 
 def test_workers_not_listed_stopping_failed_or_of_an_older_attempt_are_disowned() -> None:

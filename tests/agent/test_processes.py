@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from agent.processes import ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail, process_start_time
+from agent.workers.processes import ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail, process_start_time
 
 
 def test_exit_reasons_say_what_happened_and_what_to_do() -> None:

@@ -17,9 +17,9 @@ from agent.control_plane_client import InstanceReport
 from agent.downloads import ModelDownloader
 from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
-from agent.task_consumer import TaskConsumer
-from runtime.fleet_tasks import TASK_START_INSTANCE, LocalSource, StartInstance, WorkerSpec, node_queue
-from runtime.task_signing import agent_signing_key, sign_payload
+from agent.tasks.consumer import TaskConsumer
+from runtime.fleet_contract.signing import agent_signing_key, sign_payload
+from runtime.fleet_contract.tasks import TASK_START_INSTANCE, LocalSource, StartInstance, WorkerSpec, node_queue
 from tests.infra import RedisServer
 
 pytestmark = pytest.mark.timeout(60)

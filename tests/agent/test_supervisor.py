@@ -20,10 +20,10 @@ import msgspec
 import pytest
 
 from agent.errors import WorkerError
-from agent.processes import process_start_time
-from agent.supervisor import Supervisor, WorkerState, WorkerStatus
-from agent.worker_records import WorkerRecord, load_records, record_path
-from runtime.fleet_tasks import WorkerSpec
+from agent.workers.processes import process_start_time
+from agent.workers.records import WorkerRecord, load_records, record_path
+from agent.workers.supervisor import Supervisor, WorkerState, WorkerStatus
+from runtime.fleet_contract.tasks import WorkerSpec
 
 CHILD = """
 import json, os, signal, socket, subprocess, sys

@@ -1,6 +1,6 @@
 """The supervisor with real `flotilla run in=dyn://… out=mocker` workers on real etcd and NATS.
 
-Readiness is each worker's registration in etcd (agent/readiness.py), matched by its pid and the
+Readiness is each worker's registration in etcd (agent/workers/readiness.py), matched by its pid and the
 labels the agent gave it; the labels are in the registration for anyone to read.
 """
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.readiness import RegistrationWatch
-from agent.supervisor import Supervisor, WorkerState
-from runtime.discovery import INSTANCES_PREFIX, Discovery
+from agent.workers.readiness import RegistrationWatch
+from agent.workers.supervisor import Supervisor, WorkerState
+from runtime.cluster.discovery import INSTANCES_PREFIX, Discovery
 from runtime.endpoint import InstanceEntry
-from runtime.fleet_tasks import WorkerSpec
+from runtime.fleet_contract.tasks import WorkerSpec
 from tests.agent.test_supervisor import Statuses, kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer
 

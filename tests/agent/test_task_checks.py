@@ -5,10 +5,10 @@ import msgspec
 import pytest
 
 from agent.errors import TaskNotAllowed
-from agent.task_checks import ENGINE_FLAGS, check_engine_args, check_start
+from agent.tasks.checks import ENGINE_FLAGS, check_engine_args, check_start
 from launcher.run_parser import build_run_parser
-from runtime.engine_names import FLEET_ENGINES, IMPLEMENTED_ENGINES
-from runtime.fleet_tasks import StartInstance, WorkerSpec
+from runtime.fleet_contract.engine_names import FLEET_ENGINES, IMPLEMENTED_ENGINES
+from runtime.fleet_contract.tasks import StartInstance, WorkerSpec
 
 HERE = frozenset({"mocker", "echo_full", "llamacpp"})
 START = StartInstance(

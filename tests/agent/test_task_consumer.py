@@ -17,8 +17,9 @@ from celery import Celery
 from celery.result import AsyncResult, allow_join_result
 
 from agent.errors import WorkerError
-from agent.task_consumer import TaskConsumer
-from runtime.fleet_tasks import (
+from agent.tasks.consumer import TaskConsumer
+from runtime.fleet_contract.signing import SigningKey, agent_signing_key, sign_payload
+from runtime.fleet_contract.tasks import (
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
@@ -29,7 +30,6 @@ from runtime.fleet_tasks import (
     WorkerSpec,
     node_queue,
 )
-from runtime.task_signing import SigningKey, agent_signing_key, sign_payload
 from tests.infra import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -177,7 +177,7 @@ async def test_malformed_tasks_fail_with_their_reason_and_the_consumer_goes_on(
     assert isinstance(refused, Refused) and refused.instance_id == 7
     assert refused.reason.startswith("malformed StartInstance task argument")
     assert await handler.next() == START
-    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.task_consumer" and r.levelname == "WARNING"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.tasks.consumer" and r.levelname == "WARNING"]
     assert any("task flotilla.agent.start_instance refused: malformed StartInstance" in w for w in warnings)
     assert any("task flotilla.agent.stop_instance refused: malformed StopInstance" in w for w in warnings)
     # No task crashed Celery's machinery. (Celery's signals are process-wide: a control-plane worker that
@@ -250,7 +250,7 @@ async def test_a_start_the_node_may_not_run_is_refused_with_its_reason_and_never
     assert "'bash' is not one of the fleet's" in refusals[1].reason
     assert "'out=pytok:/tmp/evil.py' is not a flag" in refusals[2].reason
     assert "'--labels' is not one a task may set" in refusals[3].reason
-    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.task_consumer" and r.levelname == "WARNING"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.tasks.consumer" and r.levelname == "WARNING"]
     assert len([w for w in warnings if w.startswith("task flotilla.agent.start_instance refused: ")]) == len(forged)
 
     sender.send(TASK_START_INSTANCE, START)
@@ -285,7 +285,7 @@ async def test_tasks_not_signed_with_the_nodes_key_or_not_for_this_node_are_refu
     sender.send(TASK_STOP_INSTANCE, StopInstance(instance_id=9, node="node-a"))
     assert await handler.next() == StopInstance(instance_id=9, node="node-a")  # the only one taken
     assert handler.received.empty()  # and nothing reported about the others: nothing they say is believed
-    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.task_consumer" and r.levelname == "WARNING"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agent.tasks.consumer" and r.levelname == "WARNING"]
     start = "task flotilla.agent.start_instance refused: "
     assert warnings[:7] == [
         start + "the task did not come from the control plane: it is not signed",

@@ -7,14 +7,14 @@ import sys
 import msgspec
 import pytest
 
-from agent.worker_spec import allowed_environment, worker_argv, worker_env, worker_labels
+from agent.workers.spec import allowed_environment, worker_argv, worker_env, worker_labels
 from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.run_parser import build_run_parser
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
 from runtime.errors import ConfigError
-from runtime.fleet_tasks import WorkerSpec
-from runtime.router_settings import PipelineRouter
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.fleet_contract.tasks import WorkerSpec
 
 SPEC = WorkerSpec(
     instance_id=42,

@@ -17,7 +17,7 @@ from controlplane.deployments.models import Instance, Pipeline
 from controlplane.deployments.pipelines import GroupSpec
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
-from runtime.agent_reports import GpuReport, InstanceReport, NodeReport
+from runtime.fleet_contract.reports import GpuReport, InstanceReport, NodeReport
 
 GiB = 1 << 30
 TEST_ACTOR = Actor.system("tests")

@@ -11,8 +11,8 @@ from controlplane.audit.records import Actor
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import Reconciler, ReconcilerSettings
-from runtime.agent_reports import InstanceReport
-from runtime.fleet_tasks import (
+from runtime.fleet_contract.reports import InstanceReport
+from runtime.fleet_contract.tasks import (
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,

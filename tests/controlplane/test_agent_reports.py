@@ -1,4 +1,4 @@
-"""The agent's reports are defined once (runtime/agent_reports.py); the API's serializers, which check them
+"""The agent's reports are defined once (runtime/fleet_contract/reports.py); the API's serializers, which check them
 against the control plane's limits and describe them in the OpenAPI schema, agree with them field for field,
 and what the agent encodes is read back as the same report."""
 
@@ -19,7 +19,7 @@ from controlplane.fleet.api.serializers import (
     NodeRegistrationSerializer,
     NodeReportSerializer,
 )
-from runtime.agent_reports import DownloadReport, GpuReport, InstanceReport, NodeReport
+from runtime.fleet_contract.reports import DownloadReport, GpuReport, InstanceReport, NodeReport
 from tests.controlplane.factories import make_model
 
 # (serializer, report, fields the serializer has beside the report's, fields it requires though the report

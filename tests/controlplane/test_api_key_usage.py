@@ -15,8 +15,8 @@ from controlplane.apikeys.models import ApiKey, KeyUsage
 from controlplane.apikeys.tasks import drain_usage
 from controlplane.apikeys.usage import CLAIMED_PREFIX, drain
 from controlplane.audit.records import Actor
-from frontend_gateway.quotas import Meter
-from runtime.api_keys import KeyRecord
+from frontend_gateway.access.quotas import Meter
+from runtime.fleet_contract.api_keys import KeyRecord
 from tests.infra import RedisServer
 from tests.servers import free_port
 

@@ -14,8 +14,8 @@ from controlplane.accounts.models import Role, User
 from controlplane.apikeys import publication
 from controlplane.apikeys.models import ApiKey
 from controlplane.audit.models import AuditEntry
-from runtime.api_keys import API_KEYS_PREFIX, BadRecord, etcd_key, key_hash, read_secret, verify
 from runtime.errors import DiscoveryUnavailable
+from runtime.fleet_contract.api_keys import API_KEYS_PREFIX, BadRecord, etcd_key, key_hash, read_secret, verify
 from tests.distributed.cluster import etcd_put, etcd_values
 from tests.infra import EtcdServer
 from tests.servers import free_port

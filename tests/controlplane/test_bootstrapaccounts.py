@@ -1,6 +1,6 @@
 """manage.py bootstrapaccounts: the accounts of `flotilla up`, made the first time and kept after.
 
-Each run is given what launcher/stack_controlplane.py gives it (its arguments and secrets from
+Each run is given what launcher/stack/controlplane.py gives it (its arguments and secrets from
 ``bootstrap_command``, the tokens kept in the data folder from earlier runs), and its output is read as the
 launcher reads it (``parse_bootstrap``).
 """
@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 from controlplane.accounts.models import ApiToken, Role, User
 from controlplane.apikeys.models import ApiKey
 from controlplane.audit.models import AuditEntry
-from launcher.stack_controlplane import (
+from launcher.stack.controlplane import (
     ADMIN_TOKEN_FILE,
     ADMIN_USERNAME,
     AGENT_TOKEN_FILE,
@@ -28,7 +28,7 @@ from launcher.stack_controlplane import (
     parse_bootstrap,
     write_secret,
 )
-from runtime.api_keys import API_KEYS_PREFIX, etcd_key, key_hash
+from runtime.fleet_contract.api_keys import API_KEYS_PREFIX, etcd_key, key_hash
 from tests.distributed.cluster import etcd_values
 from tests.infra import EtcdServer
 from tests.servers import free_port

@@ -1,8 +1,8 @@
-"""The catalog offers exactly the fleet's engines (runtime/engine_names.py), the list agents accept."""
+"""The catalog offers exactly the fleet's engines (runtime/fleet_contract/engine_names.py), the list agents accept."""
 
 from controlplane.catalog.engines import Engine
 from controlplane.deployments.models import WorkerGroup
-from runtime.engine_names import ENGINE_LABELS
+from runtime.fleet_contract.engine_names import ENGINE_LABELS
 
 
 def test_the_catalogs_engines_are_the_fleets_with_their_labels_in_order() -> None:

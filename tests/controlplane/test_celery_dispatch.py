@@ -18,7 +18,8 @@ from controlplane.deployments.dispatch import CeleryDispatcher, DispatchError
 from controlplane.deployments.models import Instance
 from controlplane.deployments.reconciler import Reconciler, ReconcilerSettings
 from controlplane.deployments.upkeep import place_pending_instances
-from runtime.fleet_tasks import (
+from runtime.fleet_contract.signing import agent_signing_key, signature_ok
+from runtime.fleet_contract.tasks import (
     CONTROL_PLANE_QUEUE,
     TASK_LOG_TAIL,
     TASK_START_INSTANCE,
@@ -26,7 +27,6 @@ from runtime.fleet_tasks import (
     StartInstance,
     decode_task_argument,
 )
-from runtime.task_signing import agent_signing_key, signature_ok
 from tests.controlplane.factories import TEST_ACTOR, agent_token, deploy, make_node
 from tests.infra import RedisServer
 from tests.servers import free_port

@@ -15,7 +15,7 @@ from controlplane.apikeys.models import ApiKey
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.dashboard.api_keys import snippets
-from runtime.api_keys import key_hash
+from runtime.fleet_contract.api_keys import key_hash
 from tests.controlplane.factories import deploy, make_user
 from tests.controlplane.test_dashboard import logged_in
 

@@ -18,7 +18,7 @@ from controlplane.deployments.pipelines import stop_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet.actions import report_download
 from controlplane.fleet.models import Download, Node
-from runtime.agent_reports import DownloadReport
+from runtime.fleet_contract.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, run_instance
 
 pytestmark = pytest.mark.django_db

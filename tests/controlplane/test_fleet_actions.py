@@ -12,7 +12,7 @@ from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download, Node
-from runtime.agent_reports import DownloadReport, InstanceReport
+from runtime.fleet_contract.reports import DownloadReport, InstanceReport
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, node_report, run_instance
 
 pytestmark = pytest.mark.django_db

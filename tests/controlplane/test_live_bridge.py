@@ -27,8 +27,8 @@ from controlplane.live.bridge import (
     read_directory,
 )
 from controlplane.live.groups import pipeline_group
-from runtime.kv_events import BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
-from runtime.nats_connection import connect_nats, flush
+from runtime.cluster.nats_connection import connect_nats, flush
+from runtime.kv.events import BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
 from runtime.supervision import Supervisor
 from tests.controlplane.live_fixtures import TwoPipelines, live_layer, two_placed_pipelines
 from tests.infra import NatsServer

@@ -18,7 +18,7 @@ from controlplane.fleet.models import Node
 from controlplane.live import consumers
 from controlplane.live.consumers import BAD_REQUEST, FORBIDDEN, NOT_FOUND, NOT_LOGGED_IN, PUSH_ONLY
 from controlplane.live.publisher import Publisher
-from runtime.agent_reports import InstanceReport
+from runtime.fleet_contract.reports import InstanceReport
 from tests.controlplane.factories import deploy, make_node, node_report
 from tests.controlplane.live_fixtures import (
     communicator,

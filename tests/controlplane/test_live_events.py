@@ -11,7 +11,7 @@ from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
 from controlplane.live.events import Notice, notices_of_entry, notices_of_row
 from controlplane.live.groups import DOWNLOADS, FLEET_LIST, MODELS, NODES, PIPELINES, pipeline_group
-from runtime.agent_reports import DownloadReport
+from runtime.fleet_contract.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, node_report
 
 pytestmark = pytest.mark.django_db

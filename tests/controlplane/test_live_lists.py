@@ -18,7 +18,7 @@ from controlplane.deployments.pipelines import delete_pipeline, stop_pipeline
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
 from controlplane.live.publisher import Publisher
-from runtime.agent_reports import DownloadReport
+from runtime.fleet_contract.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, make_user, node_report
 from tests.controlplane.live_fixtures import caught_up, communicator, connected, element, live_layer
 

@@ -80,7 +80,7 @@ def test_a_source_changed_to_outside_the_roots_is_refused(root: Path) -> None:
 def test_the_default_roots_are_the_data_folders_models_and_the_bundled_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runtime.model_source import default_model_path
+    from runtime.models.source import default_model_path
 
     monkeypatch.delenv("FLOTILLA_LOCAL_MODEL_ROOTS")
     roots = local_model_roots(tmp_path)

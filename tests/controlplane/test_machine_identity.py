@@ -9,7 +9,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.deployments import evacuation
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
-from runtime.agent_reports import NodeReport
+from runtime.fleet_contract.reports import NodeReport
 from tests.controlplane.factories import TEST_ACTOR
 
 pytestmark = pytest.mark.django_db

@@ -17,7 +17,7 @@ from controlplane.catalog.memory import (
     read_local_model,
 )
 from controlplane.fleet.actions import report_download
-from runtime.agent_reports import DownloadReport
+from runtime.fleet_contract.reports import DownloadReport
 from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node
 
 # Llama 3.1 8B's config.json, in the part that matters here.

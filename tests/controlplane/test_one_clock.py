@@ -18,7 +18,7 @@ from controlplane.deployments.reconciler import PassReport, Reconciler, Reconcil
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
-from runtime.agent_reports import InstanceReport
+from runtime.fleet_contract.reports import InstanceReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, node_report
 from tests.controlplane.reconciling import RecordingDispatcher
 

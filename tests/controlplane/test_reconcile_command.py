@@ -10,7 +10,7 @@ from kombu import Connection
 from controlplane import celery_app
 from controlplane.celery_app import create_app
 from controlplane.deployments.models import Instance
-from runtime.fleet_tasks import TASK_START_INSTANCE
+from runtime.fleet_contract.tasks import TASK_START_INSTANCE
 from tests.controlplane.factories import deploy, make_node
 from tests.infra import RedisServer
 

@@ -12,7 +12,7 @@ from controlplane.deployments import instances as instance_actions
 from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.models import Instance
 from controlplane.errors import Invalid
-from runtime.agent_reports import InstanceReport
+from runtime.fleet_contract.reports import InstanceReport
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node
 from tests.controlplane.reconciling import Clock, RecordingDispatcher, make_reconciler
 

@@ -18,8 +18,8 @@ from controlplane.deployments.reconciler import LEASE_NAME, ReconcilerSettings
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from runtime.errors import ConfigError
-from runtime.fencing import FENCES_PREFIX, fence_key
-from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
+from runtime.fleet_contract.fences import FENCES_PREFIX, fence_key
+from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, node_report
 from tests.controlplane.reconciling import Clock, RecordingDispatcher, agent_reports, make_reconciler
 from tests.distributed.cluster import etcd_put, etcd_values

@@ -21,7 +21,7 @@ from controlplane.accounts.models import Role
 from controlplane.deployments import log_tail
 from controlplane.deployments.dispatch import NodeDidNotAnswer
 from controlplane.deployments.models import Instance
-from runtime.fleet_tasks import LogTailRequest
+from runtime.fleet_contract.tasks import LogTailRequest
 from tests.controlplane.factories import agent_token, make_node, make_user, person_token, placed_instance
 from tests.servers import free_port
 

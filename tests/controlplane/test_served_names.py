@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from controlplane.deployments import pipelines, served_names
-from runtime.served_names import SERVED_NAMES_PREFIX
+from runtime.fleet_contract.served_names import SERVED_NAMES_PREFIX
 from tests.controlplane.factories import TEST_ACTOR, deploy
 from tests.distributed.cluster import etcd_put, etcd_values
 from tests.infra import EtcdServer

@@ -15,7 +15,7 @@ from controlplane.accounts import actions
 from controlplane.accounts.models import ApiToken, Role
 from controlplane.accounts.task_keys import node_task_keys
 from controlplane.audit.models import AuditEntry
-from runtime.task_signing import agent_signing_key
+from runtime.fleet_contract.signing import agent_signing_key
 from tests.controlplane.factories import TEST_ACTOR, make_user
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgresql]

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 from msgspec.structs import replace
 
-from agent.task_checks import check_engine_args
+from agent.tasks.checks import check_engine_args
 from controlplane.audit.records import Actor
 from controlplane.deployments.models import Instance
 from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline
@@ -17,8 +17,8 @@ from controlplane.deployments.worker_specs import (
     stop_message,
 )
 from controlplane.fleet.actions import register_node
-from runtime.fleet_tasks import LocalSource, StartInstance, decode_task_argument
-from runtime.router_settings import PipelineRouter
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.fleet_contract.tasks import LocalSource, StartInstance, decode_task_argument
 from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node, node_report
 
 MOCKER_SETTINGS = ["--extra-engine-args", '{"speedup_ratio":10}']

@@ -22,11 +22,11 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from runtime.addressing import EndpointAddress
-from runtime.discovery import MODELS_PREFIX
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.discovery import MODELS_PREFIX
+from runtime.cluster.nats_connection import flush
 from runtime.endpoint import ModelEntry
-from runtime.kv_events import BlockStored, KvEventBatch, KvStateRequest, WorkerLoad
-from runtime.nats_connection import flush
+from runtime.kv.events import BlockStored, KvEventBatch, KvStateRequest, WorkerLoad
 from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
 from tests.infra import EtcdServer
 from tests.servers import Server

@@ -10,8 +10,8 @@ import msgspec
 import nats
 from nats.aio.msg import Msg
 
-from runtime.kv_events import WorkerLoad
-from runtime.nats_connection import flush
+from runtime.cluster.nats_connection import flush
+from runtime.kv.events import WorkerLoad
 
 
 class LoadWatcher:

@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
+from runtime.fleet_contract.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
 from tests.distributed.cluster import Cluster, etcd_put, wait_until
 from tests.infra import RedisServer
 from tests.servers import Server

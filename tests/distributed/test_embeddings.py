@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
+from runtime.fleet_contract.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
 from tests.distributed.cluster import Cluster, Worker, etcd_put, served_models, wait_until
 from tests.distributed.test_api_keys import usage_in
 from tests.infra import RedisServer

@@ -8,8 +8,8 @@ import httpx
 import msgspec
 import nats
 
-from runtime.addressing import EndpointAddress
-from runtime.discovery import instance_key, model_key
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.discovery import instance_key, model_key
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from runtime.request_plane import ERROR, TOO_LARGE, Envelope, Frame
 from tests.distributed.cluster import Cluster, Worker, etcd_leases, served_models, wait_until

@@ -1,13 +1,13 @@
-"""A fenced worker deregisters and exits, and the gateway stops routing to it (runtime/fencing.py)."""
+"""A fenced worker deregisters and exits, and the gateway stops routing to it (runtime/fleet_contract/fences.py)."""
 
 import asyncio
 
 import httpx
 import pytest
 
-from runtime import fencing
 from runtime.errors import DiscoveryUnavailable
-from runtime.fencing import fence_key, put_fences
+from runtime.fleet_contract import fences as fencing
+from runtime.fleet_contract.fences import fence_key, put_fences
 from tests.distributed.cluster import Cluster, etcd_leases, served_models, wait_until
 from tests.servers import free_port
 

@@ -18,11 +18,11 @@ from nats.aio.msg import Msg
 
 from launcher.cli import exit_code, parse_run_options
 from launcher.run_parser import build_run_parser
+from runtime.cluster.nats_connection import flush
 from runtime.errors import ConfigError
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import BlockStored, KvEventBatch
-from runtime.nats_connection import flush
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored, KvEventBatch
 from tests.distributed.cluster import Cluster, served_models, wait_until
 from tests.distributed.kv_pool import (
     ADDRESS,

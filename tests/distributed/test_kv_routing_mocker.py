@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.discovery import INSTANCES_PREFIX, instance_key
-from runtime.kv_blocks import sequence_block_hashes
+from runtime.cluster.discovery import INSTANCES_PREFIX, instance_key
+from runtime.kv.blocks import sequence_block_hashes
 from tests.distributed.cluster import Cluster, Worker, etcd_leases, wait_until
 from tests.distributed.kv_pool import (
     ADDRESS,

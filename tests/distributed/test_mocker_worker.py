@@ -15,9 +15,9 @@ import httpx
 import msgspec
 import nats.errors
 
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import BlockStored, KvEventBatch, WorkerLoad
-from runtime.kv_publisher import KvEventPublisher
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored, KvEventBatch, WorkerLoad
+from runtime.kv.publisher import KvEventPublisher
 from tests.distributed.cluster import Cluster, served_models, wait_until
 from tests.distributed.kv_pool import (
     ADDRESS,

@@ -1,6 +1,6 @@
 """A model that a pipeline serves but that has no replica registered is a 503 "no ready replica" (with
 Retry-After) on the ingress, not a 404 "does not exist": the ingress watches the names the control plane
-publishes (runtime/served_names.py)."""
+publishes (runtime/fleet_contract/served_names.py)."""
 
 import json
 import time
@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from runtime.discovery import MODELS_PREFIX
-from runtime.served_names import etcd_key
+from runtime.cluster.discovery import MODELS_PREFIX
+from runtime.fleet_contract.served_names import etcd_key
 from tests.distributed.cluster import Cluster, etcd_put, etcd_values, served_models, wait_until
 
 #: Less than the ingress's longest wait for an arriving model (ARRIVAL_WAIT_S, 10 s): an answer this soon
@@ -49,7 +49,7 @@ def test_a_stopped_or_starting_pipelines_model_is_a_503_and_an_unknown_one_a_404
 def test_a_request_sent_as_soon_as_the_worker_is_registered_waits_for_the_ingress_to_take_it_in(
     cluster: Cluster, name: str
 ) -> None:
-    """The agent reports a worker ready once its model is registered in etcd (agent/readiness.py); the
+    """The agent reports a worker ready once its model is registered in etcd (agent/workers/readiness.py); the
     ingress then still builds the model's pool (its tokenizer, its router) for 40-250 ms. A client that
     acts on "ready" at once is served, not told to come back in 5 s (each name is one more try at the
     race: on the ingress that did not wait, at least one of them met the 503)."""

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from runtime.model_loading import load_model_card
+from runtime.models.loading import load_model_card
 from tests.distributed.cluster import Cluster, served_models, wait_until
 
 TEXT = "one two three four five STOP six seven eight STOP nine ten " + " ".join(f"w{n}" for n in range(40))

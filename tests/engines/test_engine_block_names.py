@@ -1,10 +1,10 @@
-"""Renaming a real engine's cached blocks with Flotilla's router hashes (engines/engine_block_names.py)."""
+"""Renaming a real engine's cached blocks with Flotilla's router hashes (engines/shared/engine_block_names.py)."""
 
 import pytest
 
-from engines.engine_block_names import EngineBlockNames
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from engines.shared.engine_block_names import EngineBlockNames
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
 TOKENS = list(range(100, 112))  # three blocks of 4
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.gpu_engine_args import GpuPlacement
+from engines.shared.gpu_engine_args import GpuPlacement
 from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.run import build_model
@@ -55,7 +55,9 @@ def test_an_unknown_engine_argument_is_refused_naming_it_before_the_model_loads(
 
 
 def test_engines_on_this_node_lists_a_gpu_engine_only_where_its_library_is_installed() -> None:
-    listing = "from runtime.engine_names import engines_on_this_node; print(sorted(engines_on_this_node()))"
+    listing = (
+        "from runtime.fleet_contract.engine_names import engines_on_this_node; print(sorted(engines_on_this_node()))"
+    )
     absent = subprocess.run(
         [sys.executable, "-c", "import sys; sys.modules['sglang'] = sys.modules['tensorrt_llm'] = None\n" + listing],
         capture_output=True,
@@ -110,10 +112,10 @@ def test_a_gpu_engine_refuses_a_model_that_is_not_a_folder(tmp_path: Path, monke
 
 
 def test_both_engines_are_token_engines_that_report_their_kv_cache() -> None:
-    from engines.sglang import SglangEngine
-    from engines.trtllm import TrtLlmEngine
+    from engines.sglang.engine import SglangEngine
+    from engines.trtllm.engine import TrtLlmEngine
     from runtime.engine import TokenEngine
-    from runtime.kv_events import KvEventSource
+    from runtime.kv.events import KvEventSource
 
     for engine in (SglangEngine(Path("/m"), GpuPlacement(), {}), TrtLlmEngine(Path("/m"), GpuPlacement(), {})):
         assert isinstance(engine, TokenEngine) and isinstance(engine, KvEventSource)

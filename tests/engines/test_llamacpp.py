@@ -8,10 +8,10 @@ from typing import Any
 import openai
 import pytest
 
-from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage
-from frontend_gateway.pipeline import TokenModel
+from frontend_gateway.models.pipeline import TokenModel
+from frontend_gateway.openai_api.types import ChatCompletionRequest, ChatMessage
 from runtime.engine import RequestContext
-from runtime.model_loading import load_model_card
+from runtime.models.loading import load_model_card
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.servers import Server, llama_cpp_available
 
@@ -26,7 +26,7 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture
 async def model(smollm2: Path) -> AsyncIterator[TokenModel]:
-    from engines.llamacpp import LlamaCppEngine
+    from engines.llamacpp.engine import LlamaCppEngine
 
     card = load_model_card(smollm2, context_length=2048)
     engine = LlamaCppEngine(smollm2, context_length=card.context_length, threads=2)
@@ -162,7 +162,7 @@ async def greedy(engine: Any, token_ids: list[int], max_tokens: int, migrated_to
 @pytest.fixture
 async def other(smollm2: Path) -> AsyncIterator[Any]:
     """A second engine on the same model: the worker a request migrates to."""
-    from engines.llamacpp import LlamaCppEngine
+    from engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(smollm2, context_length=2048, threads=2)
     await engine.start()

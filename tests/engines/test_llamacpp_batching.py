@@ -29,7 +29,7 @@ QUESTIONS = (
 
 
 async def started_engine(smollm2: Path, parallel: int) -> Any:
-    from engines.llamacpp import LlamaCppEngine
+    from engines.llamacpp.engine import LlamaCppEngine
 
     engine = LlamaCppEngine(smollm2, context_length=2048, threads=2, parallel=parallel)
     await engine.start()

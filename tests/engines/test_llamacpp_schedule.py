@@ -3,8 +3,8 @@ a request to the slot that shares its prefix."""
 
 import pytest
 
-from engines.llamacpp import PrefillPlan, plan_prefill
-from engines.llamacpp_batch import Slot, choose_slot, take_chunk
+from engines.llamacpp.batch import Slot, choose_slot, take_chunk
+from engines.llamacpp.engine import PrefillPlan, plan_prefill
 from runtime.errors import EngineError
 
 PROMPT = list(range(100, 110))

@@ -146,7 +146,8 @@ def test_a_node_without_mistralrs_says_which_extra_to_install() -> None:
             sys.executable,
             "-c",
             "import sys; sys.modules['mistralrs'] = None\n"
-            "from runtime.engine_names import engines_on_this_node; print(sorted(engines_on_this_node()))",
+            "from runtime.fleet_contract.engine_names import engines_on_this_node\n"
+            "print(sorted(engines_on_this_node()))",
         ],
         capture_output=True,
         text=True,
@@ -156,6 +157,6 @@ def test_a_node_without_mistralrs_says_which_extra_to_install() -> None:
 
 
 def test_an_installed_mistralrs_is_an_engine_of_this_node() -> None:
-    from runtime.engine_names import engines_on_this_node
+    from runtime.fleet_contract.engine_names import engines_on_this_node
 
     assert "mistralrs" in engines_on_this_node()

@@ -15,10 +15,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from engines.engine_block_names import EngineBlockNames
-from engines.gpu_engine_args import GpuPlacement
-from engines.node_group import LeaderAddress, NodeGroup
-from engines.sglang import (
+from engines.sglang.engine import (
     DEFAULT_PAGE_SIZE,
     DP_ATTENTION_PORT_OFFSETS,
     SglangEngine,
@@ -32,11 +29,14 @@ from engines.sglang import (
     rank_endpoints,
     sampling_params,
 )
-from engines.zmq_kv_events import decode_message, free_tcp_ports, translate_batch
+from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.gpu_engine_args import GpuPlacement
+from engines.shared.node_group import LeaderAddress, NodeGroup
+from engines.shared.zmq_kv_events import decode_message, free_tcp_ports, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 
 

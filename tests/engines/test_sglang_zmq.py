@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engines.zmq_kv_events import ZmqSubscriber, free_tcp_ports
+from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports
 
 
 async def test_the_subscriber_hands_each_published_batch_to_its_callback_decoded() -> None:

@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import pytest
 
-from engines.engine_block_names import EngineBlockNames
-from engines.gpu_engine_args import GpuPlacement
-from engines.trtllm import (
+from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.gpu_engine_args import GpuPlacement
+from engines.trtllm.engine import (
     DEFAULT_TOKENS_PER_BLOCK,
     EVENT_BUFFER_MAX_SIZE,
     TrtLlmEngine,
@@ -28,11 +28,11 @@ from engines.trtllm import (
     visible_devices,
     weight_bytes_per_gpu,
 )
-from engines.trtllm_kv_events import translate_event, translate_events
+from engines.trtllm.kv_events import translate_event, translate_events
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import BlockRemoved, BlockStored
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockRemoved, BlockStored
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 
 GiB = 2**30

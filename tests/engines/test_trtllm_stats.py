@@ -1,4 +1,4 @@
-"""TensorRT-LLM's iteration stats as Flotilla's load reports (engines/trtllm_stats.py), on dicts shaped as
+"""TensorRT-LLM's iteration stats as Flotilla's load reports (engines/trtllm/stats.py), on dicts shaped as
 ``LLM.get_stats_async`` yields them (the fields Dynamo's TensorRT-LLM publisher reads)."""
 
 from collections.abc import AsyncIterator
@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from engines.gpu_engine_args import GpuPlacement
-from engines.trtllm import TrtLlmEngine, llm_kwargs
-from engines.trtllm_stats import StatsToLoad
-from runtime.kv_events import WorkerLoad
+from engines.shared.gpu_engine_args import GpuPlacement
+from engines.trtllm.engine import TrtLlmEngine, llm_kwargs
+from engines.trtllm.stats import StatsToLoad
+from runtime.kv.events import WorkerLoad
 
 
 def stat(

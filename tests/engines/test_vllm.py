@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 
 from runtime.engine import RequestContext
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import BlockStored, KvEvent
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored, KvEvent
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS
 from tests.servers import Server, start_server
@@ -47,8 +47,8 @@ def client(server: Server) -> openai.OpenAI:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(vllm_model_folder: Path) -> AsyncIterator[object]:
-    from engines.vllm import VllmEngine
-    from engines.vllm_settings import VllmSettings, read_extra_args
+    from engines.vllm.engine import VllmEngine
+    from engines.vllm.settings import VllmSettings, read_extra_args
 
     os.environ.update(KV_CACHE_ENV)
     settings = VllmSettings(
@@ -82,7 +82,7 @@ def request(token_ids: list[int], max_tokens: int) -> PreprocessedRequest:
 def test_a_requests_options_become_its_sampling_params() -> None:
     from vllm.sampling_params import RequestOutputKind
 
-    from engines.vllm import sampling_params
+    from engines.vllm.engine import sampling_params
 
     given = request([1, 2, 3], 7)
     given.sampling = SamplingOptions(temperature=0.5, top_p=0.9, top_k=-1, seed=11)
@@ -142,7 +142,7 @@ async def test_the_served_text_is_the_engines_for_the_same_token_ids(
 ) -> None:
     from tokenizers import Tokenizer
 
-    from engines.vllm import VllmEngine
+    from engines.vllm.engine import VllmEngine
 
     assert isinstance(engine, VllmEngine)
     ids = prompt_ids(vllm_model_folder, PROMPT)
@@ -160,7 +160,7 @@ async def test_the_served_text_is_the_engines_for_the_same_token_ids(
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_stream_closed_early_is_aborted_in_vllm(engine: object, vllm_model_folder: Path) -> None:
-    from engines.vllm import VllmEngine
+    from engines.vllm.engine import VllmEngine
 
     assert isinstance(engine, VllmEngine)
     core = engine._engine
@@ -176,7 +176,7 @@ async def test_a_stream_closed_early_is_aborted_in_vllm(engine: object, vllm_mod
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_the_memory_share_and_context_length_reach_vllms_config(engine: object) -> None:
-    from engines.vllm import VllmEngine
+    from engines.vllm.engine import VllmEngine
 
     assert isinstance(engine, VllmEngine)
     config = engine._engine.vllm_config
@@ -186,7 +186,7 @@ async def test_the_memory_share_and_context_length_reach_vllms_config(engine: ob
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_repeated_prompt_is_served_from_vllms_prefix_cache(engine: object, vllm_model_folder: Path) -> None:
-    from engines.vllm import VllmEngine
+    from engines.vllm.engine import VllmEngine
 
     assert isinstance(engine, VllmEngine)
     ids = prompt_ids(vllm_model_folder, "word " * 80)
@@ -223,7 +223,7 @@ def test_an_unknown_engine_argument_is_refused_naming_it(vllm_model_folder: Path
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_vllms_kv_events_name_its_blocks_as_a_router_does(engine: object, vllm_model_folder: Path) -> None:
-    from engines.vllm import VllmEngine
+    from engines.vllm.engine import VllmEngine
 
     assert isinstance(engine, VllmEngine)
     heard: list[KvEvent] = []

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv.blocks import sequence_block_hashes
 from tests.distributed.cluster import Cluster, Worker
 from tests.distributed.kv_pool import (
     MODEL,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.node_group import LeaderAddress, NodeGroup
-from engines.vllm_settings import VllmSettings, check_extra_args, engine_arg_names
+from engines.shared.node_group import LeaderAddress, NodeGroup
+from engines.vllm.settings import VllmSettings, check_extra_args, engine_arg_names
 from runtime.errors import ConfigError
 from tests.engines.vllm_model import ENGINE_SETTINGS, KV_CACHE_ENV, VLLM_MARKS
 from tests.servers import Server, free_port, start_server
@@ -34,7 +34,7 @@ def rank(node_rank: int, leader: LeaderAddress) -> NodeGroup:
 
 
 def test_the_multi_node_settings_are_vllms_own_engine_arguments(vllm_model_folder: Path) -> None:
-    from engines.vllm_follower import VllmFollower
+    from engines.vllm.follower import VllmFollower
 
     assert {"nnodes", "node_rank", "master_addr", "master_port"} <= engine_arg_names()
     leader = LeaderAddress("127.0.0.1", 29555)
@@ -51,7 +51,7 @@ def test_the_multi_node_settings_are_vllms_own_engine_arguments(vllm_model_folde
 
 
 def test_a_rank_that_would_run_data_parallel_engines_of_its_own_is_refused(vllm_model_folder: Path) -> None:
-    from engines.vllm_follower import VllmFollower
+    from engines.vllm.follower import VllmFollower
 
     # Data parallelism over the nodes: rank 1 would hold a whole engine, which takes requests, not a worker.
     extra = {**ENGINE_SETTINGS, "data_parallel_size": 2}

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engines.node_group import LeaderAddress, NodeGroup
-from engines.vllm import visible_devices
-from engines.vllm_settings import VllmSettings, check_extra_args, read_extra_args
+from engines.shared.node_group import LeaderAddress, NodeGroup
+from engines.vllm.engine import visible_devices
+from engines.vllm.settings import VllmSettings, check_extra_args, read_extra_args
 from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.run_parser import build_run_parser
@@ -135,7 +135,8 @@ def test_a_node_without_vllm_says_which_extra_to_install() -> None:
             sys.executable,
             "-c",
             "import sys; sys.modules['vllm'] = None\n"
-            "from runtime.engine_names import engines_on_this_node; print(sorted(engines_on_this_node()))",
+            "from runtime.fleet_contract.engine_names import engines_on_this_node\n"
+            "print(sorted(engines_on_this_node()))",
         ],
         capture_output=True,
         text=True,

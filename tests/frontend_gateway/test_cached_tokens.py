@@ -8,11 +8,11 @@ import msgspec
 import pytest
 
 from frontend_gateway.http_app import GatewayApp
-from frontend_gateway.pipeline import ModelRegistry, TokenModel
-from frontend_gateway.remote_engines import merge_engine_outputs
+from frontend_gateway.models.pipeline import ModelRegistry, TokenModel
+from frontend_gateway.models.remote_engines import merge_engine_outputs
 from runtime.engine import RequestContext
-from runtime.model_card import ModelCard
-from runtime.model_loading import load_model_card
+from runtime.models.card import ModelCard
+from runtime.models.loading import load_model_card
 from runtime.protocol import EngineOutput, PreprocessedRequest
 from tests.frontend_gateway.asgi import TokenScript, call
 

@@ -1,8 +1,8 @@
 """Log probabilities keep their tokens' order and places: across a network frame's merged outputs, and
 in completions' text offsets over several stream chunks."""
 
-from frontend_gateway.logprobs import CompletionLogprobs, LogprobEntry, chat_logprobs
-from frontend_gateway.remote_engines import merge_engine_outputs
+from frontend_gateway.models.remote_engines import merge_engine_outputs
+from frontend_gateway.openai_api.logprobs import CompletionLogprobs, LogprobEntry, chat_logprobs
 from runtime.protocol import EngineOutput, TokenLogprob
 
 

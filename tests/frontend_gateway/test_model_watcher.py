@@ -12,18 +12,18 @@ import nats.errors
 import pytest
 
 from frontend_gateway.metrics import GatewayMetrics
-from frontend_gateway.model_watcher import ModelWatcher, card_differences
-from frontend_gateway.pipeline import ModelRegistry
-from frontend_gateway.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models.pipeline import ModelRegistry
+from frontend_gateway.models.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models.watcher import ModelWatcher, card_differences
 from frontend_gateway.routing.basic import RandomRouter, RoundRobinRouter
-from runtime.discovery import MODELS_PREFIX
+from runtime.cluster.discovery import MODELS_PREFIX
+from runtime.cluster.object_store import publish_tokenizer
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry, register_model
 from runtime.engine import RequestContext
-from runtime.model_card import ModelCard, ModelType
-from runtime.model_loading import load_model_card
-from runtime.object_store import publish_tokenizer
-from runtime.router_settings import PipelineRouter
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.models.card import ModelCard, ModelType
+from runtime.models.loading import load_model_card
 from tests.infra import EtcdServer, NatsServer
 
 
@@ -333,7 +333,7 @@ async def test_a_later_instance_with_other_router_settings_of_no_newer_generatio
         model = registry.get("m")
         assert model is not None and isinstance(model.engine, RemoteTextEngine)
         router = model.engine.router
-        with caplog.at_level(logging.WARNING, logger="frontend_gateway.model_watcher"):
+        with caplog.at_level(logging.WARNING, logger="frontend_gateway.models.watcher"):
             # Same generation, other settings (two workers started by hand with other --router-* flags).
             await runtime.discovery.register(key(2), routed_entry("m", 2, "random", generation=3))
             await until(watcher, lambda: pooled(registry, "m") == {1, 2})

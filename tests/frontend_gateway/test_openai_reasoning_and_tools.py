@@ -18,9 +18,9 @@ import pytest
 
 from engines.echo import EchoCoreEngine
 from frontend_gateway.http_app import GatewayApp
-from frontend_gateway.pipeline import ModelRegistry, TokenModel
-from runtime.model_card import ModelCard
-from runtime.model_loading import load_model_card
+from frontend_gateway.models.pipeline import ModelRegistry, TokenModel
+from runtime.models.card import ModelCard
+from runtime.models.loading import load_model_card
 from tests.servers import Server, start_server
 
 WEATHER_TOOL: Any = {

@@ -15,7 +15,7 @@ import pytest
 
 from engines.echo import EchoFullEngine
 from frontend_gateway.http_app import GatewayApp
-from frontend_gateway.pipeline import ModelRegistry, TextModel
+from frontend_gateway.models.pipeline import ModelRegistry, TextModel
 
 WEATHER_TOOL: Any = {
     "type": "function",

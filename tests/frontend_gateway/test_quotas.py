@@ -1,4 +1,4 @@
-"""frontend_gateway/quotas.py on a real redis-server: two ingress processes' meters share one limit per
+"""frontend_gateway/access/quotas.py on a real redis-server: two ingress processes' meters share one limit per
 key, minutes slide, monthly budgets hold, usage adds up per key, model and day, and a Redis outage loses
 no count."""
 
@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from frontend_gateway.quotas import USAGE_PREFIX, Meter, QuotaExhausted, RateLimited
-from runtime.api_keys import KeyRecord
+from frontend_gateway.access.quotas import USAGE_PREFIX, Meter, QuotaExhausted, RateLimited
+from runtime.fleet_contract.api_keys import KeyRecord
 from tests.infra import RedisServer
 from tests.servers import free_port
 

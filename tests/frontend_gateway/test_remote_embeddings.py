@@ -1,6 +1,6 @@
 """How the ingress cuts a request's texts into batches for the embedding workers."""
 
-from frontend_gateway.remote_embeddings import BATCH_BYTES, BATCH_TEXTS, batches
+from frontend_gateway.models.remote_embeddings import BATCH_BYTES, BATCH_TEXTS, batches
 
 
 def test_texts_are_cut_by_count_keeping_their_order_and_indexes() -> None:

@@ -1,9 +1,9 @@
 """Stop strings are found across piece boundaries and never shown."""
 
 from engines.echo import EchoFullEngine
-from frontend_gateway.openai_types import CompletionRequest
-from frontend_gateway.pipeline import TextModel
-from frontend_gateway.stop_strings import StopStringMatcher
+from frontend_gateway.models.pipeline import TextModel
+from frontend_gateway.openai_api.stop_strings import StopStringMatcher
+from frontend_gateway.openai_api.types import CompletionRequest
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:

@@ -10,11 +10,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend_gateway import pipeline
 from frontend_gateway.http_app import GatewayApp
-from frontend_gateway.pipeline import ModelRegistry, TokenModel
-from runtime.model_card import ModelCard
-from runtime.model_loading import load_model_card
+from frontend_gateway.models import pipeline
+from frontend_gateway.models.pipeline import ModelRegistry, TokenModel
+from runtime.models.card import ModelCard
+from runtime.models.loading import load_model_card
 from tests.frontend_gateway.asgi import Client, TokenScript, call
 from tests.frontend_gateway.test_health_and_metrics import metric_value
 

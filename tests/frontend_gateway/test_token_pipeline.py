@@ -7,12 +7,12 @@ from typing import Literal
 import pytest
 
 from frontend_gateway.errors import ContextLengthExceeded, EngineFailed
-from frontend_gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, NvExt
-from frontend_gateway.pipeline import Generation, TokenModel
+from frontend_gateway.models.pipeline import Generation, TokenModel
+from frontend_gateway.openai_api.types import ChatCompletionRequest, ChatMessage, CompletionRequest, NvExt
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
-from runtime.model_card import ModelCard
-from runtime.model_loading import load_model_card
+from runtime.models.card import ModelCard
+from runtime.models.loading import load_model_card
 from runtime.protocol import EngineOutput, PreprocessedRequest
 
 

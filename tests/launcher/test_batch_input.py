@@ -11,8 +11,8 @@ import pytest
 
 from engines.echo import EchoFullEngine
 from frontend_gateway.errors import InvalidRequest
-from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from frontend_gateway.pipeline import Generation, TextModel
+from frontend_gateway.models.pipeline import Generation, TextModel
+from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest
 from launcher.inputs.batch import BatchSummary, percentile, run_batch
 from runtime.errors import ConfigError
 

@@ -21,7 +21,7 @@ from runtime.errors import (
     RequestPlaneUnavailable,
     TemplateError,
 )
-from runtime.router_settings import PipelineRouter
+from runtime.fleet_contract.router_settings import PipelineRouter
 from tests.servers import free_port
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from engines.node_group import LeaderAddress
+from engines.shared.node_group import LeaderAddress
 from launcher import follower as follower_module
 from launcher import leader_watch
 from launcher.leader_watch import LeaderWatch, leader_answers

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engines.node_group import LeaderAddress, NodeGroup
+from engines.shared.node_group import LeaderAddress, NodeGroup
 from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.proctitle import run_title

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.processes import process_start_time, until_readable
-from agent.worker_records import load_records
-from launcher.stack_processes import Child, choose_port
-from launcher.stack_servers import find_binaries
+from agent.workers.processes import process_start_time, until_readable
+from agent.workers.records import load_records
+from launcher.stack.processes import Child, choose_port
+from launcher.stack.servers import find_binaries
 from runtime.errors import ConfigError
 from tests.servers import free_port
 
@@ -147,7 +147,7 @@ def test_a_child_gets_sigterm_when_flotilla_up_is_killed(tmp_path: Path) -> None
 import asyncio, sys
 sys.path.insert(0, {str(Path.cwd())!r})
 from pathlib import Path
-from launcher.stack_processes import Child
+from launcher.stack.processes import Child
 
 async def main():
     child = Child("sleeper", ["sleep", "300"], {{}}, Path({str(tmp_path / "sleeper.log")!r}))

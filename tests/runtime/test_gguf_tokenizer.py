@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from runtime.errors import ModelError
-from runtime.tokenizer import GGUFFile, gguf_metadata, gguf_tokenizer, open_gguf, tokenizer_from_file
+from runtime.models.tokenizer import GGUFFile, gguf_metadata, gguf_tokenizer, open_gguf, tokenizer_from_file
 
 TRICKY = [
     "",

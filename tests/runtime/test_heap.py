@@ -1,11 +1,11 @@
-"""runtime.heap.settle(): what is alive at start-up leaves the collector's later passes."""
+"""launcher.heap.settle(): what is alive at start-up leaves the collector's later passes."""
 
 import gc
 from collections.abc import Iterator
 
 import pytest
 
-from runtime import heap
+from launcher import heap
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Block naming: full blocks only, chained so that equal hashes mean equal prefixes."""
 
-from runtime.kv_blocks import chain_hash, local_block_hashes, sequence_block_hashes
+from runtime.kv.blocks import chain_hash, local_block_hashes, sequence_block_hashes
 
 
 def test_only_full_blocks_are_named() -> None:

@@ -1,4 +1,4 @@
-"""runtime.loop_bound: a one-waiter event and a one-reader queue that do not look the loop up per wait."""
+"""runtime.request_plane.loop_bound: a one-waiter event and a one-reader queue that do not look the loop up per wait."""
 
 import asyncio
 from collections.abc import Callable
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from runtime.loop_bound import SingleReaderQueue, Wakeup
+from runtime.request_plane.loop_bound import SingleReaderQueue, Wakeup
 
 
 async def test_a_wakeup_set_before_the_wait_returns_at_once_and_stays_set_until_cleared() -> None:

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from runtime.errors import ModelError
-from runtime.model_card import ModelCard
+from runtime.models.card import ModelCard
 
 
 def test_the_longest_token_is_the_vocabulary_s_longest(smollm2_card: ModelCard) -> None:

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from runtime.errors import ConfigError, ModelError
-from runtime.model_card import ModelCard
-from runtime.model_loading import default_model_name, load_model_card
+from runtime.models.card import ModelCard
+from runtime.models.loading import default_model_name, load_model_card
 
 FOLDER_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
 

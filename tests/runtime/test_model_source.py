@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import ModelError, ModelUnreachable
-from runtime.model_card import ModelCard
-from runtime.model_loading import load_model_card
-from runtime.model_source import HubModel, parse_hub_model, resolve_model
+from runtime.models.card import ModelCard
+from runtime.models.loading import load_model_card
+from runtime.models.source import HubModel, parse_hub_model, resolve_model
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

@@ -6,7 +6,7 @@ import logging
 import pytest
 from nats.aio.msg import Msg
 
-from runtime.nats_connection import connect_nats, consume, flush
+from runtime.cluster.nats_connection import connect_nats, consume, flush
 from tests.infra import NatsServer
 
 
@@ -23,7 +23,7 @@ class _Warnings(logging.Handler):
 
 async def test_messages_dropped_by_a_slow_subscription_are_reported(nats_server: NatsServer) -> None:
     warnings = _Warnings()
-    logger = logging.getLogger("runtime.nats_connection")
+    logger = logging.getLogger("runtime.cluster.nats_connection")
     logger.addHandler(warnings)
     level = logger.level
     logger.setLevel(logging.WARNING)  # earlier tests may have configured logging more quietly

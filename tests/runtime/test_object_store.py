@@ -6,8 +6,8 @@ from pathlib import Path
 import nats
 import pytest
 
+from runtime.cluster.object_store import fetch_tokenizer, publish_tokenizer
 from runtime.errors import ConfigError
-from runtime.object_store import fetch_tokenizer, publish_tokenizer
 from tests.infra import NatsServer
 
 

@@ -1,4 +1,4 @@
-"""runtime.precise_sleep: sleeps that end at their deadline, not at the loop's next millisecond tick."""
+"""engines.mocker.precise_sleep: sleeps that end at their deadline, not at the loop's next millisecond tick."""
 
 import asyncio
 import sys
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvloop
 
-from runtime.precise_sleep import PreciseSleeper
+from engines.mocker.precise_sleep import PreciseSleeper
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="timerfd exists on Linux only")
 

@@ -8,9 +8,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.engine import RequestContext
-from runtime.loop_bound import SingleReaderQueue
-from runtime.nats_connection import connect_nats, flush
 from runtime.request_plane import (
     CUT,
     DATA,
@@ -28,6 +27,7 @@ from runtime.request_plane import (
 )
 from runtime.request_plane.flow import take_following
 from runtime.request_plane.liveness import Inbox
+from runtime.request_plane.loop_bound import SingleReaderQueue
 from tests.infra import NatsServer
 
 SUBJECT = "flotilla.test.backend.generate.1"

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from nats.aio.client import Client as NATS
 
+from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.engine import RequestContext
-from runtime.nats_connection import connect_nats, flush
 from runtime.request_plane import EndpointServer, Envelope, RequestClient
 from tests.infra import NatsServer
 

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 
+from runtime.cluster.nats_connection import connect_nats
 from runtime.engine import RequestContext
-from runtime.nats_connection import connect_nats
 from runtime.request_plane import EndpointServer, RequestClient, StreamBroken
 from runtime.request_plane.liveness import ProbeFailures
 from tests.infra import NatsServer

@@ -14,8 +14,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from runtime.cluster.nats_connection import connect_nats
 from runtime.engine import RequestContext
-from runtime.nats_connection import connect_nats
 from runtime.request_plane import (
     DATA,
     EndpointServer,

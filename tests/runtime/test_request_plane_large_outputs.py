@@ -13,8 +13,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.engine import RequestContext
-from runtime.nats_connection import connect_nats, flush
 from runtime.request_plane import EndpointServer, RemoteError, RequestClient
 from tests.infra import NatsServer
 

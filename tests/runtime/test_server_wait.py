@@ -6,14 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from runtime.cluster.server_wait import ServerWait
 from runtime.distributed import DistributedRuntime
 from runtime.errors import DiscoveryUnavailable, FlotillaError
-from runtime.server_wait import ServerWait
 from tests.servers import free_port
 
 
 class Warnings(logging.Handler):
-    """Collects the warnings of runtime.server_wait; ``arrived(n)`` is awaitable until n have come."""
+    """Collects the warnings of runtime.cluster.server_wait; ``arrived(n)`` is awaitable until n have come."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -35,7 +35,7 @@ class Warnings(logging.Handler):
 @pytest.fixture
 def warnings() -> Iterator[Warnings]:
     handler = Warnings()
-    logger = logging.getLogger("runtime.server_wait")
+    logger = logging.getLogger("runtime.cluster.server_wait")
     # Other tests configure logging (FLOTILLA_LOG=error, say): make sure warnings get through here.
     level, logger.level = logger.level, logging.WARNING
     logger.addHandler(handler)
@@ -70,7 +70,7 @@ async def test_a_server_that_answers_at_once_is_not_warned_about(
     async def connect() -> str:
         return "client"
 
-    with caplog.at_level(logging.INFO, logger="runtime.server_wait"):
+    with caplog.at_level(logging.INFO, logger="runtime.cluster.server_wait"):
         assert await etcd_wait().wait(connect()) == "client"
     assert warnings.messages == []
     assert "connected to etcd at http://127.0.0.1:1" in caplog.text

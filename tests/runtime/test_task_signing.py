@@ -6,8 +6,14 @@ import json
 
 import msgspec
 
-from runtime.fleet_tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, StartInstance, StopInstance, WorkerSpec
-from runtime.task_signing import agent_signing_key, sign_payload, signature_ok, signing_key, token_digest
+from runtime.fleet_contract.signing import agent_signing_key, sign_payload, signature_ok, signing_key, token_digest
+from runtime.fleet_contract.tasks import (
+    TASK_START_INSTANCE,
+    TASK_STOP_INSTANCE,
+    StartInstance,
+    StopInstance,
+    WorkerSpec,
+)
 
 TOKEN = "flt_agent-token-of-gpu-a"
 KEY = agent_signing_key(TOKEN, "gpu-a")

@@ -9,11 +9,11 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import connect_nats
 from runtime.distributed import DistributedRuntime, worker
 from runtime.engine import RequestContext
 from runtime.errors import BackgroundTaskFailed
-from runtime.nats_connection import connect_nats
 from runtime.request_plane import EndpointServer, RequestClient
 from runtime.supervision import Supervisor
 from tests.infra import EtcdServer, NatsServer

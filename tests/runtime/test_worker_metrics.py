@@ -11,14 +11,14 @@ import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.addressing import EndpointAddress
+from launcher.metrics_server import serve_metrics
+from launcher.worker_metrics import WorkerMetrics
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import connect_nats
 from runtime.errors import ConfigError
-from runtime.kv_events import BlockStored, KvEventSink, WorkerLoad
-from runtime.kv_publisher import KvEventPublisher
-from runtime.metrics_server import serve_metrics
-from runtime.nats_connection import connect_nats
+from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
+from runtime.kv.publisher import KvEventPublisher
 from runtime.request_plane import RequestClient
-from runtime.worker_metrics import WorkerMetrics
 from tests.infra import NatsServer
 from tests.runtime.test_request_plane_abandoned import SUBJECT, Engine, serve
 from tests.servers import free_port

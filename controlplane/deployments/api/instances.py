@@ -13,7 +13,7 @@ from controlplane.api.base import FlotillaViewSet
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments import log_tail
 from controlplane.deployments.models import Instance
-from runtime.fleet_tasks import MAX_LOG_LINES
+from runtime.fleet_contract.tasks import MAX_LOG_LINES
 
 
 class InstanceSerializer(serializers.ModelSerializer):

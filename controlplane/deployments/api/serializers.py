@@ -22,7 +22,7 @@ from controlplane.deployments.pipelines import (
     GroupSpec,
 )
 from controlplane.fleet.models import NODE_NAME_PATTERN, Node
-from runtime.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_PINS = 64
 

@@ -10,9 +10,9 @@ from controlplane.deployments.models import Instance
 from controlplane.deployments.worker_specs import merged_engine_args
 from controlplane.fleet.machines import MACHINE_ID_PATTERN
 from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Node
-from runtime.agent_reports import DownloadReport, InstanceReport, NodeReport
-from runtime.engine_names import ENGINE_LABELS, FLEET_ENGINES
-from runtime.fleet_tasks import GPU_UUID_PATTERN
+from runtime.fleet_contract.engine_names import ENGINE_LABELS, FLEET_ENGINES
+from runtime.fleet_contract.reports import DownloadReport, InstanceReport, NodeReport
+from runtime.fleet_contract.tasks import GPU_UUID_PATTERN
 
 MAX_BYTES = 2**53
 MAX_GPUS_PER_NODE = 64
@@ -127,7 +127,7 @@ class DownloadSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-# What agents send: the reports of runtime/agent_reports.py, each checked against the limits here and then
+# What agents send: the reports of runtime/fleet_contract/reports.py, each checked against the limits here and then
 # converted into its report (``to_report``). tests/controlplane/test_agent_reports.py holds each serializer
 # to its report field for field: the same names, required where the report has no default, and defaults equal.
 

@@ -11,8 +11,8 @@ from engines.mocker.engine import MockerEngine
 from engines.mocker.scheduler import Scheduler, Step
 from runtime.engine import RequestContext, TokenEngine
 from runtime.errors import EngineError
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockStored, KvEvent, KvEventSource
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockStored, KvEvent, KvEventSource
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 
 BLOCK = 4

@@ -1,9 +1,9 @@
 """The mocker's v1 KV cache (vLLM v1's block pool): copies, one free queue, events per hash."""
 
-from engines.mocker.kv_cache import KvCache
+from engines.mocker.kv_cache_v0 import KvCacheV0
 from engines.mocker.kv_cache_v1 import BlockTable, KvCacheV1
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
 BLOCK = 4
 
@@ -48,7 +48,7 @@ def test_the_first_copy_cached_is_the_one_a_hit_takes() -> None:
 def test_freed_blocks_are_reused_in_the_order_they_were_freed_cached_or_not() -> None:
     # v1 has one free queue: a cached block freed before a plain one is evicted first (v0 reuses the
     # plain one first and keeps the cached block).
-    for cache_type in (KvCacheV1, KvCache):
+    for cache_type in (KvCacheV1, KvCacheV0):
         cache = cache_type(3, BLOCK)
         cached = cache.new_table()
         hashes = sequence_block_hashes(list(range(4)), BLOCK)

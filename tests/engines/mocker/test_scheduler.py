@@ -11,7 +11,7 @@ import pytest
 from engines.mocker.config import MockerConfig
 from engines.mocker.scheduler import Scheduler, Sequence, Step
 from runtime.errors import EngineError
-from runtime.kv_blocks import sequence_block_hashes
+from runtime.kv.blocks import sequence_block_hashes
 
 BLOCK = 4
 _ids = itertools.count()

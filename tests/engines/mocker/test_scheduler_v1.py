@@ -14,7 +14,7 @@ from engines.mocker.config import MockerConfig
 from engines.mocker.kv_cache_v1 import KvCacheV1
 from engines.mocker.scheduler import Scheduler, Sequence, Step
 from runtime.errors import EngineError
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
 BLOCK = 4
 _ids = itertools.count()

@@ -10,7 +10,7 @@ from frontend_gateway.routing.factory import build_router
 from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import RouterMode, RouterSettings
-from runtime.addressing import EndpointAddress
+from runtime.cluster.addressing import EndpointAddress
 
 NC = cast(NATS, None)  # building starts nothing: no connection is used
 ADDRESS = EndpointAddress("llm")

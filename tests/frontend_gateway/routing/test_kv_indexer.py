@@ -1,8 +1,8 @@
 """The KV index: leading-block matches per worker, fed by KV events that may be odd or out of order."""
 
 from frontend_gateway.routing.kv_indexer import KvIndexer, WorkerBits, leading_matches
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
 A, B, C = (1, 0), (2, 0), (2, 1)  # workers: (instance id, dp rank); B and C are two ranks of one instance
 PROMPT = list(range(100, 164))  # 8 blocks of 8 tokens

@@ -1,7 +1,7 @@
 """Active load per worker: the router's own decisions, corrected by the workers' reports."""
 
 from frontend_gateway.routing.kv_load import ActiveLoad
-from runtime.kv_events import WorkerLoad
+from runtime.kv.events import WorkerLoad
 
 A, B = (1, 0), (2, 0)
 

@@ -11,8 +11,8 @@ from nats.aio.msg import Msg
 
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
-from runtime.addressing import EndpointAddress
-from runtime.nats_connection import connect_nats, flush
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.infra import NatsServer
 

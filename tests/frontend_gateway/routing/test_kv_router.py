@@ -11,14 +11,14 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from frontend_gateway.routing import kv_subscriber
 from frontend_gateway.routing.kv_indexer import KvIndexer
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterMode, RouterSettings
-from runtime import kv_subscriber
-from runtime.addressing import EndpointAddress
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
-from runtime.nats_connection import connect_nats, flush
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import connect_nats, flush
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.frontend_gateway.routing.waiting import QUICK_STATE_RETRIES, until
 from tests.infra import NatsServer
@@ -206,7 +206,7 @@ async def test_malformed_messages_are_reported_and_change_nothing(
         msgspec.msgpack.encode({"instance_id": A.instance_id, "event_id": 1, "events": [["stored", "x"]]}),
         msgspec.msgpack.encode({"instance_id": A.instance_id, "event_id": -4, "events": []}),
     ]
-    with caplog.at_level(logging.WARNING, logger="runtime.kv_subscriber"):
+    with caplog.at_level(logging.WARNING, logger="frontend_gateway.routing.kv_subscriber"):
         for data in bad:
             await publisher.publish(ADDRESS.kv_events_subject(), data)
         await publisher.publish(ADDRESS.load_metrics_subject(), b"{not json")

@@ -14,10 +14,10 @@ from nats.aio.msg import Msg
 from frontend_gateway.routing.kv_indexer import KvIndexer
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
-from runtime.addressing import EndpointAddress
-from runtime.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventSink, WorkerLoad
-from runtime.kv_publisher import KvEventPublisher, state_parts
-from runtime.nats_connection import connect_nats, flush
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import connect_nats, flush
+from runtime.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventSink, WorkerLoad
+from runtime.kv.publisher import KvEventPublisher, state_parts
 from tests.frontend_gateway.routing.waiting import until
 from tests.infra import NatsServer
 

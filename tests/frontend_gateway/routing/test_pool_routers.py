@@ -8,21 +8,21 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
-from frontend_gateway import model_watcher
-from frontend_gateway.model_watcher import ModelWatcher, endpoint_of_model_key
-from frontend_gateway.pipeline import ModelRegistry
-from frontend_gateway.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models import watcher as model_watcher
+from frontend_gateway.models.pipeline import ModelRegistry
+from frontend_gateway.models.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models.watcher import ModelWatcher, endpoint_of_model_key
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, Router, RouterMode, RouterSettings
-from runtime.addressing import EndpointAddress
-from runtime.discovery import MODELS_PREFIX
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.discovery import MODELS_PREFIX
+from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
-from runtime.kv_events import BlockStored, KvEventBatch
-from runtime.model_card import ModelCard, ModelType
-from runtime.nats_connection import connect_nats, flush
+from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.kv.events import BlockStored, KvEventBatch
+from runtime.models.card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, TextRequest
-from runtime.router_settings import PipelineRouter
 from tests.frontend_gateway.routing import waiting
 from tests.infra import EtcdServer, NatsServer
 

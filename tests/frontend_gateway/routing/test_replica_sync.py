@@ -13,15 +13,15 @@ import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 
-from frontend_gateway.router_metrics import ModelRoutingMetrics, RoutingCollectors
 from frontend_gateway.routing import replica_sync
 from frontend_gateway.routing.kv_indexer import PredictedKvIndexer
 from frontend_gateway.routing.kv_router import KvRouter
+from frontend_gateway.routing.metrics import ModelRoutingMetrics, RoutingCollectors
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
 from frontend_gateway.routing.replica_sync import Finished, PrefillDone, Routed, SyncBatch, sync_subjects
-from runtime.addressing import EndpointAddress
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.nats_connection import connect_nats, flush
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.nats_connection import connect_nats, flush
+from runtime.kv.blocks import sequence_block_hashes
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.frontend_gateway.routing.waiting import until
 from tests.infra import NatsServer

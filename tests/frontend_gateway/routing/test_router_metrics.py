@@ -13,20 +13,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
-from frontend_gateway.model_watcher import ModelWatcher
-from frontend_gateway.pipeline import ModelRegistry
-from frontend_gateway.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models.pipeline import ModelRegistry
+from frontend_gateway.models.remote_engines import RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models.watcher import ModelWatcher
+from frontend_gateway.routing import kv_subscriber
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
-from runtime import kv_subscriber
-from runtime.addressing import EndpointAddress
-from runtime.discovery import MODELS_PREFIX
+from runtime.cluster.addressing import EndpointAddress
+from runtime.cluster.discovery import MODELS_PREFIX
+from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
-from runtime.kv_blocks import sequence_block_hashes
-from runtime.kv_events import BlockStored, KvEventBatch
-from runtime.model_card import ModelCard, ModelType
-from runtime.nats_connection import connect_nats, flush
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored, KvEventBatch
+from runtime.models.card import ModelCard, ModelType
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
 from tests.frontend_gateway.asgi import Client
 from tests.frontend_gateway.routing.waiting import QUICK_STATE_RETRIES, until

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend_gateway.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.models.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
 from frontend_gateway.routing.protocol import Decision, InstanceInfo
 from runtime.engine import RequestContext
 from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable

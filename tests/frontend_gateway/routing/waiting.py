@@ -23,7 +23,7 @@ async def until(listener: Listening, condition: Callable[[], bool], within_s: fl
 
 
 #: The router asks a new instance for its cache state and holds the instance's events until the answer, or
-#: until it has asked 5 times over 3.75 s (runtime/kv_subscriber.py: STATE_RETRY_DELAYS_S). Where no test
-#: worker answers, and what is tested is what the events do, the asks are retried at once instead, so each
+#: until it has asked 5 times over 3.75 s (frontend_gateway/routing/kv_subscriber.py: STATE_RETRY_DELAYS_S).
+#: Where no test worker answers, and what is tested is what the events do, the asks are retried at once instead, so each
 #: test does not wait 3.75 s; test_kv_state_sync.py tests the asking itself.
 QUICK_STATE_RETRIES = (0.01, 0.01, 0.01, 0.01)

@@ -3,7 +3,7 @@
     FLOTILLA_UP_PASSWORD=… FLOTILLA_UP_ADMIN_TOKEN=… FLOTILLA_UP_AGENT_TOKEN=… \\
         manage.py bootstrapaccounts --admin admin --node local [--api-key-name "flotilla up"]
 
-``flotilla up`` runs it after the migrations each time it starts (launcher/stack_controlplane.py). Through the
+``flotilla up`` runs it after the migrations each time it starts (launcher/stack/controlplane.py). Through the
 control plane's actions, so that each account, token and key gets its audit entry, it makes sure of:
 
 * the admin ``--admin``: created (role admin, password FLOTILLA_UP_PASSWORD) only when no user has that name;
@@ -35,8 +35,8 @@ from controlplane.apikeys import publication
 from controlplane.apikeys.models import ApiKey
 from controlplane.audit.records import Actor
 from controlplane.errors import ControlPlaneError
-from runtime.api_keys import key_hash
 from runtime.errors import DiscoveryUnavailable
+from runtime.fleet_contract.api_keys import key_hash
 
 ACTOR = Actor.system("flotilla up")
 #: The password of a new admin.

@@ -30,10 +30,10 @@ from controlplane.live.bridge import (
     read_directory,
 )
 from controlplane.live.publisher import layer_address
+from runtime.cluster.nats_connection import connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError, RequestPlaneUnavailable
 from runtime.logging import configure_logging
-from runtime.nats_connection import connect_nats
 from runtime.settings import nats_servers, parse_nats_servers
 from runtime.supervision import Supervisor
 

@@ -1,0 +1,80 @@
+"""Carrying out an accepted start, step by step: replace, fetch, check the GPUs, launch.
+
+::
+
+    a worker of an older attempt runs? ──► stop it (its "stopped" is not news: agent/instances/reports.py)
+    a model source? ──► fetch it (agent/reported_downloads.py) ──► failed, permanent unless retryable
+    GPUs given? ──► the node has them, with the UUIDs the control plane placed on ──► failed otherwise
+    launch (agent/workers/supervisor.py) ──► starting ──► ready | failed, reported as the worker goes
+
+Which starts to carry out, and in which order with the instance's other operations, is
+agent/tasks/intake.py's.
+"""
+
+import asyncio
+import logging
+
+import msgspec
+
+from agent.control_plane_client import InstanceReport
+from agent.errors import DiskFull, DownloadError, HubUnreachable, WorkerError
+from agent.gpu_check import GpuMismatch, check_gpus, named_by_uuid
+from agent.instances.reports import InstanceReporter
+from agent.inventory import Inventory
+from agent.reported_downloads import ReportedDownloads
+from agent.workers.supervisor import Supervisor
+from runtime.errors import ConfigError
+from runtime.fleet_contract.tasks import StartInstance
+
+log = logging.getLogger(__name__)
+
+
+class InstanceStarter:
+    """Runs a start's steps; a step that fails reports the instance failed, saying whether for good."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        downloads: ReportedDownloads,
+        inventory: Inventory,
+        reports: InstanceReporter,
+    ) -> None:
+        self._supervisor = supervisor
+        self._downloads = downloads
+        self._inventory = inventory
+        self._reports = reports
+
+    async def start(self, request: StartInstance) -> None:
+        spec = request.spec
+        instance_id = spec.instance_id
+        if self._supervisor.status(instance_id) is not None:
+            log.info("instance %d: replacing its worker with attempt %d", instance_id, request.attempt)
+            with self._reports.replacing(instance_id):
+                await self._supervisor.stop(instance_id)
+        if request.source is not None:
+            try:
+                path = await self._downloads.fetch(instance_id, request.source)
+            except DownloadError as exc:
+                # A missing or forbidden repository, a bad local path: no retry fixes those. A hub that does
+                # not answer, or a full disk, may be fine on the next try.
+                permanent = not isinstance(exc, HubUnreachable | DiskFull)
+                self._reports.report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
+                return
+            spec = msgspec.structs.replace(spec, model_path=str(path))
+        if spec.gpu_indexes:
+            inventory = await asyncio.to_thread(self._inventory.read, self._supervisor.gpu_memory_in_use())
+            try:
+                check_gpus(spec, inventory.gpus)
+            except GpuMismatch as exc:
+                log.warning("instance %d: not started: %s", instance_id, exc)
+                self._reports.report(
+                    instance_id, InstanceReport(state="failed", reason=f"cannot start the worker: {exc}")
+                )
+                return
+            spec = named_by_uuid(spec, inventory.gpus)
+        try:
+            self._supervisor.start(spec)
+        except (ConfigError, WorkerError) as exc:
+            permanent = isinstance(exc, ConfigError)  # the spec itself is wrong: the same start fails again
+            reason = f"cannot start the worker: {exc}"
+            self._reports.report(instance_id, InstanceReport(state="failed", reason=reason, permanent=permanent))

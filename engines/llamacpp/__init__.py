@@ -1,0 +1,1 @@
+"""The llama.cpp engine (llama-cpp-python): GGUF models on the CPU, concurrent requests in slots."""

@@ -1,0 +1,343 @@
+"""llama.cpp's slots: concurrent requests decoded together in one context, as llama-server's are.
+
+The context has ``n_seq`` sequences (slots), each with its own KV stream (llama.cpp's non-unified
+cache: ``kv_unified`` false, ``n_ctx`` split evenly). One thread owns the context and runs a step loop.
+Each step decodes a prompt chunk of the oldest request still reading its prompt, in a ``llama_decode``
+of its own, then one token of every other request (its last sampled token, or its next migrated token)
+in one ``llama_decode`` together, and samples each request whose logits came out with its own sampler
+chain. Between steps it takes new requests, drops cancelled ones (their slot is free for the next
+request at once) and runs other work (embeddings).
+
+Prefix reuse per slot. A slot keeps the tokens its KV cells hold after its request ends (finished or
+cancelled); a new request goes to the free slot whose tokens share the longest prefix with its prompt
+(else the one unused the longest), and only the rest of the prompt is decoded.
+
+Exactness. llama.cpp computes a sequence's attention with other CPU kernels when the micro-batch holds
+one token of it than when it holds two or more, and the results round differently. With one KV stream
+per sequence, a generating sequence has one token per step whatever the others do, so its attention is
+computed as it would be alone; what else shares the micro-batch does not matter. A unified cache
+computes the attention of all rows together instead, and its answers changed with the company
+(SmolLM2 Q4_1, 4 prompts x 24 greedy tokens: 3 of 4 differed from the answer alone, against 0 of 4
+with one stream each, started together or staggered). A prompt chunk is decoded in a call of its own:
+llama.cpp splits a batch of several streams into micro-batches with as many tokens of each, so a chunk
+mixed with generating rows would have its first token split off and decoded alone. And no chunk leaves
+a single prompt token for the next one (``take_chunk``, ``plan_prefill``).
+"""
+
+import collections
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.llamacpp.sampling import SequenceSampler, token_logprob
+from runtime.engine import RequestContext
+from runtime.errors import EngineError
+from runtime.protocol import EngineOutput, PreprocessedRequest
+
+log = logging.getLogger(__name__)
+
+#: Put on a request's stream after its last output.
+END = object()
+
+
+@dataclass
+class SequenceJob:
+    """A request handed to the scheduler: ``emit`` puts outputs (EngineOutput, an EngineError, then
+    END) on the request's stream from the engine thread."""
+
+    request: PreprocessedRequest
+    context: RequestContext
+    emit: Callable[[object], None]
+    grammar: Any = None
+
+
+@dataclass
+class Slot:
+    """One of the context's sequences: the tokens its KV cells hold, in position order."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+    last_used: int = 0  # the step that last ended a request here (least recently used goes first)
+    busy: bool = False
+
+
+@dataclass
+class _Running:
+    """A request in a slot: what is left to decode, and what it has produced."""
+
+    job: SequenceJob
+    slot: Slot
+    sampler: SequenceSampler
+    eos_ids: frozenset[int]
+    prompt: list[int]  # the prompt tokens still to decode in chunks
+    singles: list[int]  # then these, one a step (migrated tokens at temperature 0)
+    cached_tokens: int | None  # told on the first output, then None
+    generated: int = 0
+    next_token: int | None = None  # sampled, to be decoded in the next step
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where a request goes: its slot, and how many of the slot's tokens it keeps."""
+
+    slot: Slot
+    reuse: int
+
+
+def common_prefix(cached: Sequence[int], tokens: Sequence[int]) -> int:
+    length = 0
+    for have, want in zip(cached, tokens, strict=False):
+        if have != want:
+            break
+        length += 1
+    return length
+
+
+def take_chunk(prompt: list[int], most: int) -> list[int]:
+    """Take the next chunk of ``prompt`` off its front: at most ``most`` tokens, never leaving one alone
+    for the next chunk (a lone token is decoded by other kernels than a chunk's)."""
+    size = min(len(prompt), most)
+    if len(prompt) - size == 1 and size > 2:
+        size -= 1
+    chunk = prompt[:size]
+    del prompt[:size]
+    return chunk
+
+
+def choose_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> Slot | None:
+    """The free slot sharing the longest prefix with ``prompt``; among equals the least recently used.
+    None when every slot is busy."""
+    free = [slot for slot in slots if not slot.busy]
+    if not free:
+        return None
+    return max(free, key=lambda slot: (common_prefix(slot.tokens, prompt), -slot.last_used))
+
+
+class BatchScheduler:
+    """The step loop over one llama.cpp context with ``n_seq`` sequences (slots), each in its own KV stream."""
+
+    def __init__(self, model: Any, ctx: Any, *, n_seq: int, n_batch: int, plan: Callable[..., Any]) -> None:
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        self._model = model
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx.ctx)
+        self._n_batch = n_batch
+        self._plan = plan  # plan_prefill: the cached prefix to keep, the rest to decode
+        self._n_vocab = model.n_vocab()
+        self.slots = [Slot(seq_id) for seq_id in range(n_seq)]
+        self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, 1)
+        self._running: list[_Running] = []
+        self._waiting: collections.deque[SequenceJob] = collections.deque()
+        self._inbox: list[SequenceJob] = []
+        self._calls: list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = []
+        self._wake = threading.Condition()
+        self._closing = False
+        self._step = 0
+        #: Token rows decoded (for tests: how much of a prompt was evaluated).
+        self.decoded_rows = 0
+        self._thread = threading.Thread(target=self._loop, name="llamacpp-steps", daemon=True)
+        self._thread.start()
+
+    # --- called from other threads -------------------------------------------------------------
+
+    def submit(self, job: SequenceJob) -> None:
+        with self._wake:
+            self._inbox.append(job)
+            self._wake.notify()
+
+    def wake(self) -> None:
+        """Look at the requests again now (one was cancelled)."""
+        with self._wake:
+            self._wake.notify()
+
+    def call(self, function: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+        """Run ``function`` on the engine thread between two steps; its result or exception in the future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._wake:
+            if self._closing:
+                raise EngineError("the llama.cpp engine is closed")
+            self._calls.append((function, future))
+            self._wake.notify()
+        return future
+
+    def close(self) -> None:
+        """Stop the loop (requests in flight end with an error) and wait for the thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        self._llama_cpp.llama_batch_free(self._batch)
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._inbox or self._calls or self._closing or self._has_work()):
+                    self._wake.wait()
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                calls, self._calls = self._calls, []
+                closing = self._closing
+            for function, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(function())
+                    except BaseException as exc:  # handed to the caller, who re-raises it
+                        future.set_exception(exc)
+            if closing:
+                self._fail_all(EngineError("the llama.cpp engine was closed"))
+                return
+            self._drop_cancelled()
+            self._admit()
+            if self._running:
+                try:
+                    self._decode_step()
+                except Exception as exc:
+                    log.exception("llama.cpp failed a decoding step")
+                    self._fail_all(EngineError(f"llama.cpp failed: {exc}"))
+
+    def _has_work(self) -> bool:
+        return bool(self._running) or bool(self._waiting)
+
+    def _drop_cancelled(self) -> None:
+        for running in [r for r in self._running if r.job.context.stopped]:
+            self._finish(running)
+        for job in [j for j in self._waiting if j.context.stopped]:
+            self._waiting.remove(job)
+            job.emit(END)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            job = self._waiting[0]
+            slot = choose_slot(self.slots, job.request.token_ids)
+            if slot is None:
+                return
+            self._waiting.popleft()
+            try:
+                self._running.append(self._start(job, slot))
+            except Exception as exc:
+                log.exception("llama.cpp could not start request %s", job.request.request_id)
+                job.emit(EngineOutput([], "error"))
+                job.emit(EngineError(f"llama.cpp failed: {exc}"))
+                job.emit(END)
+
+    def _start(self, job: SequenceJob, slot: Slot) -> _Running:
+        request = job.request
+        sampler = SequenceSampler(self._model, request, job.grammar)
+        try:
+            # Only greedy decoding can continue exactly; a sampled continuation gains nothing from the
+            # slower one-a-step decoding of the migrated tokens.
+            one_at_a_time = request.migrated_tokens if sampler.greedy else 0
+            plan = self._plan(slot.tokens, request.token_ids, one_at_a_time, self._n_batch)
+            reuse = plan.reuse
+            if not self._llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
+                # A context that cannot drop a suffix (recurrent models) starts the slot afresh.
+                self._llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+                reuse = 0
+            del slot.tokens[reuse:]
+        except BaseException:
+            sampler.close()
+            raise
+        slot.busy = True
+        split = len(request.token_ids) - one_at_a_time
+        return _Running(
+            job=job,
+            slot=slot,
+            sampler=sampler,
+            eos_ids=frozenset(request.eos_token_ids) | {self._model.token_eos()},
+            prompt=list(request.token_ids[reuse:split]),
+            singles=list(request.token_ids[split:]),
+            cached_tokens=reuse,
+        )
+
+    def _decode_step(self) -> None:
+        """One step: a prompt chunk of the oldest request still reading its prompt, in a call of its own;
+        then one row for each other request (its last sampled token or its next migrated one), together."""
+        reading = next((running for running in self._running if running.prompt), None)
+        if reading is not None:
+            self._decode([(reading, take_chunk(reading.prompt, self._n_batch))])
+        rows = []
+        for running in self._running:
+            if running.next_token is not None:
+                rows.append((running, [running.next_token]))
+                running.next_token = None
+            elif not running.prompt and running.singles and running is not reading:
+                rows.append((running, [running.singles.pop(0)]))
+        if rows:
+            self._decode(rows)
+
+    def _decode(self, parts: list[tuple[_Running, list[int]]]) -> None:
+        """Decode each request's tokens after what its slot holds, in one ``llama_decode``, and sample
+        each request whose tokens end what it had to read."""
+        batch = self._batch
+        rows = 0
+        sampled = []
+        for running, tokens in parts:
+            slot = running.slot
+            done = not running.prompt and not running.singles
+            for offset, token in enumerate(tokens):
+                batch.token[rows] = token
+                batch.pos[rows] = len(slot.tokens) + offset
+                batch.n_seq_id[rows] = 1
+                batch.seq_id[rows][0] = slot.seq_id
+                batch.logits[rows] = done and offset == len(tokens) - 1
+                rows += 1
+            slot.tokens.extend(tokens)
+            if done:
+                sampled.append((running, rows - 1))
+        batch.n_tokens = rows
+        status = self._llama_cpp.llama_decode(self._ctx.ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode returned {status} (the KV cache is full, or the batch is bad)")
+        self.decoded_rows += rows
+        for running, row in sampled:
+            self._sample(running, row)
+
+    def _sample(self, running: _Running, row: int) -> None:
+        request = running.job.request
+        stop = request.stop_conditions
+        token = running.sampler.sample(self._ctx, row)
+        cached, running.cached_tokens = running.cached_tokens, None
+        if token in running.eos_ids and not stop.ignore_eos:
+            running.job.emit(EngineOutput([], "stop", cached))
+            self._finish(running)
+            return
+        running.generated += 1
+        logprobs = None
+        if request.logprobs is not None:
+            logits = self._ctx.get_logits_ith(row)
+            logprobs = [token_logprob(logits, self._n_vocab, token, request.logprobs)]
+        if running.generated >= stop.max_tokens:
+            running.job.emit(EngineOutput([token], "length", cached, logprobs))
+            self._finish(running)
+            return
+        running.job.emit(EngineOutput([token], None, cached, logprobs))
+        running.next_token = token
+
+    def _finish(self, running: _Running) -> None:
+        """End a request: its slot is free at once and keeps the tokens it decoded, for the next prompt."""
+        self._running.remove(running)
+        running.sampler.close()
+        running.slot.busy = False
+        running.slot.last_used = self._step = self._step + 1
+        running.job.emit(END)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for running in list(self._running):
+            running.job.emit(EngineOutput([], "error"))
+            running.job.emit(error)
+            self._finish(running)
+            # What its cells hold is not known after a failed decode: forget the slot's cache.
+            self._llama_cpp.llama_memory_seq_rm(self._memory, running.slot.seq_id, -1, -1)
+            running.slot.tokens.clear()
+        while self._waiting:
+            job = self._waiting.popleft()
+            job.emit(EngineOutput([], "error"))
+            job.emit(error)
+            job.emit(END)

@@ -1,0 +1,80 @@
+"""``out=sglang`` on a rank above 0 (``--node-rank R``): SGLang's schedulers of this node, which serve nothing.
+
+SGLang's ``Engine`` started with ``node_rank >= 1`` launches only this node's scheduler processes (its share of
+the tensor-parallel ranks), which the leader's scheduler drives; it starts no tokenizer and takes no
+requests. By default it would then block inside the constructor and serve a dummy health check on
+``port``; with ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once its schedulers are ready, as Dynamo's
+SGLang worker starts it, and this process watches them instead.
+
+``start()`` returns once the schedulers are ready (they wait for every rank to join at the leader's
+``dist_init_addr``); ``wait()`` returns when one of them has exited; ``close()`` stops them.
+"""
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+from pathlib import Path
+from typing import Any
+
+from engines.sglang.engine import MISSING_PACKAGE, engine_kwargs
+from engines.shared.gpu_engine_args import GpuPlacement
+from engines.shared.node_group import NodeGroup
+from runtime.errors import ConfigError, ModelError
+
+log = logging.getLogger(__name__)
+
+
+class SglangFollower:
+    """SGLang's schedulers of one rank above 0, for the leader at ``nodes.leader``."""
+
+    def __init__(
+        self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], nodes: NodeGroup
+    ) -> None:
+        if nodes.is_leader:
+            raise ConfigError("rank 0 is the leader: it runs SGLang's engine and serves, as a node of one does")
+        # No KV event publisher: the leader's schedulers publish the cache they manage.
+        self.kwargs = engine_kwargs(model_path, placement, engine_args, kv_events_endpoint=None, nodes=nodes)
+        self.model_path = model_path
+        self._engine: Any = None
+        self._schedulers: list[multiprocessing.process.BaseProcess] = []
+
+    def start(self) -> None:
+        """Start this node's schedulers; returns once they are ready. Raises ModelError when SGLang cannot."""
+        # Read when the Engine is built: return once the schedulers are ready instead of blocking in it.
+        os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ModelError(MISSING_PACKAGE) from exc
+        try:
+            self._engine = sglang.Engine(**self.kwargs)
+        except Exception as exc:  # SGLang raises what its model loader, CUDA or its arguments raise
+            raise ModelError(
+                f"SGLang could not start rank {self.kwargs['node_rank']} of {self.model_path}: {exc}"
+            ) from exc
+        # SGLang keeps no handle on them for a caller: they are this process's multiprocessing children.
+        self._schedulers = multiprocessing.active_children()
+        if not self._schedulers:
+            raise ModelError("SGLang started no scheduler process on this node: nothing would run the model here")
+
+    def wait(self) -> str:
+        """Block until one of the schedulers exits; returns which."""
+        if not self._schedulers:
+            return "the schedulers were not started"
+        sentinels = {process.sentinel: process for process in self._schedulers}
+        ended = sentinels[multiprocessing.connection.wait(list(sentinels))[0]]  # type: ignore[index]
+        ended.join(timeout=1)
+        return f"SGLang's process {ended.name} (pid {ended.pid}) exited with code {ended.exitcode}"
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+        for process in self._schedulers:
+            if process.is_alive():
+                process.terminate()
+        for process in self._schedulers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()

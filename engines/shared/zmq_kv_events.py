@@ -1,0 +1,156 @@
+"""The KV events SGLang and vLLM publish over ZMQ (one format: SGLang took vLLM's), as Flotilla's.
+
+vLLM publishes them when given ``kv_events_config`` (``KVEventsConfig(enable_kv_cache_events=True,
+publisher="zmq", endpoint=..., topic=...)``); its ``KVEventBatch`` carries a trailing
+``data_parallel_rank``, and its ``BlockStored``/``BlockRemoved`` a trailing ``medium``. SGLang publishes
+its radix cache's events over ZMQ when started with ``kv_events_config`` (``--kv-events-config
+'{"publisher": "zmq", "endpoint": ..., "topic": ...}'``). Each message is three frames, the topic, an 8-byte
+big-endian sequence number and a msgpack ``KVEventBatch``. Their shapes, as ``python/sglang/srt/disaggregation/
+kv_events.py`` declares them (read at sgl-project/sglang commit 006d053f; msgspec structs, ``array_like`` and
+tagged with the class name)::
+
+    KVEventBatch      [ts, [event, ...]]                       (a trailing attn_dp_rank in some versions)
+
+vLLM 0.32 sends each event as a map instead (``{"type": "BlockStored", "block_hashes": ..., ...}``, with
+more keys after ``medium``); both forms are read.
+    BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id]
+    BlockRemoved      ["BlockRemoved", block_hashes]
+    AllBlocksCleared  ["AllBlocksCleared"]
+
+Later versions may append fields (vLLM's same-named events append ``medium``): a trailing string is read
+as the storage tier, anything else trailing is ignored. ``translate_batch`` is pure over the decoded batch;
+``ZmqSubscriber`` is the socket, in a thread of its own (pyzmq comes with SGLang).
+"""
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from engines.shared.engine_block_names import EngineBlockNames
+from runtime.errors import EngineError
+from runtime.kv.events import KvEvent, Medium
+
+log = logging.getLogger(__name__)
+
+_MEDIA: dict[str, Medium] = {"gpu": "gpu", "cpu": "cpu", "cpu_tier": "cpu", "disk": "disk"}
+
+
+def medium_of(value: object) -> Medium | None:
+    """A tier name as Flotilla's ("GPU" -> "gpu"); None for the GPU, no name, or one Flotilla does not know."""
+    if not isinstance(value, str):
+        return None
+    medium = _MEDIA.get(value.lower())
+    return None if medium == "gpu" else medium
+
+
+#: The fields of each event, in order, for events that come as maps (vLLM 0.32's: ``{"type": ..., ...}``).
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
+    """Flotilla's event for one decoded event (a tagged list as SGLang sends it, or a map with its ``type`` as
+    vLLM 0.32 sends it), or None for one that names nothing Flotilla can route on (unknown parent, another
+    block size, an unknown tag)."""
+    if isinstance(event, dict):
+        fields_of = _FIELDS.get(event.get("type"))  # type: ignore[arg-type]
+        if fields_of is None:
+            return None
+        event = [event["type"], *(event.get(field) for field in fields_of)]
+    if not isinstance(event, list | tuple) or not event:
+        return None
+    tag, fields = event[0], event[1:]
+    if tag == "BlockStored" and len(fields) >= 5:
+        block_hashes, parent, token_ids, block_size, lora_id = fields[:5]
+        if block_size != names.block_size:
+            return None
+        medium = medium_of(fields[5]) if len(fields) > 5 else None
+        return names.stored(block_hashes, parent, token_ids, lora_id=lora_id, medium=medium)
+    if tag == "BlockRemoved" and len(fields) >= 1:
+        medium = medium_of(fields[1]) if len(fields) > 1 else None
+        return names.removed(fields[0], medium=medium)
+    if tag == "AllBlocksCleared":
+        return names.cleared()
+    return None
+
+
+def translate_batch(batch: Any, names: EngineBlockNames) -> list[KvEvent]:
+    """Flotilla's events for one decoded ``KVEventBatch`` (``[ts, events, ...]``), in order."""
+    if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list):
+        return []
+    return [translated for event in batch[1] if (translated := translate_event(event, names)) is not None]
+
+
+def decode_message(frames: list[bytes]) -> Any:
+    """The decoded batch of one ZMQ message (topic, sequence number, payload). Raises ValueError."""
+    if len(frames) != 3:
+        raise ValueError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    try:
+        return msgspec.msgpack.decode(frames[2])
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a msgpack KV event batch: {exc}") from None
+
+
+class ZmqSubscriber:
+    """Reads one SGLang publisher's messages in a thread and hands each decoded batch to ``on_batch``
+    (called in that thread). ``close()`` stops it within a poll interval."""
+
+    POLL_MS = 200
+
+    def __init__(self, endpoint: str, topic: str, on_batch: Callable[[Any], None]) -> None:
+        import zmq  # SGLang depends on pyzmq; Flotilla does not
+
+        self._zmq = zmq
+        self._socket: Any = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        # SGLang's publisher binds a wildcard ("tcp://*:PORT") and connects anything else; Flotilla gives it
+        # the wildcard form and connects here.
+        self._socket.connect(endpoint.replace("*", "127.0.0.1"))
+        self._on_batch = on_batch
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sglang-kv-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            if not self._socket.poll(self.POLL_MS):
+                continue
+            frames = self._socket.recv_multipart()
+            try:
+                self._on_batch(decode_message(frames))
+            except ValueError as exc:
+                log.warning("SGLang KV event message skipped: %s", exc)
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2)
+        self._socket.close(linger=0)
+
+
+def loopback_ports_free(ports: Iterable[int]) -> bool:
+    """Whether each of ``ports`` can be bound on the loopback interface now."""
+    try:
+        for port in ports:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+def free_tcp_ports(count: int, attempts: int = 20) -> int:
+    """The first of ``count`` consecutive free loopback ports. Raises EngineError when none are found."""
+    for _ in range(attempts):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first: int = probe.getsockname()[1]
+        if loopback_ports_free(range(first + 1, first + count)):
+            return first
+    raise EngineError(f"no {count} consecutive free ports for an engine's KV event publishers")

@@ -1,0 +1,342 @@
+"""The TensorRT-LLM engine (``tensorrt_llm.LLM``, its PyTorch backend, in the worker process): token ids
+in, token ids out, on GPUs.
+
+``LLM.generate_async({"prompt_token_ids": ids}, sampling_params, streaming=True)`` returns a
+``RequestOutput`` to iterate with ``async for``; each step's ``outputs[0]`` carries the whole output so
+far (``token_ids``) and ``finish_reason`` ("stop", "length", "cancelled") on the last. The LLM is made with
+``skip_tokenizer_init=True`` and requests with ``detokenize=False``: Flotilla's preprocessor tokenizes
+and its postprocessor detokenizes, as for every token engine.
+
+Cancellation: ``RequestOutput.abort()`` when the consumer stops, which frees the request's KV blocks.
+
+The GPU share: the KV cache's ``free_gpu_memory_fraction`` is computed from the memory share the control
+plane placed the worker by (``--gpu-memory-utilization``; ``kv_cache_fraction`` says why it differs);
+``--tensor-parallel-size`` is ``tensor_parallel_size``, ``--context-length`` ``max_seq_len``.
+TensorRT-LLM takes no first-GPU index, so ``--base-gpu-id`` narrows CUDA_VISIBLE_DEVICES before the
+library loads. Other LLM arguments come from ``--extra-engine-args``
+(YAML, as ``trtllm-serve --extra_llm_api_options``), checked against the names in ``LLM_ARGS`` below.
+
+KV events: ``KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=...)`` keeps them, and a task reads
+``get_kv_cache_events_async`` and renames the blocks as Flotilla's router does
+(engines/trtllm/kv_events.py, engines/shared/engine_block_names.py). The block size is the KV cache's
+``tokens_per_block`` (32 unless the extra arguments' ``kv_cache_config`` says).
+
+Load: another task reads ``get_stats_async`` (``enable_iter_perf_stats``) for each rank's running and waiting
+requests, KV usage and prefix hit rate (engines/trtllm/stats.py).
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.extra_engine_args import check_arg_names, read_engine_args
+from engines.shared.gpu_engine_args import GpuPlacement
+from engines.trtllm.kv_events import translate_events
+from engines.trtllm.stats import StatsToLoad
+from runtime.engine import RequestContext
+from runtime.errors import ConfigError, EngineError, ModelError
+from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
+from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest
+
+log = logging.getLogger(__name__)
+
+#: The one line a node without the package prints (exit 2).
+MISSING_PACKAGE = "out=trtllm needs the tensorrt_llm package (and a CUDA GPU): pip install 'flotilla[trtllm]'"
+
+#: Where LLM_ARGS were read, since TensorRT-LLM does not import where the arguments are checked.
+LLM_ARGS_READ_FROM = (
+    "TensorRT-LLM's LLM arguments (tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM commit fcd3f316)"
+)
+#: The arguments of ``LLM`` (TorchLlmArgs and its base) a worker may set in --extra-engine-args.
+LLM_ARGS = frozenset(
+    {
+        # model and tokenizer
+        "tokenizer", "tokenizer_mode", "trust_remote_code", "dtype", "revision", "tokenizer_revision",
+        "load_format", "served_model_name",
+        # parallelism
+        "pipeline_parallel_size", "context_parallel_size", "gpus_per_node", "moe_cluster_parallel_size",
+        "moe_tensor_parallel_size", "moe_expert_parallel_size", "enable_attention_dp", "cp_config",
+        # caches and scheduling
+        "kv_cache_config", "enable_chunked_prefill", "scheduler_config", "peft_cache_config",
+        "cache_transceiver_config", "max_batch_size", "max_num_tokens", "max_input_len", "max_beam_width",
+        "disable_overlap_scheduler", "batch_wait_timeout_ms",
+        # LoRA, speculative decoding, structured output
+        "enable_lora", "lora_config", "speculative_config", "guided_decoding_backend", "reasoning_parser",
+        # kernels and runtime
+        "attn_backend", "moe_config", "cuda_graph_config", "torch_compile_config", "enable_autotuner",
+        "sampler_type", "checkpoint_format", "garbage_collection_gen0_threshold", "num_postprocess_workers",
+        "postprocess_tokenizer_dir", "iter_stats_max_iterations", "request_stats_max_iterations",
+        "enable_iter_perf_stats", "enable_iter_req_stats", "print_iter_log", "return_perf_metrics",
+        "enable_layerwise_nvtx_marker", "stream_interval",
+    }
+)  # fmt: skip
+#: LLM arguments Flotilla sets itself, and from what.
+SET_BY_FLOTILLA = {
+    "model": "from the MODEL argument",
+    "tensor_parallel_size": "from --tensor-parallel-size",
+    "max_seq_len": "from --context-length",
+    "skip_tokenizer_init": "always true: Flotilla tokenizes",
+    "backend": "always the PyTorch backend",
+}
+#: kv_cache_config keys Flotilla sets itself (the rest of the user's kv_cache_config is kept).
+KV_CACHE_SET_BY_FLOTILLA = {
+    "free_gpu_memory_fraction": "from --gpu-memory-utilization, the share the control plane placed the worker by",
+    "event_buffer_max_size": "the worker reads TensorRT-LLM's KV events itself",
+}
+#: TensorRT-LLM's tokens per KV block (the router's block size) where kv_cache_config does not say.
+DEFAULT_TOKENS_PER_BLOCK = 32
+#: KV events kept between two reads (TensorRT-LLM drops the oldest beyond it).
+EVENT_BUFFER_MAX_SIZE = 16384
+
+
+def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
+    """The LLM arguments in ``--extra-engine-args`` (YAML). Raises ConfigError naming a key it refuses."""
+    values = read_engine_args(raw, engine="trtllm", syntax="yaml")
+    check_arg_names(
+        values, engine="trtllm", documented=LLM_ARGS, read_from=LLM_ARGS_READ_FROM, set_by_flags=SET_BY_FLOTILLA
+    )
+    kv_cache = values.get("kv_cache_config", {})
+    if not isinstance(kv_cache, dict):
+        raise ConfigError("--extra-engine-args: kv_cache_config must be a mapping of KvCacheConfig's fields")
+    for key in kv_cache:
+        if key in KV_CACHE_SET_BY_FLOTILLA:
+            raise ConfigError(
+                f"--extra-engine-args: kv_cache_config.{key} is set by Flotilla for out=trtllm "
+                f"({KV_CACHE_SET_BY_FLOTILLA[key]})"
+            )
+    return values
+
+
+def tokens_per_block(engine_args: dict[str, Any]) -> int:
+    return int(engine_args.get("kv_cache_config", {}).get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK))
+
+
+def llm_kwargs(model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``tensorrt_llm.LLM`` for this worker, with ``kv_cache_config`` as a dict of
+    KvCacheConfig's fields (``start`` adds the memory share, measured on the GPU, and builds the
+    KvCacheConfig)."""
+    kv_cache: dict[str, Any] = {
+        "enable_block_reuse": True,
+        **engine_args.get("kv_cache_config", {}),
+        "event_buffer_max_size": EVENT_BUFFER_MAX_SIZE,
+    }
+    kwargs: dict[str, Any] = {
+        # The iteration stats the worker's load reports come from (engines/trtllm/stats.py).
+        "enable_iter_perf_stats": True,
+        **engine_args,
+        "model": str(model_path),
+        "tensor_parallel_size": placement.tensor_parallel_size,
+        "skip_tokenizer_init": True,
+        "kv_cache_config": kv_cache,
+    }
+    if placement.context_length is not None:
+        kwargs["max_seq_len"] = placement.context_length
+    return kwargs
+
+
+def kv_cache_fraction(share: float, *, total_bytes: int, free_bytes: int, weight_bytes: int) -> float:
+    """TensorRT-LLM's ``free_gpu_memory_fraction`` that keeps the worker within ``share`` of a GPU's memory.
+
+    TensorRT-LLM applies the fraction to the memory still free *after* it loaded the weights, while the
+    control plane's share (and SGLang's, vLLM's) counts the weights in: passed as is, a 0.5 share of an
+    80 GB GPU with 16 GB of weights would take 16 + 0.5 x 64 = 48 GB. So the KV budget is the share less
+    the weights, over what will be free after them. Raises ConfigError when the weights alone exceed it.
+    """
+    budget = share * total_bytes - weight_bytes
+    free_after_weights = free_bytes - weight_bytes
+    if budget <= 0 or free_after_weights <= 0:
+        raise ConfigError(
+            f"--gpu-memory-utilization {share} gives {share * total_bytes / 2**30:.1f} GiB of each GPU, and the "
+            f"weights alone take {weight_bytes / 2**30:.1f} GiB of it: give a larger share or more GPUs"
+        )
+    return min(budget / free_after_weights, 1.0)
+
+
+def weight_bytes_per_gpu(model_path: Path, tensor_parallel_size: int) -> int:
+    """The model's weights on each GPU: its safetensors files' size, split over the tensor-parallel GPUs."""
+    files = model_path.glob("*.safetensors") if model_path.is_dir() else iter(())
+    return sum(file.stat().st_size for file in files) // tensor_parallel_size
+
+
+def visible_devices(current: str | None, base_gpu_id: int, count: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES narrowed to ``count`` GPUs from the ``base_gpu_id``-th visible one; None to leave
+    it as it is (base 0). Raises ConfigError when fewer are visible."""
+    if base_gpu_id == 0:
+        return None
+    visible = [name for name in current.split(",") if name] if current else None
+    if visible is None:
+        return ",".join(str(index) for index in range(base_gpu_id, base_gpu_id + count))
+    if base_gpu_id + count > len(visible):
+        raise ConfigError(
+            f"--base-gpu-id {base_gpu_id} with --tensor-parallel-size {count} needs {base_gpu_id + count} visible "
+            f"GPUs, and CUDA_VISIBLE_DEVICES names {len(visible)}"
+        )
+    return ",".join(visible[base_gpu_id : base_gpu_id + count])
+
+
+def sampling_kwargs(request: PreprocessedRequest) -> dict[str, Any]:
+    """TensorRT-LLM's ``SamplingParams`` arguments for ``request``; None options are left out (the
+    library's defaults apply)."""
+    sampling, stop = request.sampling, request.stop_conditions
+    kwargs: dict[str, Any] = {
+        "max_tokens": stop.max_tokens,
+        "min_tokens": stop.min_tokens,
+        "ignore_eos": stop.ignore_eos,
+        # Stop strings are the gateway's (they need text); the engine stops on the model's EOS ids.
+        "stop_token_ids": list(request.eos_token_ids),
+        "detokenize": False,
+    }
+    if request.eos_token_ids:
+        kwargs["end_id"] = request.eos_token_ids[0]
+    optional = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        # OpenAI-style 0 (and -1) mean "no top-k"; TensorRT-LLM spells that 0.
+        "top_k": max(sampling.top_k, 0) if sampling.top_k is not None else None,
+        "min_p": sampling.min_p,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "seed": sampling.seed,
+    }
+    kwargs.update({name: value for name, value in optional.items() if value is not None})
+    return kwargs
+
+
+def finish_reason(reason: str | None) -> FinishReason | None:
+    """TensorRT-LLM's ``CompletionOutput.finish_reason`` as Flotilla's."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    if reason == "cancelled":
+        return "cancelled"
+    if reason == "timeout":
+        return "error"  # the request outlived TensorRT-LLM's allotted time: it ends unfinished
+    return "stop"
+
+
+class TrtLlmEngine:
+    """Token engine backed by ``tensorrt_llm.LLM``. ``start()`` loads the model on the GPUs."""
+
+    kind: Literal["token"] = "token"
+    skip_special_tokens = True
+
+    def __init__(self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any]) -> None:
+        self.model_path = model_path
+        self.placement = placement
+        self.engine_args = engine_args
+        self.block_size = tokens_per_block(engine_args)
+        self._llm: Any = None
+        self._sampling_params: Any = None
+        self._names = {0: EngineBlockNames(self.block_size)}
+        self._sink: KvEventSink | None = None
+        self._events_task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self._stats = StatsToLoad()
+        self._active = 0
+
+    async def start(self) -> None:
+        devices = visible_devices(
+            os.environ.get("CUDA_VISIBLE_DEVICES"), self.placement.base_gpu_id, self.placement.tensor_parallel_size
+        )
+        if devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the library sees CUDA
+        try:
+            from tensorrt_llm import LLM, SamplingParams
+            from tensorrt_llm.llmapi import KvCacheConfig
+        except ImportError as exc:
+            raise ModelError(MISSING_PACKAGE) from exc
+        kwargs = llm_kwargs(self.model_path, self.placement, self.engine_args)
+        if (share := self.placement.gpu_memory_fraction) is not None:
+            import torch  # TensorRT-LLM's own dependency
+
+            free_bytes, total_bytes = torch.cuda.mem_get_info(0)
+            kwargs["kv_cache_config"]["free_gpu_memory_fraction"] = kv_cache_fraction(
+                share,
+                total_bytes=total_bytes,
+                free_bytes=free_bytes,
+                weight_bytes=weight_bytes_per_gpu(self.model_path, self.placement.tensor_parallel_size),
+            )
+        kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+        try:
+            # In this thread, as Dynamo's TensorRT-LLM worker does: the LLM starts its executor workers and
+            # may install signal handlers, which only the main thread can.
+            self._llm = LLM(**kwargs)
+        except Exception as exc:  # TensorRT-LLM raises what its loader, CUDA or pydantic raise
+            raise ModelError(f"TensorRT-LLM could not load {self.model_path}: {exc}") from exc
+        self._sampling_params = SamplingParams
+        self._events_task = asyncio.create_task(self._read_kv_events(), name="trtllm kv events")
+        self._stats_task = asyncio.create_task(self._read_stats(), name="trtllm stats")
+        log.info("TensorRT-LLM loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
+
+    async def close(self) -> None:
+        for task in (self._events_task, self._stats_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+
+    async def _read_kv_events(self) -> None:
+        """Publish the LLM's KV events as they come. Its event stream may end (after ``timeout`` seconds without
+        an event, in some versions) or run for good (others): it is asked again whenever it ends."""
+        while (llm := self._llm) is not None:
+            async for event in llm.get_kv_cache_events_async(timeout=1):
+                # Translated even before a sink is attached: the names map must hear every stored block.
+                for rank, translated in translate_events([event], self._names).items():
+                    if self._sink is not None:
+                        self._sink.publish(rank, translated)
+            await asyncio.sleep(0.05)
+
+    async def _read_stats(self) -> None:
+        """Keep each rank's latest load from the LLM's iteration stats (asked again whenever the stream ends)."""
+        while (llm := self._llm) is not None:
+            async for stat in llm.get_stats_async(timeout=1):
+                self._stats.update(stat)
+            await asyncio.sleep(0.05)
+
+    def attach_kv_events(self, sink: KvEventSink) -> None:
+        self._sink = sink
+
+    def load(self) -> list[WorkerLoad]:
+        """Each rank's load from the LLM's latest iteration stats; before the first, the requests taken."""
+        if not self._stats.loads:
+            return [WorkerLoad(instance_id=0, active_requests=self._active)]
+        return [self._stats.loads[rank] for rank in sorted(self._stats.loads)]
+
+    def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
+        return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        if self._llm is None:
+            raise EngineError("the TensorRT-LLM engine is not started")
+        params = self._sampling_params(**sampling_kwargs(request))
+        result = self._llm.generate_async({"prompt_token_ids": request.token_ids}, params, streaming=True)
+        finished = False
+        sent = 0
+        self._active += 1
+        try:
+            async for step in result:
+                if context.stopped:
+                    return
+                completion = step.outputs[0]
+                tokens = list(completion.token_ids[sent:])
+                reason = finish_reason(completion.finish_reason)
+                sent += len(tokens)
+                if tokens or reason is not None:
+                    yield EngineOutput(token_ids=tokens, finish_reason=reason)
+                if reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._active -= 1
+            if not finished:
+                result.abort()  # frees the request's KV blocks in TensorRT-LLM

@@ -1,0 +1,100 @@
+"""TensorRT-LLM's KV events, as Flotilla's.
+
+With ``KvCacheConfig(event_buffer_max_size=N)`` the ``LLM`` keeps its KV cache manager's events, and
+``LLM.get_kv_cache_events_async(timeout)`` yields them as dicts, shaped by ``KVCacheEventSerializer``
+(``tensorrt_llm/_utils.py``, read at NVIDIA/TensorRT-LLM commit fcd3f316)::
+
+    {"event_id": int, "window_size": int, "attention_dp_rank": int (with attention DP only),
+     "data": {"type": "created", "num_blocks_per_cache_level": [...]}
+           | {"type": "stored", "parent_hash": int | None,
+              "blocks": [{"type": "stored_block", "block_hash": int,
+                          "tokens": [{"type": "unique_token", "token_id": int, "token_extra_id": int}, ...],
+                          "cache_level": int, "priority": int, "lora_id": int (not serialized yet)}, ...]}
+           | {"type": "removed", "block_hashes": [int, ...]}
+           | {"type": "updated", "block_hash": int,
+              "cache_level": {"type": "event_diff", "old_value": int, "new_value": int} | None,
+              "priority": {...} | None}}
+
+``cache_level`` 0 is the GPU (primary) pool, 1 the host (secondary, offload) pool. A block moved off the
+GPU (an ``updated`` event whose cache level goes from 0 to 1) is removed from the GPU tier here: the
+router routes on GPU blocks only. ``created`` says nothing about blocks and is skipped.
+"""
+
+from typing import Any
+
+from engines.shared.engine_block_names import EngineBlockNames
+from runtime.kv.events import KvEvent, Medium
+
+_GPU_LEVEL = 0
+
+
+def medium_of(cache_level: object) -> Medium | None:
+    """TensorRT-LLM's cache level as Flotilla's tier: None for the GPU, "cpu" for the host pool."""
+    return None if cache_level in (None, _GPU_LEVEL) else "cpu"
+
+
+def translate_event(event: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
+    """Flotilla's events for one of TensorRT-LLM's event dicts (none for what names nothing routable)."""
+    data = event.get("data")
+    if not isinstance(data, dict):
+        return []
+    kind = data.get("type")
+    if kind == "stored":
+        return _stored(data, names)
+    if kind == "removed":
+        removed = names.removed(data.get("block_hashes") or [])
+        return [removed] if removed is not None else []
+    if kind == "updated":
+        level = data.get("cache_level")
+        if isinstance(level, dict) and level.get("old_value") == _GPU_LEVEL and level.get("new_value") != _GPU_LEVEL:
+            moved = names.removed([data["block_hash"]])
+            return [moved] if moved is not None else []
+    return []
+
+
+def _stored(data: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
+    # One Flotilla event per run of blocks on the same tier and adapter: a stored event's blocks chain
+    # from its parent, each from the one before.
+    events: list[KvEvent] = []
+    parent = data.get("parent_hash")
+    run_hashes: list[int] = []
+    run_tokens: list[int] = []
+    run_key: tuple[int | None, Medium | None] | None = None
+
+    def flush() -> bool:
+        if not run_hashes or run_key is None:
+            return True
+        stored = names.stored(run_hashes, parent, run_tokens, lora_id=run_key[0], medium=run_key[1])
+        if stored is None:
+            return False
+        events.append(stored)
+        return True
+
+    for block in data.get("blocks") or []:
+        key = (block.get("lora_id"), medium_of(block.get("cache_level")))
+        if run_key is not None and key != run_key:
+            if not flush():
+                return events  # the rest chain from a block that could not be named
+            parent = run_hashes[-1]
+            run_hashes, run_tokens = [], []
+        run_key = key
+        run_hashes.append(block["block_hash"])
+        run_tokens.extend(token["token_id"] for token in block.get("tokens") or [])
+    flush()
+    return events
+
+
+def translate_events(
+    events: list[dict[str, Any]], names_by_rank: dict[int, EngineBlockNames]
+) -> dict[int, list[KvEvent]]:
+    """Flotilla's events for a list of TensorRT-LLM's, by attention-DP rank (0 without attention DP), in
+    order; ranks with no names map are skipped."""
+    translated: dict[int, list[KvEvent]] = {}
+    for event in events:
+        rank = event.get("attention_dp_rank") or 0
+        names = names_by_rank.get(rank)
+        if names is None:
+            continue
+        if flotilla_events := translate_event(event, names):
+            translated.setdefault(rank, []).extend(flotilla_events)
+    return translated

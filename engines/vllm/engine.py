@@ -1,0 +1,307 @@
+"""The vLLM engine: vLLM's async engine (``AsyncLLM``) inside the worker process, token in, token out.
+
+Flotilla's preprocessor renders and tokenizes; vLLM is given the token ids (``TokensPrompt``) and streams
+the new ids of each step back (``RequestOutputKind.DELTA``), never text: Flotilla detokenizes and applies
+stop strings, so routing, migration, stop handling and usage behave as for llama.cpp. A migrated stream
+arrives as prompt + generated tokens; at temperature 0 vLLM's greedy continuation of them is the one the
+dead worker would have produced (as far as vLLM's own batching is deterministic).
+
+Cancellation: when the consumer stops (a stop string, a client gone, a cancelled task) the request is
+aborted in vLLM (``AsyncLLM.abort``), which frees its KV blocks at once.
+
+KV events: vLLM is started with a ZMQ KV event publisher on a free loopback port (``kv_events_config``,
+unless ``--extra-engine-args`` gives one), which this process subscribes to. Its stored blocks are renamed
+with Flotilla's chained hash of their token ids (engines/shared/engine_block_names.py), so that a KV router's
+names for a request's blocks are the engine's; the map answers removals and the routers' state asks. The
+engine is thus a ``KvEventSource``: its events, cache state and load reach KV routers.
+
+Load: ``load()`` reads vLLM's scheduler stats (running and waiting requests, KV usage, prefix hits) from
+a stat logger the engine is built with.
+"""
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
+from engines.vllm.settings import MISSING_PACKAGE, VllmSettings
+from runtime.engine import RequestContext
+from runtime.errors import ConfigError, EngineError, ModelError
+from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
+from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+#: The topic of the KV event publisher Flotilla gives vLLM.
+_KV_TOPIC = "flotilla-kv"
+
+
+def visible_devices(current: str | None, base_gpu_id: int, count: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for ``count`` GPUs from ``base_gpu_id``: indexes into ``current`` (the GPUs
+    this process was given, e.g. by the node agent) when set, else the machine's GPU indexes.
+
+    Raises ConfigError when ``current`` has too few.
+    """
+    if current is None or not current.strip():
+        return ",".join(str(index) for index in range(base_gpu_id, base_gpu_id + count))
+    given = [name.strip() for name in current.split(",") if name.strip()]
+    if base_gpu_id + count > len(given):
+        raise ConfigError(
+            f"--base-gpu-id {base_gpu_id} with --tensor-parallel-size {count} needs GPUs {base_gpu_id}.."
+            f"{base_gpu_id + count - 1} of CUDA_VISIBLE_DEVICES={current!r}, which has {len(given)}"
+        )
+    return ",".join(given[base_gpu_id : base_gpu_id + count])
+
+
+class VllmEngine:
+    """Token engine backed by vLLM's ``AsyncLLM``. ``start()`` loads the model (vLLM starts its engine core
+    process); ``close()`` shuts it down."""
+
+    kind: Literal["token"] = "token"
+    skip_special_tokens = True
+
+    def __init__(
+        self, settings: VllmSettings, *, base_gpu_id: int | None = None, card_block_size: int | None = None
+    ) -> None:
+        self.settings = settings
+        self.base_gpu_id = base_gpu_id
+        #: The KV block size the model's card tells routers (None: whatever vLLM settles on).
+        self.card_block_size = card_block_size
+        self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
+        self._stats = _SchedulerStats()
+        self._names: EngineBlockNames | None = None  # vLLM's block hashes -> Flotilla's, once started
+        self._sink: KvEventSink | None = None
+        self._subscriber: ZmqSubscriber | None = None
+
+    async def start(self) -> None:
+        if self.base_gpu_id is not None:
+            # Before vLLM is imported: torch reads it once, and vLLM's workers inherit it.
+            current = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(current, self.base_gpu_id, self.settings.local_gpus)
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise ModelError(MISSING_PACKAGE) from exc
+        kwargs = self.settings.engine_kwargs()
+        endpoint = None
+        if "kv_events_config" not in kwargs:
+            from vllm.config import KVEventsConfig
+
+            # A wildcard endpoint: vLLM's publisher binds it, and this process connects.
+            endpoint = f"tcp://*:{free_tcp_ports(1)}"
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=_KV_TOPIC
+            )
+        args = AsyncEngineArgs(**kwargs)
+        try:
+            self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory()])
+        except Exception as exc:  # vLLM raises ValueError, RuntimeError, OSError... for a bad model or setting
+            raise ModelError(f"vLLM could not load {self.settings.model}: {exc}") from exc
+        if self.card_block_size is not None and self.block_size != self.card_block_size:
+            settled = self.block_size
+            await self.close()
+            raise ConfigError(
+                f"vLLM settled on KV blocks of {settled} tokens, and routers would name them by "
+                f"{self.card_block_size}: give vLLM its block size, --extra-engine-args '{{\"block_size\": {settled}}}'"
+            )
+        if endpoint is not None:
+            self._names = EngineBlockNames(self.block_size)
+            loop = asyncio.get_running_loop()
+
+            def on_batch(batch: Any) -> None:  # in the subscriber's thread
+                loop.call_soon_threadsafe(self._publish_batch, batch)
+
+            self._subscriber = ZmqSubscriber(endpoint, _KV_TOPIC, on_batch)
+        log.info("vLLM loaded %s (KV block size %d)", self.settings.model, self.block_size)
+
+    @property
+    def block_size(self) -> int:
+        """vLLM's KV block size, as it settled it (the card's, so that routers name blocks as vLLM does)."""
+        if self._engine is None:
+            raise EngineError("the vLLM engine is not started")
+        return int(self._engine.vllm_config.cache_config.block_size)
+
+    def _publish_batch(self, batch: Any) -> None:
+        if self._names is None or self._sink is None:
+            return
+        if events := translate_batch(batch, self._names):
+            self._sink.publish(0, events)
+
+    def attach_kv_events(self, sink: KvEventSink) -> None:
+        self._sink = sink
+
+    def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
+        """The blocks vLLM reported and did not evict since this process subscribed (rank 0)."""
+        if self._names is None or dp_rank not in (None, 0):
+            return {}
+        return {0: self._names.state()}
+
+    async def close(self) -> None:
+        subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None:
+            subscriber.close()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        engine = self._engine
+        if engine is None:
+            raise EngineError("the vLLM engine is not started")
+        from vllm.inputs import TokensPrompt
+
+        if context.stopped:
+            return
+        params = sampling_params(request)
+        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        request_id = request.request_id
+        first = True
+        finished = False
+        stream = engine.generate(prompt, params, request_id)
+        try:
+            async for output in stream:
+                if context.stopped:
+                    return
+                completion = output.outputs[0]
+                finish = finish_reason(completion.finish_reason) if completion.finished() else None
+                item = EngineOutput(token_ids=list(completion.token_ids), finish_reason=finish)
+                if first:
+                    item.cached_tokens = output.num_cached_tokens
+                    first = False
+                if request.logprobs is not None and completion.logprobs:
+                    item.logprobs = token_logprobs(completion.token_ids, completion.logprobs, request.logprobs)
+                if item.token_ids or finish is not None:
+                    yield item
+                if finish is not None or output.finished:
+                    finished = True
+                    return
+        except ValueError as exc:  # vLLM's validation of the request (too long a prompt, a bad parameter)
+            raise EngineError(f"vLLM refused the request: {exc}") from exc
+        finally:
+            context.stop()
+            await stream.aclose()
+            if not finished:
+                # Frees its KV blocks now; aclose() alone would leave vLLM to notice at its next output.
+                await engine.abort(request_id)
+
+    def load(self) -> list[WorkerLoad]:
+        """vLLM's scheduler stats at its last step (``instance_id`` 0): one rank."""
+        return [self._stats.load()]
+
+
+def sampling_params(request: PreprocessedRequest) -> Any:
+    """vLLM's ``SamplingParams`` for ``request``: its sampling options and stop conditions, outputs as deltas
+    of token ids (Flotilla detokenizes and applies stop strings)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling, stop = request.sampling, request.stop_conditions
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": stop.max_tokens,
+        "min_tokens": stop.min_tokens,
+        "ignore_eos": stop.ignore_eos,
+        # The request's own end tokens (the chat template's) besides the model's EOS; ignore_eos ignores them
+        # too, as llama.cpp and the mocker do.
+        "stop_token_ids": [] if stop.ignore_eos else list(request.eos_token_ids),
+        "seed": sampling.seed,
+        "output_kind": RequestOutputKind.DELTA,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+    if sampling.temperature is not None:
+        kwargs["temperature"] = sampling.temperature
+    if sampling.top_p is not None:
+        kwargs["top_p"] = sampling.top_p
+    if sampling.top_k is not None:
+        # OpenAI-style 0 and -1 both mean "no top-k"; vLLM spells that 0 (or -1).
+        kwargs["top_k"] = max(sampling.top_k, 0)
+    if sampling.min_p is not None:
+        kwargs["min_p"] = sampling.min_p
+    if sampling.frequency_penalty is not None:
+        kwargs["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.presence_penalty is not None:
+        kwargs["presence_penalty"] = sampling.presence_penalty
+    if sampling.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
+    if request.logprobs is not None:
+        kwargs["logprobs"] = request.logprobs
+    return SamplingParams(**kwargs)
+
+
+def token_logprobs(token_ids: Any, logprobs: Any, top: int) -> list[TokenLogprob]:
+    """vLLM's per-token logprob dicts (token id -> Logprob, the sampled one included, ranked) as Flotilla's."""
+    result: list[TokenLogprob] = []
+    for token_id, ranked in zip(token_ids, logprobs, strict=False):
+        sampled = ranked[token_id].logprob
+        likeliest = sorted(ranked.items(), key=lambda item: item[1].rank)[:top] if top else []
+        result.append(TokenLogprob(sampled, [(other, entry.logprob) for other, entry in likeliest]))
+    return result
+
+
+def finish_reason(reason: str | None) -> FinishReason | None:
+    """vLLM's finish reason ("stop", "length", "abort") as Flotilla's."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        return "cancelled"
+    return "stop"
+
+
+class _SchedulerStats:
+    """The last scheduler stats vLLM recorded, kept by a stat logger it calls after each step."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.generated_tokens = 0
+        self.preemptions = 0
+
+    def load(self) -> WorkerLoad:
+        hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+        return WorkerLoad(
+            instance_id=0,
+            active_requests=self.running + self.waiting,
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            prefix_hit_rate=hit_rate,
+            generated_tokens=self.generated_tokens,
+            preemptions=self.preemptions,
+        )
+
+    def factory(self) -> Any:
+        """A vLLM stat logger factory (called with the VllmConfig and the engine index) feeding this."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class FlotillaStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM's class is untyped here
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    stats.running = scheduler_stats.num_running_reqs
+                    stats.waiting = scheduler_stats.num_waiting_reqs
+                    stats.kv_usage = scheduler_stats.kv_cache_usage
+                    prefix = scheduler_stats.prefix_cache_stats
+                    stats.prefix_queries += prefix.queries
+                    stats.prefix_hits += prefix.hits
+                if iteration_stats is not None:
+                    stats.generated_tokens += iteration_stats.num_generation_tokens
+                    stats.preemptions += iteration_stats.num_preempted_reqs
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return FlotillaStatLogger

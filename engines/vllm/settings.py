@@ -1,0 +1,114 @@
+"""``out=vllm``'s settings: Flotilla's flags plus ``--extra-engine-args``, checked before vLLM starts.
+
+``--extra-engine-args`` is a JSON object of ``AsyncEngineArgs`` fields, by vLLM's own names (those of
+``vllm serve``'s flags, with underscores). A key that is not a field of the installed vLLM's dataclass is
+refused, naming it, and so is a key that a Flotilla flag owns (the model, the context length, the
+tensor-parallel size, the GPU memory share, the nodes it spans): two places to set one thing would disagree.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines.shared.extra_engine_args import read_engine_args
+from engines.shared.node_group import NodeGroup
+from runtime.errors import ConfigError
+
+#: The one line a node without the package prints (exit 2).
+MISSING_PACKAGE = "out=vllm needs the vllm package: pip install 'flotilla[vllm]'"
+
+#: AsyncEngineArgs fields that Flotilla sets from its own flags, and the flag that sets each.
+OWNED_KEYS: dict[str, str] = {
+    "model": "MODEL (the positional argument)",
+    "tokenizer": "MODEL (Flotilla's preprocessor tokenizes)",
+    "served_model_name": "--model-name",
+    "max_model_len": "--context-length",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "skip_tokenizer_init": "nothing: Flotilla gives vLLM token ids",
+    "nnodes": "--num-nodes",
+    "node_rank": "--node-rank",
+    "master_addr": "--leader-addr (HOST of HOST:PORT)",
+    "master_port": "--leader-addr (PORT of HOST:PORT)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmSettings:
+    """What ``out=vllm`` builds its ``AsyncEngineArgs`` from."""
+
+    model: str
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    #: The share of each GPU's memory vLLM may take (weights, activations and KV cache): the control plane's
+    #: placement share, so that engines sharing a GPU fit. None: vLLM's default (0.9).
+    gpu_memory_utilization: float | None = None
+    #: The nodes one instance spans (--num-nodes), and this one's rank.
+    nodes: NodeGroup = field(default_factory=NodeGroup)
+    #: Extra AsyncEngineArgs fields, checked against the dataclass.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def local_gpus(self) -> int:
+        """The GPUs vLLM uses on this node: its tensor x pipeline parallel ranks, split over the nodes.
+
+        Raises ConfigError when they do not split evenly.
+        """
+        stages = int(self.extra.get("pipeline_parallel_size", 1))
+        return self.nodes.local_share(self.tensor_parallel_size * stages)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``AsyncEngineArgs``."""
+        kwargs: dict[str, Any] = {
+            "model": self.model,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            # Flotilla tokenizes and detokenizes; vLLM still reads the tokenizer's special ids for EOS.
+            "skip_tokenizer_init": False,
+            # The numbers behind load(): without them vLLM keeps no scheduler stats.
+            "disable_log_stats": False,
+            **self.extra,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if (leader := self.nodes.leader) is not None and self.nodes.spans_nodes:
+            # vLLM's multiprocessing executor over nodes: each node starts its share of the workers, and they
+            # form one torch.distributed group at the leader's address.
+            kwargs |= {
+                "nnodes": self.nodes.num_nodes,
+                "node_rank": self.nodes.node_rank,
+                "master_addr": leader.host,
+                "master_port": leader.port,
+            }
+        return kwargs
+
+
+def read_extra_args(raw: Path | str | None) -> dict[str, Any]:
+    """The JSON object of vLLM engine arguments in file ``raw``, or in ``raw`` itself when a str (as the node
+    agent passes it); {} for None. Raises ConfigError naming the source."""
+    return read_engine_args(raw, engine="vllm", syntax="json")
+
+
+def check_extra_args(values: dict[str, Any], known: frozenset[str]) -> None:
+    """Refuse a key of ``values`` that is not in ``known`` (AsyncEngineArgs' fields) or that a flag owns.
+
+    Raises ConfigError naming the key.
+    """
+    for key in values:
+        if key in OWNED_KEYS:
+            raise ConfigError(f"--extra-engine-args: {key!r} is set by {OWNED_KEYS[key]} for out=vllm; drop it here")
+        if key not in known:
+            close = sorted(name for name in known if key.replace("-", "_") == name)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (see `vllm serve --help`, with underscores)"
+            raise ConfigError(
+                f"--extra-engine-args: unknown key {key!r} for out=vllm: not an AsyncEngineArgs field{hint}"
+            )
+
+
+def engine_arg_names() -> frozenset[str]:
+    """The field names of the installed vLLM's ``AsyncEngineArgs`` (imports vLLM: seconds)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return frozenset(item.name for item in dataclasses.fields(AsyncEngineArgs))

@@ -1,0 +1,130 @@
+"""API keys on the ingress: who may call ``/v1/*``, and with which models.
+
+``KeyTable`` holds the keys the control plane published in etcd (``runtime/fleet_contract/api_keys.py``), kept current
+by a watch, so that checking a request costs one SHA-256 and one dict lookup, with no round trip. A
+record that does not carry the control plane's signature is ignored (and logged, at most once a minute):
+only the control plane mints keys. A revocation takes effect when its watch event arrives (milliseconds
+after the control plane's commit); while etcd is unreachable the table keeps what it had, and the
+watch, once back, lists the prefix again and applies the differences.
+
+Answers are OpenAI's: 401 ``invalid_api_key`` for a missing, unknown, revoked or expired key, 403
+``model_not_allowed`` for a model outside the key's list.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+
+from frontend_gateway.errors import GatewayError
+from runtime.cluster.discovery import Discovery, WatchEvent
+from runtime.fleet_contract.api_keys import API_KEYS_PREFIX, BadRecord, KeyRecord, key_hash, verify
+from runtime.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+_MISSING = (
+    "You didn't provide an API key. Send it in an Authorization header using Bearer auth (Authorization: "
+    "Bearer sk-flt-...); an operator makes one in the control plane (dashboard, or POST /api/v1/api-keys/)."
+)
+
+
+class InvalidApiKey(GatewayError):
+    """No key, or one that does not work (401)."""
+
+    status = HTTPStatus.UNAUTHORIZED
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ModelNotAllowed(GatewayError):
+    """The key may not use the model asked for (403)."""
+
+    status = HTTPStatus.FORBIDDEN
+    error_type = "invalid_request_error"
+    code = "model_not_allowed"
+
+
+class KeyTable:
+    """The published keys by hash; ``check`` answers for a request's ``Authorization`` header."""
+
+    def __init__(self, secret: bytes, *, clock: Callable[[], float] = time.time) -> None:
+        self._secret = secret
+        self._clock = clock
+        self._keys: dict[str, KeyRecord] = {}
+        #: The highest version seen per key hash, revoked ones included: an older record is a replay.
+        self._versions: dict[str, int] = {}
+        self._refused = RateLimitedLog(log, period_s=60.0)
+        self._seen: dict[str, bytes] = {}  # etcd key -> the value last applied, for the watch to resume from
+
+    def __len__(self) -> int:
+        return sum(not record.revoked for record in self._keys.values())
+
+    async def load(self, discovery: Discovery) -> None:
+        """Apply the records in etcd now (before serving, so that the first requests find their keys).
+        Raises DiscoveryUnavailable when etcd does not answer."""
+        for key, value in (await discovery.get_prefix(API_KEYS_PREFIX)).items():
+            self.apply(WatchEvent("put", key, value))
+            self._seen[key] = value
+
+    async def run(self, discovery: Discovery) -> None:
+        """Apply etcd's changes until cancelled (the watch survives etcd outages, and resumes from what
+        this table has seen, so a restarted run repeats nothing)."""
+        async for event in discovery.watch_prefix(API_KEYS_PREFIX, known=self._seen):
+            self.apply(event)
+            if event.kind == "put" and event.value is not None:
+                self._seen[event.key] = event.value
+            else:
+                self._seen.pop(event.key, None)
+
+    def apply(self, event: WatchEvent) -> None:
+        hashed = event.key.removeprefix(API_KEYS_PREFIX)
+        if event.kind == "delete":
+            # The control plane deletes only records of keys it no longer has; the key stops working.
+            self._keys.pop(hashed, None)
+            return
+        assert event.value is not None
+        try:
+            record = verify(event.value, hashed, self._secret)
+        except BadRecord as exc:
+            self._refused.warning(f"API keys: ignored the record at {event.key}: {exc}")
+            return
+        if record.version < self._versions.get(hashed, 0):
+            self._refused.warning(
+                f"API keys: ignored an older record (version {record.version}) of key {record.name!r}: it has "
+                f"version {self._versions[hashed]}"
+            )
+            return
+        self._versions[hashed] = record.version
+        self._keys[hashed] = record
+
+    def check(self, authorization: bytes | None) -> KeyRecord:
+        """The key of an ``Authorization: Bearer …`` header. Raises InvalidApiKey saying what is wrong."""
+        if not authorization:
+            raise InvalidApiKey(_MISSING)
+        scheme, _, token = authorization.decode("latin-1").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise InvalidApiKey(_MISSING)
+        record = self._keys.get(key_hash(token))
+        shown = _shown(token)
+        if record is None:
+            raise InvalidApiKey(f"Incorrect API key provided: {shown}. Check it, or ask an operator for a new one.")
+        if record.revoked:
+            raise InvalidApiKey(f"The API key {shown} ({record.name!r}) was revoked. Ask an operator for a new one.")
+        if record.expires_at is not None and record.expires_at <= self._clock():
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.expires_at))
+            raise InvalidApiKey(f"The API key {shown} ({record.name!r}) expired at {when}. Ask for a new one.")
+        return record
+
+
+def check_model(record: KeyRecord, model: str) -> None:
+    """Raise ModelNotAllowed unless ``record`` may use ``model`` (named as the request named it)."""
+    if not record.allows_model(model):
+        shown = model if len(model) <= 200 else model[:200] + "..."
+        raise ModelNotAllowed(f"The API key {record.name!r} may not use the model {shown!r}.", param="model")
+
+
+def _shown(token: str) -> str:
+    """A key as error messages show it: its start and end only (as OpenAI's do)."""
+    return f"{token[:10]}***{token[-4:]}" if len(token) > 16 else "***"

@@ -1,0 +1,481 @@
+"""Served models: the pre-process -> engine -> post-process pipeline behind one model name.
+
+``prepare_chat`` / ``prepare_completion`` validate and preprocess (raising GatewayError before
+any response starts) and return a ``Generation``: an async stream of text pieces
+whose usage and finish reason are known once it ends. Every front end (HTTP, text, batch) consumes
+the same ``Generation``.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from frontend_gateway.errors import (
+    EngineFailed,
+    InvalidRequest,
+    from_engine_error,
+)
+from frontend_gateway.openai_api import preprocessor
+from frontend_gateway.openai_api.chat_output import ChatOutputParser, plan_chat_output
+from frontend_gateway.openai_api.logprobs import LogprobEntry
+from frontend_gateway.openai_api.stop_strings import StopStringMatcher
+from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest, SamplingFields
+from frontend_gateway.parsers.reasoning import REASONING_PARSERS
+from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
+from runtime.engine import RequestContext, TextEngine, TokenEngine
+from runtime.errors import (
+    EngineError,
+    ModelError,
+)
+from runtime.models.card import ModelCard
+from runtime.protocol import FinishReason, PreprocessedRequest, TextOutput, TextRequest, TokenLogprob
+
+
+class Generation:
+    """One request's output stream. Iterate ``pieces()`` once; then read usage and finish_reason."""
+
+    __slots__ = (
+        "_logprobs_sent",
+        "_source",
+        "cached_tokens",
+        "completion_tokens",
+        "context",
+        "finish_reason",
+        "logprobs",
+        "output",
+        "prompt_tokens",
+        "request_id",
+    )
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        #: Prompt tokens the engine found in its cache, when it says (usage.prompt_tokens_details).
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.context = RequestContext(request_id)
+        #: How a chat answer's text splits into reasoning, content and tool calls (None: all content).
+        self.output: ChatOutputParser | None = None
+        #: Each generated token's log probability, in order, when the request asked for them.
+        self.logprobs: list[LogprobEntry] | None = None
+        self._logprobs_sent = 0
+        self._source: AsyncIterator[str] | None = None
+
+    def take_logprobs(self) -> list[LogprobEntry]:
+        """The log probabilities that arrived since the last call (a stream sends each once)."""
+        if self.logprobs is None:
+            return []
+        new = self.logprobs[self._logprobs_sent :]
+        self._logprobs_sent = len(self.logprobs)
+        return new
+
+    def bind(self, source: AsyncIterator[str]) -> "Generation":
+        """Attach the stream that fills this generation in (it needs the generation to count into)."""
+        self._source = source
+        return self
+
+    def pieces(self) -> AsyncIterator[str]:
+        """The non-empty text pieces, in order."""
+        assert self._source is not None, "Generation.bind() was not called"
+        return self._source
+
+    async def aclose(self) -> None:
+        """Close the stream now (again is harmless): the pipeline's cleanup runs and the engine is
+        told to stop, at this point rather than whenever the garbage collector finalizes it."""
+        if self._source is not None:
+            await _aclose(self._source)
+
+
+class ServedModel(Protocol):
+    """A model name the gateway serves, and how to turn requests into generations."""
+
+    name: str
+    created: int
+    context_length: int | None
+    reasoning_parser: str | None
+    tool_call_parser: str | None
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation: ...
+
+    async def prepare_completion(self, request: CompletionRequest) -> Generation: ...
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class TokenModel:
+    """A model whose engine takes token ids: Flotilla templates, tokenizes and detokenizes."""
+
+    def __init__(self, card: ModelCard, engine: TokenEngine) -> None:
+        self.card = card
+        self.name = card.name
+        self.created = int(time.time())
+        self.context_length: int | None = card.context_length
+        self.engine = engine
+        self._tokenizer: Tokenizer = card.tokenizer  # built now: a bad tokenizer fails at start-up
+        self.reasoning_parser, self.tool_call_parser = check_parsers(
+            card.name, card.reasoning_parser, card.tool_call_parser
+        )
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+        plan = plan_chat_output(
+            request,
+            model=self.name,
+            reasoning=self.reasoning_parser,
+            tool_calls=self.tool_call_parser,
+            structured_output=self.card.structured_output,
+        )
+        prompt_ids = await preprocessor.chat_prompt_ids(self.card, request, plan.tools)
+        keep_special = plan.parser is not None and plan.parser.needs_special_tokens
+        generation = self._prepare(request, prompt_ids, keep_special_tokens=keep_special, json_schema=plan.json_schema)
+        generation.output = plan.parser
+        return generation
+
+    async def prepare_completion(self, request: CompletionRequest) -> Generation:
+        return self._prepare(request, await preprocessor.completion_prompt_ids(self.card, request))
+
+    def _prepare(
+        self,
+        request: SamplingFields,
+        prompt_ids: list[int],
+        *,
+        keep_special_tokens: bool = False,
+        json_schema: str | None = None,
+    ) -> Generation:
+        """The generation of a templated, tokenized request; ``json_schema``: a forced tool call's."""
+        stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
+        schema = json_schema or preprocessor.output_schema(
+            request, model=self.name, structured_output=self.card.structured_output
+        )
+        logprobs = preprocessor.logprob_count(request, model=self.name, supported=self.card.logprobs)
+        request_id = _new_request_id()
+        engine_request = PreprocessedRequest(
+            request_id=request_id,
+            model=self.name,
+            token_ids=prompt_ids,
+            sampling=preprocessor.sampling_options(request),
+            stop_conditions=stop,
+            eos_token_ids=self.card.eos_token_ids,
+            json_schema=schema,
+            logprobs=logprobs,
+        )
+        skip_special = request.skip_special_tokens
+        if skip_special is None:
+            # A tool-call format marked by special tokens ([TOOL_CALLS]) needs them in the text it parses.
+            skip_special = self.engine.skip_special_tokens and not keep_special_tokens
+        generation = Generation(request_id, len(prompt_ids))
+        if logprobs is not None:
+            generation.logprobs = []
+        tokens = self._postprocess(generation, engine_request, skip_special)
+        return generation.bind(_finish(generation, tokens))
+
+    async def _postprocess(
+        self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
+    ) -> AsyncIterator[str]:
+        """Detokenize incrementally and enforce max_tokens and stop strings.
+
+        Yields one piece per engine output (a remote engine's output stands for a whole network
+        frame), so the tokens that arrived together leave together, as one SSE event. With stop
+        strings, each token's text is matched in turn: the tokens after the one that completes a
+        stop string are neither shown nor counted, as when each token arrives alone (vLLM's count),
+        and none ends the stream before ``min_tokens`` tokens.
+        Raises EngineFailed when the tokens cannot be detokenized.
+        """
+        tokenizer = self._tokenizer
+        step = DecodeStream(skip_special_tokens=skip_special_tokens).step
+        conditions = request.stop_conditions
+        max_tokens, min_tokens = conditions.max_tokens, conditions.min_tokens
+        matcher = StopStringMatcher(conditions.stop) if conditions.stop else None
+        outputs = self.engine.generate(request, generation.context)
+        try:
+            async for output in outputs:
+                if output.cached_tokens is not None and generation.cached_tokens is None:
+                    generation.cached_tokens = output.cached_tokens  # the first worker's, after a migration
+                token_ids = output.token_ids
+                room = max_tokens - generation.completion_tokens
+                if len(token_ids) > room:
+                    token_ids = token_ids[:room]
+                stopped = False
+                piece: str | None
+                try:
+                    if matcher is not None:
+                        piece, sent, stopped = self._match_stops(generation, token_ids, step, matcher, min_tokens)
+                        token_ids = token_ids[:sent]
+                    elif len(token_ids) == 1:
+                        piece = step(tokenizer, token_ids[0])
+                    else:
+                        piece = "".join([text for token_id in token_ids if (text := step(tokenizer, token_id))])
+                except Exception as exc:  # tokenizers raises plain Exception, e.g. "Invalid prefix encountered"
+                    raise EngineFailed(f"the engine's tokens could not be detokenized: {exc}") from exc
+                generation.completion_tokens += len(token_ids)
+                if generation.logprobs is not None and output.logprobs:
+                    generation.logprobs += map(self._logprob_entry, token_ids, output.logprobs)
+                if stopped:
+                    generation.finish_reason = "stop"
+                elif generation.completion_tokens >= max_tokens:
+                    generation.finish_reason = "length"
+                elif output.finish_reason is not None:
+                    generation.finish_reason = output.finish_reason
+                if generation.finish_reason is not None and matcher is not None and not stopped:
+                    piece = (piece or "") + matcher.flush()
+                if piece:
+                    yield piece
+                if generation.finish_reason is not None:
+                    return
+            if matcher is not None and (tail := matcher.flush()):
+                yield tail
+        finally:
+            await _aclose(outputs)
+
+    def _match_stops(
+        self,
+        generation: Generation,
+        token_ids: list[int],
+        step: Callable[[Tokenizer, int], str | None],
+        matcher: StopStringMatcher,
+        min_tokens: int,
+    ) -> tuple[str, int, bool]:
+        """(the text of ``token_ids`` that may be shown, how many of them count, whether a stop string
+        was completed): all of them, or those up to the one that completes a stop string."""
+        shown: list[str] = []
+        done = generation.completion_tokens
+        for index, token_id in enumerate(token_ids):
+            text = step(self._tokenizer, token_id)
+            if not text:
+                continue
+            safe, hit = matcher.feed(text, may_stop=done + index + 1 > min_tokens)
+            shown.append(safe)
+            if hit:
+                return "".join(shown), index + 1, True
+        return "".join(shown), len(token_ids), False
+
+    def _logprob_entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
+        # One token decoded alone: a character split over tokens shows as U+FFFD, as in vLLM.
+        decode = self._tokenizer.decode
+        top = [(decode([other], skip_special_tokens=False), value) for other, value in logprob.top]
+        return LogprobEntry(decode([token_id], skip_special_tokens=False), logprob.logprob, top)
+
+
+_UNBOUNDED_CONTEXT = 1 << 31
+
+
+class TextModel:
+    """A model whose engine takes OpenAI-level requests and does its own processing."""
+
+    card = None
+
+    def __init__(
+        self,
+        name: str,
+        engine: TextEngine,
+        context_length: int | None = None,
+        *,
+        reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        self.name = name
+        self.created = int(time.time())
+        self.context_length = context_length
+        self.engine = engine
+        self.reasoning_parser, self.tool_call_parser = check_parsers(name, reasoning_parser, tool_call_parser)
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+        plan = plan_chat_output(
+            request, model=self.name, reasoning=self.reasoning_parser, tool_calls=self.tool_call_parser
+        )
+        messages = preprocessor.message_dicts(request.messages)
+        if plan.tools is not None:
+            preprocessor.check_wire_ints(plan.tools, "tools")  # they travel to the engine
+        generation = self._prepare(self._text_request(request, messages=messages, tools=plan.tools))
+        generation.output = plan.parser
+        return generation
+
+    async def prepare_completion(self, request: CompletionRequest) -> Generation:
+        prompt = request.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise InvalidRequest(
+                    f"model {self.name!r} takes text prompts only (a string or a list of one string)",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        return self._prepare(self._text_request(request, prompt=prompt))
+
+    def _text_request(
+        self,
+        request: SamplingFields,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> TextRequest:
+        # Without a tokenizer the prompt cannot be counted here: the engine checks its own context.
+        stop = preprocessor.stop_conditions(request, 0, self.context_length or _UNBOUNDED_CONTEXT)
+        # Text engines report neither: these refuse what the request asks of them.
+        preprocessor.output_schema(request, model=self.name, structured_output=False)
+        preprocessor.logprob_count(request, model=self.name, supported=False)
+        return TextRequest(
+            request_id=_new_request_id(),
+            model=self.name,
+            messages=messages,
+            prompt=prompt,
+            sampling=preprocessor.sampling_options(request),
+            stop_conditions=stop,
+            tools=tools,
+        )
+
+    def _prepare(self, text_request: TextRequest) -> Generation:
+        generation = Generation(text_request.request_id, 0)
+        return generation.bind(_finish(generation, self._postprocess(generation, text_request)))
+
+    async def _postprocess(self, generation: Generation, request: TextRequest) -> AsyncIterator[str]:
+        """Count usage as the engine reports it, and apply stop strings.
+
+        An output that stands for several (a remote worker's frame: ``parts``) is matched one part at a
+        time, so that a stop string bills the parts up to the one that completes it, as when each comes
+        alone; none ends the stream before ``min_tokens`` tokens.
+        """
+        conditions = request.stop_conditions
+        matcher = StopStringMatcher(conditions.stop) if conditions.stop else None
+        outputs = self.engine.generate(request, generation.context)
+        try:
+            async for output in outputs:
+                if output.prompt_tokens is not None:
+                    generation.prompt_tokens = output.prompt_tokens
+                if matcher is None:
+                    generation.completion_tokens += output.completion_tokens
+                    piece = output.text
+                else:
+                    piece, stopped = self._match_stops(generation, output, matcher, conditions.min_tokens)
+                    if stopped:
+                        generation.finish_reason = "stop"
+                        if piece:
+                            yield piece
+                        return
+                    if output.finish_reason is not None:
+                        piece += matcher.flush()
+                if piece:
+                    yield piece
+                if output.finish_reason is not None:
+                    generation.finish_reason = output.finish_reason
+                    return
+            if matcher is not None and (tail := matcher.flush()):
+                yield tail
+        finally:
+            await _aclose(outputs)
+
+    @staticmethod
+    def _match_stops(
+        generation: Generation, output: TextOutput, matcher: StopStringMatcher, min_tokens: int
+    ) -> tuple[str, bool]:
+        """(the text of ``output`` that may be shown, whether a stop string was completed); counts the
+        tokens of its parts up to the one that completes a stop string, or all of them."""
+        shown: list[str] = []
+        start = 0
+        for length, tokens in output.parts or [(len(output.text), output.completion_tokens)]:
+            generation.completion_tokens += tokens
+            text = output.text[start : start + length]
+            start += length
+            safe, hit = matcher.feed(text, may_stop=generation.completion_tokens > min_tokens)
+            shown.append(safe)
+            if hit:
+                return "".join(shown), True
+        return "".join(shown), False
+
+
+def check_parsers(model: str, reasoning: str | None, tool_calls: str | None) -> tuple[str | None, str | None]:
+    """The parser names a model's card gives, if this gateway has them; raises ModelError if not.
+
+    A card may come from a worker of another version: better to refuse its model, saying why, than
+    to answer with reasoning or tool calls left in the text.
+    """
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise ModelError(
+            f"model {model!r} asks for the reasoning parser {reasoning!r}; "
+            f"this gateway has {', '.join(REASONING_PARSERS)}"
+        )
+    if tool_calls is not None and tool_calls not in TOOL_CALL_PARSERS:
+        raise ModelError(
+            f"model {model!r} asks for the tool-call parser {tool_calls!r}; "
+            f"this gateway has {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    return reasoning, tool_calls
+
+
+async def _finish(generation: Generation, pieces: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The tail every pipeline shares: the default finish reason, engine errors, cleanup (each
+    pipeline's _postprocess applies stop strings, where it knows which tokens they leave out).
+
+    Whatever ends the stream (its end, a stop string, the consumer closing it, a cancellation), the
+    request's context is stopped and the engine's stream closed.
+    """
+    try:
+        async for piece in pieces:
+            yield piece
+        if generation.finish_reason == "error":
+            raise EngineFailed("the engine failed while generating; see the server log")
+        if generation.finish_reason is None:
+            generation.finish_reason = "stop"
+    except EngineError as exc:
+        generation.finish_reason = "error"
+        raise from_engine_error(exc) from exc
+    except Exception:
+        # Anything else (a GatewayError from postprocessing, a bug in an engine) still means the
+        # answer did not finish: no consumer may report it as stopped normally.
+        generation.finish_reason = "error"
+        raise
+    finally:
+        generation.context.stop()
+        await _aclose(pieces)
+
+
+async def _aclose(iterator: AsyncIterator[object]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class ServingStatus:
+    """What a distributed gateway's ``/health`` reports beyond its models: its connections, and the
+    instances each model has."""
+
+    nats: bool
+    etcd: bool
+    instances: dict[str, int]
+
+
+class ModelRegistry:
+    """The models a gateway serves, by name. Models may come and go while it runs.
+
+    ``status``, when set (the ingress sets it), says how the gateway's connections and instances are.
+    ``arrival``, when set (the ingress sets it), returns once a model of that name that is being taken in
+    (its first instance registered, its pool still being built) is served, or at once when none is.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+        self.status: Callable[[], ServingStatus] | None = None
+        self.arrival: Callable[[str], Awaitable[None]] | None = None
+
+    def add(self, model: ServedModel) -> None:
+        self._models[model.name] = model
+
+    def remove(self, name: str) -> None:
+        self._models.pop(name, None)
+
+    def get(self, name: str) -> ServedModel | None:
+        return self._models.get(name)
+
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def all(self) -> list[ServedModel]:
+        return list(self._models.values())

@@ -1,0 +1,321 @@
+"""Engines that forward to remote workers over the request plane.
+
+A remote token model is an ordinary ``TokenModel`` whose engine is a ``RemoteTokenEngine``: the
+gateway pre/post-processes exactly as in one process, and only the token stream crosses NATS. When
+the worker dies mid-stream, the engine re-sends the prompt plus the tokens generated so far to
+another instance (``migration_limit`` times at most), so the client sees one unbroken stream.
+
+The outputs a worker sent in one frame become one output here (their tokens or text joined), so the
+pipeline does one detokenizing pass and one SSE event per frame rather than per engine step.
+
+Instances this ingress found gone (their streams were cut) or stuck (a stream passed the progress deadline)
+get no new request for a while (``RequestClient.avoided``), without waiting for their lease to expire. A
+new request goes only to instances that are not busy (``Router.busy``; a migrating one was admitted
+already), and an instance whose own queue is full refuses it (``WorkerBusy``) and the next is tried: when
+none is left, the request is refused as busy (``EngineBusy``, a 503 with Retry-After).
+
+Each attempt at a request is one routing decision, and the router hears how it went: ``prefill_done``
+at its first output and ``finished`` exactly once when the attempt is over, however it ends (finished,
+failed, cancelled by the client, or broken and about to migrate), so that a router tracking load
+never keeps a request that is gone. Busy refusals, migrations (by the cause of the broken stream) and
+progress deadlines passed are told to the model's ``health`` (the gateway's metrics), when it has one.
+"""
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Literal
+
+import msgspec
+
+from frontend_gateway.models.remote_embeddings import RemoteEmbedder
+from frontend_gateway.routing.health import RoutingHealth
+from frontend_gateway.routing.protocol import InstanceInfo, Router
+from runtime.distributed import DistributedRuntime
+from runtime.engine import RequestContext
+from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge
+from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest, TokenLogprob
+from runtime.request_plane import (
+    RemoteError,
+    RequestClient,
+    RequestTooLarge,
+    StreamBroken,
+    StreamStalled,
+    WorkerBusy,
+    WorkerUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.msgpack.Encoder().encode
+_engine_output = msgspec.msgpack.Decoder(EngineOutput)
+_text_output = msgspec.msgpack.Decoder(TextOutput)
+
+
+class InstanceSet:
+    """The live instances of one model, in a stable order for round-robin."""
+
+    def __init__(self) -> None:
+        self._instances: dict[int, InstanceInfo] = {}
+        self._snapshot: list[InstanceInfo] = []
+
+    def add(self, instance: InstanceInfo) -> None:
+        self._instances[instance.instance_id] = instance
+        self._snapshot = sorted(self._instances.values(), key=lambda info: info.instance_id)
+
+    def remove(self, instance_id: int) -> None:
+        self._instances.pop(instance_id, None)
+        self._snapshot = sorted(self._instances.values(), key=lambda info: info.instance_id)
+
+    def __len__(self) -> int:
+        return len(self._snapshot)
+
+    def snapshot(self) -> list[InstanceInfo]:
+        return self._snapshot
+
+
+class _RemoteBase:
+    #: Told of busy refusals, migrations and deadlines passed (the gateway's metrics); None: nobody is.
+    health: RoutingHealth | None = None
+
+    def __init__(
+        self, name: str, instances: InstanceSet, router: Router, runtime: DistributedRuntime, migration_limit: int
+    ) -> None:
+        self.name = name
+        self.instances = instances
+        self.router = router
+        self.runtime = runtime
+        self.migration_limit = migration_limit
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def _candidates(self, client: RequestClient, tried: set[int], *, admitted: bool = False) -> list[InstanceInfo]:
+        """The instances to choose from: not tried yet, not avoided (unless no other is left) and, for a
+        request not ``admitted`` yet, not busy. Raises EngineBusy when every one left is busy."""
+        instances = self.instances.snapshot()
+        untried = [info for info in instances if info.instance_id not in tried] if tried else instances
+        healthy = [info for info in untried if not client.avoided(info.subject)]
+        candidates = healthy or untried
+        if admitted or not candidates:
+            return candidates
+        busy = self.router.busy
+        free = [info for info in candidates if not busy(info.instance_id)]
+        if not free:
+            raise self._all_busy()
+        return free
+
+    def _out_of_instances(self, busy_refusals: bool, generated: bool) -> EngineError:
+        """What to raise when no instance is left to try."""
+        if generated:
+            return EngineError(f"the worker of {self.name!r} stopped mid-stream and no other instance is left")
+        if busy_refusals:
+            return self._all_busy()
+        return EngineUnavailable(f"no instance of {self.name!r} is available; retry shortly")
+
+    def _all_busy(self) -> EngineBusy:
+        """The refusal to raise when every instance is busy (a 503 ``all_workers_busy``), counted."""
+        if self.health is not None:
+            self.health.busy_refusal()
+        return EngineBusy(f"every instance of {self.name!r} is busy; retry shortly")
+
+
+class RemoteTokenEngine(_RemoteBase):
+    """A token engine that forwards to the model's instances, migrating on a broken stream."""
+
+    kind: Literal["token"] = "token"
+
+    def __init__(
+        self,
+        name: str,
+        instances: InstanceSet,
+        router: Router,
+        runtime: DistributedRuntime,
+        migration_limit: int,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        super().__init__(name, instances, router, runtime, migration_limit)
+        self.skip_special_tokens = skip_special_tokens
+        self._embedder = RemoteEmbedder(name)
+
+    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """Embed ``texts`` on the instances whose workers embed (remote_embeddings.py): one unit-length
+        vector per text, and the tokens they took. Raises EngineError (EngineUnavailable when none embeds)."""
+        client = await self.runtime.client()
+        if not client.connected:
+            raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
+        return await self._embedder.embed(client, self.instances.snapshot(), f"embed-{uuid.uuid4().hex}", texts)
+
+    async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        client = await self.runtime.client()
+        generated: list[int] = []
+        tried: set[int] = set()
+        migrations = 0
+        busy_refusals = False
+        while True:
+            if not client.connected:
+                raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
+            attempt = _resume(request, generated) if generated else request
+            decision = self.router.choose(attempt, self._candidates(client, tried, admitted=bool(generated)))
+            if decision is None:
+                raise self._out_of_instances(busy_refusals, bool(generated))
+            instance = decision.instance
+            tried.add(instance.instance_id)
+            context.served_by = instance.name
+            if decision.dp_rank != attempt.dp_rank:
+                attempt = msgspec.structs.replace(attempt, dp_rank=decision.dp_rank)
+            prefilling = True
+            try:
+                # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.
+                async with aclosing(client.call(instance.subject, request.request_id, _encode(attempt))) as frames:
+                    async for frame in frames:
+                        if prefilling:
+                            prefilling = False
+                            self.router.prefill_done(request.request_id)
+                        output = merge_engine_outputs([_engine_output.decode(data) for data in frame])
+                        generated.extend(output.token_ids)
+                        yield output
+                        if output.finish_reason is not None:
+                            return
+                return
+            except WorkerBusy as exc:
+                busy_refusals = True
+                log.debug("instance %s of %r is busy: %s", instance.name, self.name, exc)
+            except WorkerUnavailable as exc:
+                log.info(
+                    "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
+                )
+            except StreamBroken as exc:
+                health = self.health
+                if health is not None and isinstance(exc, StreamStalled):
+                    health.deadline_expired("progress")
+                if migrations >= self.migration_limit:
+                    failure = EngineStalled if isinstance(exc, StreamStalled) else EngineError
+                    raise failure(
+                        f"the worker of {self.name!r} stopped mid-stream ({exc}) and the migration limit "
+                        f"({self.migration_limit}) is reached"
+                    ) from exc
+                migrations += 1
+                if health is not None:
+                    health.migration(exc.cause)
+                log.warning(
+                    "migrating request %s of %r after %d tokens (%s); migration %d of %d",
+                    request.request_id, self.name, len(generated), exc, migrations, self.migration_limit,
+                )  # fmt: skip
+            except RequestTooLarge as exc:
+                raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
+            except RemoteError as exc:
+                raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+            finally:
+                self.router.finished(request.request_id)
+
+
+def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
+    """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it.
+
+    The first reported ``cached_tokens`` is kept (engines report it on a request's first output), and
+    the tokens' log probabilities when the engine reported them.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    token_ids: list[int] = []
+    cached_tokens = next((output.cached_tokens for output in outputs if output.cached_tokens is not None), None)
+    logprobs: list[TokenLogprob] | None = [] if any(output.logprobs is not None for output in outputs) else None
+    for output in outputs:
+        token_ids += output.token_ids
+        if logprobs is not None and output.logprobs is not None:
+            logprobs += output.logprobs
+        if output.finish_reason is not None:
+            return EngineOutput(token_ids, output.finish_reason, cached_tokens, logprobs)
+    return EngineOutput(token_ids, cached_tokens=cached_tokens, logprobs=logprobs)
+
+
+def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:
+    """One output standing for ``outputs`` in order: their text and token counts up to the first finish,
+    and each one's share of them (``parts``)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    parts: list[tuple[int, int]] = []
+    merged = TextOutput(text="", completion_tokens=0, parts=parts)
+    texts: list[str] = []
+    for output in outputs:
+        texts.append(output.text)
+        merged.completion_tokens += output.completion_tokens
+        parts.append((len(output.text), output.completion_tokens))
+        if output.prompt_tokens is not None:
+            merged.prompt_tokens = output.prompt_tokens
+        if output.finish_reason is not None:
+            merged.finish_reason = output.finish_reason
+            break
+    merged.text = "".join(texts)
+    return merged
+
+
+def _resume(request: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
+    """The request to send after a migration: prompt plus what was generated, and only what is left to do."""
+    stop = request.stop_conditions
+    return msgspec.structs.replace(
+        request,
+        token_ids=request.token_ids + generated,
+        migrated_tokens=request.migrated_tokens + len(generated),
+        stop_conditions=StopConditions(
+            max_tokens=stop.max_tokens - len(generated),
+            min_tokens=max(0, stop.min_tokens - len(generated)),
+            stop=stop.stop,
+            ignore_eos=stop.ignore_eos,
+        ),
+    )
+
+
+class RemoteTextEngine(_RemoteBase):
+    """A text engine that forwards OpenAI-level requests; text streams cannot be resumed elsewhere."""
+
+    kind: Literal["text"] = "text"
+
+    async def generate(self, request: TextRequest, context: RequestContext) -> AsyncIterator[TextOutput]:
+        client = await self.runtime.client()
+        tried: set[int] = set()
+        busy_refusals = False
+        while True:
+            if not client.connected:
+                raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
+            decision = self.router.choose(request, self._candidates(client, tried))
+            if decision is None:
+                raise self._out_of_instances(busy_refusals, False)
+            instance = decision.instance
+            tried.add(instance.instance_id)
+            context.served_by = instance.name
+            prefilling = True
+            try:
+                async with aclosing(client.call(instance.subject, request.request_id, _encode(request))) as frames:
+                    async for frame in frames:
+                        if prefilling:
+                            prefilling = False
+                            self.router.prefill_done(request.request_id)
+                        output = merge_text_outputs([_text_output.decode(data) for data in frame])
+                        yield output
+                        if output.finish_reason is not None:
+                            return
+                return
+            except WorkerBusy as exc:
+                busy_refusals = True
+                log.debug("instance %s of %r is busy: %s", instance.name, self.name, exc)
+            except WorkerUnavailable as exc:
+                log.info(
+                    "instance %s of %r did not take request %s: %s", instance.name, self.name, request.request_id, exc
+                )
+            except RequestTooLarge as exc:
+                raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
+            except StreamStalled as exc:
+                if self.health is not None:
+                    self.health.deadline_expired("progress")
+                raise EngineStalled(f"instance {instance.name} of {self.name!r} stalled: {exc}") from exc
+            except (StreamBroken, RemoteError) as exc:
+                raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
+            finally:
+                self.router.finished(request.request_id)

@@ -1,0 +1,427 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline: text in, text out, streamed
+as its typed events.
+
+A Responses request becomes a chat request (``to_chat``: instructions a system message, input items
+messages, function tools chat tools, ``text.format`` a ``response_format``), so that templates,
+parsers, structured output and the engines are the chat path's. The answer's parts become output
+items: ``reasoning`` (a model with a reasoning parser), ``message`` (its text) and ``function_call``
+(each tool call). Nothing is stored: ``previous_response_id``, ``conversation`` and ``background``
+are refused (400), and the response says ``store: false``.
+"""
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from frontend_gateway.errors import InvalidRequest
+from frontend_gateway.openai_api.chat_output import Delta
+from frontend_gateway.openai_api.types import (
+    ChatCompletionRequest,
+    PositiveInt,
+    Role,
+    Temperature,
+    chat_decoder,
+)
+from frontend_gateway.parsers.tool_calls import ToolCall
+
+__all__ = ["ResponseBuilder", "ResponsesRequest", "decoder", "to_chat"]
+
+_encode = msgspec.json.encode
+
+
+class InputPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """An input item: a message (the default type), or a function call and its output from a past turn."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Role | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(msgspec.Struct):
+    type: Literal["function"]
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class TextFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    model: str
+    input: str | Annotated[list[InputItem], Meta(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool | None = None
+    # Accepted only to be refused: nothing is stored, nothing runs in the background.
+    previous_response_id: str | None = None
+    conversation: Any | None = None
+    background: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+
+decoder = msgspec.json.Decoder(ResponsesRequest)
+
+
+def _refuse_unsupported(request: ResponsesRequest) -> None:
+    if request.previous_response_id is not None or request.conversation is not None:
+        param = "previous_response_id" if request.previous_response_id is not None else "conversation"
+        raise InvalidRequest(
+            f"{param} needs stored responses, and this server stores none; send the whole conversation as input",
+            param=param,
+        )
+    if request.background:
+        raise InvalidRequest("background responses are not supported; leave background out", param="background")
+    if request.top_logprobs:
+        raise InvalidRequest(
+            "top_logprobs are not supported on /v1/responses; use /v1/chat/completions", param="top_logprobs"
+        )
+
+
+def _message(index: int, item: InputItem) -> dict[str, Any]:
+    role = "system" if item.role == "developer" else item.role
+    if role is None:
+        raise InvalidRequest("a message input item needs a role", param=f"input[{index}].role")
+    content = item.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type not in ("input_text", "output_text") or part.text is None:
+                raise InvalidRequest(
+                    f"content part of type {part.type!r} is not supported; only text parts are",
+                    param=f"input[{index}].content",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    if content is None:
+        raise InvalidRequest("a message input item needs content", param=f"input[{index}].content")
+    return {"role": role, "content": content}
+
+
+def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages the input stands for: function calls join the assistant turn they belong to."""
+    messages: list[dict[str, Any]] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+        return messages
+    for index, item in enumerate(request.input):
+        if item.type == "message":
+            messages.append(_message(index, item))
+        elif item.type == "function_call":
+            if not item.call_id or not item.name or item.arguments is None:
+                raise InvalidRequest(
+                    "a function_call input item needs call_id, name and arguments", param=f"input[{index}]"
+                )
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            previous = messages[-1] if messages else None
+            if previous is not None and previous["role"] == "assistant" and previous.get("tool_calls"):
+                previous["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            if not item.call_id or item.output is None:
+                raise InvalidRequest(
+                    "a function_call_output input item needs call_id and output", param=f"input[{index}]"
+                )
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages
+
+
+def _tools(request: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if request.tools is None:
+        return None
+    tools = []
+    for index, tool in enumerate(request.tools):
+        if tool.type != "function" or tool.name is None:
+            raise InvalidRequest(
+                f"tools of type {tool.type!r} are not supported; only named functions are", param=f"tools[{index}]"
+            )
+        function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+        tools.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return tools or None
+
+
+def _response_format(request: ResponsesRequest) -> dict[str, Any] | None:
+    text_format = request.text.format if request.text is not None else None
+    if text_format is None or text_format.type != "json_schema":
+        return None if text_format is None else {"type": text_format.type}
+    spec = {"name": text_format.name or "output", "schema": text_format.schema, "strict": text_format.strict}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+
+def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that ``request`` stands for. Raises InvalidRequest for what cannot be served."""
+    _refuse_unsupported(request)
+    choice = request.tool_choice
+    body: dict[str, Any] = {
+        "model": request.model,
+        "messages": _messages(request),
+        "stream": request.stream,
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "tools": _tools(request),
+        "tool_choice": {"type": "function", "function": {"name": choice.name}}
+        if isinstance(choice, NamedFunction)
+        else choice,
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "response_format": _response_format(request),
+        "user": request.user,
+    }
+    # Through the chat decoder, so that the chat path's own checks hold.
+    try:
+        chat: ChatCompletionRequest = chat_decoder.decode(_encode({k: v for k, v in body.items() if v is not None}))
+    except msgspec.ValidationError as exc:  # what the Responses types let through and chat's do not
+        raise InvalidRequest(f"invalid request: {exc}") from exc
+    return chat
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens or 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+class ResponseBuilder:
+    """One response: its object, whole or as the stream of events that build it.
+
+    Stream events are ``event: TYPE`` / ``data: {...}`` frames numbered by ``sequence_number``; the
+    output items open as their first text arrives and close when another kind of item starts or the
+    answer ends, as OpenAI's own stream does.
+    """
+
+    def __init__(self, request: ResponsesRequest, *, response_id: str, model: str) -> None:
+        self.request = request
+        self.id = "resp_" + response_id
+        self.model = model
+        self.created_at = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self._sequence = 0
+        self._open: dict[str, Any] | None = None  # the item receiving text (reasoning or message)
+
+    def body(
+        self, status: str, *, incomplete: str | None = None, usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        request = self.request
+        tool_choice = request.tool_choice
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "model": self.model,
+            "output": self.output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "store": False,
+            "temperature": request.temperature,
+            "text": {"format": msgspec.to_builtins(request.text.format)}
+            if request.text is not None and request.text.format is not None
+            else {"format": {"type": "text"}},
+            "tool_choice": msgspec.to_builtins(tool_choice) if tool_choice is not None else "auto",
+            "tools": msgspec.to_builtins(request.tools or []),
+            "top_p": request.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": request.user,
+            "metadata": request.metadata or {},
+        }
+
+    # --- whole -----------------------------------------------------------------------------------
+
+    def whole(self, parsed: Delta, *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
+        """The body of a non-streamed response holding ``parsed``."""
+        if parsed.reasoning:
+            self.output.append(self._reasoning_item(parsed.reasoning, "completed"))
+        if parsed.content:
+            self.output.append(self._message_item(parsed.content, "completed"))
+        self.output += [self._call_item(call) for call in parsed.tool_calls]
+        status, incomplete = _status(finish_reason)
+        return _encode(self.body(status, incomplete=incomplete, usage=usage))
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+        return _usage(prompt_tokens, completion_tokens, cached_tokens)
+
+    # --- streamed --------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = _encode({"type": kind, "sequence_number": self._sequence, **fields})
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    def start(self) -> bytes:
+        body = self.body("in_progress")
+        return self._event("response.created", response=body) + self._event("response.in_progress", response=body)
+
+    def delta(self, delta: Delta) -> bytes:
+        """The events of one parsed piece of the answer."""
+        frames = b""
+        if delta.reasoning:
+            frames += self._text("reasoning", delta.reasoning)
+        if delta.content:
+            frames += self._text("message", delta.content)
+        for call in delta.tool_calls:
+            frames += self._close()
+            item = self._call_item(call)
+            index = len(self.output)
+            self.output.append(item)
+            frames += self._event("response.output_item.added", output_index=index, item=item | {"arguments": ""})
+            frames += self._event(
+                "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=call.arguments
+            )
+            frames += self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=call.arguments,
+            )
+            frames += self._event("response.output_item.done", output_index=index, item=item)
+        return frames
+
+    def finish(self, *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
+        status, incomplete = _status(finish_reason)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return self._close() + self._event(kind, response=self.body(status, incomplete=incomplete, usage=usage))
+
+    def error(self, message: str, code: str | None) -> bytes:
+        """The end of a stream that failed after it started."""
+        return self._event("error", code=code, message=message, param=None)
+
+    def _text(self, kind: str, text: str) -> bytes:
+        frames = b""
+        if self._open is None or self._open["type"] != kind:
+            frames += self._close()
+            item = (
+                self._reasoning_item("", "in_progress")
+                if kind == "reasoning"
+                else self._message_item("", "in_progress")
+            )
+            self._open = item
+            self.output.append(item)
+            index = len(self.output) - 1
+            # As OpenAI sends it: the item without parts, then the part (a client appends it to the item).
+            frames += self._event("response.output_item.added", output_index=index, item=item | {"content": []})
+            part = item["content"][0]
+            frames += self._event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+            )
+        item = self._open
+        item["content"][0]["text"] += text
+        event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        fields: dict[str, Any] = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
+        if kind == "message":
+            fields["logprobs"] = []
+        return frames + self._event(event, **fields, delta=text)
+
+    def _close(self) -> bytes:
+        item, self._open = self._open, None
+        if item is None:
+            return b""
+        index = self.output.index(item)
+        part = item["content"][0]
+        item["status"] = "completed"
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        if item["type"] == "message":
+            done = self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+        else:
+            done = self._event("response.reasoning_text.done", **where, text=part["text"])
+        return (
+            done
+            + self._event("response.content_part.done", **where, part=part)
+            + self._event("response.output_item.done", output_index=index, item=item)
+        )
+
+    # --- items -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _message_item(text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": _new_id("msg_"),
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        }
+
+    @staticmethod
+    def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": _new_id("rs_"),
+            "status": status,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    @staticmethod
+    def _call_item(call: ToolCall) -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": _new_id("fc_"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+
+
+def _status(finish_reason: str | None) -> tuple[str, str | None]:
+    """The response's status, and why it is incomplete (it ran out of max_output_tokens)."""
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None

@@ -1,0 +1,140 @@
+"""OpenAI request bodies as msgspec Structs.
+
+Decoding validates types and ranges in one pass (msgspec's errors name the field, e.g. "Expected
+`int`, got `str` - at `$.max_tokens`"). Unknown fields are ignored, as the OpenAI API does.
+Responses are built as plain dicts/bytes in ``encoding.py``: no per-token object validation.
+
+Every integer that travels to a worker is bounded here by the type it has on the wire: JSON numbers
+have no limit, and one that msgpack cannot encode would otherwise pass validation and fail later,
+after routing, as a 500. ``seed`` is a signed 64-bit integer (as in Dynamo and vLLM); ``top_k``,
+``max_tokens`` and ``min_tokens`` are 32-bit.
+"""
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+OnlyOne = Annotated[int, Meta(ge=1, le=1)]
+StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class NvExt(msgspec.Struct):
+    """Dynamo's extension block; ``ignore_eos`` keeps generating past EOS (for benchmarks)."""
+
+    ignore_eos: bool | None = None
+    annotations: list[str] | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+# The roles OpenAI's API accepts ("function" is the deprecated predecessor of "tool"); anything else
+# is a 400, as there, rather than text a chat template renders in some unforeseen way.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(msgspec.Struct):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completion requests."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    min_tokens: NonNegativeInt | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Probability | None = None
+    seed: Seed | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    stop: StopStrings | None = None
+    n: OnlyOne | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    nvext: NvExt | None = None
+    user: str | None = None
+    # Accepted so that they can be refused with a clear message (preprocessor.refuse_unsupported)
+    # instead of silently ignored.
+    logprobs: bool | Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class FunctionDefinition(msgspec.Struct, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, omit_defaults=True):
+    """One entry of ``tools``; only functions exist in the Chat Completions API."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1)]
+
+
+class NamedToolChoice(msgspec.Struct):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    tools: Annotated[list[Tool], Meta(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # The deprecated forms of tools and tool_choice: accepted only to be refused with a pointer to
+    # the current ones (preprocessor.check_chat), since ignoring them would answer without tools.
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    # Asked-for outputs no engine here produces: refused rather than answered without them.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, a one-element list of strings, or a list of token ids (checked in the preprocessor:
+    # msgspec cannot tell list[str] from list[int] inside one union); batches of prompts are refused.
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    best_of: OnlyOne | None = None
+    suffix: str | None = None
+
+
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -1,0 +1,798 @@
+"""``flotilla up``: the whole stack on one machine, with one command.
+
+It runs, each as a child process with its log in ``<data dir>/logs/``: etcd, NATS (JetStream) and Redis on
+loopback; the control plane (migrations, then uvicorn) with a first admin account; the Celery worker with
+the reconciler's beat; the dashboard's live-update bridge (``manage.py live_bridge``); one agent (node
+``local``); the gateway (``flotilla run in=http out=dyn``). Then, when the control plane has no pipeline yet,
+it deploys one of the default model, and once that model is served it prints where everything is.
+
+It supervises them as systemd would (``Restart=`` with ``StartLimitBurst=``, launcher/stack/restarts.py): a
+part that ends once it is up is started again, on the same ports and data, after a delay that doubles from 1 s
+to 30 s, and each restart is said in one line. The agent adopts the engine workers it left running (they are in
+sessions of their own, so the agent's end does not take them along), and the gateway, which needs only etcd
+and NATS, keeps serving meanwhile. A part that ends more than ``--restart-burst`` times within
+``--restart-window`` seconds, or exits with code 2 (its configuration refused, which a restart would repeat),
+or dies while starting, stops the whole stack: its log's tail is shown and ``flotilla up`` exits 1.
+
+Ctrl-C or SIGTERM stops everything, the engine workers too: the agent leaves them running when it stops (that
+is how a restarted agent adopts them), so ``flotilla up`` stops them itself, through the agent's worker
+records. ``ps`` shows the programs by name (``flotilla up``, ``flotilla agent local``, ``flotilla gateway``,
+``flotilla worker NAMESPACE.COMPONENT.ENDPOINT ENGINE``: launcher/proctitle.py).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from agent.inventory import parse_gpu_spec
+from agent.workers.processes import WorkerProcess
+from agent.workers.records import load_records
+from controlplane.secret_key import default_data_dir
+from launcher.arg_types import checked_by, integer, number, tcp_port
+from launcher.env_flags import EnvArgumentParser
+from launcher.proctitle import set_title
+from launcher.stack.controlplane import (
+    ADMIN_TOKEN_FILE,
+    ADMIN_USERNAME,
+    AGENT_TOKEN_FILE,
+    API_KEY_FILE,
+    LOCAL_NODE,
+    ControlPlaneClient,
+    ControlPlaneError,
+    FirstModel,
+    bootstrap_command,
+    local_model_roots,
+    manage_command,
+    parse_bootstrap,
+    read_secret,
+    write_secret,
+)
+from launcher.stack.processes import Child, choose_port, port_is_free
+from launcher.stack.restarts import GiveUp, RestartHistory, RestartPolicy, describe_end
+from launcher.stack.servers import ServerSpec, etcd_server, find_binaries, nats_server, redis_server
+from runtime.config import env_str
+from runtime.errors import ConfigError, FlotillaError, ModelError
+from runtime.fleet_contract.api_keys import secret_in
+from runtime.fleet_contract.engine_names import GPU_ONLY_ENGINES, IMPLEMENTED_ENGINES
+from runtime.logging import configure_logging
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: The engines a first pipeline may use: those that run on a CPU (the catalog's names).
+FIRST_PIPELINE_ENGINES = tuple(name for name in IMPLEMENTED_ENGINES if name not in GPU_ONLY_ENGINES)
+ETCD_PEER_PORT = 2380  # etcd's usual peer port, beside its client port 2379
+
+SERVER_START_S = 30.0  # etcd, NATS, Redis: well under a second when all is well
+SERVICE_START_S = 120.0  # the control plane and the gateway: imports and migrations on a slow machine
+STOP_S = 15.0  # each child's grace between SIGTERM and SIGKILL
+WORKER_STOP_S = 30.0  # an engine worker drains its requests first (FLOTILLA_DRAIN_S, 10 s by default)
+_POLL_S = 0.2
+
+UP_DESCRIPTION = """\
+Bring up the whole stack on this machine: etcd, NATS and Redis on loopback, the control plane (REST API,
+dashboard) with a first admin account, the Celery worker and beat (the reconciler), one agent (node
+"local"), the gateway (OpenAI API), and a first pipeline of the default model when there is none.
+Ctrl-C stops everything. Logs, the database and tokens are kept in the data folder.
+"""
+
+UP_EPILOG = """\
+examples:
+  flotilla up                                   # SmolLM2 on llama.cpp, OpenAI API on :8080
+  flotilla up --engine mocker                   # a simulated engine: quick, no model weights
+  flotilla up --model ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf
+  flotilla up --no-pipeline --gpus 2x24GiB      # a node with two simulated GPUs; deploy through the API
+
+etcd, NATS and Redis take their usual ports (2379, 4222, 6379) when free, else free ones (say so; 0 asks for
+any free port). `flotilla run` needs none of this: it serves a model in one process.
+A part that ends is started again after 1, 2, 4 ... 30 s; one that ends more than --restart-burst times within
+--restart-window seconds (or exits with code 2, its configuration refused) stops the stack.
+exit codes: 0 stopped by SIGTERM, 1 a part kept failing or did not start (its log is shown), 2 bad usage,
+130 Ctrl-C
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpOptions:
+    http_port: int = 8080
+    control_plane_port: int = 8000
+    etcd_port: int = 2379
+    nats_port: int = 4222
+    redis_port: int = 6379
+    data_dir: Path
+    first_model: FirstModel | None  # None: --no-pipeline
+    gpus: str | None = None
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    #: The gateway needs an API key on /v1/* (the first one is made for the admin and printed once).
+    api_keys: bool = True
+
+
+_port = tcp_port(any_free=True)
+_count = integer(0)
+_seconds = number(0.0, above_minimum=True, unit="seconds")
+
+
+def _gpus(text: str) -> str:
+    checked_by(parse_gpu_spec)(text)
+    return text
+
+
+def build_up_parser() -> EnvArgumentParser:
+    """The parser of ``flotilla up``; every option but ``-v`` has an environment variable."""
+    up = EnvArgumentParser(
+        prog="flotilla up",
+        description=UP_DESCRIPTION,
+        epilog=UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_flag("--http-port", env="FLOTILLA_HTTP_PORT", type=_port, default=8080, help="the gateway's port (8080)")
+    up.add_flag(
+        "--control-plane-port",
+        env="FLOTILLA_CONTROL_PLANE_PORT",
+        type=_port,
+        default=8000,
+        help="the control plane's port: REST API, dashboard (8000)",
+    )
+    up.add_flag("--etcd-port", env="FLOTILLA_ETCD_PORT", type=_port, default=2379, help="etcd's port, if free (2379)")
+    up.add_flag("--nats-port", env="FLOTILLA_NATS_PORT", type=_port, default=4222, help="NATS's port, if free (4222)")
+    up.add_flag(
+        "--redis-port", env="FLOTILLA_REDIS_PORT", type=_port, default=6379, help="Redis's port, if free (6379)"
+    )
+    up.add_flag(
+        "--data-dir",
+        env="FLOTILLA_DATA_DIR",
+        type=Path,
+        help=f"database, logs, tokens, models (default {default_data_dir()})",
+    )
+    up.add_flag(
+        "--model",
+        env="FLOTILLA_MODEL_PATH",
+        type=Path,
+        help="the first pipeline's model: a GGUF file or a Hugging Face folder (default: SmolLM2-135M-Instruct)",
+    )
+    up.add_flag(
+        "--engine",
+        env="FLOTILLA_ENGINE",
+        choices=FIRST_PIPELINE_ENGINES,
+        default="llamacpp",
+        help="the first pipeline's engine (llamacpp)",
+    )
+    up.add_flag("--no-pipeline", env="FLOTILLA_NO_PIPELINE", switch=True, help="deploy no first pipeline")
+    up.add_flag("--gpus", env="FLOTILLA_GPUS", type=_gpus, help="simulated GPUs of the local node, e.g. 2x24GiB")
+    up.add_flag(
+        "--no-api-keys",
+        env="FLOTILLA_UP_NO_API_KEYS",
+        switch=True,
+        help="let the gateway serve /v1/* without an API key (by default it needs one; the first is printed once "
+        "and kept in DATA_DIR/api.key)",
+    )
+    default = RestartPolicy()
+    up.add_flag(
+        "--restart-burst",
+        env="FLOTILLA_UP_RESTART_BURST",
+        type=_count,
+        default=default.burst,
+        help="restarts allowed of a part that ends, within --restart-window; 0: its end stops the stack "
+        f"({default.burst})",
+    )
+    up.add_flag(
+        "--restart-window",
+        env="FLOTILLA_UP_RESTART_WINDOW_S",
+        type=_seconds,
+        default=default.window_s,
+        help=f"seconds in which --restart-burst restarts are allowed ({default.window_s:.0f})",
+    )
+    up.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs")
+    return up
+
+
+def parse_up_options(parser: EnvArgumentParser, namespace: argparse.Namespace) -> UpOptions:
+    """The checked options. Raises ConfigError (a variable, the model) or exits through parser.error()."""
+    parser.check_environment()
+    ports = {
+        "--http-port": namespace.http_port,
+        "--control-plane-port": namespace.control_plane_port,
+    }
+    for flag, port in ports.items():
+        if port == 0:
+            parser.error(f"{flag} needs a port number (0, any free port, is only for etcd, NATS and Redis)")
+    if namespace.http_port == namespace.control_plane_port:
+        parser.error("--http-port and --control-plane-port must differ")
+    first_model = None if namespace.no_pipeline else first_model_of(namespace.model, namespace.engine)
+    return UpOptions(
+        http_port=namespace.http_port,
+        control_plane_port=namespace.control_plane_port,
+        etcd_port=namespace.etcd_port,
+        nats_port=namespace.nats_port,
+        redis_port=namespace.redis_port,
+        data_dir=(namespace.data_dir or default_data_dir()).expanduser().absolute(),
+        first_model=first_model,
+        gpus=namespace.gpus,
+        restarts=RestartPolicy(burst=namespace.restart_burst, window_s=namespace.restart_window),
+        api_keys=not namespace.no_api_keys,
+    )
+
+
+def first_model_of(model: Path | None, engine: str) -> FirstModel:
+    """The first pipeline's model: ``model`` (a GGUF file or model folder) or the default, checked for ``engine``.
+
+    Raises ConfigError naming --model or --engine, ModelError when the files are not a model.
+    """
+    from runtime.models.loading import default_model_name
+    from runtime.models.source import default_model_path, resolve_model
+
+    if model is None:
+        path = default_model_path()
+    else:
+        if not model.expanduser().exists():
+            raise ConfigError(f"--model (FLOTILLA_MODEL_PATH): {str(model)!r} is no file or folder")
+        path = resolve_model(str(model.expanduser())).absolute()
+    if engine == "llamacpp":
+        if not path.is_file():
+            raise ConfigError(f"--engine llamacpp loads a GGUF file; --model {str(path)!r} is a folder")
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise ConfigError(
+                "--engine llamacpp: llama-cpp-python is not installed (`make install` builds it); "
+                "or choose --engine mocker"
+            )
+    if engine == "mistralrs" and importlib.util.find_spec("mistralrs") is None:
+        raise ConfigError(
+            "--engine mistralrs: the mistralrs package is not installed: pip install 'flotilla[mistralrs]'"
+        )
+    # The catalog's name rule: letters, digits, '.', '_', '-', starting with a letter or digit.
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", default_model_name(path)).lstrip("._-")[:100] or "model"
+    return FirstModel(name=name, source_kind="gguf" if path.is_file() else "folder", source=str(path), engine=engine)
+
+
+def main(argv: list[str]) -> int:
+    """``flotilla up ARGV``. Returns the exit code."""
+    try:
+        parser = build_up_parser()
+        namespace = parser.parse_args(argv)
+        configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
+        options = parse_up_options(parser, namespace)
+        set_title("flotilla up")
+        variables = set(parser.variables.values())
+        return asyncio.run(Stack(options, variables).run())
+    except (ConfigError, ModelError) as exc:
+        print(f"flotilla up: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except FlotillaError as exc:
+        print(f"flotilla up: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+class ChildDied(FlotillaError):
+    """A process of the stack ended on its own and is not started again: it had not come up yet, or it keeps
+    ending (the message says which)."""
+
+    def __init__(self, child: Child, message: str) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+class Interrupted(Exception):
+    """A signal asked the stack to stop while it was starting."""
+
+
+class StartupFailed(FlotillaError):
+    """A part did not come up; ``child``, when known, is the one whose log says why."""
+
+    def __init__(self, message: str, child: Child | None = None) -> None:
+        super().__init__(message)
+        self.child = child
+
+
+@dataclass
+class Layout:
+    """Where ``flotilla up`` keeps things under the data folder."""
+
+    data_dir: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.data_dir / "logs"
+
+    @property
+    def agent_state(self) -> Path:
+        return self.data_dir / "agent"
+
+
+class Progress:
+    """One status line: rewritten in place on a terminal, printed when it changes otherwise."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._tty = out.isatty()
+        self._last = ""
+
+    def show(self, text: str) -> None:
+        if text == self._last:
+            return
+        self._last = text
+        if self._tty:
+            self._out.write(f"\r\x1b[K{text}")
+        else:
+            self._out.write(f"{text}\n")
+        self._out.flush()
+
+    def done(self) -> None:
+        if self._tty and self._last:
+            self._out.write("\r\x1b[K")
+            self._out.flush()
+        self._last = ""
+
+
+class Stack:
+    """One run of ``flotilla up``: ``run()`` starts every part, restarts those that end, and stops them all on a
+    signal or when one keeps ending."""
+
+    def __init__(self, options: UpOptions, own_variables: set[str], out: IO[str] = sys.stdout) -> None:
+        self.options = options
+        self.layout = Layout(options.data_dir)
+        self.out = out
+        # The children's environment: ours, less the variables that configure `flotilla up` itself (the
+        # gateway must not take FLOTILLA_HTTP_PORT from them, say); what each child needs is set explicitly.
+        # A token in the environment would win over the agent's token file.
+        dropped = {*own_variables, "FLOTILLA_AGENT_TOKEN"}
+        self.base_env = {key: value for key, value in os.environ.items() if key not in dropped}
+        self.base_env["PYTHONUNBUFFERED"] = "1"  # log lines reach the files as they are written
+        self.children: list[Child] = []  # long-running, in start order
+        self._agent: Child | None = None
+        self._one_shot: set[Child] = set()
+        # Long-running children that have come up: from then on their end is followed by a restart.
+        self._up: set[Child] = set()
+        self._histories: dict[Child, RestartHistory] = {}
+        self._restarts: set[asyncio.Task[None]] = set()  # each waits out a restart's delay, then starts a child
+        self._failure: ChildDied | StartupFailed | None = None  # a part that is not restarted: the stack stops
+        self._stopping = False
+        self._changed = asyncio.Event()  # a signal came, or a part failed for good: whatever waits looks again
+        self._signal: int | None = None
+        self._hurry = asyncio.Event()  # a second signal: no more grace periods
+        self._http = httpx.AsyncClient(timeout=2.0)
+        self.urls: dict[str, str] = {}
+        self.dashboard = False
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    async def run(self) -> int:
+        """Start, serve, stop. Returns the exit code (0 SIGTERM, 130 Ctrl-C, 1 a part failed).
+
+        Raises ConfigError (a port in use, a missing program, the data folder in use by another stack).
+        """
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        failed = False
+        try:
+            with self._lock_data_dir():
+                try:
+                    await self._start()
+                    await self._until_changed()
+                except (ConfigError, ModelError):
+                    raise
+                except Interrupted:
+                    pass
+                except (ChildDied, StartupFailed) as exc:
+                    failed = True
+                    self._report(str(exc), exc.child)
+                except FlotillaError as exc:
+                    failed = True
+                    self._report(str(exc), None)
+                finally:
+                    await self._stop_all()
+                    self.say("Flotilla stopped.")
+        finally:
+            await self._http.aclose()
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+        if failed:
+            return EXIT_FAILED
+        return EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_OK
+
+    def _on_signal(self, signum: int) -> None:
+        if self._signal is None:
+            self._signal = signum
+            self.say(f"\n{signal.Signals(signum).name}: stopping everything (Ctrl-C again to kill at once)")
+        else:
+            self._hurry.set()
+        self._changed.set()
+
+    def _report(self, message: str, child: Child | None) -> None:
+        lines = [f"flotilla up: {message}"]
+        if child is not None:
+            lines.append(f"the last lines of its log ({child.log_path}):")
+            lines += [f"  {line}" for line in child.log().splitlines()]
+        lines.append("stopping the rest")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def _lock_data_dir(self) -> Iterator[None]:
+        """Hold ``up.lock`` in the data folder: two stacks on one database and one set of tokens would clash.
+
+        Raises ConfigError naming the process that holds it.
+        """
+        self.layout.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_path = self.layout.data_dir / "up.lock"
+        with lock_path.open("a+") as lock_file:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock_file.seek(0)
+                holder = lock_file.read().strip() or "?"
+                raise ConfigError(
+                    f"another `flotilla up` (pid {holder}) uses {self.layout.data_dir}; "
+                    "stop it, or give this one another --data-dir"
+                ) from None
+            lock_file.truncate(0)
+            lock_file.write(f"{os.getpid()}\n")
+            lock_file.flush()
+            yield
+
+    # -- waiting -------------------------------------------------------------------------------------------
+
+    def _raise_if_changed(self) -> None:
+        """Raises Interrupted after a signal; ChildDied or StartupFailed when a long-running child that ended is not
+        started again."""
+        if self._signal is not None:
+            raise Interrupted
+        if self._failure is not None:
+            raise self._failure
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, or less if a signal comes or a child ends (then raise as _raise_if_changed)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), seconds)
+        self._raise_if_changed()
+
+    async def _until_changed(self) -> None:
+        """Wait for a signal or a child's end; raises as _raise_if_changed."""
+        await self._changed.wait()
+        self._raise_if_changed()
+
+    async def _wait_ready(self, child: Child, ready: Callable[[], Awaitable[bool]], limit_s: float) -> None:
+        """Return once ``ready()`` is true. Raises StartupFailed after ``limit_s`` seconds, or as _pause."""
+        deadline = asyncio.get_running_loop().time() + limit_s
+        while not await ready():
+            if asyncio.get_running_loop().time() > deadline:
+                raise StartupFailed(f"{child.name} did not answer within {limit_s:.0f} s", child)
+            await self._pause(_POLL_S)
+        self._up.add(child)
+
+    async def _http_answers(self, url: str, *, ok_only: bool = False) -> bool:
+        """Whether ``url`` answers: with 200 (``ok_only``), or with anything but a server error."""
+        try:
+            response = await self._http.get(url)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 if ok_only else response.status_code < 500
+
+    # -- starting ------------------------------------------------------------------------------------------
+
+    def _child(self, name: str, log_name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        return Child(name, argv, {**self.base_env, **(env or {})}, self.layout.logs / f"{log_name}.log")
+
+    def _launch(self, child: Child, *, answers: bool = False) -> Child:
+        """Start a long-running child. It is up at once, or with ``answers`` once _wait_ready has seen it answer;
+        an end before that fails the start (a restart would fail alike), an end after it is followed by a
+        restart (_on_exit). Raises StartupFailed."""
+        self._histories[child] = RestartHistory(self.options.restarts)
+        self._start_child(child)
+        self.children.append(child)
+        if not answers:
+            self._up.add(child)
+        return child
+
+    def _start_child(self, child: Child) -> None:
+        """Start ``child`` (again), watched by _on_exit. Raises StartupFailed."""
+        try:
+            child.start()
+        except OSError as exc:
+            raise StartupFailed(f"cannot run {child.name} ({child.argv[0]}): {exc.strerror}") from exc
+        child.exited.add_done_callback(lambda exited: self._on_exit(child, exited.result()))
+
+    def _on_exit(self, child: Child, code: int) -> None:
+        """A long-running child ended: restart it later, or fail the stack (which stops it)."""
+        if self._stopping or self._signal is not None or self._failure is not None:
+            return
+        how = f"{child.name} {describe_end(code)}"
+        if child not in self._up:
+            self._fail(ChildDied(child, how))
+            return
+        policy = self.options.restarts
+        decision = self._histories[child].ended(asyncio.get_running_loop().time(), code)
+        if isinstance(decision, GiveUp):
+            self._fail(ChildDied(child, f"{how}, {decision.why(policy)}"))
+            return
+        self.say(
+            f"{how}; restarting it in {decision.delay_s:.0f} s "
+            f"(restart {decision.number} of {policy.burst} within {policy.window_s:.0f} s)"
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._restart(child, decision.delay_s), name=f"restart {child.name}"
+        )
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, child: Child, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        try:
+            self._start_child(child)
+        except StartupFailed as exc:
+            self._fail(StartupFailed(str(exc), child))  # its log says how it ended before
+
+    def _fail(self, failure: ChildDied | StartupFailed) -> None:
+        self._failure = failure
+        self._changed.set()
+
+    async def _run_once(self, child: Child, *, capture: bool = False) -> str:
+        """Run a command to its end; returns its stdout when ``capture`` (else it goes to the log).
+
+        Raises StartupFailed when it cannot run or fails, or as _pause.
+        """
+        try:
+            child.start(capture_stdout=capture)
+        except OSError as exc:
+            raise StartupFailed(f"cannot run {child.name} ({child.argv[0]}): {exc.strerror}") from exc
+        self._one_shot.add(child)
+        changed: asyncio.Future[Any] = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait({child.exited, changed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+        self._raise_if_changed()  # a signal: _stop_all stops it too
+        self._one_shot.discard(child)
+        code = child.exited.result()
+        if code != 0:
+            raise StartupFailed(f"{child.name} failed (exit code {code})", child)
+        return child.output()
+
+    async def _start(self) -> None:
+        options, layout = self.options, self.layout
+        binaries = find_binaries(("etcd", "nats-server", "redis-server"))
+        for flag, port in (("--http-port", options.http_port), ("--control-plane-port", options.control_plane_port)):
+            if not port_is_free(port):
+                raise ConfigError(f"{flag} {port}: 127.0.0.1:{port} is in use; choose another port with {flag}")
+        self.say(f"Flotilla: starting the stack; logs in {layout.logs}/")
+        # Workers still running from a `flotilla up` that was killed (it could not stop them) would hold on to
+        # servers that are gone: stopped now, the agent reports them ended and the control plane restarts them.
+        await self._stop_engine_workers("left running by an earlier `flotilla up`")
+        taken = {options.http_port, options.control_plane_port}
+        ports: dict[str, int] = {}
+        for name, wanted in (
+            ("etcd", options.etcd_port),
+            ("etcd peer", ETCD_PEER_PORT if options.etcd_port else 0),
+            ("NATS", options.nats_port),
+            ("Redis", options.redis_port),
+        ):
+            ports[name] = choose_port(wanted, taken)
+            taken.add(ports[name])
+            if wanted and ports[name] != wanted and name != "etcd peer":
+                self.say(f"  port {wanted} is in use (another {name}?): {name} listens on 127.0.0.1:{ports[name]}")
+        # etcd holds only what lives under leases (instances, model cards): workers register again. A fresh data
+        # folder also spares etcd a stored peer address that a new peer port would contradict.
+        shutil.rmtree(layout.data_dir / "etcd", ignore_errors=True)
+        for folder in ("nats", "redis"):  # etcd makes its own
+            (layout.data_dir / folder).mkdir(mode=0o700, exist_ok=True)
+        servers = [
+            etcd_server(binaries["etcd"], ports["etcd"], ports["etcd peer"], layout.data_dir / "etcd"),
+            nats_server(binaries["nats-server"], ports["NATS"], layout.data_dir / "nats"),
+            redis_server(binaries["redis-server"], ports["Redis"], layout.data_dir / "redis"),
+        ]
+        await self._start_servers(servers)
+        etcd_url, nats_url, redis_url = (server.url for server in servers)
+        self.urls.update(etcd=etcd_url, nats=nats_url, redis=redis_url)
+        served_env = {"ETCD_ENDPOINTS": etcd_url, "NATS_SERVER": nats_url}
+        control_plane_env = {
+            "FLOTILLA_DATA_DIR": str(layout.data_dir),
+            "FLOTILLA_BROKER_URL": redis_url,
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            # the dashboard's overview reads the gateway's traffic from its /metrics
+            "FLOTILLA_GATEWAY_URL": f"http://127.0.0.1:{options.http_port}",
+            # the catalog accepts local models only under these folders: --model may be anywhere
+            "FLOTILLA_LOCAL_MODEL_ROOTS": local_model_roots(layout.data_dir, options.first_model),
+            # API keys: published to the gateway through etcd, signed with the data folder's secret.
+            "ETCD_ENDPOINTS": etcd_url,
+            "FLOTILLA_API_KEYS_SECRET_FILE": str(secret_in(layout.data_dir)),
+        }
+        control_plane = f"http://127.0.0.1:{options.control_plane_port}"
+        admin_token = await self._start_control_plane(control_plane, control_plane_env)
+
+        agent_argv = [sys.executable, "-m", "launcher.cli", "agent", "--control-plane", control_plane]
+        agent_argv += ["--name", LOCAL_NODE, "--state-dir", str(layout.agent_state)]
+        agent_argv += ["--models-dir", str(layout.data_dir / "models"), "--log-dir", str(layout.logs / "workers")]
+        agent_argv += ["--broker", redis_url]
+        if options.gpus:
+            agent_argv += ["--gpus", options.gpus]
+        agent_env = {**served_env, "FLOTILLA_AGENT_TOKEN_FILE": str(layout.data_dir / AGENT_TOKEN_FILE)}
+        self._agent = self._launch(self._child(f"the agent (node {LOCAL_NODE})", "agent", agent_argv, agent_env))
+
+        celery_argv = [sys.executable, "-m", "celery", "-A", "controlplane.celery_app", "worker", "-Q", "controlplane"]
+        celery_argv += ["--beat", "--schedule", str(layout.data_dir / "celerybeat-schedule")]
+        celery_argv += ["--concurrency", "2", "--hostname", "controlplane@%h", "--loglevel", "INFO"]
+        # The reconciler (in it) fences the workers of a lost node in etcd.
+        reconciler_env = {**control_plane_env, "ETCD_ENDPOINTS": etcd_url}
+        self._launch(self._child("the Celery worker and beat", "celery", celery_argv, reconciler_env))
+        # The workers' load on NATS, pushed live to the dashboard's pipeline pages through Redis.
+        bridge_argv = [*manage_command(), "live_bridge", "--nats", nats_url]
+        self._launch(self._child("the live-update bridge", "live-bridge", bridge_argv, control_plane_env))
+
+        gateway_url = f"http://127.0.0.1:{options.http_port}"
+        gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]
+        gateway_argv += ["--http-host", "127.0.0.1", "--http-port", str(options.http_port)]
+        if options.api_keys:
+            gateway_argv += ["--api-keys-secret-file", control_plane_env["FLOTILLA_API_KEYS_SECRET_FILE"]]
+            gateway_argv += ["--quota-redis", redis_url]  # keys' limits shared, usage recorded
+        gateway = self._launch(self._child("the gateway", "gateway", gateway_argv, served_env), answers=True)
+        await self._wait_ready(
+            gateway, lambda: self._http_answers(f"{gateway_url}/live", ok_only=True), SERVICE_START_S
+        )
+        self.say(f"  gateway        {gateway_url}/v1")
+        self.urls.update(gateway=gateway_url, control_plane=control_plane)
+
+        client = ControlPlaneClient(control_plane, admin_token)
+        try:
+            served = await self._first_pipeline(client)
+            if served:
+                await self._wait_until_served(client, gateway_url, served)
+        finally:
+            await client.close()
+        # The dashboard's pages may not be part of this version: say so rather than print a link to a 404.
+        with contextlib.suppress(httpx.HTTPError):
+            self.dashboard = (await self._http.get(f"{control_plane}/")).status_code < 400
+        self._banner(served)
+
+    async def _start_servers(self, servers: list[ServerSpec]) -> None:
+        children = [
+            self._launch(self._child(server.name, server.log_name, server.argv), answers=True) for server in servers
+        ]
+        for server, child in zip(servers, children, strict=True):
+            await self._wait_ready(child, server.ready, SERVER_START_S)
+            self.say(f"  {server.name:<14} {server.url}")
+
+    async def _start_control_plane(self, url: str, env: dict[str, str]) -> str:
+        """Migrate, make sure of the admin and the tokens, serve. Returns the admin token ``flotilla up`` uses."""
+        data_dir = self.layout.data_dir
+        self.say("  control plane: applying database migrations")
+        migrate = self._child("the control plane's migrations", "controlplane", [*manage_command(), "migrate"], env)
+        await self._run_once(migrate)
+        argv, bootstrap_env, password = bootstrap_command(data_dir, api_key=self.options.api_keys)
+        bootstrap = self._child("the control plane's account bootstrap", "controlplane", argv, {**env, **bootstrap_env})
+        result = parse_bootstrap(await self._run_once(bootstrap, capture=True))
+        if result.admin_token is not None:
+            write_secret(data_dir / ADMIN_TOKEN_FILE, result.admin_token)
+        if result.agent_token is not None:
+            write_secret(data_dir / AGENT_TOKEN_FILE, result.agent_token)
+        if result.admin_created:
+            # Shown now, once: a stack that fails later must not take the only copy with it.
+            self.say(
+                f"\n  Created the admin account: user {ADMIN_USERNAME!r}, password {password!r}\n"
+                "  (shown only this once; log in to the dashboard and change it on your Account page, /account/)\n"
+            )
+        if result.api_key is not None:
+            write_secret(data_dir / API_KEY_FILE, result.api_key)
+            self.say(
+                f"\n  Created an API key for the OpenAI endpoint: {result.api_key}\n"
+                f"  (shown only this once; kept in {data_dir / API_KEY_FILE}, readable by you only)\n"
+            )
+        port = url.rsplit(":", 1)[1]
+        uvicorn_argv = [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1"]
+        uvicorn_argv += ["--port", port, "--no-access-log"]
+        child = self._launch(self._child("the control plane", "controlplane", uvicorn_argv, env), answers=True)
+        # Any answer will do (401 without a token): Django is serving.
+        await self._wait_ready(child, lambda: self._http_answers(f"{url}/api/v1/models/"), SERVICE_START_S)
+        self.say(f"  control plane  {url}/")
+        return read_secret(data_dir / ADMIN_TOKEN_FILE)
+
+    async def _first_pipeline(self, client: ControlPlaneClient) -> list[str]:
+        """Deploy the first pipeline when there is none; returns the names of the running pipelines."""
+        pipelines = await client.pipelines()
+        first = self.options.first_model
+        if not pipelines and first is not None:
+            pipelines = [await client.deploy_first_pipeline(first)]
+            self.say(f"  deployed a first pipeline: {first.name} ({first.engine}, 1 replica on the CPU)")
+        return [str(pipeline["name"]) for pipeline in pipelines if pipeline.get("state") == "running"]
+
+    async def _wait_until_served(self, client: ControlPlaneClient, gateway_url: str, names: list[str]) -> None:
+        """Return once the gateway serves one of ``names``, showing how far their instances are meanwhile."""
+        progress = Progress(self.out)
+        try:
+            while not set(names) & set(await self._served_models(gateway_url)):
+                try:
+                    text = await client.progress(names)
+                except ControlPlaneError as exc:
+                    text = str(exc)
+                progress.show(f"  waiting for the first instance: {text}")
+                await self._pause(0.5)
+        finally:
+            progress.done()
+
+    async def _served_models(self, gateway_url: str) -> list[str]:
+        try:
+            # /health lists them too, and needs no API key.
+            response = await self._http.get(f"{gateway_url}/health")
+            return [str(name) for name in response.json()["models"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return []
+
+    def _banner(self, served: list[str]) -> None:
+        gateway, control_plane = self.urls["gateway"], self.urls["control_plane"]
+        token_file = self.layout.data_dir / ADMIN_TOKEN_FILE
+        question = {"role": "user", "content": "What is the capital of France?"}
+        body = json.dumps({"model": served[0] if served else "MODEL", "messages": [question]})
+        lines = [
+            "",
+            f"Flotilla is up: {', '.join(served) or 'no pipeline running yet'}",
+            f"  OpenAI API     {gateway}/v1",
+            f"  dashboard      {control_plane}/" if self.dashboard else "  dashboard      (not in this version yet)",
+            f"  REST API       {control_plane}/api/v1/  (docs: {control_plane}/api/v1/docs/; "
+            f"admin token in {token_file})",
+            f"  people         {control_plane}/people/  (user {ADMIN_USERNAME}: add people, roles, passwords)",
+            f"  etcd {self.urls['etcd']}, NATS {self.urls['nats']}, Redis {self.urls['redis']}",
+            f"  logs           {self.layout.logs}/",
+            "",
+            f"  curl {gateway}/v1/chat/completions -H 'Content-Type: application/json' \\",
+            *(
+                [f'    -H "Authorization: Bearer $(cat {self.layout.data_dir / API_KEY_FILE})" \\']
+                if self.options.api_keys
+                else []
+            ),
+            f"    -d '{body}'",
+            f'  curl -H "Authorization: Bearer $(cat {token_file})" {control_plane}/api/v1/pipelines/',
+            "",
+            "Ctrl-C stops everything.",
+        ]
+        self.say("\n".join(lines))
+
+    # -- stopping ------------------------------------------------------------------------------------------
+
+    async def _stop_all(self) -> None:
+        """Stop every child, last started first; the engine workers right after the agent that ran them."""
+        self._stopping = True  # an end from now on is asked for: no restart
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
+        for child in list(self._one_shot):
+            await child.stop(STOP_S, hurry=self._hurry)
+        for child in reversed(self.children):
+            await child.stop(STOP_S, hurry=self._hurry)
+            if child is self._agent:
+                await self._stop_engine_workers("")
+
+    async def _stop_engine_workers(self, why: str) -> None:
+        """Stop the workers the agent left running (its worker records say which): SIGTERM, then SIGKILL."""
+        workers = []
+        for record in load_records(self.layout.agent_state):
+            process = WorkerProcess.adopt(record.pid, record.start_time, record.boot_id)
+            if process is not None:
+                process.terminate()
+                workers.append(process)
+        if not workers:
+            return
+        self.say(f"stopping {len(workers)} engine worker(s){' ' + why if why else ''}")
+        waits = [asyncio.ensure_future(worker.wait()) for worker in workers]
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            everyone: asyncio.Future[Any] = asyncio.gather(*waits)
+            await asyncio.wait({everyone, hurry}, timeout=WORKER_STOP_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+        for worker, wait in zip(workers, waits, strict=True):
+            if not wait.done():
+                worker.kill()
+        await asyncio.gather(*waits)

@@ -1,0 +1,73 @@
+"""What node agents report to the control plane through its REST API (``/api/v1/agent/…``), shared by both sides.
+
+The one definition of each report: the agent builds and sends these (agent/control_plane_client.py), the
+control plane's serializers check a body against its limits and turn it into one of these
+(``msgspec.convert``), and its actions take them (controlplane/fleet/actions.py,
+controlplane/deployments/instances.py). The serializers say what a field may hold; that they have the
+same fields, with the same defaults, is tested (tests/controlplane/test_agent_reports.py).
+
+A field with a default is left out of the body when it has it (``omit_defaults``): the control plane reads
+a missing field as that default, and a None as "not said" (the API refuses nulls where it can).
+"""
+
+import msgspec
+
+
+class GpuReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One GPU of a node."""
+
+    index: int
+    name: str = ""
+    #: NVML's UUID ("GPU-…", "MIG-…"): what a worker's CUDA_VISIBLE_DEVICES names; "" from agents that do not say.
+    uuid: str = ""
+    memory_total_bytes: int
+    memory_used_bytes: int = 0
+    utilization_percent: int = 0
+
+
+class NodeReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A node's inventory: sent at registration and with every heartbeat."""
+
+    #: The node's name, which must be its token's; required at registration, "" (not said) in a heartbeat.
+    name: str = ""
+    address: str = ""
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    cpu_count: int = 0
+    memory_total_bytes: int = 0
+    memory_available_bytes: int = 0
+    agent_version: str = ""
+    gpus: list[GpuReport] = msgspec.field(default_factory=list)
+    #: The machine the agent runs on (agent/machine_identity.py): the control plane refuses another
+    #: machine's reports for this node. "" when the agent does not say.
+    machine_id: str = ""
+    #: The engines the node's workers can run (runtime.fleet_contract.engine_names.engines_on_this_node()), sorted: the
+    #: control plane places a replica only on a node that reports its engine. None: not said (older agents),
+    #: and the node keeps what it had.
+    engines: list[str] | None = None
+
+
+class InstanceReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """An agent's news about one instance: its state and what it knows about the process."""
+
+    state: str
+    reason: str = ""
+    pid: int | None = None
+    endpoint_instance_id: int | None = None
+    download_progress: float | None = None
+    #: The start this report is about (the instance's restart count when it was sent): the control plane
+    #: refuses (409) a report of an older one. None: not said.
+    attempt: int | None = None
+    #: With "failed": retrying cannot fix it (exit code 2, a repository that does not exist); given up at once.
+    permanent: bool = False
+
+
+class DownloadReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A model download on a node: pending, downloading, done or failed (with ``error``).
+
+    Sent with the model's id beside it (``{"model": id, ...}``): the model is the endpoint's key, not news.
+    """
+
+    state: str
+    bytes_done: int = 0
+    bytes_total: int | None = None
+    error: str = ""
