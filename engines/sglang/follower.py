@@ -7,13 +7,15 @@ requests. By default it would then block inside the constructor and serve a dumm
 SGLang worker starts it, and this process watches them instead.
 
 ``start()`` returns once the schedulers are ready (they wait for every rank to join at the leader's
-``dist_init_addr``); ``wait()`` returns when one of them has exited; ``close()`` stops them.
+``dist_init_addr``); ``wait()`` returns when one of them has exited; ``close()`` stops them, within a bounded
+time whatever SGLang's own shutdown does.
 """
 
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,9 @@ from engines.shared.node_group import NodeGroup
 from runtime.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
+
+#: How long ``close()`` lets SGLang's own shutdown take before it stops the schedulers itself.
+SHUTDOWN_WAIT_S = 10.0
 
 
 class SglangFollower:
@@ -68,9 +73,23 @@ class SglangFollower:
         return f"SGLang's process {ended.name} (pid {ended.pid}) exited with code {ended.exitcode}"
 
     def close(self) -> None:
+        """Stop the schedulers: SGLang's shutdown first, then whatever of them it left running (SIGTERM, then
+        SIGKILL 10 s later)."""
         engine, self._engine = self._engine, None
+        shutdown = None
         if engine is not None:
-            engine.shutdown()
+            # Bounded: a shutdown that signals its processes and waits for them can wait for ever. A process
+            # forked a moment before is one way: a signal that reaches it before CPython has set up the child
+            # is dropped (the child clears the signals caught so far), and it runs on.
+            shutdown = threading.Thread(target=engine.shutdown, name="SGLang shutdown", daemon=True)
+            shutdown.start()
+            shutdown.join(SHUTDOWN_WAIT_S)
+            if shutdown.is_alive():
+                log.warning(
+                    "SGLang's shutdown has not ended after %.0f s; stopping its %d scheduler process(es) here",
+                    SHUTDOWN_WAIT_S,
+                    sum(process.is_alive() for process in self._schedulers),
+                )
         for process in self._schedulers:
             if process.is_alive():
                 process.terminate()
@@ -78,3 +97,5 @@ class SglangFollower:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+        if shutdown is not None:
+            shutdown.join(timeout=5)  # its processes are gone: let it finish what it does after them
