@@ -7,8 +7,6 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from engines.echo import EchoCoreEngine, EchoFullEngine, echo_delay_seconds
 from engines.python_file import PyStrEngine, PyTokEngine, load_generate, python_engine_file
 from frontend_gateway.models.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
@@ -41,9 +39,7 @@ def load_card(options: RunOptions) -> tuple[ModelCard, Path]:
         context_length=options.context_length,
     )
     # On the card, so that an ingress serving this worker's model parses its answers the same way.
-    card = msgspec.structs.replace(
-        card, reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser
-    )
+    card = card.replace(reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser)
     return card, path
 
 
@@ -63,7 +59,7 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         card, path = load_card(options)
         # Structured output by llama.cpp's grammars; log probabilities from its logits; embeddings from
         # a second context in embedding mode.
-        card = msgspec.structs.replace(card, structured_output=True, logprobs=True, embeddings=True)
+        card = card.replace(structured_output=True, logprobs=True, embeddings=True)
         llama = LlamaCppEngine(
             path, context_length=card.context_length, threads=options.threads, parallel=options.parallel
         )
@@ -91,7 +87,7 @@ def build_mocker_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     # The settings first: their mistakes are quicker to find than a model download.
     config = load_mocker_config(options.extra_engine_args)
     card, _ = load_card(options)
-    card = msgspec.structs.replace(card, kv_cache_block_size=config.block_size)
+    card = card.replace(kv_cache_block_size=config.block_size)
     mocker = MockerEngine(config, vocab_size=card.tokenizer.get_vocab_size())
     return TokenModel(card, mocker), mocker
 
@@ -143,9 +139,7 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     )
     # Log probabilities come with vLLM's outputs; its KV block size goes on the card for KV routers (the
     # engine refuses to start on another one).
-    card = msgspec.structs.replace(
-        card, logprobs=True, kv_cache_block_size=extra.get("block_size") or card.kv_cache_block_size
-    )
+    card = card.replace(logprobs=True, kv_cache_block_size=extra.get("block_size") or card.kv_cache_block_size)
     engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id, card_block_size=card.kv_cache_block_size)
     return TokenModel(card, engine), engine
 
@@ -181,7 +175,7 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     else:
         engine = trtllm.TrtLlmEngine(path, placement, extra)
     # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.
-    card = msgspec.structs.replace(card, kv_cache_block_size=engine.block_size)
+    card = card.replace(kv_cache_block_size=engine.block_size)
     return TokenModel(card, engine), engine
 
 

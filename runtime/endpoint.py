@@ -290,9 +290,9 @@ async def register_model(
             raise ConfigError("register_model needs model_name or model_path")
         else:
             card = ModelCard(name=model_name, context_length=context_length or 0)
-    card = msgspec.structs.replace(card, model_type=kind)
+    card = card.replace(model_type=kind)
     if kv_cache_block_size is not None:
-        card = msgspec.structs.replace(card, kv_cache_block_size=kv_cache_block_size)
+        card = card.replace(kv_cache_block_size=kv_cache_block_size)
     runtime = endpoint.runtime
     digest = await publish_tokenizer(runtime.nc, card.tokenizer_json) if card.tokenizer_json else None
     entry = ModelEntry(

@@ -74,7 +74,7 @@ def load_model_card(
             model_context = _folder_context_length(model_config)
     else:
         raise ModelError(f"model {str(model_path)!r} does not exist")
-    return ModelCard(
+    card = ModelCard(
         name=name or default_model_name(model_path),
         context_length=_cap_context(model_path, model_context, context_length),
         eos_token_ids=processing.eos_token_ids,
@@ -84,6 +84,9 @@ def load_model_card(
         tokenizer_json=processing.tokenizer.to_str(),
         source=str(model_path),
     )
+    # The tokenizer just built is the card's: building it again from the JSON would cost ~60 ms.
+    card.__dict__["tokenizer"] = processing.tokenizer
+    return card
 
 
 def default_model_name(model_path: Path) -> str:

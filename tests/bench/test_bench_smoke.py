@@ -185,6 +185,12 @@ SMOKES = [
         marks=[SERIAL],
     ),
     Smoke(
+        "worker_start",
+        "worker_start.py",
+        "--rounds 1",
+        [rf"^current tree: worker start to banner, median {NUMBER} s \(min {NUMBER}, max {NUMBER}, 1 starts\)$"],
+    ),
+    Smoke(
         "frozen_worker-stop",
         "frozen_worker.py",
         "--fault stop --streams 5 --silence 1 --give-up 30",
