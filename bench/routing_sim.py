@@ -80,7 +80,7 @@ class Delays:
     to_router: float = 0.0015  # client -> the router's decision (HTTP, checks, hashing)
     to_worker: float = 0.0015  # decision -> the worker's scheduler (NATS)
     back: float = 0.002  # a step's end -> the router hears of the first token, or of the end
-    events: float = 0.004  # a step's scheduling -> its KV events in the router's index (5 ms batches)
+    events: float = 0.004  # a step's end -> its KV events in the router's index (5 ms batches)
     sync: float = 0.0015  # a router's decision -> another router replica applies it (one NATS hop, as to_worker)
 
 
@@ -151,8 +151,9 @@ async def simulate(
     heap: list[tuple[float, int, str, Any]] = []
     order = itertools.count()
 
-    def at(delay: float, kind: str, payload: Any) -> None:
-        heapq.heappush(heap, (now + delay * rng.uniform(0.3, 1.7), next(order), kind, payload))
+    def at(delay: float, kind: str, payload: Any, after: float = 0.0) -> None:
+        """``payload`` arrives ``delay`` (give or take 70%) after ``after`` seconds from now."""
+        heapq.heappush(heap, (now + after + delay * rng.uniform(0.3, 1.7), next(order), kind, payload))
 
     # When the last sync message from one router to another arrives: NATS keeps one publisher's order.
     sync_arrival: dict[tuple[int, int], float] = {}
@@ -181,10 +182,10 @@ async def simulate(
         if not scheduler.has_work:
             return
         step = scheduler.schedule()
+        duration = step_seconds(step.prefill_tokens(), step.decode_tokens()) if step.scheduled else 0.0
         if events := scheduler.cache.take_events():
-            for router in routers:
-                at(delays.events, "events", (router, worker, events))
-        duration = step_seconds(step.prefill_chunks(), step.decodes(), scheduler.cache.usage) if step.scheduled else 0.0
+            for router in routers:  # published once the pass is over, as the mocker publishes them
+                at(delays.events, "events", (router, worker, events), after=duration)
         heapq.heappush(heap, (now + duration, next(order), "step", (worker, step)))
 
     start = trace[0].timestamp

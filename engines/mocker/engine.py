@@ -197,10 +197,7 @@ class MockerEngine:
             if started - clock > MAX_LAG_S or not scheduler.running:
                 clock = started  # idle before (nothing was running), or far behind: simulated time restarts now
             step = scheduler.schedule()
-            sink = self._sink
-            if sink is not None and (events := cache.take_events()):
-                sink.publish(rank.index, events)  # as vLLM's scheduler does: at scheduling, before the pass
-            duration = step_seconds(step.prefill_chunks(), step.decodes(), cache.usage) if step.scheduled else 0.0
+            duration = step_seconds(step.prefill_tokens(), step.decode_tokens()) if step.scheduled else 0.0
             clock += duration
             ahead = clock - now()
             if ahead > MIN_SLEEP_S:
@@ -209,6 +206,11 @@ class MockerEngine:
             elif started - yielded >= MAX_BURST_S:
                 await asyncio.sleep(0)
                 yielded = now()
+            # The step's KV events once its pass is over, as Dynamo's mocker publishes them: a router never
+            # sends a request after blocks still being computed.
+            sink = self._sink
+            if sink is not None and (events := cache.take_events()):
+                sink.publish(rank.index, events)
             _wake(scheduler.complete(step))
 
     def _fresh_scheduler(self) -> Scheduler:

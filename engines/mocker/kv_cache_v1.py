@@ -10,9 +10,11 @@ of kv_cache_v0.py in three ways this module copies:
   is always recomputed) each hold a copy. The hash maps to its copies in the order they were
   cached, and a prefix hit takes the first (``cached_block_hash_to_block``); a copy leaves the map
   only when its block is reused for something else.
-* One free queue, in the order blocks were freed (a sequence frees its blocks last first), after
-  the blocks never used yet: a new block is the queue's head, and a cached block at the head is
-  evicted then. A freed block with no name waits its turn like a cached one.
+* Free blocks with no name (never used, or freed unfilled) are given first; then cached blocks no
+  one holds, evicted in the order they were freed (a sequence frees its blocks last first). So a
+  cached block is evicted only when no anonymous block is left, as Dynamo 1.6.1's mocker keeps its
+  pool (aisimulate's ``VllmBlockPool``: a released private block goes back to free capacity, a cached
+  one to the tail of an inactive LRU). vLLM itself keeps both in one queue in the order freed.
 * No watermark: any free block may go to any sequence.
 
 The KV events say which hashes the rank can hit, as routers index them (a set of hashes per
@@ -55,9 +57,9 @@ class KvCacheV1(KvCacheBase):
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True) -> None:
         """Raises ValueError for a size below 1."""
         super().__init__(num_blocks, block_size, prefix_caching=prefix_caching)
-        # The free queue: first the blocks never used (a count: they have no state), then the freed
-        # ones in the order they were freed; a block leaves it from the front, or when a hit revives it.
-        self._never_used = num_blocks
+        # Free blocks: first those with no name (a count: they have no state), then the cached ones in
+        # the order they were freed; a cached one leaves from the front, or when a hit revives it.
+        self._unnamed_free = num_blocks
         self._freed: OrderedDict[KvBlock, None] = OrderedDict()
         # Hash -> its cached copies, in the order they were cached; a hit takes the first.
         self._copies: dict[int, list[KvBlock]] = {}
@@ -118,9 +120,10 @@ class KvCacheV1(KvCacheBase):
         table.count += count
 
     def allocate(self, table: SequenceBlocks, num_tokens: int) -> bool:
-        """Give ``table`` new blocks up to ``num_tokens`` tokens, from the head of the free queue.
+        """Give ``table`` new blocks up to ``num_tokens`` tokens: unnamed free blocks first, then cached ones
+        no one holds, evicted from the head of their queue.
 
-        Returns False, changing nothing, when the free queue is too short.
+        Returns False, changing nothing, when too few blocks are free.
         """
         needed = -(-num_tokens // self.block_size) - table.count
         if needed <= 0:
@@ -128,8 +131,8 @@ class KvCacheV1(KvCacheBase):
         if needed > self.num_blocks - self.active_blocks:
             return False
         held = _held(table)
-        fresh = min(needed, self._never_used)
-        self._never_used -= fresh
+        fresh = min(needed, self._unnamed_free)
+        self._unnamed_free -= fresh
         for _ in range(fresh):
             held.append(KvBlock())
         reused = needed - fresh
@@ -138,8 +141,8 @@ class KvCacheV1(KvCacheBase):
             evicted: list[int] = []
             for _ in range(reused):
                 block = freed.popitem(last=False)[0]
-                if block.block_hash is not None and self._uncache(block):
-                    evicted.append(block.block_hash)
+                if self._uncache(block):
+                    evicted.append(block.block_hash)  # type: ignore[arg-type]  # named: it was cached
                 block.block_hash = block.parent = None
                 block.refs = 1
                 held.append(block)
@@ -177,14 +180,17 @@ class KvCacheV1(KvCacheBase):
             cached.append(block_hash)
 
     def free(self, table: SequenceBlocks) -> None:
-        """Release ``table``'s blocks to the tail of the free queue, last first (evicted first); cached
-        ones stay cached until reused."""
+        """Release ``table``'s blocks: unnamed ones to the free blocks given first, cached ones to the tail
+        of the cached free queue, last first (evicted first), cached until reused."""
         held = _held(table)
         freed = self._freed
         for block in reversed(held):
             block.refs -= 1
             if block.refs == 0:
-                freed[block] = None
+                if block.block_hash is None:
+                    self._unnamed_free += 1
+                else:
+                    freed[block] = None
                 self.active_blocks -= 1
         held.clear()
         table.cached.clear()
@@ -194,11 +200,11 @@ class KvCacheV1(KvCacheBase):
     def reset_prefix_cache(self) -> int:
         """Uncache every cached block in the free queue; returns how many hashes are no longer cached."""
         dropped: list[int] = []
-        for block in self._freed:
-            if block.block_hash is not None:
-                if self._uncache(block):
-                    dropped.append(block.block_hash)
-                block.block_hash = block.parent = None
+        for block in self._freed:  # every one is cached (unnamed free blocks are only counted)
+            if self._uncache(block):
+                dropped.append(block.block_hash)  # type: ignore[arg-type]  # named: it was cached
+        self._unnamed_free += len(self._freed)
+        self._freed.clear()
         if dropped and self.record_events:
             self._events.append(AllCleared() if not self._copies else BlockRemoved(dropped))
         return len(dropped)

@@ -11,11 +11,12 @@ a step with room for all of it.
 
 ``scheduler`` picks whose admission and block manager are simulated:
 
-* "v1" (the default; vLLM v1's ``Scheduler.schedule`` and ``KVCacheManager.allocate_slots``): a
-  waiting sequence is admitted when the blocks of the chunk it computes in this step can be given
-  to it, however long the rest of its prompt; the next chunks take their blocks step by step like
-  a running sequence's tokens. No watermark. Each block is the sequence's own (kv_cache_v1.py): two
-  sequences that compute the same block both hold a copy.
+* "v1" (the default; vLLM v1's ``Scheduler.schedule`` and ``KVCacheManager.allocate_slots``, as
+  Dynamo 1.6.1's mocker simulates them): a waiting sequence is admitted when the blocks of all its
+  tokens so far would fit, though it is given only those of the chunk it computes in this step; the
+  next chunks take their blocks step by step like a running sequence's tokens. No watermark. Each
+  block is the sequence's own (kv_cache_v1.py): two sequences that compute the same block both hold
+  a copy.
 * "v0" (vLLM v0's block manager): a waiting sequence is admitted only when all the blocks of its
   prompt fit, less a watermark kept for the running ones; a block computed again under a name
   already cached is merged into the cached one (kv_cache_v0.py).
@@ -25,12 +26,12 @@ When a running sequence needs a block and none is left, another running sequence
 back to the front of the waiting queue to be recomputed — its prompt and the tokens it generated,
 much of which the prefix cache usually still holds.
 
-A block is named (cached, shareable, and announced in a KV event) when the step that computes its
+A block is named (cached, shareable, and recorded for a KV event) when the step that computes its
 last tokens is scheduled, not once the step is over: vLLM v1's ``allocate_slots`` caches the blocks
 up to ``num_computed_tokens + num_new_tokens`` as it schedules them, so a sequence admitted in the
-same step or later hits them, and its scheduler publishes the step's KV events before the forward
-pass runs. Blocks of running sequences are named after the preemptions of the step are settled, so
-that a sequence preempted in the step leaves no block it never computed.
+same step or later hits them. The engine publishes the step's KV events once its pass is over, as
+Dynamo's mocker does (engine.py). Blocks of running sequences are named after the preemptions of the
+step are settled, so that a sequence preempted in the step leaves no block it never computed.
 
 A sequence produces a token in the step in which it has computed all of its tokens: the step
 that ends its prefill, then every step after (decode). The token ids are pseudo-random from the
@@ -159,17 +160,32 @@ class Step:
         #: Sequences that ended while being scheduled (stopped by their client, or unable ever to fit).
         self.dropped: list[Sequence] = []
 
-    def prefill_chunks(self) -> list[int]:
-        """Tokens computed by each sequence still prefilling (what the prefill time depends on)."""
-        return [tokens for sequence, tokens in self.scheduled.items() if sequence.prefilling]
+    def prefill_tokens(self) -> int:
+        """The new prompt tokens this step's prefill is timed by (timing.py), counted as Dynamo's mocker counts
+        them: n, the sequences that compute prompt tokens in the step, times the integer mean of their prompt
+        lengths so far less the integer mean of what they had computed before (their sum, give or take n - 1).
+        Output tokens recomputed after a preemption are not prompt tokens: they take budget, not prefill time.
 
-    def decodes(self) -> bool:
-        """Whether a sequence past its prefill produces its next token in this step (a decode pass).
-
-        A sequence whose prefill ends in the step gets its first token from that prefill's forward
-        pass, as in vLLM, and as Dynamo's mocker times it: no decode pass of its own.
+        Read before ``Scheduler.complete`` applies the step (it moves what the sequences have computed).
         """
-        return any(not sequence.prefilling for sequence in self.scheduled)
+        count = total_after = total_before = 0
+        for sequence, tokens in self.scheduled.items():
+            prompt = len(sequence.prompt)
+            before = sequence.num_computed
+            if before < prompt:
+                count += 1
+                total_after += min(before + tokens, prompt)
+                total_before += before
+        return count * (total_after // count - total_before // count) if count else 0
+
+    def decode_tokens(self) -> int:
+        """The summed lengths (prompt and output so far) of the sequences that decode in this step: what its
+        decode pass is timed by (timing.py); 0 when none does.
+
+        A sequence whose prefill ends in the step gets its first token from that prefill's forward pass, as
+        Dynamo 1.6.1's mocker times it: it is not in the step's decode batch.
+        """
+        return sum(sequence.num_tokens for sequence in self.scheduled if not sequence.prefilling)
 
 
 class PrefixStats:
@@ -220,7 +236,6 @@ class Scheduler:
                 prefix_caching=config.enable_prefix_caching,
                 watermark=V0_WATERMARK if config.watermark is None else config.watermark,
             )
-        #: vLLM v1's admission: a new sequence needs blocks for the chunk it computes, not its whole prompt.
         self._v1 = config.scheduler == "v1"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -330,7 +345,6 @@ class Scheduler:
         block_size = config.block_size
         cache = self.cache
         waiting, running = self.waiting, self.running
-        v1 = self._v1
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             sequence = waiting[0]
             if sequence.stop.stopped:
@@ -352,9 +366,10 @@ class Scheduler:
                 if not config.enable_chunked_prefill:
                     break  # first come, first served: the ones behind it wait too (v0 and v1 alike)
                 tokens = budget
-            # v0 admits a sequence once all its blocks fit beside the watermark; v1 once the blocks of the
-            # chunk it computes now fit (the rest it gets step by step, preempting others if need be).
-            more_blocks = -(-(cached + tokens if v1 else total) // block_size) - hit + idle_hit
+            # Admitted once the blocks of all its tokens so far fit (beside v0's watermark), as Dynamo's
+            # mocker admits, though it computes only this step's chunk now; its cached blocks that no
+            # one holds count too, since reviving them takes room.
+            more_blocks = -(-total // block_size) - hit + idle_hit
             if not cache.can_admit(more_blocks):
                 if not running:
                     # Nothing will ever free a block for it: a preempted sequence outgrew the cache.

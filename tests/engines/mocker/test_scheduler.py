@@ -51,10 +51,11 @@ def test_a_sequence_prefills_then_decodes_one_token_per_step_until_max_tokens() 
     rank.add(seq)
     step = rank.schedule()
     # The prefill's forward pass gives the first token: no decode pass in this step.
-    assert step.scheduled == {seq: 10} and step.prefill_chunks() == [10] and not step.decodes()
+    assert step.scheduled == {seq: 10} and step.prefill_tokens() == 10 and step.decode_tokens() == 0
     assert rank.complete(step) == [seq] and len(seq.output) == 1
     step = rank.schedule()
-    assert step.scheduled == {seq: 1} and step.prefill_chunks() == [] and step.decodes()
+    # The decode pass is timed by the sequence's length: its prompt and the token it computes now.
+    assert step.scheduled == {seq: 1} and step.prefill_tokens() == 0 and step.decode_tokens() == 11
     rank.complete(step)
     run_step(rank)
     assert seq.done and seq.finish_reason == "length" and len(seq.output) == 3
@@ -78,6 +79,19 @@ def test_a_step_returns_the_sequences_with_their_first_token_ahead_of_the_others
     assert [len(seq.output) for seq in touched] == [1, 2, 2]
 
 
+def test_a_steps_prefill_counts_prompt_tokens_by_integer_means_as_dynamos_mocker() -> None:
+    fresh, resumed, decoding = sequence(list(range(10))), sequence(list(range(37))), sequence(list(range(5)))
+    resumed.num_computed = 32  # a cached prefix, or the chunks of earlier steps
+    decoding.num_computed, decoding.num_tokens, decoding.prefilling = 6, 7, False  # prompt and 2 tokens out
+    step = Step()
+    step.scheduled = {fresh: 10, resumed: 5, decoding: 1}
+    # n (2) x (mean of the prompt lengths reached, 47 // 2, less the mean computed before, 32 // 2) = 14,
+    # not the 15 tokens computed: Dynamo 1.6.1 takes the same integer means.
+    assert step.prefill_tokens() == 2 * (47 // 2 - 32 // 2) == 14
+    assert step.decode_tokens() == 7
+    assert Step().prefill_tokens() == 0 and Step().decode_tokens() == 0
+
+
 def test_max_num_seqs_caps_the_running_batch() -> None:
     rank = scheduler(max_num_seqs=2)
     sequences = [sequence([n] * 5) for n in range(3)]
@@ -94,14 +108,30 @@ def test_the_token_budget_caps_a_step_and_chunks_a_long_prompt() -> None:
     rank.add(long)
     rank.add(short)
     step = rank.schedule()
-    assert step.scheduled == {long: 16} and not step.decodes()  # no budget left for the second one
+    assert step.scheduled == {long: 16} and step.decode_tokens() == 0  # no budget left for the second one
+    assert step.prefill_tokens() == 16
     assert rank.complete(step) == [] and long.num_computed == 16
     step, _ = run_step(rank)
     assert step.scheduled == {long: 16}
     step = rank.schedule()
     assert step.scheduled == {long: 8, short: 5}  # the last chunk, and the next prompt fits beside it
-    assert step.prefill_chunks() == [8, 5]
+    assert step.prefill_tokens() == 2 * ((40 + 5) // 2 - (32 + 0) // 2)  # 12: Dynamo's integer means of 13
     assert rank.complete(step) == [long, short]
+
+
+def test_a_prompt_waits_until_the_blocks_of_all_its_tokens_fit_though_it_computes_a_chunk_at_a_time() -> None:
+    # As Dynamo 1.6.1's mocker admits under v1 too (vLLM v1 itself admits by the first chunk's blocks).
+    rank = scheduler(num_gpu_blocks=8, max_num_batched_tokens=8, enable_prefix_caching=False)
+    running = sequence(list(range(8)), max_tokens=2)
+    rank.add(running)
+    run_step(rank)  # its prompt: 2 blocks
+    long = sequence(list(range(100, 128)))  # 7 blocks
+    rank.add(long)
+    step, _ = run_step(rank)  # `running` takes a 3rd block for its 9th token: 5 are free, room for a chunk
+    assert step.scheduled == {running: 1} and list(rank.waiting) == [long]
+    step, _ = run_step(rank)  # `running` ended: all 8 blocks are free
+    assert step.scheduled == {long: 8} and long.blocks.count == 2  # given only its chunk's blocks
+    assert rank.preemptions == 0
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room_for_all_of_it() -> None:
@@ -156,8 +186,10 @@ def test_running_out_of_blocks_preempts_the_newest_back_to_the_front_of_the_queu
         run_step(rank)
     assert old.done and len(old.output) == 6
     assert rank.running == [] and list(rank.waiting) == [new]
-    step, _ = run_step(rank)
+    step = rank.schedule()
     assert step.scheduled == {new: 9}  # its prompt and its first token, computed again
+    assert step.prefill_tokens() == 8  # the recomputed output token costs budget, not prefill time
+    rank.complete(step)
     while rank.has_work:
         run_step(rank)
     assert new.done and len(new.output) == 6

@@ -44,39 +44,6 @@ def run_step(rank: Scheduler) -> Step:
 # -- each scenario returns True when it came out the v1 way ---------------------------------------
 
 
-def a_prompt_larger_than_the_free_blocks_is_admitted_by_its_first_chunk(version: str) -> bool:
-    rank = scheduler(version, num_gpu_blocks=6, max_num_batched_tokens=8)
-    running = sequence(list(range(12)), max_tokens=50)  # 3 blocks, decoding
-    rank.add(running)
-    run_step(rank)
-    run_step(rank)
-    long = sequence(list(range(100, 120)))  # 5 blocks; 3 are free
-    rank.add(long)
-    step = run_step(rank)
-    if long not in step.scheduled:
-        return False
-    # One decode token, then the chunk the budget leaves: two blocks of it, the rest to come step by step.
-    assert step.scheduled == {running: 1, long: 7} and long.blocks.count == 2
-    return True
-
-
-def a_chunk_admitted_prompt_is_preempted_when_the_older_one_needs_its_blocks(version: str) -> bool:
-    rank = scheduler(version, num_gpu_blocks=4, max_num_batched_tokens=8)
-    old, new = sequence(list(range(12)), max_tokens=10), sequence(list(range(100, 116)), max_tokens=10)
-    rank.add(old)
-    rank.add(new)
-    run_step(rank)  # old: 8 tokens
-    step = run_step(rank)  # old: its last 4 (3 blocks); new: a first chunk of 4 (the 4th and last block)
-    if new not in step.scheduled:
-        return False
-    assert step.scheduled == {old: 4, new: 4} and rank.cache.active_blocks == 4
-    step = run_step(rank)  # old's 13th token needs a 4th block: the latest admitted gives it back
-    assert step.scheduled == {old: 1}
-    assert list(rank.waiting) == [new] and new.num_computed == 0 and new.blocks.count == 0
-    assert rank.preemptions == 1
-    return True
-
-
 def two_identical_prompts_in_one_step_hold_separate_copies_of_their_last_block(version: str) -> bool:
     rank = scheduler(version)
     rank.cache.record_events = True
@@ -108,8 +75,6 @@ def no_watermark_holds_blocks_back_from_a_new_prompt(version: str) -> bool:
 
 
 SCENARIOS: list[Callable[[str], bool]] = [
-    a_prompt_larger_than_the_free_blocks_is_admitted_by_its_first_chunk,
-    a_chunk_admitted_prompt_is_preempted_when_the_older_one_needs_its_blocks,
     two_identical_prompts_in_one_step_hold_separate_copies_of_their_last_block,
     no_watermark_holds_blocks_back_from_a_new_prompt,
 ]

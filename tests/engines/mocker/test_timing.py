@@ -20,21 +20,25 @@ def test_decode_grows_with_kv_usage_and_never_drops_below_a_millisecond() -> Non
     assert decode_ms(-1.0) == decode_ms(0.0)
 
 
-def test_a_mixed_step_is_one_prefill_of_all_its_chunks_and_one_decode_pass() -> None:
-    timer = StepTimer(MockerConfig())
-    seconds = timer.step_seconds([100, 2000], decoding=True, kv_usage=0.25)
-    # One forward pass for the step's chunks together (the fixed part once), as Dynamo 1.6.1's mocker.
+def test_a_mixed_step_is_one_prefill_of_its_prompt_tokens_and_one_decode_pass_of_its_decoders_lengths() -> None:
+    config = MockerConfig(num_gpu_blocks=1000, block_size=16)  # 16,000 tokens of capacity
+    timer = StepTimer(config)
+    seconds = timer.step_seconds(prefill_tokens=2100, decode_tokens=4000)
+    # One forward pass for the step's prompt tokens together (the fixed part once), and the decode pass
+    # by the decoding sequences' summed lengths over the capacity, as Dynamo 1.6.1's mocker times them.
     assert seconds == pytest.approx((prefill_ms(2100) + decode_ms(0.25)) / 1000)
-    assert timer.step_seconds([500], decoding=False, kv_usage=0.9) == pytest.approx(prefill_ms(500) / 1000)
+    assert timer.step_seconds(prefill_tokens=500, decode_tokens=0) == pytest.approx(prefill_ms(500) / 1000)
+    # Lengths past the capacity (a shared prefix counts once per sequence) cost what a full cache does.
+    assert timer.step_seconds(prefill_tokens=0, decode_tokens=50_000) == pytest.approx(decode_ms(1.0) / 1000)
 
 
 def test_speedups_divide_the_time() -> None:
     timer = StepTimer(MockerConfig(speedup_ratio=100, decode_speedup_ratio=2))
-    assert timer.step_seconds([64], decoding=False, kv_usage=0) == pytest.approx(prefill_ms(64) / 1000 / 100)
-    assert timer.step_seconds([], decoding=True, kv_usage=0) == pytest.approx(decode_ms(0) / 1000 / 200)
+    assert timer.step_seconds(64, 0) == pytest.approx(prefill_ms(64) / 1000 / 100)
+    assert timer.step_seconds(0, 1) == pytest.approx(decode_ms(0) / 1000 / 200, rel=1e-3)
 
 
 def test_a_speedup_of_zero_means_no_waiting() -> None:
-    assert StepTimer(MockerConfig(speedup_ratio=0)).step_seconds([4000], decoding=True, kv_usage=0.5) == 0.0
+    assert StepTimer(MockerConfig(speedup_ratio=0)).step_seconds(4000, 5000) == 0.0
     decode_free = StepTimer(MockerConfig(decode_speedup_ratio=0))
-    assert decode_free.step_seconds([], decoding=True, kv_usage=0.5) == 0.0
+    assert decode_free.step_seconds(0, 5000) == 0.0
