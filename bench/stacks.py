@@ -283,10 +283,11 @@ _DYNAMO_FLAGS = {
     "startup_time": "--startup-time",
     "preemption_mode": "--preemption-mode",
 }
-#: Keys Dynamo 1.6.1's mocker has no setting for, with the only value both stacks then agree on.
-_DYNAMO_FIXED = {"watermark": 0.01}
-#: Keys of ours only, given to Dynamo's mocker as nothing: it has one scheduler of its own (with the 1%
-#: watermark above), whichever of vLLM's ours simulates.
+#: Keys Dynamo 1.6.1's mocker has no setting for, with the only value both stacks then agree on: its
+#: engine (aisimulate-core 0.13.0) admits as vLLM v1 does, with no watermark.
+_DYNAMO_FIXED = {"watermark": 0.0}
+#: Keys of ours only, given to Dynamo's mocker as nothing: it has one scheduler of its own (vLLM v1's,
+#: with no watermark), whichever of vLLM's ours simulates.
 _DYNAMO_IGNORED = ("scheduler",)
 
 
@@ -294,7 +295,7 @@ def dynamo_mocker_flags(settings: Mapping[str, Any]) -> list[str]:
     """Dynamo mocker flags that configure it as ``settings`` (our keys) configure ours.
 
     Raises ValueError for a bad setting, or one Dynamo 1.6.1 cannot be given (``watermark`` other than
-    0.01, a speed-up of 0).
+    0, a speed-up of 0).
     """
     flags: list[str] = []
     for key in ("speedup_ratio", "decode_speedup_ratio"):
