@@ -16,7 +16,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import uvloop
@@ -38,8 +37,8 @@ class RecordingTimer:
         self._timer = timer
         self.steps: list[float] = []
 
-    def step_seconds(self, prefill_chunks: Iterable[int], decoding: bool, kv_usage: float) -> float:
-        seconds = self._timer.step_seconds(prefill_chunks, decoding, kv_usage)
+    def step_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
+        seconds = self._timer.step_seconds(prefill_tokens, decode_tokens)
         self.steps.append(seconds)
         return seconds
 
