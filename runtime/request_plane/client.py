@@ -27,6 +27,7 @@ from runtime.request_plane.liveness import (
     DEFAULT_GONE_AFTER,
     HUNG_WAIT,
     LIVENESS_WAIT,
+    NOT_TAKEN,
     STALLED,
     Inbox,
     ProbeFailures,
@@ -177,8 +178,8 @@ class RequestClient:
             return not self._nc.is_connected
         return True
 
-    async def _still_running(self, subject: str, request_id: str) -> bool:
-        """Whether the worker behind ``subject`` answers that it runs ``request_id``.
+    async def _still_running(self, subject: str, request_id: str) -> bool | None:
+        """Whether the worker behind ``subject`` answers that it runs ``request_id``; None if it does not answer.
 
         The worker gets LIVENESS_WAIT silence timeouts to answer: one whose event loop runs seconds
         behind (thousands of streams) answers late but answers; a hung one does not.
@@ -198,7 +199,7 @@ class RequestClient:
                 self._unknown_to(subject, list(streams.values()), wait)
             )
         unknown = await asyncio.shield(probe)
-        return unknown is not None and request_id not in unknown
+        return None if unknown is None else request_id not in unknown
 
     async def _unknown_to(self, subject: str, request_ids: list[str], wait: float) -> set[str] | None:
         """Which of ``request_ids`` the worker says it does not run; None if it does not answer in ``wait`` s."""
@@ -281,6 +282,9 @@ class RequestClient:
                 if frame is NO_RESPONDERS:
                     finished = True
                     raise WorkerUnavailable(f"no instance listens on {subject}")
+                if frame is NOT_TAKEN:
+                    finished = True
+                    raise WorkerUnavailable(f"{subject} never took the request (it says it does not run it)")
                 if frame is STALLED:
                     raise StreamStalled(
                         f"{subject} sent no output for {self.progress_deadline:g} s (its engine makes no progress)"

@@ -53,6 +53,10 @@ _LOOP_LAG_TOLERANCE = 0.5
 
 # What the progress watchdog puts in an inbox's queue: the stream's engine made no progress in time.
 STALLED = Frame(ERROR, 0, error="stalled")
+# What the silence watchdog puts there when the worker, silent on a stream it never sent a frame of, answers
+# that it does not run the request: it never took it (lost on its way in, as the worker stopped taking
+# requests), so nothing was generated and another instance may take it as if this one had refused it.
+NOT_TAKEN = Frame(ERROR, 0, error="not taken")
 
 
 class Inbox:
@@ -77,6 +81,7 @@ class Inbox:
         "_confirming",
         "_deadline",
         "_due",
+        "_heard",
         "_last",
         "_loop",
         "_on_stall",
@@ -97,18 +102,20 @@ class Inbox:
         self,
         silence_timeout: float,
         caught_up: Callable[[], Awaitable[bool]],
-        running: Callable[[], Awaitable[bool]] | None = None,
+        running: Callable[[], Awaitable[bool | None]] | None = None,
         *,
         progress_deadline: float = 0.0,
         on_stall: Callable[[], None] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self.queue: SingleReaderQueue[Frame | None] = SingleReaderQueue(self._loop)  # None: the worker went silent
+        # None: the worker went silent; NOT_TAKEN: it never took the request
+        self.queue: SingleReaderQueue[Frame | None] = SingleReaderQueue(self._loop)
         self._silence = silence_timeout
         self._caught_up = caught_up
         self._running = running
         self._confirming: asyncio.Task[None] | None = None
         self._last = time.monotonic()
+        self._heard = False  # a frame of this stream arrived (a heartbeat, an output, an error)
         self._due = self._last + silence_timeout
         self._timer = self._loop.call_later(silence_timeout, self._check)
         self._deadline = progress_deadline
@@ -132,6 +139,7 @@ class Inbox:
 
     def on_message(self, msg: Msg) -> None:
         now = self._last = time.monotonic()
+        self._heard = True
         if not msg.data and msg.headers and msg.headers.get("Status") == "503":
             self.queue.put_nowait(NO_RESPONDERS)
             return
@@ -178,11 +186,13 @@ class Inbox:
 
     async def _confirm(self, last: float) -> None:
         """Call the silence once the client has caught up and nothing arrived, unless the worker says
-        it runs the request (an overloaded worker is slow, not gone)."""
-        silent = await self._caught_up() and self._last == last
-        if silent and (self._running is None or not await self._running()):
-            self.queue.put_nowait(None)
-            return
+        it runs the request (an overloaded worker is slow, not gone); NOT_TAKEN if it says it does not
+        and never sent a frame of it."""
+        if await self._caught_up() and self._last == last:
+            running = None if self._running is None else await self._running()
+            if running is not True:
+                self.queue.put_nowait(NOT_TAKEN if running is False and not self._heard else None)
+                return
         self._rearm(time.monotonic())
 
     def _rearm(self, now: float) -> None:

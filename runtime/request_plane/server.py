@@ -47,6 +47,9 @@ from runtime.supervision import restarting
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 4000
+#: The longest stop_taking_requests waits for the requests NATS delivered before the unsubscription to be
+#: refused (a round trip to the server, then a callback each): past it, those left are dropped.
+SUBSCRIPTION_DRAIN_S = 5.0
 
 
 class _Stream:
@@ -199,12 +202,18 @@ class EndpointServer:
     async def stop_taking_requests(self) -> None:
         """Refuse new requests from now on; streams in flight, stops, acks and probes go on."""
         self._draining = True
-        if self._requests is not None:
-            # From now on NATS answers "no responders", and clients try another instance at once.
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                await self._requests.unsubscribe()
-                await flush(self._nc)
-            self._requests = None
+        requests, self._requests = self._requests, None
+        if requests is not None:
+            # From now on NATS answers "no responders", and clients try another instance at once. Drained,
+            # not unsubscribed: unsubscribing drops the requests the server delivered before it heard of it,
+            # unanswered (their clients would wait a silence timeout to learn it). Drained, each of them is
+            # refused (UNAVAILABLE: _on_request), and its client tries another instance at once.
+            try:
+                async with asyncio.timeout(SUBSCRIPTION_DRAIN_S):
+                    await requests.drain()  # type: ignore[no-untyped-call]
+            except (nats.errors.Error, TimeoutError):
+                with contextlib.suppress(nats.errors.Error):
+                    await requests.unsubscribe()
 
     async def drain(self, grace: float) -> int:
         """Stop taking requests, give those in flight up to ``grace`` s to finish, then cut the rest.

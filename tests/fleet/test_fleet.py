@@ -108,13 +108,18 @@ def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: 
 
 @contextlib.contextmanager
 def _traffic(fleet: FleetStack, model: str) -> Iterator[list[int]]:
-    """Completions of ``model`` one after another, from a thread, while the block runs: their status codes."""
+    """Completions of ``model`` one after another, from a thread, while the block runs: their status codes.
+
+    The body of each answer that is not a 200 is printed (shown when the test fails), since it names why."""
     codes: list[int] = []
     done = threading.Event()
 
     def send() -> None:
         while not done.is_set():
-            codes.append(fleet.complete(model).status_code)
+            reply = fleet.complete(model)
+            codes.append(reply.status_code)
+            if reply.status_code != 200:
+                print(f"completion {len(codes)} answered {reply.status_code}: {reply.text}")
 
     sender = threading.Thread(target=send)
     sender.start()

@@ -172,8 +172,11 @@ async def test_a_worker_that_says_it_runs_the_request_is_waited_for_without_hear
     await outlives_silences(nc, worker, heartbeat_interval=60, silence_timeout=0.2)
 
 
-async def test_a_request_the_worker_does_not_know_is_called_silent(connections: tuple[NATS, NATS]) -> None:
-    # The worker answers probes but never got the request (it was lost on the way): waiting is futile.
+async def test_a_request_the_worker_never_took_is_unavailable_there_so_another_instance_takes_it(
+    connections: tuple[NATS, NATS],
+) -> None:
+    # The worker answers probes but never got the request (lost on its way in, as a worker stopping dropped
+    # what NATS had delivered to it): nothing was generated, so it is no migration, but a refusal.
     worker, nc = connections
 
     async def answer_probe(msg: Msg) -> None:
@@ -184,10 +187,41 @@ async def test_a_request_the_worker_does_not_know_is_called_silent(connections: 
     await flush(worker)
     client = RequestClient(nc, silence_timeout=0.2)
     await client.start()
-    with pytest.raises(StreamBroken, match="went silent"):
+    with pytest.raises(WorkerUnavailable, match="never took the request"):
         async with asyncio.timeout(10):
             await anext(client.call(SUBJECT, "h", encode(None)))
     for subscription in lost:
+        await subscription.unsubscribe()
+
+
+async def test_a_request_the_worker_forgot_after_sending_part_of_it_is_a_broken_stream(
+    connections: tuple[NATS, NATS],
+) -> None:
+    # Outputs went out, then the worker lost the request (restarted under the same subject): the client
+    # saw tokens, so only a migration may carry the request on.
+    worker, nc = connections
+
+    async def take_and_forget(msg: Msg) -> None:
+        await worker.publish(msg.reply, msgspec.msgpack.encode(Frame(DATA, 1, payloads=[msgspec.Raw(encode(0))])))
+
+    async def answer_probe(msg: Msg) -> None:
+        probe = msgspec.msgpack.decode(msg.data, type=Probe)
+        await worker.publish(msg.reply, msgspec.msgpack.encode(probe.request_ids))
+
+    forgetful = [
+        await worker.subscribe(SUBJECT, cb=take_and_forget),
+        await worker.subscribe(SUBJECT + ".control", cb=answer_probe),
+    ]
+    await flush(worker)
+    client = RequestClient(nc, silence_timeout=0.2)
+    await client.start()
+    stream = client.call(SUBJECT, "g", encode(None))
+    assert [msgspec.msgpack.decode(payload) for payload in await anext(stream)] == [0]
+    with pytest.raises(StreamBroken, match="went silent"):
+        async with asyncio.timeout(10):
+            await anext(stream)
+    await stream.aclose()
+    for subscription in forgetful:
         await subscription.unsubscribe()
 
 
