@@ -181,9 +181,14 @@ def flotilla_stack(
     ingress_args: Sequence[str] = (),
     log_dir: Path | None = None,
     ingresses: int = 1,
+    disagg: tuple[int, int] | None = None,
 ) -> Iterator[Stack]:
     """Flotilla: etcd, NATS, ``workers`` mocker workers and ``ingresses`` ingress processes (each on a port
     of its own, as replicas behind a load balancer); yields the running Stack.
+
+    ``disagg`` (prefill workers, decode workers) replaces ``workers`` with that many workers of each role
+    (``--disagg-role``, on the model's ``prefill`` and ``decode`` components); ``worker_ids`` lists the
+    decode workers first.
 
     ``overlap_weight`` is ``--kv-overlap-score-weight``: kv routing weighs a block of prefill saved by
     a cache hit this much against a block of decode load.
@@ -198,12 +203,15 @@ def flotilla_stack(
         settings_path = directory / "mocker.json"
         settings_path.write_text(json.dumps(settings))
         processes: list[ServerProcess] = []
-        for number in range(workers):
-            command = flotilla(
-                f"in=dyn://{model}", "out=mocker", "--model-name", model, "--extra-engine-args", str(settings_path)
-            )
-            processes.append(_spawn(command, directory / f"worker-{number}.log", env))
-            stack.callback(processes[-1].stop)
+        roles = [("decode", disagg[1]), ("prefill", disagg[0])] if disagg else [("", workers)]
+        for role, count in roles:
+            where = [f"in=dyn://{model}.{role}.generate", "--disagg-role", role] if role else [f"in=dyn://{model}"]
+            for number in range(count):
+                command = flotilla(
+                    where[0], "out=mocker", "--model-name", model, "--extra-engine-args", str(settings_path), *where[1:]
+                )
+                processes.append(_spawn(command, directory / f"worker-{role or 'agg'}-{number}.log", env))
+                stack.callback(processes[-1].stop)
         fronts: list[ServerProcess] = []
         ports = [free_port() for _ in range(ingresses)]
         for number, port in enumerate(ports):
@@ -248,6 +256,8 @@ def _wait_routed(
         reply = httpx.post(ingress.base_url + "/v1/completions", json=body, timeout=10)
         if reply.status_code == 200:
             answered.add(reply.headers["x-flotilla-instance"])
+            if prefill := reply.headers.get("x-flotilla-prefill-instance"):
+                answered.add(prefill)
         return answered >= set(instance_ids)
 
     _wait(every_worker_answered, [*workers, ingress], directory, "flotilla: a worker never answered")
@@ -282,6 +292,8 @@ _DYNAMO_FLAGS = {
     "dp_size": "--data-parallel-size",
     "startup_time": "--startup-time",
     "preemption_mode": "--preemption-mode",
+    "kv_transfer_bandwidth": "--kv-transfer-bandwidth",
+    "kv_bytes_per_token": "--kv-bytes-per-token",
 }
 #: Keys Dynamo 1.6.1's mocker has no setting for, with the only value both stacks then agree on: its
 #: engine (aisimulate-core 0.13.0) admits as vLLM v1 does, with no watermark.
@@ -390,10 +402,15 @@ def dynamo_stack(
     replica_sync: bool = True,
     python: Path = DYNAMO_PYTHON,
     log_dir: Path | None = None,
+    disagg: tuple[int, int] | None = None,
 ) -> Iterator[Stack]:
     """NVIDIA Dynamo: NATS, one ``dynamo.mocker`` process with ``workers`` workers, and ``frontends``
     frontends, each on its own port (with kv routing and more than one, ``--router-replica-sync`` as
     ``replica_sync`` says: Dynamo's own, the counterpart of Flotilla's).
+
+    ``disagg`` (prefill workers, decode workers) replaces ``workers`` with two mocker processes,
+    ``--disaggregation-mode prefill`` and ``decode`` with that many workers each; the frontend pairs them
+    by itself (``frontend_args`` may add ``--router-conditional-disagg``).
 
     ``overlap_weight`` is ``--router-prefill-load-scale``: Dynamo's cost is that scale × (prompt blocks −
     credit × cached blocks, at least 0) + decode blocks; with the credit left at 1 that is our
@@ -424,12 +441,18 @@ def dynamo_stack(
             # frontend still writes one "route request completed" line per request).
             "DYN_LOG": "warn",
         }
-        mocker = _spawn(
-            [str(python), "-m", "dynamo.mocker", "--model-path", str(model_dir), "--model-name", model,
-             "--num-workers", str(workers), *mocker_flags],
-            directory / "mocker.log", env,
-        )  # fmt: skip
-        stack.callback(mocker.stop)
+        mockers = []
+        for mode, count in [("prefill", disagg[0]), ("decode", disagg[1])] if disagg else [("", workers)]:
+            mode_flags = ["--disaggregation-mode", mode] if mode else []
+            mockers.append(
+                _spawn(
+                    [str(python), "-m", "dynamo.mocker", "--model-path", str(model_dir), "--model-name", model,
+                     "--num-workers", str(count), *mode_flags, *mocker_flags],
+                    directory / f"mocker{'-' + mode if mode else ''}.log", env,
+                )
+            )  # fmt: skip
+            stack.callback(mockers[-1].stop)
+        workers = sum(disagg) if disagg else workers
         frontend_flags = ["--router-mode", router_mode]
         if router_mode == "kv":
             frontend_flags += ["--router-prefill-load-scale", str(overlap_weight)]
@@ -452,7 +475,7 @@ def dynamo_stack(
                 model in _models(front.base_url) and len(_dynamo_instances(front.base_url)) == workers
                 for front in fronts
             ),
-            [mocker, *fronts],
+            [*mockers, *fronts],
             directory,
             "dynamo: the model or a worker never appeared",
         )
@@ -464,7 +487,7 @@ def dynamo_stack(
             block_size=int(mocker_settings.get("block_size", 64)),
             worker_ids=tuple(_dynamo_instances(frontend.base_url)),
             ingress_pids=tuple(front.process.pid for front in fronts),
-            worker_pids=(mocker.process.pid,),
+            worker_pids=tuple(mocker.process.pid for mocker in mockers),
             log_dir=directory,
             worker_fields=DYNAMO_WORKER_FIELDS,
             ports=tuple(ports),

@@ -727,6 +727,8 @@ def _response_headers(base: list[tuple[bytes, bytes]], generation: Generation) -
     headers = [*base, (b"x-request-id", generation.request_id.encode())]
     if generation.context.served_by is not None:
         headers.append((b"x-flotilla-instance", generation.context.served_by.encode()))
+    if generation.context.prefilled_by is not None:
+        headers.append((b"x-flotilla-prefill-instance", generation.context.prefilled_by.encode()))
     return headers
 
 

@@ -12,6 +12,7 @@ from typing import TypeVar
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
 from engines.shared.node_group import MULTINODE_ENGINES, NodeGroup
+from frontend_gateway.routing.disagg_policy import DisaggMode, DisaggPolicy
 from launcher.env_flags import EnvArgumentParser
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, RunOptions
 from launcher.proctitle import run_title, set_title
@@ -19,7 +20,7 @@ from launcher.run_parser import build_run_parser
 from runtime.cluster.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
-from runtime.fleet_contract.engine_names import GPU_ONLY_ENGINES
+from runtime.fleet_contract.engine_names import DISAGG_ENGINES, GPU_ONLY_ENGINES
 from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
 from runtime.logging import configure_logging
 from runtime.settings import check_settings
@@ -122,6 +123,17 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
     if namespace.metrics_port is not None and not input_.startswith("dyn://"):
         where = "in=http serves /metrics on --http-port" if input_ == "http" else f"in={input_} has no /metrics"
         parser.error(f"--metrics-port (FLOTILLA_METRICS_PORT) is a worker's (in=dyn://...); {where}")
+    if namespace.disagg_role not in (None, "aggregated"):
+        if not input_.startswith("dyn://"):
+            parser.error(
+                f"--disagg-role (FLOTILLA_DISAGG_ROLE) {namespace.disagg_role} is a worker's (in=dyn://...): "
+                f"in={input_} serves whole requests"
+            )
+        if output not in DISAGG_ENGINES:
+            parser.error(
+                f"--disagg-role (FLOTILLA_DISAGG_ROLE) {namespace.disagg_role}: out={output} cannot hand a prompt's "
+                f"KV cache to another worker yet; engines that can: {', '.join(DISAGG_ENGINES)}"
+            )
     if namespace.labels and not input_.startswith("dyn://"):
         parser.error(
             f"--labels (FLOTILLA_LABELS) labels a worker's registration: use it with in=dyn://..., not in={input_}"
@@ -156,6 +168,12 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         base_gpu_id=namespace.base_gpu_id,
         gpu_memory_utilization=namespace.gpu_memory_utilization,
         router_replica_sync=namespace.router_replica_sync,
+        disagg_policy=DisaggPolicy(
+            mode=DisaggMode(namespace.disagg_policy),
+            isl_threshold=namespace.disagg_isl_threshold,
+            isl_ratio=namespace.disagg_isl_ratio,
+            prefill_busy=namespace.disagg_prefill_busy,
+        ),
         migration_limit=namespace.migration_limit,
         progress_deadline_s=namespace.progress_deadline,
         max_inflight=namespace.max_inflight,
@@ -166,6 +184,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         quota_redis_url=namespace.quota_redis,
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},
+        disagg_role=namespace.disagg_role or "aggregated",
         metrics_port=namespace.metrics_port,
         num_nodes=nodes.num_nodes,
         node_rank=nodes.node_rank,

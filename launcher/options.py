@@ -4,8 +4,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.shared.node_group import LeaderAddress, NodeGroup
+from frontend_gateway.routing.disagg_policy import DisaggPolicy
 from runtime.fleet_contract.engine_names import IMPLEMENTED_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
+from runtime.protocol import DisaggRole
 
 # The engines (runtime/fleet_contract/engine_names.py), and the ingress.
 ENGINES = (*IMPLEMENTED_ENGINES, "dyn")
@@ -43,6 +45,7 @@ class RunOptions:
     busy_waiting: int | None = None
     #: --router-mode kv: share routing decisions with the other ingress processes (routing/replica_sync.py).
     router_replica_sync: bool = True
+    disagg_policy: DisaggPolicy = field(default_factory=DisaggPolicy)  # --disagg-*: where prompts are computed
     migration_limit: int = 0
     progress_deadline_s: float = 60.0  # out=dyn: FLOTILLA_STREAM_PROGRESS_DEADLINE_S (runtime/request_plane/)
     max_inflight: int = 4096  # admission control of in=http (frontend_gateway/admission.py)
@@ -61,6 +64,7 @@ class RunOptions:
     quota_redis_url: str | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
+    disagg_role: DisaggRole = "aggregated"  # in=dyn: --disagg-role, the part of requests the worker serves
     metrics_port: int | None = None  # in=dyn: serve the worker's own /metrics on http_host:metrics_port
     #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).
     worker_router: PipelineRouter | None = None

@@ -212,6 +212,7 @@ async def run(options: RunOptions) -> int:
                 card,
                 labels=options.labels,
                 router=options.worker_router,
+                role=options.disagg_role,
                 metrics_host=options.http_host,
                 metrics_port=options.metrics_port,
             )
@@ -306,6 +307,7 @@ async def run_ingress(options: RunOptions) -> int:
             busy_kv_usage=options.busy_kv_usage,
             busy_waiting=options.busy_waiting,
             replica_sync=options.router_replica_sync,
+            disagg=options.disagg_policy,
         ),
         migration_limit=options.migration_limit,
         metrics=metrics,

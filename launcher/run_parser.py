@@ -13,9 +13,16 @@ from pathlib import Path
 from engines.shared.node_group import LeaderAddress
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
+from frontend_gateway.routing.disagg_policy import (
+    DEFAULT_ISL_RATIO,
+    DEFAULT_ISL_THRESHOLD,
+    DEFAULT_PREFILL_BUSY,
+    DisaggMode,
+)
 from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser, parse_boolean
 from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.protocol import DISAGG_ROLES
 
 RUN_DESCRIPTION = """\
 Run a model and talk to it, in one process.
@@ -90,6 +97,7 @@ _positive_seconds = number(0.0, above_minimum=True, unit="seconds")
 _non_negative_number = number(0.0)
 _share = number(0.0, 1.0)
 _leader_address = checked_by(LeaderAddress.parse)
+_positive_share_of_step = number(0.0, above_minimum=True)
 
 
 def _busy_share(text: str) -> float:
@@ -140,6 +148,7 @@ def build_run_parser() -> EnvArgumentParser:
     _add_router_choice_flags(run)
     _add_router_busy_flags(run)
     _add_router_state_flags(run)
+    _add_disagg_flags(run)
     _add_stream_recovery_flags(run)
     _add_http_capacity_flags(run)
     _add_api_key_flags(run)
@@ -293,6 +302,15 @@ def _add_worker_flags(parser: EnvArgumentParser) -> None:
         "(the node agent: pipeline, group, replica, node) can tell which instance it is",
     )
     parser.add_flag(
+        "--disagg-role",
+        env="FLOTILLA_DISAGG_ROLE",
+        choices=DISAGG_ROLES,
+        help="in=dyn://...: the part of requests this worker serves when prefill and decode run on separate "
+        "workers: prefill (computes prompts and hands their KV cache on; serve it on a component named "
+        "prefill) or decode (takes that KV and generates; it still computes prompts sent without one). "
+        "Default aggregated: whole requests. Engines: mocker (docs/disaggregation.md)",
+    )
+    parser.add_flag(
         "--metrics-port",
         env="FLOTILLA_METRICS_PORT",
         type=_port,
@@ -411,6 +429,47 @@ def _add_router_state_flags(parser: EnvArgumentParser) -> None:
         type=_positive_seconds,
         default=120.0,
         help="--use-kv-events false: seconds a routed prompt is assumed to stay cached (default 120)",
+    )
+
+
+def _add_disagg_flags(parser: EnvArgumentParser) -> None:
+    """Where the ingress has a model's prompts computed when it has prefill workers (docs/disaggregation.md)."""
+    parser.add_flag(
+        "--disagg-policy",
+        env="FLOTILLA_DISAGG_POLICY",
+        choices=[mode.value for mode in DisaggMode],
+        default=DisaggMode.ALWAYS.value,
+        help="for models with prefill workers (--disagg-role prefill): always (default: every prompt is computed "
+        "on a prefill worker and its KV handed to the decode worker), isl (only prompts with at least "
+        "--disagg-isl-threshold tokens, or --disagg-isl-ratio of their tokens, left to compute on the decode "
+        "worker the router chose; the others are computed there, Dynamo's isl_bounding) or load (only while a "
+        "prefill worker is not busy: --disagg-prefill-busy, Dynamo's prefill_load). Whatever the policy, a prompt "
+        "is computed on its decode worker when no prefill worker is there, every one is busy, or its prefill failed",
+    )
+    parser.add_flag(
+        "--disagg-isl-threshold",
+        env="FLOTILLA_DISAGG_ISL_THRESHOLD",
+        type=_non_negative_int,
+        default=DEFAULT_ISL_THRESHOLD,
+        help=f"--disagg-policy isl: prompt tokens left to compute below which a prompt may stay on its decode "
+        f"worker (default {DEFAULT_ISL_THRESHOLD})",
+    )
+    parser.add_flag(
+        "--disagg-isl-ratio",
+        env="FLOTILLA_DISAGG_ISL_RATIO",
+        type=_share,
+        default=DEFAULT_ISL_RATIO,
+        help=f"--disagg-policy isl: ...and share of the prompt left to compute below which it may (default "
+        f"{DEFAULT_ISL_RATIO})",
+    )
+    parser.add_flag(
+        "--disagg-prefill-busy",
+        env="FLOTILLA_DISAGG_PREFILL_BUSY",
+        type=_positive_share_of_step,
+        default=DEFAULT_PREFILL_BUSY,
+        help=f"--disagg-policy load: a prefill worker with more prompt tokens in flight from this ingress than this "
+        f"many steps of its engine (its max_num_batched_tokens) is busy, and prompts stay on their decode worker "
+        f"(default {DEFAULT_PREFILL_BUSY})",
     )
 
 

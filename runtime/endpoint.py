@@ -36,6 +36,7 @@ from runtime.kv.load_metrics import (
 )
 from runtime.kv.publisher import KvEventPublisher, start_kv_publishing
 from runtime.models.card import ModelCard, ModelType
+from runtime.protocol import DisaggRole
 from runtime.request_plane import EndpointServer, Handler
 from runtime.settings import drain_grace_seconds as drain_grace_seconds  # re-exported for workers
 from runtime.settings import max_request_bytes, max_waiting_requests, stream_ack_deadline_seconds
@@ -109,6 +110,13 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     #: Whether its engine publishes KV events (runtime/kv/publisher.py). KV routers predict the cache of an
     #: instance that does not from their own decisions. (True when a registration does not say: older workers.)
     kv_events: bool = True
+    #: The part of a request's life it serves (``--disagg-role``): a gateway sends prefill-only requests to
+    #: "prefill" instances only, and KV handoffs to "decode" ones only. Older workers register none: aggregated.
+    role: DisaggRole = "aggregated"
+    #: Prompt tokens its engine computes in one step (vLLM's ``max_num_batched_tokens``, over its dp ranks),
+    #: if it says: what a prefill worker's in-flight prompt tokens are measured against (``--disagg-policy
+    #: load``). None: unknown, and such a worker never counts as busy with prefills.
+    prefill_token_capacity: int | None = None
 
 
 class Namespace:
@@ -268,6 +276,8 @@ async def register_model(
     skip_special_tokens: bool = True,
     router: PipelineRouter | None = None,
     embed_subject: str | None = None,
+    role: DisaggRole = "aggregated",
+    prefill_token_capacity: int | None = None,
 ) -> ModelCard:
     """Announce the model ``endpoint`` serves, so that gateways add it to ``/v1/models``.
 
@@ -275,6 +285,8 @@ async def register_model(
     Hugging Face folder or repo) or a ready ``card``. Chat and completion models need only a name.
     ``router`` asks gateways to route the model so (its pipeline's settings); the first instance's wins.
     ``embed_subject`` is where the instance embeds text (``Endpoint.serve_embeddings``), if it does.
+    ``role`` is the part of requests it serves when prefill and decode run on separate workers, and
+    ``prefill_token_capacity`` the prompt tokens its engine computes in a step, if known.
     Returns the card as registered. Raises ModelError / ConfigError on a bad model.
     """
     kind = ModelType(model_type)
@@ -306,6 +318,8 @@ async def register_model(
         embed_subject=embed_subject,
         # Registered before serving, it is not known yet: routers take it that events come, as they did.
         kv_events=endpoint.publishes_kv_events is not False,
+        role=role,
+        prefill_token_capacity=prefill_token_capacity,
     )
     await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
     log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)

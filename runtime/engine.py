@@ -19,13 +19,15 @@ class RequestContext:
     plain attribute so that engine threads can read it without touching the event loop).
     """
 
-    __slots__ = ("request_id", "served_by", "stopped")
+    __slots__ = ("prefilled_by", "request_id", "served_by", "stopped")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.stopped = False
         #: The instance that answered, when the engine is remote (for the x-flotilla-instance header).
         self.served_by: str | None = None
+        #: The instance that computed the prompt, when a prefill worker did (x-flotilla-prefill-instance).
+        self.prefilled_by: str | None = None
 
     def stop(self) -> None:
         """Ask the engine to stop producing outputs for this request."""

@@ -13,6 +13,10 @@ from typing import Any, Literal
 import msgspec
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+#: What part of a request's life a worker serves: all of it, only the prompt (it hands the prompt's KV
+#: cache on), or the rest (it takes a prompt's KV cache from a prefill worker, and generates).
+DisaggRole = Literal["aggregated", "prefill", "decode"]
+DISAGG_ROLES: tuple[DisaggRole, ...] = ("aggregated", "prefill", "decode")
 
 
 class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -41,7 +45,28 @@ class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
 
 
-class PreprocessedRequest(msgspec.Struct, kw_only=True):
+class KvHandoff(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What a prefill worker hands on for one request: where the KV cache of its prompt is, and how to take it.
+
+    The ingress reads only ``prefill_instance``, ``prompt_tokens`` and ``cached_tokens``; ``params`` is for
+    the decode worker's engine of the same ``kind`` (vLLM: the connector's ``kv_transfer_params``).
+    """
+
+    #: The engine that wrote it ("mocker", "vllm"): a decode worker of another kind computes the prompt itself.
+    kind: str
+    #: The instance that computed the prompt's KV (and may hold its blocks for the transfer): set by the
+    #: ingress, which chose it (engines do not know their instance id and leave 0).
+    prefill_instance: int = 0
+    #: Prompt tokens the KV covers (the whole prompt the prefill worker was sent).
+    prompt_tokens: int
+    #: Prompt tokens the prefill worker found in its cache: the client's ``cached_tokens``.
+    cached_tokens: int = 0
+    #: The mocker's modelled transfer time, in simulated seconds: the decode side waits it first.
+    transfer_s: float = 0.0
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A token-level request: the prompt already templated and tokenized by the gateway."""
 
     request_id: str
@@ -61,6 +86,12 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True):
     #: Report each token's log probability and this many most likely alternatives (0: none); None:
     #: no log probabilities. Only engines whose card says ``logprobs`` are sent one.
     logprobs: int | None = None
+    #: To a prefill worker: compute the prompt and hand its KV on; the last output carries the ``handoff``
+    #: (its tokens are not the client's). Sent only to instances registered with the role "prefill".
+    prefill_only: bool = False
+    #: To a decode worker: the prompt's KV computed by a prefill worker, to take instead of computing it.
+    #: None: the worker computes the prompt itself (an aggregated request, a fallback, a migration).
+    handoff: KvHandoff | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -81,6 +112,8 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     cached_tokens: int | None = None
     #: One per token of ``token_ids``, when the request asked for log probabilities.
     logprobs: list[TokenLogprob] | None = None
+    #: On the last output of a ``prefill_only`` request: where its prompt's KV is, for a decode worker.
+    handoff: KvHandoff | None = None
 
 
 class TextRequest(msgspec.Struct, kw_only=True):

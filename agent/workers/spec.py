@@ -92,6 +92,9 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
             "--use-kv-events", "true" if router.use_kv_events else "false",
             "--router-generation", str(router.generation),
         ]  # fmt: skip
+    if spec.group in ("prefill", "decode"):
+        # Registered with the model: gateways send it only its part of each request.
+        argv += ["--disagg-role", spec.group]
     argv += ["--labels", format_labels(worker_labels(spec, node))]
     return argv
 

@@ -7,7 +7,7 @@ node's agent reports it runs, and deploying one no node runs is refused (``contr
 
 from django.db import models
 
-from runtime.fleet_contract.engine_names import ENGINE_LABELS, GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
+from runtime.fleet_contract.engine_names import DISAGG_ENGINES, ENGINE_LABELS, GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 
 # Members named as the values in capitals (Engine.MOCKER == "mocker"), labelled as the dashboard shows them.
 Engine = models.TextChoices("Engine", [(name.upper(), (name, label)) for name, label in ENGINE_LABELS.items()])
@@ -15,7 +15,7 @@ Engine = models.TextChoices("Engine", [(name.upper(), (name, label)) for name, l
 #: The engines every install of Flotilla runs (no optional package): an agent of this version reports them all.
 ENGINES_IN_EVERY_INSTALL = frozenset({"mocker", "echo_core", "echo_full"})
 
-__all__ = ["GGUF_ONLY_ENGINES", "GPU_ONLY_ENGINES", "Engine", "install_hint"]
+__all__ = ["DISAGG_ENGINES", "GGUF_ONLY_ENGINES", "GPU_ONLY_ENGINES", "Engine", "install_hint"]
 
 
 def install_hint(engine: str) -> str:

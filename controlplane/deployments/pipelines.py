@@ -19,7 +19,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 
 from controlplane.audit.records import JSON, Actor, record, snapshot
-from controlplane.catalog.engines import GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
+from controlplane.catalog.engines import DISAGG_ENGINES, GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
 from controlplane.deployments import served_names
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
@@ -344,6 +344,12 @@ def _check_groups(model: LanguageModel, groups: Sequence[GroupSpec], pinned_gpus
             raise Invalid(f"{where}: {engine} runs on GPUs; set gpus_per_replica to 1 or more", field="groups")
         if engine in GGUF_ONLY_ENGINES and not model.is_gguf:
             raise Invalid(f"{where}: {engine} loads GGUF files and model {model.name} is not one", field="groups")
+        if spec.role != WorkerGroup.Role.AGGREGATED and engine not in DISAGG_ENGINES:
+            raise Invalid(
+                f"{where}: {engine} cannot hand a prompt's KV cache between workers yet; engines that can: "
+                f"{', '.join(DISAGG_ENGINES)} (or deploy one aggregated group)",
+                field="groups",
+            )
     _check_pinned_gpus(pinned_gpus, groups)
 
 

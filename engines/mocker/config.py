@@ -48,6 +48,12 @@ class MockerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     startup_time: NonNegativeFloat | None = None
     #: Which running sequence makes room when blocks run out: the newest (vLLM v1) or the oldest.
     preemption_mode: Literal["lifo", "fifo"] = "lifo"
+    #: Disaggregated serving: how fast a prompt's KV moves from a prefill worker to a decode worker, in GB/s
+    #: (Dynamo's ``--kv-transfer-bandwidth``; NVLink ~450, InfiniBand ~64). None or 0: it takes no time.
+    kv_transfer_bandwidth: NonNegativeFloat | None = None
+    #: Bytes of KV cache per token (layers × 2 × KV heads × head size × dtype bytes; SmolLM2-135M in
+    #: bf16: 23040). None: the transfer takes no time.
+    kv_bytes_per_token: PositiveInt | None = None
 
 
 KNOWN_KEYS: tuple[str, ...] = MockerConfig.__struct_fields__

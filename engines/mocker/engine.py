@@ -7,9 +7,18 @@ loop: plan a step, wait its simulated time, apply it, hand each sequence's new t
 consumer. A request goes to the rank the router chose (``dp_rank``), else to the least loaded one.
 
 It is a ``KvEventSource``: once a sink is attached, every step's KV events (blocks stored,
-removed, all cleared) go to it per rank as the step is scheduled, before its simulated time (vLLM
-v1's scheduler publishes them before the forward pass), and ``load()`` / ``cache_state()`` say what
-each rank holds, so that the worker publishes them as a real engine's would (runtime/kv/publisher.py).
+removed, all cleared) go to it per rank once the step's simulated time has passed (as Dynamo's
+mocker publishes them: a router never sends a request after blocks still being computed), and
+``load()`` / ``cache_state()`` say what each rank holds, so that the worker publishes them as a real
+engine's would (runtime/kv/publisher.py).
+
+Disaggregated serving (docs/disaggregation.md): sent a ``prefill_only`` request, it computes the prompt and
+one token and ends with a ``KvHandoff`` whose ``transfer_s`` is the modelled time to move the prompt's KV
+(prompt tokens × ``kv_bytes_per_token`` ÷ ``kv_transfer_bandwidth``, as Dynamo's mocker models it). Sent a
+request with a mocker ``handoff``, it waits that time (over ``speedup_ratio``), then admits the sequence as
+any other, blocks and budget included, but its prompt costs no prefill time: the KV came computed. A
+decode worker still times a prompt it computes itself (no handoff, or after a preemption), unlike
+Dynamo's mocker, whose decode workers take every prefill for free.
 
 A step loop that fails is logged, every request it held fails with an EngineError, and the rank
 starts again with an empty cache (routers are told: all cleared); nothing waits forever.
@@ -29,7 +38,7 @@ from engines.mocker.timing import StepTimer
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
 from runtime.kv.events import AllCleared, BlockStored, KvEventSink, WorkerLoad
-from runtime.protocol import EngineOutput, PreprocessedRequest
+from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +55,8 @@ MAX_LAG_S = 0.02
 #: (tens of microseconds), so at high speed-ups the steps run on and the clock makes up the difference
 #: once the simulated time it owes passes this.
 MIN_SLEEP_S = 0.00005
+#: ``KvHandoff.kind`` of a mocker's prefill: another mocker takes it; any other engine computes the prompt.
+MOCKER_HANDOFF = "mocker"
 
 
 class _Rank:
@@ -78,6 +89,8 @@ class MockerEngine:
         self._ranks = [_Rank(index, Scheduler(config)) for index in range(config.dp_size)]
         self._sink: KvEventSink | None = None
         self._running = False
+        #: Prompt tokens it computes in a step, over its ranks (registered: ``--disagg-policy load`` reads it).
+        self.prefill_token_capacity = config.max_num_batched_tokens * config.dp_size
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -114,9 +127,17 @@ class MockerEngine:
         if not self._running:
             raise EngineError("the mocker engine is not running")
         max_tokens = request.stop_conditions.max_tokens
+        if request.prefill_only:
+            max_tokens = 1  # the prompt and the token its pass gives: the rest is the decode worker's
         if max_tokens <= 0:
             yield EngineOutput([], "length", cached_tokens=0)
             return
+        handoff = request.handoff
+        transferred = handoff is not None and handoff.kind == MOCKER_HANDOFF
+        if transferred and handoff is not None and (wait := self._simulated(handoff.transfer_s)) > 0:
+            await asyncio.sleep(wait)  # the prompt's KV on its way from the prefill worker
+            if context.stopped:
+                return
         seed = request.sampling.seed
         sequence = Sequence(
             request.request_id,
@@ -127,6 +148,7 @@ class MockerEngine:
             stop=context,
             eos_token_ids=request.eos_token_ids,
         )
+        sequence.transferred = transferred
         rank = self._pick_rank(request.dp_rank)
         scheduler = rank.scheduler
         scheduler.add(sequence)
@@ -146,7 +168,10 @@ class MockerEngine:
                     return  # the client went away: nobody reads any more
                 tokens = sequence.outbox
                 sequence.outbox = []
-                yield EngineOutput(tokens, finish, sequence.cached_tokens if first else None)
+                output = EngineOutput(tokens, finish, sequence.cached_tokens if first else None)
+                if request.prefill_only and finish is not None:
+                    output.handoff = self._handoff(len(request.token_ids), sequence.cached_tokens or 0)
+                yield output
                 first = False
                 if finish is not None or context.stopped:
                     return
@@ -154,6 +179,22 @@ class MockerEngine:
             # Stopped, cancelled or closed early: the blocks go back now, not at the next step.
             if not sequence.done:
                 scheduler.abort(sequence)
+
+    def _handoff(self, prompt_tokens: int, cached_tokens: int) -> KvHandoff:
+        """What a prefill of ``prompt_tokens`` hands on: the modelled time its KV takes to move (simulated s)."""
+        config = self.config
+        transfer_s = 0.0
+        if config.kv_transfer_bandwidth and config.kv_bytes_per_token:
+            transfer_s = prompt_tokens * config.kv_bytes_per_token / (config.kv_transfer_bandwidth * 1e9)
+        return KvHandoff(
+            kind=MOCKER_HANDOFF, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+            transfer_s=transfer_s,
+        )  # fmt: skip
+
+    def _simulated(self, seconds: float) -> float:
+        """Real seconds for ``seconds`` of simulated time (0 at speed-up 0: nothing waits)."""
+        speedup = self.config.speedup_ratio
+        return seconds / speedup if speedup else 0.0
 
     def _pick_rank(self, dp_rank: int | None) -> _Rank:
         ranks = self._ranks

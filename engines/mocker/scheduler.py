@@ -87,6 +87,7 @@ class Sequence:
         "request_id",
         "rng",
         "stop",
+        "transferred",
         "vocab_size",
         "waiter",
     )
@@ -126,6 +127,9 @@ class Sequence:
         self.done = False
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        #: Its prompt's KV came computed from a prefill worker (a handoff): the prompt takes blocks and
+        #: budget, but no prefill time. False again once preempted: the prompt is then recomputed here.
+        self.transferred = False
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens ``start`` to ``end`` of prompt + output."""
@@ -164,7 +168,8 @@ class Step:
         """The new prompt tokens this step's prefill is timed by (timing.py), counted as Dynamo's mocker counts
         them: n, the sequences that compute prompt tokens in the step, times the integer mean of their prompt
         lengths so far less the integer mean of what they had computed before (their sum, give or take n - 1).
-        Output tokens recomputed after a preemption are not prompt tokens: they take budget, not prefill time.
+        Output tokens recomputed after a preemption are not prompt tokens: they take budget, not prefill time;
+        nor is a prompt whose KV a prefill worker handed over (``Sequence.transferred``).
 
         Read before ``Scheduler.complete`` applies the step (it moves what the sequences have computed).
         """
@@ -172,7 +177,7 @@ class Step:
         for sequence, tokens in self.scheduled.items():
             prompt = len(sequence.prompt)
             before = sequence.num_computed
-            if before < prompt:
+            if before < prompt and not sequence.transferred:
                 count += 1
                 total_after += min(before + tokens, prompt)
                 total_before += before
@@ -451,6 +456,7 @@ class Scheduler:
         self.cache.free(sequence.blocks)
         sequence.num_computed = 0
         sequence.prefilling = True
+        sequence.transferred = False
         self.waiting.appendleft(sequence)
         self.preemptions += 1
 

@@ -23,19 +23,28 @@ progress deadlines passed are told to the model's ``health`` (the gateway's metr
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Literal
 
 import msgspec
 
 from frontend_gateway.models.remote_embeddings import RemoteEmbedder
+from frontend_gateway.routing.disagg_policy import DisaggMode, DisaggPolicy, prefill_busy
 from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
 from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge
-from runtime.protocol import EngineOutput, PreprocessedRequest, StopConditions, TextOutput, TextRequest, TokenLogprob
+from runtime.protocol import (
+    EngineOutput,
+    KvHandoff,
+    PreprocessedRequest,
+    StopConditions,
+    TextOutput,
+    TextRequest,
+    TokenLogprob,
+)
 from runtime.request_plane import (
     RemoteError,
     RequestClient,
@@ -125,9 +134,18 @@ class _RemoteBase:
 
 
 class RemoteTokenEngine(_RemoteBase):
-    """A token engine that forwards to the model's instances, migrating on a broken stream."""
+    """A token engine that forwards to the model's instances, migrating on a broken stream.
+
+    With prefill workers (``prefill_pool`` gives their engine, the watcher's pool of the model's "prefill"
+    instances), a request's prompt is computed on one of them and its KV handed to the decode worker the
+    router chose, unless ``disagg`` says the decode worker should compute it: ``prefill()`` runs that leg.
+    """
 
     kind: Literal["token"] = "token"
+    #: The engine of the model's prefill instances while it has some (None: every prompt is computed where
+    #: it decodes), and where prompts are computed then.
+    prefill_pool: Callable[[], "RemoteTokenEngine | None"] | None = None
+    disagg: DisaggPolicy = DisaggPolicy()
 
     def __init__(
         self,
@@ -142,6 +160,8 @@ class RemoteTokenEngine(_RemoteBase):
         super().__init__(name, instances, router, runtime, migration_limit)
         self.skip_special_tokens = skip_special_tokens
         self._embedder = RemoteEmbedder(name)
+        #: As a prefill pool's engine: prompt tokens this ingress sent each instance and not yet heard done.
+        self._prefilling: dict[int, int] = {}
 
     async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
         """Embed ``texts`` on the instances whose workers embed (remote_embeddings.py): one unit-length
@@ -157,6 +177,9 @@ class RemoteTokenEngine(_RemoteBase):
         tried: set[int] = set()
         migrations = 0
         busy_refusals = False
+        # Where the prompt was computed, once decided: its handoff (remote), or False (local, or no prefill
+        # workers); None until the first attempt is routed.
+        handoff: KvHandoff | Literal[False] | None = None if self.prefill_pool is not None else False
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
@@ -171,6 +194,10 @@ class RemoteTokenEngine(_RemoteBase):
                 attempt = msgspec.structs.replace(attempt, dp_rank=decision.dp_rank)
             prefilling = True
             try:
+                if handoff is None:
+                    handoff = await self._disaggregate(attempt, decision.prefill_tokens, client, context)
+                if handoff and not generated:
+                    attempt = msgspec.structs.replace(attempt, handoff=handoff)
                 # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.
                 async with aclosing(client.call(instance.subject, request.request_id, _encode(attempt))) as frames:
                     async for frame in frames:
@@ -178,6 +205,9 @@ class RemoteTokenEngine(_RemoteBase):
                             prefilling = False
                             self.router.prefill_done(request.request_id)
                         output = merge_engine_outputs([_engine_output.decode(data) for data in frame])
+                        if handoff and not generated and output.cached_tokens is not None:
+                            # The prompt's KV came from the prefill worker: what it found cached is the client's.
+                            output.cached_tokens = handoff.cached_tokens
                         generated.extend(output.token_ids)
                         yield output
                         if output.finish_reason is not None:
@@ -213,6 +243,109 @@ class RemoteTokenEngine(_RemoteBase):
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
             finally:
                 self.router.finished(request.request_id)
+
+    async def _disaggregate(
+        self, request: PreprocessedRequest, uncached_tokens: int, client: RequestClient, context: RequestContext
+    ) -> KvHandoff | Literal[False]:
+        """Where ``request``'s prompt is computed: on a prefill worker (its handoff) or, False, on the decode
+        worker chosen, which lacks ``uncached_tokens`` of it (as its router believes). Counted by reason."""
+        prefill = self.prefill_pool() if self.prefill_pool is not None else None
+        prompt_tokens = len(request.token_ids)
+        reason = self.disagg.decide(prompt_tokens, uncached_tokens)
+        handoff: KvHandoff | None = None
+        if reason is None:
+            if prefill is None:
+                reason = "no_prefill"
+            else:
+                load_share = self.disagg.prefill_busy if self.disagg.mode is DisaggMode.LOAD else None
+                handoff, reason = await prefill.prefill(request, client, context, busy_share=load_share)
+        if self.health is not None:
+            self.health.disagg_decision("remote" if handoff is not None else "local", reason)
+        if handoff is None:
+            return False
+        # The decode worker computes none of the prompt: its router counts no prefill load for it from now.
+        self.router.prefill_done(request.request_id)
+        return handoff
+
+    async def prefill(
+        self,
+        request: PreprocessedRequest,
+        client: RequestClient,
+        context: RequestContext,
+        *,
+        busy_share: float | None = None,
+    ) -> tuple[KvHandoff | None, str]:
+        """Compute ``request``'s prompt on one of this pool's (prefill) instances: its KV handoff and "policy",
+        or None and why none did ("busy", "load", "no_prefill", "prefill_failed"). Instances that refuse or
+        fail are each tried once; those past a busy threshold are not (with ``busy_share``, neither are
+        those with more prompt tokens in flight from here than that share of their step: "load"). A request
+        an instance finds too large is the client's error (PayloadTooLarge). Nothing has reached the client
+        yet, so failing here only moves the prompt to the decode worker."""
+        prefill_request = msgspec.structs.replace(request, prefill_only=True, handoff=None, dp_rank=None)
+        tried: set[int] = set()
+        failed = False
+        while True:
+            candidates = self._candidates(client, tried, admitted=True)
+            busy = self.router.busy
+            free = [info for info in candidates if not busy(info.instance_id)]
+            if candidates and not free:
+                return None, "busy"
+            if busy_share is not None:
+                prefilling = self._prefilling
+                free = [
+                    info for info in free
+                    if not prefill_busy(prefilling.get(info.instance_id, 0), info.prefill_token_capacity, busy_share)
+                ]  # fmt: skip
+                if candidates and not free:
+                    return None, "load"
+            decision = self.router.choose(prefill_request, free)
+            if decision is None:
+                return None, "prefill_failed" if failed else "no_prefill"
+            instance = decision.instance
+            tried.add(instance.instance_id)
+            attempt = prefill_request
+            if decision.dp_rank is not None:
+                attempt = msgspec.structs.replace(attempt, dp_rank=decision.dp_rank)
+            handoff: KvHandoff | None = None
+            prompt_tokens = len(request.token_ids)
+            self._prefilling[instance.instance_id] = self._prefilling.get(instance.instance_id, 0) + prompt_tokens
+            try:
+                async with aclosing(client.call(instance.subject, request.request_id, _encode(attempt))) as frames:
+                    async for frame in frames:
+                        self.router.prefill_done(request.request_id)
+                        for data in frame:
+                            output = _engine_output.decode(data)
+                            if output.handoff is not None:
+                                handoff = output.handoff
+                if handoff is not None:
+                    context.prefilled_by = instance.name
+                    return msgspec.structs.replace(handoff, prefill_instance=instance.instance_id), "policy"
+                log.warning(
+                    "prefill instance %s of %r answered request %s without a KV handoff; the decode worker computes "
+                    "the prompt", instance.name, self.name, request.request_id,
+                )  # fmt: skip
+            except (WorkerBusy, WorkerUnavailable) as exc:
+                log.debug(
+                    "prefill instance %s of %r did not take request %s: %s",
+                    instance.name,
+                    self.name,
+                    request.request_id,
+                    exc,
+                )
+            except RequestTooLarge as exc:
+                raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
+            except (StreamBroken, RemoteError) as exc:
+                log.warning(
+                    "the prefill of request %s of %r on instance %s failed (%s); trying elsewhere",
+                    request.request_id, self.name, instance.name, exc,
+                )  # fmt: skip
+            finally:
+                self.router.finished(request.request_id)
+                if (left := self._prefilling.get(instance.instance_id, 0) - prompt_tokens) > 0:
+                    self._prefilling[instance.instance_id] = left
+                else:
+                    self._prefilling.pop(instance.instance_id, None)
+            failed = True
 
 
 def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
@@ -263,6 +396,7 @@ def _resume(request: PreprocessedRequest, generated: list[int]) -> PreprocessedR
         request,
         token_ids=request.token_ids + generated,
         migrated_tokens=request.migrated_tokens + len(generated),
+        handoff=None,  # the new instance computes the prompt and tokens so far itself
         stop_conditions=StopConditions(
             max_tokens=stop.max_tokens - len(generated),
             min_tokens=max(0, stop.min_tokens - len(generated)),

@@ -20,6 +20,11 @@ between settings of one generation the first instance's. A registration that can
 malformed entry, a tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it
 never stops the watch.
 
+Prefill workers (registered with the role "prefill", ``flotilla run --disagg-role prefill``) make a pool of
+their own per model, with its own router on their component, which serves nothing by itself: the model's
+(aggregated or decode) pool sends each request's prompt there first, as its ``DisaggPolicy`` decides
+(remote_engines.py), while the prefill pool has an instance whose card matches its own.
+
 A model's first instance takes a few hundred ms to take in (its tokenizer fetched and built, its router
 started) after it registered, which is when its agent reports it ready: a request for that model in the
 meantime waits for the pool (``arrival``, at most ARRIVAL_WAIT_S) instead of being refused.
@@ -156,6 +161,8 @@ class ModelWatcher:
         self.migration_limit = migration_limit
         self.metrics = metrics
         self._pools: dict[str, _Pool] = {}
+        self._prefill_pools: dict[str, _Pool] = {}  # model name -> its prefill instances, when it has some
+        self._mismatch_warned: set[str] = set()  # models whose prefill pool's card differs from their pool's
         self._pooled: dict[str, ModelEntry] = {}  # etcd key -> the entry of an instance in a pool
         self._refused: dict[str, ModelEntry] = {}  # etcd key -> an entry kept out of its model's pool
         self._router_warned: set[str] = set()  # etcd keys whose ignored router settings were logged
@@ -187,7 +194,8 @@ class ModelWatcher:
         Registrations that arrive afterwards build no pool (their router would never be closed).
         """
         self._closed = True
-        pools, self._pools = list(self._pools.values()), {}
+        pools = [*self._pools.values(), *self._prefill_pools.values()]
+        self._pools, self._prefill_pools = {}, {}
         for pool in pools:
             await _close_router(pool)
 
@@ -206,7 +214,7 @@ class ModelWatcher:
             raise EngineError(f"malformed model entry: {exc}") from exc
         name = entry.card.name
         arrival = None
-        if name not in self._pools and name not in self._arrivals and not self._closed:
+        if entry.role != "prefill" and name not in self._pools and name not in self._arrivals and not self._closed:
             arrival = self._arrivals[name] = asyncio.Event()  # its first instance: requests wait for the pool
         try:
             if not self._still_fits(event.key, entry):
@@ -230,28 +238,55 @@ class ModelWatcher:
     def _still_fits(self, key: str, entry: ModelEntry) -> bool:
         """Whether ``key``, pooled already, may stay in its pool with ``entry`` (else it is forgotten first)."""
         previous = self._pooled.get(key)
-        if previous is None or previous.card.name != entry.card.name:
+        if previous is None or previous.card.name != entry.card.name or previous.role != entry.role:
             return False
-        pool = self._pools.get(entry.card.name)
+        pool = self._pools_of(entry).get(entry.card.name)
         return pool is not None and not card_differences(pool.entry, entry)
+
+    def _pools_of(self, entry: ModelEntry) -> dict[str, _Pool]:
+        """The pools ``entry``'s instance belongs in: the prefill pools, or the served models' pools."""
+        return self._prefill_pools if entry.role == "prefill" else self._pools
+
+    def _prefill_engine(self, name: str) -> RemoteTokenEngine | None:
+        """The engine of model ``name``'s prefill instances, if it has some whose card matches its pool's."""
+        prefill, pool = self._prefill_pools.get(name), self._pools.get(name)
+        if prefill is None or pool is None or not isinstance(prefill.engine, RemoteTokenEngine):
+            return None
+        if differences := card_differences(pool.entry, prefill.entry):
+            if name not in self._mismatch_warned:
+                self._mismatch_warned.add(name)
+                details = ", ".join(f"{field} ({values})" for field, values in differences.items())
+                log.warning(
+                    "the prefill instances of model %r are not used: their card differs from its pool's in %s",
+                    name, details,
+                )  # fmt: skip
+            return None
+        return prefill.engine
 
     async def _admit(self, key: str, entry: ModelEntry) -> None:
         """Add the instance to its model's pool, creating the pool, or refuse it if its card differs."""
         name = entry.card.name
-        pool = self._pools.get(name)
+        pools = self._pools_of(entry)
+        pool = pools.get(name)
         if pool is None:
             if self._closed:
                 return
+            if entry.role == "prefill" and entry.card.model_type is not ModelType.TOKENS:
+                raise EngineError(f"prefill instances need a token-level model; {name!r} is {entry.card.model_type}")
             pool = await self._build(entry, key)
             try:
                 await pool.router.start()
             except BaseException:
                 await _close_router(pool)
                 raise
-            self._pools[name] = pool
-            self.registry.add(pool.served)
+            pools[name] = pool
             mode = self.settings_for(entry).mode.value
-            log.info("model %r is now served (%s, %s routing)", name, entry.card.model_type.value, mode)
+            if entry.role == "prefill":
+                self._mismatch_warned.discard(name)
+                log.info("model %r has prefill instances now (%s routing)", name, mode)
+            else:
+                self.registry.add(pool.served)
+                log.info("model %r is now served (%s, %s routing)", name, entry.card.model_type.value, mode)
         elif differences := card_differences(pool.entry, entry):
             self._refused[key] = entry
             details = ", ".join(f"{field} ({values})" for field, values in differences.items())
@@ -273,8 +308,9 @@ class ModelWatcher:
                 entry.instance_id, name, details,
             )  # fmt: skip
         instance = InstanceInfo(
-            entry.instance_id, entry.subject, endpoint_of_model_key(key), entry.embed_subject, entry.kv_events
-        )
+            entry.instance_id, entry.subject, endpoint_of_model_key(key), entry.embed_subject, entry.kv_events,
+            entry.prefill_token_capacity,
+        )  # fmt: skip
         pool.instances.add(instance)
         pool.router.instance_added(instance)
         self._pooled[key] = entry
@@ -315,22 +351,28 @@ class ModelWatcher:
         if entry is None:
             return
         name = entry.card.name
-        pool = self._pools.get(name)
+        pools = self._pools_of(entry)
+        pool = pools.get(name)
         if pool is None:
             return
         pool.instances.remove(entry.instance_id)
         pool.router.instance_removed(entry.instance_id)
         if pool.instances:
             return
-        del self._pools[name]
-        self.registry.remove(name)
+        del pools[name]
         await _close_router(pool)
-        log.info("model %r has no instance left and is no longer served", name)
-        await self._readmit(name)
+        if entry.role == "prefill":
+            log.info("model %r has no prefill instance left: its prompts are computed where they decode", name)
+        else:
+            self.registry.remove(name)
+            log.info("model %r has no instance left and is no longer served", name)
+        await self._readmit(name, prefill=entry.role == "prefill")
 
-    async def _readmit(self, name: str) -> None:
-        """Give the instances refused from ``name``'s emptied pool their turn: the first founds a new pool."""
-        for key, entry in [(key, entry) for key, entry in self._refused.items() if entry.card.name == name]:
+    async def _readmit(self, name: str, *, prefill: bool) -> None:
+        """Give the instances refused from ``name``'s emptied pool (its prefill pool) their turn: the first
+        founds a new pool."""
+        refused = self._refused.items()
+        for key, entry in [(k, e) for k, e in refused if e.card.name == name and (e.role == "prefill") == prefill]:
             del self._refused[key]
             try:
                 await self._admit(key, entry)
@@ -339,7 +381,8 @@ class ModelWatcher:
                 log.warning("skipped model registration %s: %s: %s", key, type(exc).__name__, exc)
 
     async def _build(self, entry: ModelEntry, key: str) -> _Pool:
-        """A pool for ``entry``'s model, its router built but not started. Raises EngineError if it cannot be."""
+        """A pool for ``entry``'s model (its prefill pool for a prefill instance), its router built but not
+        started. Raises EngineError if it cannot be."""
         card = entry.card
         instances = InstanceSet()
         router = self._router(entry, key)
@@ -351,7 +394,13 @@ class ModelWatcher:
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
-            engine.health = self._health(card.name)
+            if entry.role == "prefill":
+                engine.health = self._health(f"{card.name}/prefill")
+            else:
+                name = card.name
+                engine.health = self._health(name)
+                engine.prefill_pool = lambda: self._prefill_engine(name)
+                engine.disagg = self.settings_for(entry).disagg
             return _Pool(TokenModel(card, engine), engine, router, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
         text_engine.health = self._health(card.name)

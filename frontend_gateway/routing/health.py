@@ -27,6 +27,11 @@ class RoutingHealth(KvSubscriberHealth, Protocol):
         """A request moved to another instance after its stream broke for ``cause`` (``StreamBroken.cause``)."""
         ...
 
+    def disagg_decision(self, path: str, reason: str) -> None:
+        """A request of a model with prefill workers had its prompt computed on one (``path`` "remote") or where
+        it decodes ("local"), for ``reason`` (disagg_policy.py, models/remote_engines.py)."""
+        ...
+
     def deadline_expired(self, deadline: str) -> None:
         """A stream passed one of the request plane's deadlines (``progress``: no output in time)."""
         ...

@@ -23,6 +23,11 @@ What each says, and what to do when it moves:
 * ``flotilla_router_busy_refusals_total``: requests answered 503 ``all_workers_busy``.
 * ``flotilla_router_migrations_total{cause}``: requests moved to another worker mid-stream, by why
   their stream broke (``cut``, ``silent``, ``frames_lost``, ``stalled``).
+* ``flotilla_router_disagg_decisions_total{path,reason}``: for a model with prefill workers, where each
+  request's prompt was computed: ``remote`` (``policy``: on a prefill worker) or ``local`` (on its decode
+  worker: ``isl``, little left to compute there; ``no_prefill``, no prefill worker routable; ``busy``, every
+  one busy; ``prefill_failed``, the prefill workers tried failed; ``migration``, a moved request). A
+  growing ``prefill_failed`` or ``busy`` share means the prefill group is short or failing.
 * ``flotilla_router_deadline_expiries_total{deadline}``: streams that passed a request-plane deadline
   at this ingress (``progress``: no output for ``--progress-deadline``). The worker's side, the ack
   deadline, is the worker's ``flotilla_worker_ack_deadline_expiries_total``.
@@ -114,6 +119,13 @@ class RoutingCollectors:
             ["model", "deadline"],
             registry=r,
         )
+        self.disagg_decisions = Counter(
+            f"{prefix}_disagg_decisions",
+            "Requests of a model with prefill workers by where their prompt was computed (path remote: a prefill "
+            "worker; local: the decode worker) and why.",
+            ["model", "path", "reason"],
+            registry=r,
+        )
         self.replica_sync_delay = Histogram(
             f"{prefix}_replica_sync_delay_seconds",
             "Seconds from another router replica sending a batch of its decisions to this router applying it "
@@ -131,6 +143,7 @@ class ModelRoutingMetrics:
         "_busy_refusals",
         "_cost_spread",
         "_deadlines",
+        "_disagg",
         "_families",
         "_gaps",
         "_malformed",
@@ -157,6 +170,7 @@ class ModelRoutingMetrics:
         self._sync_delay = families.replica_sync_delay.labels(model=model)
         self._migrations: dict[str, Any] = {}
         self._deadlines: dict[str, Any] = {}
+        self._disagg: dict[tuple[str, str], Any] = {}
 
     def gap(self) -> None:
         self._gaps.inc()
@@ -183,6 +197,14 @@ class ModelRoutingMetrics:
         child = self._migrations.get(cause)
         if child is None:
             child = self._migrations[cause] = self._families.migrations.labels(model=self.model, cause=cause)
+        child.inc()
+
+    def disagg_decision(self, path: str, reason: str) -> None:
+        child = self._disagg.get((path, reason))
+        if child is None:
+            child = self._disagg[path, reason] = self._families.disagg_decisions.labels(
+                model=self.model, path=path, reason=reason
+            )
         child.inc()
 
     def deadline_expired(self, deadline: str) -> None:

@@ -14,9 +14,10 @@ and testable. Routers that learn from the network (the KV router) do that I/O in
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from frontend_gateway.routing.disagg_policy import DisaggPolicy
 from runtime.cluster.addressing import EndpointAddress
 from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 from runtime.protocol import PreprocessedRequest, TextRequest
@@ -47,6 +48,8 @@ class InstanceInfo:
     #: Whether its engine publishes KV events (``ModelEntry.kv_events``); a KV router predicts the cache of
     #: one that does not from its own decisions.
     kv_events: bool = True
+    #: Prompt tokens its engine computes in one step (``ModelEntry.prefill_token_capacity``), if it says.
+    prefill_token_capacity: int | None = None
 
     @property
     def name(self) -> str:
@@ -90,6 +93,8 @@ class RouterSettings:
     busy_waiting: int | None = None
     #: Share decisions with the pool's routers in other ingress processes (routing/replica_sync.py).
     replica_sync: bool = False
+    #: Where prompts are computed when a model has prefill workers (routing/disagg_policy.py).
+    disagg: DisaggPolicy = field(default_factory=DisaggPolicy)
     seed: int | None = None  # for tests: repeatable random choices
 
     def __post_init__(self) -> None:

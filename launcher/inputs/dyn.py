@@ -23,7 +23,7 @@ from runtime.engine import Embedder, Engine, RequestContext
 from runtime.fleet_contract.router_settings import PipelineRouter
 from runtime.kv.events import KvEventSource
 from runtime.models.card import ModelCard, ModelType
-from runtime.protocol import EmbedOutput, EmbedRequest, PreprocessedRequest, TextRequest, float32_bytes
+from runtime.protocol import DisaggRole, EmbedOutput, EmbedRequest, PreprocessedRequest, TextRequest, float32_bytes
 from runtime.request_plane import Handler
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,15 @@ async def serve_worker(
     *,
     labels: dict[str, str] | None = None,
     router: PipelineRouter | None = None,
+    role: DisaggRole = "aggregated",
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
 ) -> None:
     """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
 
     ``labels`` go into the instance's etcd registration (``--labels``); ``router`` (the ``--router-*`` flags
-    given to a worker) into its model's, for gateways to route it so. With ``metrics_port``, the worker's
+    given to a worker) into its model's, for gateways to route it so; ``role`` (``--disagg-role``) too, so
+    that gateways send it only its part of requests. With ``metrics_port``, the worker's
     own metrics (launcher/worker_metrics.py) are served at ``http://metrics_host:metrics_port/metrics``.
     Raises ConfigError when that port cannot be listened on.
 
@@ -119,7 +121,8 @@ async def serve_worker(
                 embed_subject = await endpoint.serve_embeddings(embed_handler(engine))
             await register_model(
                 ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens, router=router,
-                embed_subject=embed_subject,
+                embed_subject=embed_subject, role=role,
+                prefill_token_capacity=getattr(engine, "prefill_token_capacity", None),
             )  # fmt: skip
         else:
             await register_model(ModelType.CHAT, endpoint, card=card, router=router)

@@ -41,6 +41,10 @@ ENGINES_WITHOUT_FILES = frozenset({"echo_full"})
 #: for trtllm (JSON is YAML too).
 SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "sglang", "trtllm", "vllm"})
 
+#: Engines that serve prefill and decode on separate workers (``flotilla run --disagg-role``): a worker group of
+#: role prefill or decode must run one of them.
+DISAGG_ENGINES = ("mocker",)
+
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
 _ENGINE_PACKAGES = {
     "llamacpp": "llama_cpp",

@@ -79,7 +79,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     instance_id: int
     pipeline: str  # the dyn:// namespace of the pipeline
-    group: str  # the worker group's role ("aggregated", later "prefill"/"decode")
+    group: str  # the worker group's role: "aggregated", or "prefill"/"decode" (its worker's --disagg-role)
     replica: int
     engine: str  # out=<engine>
     model_path: str | None = None  # the local path the download gave; None for engines that need no model

@@ -193,3 +193,31 @@ def test_the_agents_credentials_never_reach_a_worker_even_in_an_environment_give
         "TRTLLM_SECRET_THING",
     ):
         assert secret not in env
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_prefill_or_decode_groups_worker_serves_its_part_on_its_component(role: str) -> None:
+    spec = msgspec.structs.replace(SPEC, group=role, component=role, labels={})
+    argv = worker_argv(spec, "gpu-a")
+    assert argv[argv.index("--disagg-role") + 1] == role
+    options = run_options(argv[4:])
+    assert (options.disagg_role, options.worker_address) == (role, f"dyn://smollm.{role}.generate")
+    assert "--disagg-role" not in worker_argv(SPEC, "gpu-a")
+    assert run_options(worker_argv(SPEC, "gpu-a")[4:]).disagg_role == "aggregated"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["in=http", "out=mocker", "--disagg-role", "prefill"], "is a worker's (in=dyn://...)"),
+        (["in=dyn://m.prefill.generate", "out=echo_core", "--disagg-role", "prefill"], "engines that can: mocker"),
+        (["in=dyn://m.decode.generate", "out=mocker", "--disagg-role", "middle"], "invalid choice: 'middle'"),
+    ],
+)
+def test_a_disagg_role_where_it_cannot_work_is_refused_saying_why(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run_options(args)
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err

@@ -17,8 +17,8 @@ that need nothing: the script parses (``--help`` exits 0, ``bash -n``) and its i
   engine's package and a Hugging Face model folder: never run here.
 
 bench/bare_relay.py, bench/loadgen.py and bench/stacks.py, which the docs cite as parts of other benches,
-are run by those benches (gateway_overhead; the mocker stacks of idle_latency, burst_ttft, stack_vs_dynamo
-and trace_replay).
+are run by those benches (gateway_overhead; the mocker stacks of idle_latency, burst_ttft, stack_vs_dynamo,
+disagg_vs_dynamo and trace_replay).
 """
 
 import contextlib
@@ -324,6 +324,27 @@ SMOKES = [
         "stack_vs_dynamo.py",
         "--seconds 0.5 --warmup 0.2 --rounds 1 --concurrency 2 --tokens 4",
         [rf"^Flotilla / Dynamo: requests/s {NUMBER}x", rf"^Flotilla / Dynamo at .* requests/s: TTFT p50 {NUMBER}x"],
+        timeout=240,
+        skip=no_dynamo,
+    ),
+    Smoke(
+        "disagg_vs_dynamo",
+        "disagg_vs_dynamo.py",
+        "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4 --stacks flotilla",
+        [
+            rf"^flotilla 1P\+1D conditional\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$",
+            rf"^conditional / flotilla 2 aggregated: TTFT p50 {NUMBER}x",
+        ],
+        timeout=120,
+    ),
+    Smoke(
+        "disagg_vs_dynamo-dynamo",
+        "disagg_vs_dynamo.py",
+        "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4",
+        [
+            rf"^plain 1P\+1D / dynamo plain: TTFT p50 {NUMBER}x",
+            rf"^conditional / dynamo prefill_load: TTFT p50 {NUMBER}x",
+        ],
         timeout=240,
         skip=no_dynamo,
     ),

@@ -66,6 +66,10 @@ def test_a_taken_name_or_namespace_is_a_conflict() -> None:
         ([GroupSpec(engine="vllm")], "vllm runs on GPUs"),
         ([GroupSpec(engine="llamacpp")], "llamacpp loads GGUF files"),
         ([GroupSpec(replicas=10_000)], "replicas must be between 0 and 512"),
+        (
+            [GroupSpec(role="prefill", engine="echo_core"), GroupSpec(role="decode", engine="echo_core")],
+            "echo_core cannot hand a prompt's KV cache between workers yet; engines that can: mocker",
+        ),
     ],
 )
 def test_impossible_groups_are_refused_naming_the_groups(groups: list[GroupSpec], message: str) -> None:

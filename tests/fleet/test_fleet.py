@@ -9,10 +9,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
-from tests.agent.control_plane_server import wait_for
-from tests.fleet.stack import NODE_EVICT_S, NODE_TIMEOUT_S, NODES, FleetStack, running
+from tests.agent.control_plane_server import add_mocker_model, json_of, wait_for
+from tests.fleet.stack import MOCKER_ARGS, NODE_EVICT_S, NODE_TIMEOUT_S, NODES, FleetStack, running
 
 # serial: eviction and heartbeat deadlines on a whole fleet, which a second core's load would stretch.
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180)]
@@ -92,6 +93,29 @@ def test_each_pipeline_is_routed_by_its_own_router_settings(fleet: FleetStack) -
     log = fleet.gateway.log()
     assert "model 'smol-kv' is now served (tokens, kv routing)" in log
     assert "model 'smol-rr' is now served (tokens, round-robin routing)" in log
+
+
+def test_a_pipeline_of_prefill_and_decode_groups_computes_prompts_on_one_and_answers_on_the_other(
+    fleet: FleetStack,
+) -> None:
+    model = add_mocker_model(fleet.operator, "smol-disagg-model", fleet.smollm2)
+    group = {"replicas": 1, "gpus_per_replica": 1, "engine_args": MOCKER_ARGS}
+    groups = [{"role": role, **group} for role in ("prefill", "decode")]
+    body = {"name": "smol-disagg", "model": model["name"], "groups": groups}
+    pipeline = json_of(fleet.operator.post("/api/v1/pipelines/", json=body))["id"]
+    by_role = {i["role"]: i["endpoint_instance_id"] for i in fleet.wait_ready(pipeline, 2)}
+    assert set(by_role) == {"prefill", "decode"}
+    wait_for("the gateway to list it", lambda: "smol-disagg" in fleet.served_models())
+
+    def prefilled_remotely() -> httpx.Response | None:
+        reply = fleet.complete("smol-disagg", "a prompt for two workers " * 10)
+        return reply if reply.headers.get("x-flotilla-prefill-instance") else None
+
+    # The decode worker may register first: until the prefill worker's registration is in, prompts are local.
+    reply = wait_for("a prompt computed on the prefill worker", prefilled_remotely, explain=fleet.logs)
+    assert reply is not None and reply.status_code == 200, reply
+    assert reply.headers["x-flotilla-prefill-instance"] == by_role["prefill"]
+    assert reply.headers["x-flotilla-instance"] == by_role["decode"]
 
 
 def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: FleetStack) -> None:

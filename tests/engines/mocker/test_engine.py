@@ -123,7 +123,7 @@ async def test_kv_events_reach_the_sink_per_rank_and_match_the_cache_state(engin
     assert engine.cache_state(7) == {}
 
 
-async def test_a_prompts_blocks_are_announced_when_its_step_is_scheduled_before_it_runs() -> None:
+async def test_a_prompts_blocks_are_announced_once_its_step_has_run_before_its_token_goes_out() -> None:
     mocker = MockerEngine(MockerConfig(speedup_ratio=1, block_size=BLOCK, num_gpu_blocks=64), vocab_size=100)
     await mocker.start()
     announced: list[tuple[KvEvent, int | None]] = []
