@@ -8,7 +8,13 @@ worker), and Flotilla's own two aggregated workers. The load is issue 37's: ``--
 text chunks) are what the client saw; tokens/s says little here, since the mocker's decode step does not grow
 with the batch.
 
-    .venv/bin/python bench/disagg_vs_dynamo.py [--requests 200] [--concurrency 32] [--stacks flotilla,dynamo]
+    .venv/bin/python bench/disagg_vs_dynamo.py [--requests 200] [--concurrency 32] [--rounds 3] [--stacks flotilla]
+
+Each round runs every topology once, in the opposite order to the round before, on prompts of its own; the
+figures compared are the medians over the rounds (this shared machine moves single runs by ±20%).
+
+"conditional" is Flotilla's default conditional policy, ``isl`` (Dynamo's own default, ``isl_bounding``);
+"load" is its ``prefill_load`` counterpart, shown beside it with the same busy threshold (``--busy``).
 
 The floors it checks (issue 37, part 1), each against a topology of the same run:
 
@@ -23,7 +29,8 @@ import argparse
 import asyncio
 import json
 import random
-from collections.abc import Callable, Iterator
+import statistics
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -61,14 +68,19 @@ def topologies(busy_threshold: float) -> list[Topology]:
     settings = MOCKER_SETTINGS
     load_policy = {"policy": "prefill_load", "prefill_busy_threshold": busy_threshold}
     dynamo_conditional = ["--router-conditional-disagg", "--router-conditional-disagg-config", json.dumps(load_policy)]
-    flotilla_conditional = ["--disagg-policy", "load", "--disagg-prefill-busy", str(busy_threshold)]
+    flotilla_load = ["--disagg-policy", "load", "--disagg-prefill-busy", str(busy_threshold)]
     return [
         Topology("flotilla 2 aggregated", "flotilla", lambda: flotilla_stack(workers=2, mocker_settings=settings)),
         Topology("flotilla 1P+1D", "flotilla", lambda: flotilla_stack(disagg=(1, 1), mocker_settings=settings)),
         Topology(
             "flotilla 1P+1D conditional",
             "flotilla",
-            lambda: flotilla_stack(disagg=(1, 1), mocker_settings=settings, ingress_args=flotilla_conditional),
+            lambda: flotilla_stack(disagg=(1, 1), mocker_settings=settings, ingress_args=["--disagg-policy", "isl"]),
+        ),
+        Topology(
+            "flotilla 1P+1D load",
+            "flotilla",
+            lambda: flotilla_stack(disagg=(1, 1), mocker_settings=settings, ingress_args=flotilla_load),
         ),
         Topology("dynamo 1P+1D", "dynamo", lambda: dynamo_stack(disagg=(1, 1), mocker_settings=settings)),
         Topology(
@@ -107,10 +119,10 @@ async def closed_loop(stack: Stack, batch: list[list[int]], concurrency: int, ma
     return results
 
 
-def measure(topology: Topology, args: argparse.Namespace) -> Row:
+def measure(topology: Topology, args: argparse.Namespace, seed: int) -> Row:
     with topology.start() as stack:
         uvloop.run(closed_loop(stack, list(prompts(4, args.tokens, seed=1)), 4, args.max_tokens))  # warm-up
-        batch = list(prompts(args.requests, args.tokens, seed=2))
+        batch = list(prompts(args.requests, args.tokens, seed=seed))
         results = uvloop.run(closed_loop(stack, batch, args.concurrency, args.max_tokens))
     ttfts = [result.ttft * 1000 for result in results]
     gaps = [gap * 1000 for result in results for gap in result.gaps()]
@@ -126,6 +138,28 @@ def measure(topology: Topology, args: argparse.Namespace) -> Row:
     )
 
 
+def median_row(rows: list[Row]) -> Row:
+    """Each figure's median over ``rows`` (one topology's rounds)."""
+    return Row(
+        rows[0].topology,
+        rows[0].requests,
+        *(statistics.median(getattr(row, name) for row in rows) for name in _FIGURES),
+    )
+
+
+_FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "wall_s")
+
+
+def show(rows: Iterable[Row]) -> None:
+    print(f"{'topology':<30}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'wall s':>8}")
+    for row in rows:
+        print(
+            f"{row.topology:<30}{row.ttft_p50_ms:>10.1f}{row.ttft_p99_ms:>8.1f}{row.itl_p50_ms:>9.2f}"
+            f"{row.itl_p99_ms:>8.2f}{row.wall_s:>8.2f}",
+            flush=True,
+        )
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -139,19 +173,25 @@ def main() -> None:
     parser.add_argument(
         "--busy", type=float, default=1.0, help="conditional: prefill busy threshold, a share of its batch budget"
     )
+    parser.add_argument("--rounds", type=int, default=3, help="each topology this many times (medians compared)")
     parser.add_argument("--stacks", type=stack_names, default=list(STACK_NAMES))
     args = parser.parse_args()
-    rows = {t.name: measure(t, args) for t in topologies(args.busy) if t.stack in args.stacks}
     print(
         f"{args.requests} requests of {args.tokens} distinct tokens, {args.max_tokens} out (ignore_eos), "
         f"closed loop of {args.concurrency}; mocker at speed-up 1:"
     )
-    print(f"{'topology':<30}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'wall s':>8}")
-    for row in rows.values():
-        print(
-            f"{row.topology:<30}{row.ttft_p50_ms:>10.1f}{row.ttft_p99_ms:>8.1f}{row.itl_p50_ms:>9.2f}"
-            f"{row.itl_p99_ms:>8.2f}{row.wall_s:>8.2f}"
-        )
+    chosen = [t for t in topologies(args.busy) if t.stack in args.stacks]
+    measured: dict[str, list[Row]] = {t.name: [] for t in chosen}
+    for number in range(args.rounds):
+        order = chosen if number % 2 == 0 else list(reversed(chosen))
+        print(f"round {number + 1}:")
+        round_rows = {t.name: measure(t, args, seed=2 + number) for t in order}
+        show(round_rows[t.name] for t in chosen)
+        for name, row in round_rows.items():
+            measured[name].append(row)
+    rows = {name: median_row(runs) for name, runs in measured.items()}
+    print(f"medians of {args.rounds} round(s):")
+    show(rows.values())
     checks = []
     cond, plain = rows.get("flotilla 1P+1D conditional"), rows.get("flotilla 1P+1D")
     dyn_load, dyn_plain = rows.get("dynamo 1P+1D prefill_load"), rows.get("dynamo 1P+1D")
@@ -172,7 +212,11 @@ def main() -> None:
     for name, _, ok in checks:
         print(f"  {name}: {verdict(ok)}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": [asdict(row) for row in rows.values()], "checks": [[n, r, ok] for n, r, ok in checks]}
+    payload = {
+        "rounds": {name: [asdict(row) for row in runs] for name, runs in measured.items()},
+        "medians": [asdict(row) for row in rows.values()],
+        "checks": [[n, r, ok] for n, r, ok in checks],
+    }
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
 
 

@@ -5,6 +5,7 @@ the whole form when the form has no such field), its Conflict an error on the fi
 the page shows every refusal next to the input, in the action's own words.
 """
 
+import dataclasses
 import json
 from typing import Any
 
@@ -27,6 +28,8 @@ from controlplane.fleet.node_engines import engine_choices
 from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
+#: The deploy form's two ways of serving (PipelineForm.serving).
+AGGREGATED, DISAGGREGATED = "aggregated", "disaggregated"
 
 
 class JsonObjectField(forms.CharField):
@@ -103,7 +106,8 @@ class ModelForm(ActionForm):
 
 
 class PipelineForm(ActionForm):
-    """Deploy a model as a pipeline with one aggregated worker group."""
+    """Deploy a model as a pipeline: one aggregated worker group, or a prefill and a decode group
+    (docs/disaggregation.md), which share the engine and its args."""
 
     conflict_field = "name"
 
@@ -120,6 +124,26 @@ class PipelineForm(ActionForm):
     replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS, initial=1)
     gpus_per_replica = forms.IntegerField(
         min_value=0, max_value=MAX_GPUS_PER_REPLICA, initial=0, label="GPUs per replica", help_text="0 runs on CPU."
+    )
+    serving = forms.ChoiceField(
+        required=False,
+        choices=[
+            (AGGREGATED, "aggregated: each worker serves whole requests"),
+            (DISAGGREGATED, "disaggregated: prompts on prefill workers, answers on decode workers"),
+        ],
+        initial=AGGREGATED,
+        help_text="Disaggregated: the replicas and GPUs above are the decode group's; the prefill group's are below.",
+    )
+    prefill_replicas = forms.IntegerField(
+        min_value=0, max_value=MAX_REPLICAS, initial=1, required=False, help_text="Disaggregated only."
+    )
+    prefill_gpus_per_replica = forms.IntegerField(
+        min_value=0,
+        max_value=MAX_GPUS_PER_REPLICA,
+        initial=0,
+        required=False,
+        label="Prefill GPUs per replica",
+        help_text="Disaggregated only.",
     )
     router_mode = forms.ChoiceField(choices=RouterMode.choices, initial=RouterMode.ROUND_ROBIN)
     kv_overlap_score_weight = forms.FloatField(
@@ -148,18 +172,26 @@ class PipelineForm(ActionForm):
         if not self.is_valid():
             return None
         data = self.cleaned_data
+        engine, engine_args = data["engine"] or None, data["engine_args"]
         group = GroupSpec(
-            replicas=data["replicas"],
-            gpus_per_replica=data["gpus_per_replica"],
-            engine=data["engine"] or None,
-            engine_args=data["engine_args"],
+            replicas=data["replicas"], gpus_per_replica=data["gpus_per_replica"], engine=engine, engine_args=engine_args
         )
+        groups = [group]
+        if data["serving"] == DISAGGREGATED:
+            prefill = GroupSpec(
+                role=WorkerGroup.Role.PREFILL,
+                replicas=1 if data["prefill_replicas"] is None else data["prefill_replicas"],
+                gpus_per_replica=data["prefill_gpus_per_replica"] or 0,
+                engine=engine,
+                engine_args=engine_args,
+            )
+            groups = [prefill, dataclasses.replace(group, role=WorkerGroup.Role.DECODE)]
         try:
             return pipeline_actions.deploy_pipeline(
                 actor,
                 name=data["name"],
                 model=data["model"],
-                groups=[group],
+                groups=groups,
                 router_mode=data["router_mode"],
                 kv_overlap_score_weight=data["kv_overlap_score_weight"],
                 kv_queued_prefill_weight=data["kv_queued_prefill_weight"],

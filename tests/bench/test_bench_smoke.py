@@ -330,7 +330,7 @@ SMOKES = [
     Smoke(
         "disagg_vs_dynamo",
         "disagg_vs_dynamo.py",
-        "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4 --stacks flotilla",
+        "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4 --rounds 1 --stacks flotilla",
         [
             rf"^flotilla 1P\+1D conditional\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$",
             rf"^conditional / flotilla 2 aggregated: TTFT p50 {NUMBER}x",
@@ -340,7 +340,7 @@ SMOKES = [
     Smoke(
         "disagg_vs_dynamo-dynamo",
         "disagg_vs_dynamo.py",
-        "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4",
+        "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4 --rounds 1",
         [
             rf"^plain 1P\+1D / dynamo plain: TTFT p50 {NUMBER}x",
             rf"^conditional / dynamo prefill_load: TTFT p50 {NUMBER}x",

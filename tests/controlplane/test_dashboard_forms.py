@@ -117,6 +117,31 @@ def test_an_unticked_kv_events_box_turns_them_off_and_engine_args_reach_the_grou
     assert not pipeline.use_kv_events and pipeline.groups.get().engine_args == {"speedup_ratio": 10}
 
 
+def test_a_disaggregated_pipeline_gets_a_prefill_and_a_decode_group_sharing_the_engine_args() -> None:
+    make_model("smol")
+    body = {
+        **A_PIPELINE,
+        "serving": "disaggregated",
+        "prefill_replicas": "1",
+        "prefill_gpus_per_replica": "0",
+        "engine_args": json.dumps({"kv_transfer_bandwidth": 64}),
+    }
+    assert logged_in(Role.OPERATOR).post("/pipelines/", body).status_code == 302
+    groups = {group.role: group for group in Pipeline.objects.get().groups.all()}
+    assert set(groups) == {"prefill", "decode"}
+    assert (groups["prefill"].replicas, groups["decode"].replicas) == (1, 2)
+    assert groups["prefill"].engine_args == groups["decode"].engine_args == {"kv_transfer_bandwidth": 64}
+    assert sorted(groups["prefill"].instances.values_list("state", flat=True)) == ["pending"]
+
+
+def test_a_disaggregated_pipeline_of_an_engine_that_cannot_hand_kv_over_is_refused_saying_so() -> None:
+    make_model("smol", engine="echo_core")
+    response = logged_in(Role.OPERATOR).post("/pipelines/", {**A_PIPELINE, "serving": "disaggregated"})
+    assert response.status_code == 400
+    assert field_errors(response.content.decode(), "cannot hand a prompt&#x27;s KV cache between workers yet")
+    assert not Pipeline.objects.exists()
+
+
 @pytest.mark.parametrize(
     ("change", "error"),
     [
