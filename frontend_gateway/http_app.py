@@ -318,11 +318,13 @@ class GatewayApp:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
         preprocessor.check_chat(request)
+        disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
         self._charge(scope)
         await self._admit(receive)
         try:
             generation = scope[_GENERATION] = await model.prepare_chat(request)
+            generation.context.disagg = disagg
             scope[_STATUS] = await self._respond("chat", "chat_completions", model, request, generation, receive, send)
         finally:
             self.admission.release()
@@ -330,11 +332,13 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
+        disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
         self._charge(scope)
         await self._admit(receive)
         try:
             generation = scope[_GENERATION] = await model.prepare_completion(request)
+            generation.context.disagg = disagg
             scope[_STATUS] = await self._respond("completion", "completions", model, request, generation, receive, send)
         finally:
             self.admission.release()
@@ -358,11 +362,13 @@ class GatewayApp:
         request: ResponsesRequest = _decode(responses_api.decoder, await self._read_body(scope, receive))
         chat = responses_api.to_chat(request)
         preprocessor.check_chat(chat)
+        disagg = _disagg_override(scope)
         model = await self._find_model(chat.model, scope)
         self._charge(scope)
         await self._admit(receive)
         try:
             generation = scope[_GENERATION] = await model.prepare_chat(chat)
+            generation.context.disagg = disagg
             builder = ResponseBuilder(request, response_id=generation.request_id, model=model.name)
             scope[_STATUS] = await self._respond("chat", "responses", model, chat, generation, receive, send, builder)
         finally:
@@ -738,6 +744,23 @@ def _nvext(generation: Generation) -> dict[str, Any]:
 
 def _response_id(kind: encoding.Kind, generation: Generation) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id
+
+
+#: ``x-flotilla-disagg``: where this request's prompt is computed, whatever the ingress's --disagg-policy says.
+DISAGG_HEADER = b"x-flotilla-disagg"
+_DISAGG_VALUES = {b"local": "local", b"remote": "remote"}
+
+
+def _disagg_override(scope: Scope) -> str | None:
+    """The request's ``x-flotilla-disagg`` header: "local" (on its decode worker), "remote" (on a prefill worker
+    when one is routable and not busy), or None. Raises InvalidRequest for another value."""
+    value = _header(scope, DISAGG_HEADER)
+    if value is None:
+        return None
+    if (override := _DISAGG_VALUES.get(value.strip().lower())) is None:
+        shown = value[:40].decode("latin-1")
+        raise InvalidRequest(f"x-flotilla-disagg must be local or remote, not {shown!r}")
+    return override
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

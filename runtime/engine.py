@@ -19,7 +19,7 @@ class RequestContext:
     plain attribute so that engine threads can read it without touching the event loop).
     """
 
-    __slots__ = ("prefilled_by", "request_id", "served_by", "stopped")
+    __slots__ = ("disagg", "prefilled_by", "request_id", "served_by", "stopped")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -28,6 +28,8 @@ class RequestContext:
         self.served_by: str | None = None
         #: The instance that computed the prompt, when a prefill worker did (x-flotilla-prefill-instance).
         self.prefilled_by: str | None = None
+        #: The client's x-flotilla-disagg: "local" or "remote" overrides where the prompt is computed; None.
+        self.disagg: str | None = None
 
     def stop(self) -> None:
         """Ask the engine to stop producing outputs for this request."""

@@ -251,7 +251,10 @@ class RemoteTokenEngine(_RemoteBase):
         worker chosen, which lacks ``uncached_tokens`` of it (as its router believes). Counted by reason."""
         prefill = self.prefill_pool() if self.prefill_pool is not None else None
         prompt_tokens = len(request.token_ids)
-        reason = self.disagg.decide(prompt_tokens, uncached_tokens)
+        if context.disagg is None:
+            reason = self.disagg.decide(prompt_tokens, uncached_tokens)
+        else:
+            reason = "header" if context.disagg == "local" else None
         handoff: KvHandoff | None = None
         if reason is None:
             if prefill is None:
@@ -259,6 +262,8 @@ class RemoteTokenEngine(_RemoteBase):
             else:
                 load_share = self.disagg.prefill_busy if self.disagg.mode is DisaggMode.LOAD else None
                 handoff, reason = await prefill.prefill(request, client, context, busy_share=load_share)
+                if handoff is not None and context.disagg is not None:
+                    reason = "header"
         if self.health is not None:
             self.health.disagg_decision("remote" if handoff is not None else "local", reason)
         if handoff is None:

@@ -25,8 +25,9 @@ What each says, and what to do when it moves:
   their stream broke (``cut``, ``silent``, ``frames_lost``, ``stalled``).
 * ``flotilla_router_disagg_decisions_total{path,reason}``: for a model with prefill workers, where each
   request's prompt was computed: ``remote`` (``policy``: on a prefill worker) or ``local`` (on its decode
-  worker: ``isl``, little left to compute there; ``no_prefill``, no prefill worker routable; ``busy``, every
-  one busy; ``prefill_failed``, the prefill workers tried failed; ``migration``, a moved request). A
+  worker: ``isl``, little left to compute there; ``load``, every prefill worker has a step's worth queued;
+  ``no_prefill``, no prefill worker routable; ``busy``, every one busy; ``prefill_failed``, the prefill
+  workers tried failed); ``header`` either way when the request's ``x-flotilla-disagg`` said where. A
   growing ``prefill_failed`` or ``busy`` share means the prefill group is short or failing.
 * ``flotilla_router_deadline_expiries_total{deadline}``: streams that passed a request-plane deadline
   at this ingress (``progress``: no output for ``--progress-deadline``). The worker's side, the ack

@@ -171,3 +171,20 @@ def test_the_load_policy_keeps_prompts_on_the_decode_worker_while_the_prefill_wo
     assert "x-flotilla-prefill-instance" not in meanwhile.headers
     assert decisions(ingress, "local", "load") == 1
     assert complete(ingress, list(range(6000, 6100)), 2).headers["x-flotilla-prefill-instance"] == prefill.instance_id
+
+
+def test_a_request_may_say_where_its_prompt_is_computed(cluster: Cluster, tmp_path: Path) -> None:
+    ingress = cluster.start_ingress("--disagg-policy", "isl")
+    [prefill] = start(cluster, tmp_path, "prefill")
+    start(cluster, tmp_path, "decode")
+    wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
+    body = {"model": MODEL, "prompt": list(range(700, 760)), "max_tokens": 3}
+    url = ingress.base_url + "/v1/completions"
+    local = httpx.post(url, json=body, headers={"x-flotilla-disagg": "local"}, timeout=30)
+    assert local.status_code == 200 and "x-flotilla-prefill-instance" not in local.headers
+    remote = httpx.post(url, json=body, headers={"x-flotilla-disagg": "Remote"}, timeout=30)
+    assert remote.headers["x-flotilla-prefill-instance"] == prefill.instance_id
+    assert (decisions(ingress, "local", "header"), decisions(ingress, "remote", "header")) == (1, 1)
+    wrong = httpx.post(url, json=body, headers={"x-flotilla-disagg": "sideways"}, timeout=30)
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["message"] == "x-flotilla-disagg must be local or remote, not 'sideways'"
