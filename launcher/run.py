@@ -116,7 +116,14 @@ def build_mistralrs_model(options: RunOptions) -> tuple[ServedModel, Engine]:
 def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     """``out=vllm``: vLLM's async engine on a safetensors folder, fed token ids by Flotilla's preprocessor."""
     from engines.vllm.engine import VllmEngine
-    from engines.vllm.settings import MISSING_PACKAGE, VllmSettings, check_extra_args, engine_arg_names, read_extra_args
+    from engines.vllm.settings import (
+        MISSING_PACKAGE,
+        VllmSettings,
+        check_disagg_role,
+        check_extra_args,
+        engine_arg_names,
+        read_extra_args,
+    )
 
     # Looked up, not imported (importing vLLM takes seconds): one line, not a traceback.
     if importlib.util.find_spec("vllm") is None:
@@ -124,6 +131,7 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     # The settings first: their mistakes are quicker to find than a model download.
     extra = read_extra_args(options.extra_engine_args)
     check_extra_args(extra, engine_arg_names())
+    check_disagg_role(options.disagg_role, extra)
     # The GPUs must split evenly over the nodes (--num-nodes): said now, before a download.
     options.node_group.local_share(options.tensor_parallel_size * int(extra.get("pipeline_parallel_size", 1)))
     card, path = load_card(options)

@@ -15,6 +15,11 @@ with Flotilla's chained hash of their token ids (engines/shared/engine_block_nam
 names for a request's blocks are the engine's; the map answers removals and the routers' state asks. The
 engine is thus a ``KvEventSource``: its events, cache state and load reach KV routers.
 
+Disaggregated serving (docs/disaggregation.md): a ``prefill_only`` request runs with ``max_tokens`` 1 and ends
+with a ``KvHandoff`` of what vLLM's KV connector returned (``kv_transfer_params``); a request with a vLLM handoff
+gives those params back to the connector, which loads the prompt's KV. The connector is vLLM's own setting
+(``kv_transfer_config``; engines/vllm/settings.py checks it fits the worker's role).
+
 Load: ``load()`` reads vLLM's scheduler stats (running and waiting requests, KV usage, prefix hits) from
 a stat logger the engine is built with.
 """
@@ -31,12 +36,14 @@ from engines.vllm.settings import MISSING_PACKAGE, VllmSettings
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
 from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
-from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest, TokenLogprob
+from runtime.protocol import EngineOutput, FinishReason, KvHandoff, PreprocessedRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 #: The topic of the KV event publisher Flotilla gives vLLM.
 _KV_TOPIC = "flotilla-kv"
+#: ``KvHandoff.kind`` of a vLLM prefill: a vLLM decode worker takes it (through its KV connector).
+VLLM_HANDOFF = "vllm"
 
 
 def visible_devices(current: str | None, base_gpu_id: int, count: int) -> str:
@@ -157,10 +164,16 @@ class VllmEngine:
         if context.stopped:
             return
         params = sampling_params(request)
+        handoff = request.handoff
+        if handoff is not None and handoff.kind == VLLM_HANDOFF and handoff.params:
+            # What the prefill worker's connector returned (NIXL: its blocks and where to pull them from).
+            # A connector that finds the KV by the prompt alone (ExampleConnector, LMCache) needs none.
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handoff.params}
         prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
         request_id = request.request_id
         first = True
         finished = False
+        cached: int | None = None
         stream = engine.generate(prompt, params, request_id)
         try:
             async for output in stream:
@@ -170,8 +183,16 @@ class VllmEngine:
                 finish = finish_reason(completion.finish_reason) if completion.finished() else None
                 item = EngineOutput(token_ids=list(completion.token_ids), finish_reason=finish)
                 if first:
-                    item.cached_tokens = output.num_cached_tokens
+                    item.cached_tokens = cached = output.num_cached_tokens
                     first = False
+                if request.prefill_only and finish is not None:
+                    # The prompt's KV is with the connector now (stored, or held for a pull): say how to find it.
+                    item.handoff = KvHandoff(
+                        kind=VLLM_HANDOFF,
+                        prompt_tokens=len(request.token_ids),
+                        cached_tokens=cached or 0,
+                        params=getattr(output, "kv_transfer_params", None) or {},
+                    )
                 if request.logprobs is not None and completion.logprobs:
                     item.logprobs = token_logprobs(completion.token_ids, completion.logprobs, request.logprobs)
                 if item.token_ids or finish is not None:
@@ -202,8 +223,9 @@ def sampling_params(request: PreprocessedRequest) -> Any:
     sampling, stop = request.sampling, request.stop_conditions
     kwargs: dict[str, Any] = {
         "n": 1,
-        "max_tokens": stop.max_tokens,
-        "min_tokens": stop.min_tokens,
+        # A prefill worker computes the prompt and the token its pass gives; the decode worker the rest.
+        "max_tokens": 1 if request.prefill_only else stop.max_tokens,
+        "min_tokens": 1 if request.prefill_only else stop.min_tokens,
         "ignore_eos": stop.ignore_eos,
         # The request's own end tokens (the chat template's) besides the model's EOS; ignore_eos ignores them
         # too, as llama.cpp and the mocker do.

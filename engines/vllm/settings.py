@@ -69,6 +69,14 @@ class VllmSettings:
             "disable_log_stats": False,
             **self.extra,
         }
+        if isinstance(connector := kwargs.get("kv_transfer_config"), dict):
+            # JSON gives a dict; AsyncEngineArgs wants vLLM's config object (vllm serve's flag parser converts it).
+            from vllm.config import KVTransferConfig
+
+            try:
+                kwargs["kv_transfer_config"] = KVTransferConfig(**connector)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"--extra-engine-args: bad kv_transfer_config: {exc}") from exc
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
         if self.gpu_memory_utilization is not None:
@@ -112,3 +120,27 @@ def engine_arg_names() -> frozenset[str]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return frozenset(item.name for item in dataclasses.fields(AsyncEngineArgs))
+
+
+#: The ``kv_role`` each ``--disagg-role`` needs of vLLM's KV connector.
+ROLE_KV_ROLES = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both")}
+
+
+def check_disagg_role(role: str, extra: dict[str, Any]) -> None:
+    """Raise ConfigError unless a prefill or decode worker's ``--extra-engine-args`` give vLLM a KV connector
+    (``kv_transfer_config``) whose ``kv_role`` fits: without one, the prompt's KV has nowhere to go."""
+    if role not in ROLE_KV_ROLES:
+        return
+    config = extra.get("kv_transfer_config")
+    example = '{"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}}'
+    if not isinstance(config, dict) or not config.get("kv_connector"):
+        raise ConfigError(
+            f"--disagg-role {role} with out=vllm needs a KV connector in --extra-engine-args, e.g. {example} "
+            "(docs/disaggregation.md)"
+        )
+    kv_role = config.get("kv_role")
+    if kv_role not in ROLE_KV_ROLES[role]:
+        raise ConfigError(
+            f"--disagg-role {role}: kv_transfer_config's kv_role is {kv_role!r}; a {role} worker's is "
+            f"{' or '.join(ROLE_KV_ROLES[role])}"
+        )

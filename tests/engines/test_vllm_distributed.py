@@ -12,6 +12,7 @@ Two vLLM engines fit in this machine's memory with a 1 GiB KV cache each, but ea
 to start on two shared cores: the timeouts are generous.
 """
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,3 +167,51 @@ def wait_for_gateway_model(stack: Up, name: str, timeout_s: float) -> None:
             return
         assert time.monotonic() < deadline, f"{listed.status_code} {listed.text}\n{stack.output()[-3000:]}"
         time.sleep(0.5)  # the gateway is another process: no event to await
+
+
+def test_a_prompt_prefilled_by_one_vllm_worker_is_decoded_by_another_from_its_kv_and_says_the_same(
+    cluster: Cluster, vllm_model_folder: Path, tmp_path: Path
+) -> None:
+    # vLLM's ExampleConnector (shared files) is the connector its CPU build runs: the prefill worker stores the
+    # prompt's KV, the decode worker loads it. The decode worker caches no prefix of its own, so a prompt it
+    # has answered before is not found there: only the connector can give it the KV.
+    store = tmp_path / "kv-store"
+
+    def worker_args(role: str, kv_role: str, **settings: object) -> tuple[str, ...]:
+        connector = {"kv_connector": "ExampleConnector", "kv_role": kv_role}
+        connector["kv_connector_extra_config"] = {"shared_storage_path": str(store)}  # type: ignore[assignment]
+        engine = json.dumps({**ENGINE_SETTINGS, **settings, "kv_transfer_config": connector})
+        return ("out=vllm", str(vllm_model_folder), "--model-name", MODEL, "--disagg-role", role,
+                "--extra-engine-args", engine)  # fmt: skip
+
+    [prefill] = cluster.start_workers(
+        1, f"dyn://{MODEL}.prefill.generate", *worker_args("prefill", "kv_producer"), env=KV_CACHE_ENV, timeout=START_S
+    )
+    [decode] = cluster.start_workers(
+        1,
+        f"dyn://{MODEL}.decode.generate",
+        *worker_args("decode", "kv_consumer", enable_prefix_caching=False),
+        env=KV_CACHE_ENV,
+        timeout=START_S,
+    )
+    ingress = cluster.start_ingress()
+    body = {"model": MODEL, "prompt": "The history of the lighthouse begins in ancient Egypt, where " * 6}
+    body |= {"max_tokens": 24, "temperature": 0}
+    url = ingress.base_url + "/v1/completions"
+
+    def answered(headers: dict[str, str]) -> httpx.Response | None:
+        reply = httpx.post(url, json=body, headers=headers, timeout=120)
+        return reply if reply.status_code == 200 else None
+
+    deadline = time.monotonic() + 60
+    while (alone := answered({"x-flotilla-disagg": "local"})) is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # the ingress takes the model in: nothing to await from here
+    assert alone is not None, ingress.log()[-3000:]
+    assert "x-flotilla-prefill-instance" not in alone.headers and "External Cache Hit" not in decode.log()
+    handed = answered({"x-flotilla-disagg": "remote"})
+    assert handed is not None
+    assert handed.headers["x-flotilla-prefill-instance"] == prefill.instance_id
+    assert handed.headers["x-flotilla-instance"] == decode.instance_id
+    assert "External Cache Hit" in decode.log()  # vLLM's connector loaded what the prefill worker stored
+    assert any(store.iterdir())
+    assert handed.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]

@@ -9,7 +9,7 @@ import pytest
 
 from engines.shared.node_group import LeaderAddress, NodeGroup
 from engines.vllm.engine import visible_devices
-from engines.vllm.settings import VllmSettings, check_extra_args, read_extra_args
+from engines.vllm.settings import VllmSettings, check_disagg_role, check_extra_args, read_extra_args
 from launcher.cli import parse_run_options
 from launcher.options import RunOptions
 from launcher.run_parser import build_run_parser
@@ -143,3 +143,26 @@ def test_a_node_without_vllm_says_which_extra_to_install() -> None:
         check=True,
     )
     assert "vllm" not in listed.stdout
+
+
+@pytest.mark.parametrize(
+    ("role", "extra", "says"),
+    [
+        ("prefill", {}, "needs a KV connector in --extra-engine-args"),
+        ("decode", {"kv_transfer_config": {"kv_role": "kv_consumer"}}, "needs a KV connector"),
+        ("prefill", {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}}, "kv_producer"),
+        ("decode", {"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}}, "kv_consumer"),
+    ],
+)
+def test_a_prefill_or_decode_worker_needs_a_connector_of_its_role(
+    role: str, extra: dict[str, object], says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says):
+        check_disagg_role(role, extra)
+
+
+def test_a_fitting_connector_or_an_aggregated_worker_passes() -> None:
+    both = {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}
+    for role in ("prefill", "decode"):
+        check_disagg_role(role, both)
+    check_disagg_role("aggregated", {})
