@@ -53,6 +53,10 @@ def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
         queued_prefill_weight=_or(namespace.kv_queued_prefill_weight, DEFAULT_QUEUED_PREFILL_WEIGHT),
         temperature=_or(namespace.router_temperature, 0.0),
         use_kv_events=_or(namespace.use_kv_events, True),
+        disagg_policy=namespace.disagg_policy,
+        disagg_isl_threshold=namespace.disagg_isl_threshold,
+        disagg_isl_ratio=namespace.disagg_isl_ratio,
+        disagg_prefill_busy=namespace.disagg_prefill_busy,
         generation=_or(namespace.router_generation, 0),
     )
 

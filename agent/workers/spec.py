@@ -90,6 +90,10 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
             "--kv-queued-prefill-weight", repr(router.queued_prefill_weight),
             "--router-temperature", repr(router.temperature),
             "--use-kv-events", "true" if router.use_kv_events else "false",
+            "--disagg-policy", router.disagg_policy,
+            "--disagg-isl-threshold", str(router.disagg_isl_threshold),
+            "--disagg-isl-ratio", repr(router.disagg_isl_ratio),
+            "--disagg-prefill-busy", repr(router.disagg_prefill_busy),
             "--router-generation", str(router.generation),
         ]  # fmt: skip
     if spec.group in ("prefill", "decode"):

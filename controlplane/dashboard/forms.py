@@ -15,9 +15,18 @@ from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel, validate_model_name
 from controlplane.deployments import pipelines as pipeline_actions
-from controlplane.deployments.models import Pipeline, PlacementPolicy, RouterMode, WorkerGroup, validate_served_name
+from controlplane.deployments.models import (
+    DisaggPolicy,
+    Pipeline,
+    PlacementPolicy,
+    RouterMode,
+    WorkerGroup,
+    validate_served_name,
+)
 from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
+    MAX_ISL_THRESHOLD,
+    MAX_PREFILL_BUSY,
     MAX_REPLICAS,
     MAX_ROUTER_TEMPERATURE,
     MAX_ROUTER_WEIGHT,
@@ -25,7 +34,12 @@ from controlplane.deployments.pipelines import (
 )
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.node_engines import engine_choices
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_ISL_RATIO,
+    DEFAULT_ISL_THRESHOLD,
+    DEFAULT_PREFILL_BUSY,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+)
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
 #: The deploy form's two ways of serving (PipelineForm.serving).
@@ -160,6 +174,32 @@ class PipelineForm(ActionForm):
         min_value=0, max_value=MAX_ROUTER_TEMPERATURE, initial=0.0, label="Router temperature", help_text="kv mode."
     )
     use_kv_events = forms.BooleanField(required=False, initial=True, label="Use KV events")
+    disagg_policy = forms.ChoiceField(
+        required=False,
+        choices=DisaggPolicy.choices,
+        initial=DisaggPolicy.ALWAYS,
+        label="Where prompts are computed",
+        help_text="Disaggregated only (docs/disaggregation.md).",
+    )
+    disagg_isl_threshold = forms.IntegerField(
+        required=False,
+        min_value=0,
+        max_value=MAX_ISL_THRESHOLD,
+        initial=DEFAULT_ISL_THRESHOLD,
+        label="isl: tokens left to compute",
+        help_text="isl: a prompt with fewer left to compute on its decode worker (and under the share below) "
+        "stays there.",
+    )
+    disagg_isl_ratio = forms.FloatField(
+        required=False, min_value=0, max_value=1, initial=DEFAULT_ISL_RATIO, label="isl: share left to compute"
+    )
+    disagg_prefill_busy = forms.FloatField(
+        required=False,
+        min_value=0.001,
+        max_value=MAX_PREFILL_BUSY,
+        initial=DEFAULT_PREFILL_BUSY,
+        label="load: prefill busy at (engine steps)",
+    )
     engine_args = JsonObjectField(label="Engine args (JSON)")
     placement_policy = forms.ChoiceField(choices=PlacementPolicy.choices, initial=PlacementPolicy.SPREAD)
 
@@ -197,6 +237,10 @@ class PipelineForm(ActionForm):
                 kv_queued_prefill_weight=data["kv_queued_prefill_weight"],
                 router_temperature=data["router_temperature"],
                 use_kv_events=data["use_kv_events"],
+                disagg_policy=data["disagg_policy"] or DisaggPolicy.ALWAYS,
+                disagg_isl_threshold=_or(data["disagg_isl_threshold"], DEFAULT_ISL_THRESHOLD),
+                disagg_isl_ratio=_or(data["disagg_isl_ratio"], DEFAULT_ISL_RATIO),
+                disagg_prefill_busy=_or(data["disagg_prefill_busy"], DEFAULT_PREFILL_BUSY),
                 placement_policy=data["placement_policy"],
             )
         except (Invalid, Conflict) as error:
@@ -222,3 +266,8 @@ class AuditFilterForm(forms.Form):
     def __init__(self, *args: Any, target_types: list[str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fields["target_type"].choices = [("", "any"), *((kind, kind) for kind in target_types)]
+
+
+def _or(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` for a field left empty (None)."""
+    return default if value is None else value

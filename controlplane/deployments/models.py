@@ -14,7 +14,12 @@ from controlplane.catalog.engines import Engine
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.fleet.models import Node
 from runtime.cluster.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_ISL_RATIO,
+    DEFAULT_ISL_THRESHOLD,
+    DEFAULT_PREFILL_BUSY,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+)
 
 # What clients put in an OpenAI request's "model": "smol", "Qwen/Qwen3-0.6B", "llama-3.1-8b:instruct".
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
@@ -31,6 +36,14 @@ class RouterMode(models.TextChoices):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
     KV = "kv"
+
+
+class DisaggPolicy(models.TextChoices):
+    """Where prompts are computed (runtime/fleet_contract/router_settings.py ``DISAGG_POLICIES``)."""
+
+    ALWAYS = "always", "always on a prefill worker"
+    ISL = "isl", "isl (on the decode worker when little is left to compute there)"
+    LOAD = "load", "load (on the decode worker while the prefill workers are busy)"
 
 
 class PlacementPolicy(models.TextChoices):
@@ -62,6 +75,11 @@ class Pipeline(models.Model):
     kv_queued_prefill_weight = models.FloatField(default=DEFAULT_QUEUED_PREFILL_WEIGHT)  # 0..1
     router_temperature = models.FloatField(default=0.0)
     use_kv_events = models.BooleanField(default=True)
+    # Where prompts are computed when the pipeline has a prefill and a decode group (docs/disaggregation.md).
+    disagg_policy = models.CharField(max_length=8, choices=DisaggPolicy.choices, default=DisaggPolicy.ALWAYS)
+    disagg_isl_threshold = models.PositiveIntegerField(default=DEFAULT_ISL_THRESHOLD)
+    disagg_isl_ratio = models.FloatField(default=DEFAULT_ISL_RATIO)  # 0..1
+    disagg_prefill_busy = models.FloatField(default=DEFAULT_PREFILL_BUSY)  # > 0, engine steps
     placement_policy = models.CharField(max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
     pinned_nodes = models.JSONField(default=list, blank=True)  # node names; empty: any node
     pinned_gpus = models.JSONField(default=list, blank=True)  # GPU indexes; empty: any GPU

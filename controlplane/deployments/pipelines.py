@@ -24,7 +24,7 @@ from controlplane.catalog.models import LanguageModel
 from controlplane.deployments import served_names
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
 from controlplane.deployments.instances import add_instances, stop_instance
-from controlplane.deployments.models import Instance, Pipeline, WorkerGroup, validate_served_name
+from controlplane.deployments.models import DisaggPolicy, Instance, Pipeline, WorkerGroup, validate_served_name
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.models import Node
 from controlplane.fleet.node_engines import check_engine_runs_somewhere
@@ -37,20 +37,22 @@ MAX_ROUTER_TEMPERATURE = 100.0
 # Fields of a pipeline that deploy sets and update may change (name, namespace and model are fixed).
 # The settings a pipeline's workers register with their model (as --router-* flags).
 ROUTER_FIELDS = frozenset(
-    {"router_mode", "kv_overlap_score_weight", "kv_queued_prefill_weight", "router_temperature", "use_kv_events"}
-)
-SETTING_FIELDS = frozenset(
     {
         "router_mode",
         "kv_overlap_score_weight",
         "kv_queued_prefill_weight",
         "router_temperature",
         "use_kv_events",
-        "placement_policy",
-        "pinned_nodes",
-        "pinned_gpus",
+        "disagg_policy",
+        "disagg_isl_threshold",
+        "disagg_isl_ratio",
+        "disagg_prefill_busy",
     }
 )
+SETTING_FIELDS = ROUTER_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus"}
+#: The largest --disagg-isl-threshold a pipeline may set (tokens), and --disagg-prefill-busy (engine steps).
+MAX_ISL_THRESHOLD = 10_000_000
+MAX_PREFILL_BUSY = 1000.0
 _VALID_ROLE_SETS = ({WorkerGroup.Role.AGGREGATED}, {WorkerGroup.Role.PREFILL, WorkerGroup.Role.DECODE})
 _NAMESPACE_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 # Scaling down stops the instances that got least far first, the newest first among equals.
@@ -316,6 +318,18 @@ def _check_settings(settings: dict[str, Any]) -> None:
     temperature = settings.get("router_temperature")
     if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_ROUTER_TEMPERATURE):
         raise Invalid(f"must be between 0 and {MAX_ROUTER_TEMPERATURE:g}", field="router_temperature")
+    policy = settings.get("disagg_policy")
+    if policy is not None and policy not in DisaggPolicy.values:
+        raise Invalid(f"must be one of {', '.join(DisaggPolicy.values)}", field="disagg_policy")
+    threshold = settings.get("disagg_isl_threshold")
+    if threshold is not None and not (isinstance(threshold, int) and 0 <= threshold <= MAX_ISL_THRESHOLD):
+        raise Invalid(f"must be a whole number of tokens from 0 to {MAX_ISL_THRESHOLD}", field="disagg_isl_threshold")
+    ratio = settings.get("disagg_isl_ratio")
+    if ratio is not None and not (math.isfinite(ratio) and 0 <= ratio <= 1):
+        raise Invalid("must be between 0 and 1", field="disagg_isl_ratio")
+    busy = settings.get("disagg_prefill_busy")
+    if busy is not None and not (math.isfinite(busy) and 0 < busy <= MAX_PREFILL_BUSY):
+        raise Invalid(f"must be above 0 and at most {MAX_PREFILL_BUSY:g}", field="disagg_prefill_busy")
     pinned_nodes = settings.get("pinned_nodes")
     if pinned_nodes:
         known = set(Node.objects.filter(name__in=pinned_nodes).values_list("name", flat=True))

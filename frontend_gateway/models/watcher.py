@@ -41,6 +41,7 @@ from tokenizers import Tokenizer
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from frontend_gateway.models.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.routing.disagg_policy import DisaggMode, DisaggPolicy
 from frontend_gateway.routing.factory import build_router
 from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import InstanceInfo, Router, RouterMode, RouterSettings
@@ -330,6 +331,8 @@ class ModelWatcher:
         old = pool.router
         pool.router = pool.engine.router = router
         pool.router_entry = entry
+        if isinstance(pool.engine, RemoteTokenEngine):
+            pool.engine.disagg = self.settings_for(entry).disagg
         log.info(
             "model %r is now routed with generation %d of its router settings (%s routing)",
             entry.card.name,
@@ -426,6 +429,12 @@ class ModelWatcher:
             queued_prefill_weight=registered.queued_prefill_weight,
             temperature=registered.temperature,
             use_kv_events=registered.use_kv_events,
+            disagg=DisaggPolicy(
+                mode=DisaggMode(registered.disagg_policy),
+                isl_threshold=registered.disagg_isl_threshold,
+                isl_ratio=registered.disagg_isl_ratio,
+                prefill_busy=registered.disagg_prefill_busy,
+            ),
         )
 
     def _router(self, entry: ModelEntry, key: str) -> Router:

@@ -17,11 +17,17 @@ reason for a local prefill, or None for a remote one. The other reasons a reques
 import enum
 from dataclasses import dataclass
 
-#: Dynamo's defaults (``DEFAULT_CONDITIONAL_DISAGG_EFF_ISL_THRESHOLD`` / ``..._RATIO_THRESHOLD``).
-DEFAULT_ISL_THRESHOLD = 2048
-DEFAULT_ISL_RATIO = 0.7
-#: Dynamo's ``prefill_busy_threshold`` has no default of its own (its queue threshold's stands in); 1.0: a step.
-DEFAULT_PREFILL_BUSY = 1.0
+# One set of defaults for a gateway's flags and a pipeline's settings (Dynamo's, for isl).
+from runtime.fleet_contract.router_settings import DEFAULT_ISL_RATIO, DEFAULT_ISL_THRESHOLD, DEFAULT_PREFILL_BUSY
+
+__all__ = [
+    "DEFAULT_ISL_RATIO",
+    "DEFAULT_ISL_THRESHOLD",
+    "DEFAULT_PREFILL_BUSY",
+    "DisaggMode",
+    "DisaggPolicy",
+    "prefill_busy",
+]
 
 
 class DisaggMode(enum.StrEnum):

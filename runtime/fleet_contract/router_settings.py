@@ -13,6 +13,15 @@ import msgspec
 #: queued behind it. 0.5 measured best with weight 8 (bench/routing_sim.py, docs/benchmarks.md). Here, not
 #: in the gateway, so that a pipeline's settings and a gateway's own share the one default.
 DEFAULT_QUEUED_PREFILL_WEIGHT = 0.5
+#: Where a model with prefill workers has its prompts computed (frontend_gateway/routing/disagg_policy.py):
+#: always on a prefill worker, by what is left to compute (isl), or while the prefill workers are not busy (load).
+DISAGG_POLICIES = ("always", "isl", "load")
+#: Dynamo's defaults for its ``isl_bounding`` policy (tokens left to compute, and their share of the prompt).
+DEFAULT_ISL_THRESHOLD = 2048
+DEFAULT_ISL_RATIO = 0.7
+#: ``load``: a prefill worker with more prompt tokens in flight than this many engine steps is busy (Dynamo's
+#: ``prefill_busy_threshold`` has no default of its own; one step).
+DEFAULT_PREFILL_BUSY = 1.0
 
 
 class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,5 +33,10 @@ class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
     queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     temperature: float = 0.0
     use_kv_events: bool = True
+    #: Where the model's prompts are computed when it has prefill workers, and the policies' thresholds.
+    disagg_policy: str = "always"
+    disagg_isl_threshold: int = DEFAULT_ISL_THRESHOLD
+    disagg_isl_ratio: float = DEFAULT_ISL_RATIO
+    disagg_prefill_busy: float = DEFAULT_PREFILL_BUSY
     #: Counts the pipeline's changes of these settings: a gateway routes a pool with the newest it has seen.
     generation: int = 0

@@ -118,7 +118,15 @@ def test_labels_are_refused_for_an_input_that_registers_nothing() -> None:
 
 def test_a_pipelines_router_settings_become_the_workers_router_flags() -> None:
     router = PipelineRouter(
-        mode="kv", overlap_score_weight=2.5, queued_prefill_weight=0.25, temperature=0.1, use_kv_events=False
+        mode="kv",
+        overlap_score_weight=2.5,
+        queued_prefill_weight=0.25,
+        temperature=0.1,
+        use_kv_events=False,
+        disagg_policy="load",
+        disagg_isl_threshold=512,
+        disagg_isl_ratio=0.5,
+        disagg_prefill_busy=2.5,
     )
     spec = WorkerSpec(instance_id=7, pipeline="chat", group="aggregated", replica=0, engine="echo_full", router=router)
     argv = worker_argv(spec, "gpu-a")
@@ -210,7 +218,10 @@ def test_a_prefill_or_decode_groups_worker_serves_its_part_on_its_component(role
     ("args", "says"),
     [
         (["in=http", "out=mocker", "--disagg-role", "prefill"], "is a worker's (in=dyn://...)"),
-        (["in=dyn://m.prefill.generate", "out=echo_core", "--disagg-role", "prefill"], "engines that can: mocker, vllm"),
+        (
+            ["in=dyn://m.prefill.generate", "out=echo_core", "--disagg-role", "prefill"],
+            "engines that can: mocker, vllm",
+        ),
         (["in=dyn://m.decode.generate", "out=mocker", "--disagg-role", "middle"], "invalid choice: 'middle'"),
     ],
 )

@@ -54,7 +54,7 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
         {
             "name": "org/smol-chat",
             "model": "smol",
-            "router": {"mode": "kv", "temperature": 0.5, "kv_queued_prefill_weight": 0.25},
+            "router": {"mode": "kv", "temperature": 0.5, "kv_queued_prefill_weight": 0.25, "disagg_policy": "isl"},
             "groups": [{"replicas": 1, "gpus_per_replica": 1, "engine_args": {"dp_size": 2}}],
         },
         format="json",
@@ -73,6 +73,10 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
         "kv_queued_prefill_weight": 0.25,
         "temperature": 0.5,
         "use_kv_events": True,
+        "disagg_policy": "isl",
+        "disagg_isl_threshold": 2048,
+        "disagg_isl_ratio": 0.7,
+        "disagg_prefill_busy": 1.0,
     }
     assert spec["model"]["source"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -125,9 +125,18 @@ def test_a_disaggregated_pipeline_gets_a_prefill_and_a_decode_group_sharing_the_
         "prefill_replicas": "1",
         "prefill_gpus_per_replica": "0",
         "engine_args": json.dumps({"kv_transfer_bandwidth": 64}),
+        "disagg_policy": "isl",
+        "disagg_isl_threshold": "512",
+        "disagg_isl_ratio": "0.5",
     }
-    assert logged_in(Role.OPERATOR).post("/pipelines/", body).status_code == 302
-    groups = {group.role: group for group in Pipeline.objects.get().groups.all()}
+    browser = logged_in(Role.OPERATOR)
+    assert browser.post("/pipelines/", body).status_code == 302
+    pipeline = Pipeline.objects.get()
+    assert (pipeline.disagg_policy, pipeline.disagg_isl_threshold, pipeline.disagg_isl_ratio) == ("isl", 512, 0.5)
+    assert pipeline.disagg_prefill_busy == 1.0  # left empty: the default
+    page = browser.get(f"/pipelines/{pipeline.pk}/").content.decode()
+    assert "under 512 tokens and 0.5 of the prompt left to compute" in page
+    groups = {group.role: group for group in pipeline.groups.all()}
     assert set(groups) == {"prefill", "decode"}
     assert (groups["prefill"].replicas, groups["decode"].replicas) == (1, 2)
     assert groups["prefill"].engine_args == groups["decode"].engine_args == {"kv_transfer_bandwidth": 64}
@@ -152,6 +161,8 @@ def test_a_disaggregated_pipeline_of_an_engine_that_cannot_hand_kv_over_is_refus
         ({"model": "nope"}, "Select a valid choice"),
         ({"name": "bad name!"}, "1-200 letters, digits"),
         ({"engine_args": "3"}, "A JSON object"),
+        ({"disagg_policy": "sometimes"}, "Select a valid choice"),
+        ({"disagg_isl_ratio": "2"}, "less than or equal to 1"),
     ],
 )
 def test_an_invalid_pipeline_is_shown_again_with_the_error_and_nothing_is_deployed(

@@ -188,3 +188,20 @@ def test_a_request_may_say_where_its_prompt_is_computed(cluster: Cluster, tmp_pa
     wrong = httpx.post(url, json=body, headers={"x-flotilla-disagg": "sideways"}, timeout=30)
     assert wrong.status_code == 400
     assert wrong.json()["error"]["message"] == "x-flotilla-disagg must be local or remote, not 'sideways'"
+
+
+def test_the_policy_a_pipelines_workers_register_is_the_one_the_ingress_uses(cluster: Cluster, tmp_path: Path) -> None:
+    # As the node agent starts a pipeline's workers: its router settings as flags, registered with the model.
+    pipeline = ("--router-mode", "kv", "--disagg-policy", "isl", "--disagg-isl-threshold", "64")
+    ingress = cluster.start_ingress()  # its own --disagg-policy: always
+    start(cluster, tmp_path, "prefill", extra=pipeline)
+    start(cluster, tmp_path, "decode", extra=pipeline)
+    wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
+    conversation = list(range(1000, 1000 + 12 * BLOCK))
+    complete(ingress, conversation)
+    wait_until(
+        lambda: "x-flotilla-prefill-instance" not in complete(ingress, [*conversation, *range(900, 920)]).headers,
+        15,
+        "the pipeline's isl policy never kept a next turn on its decode worker",
+    )
+    assert decisions(ingress, "local", "isl") >= 1

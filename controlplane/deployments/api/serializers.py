@@ -9,6 +9,7 @@ from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
 from controlplane.deployments.models import (
     NAMESPACE_PATTERN,
     SERVED_NAME_PATTERN,
+    DisaggPolicy,
     Pipeline,
     PlacementPolicy,
     RouterMode,
@@ -16,13 +17,20 @@ from controlplane.deployments.models import (
 )
 from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
+    MAX_ISL_THRESHOLD,
+    MAX_PREFILL_BUSY,
     MAX_REPLICAS,
     MAX_ROUTER_TEMPERATURE,
     MAX_ROUTER_WEIGHT,
     GroupSpec,
 )
 from controlplane.fleet.models import NODE_NAME_PATTERN, Node
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_ISL_RATIO,
+    DEFAULT_ISL_THRESHOLD,
+    DEFAULT_PREFILL_BUSY,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+)
 
 MAX_PINS = 64
 
@@ -39,6 +47,14 @@ class RouterSerializer(serializers.Serializer):
         source="router_temperature", min_value=0.0, max_value=MAX_ROUTER_TEMPERATURE, default=0.0
     )
     use_kv_events = serializers.BooleanField(default=True)
+    disagg_policy = serializers.ChoiceField(choices=DisaggPolicy.choices, default=DisaggPolicy.ALWAYS)
+    disagg_isl_threshold = serializers.IntegerField(
+        min_value=0, max_value=MAX_ISL_THRESHOLD, default=DEFAULT_ISL_THRESHOLD
+    )
+    disagg_isl_ratio = serializers.FloatField(min_value=0.0, max_value=1.0, default=DEFAULT_ISL_RATIO)
+    disagg_prefill_busy = serializers.FloatField(
+        min_value=0.001, max_value=MAX_PREFILL_BUSY, default=DEFAULT_PREFILL_BUSY
+    )
 
 
 class PlacementSerializer(serializers.Serializer):

@@ -278,4 +278,8 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
             "kv_queued_prefill_weight": pipeline.kv_queued_prefill_weight,
             "temperature": pipeline.router_temperature,
             "use_kv_events": pipeline.use_kv_events,
+            "disagg_policy": pipeline.disagg_policy,
+            "disagg_isl_threshold": pipeline.disagg_isl_threshold,
+            "disagg_isl_ratio": pipeline.disagg_isl_ratio,
+            "disagg_prefill_busy": pipeline.disagg_prefill_busy,
         }
