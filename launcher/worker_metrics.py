@@ -12,6 +12,9 @@ report (a non-KV engine knows only its active requests) are left out rather than
 * ``flotilla_worker_preemptions_total``: running requests the engine evicted to make room (their
   blocks are recomputed); a steady rate means the cache is too small for the load sent here.
 * ``flotilla_worker_generated_tokens_total``: output tokens, whose rate is the worker's throughput.
+* ``flotilla_worker_prefills_total`` / ``_prefill_seconds_total`` and ``flotilla_worker_kv_handoffs_total`` /
+  ``_kv_handoff_first_token_seconds_total``: in disaggregated serving, the prompts it computed for decode
+  workers and the handoffs it took, and their summed seconds (rate over rate: the mean of each).
 * ``flotilla_worker_kv_event_batches_published_total`` / ``_lost_total``: KV event batches sent to
   routers, and those NATS would not take (routers see a gap and ask for the whole cache).
 * ``flotilla_worker_ack_deadline_expiries_total``: streams stopped because their client stopped
@@ -93,6 +96,24 @@ class WorkerMetrics(Collector):
             ),
             "generated_tokens": CounterMetricFamily(
                 f"{_PREFIX}_generated_tokens", "Output tokens the engine produced, per dp rank.", labels=["dp_rank"]
+            ),
+            "prefills": CounterMetricFamily(
+                f"{_PREFIX}_prefills",
+                "Prompts computed for a decode worker (disaggregated serving; on dp rank 0).",
+                labels=["dp_rank"],
+            ),
+            "prefill_seconds": CounterMetricFamily(
+                f"{_PREFIX}_prefill_seconds", "Their seconds from arrival to KV handoff, summed.", labels=["dp_rank"]
+            ),
+            "handoffs": CounterMetricFamily(
+                f"{_PREFIX}_kv_handoffs",
+                "Requests taken with a prefill worker's KV handoff (disaggregated serving; on dp rank 0).",
+                labels=["dp_rank"],
+            ),
+            "handoff_first_token_seconds": CounterMetricFamily(
+                f"{_PREFIX}_kv_handoff_first_token_seconds",
+                "Their seconds from arrival to first token, summed.",
+                labels=["dp_rank"],
             ),
         }
         for report in self._load():

@@ -34,6 +34,7 @@ from runtime.kv.load_metrics import (
     publish_load_forever,
     waiting_requests,
 )
+from runtime.kv.phases import PhaseCounters
 from runtime.kv.publisher import KvEventPublisher, start_kv_publishing
 from runtime.models.card import ModelCard, ModelType
 from runtime.protocol import DisaggRole
@@ -158,7 +159,12 @@ class Endpoint:
         self._pending_models: list[tuple[str, bytes]] = []
 
     async def serve_bytes(
-        self, handler: Handler, *, kv_source: KvEventSource | None = None, labels: dict[str, str] | None = None
+        self,
+        handler: Handler,
+        *,
+        kv_source: KvEventSource | None = None,
+        labels: dict[str, str] | None = None,
+        phases: PhaseCounters | None = None,
     ) -> None:
         """Start answering requests with a bytes-level handler and announce this instance in etcd.
 
@@ -167,6 +173,7 @@ class Endpoint:
 
         With ``kv_source`` (an engine that reports its KV cache), its KV events, cache state and
         per-rank load are published for KV routers (runtime/kv/publisher.py), from before the first request.
+        ``phases`` (counted by ``handler``) go into the load reports: the worker's part in disaggregated serving.
         """
         runtime = self.runtime
         load_reports: LoadReports | None = None
@@ -200,6 +207,8 @@ class Endpoint:
         self._pending_models.clear()
         subject = self.address.load_metrics_subject()
         reports = load_reports or active_requests_load(runtime.instance_id, lambda: server.active_requests)
+        if phases is not None:
+            reports = phases.reports(reports)
         self.load_reports = reports
 
         def publish_load() -> Coroutine[Any, Any, None]:

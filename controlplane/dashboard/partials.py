@@ -147,6 +147,12 @@ class LoadFigures:
     waiting: float | None = None
     active_requests: float | None = None
     tokens_per_s: float | None = None
+    #: Disaggregated serving: prompts computed for decode workers, KV handoffs taken (totals), and their mean
+    #: milliseconds (arrival to handoff; arrival to first token) over the last interval that had some.
+    prefills: float | None = None
+    prefill_ms: float | None = None
+    handoffs: float | None = None
+    handoff_first_token_ms: float | None = None
 
     @property
     def data_attributes(self) -> list[tuple[str, str]]:
@@ -173,6 +179,10 @@ def load_figures(load: Mapping[str, Any] | None) -> LoadFigures | None:
         waiting=numbers.get("waiting"),
         active_requests=numbers.get("active_requests"),
         tokens_per_s=numbers.get("tokens_per_s"),
+        prefills=numbers.get("prefills"),
+        prefill_ms=numbers.get("prefill_ms"),
+        handoffs=numbers.get("handoffs"),
+        handoff_first_token_ms=numbers.get("handoff_first_token_ms"),
     )
 
 

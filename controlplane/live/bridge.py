@@ -135,6 +135,8 @@ class InstanceFigures:
     counting_since: float | None = None  # monotonic
     # The ranks' generated-token counters summed, and when (monotonic), at the last push: tokens/s.
     generated: tuple[float, int] | None = None
+    # Disaggregated serving: (prefills, their seconds, handoffs, their seconds) at the last push.
+    phases: tuple[int, float, int, float] | None = None
 
     def count(self, batch: KvEventBatch, now: float) -> None:
         if self.counting_since is None:
@@ -175,6 +177,7 @@ class InstanceFigures:
                 load["tokens_per_s"] = (total - self.generated[1]) / (now - self.generated[0])
             # A restarted worker's counter starts again at 0: the next push gives a rate again.
             self.generated = (now, total)
+        self._phases(loads, load)
         if self.counting_since is not None and now > self.counting_since:
             elapsed = now - self.counting_since
             load["kv_blocks_stored_per_s"] = self.blocks_stored / elapsed
@@ -182,6 +185,24 @@ class InstanceFigures:
             self.blocks_stored = self.blocks_removed = 0
             self.counting_since = now
         return load
+
+    def _phases(self, loads: list[WorkerLoad], load: dict[str, Any]) -> None:
+        """The worker's part in disaggregated serving: prompts computed for decode workers and KV handoffs taken
+        (totals), and their mean seconds since the last push (when some came)."""
+        report = next((report for report in loads if report.prefills is not None or report.handoffs is not None), None)
+        if report is None:
+            return
+        now = (report.prefills or 0, report.prefill_seconds or 0.0, report.handoffs or 0,
+               report.handoff_first_token_seconds or 0.0)  # fmt: skip
+        load["prefills"], load["handoffs"] = now[0], now[2]
+        before = self.phases
+        if before is None or before[0] > now[0] or before[2] > now[2]:
+            before = (0, 0.0, 0, 0.0)  # the first report, or a restarted worker whose counters began again
+        if now[0] > before[0]:
+            load["prefill_ms"] = (now[1] - before[1]) / (now[0] - before[0]) * 1000
+        if now[2] > before[2]:
+            load["handoff_first_token_ms"] = (now[3] - before[3]) / (now[2] - before[2]) * 1000
+        self.phases = now
 
 
 @dataclass

@@ -22,8 +22,18 @@ from runtime.endpoint import drain_grace_seconds, register_model
 from runtime.engine import Embedder, Engine, RequestContext
 from runtime.fleet_contract.router_settings import PipelineRouter
 from runtime.kv.events import KvEventSource
+from runtime.kv.phases import PhaseCounters
+from runtime.kv.phases import now as phase_clock
 from runtime.models.card import ModelCard, ModelType
-from runtime.protocol import DisaggRole, EmbedOutput, EmbedRequest, PreprocessedRequest, TextRequest, float32_bytes
+from runtime.protocol import (
+    DisaggRole,
+    EmbedOutput,
+    EmbedRequest,
+    EngineOutput,
+    PreprocessedRequest,
+    TextRequest,
+    float32_bytes,
+)
 from runtime.request_plane import Handler
 
 log = logging.getLogger(__name__)
@@ -36,14 +46,30 @@ _embed_request = msgspec.msgpack.Decoder(EmbedRequest)
 EMBED_OUTPUT_BYTES = 256 * 1024
 
 
-def engine_handler(engine: Engine) -> Handler:
-    """A bytes-level request handler around ``engine``: decode its request type, encode its outputs."""
+def engine_handler(engine: Engine, phases: PhaseCounters | None = None) -> Handler:
+    """A bytes-level request handler around ``engine``: decode its request type, encode its outputs; with
+    ``phases``, count the prefill-only requests and the KV handoffs it serves, and how long each took."""
     encode = msgspec.msgpack.Encoder().encode
     decoder: msgspec.msgpack.Decoder[Any] = _token_request if engine.kind == "token" else _text_request
     generate: Callable[[Any, RequestContext], AsyncIterator[msgspec.Struct]] = engine.generate
 
     async def handler(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
-        async for output in generate(decoder.decode(payload), context):
+        request = decoder.decode(payload)
+        if (
+            phases is None
+            or not isinstance(request, PreprocessedRequest)
+            or not (request.prefill_only or request.handoff is not None)
+        ):
+            async for output in generate(request, context):
+                yield encode(output)
+            return
+        started, first = phase_clock(), True
+        async for output in generate(request, context):
+            if first and request.handoff is not None:
+                phases.took_handoff(phase_clock() - started)
+            first = False
+            if request.prefill_only and isinstance(output, EngineOutput) and output.handoff is not None:
+                phases.prefilled(phase_clock() - started)
             yield encode(output)
 
     return handler
@@ -106,7 +132,8 @@ async def serve_worker(
         endpoint = runtime.endpoint(address)
         # An engine that reports its KV cache has its events, cache state and load published for KV routers.
         kv_source = engine if isinstance(engine, KvEventSource) else None
-        await endpoint.serve_bytes(engine_handler(engine), kv_source=kv_source, labels=labels)
+        phases = PhaseCounters() if engine.kind == "token" else None
+        await endpoint.serve_bytes(engine_handler(engine, phases), kv_source=kv_source, labels=labels, phases=phases)
         if metrics_port is not None:
             # Imported here: prometheus_client (and the http.server, urllib and wsgiref it brings) costs
             # every worker start ~20 ms of CPU before it registers, and only --metrics-port uses it.

@@ -97,6 +97,13 @@ class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     generated_tokens: int | None = None
     # Running requests evicted to free KV blocks since the engine started (a counter).
     preemptions: int | None = None
+    # Disaggregated serving, counters since the worker started (on rank 0's report; None: none served):
+    # prompts computed for a decode worker (prefill-only requests) and their seconds from arrival to handoff,
+    prefills: int | None = None
+    prefill_seconds: float | None = None
+    # and requests taken with a prefill worker's KV handoff and their seconds from arrival to first token.
+    handoffs: int | None = None
+    handoff_first_token_seconds: float | None = None
 
 
 class KvEventSink(Protocol):

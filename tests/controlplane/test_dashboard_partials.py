@@ -108,6 +108,16 @@ def test_an_instance_load_is_text_and_data_attributes_for_the_charts() -> None:
     assert "KV cache <strong>42%</strong>" in html and "<strong>3</strong> running" in html
 
 
+def test_an_instance_load_says_what_the_worker_did_in_disaggregated_serving() -> None:
+    instance = ready_instance()
+    prefill = partials.render_instance_load(instance.pk, {"prefills": 12, "prefill_ms": 41.26, "handoffs": 0})
+    assert "<strong>12</strong> prompts prefilled, <strong>41.3</strong> ms each" in prefill
+    assert "<strong>0</strong> KV handoffs taken</span>" in prefill
+    decode = partials.render_instance_load(instance.pk, {"handoffs": 7, "handoff_first_token_ms": 9.0})
+    assert "<strong>7</strong> KV handoffs taken, first token <strong>9.0</strong> ms" in decode
+    assert "prefilled" not in decode
+
+
 def test_an_instance_load_leaves_out_what_is_missing_or_not_a_number() -> None:
     instance = ready_instance()
     html = partials.render_instance_load(instance.pk, {"active_requests": 2, "kv_usage": "lots", "tokens_per_s": 812.5})

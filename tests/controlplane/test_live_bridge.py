@@ -215,6 +215,29 @@ def test_tokens_per_s_comes_from_the_ranks_generated_token_counters() -> None:
     assert figures.take(now=14.0)["tokens_per_s"] == pytest.approx(30.0)
 
 
+def test_a_workers_part_in_disaggregated_serving_is_its_totals_and_the_mean_time_of_the_last_interval() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, prefills=4, prefill_seconds=0.2)
+    first = figures.take(now=10.0)
+    assert (first["prefills"], first["prefill_ms"]) == (4, pytest.approx(50.0))  # 200 ms over 4
+    assert "handoffs" in first and "handoff_first_token_ms" not in first  # a prefill worker takes none
+
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, prefills=6, prefill_seconds=0.5)
+    assert figures.take(now=11.0)["prefill_ms"] == pytest.approx(150.0)  # the 2 of this interval: 300 ms
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, prefills=6, prefill_seconds=0.5)
+    assert "prefill_ms" not in figures.take(now=12.0)  # none in this interval: no mean to show
+
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=1, handoffs=2, handoff_first_token_seconds=0.03)
+    restarted = figures.take(now=13.0)  # its counters began again
+    assert (restarted["handoffs"], restarted["handoff_first_token_ms"]) == (2, pytest.approx(15.0))
+
+
+def test_an_aggregated_worker_shows_no_phases() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=2, generated_tokens=10)
+    assert not {"prefills", "handoffs", "prefill_ms"} & set(figures.take(now=1.0))
+
+
 def test_an_engine_without_a_counter_has_no_tokens_per_s() -> None:
     figures = InstanceFigures()
     for now in (1.0, 2.0):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
 from tests.distributed.test_router_health_metrics import scraped
@@ -59,8 +60,9 @@ def test_the_prompt_is_computed_on_the_prefill_worker_and_the_answer_on_the_deco
     cluster: Cluster, tmp_path: Path
 ) -> None:
     ingress = cluster.start_ingress()
-    [prefill] = start(cluster, tmp_path, "prefill")
-    [decode] = start(cluster, tmp_path, "decode")
+    prefill_port, decode_port = free_port(), free_port()
+    [prefill] = start(cluster, tmp_path, "prefill", extra=("--metrics-port", str(prefill_port)))
+    [decode] = start(cluster, tmp_path, "decode", extra=("--metrics-port", str(decode_port)))
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     prompt = list(range(1000, 1000 + 4 * BLOCK + 3))
 
@@ -81,6 +83,22 @@ def test_the_prompt_is_computed_on_the_prefill_worker_and_the_answer_on_the_deco
     assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
     assert "error" not in streamed.text
     assert decisions(ingress, "remote", "policy") == 3
+    # Each worker counts its part (the dashboard shows it): in its load reports, and on its /metrics.
+    wait_until(lambda: worker_metric(prefill_port, "flotilla_worker_prefills_total") == 3, 10, "prefills uncounted")
+    assert worker_metric(prefill_port, "flotilla_worker_prefill_seconds_total") > 0
+    assert worker_metric(prefill_port, "flotilla_worker_kv_handoffs_total") == 0
+    wait_until(lambda: worker_metric(decode_port, "flotilla_worker_kv_handoffs_total") == 3, 10, "handoffs uncounted")
+    assert worker_metric(decode_port, "flotilla_worker_prefills_total") == 0
+
+
+def worker_metric(port: int, name: str) -> float | None:
+    """The value of rank 0's sample ``name`` on a worker's /metrics (None: absent)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("dp_rank") == "0":
+                return sample.value
+    return None
 
 
 def test_without_a_prefill_worker_the_decode_worker_computes_the_prompt_and_one_that_comes_is_used(
