@@ -74,7 +74,18 @@ class Cluster:
     ) -> list[Worker]:
         """Start ``count`` workers of `flotilla run in=ADDRESS ARGS` at once, then wait for each one's banner:
         their starts overlap instead of adding up."""
-        started = [self._launch(address, args, delay_ms, env) for _ in range(count)]
+        return self.start_each([(address, args)] * count, delay_ms=delay_ms, env=env, timeout=timeout)
+
+    def start_each(
+        self,
+        workers: "list[tuple[str, tuple[str, ...]]]",
+        *,
+        delay_ms: int = 0,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+    ) -> list[Worker]:
+        """Start a worker for each ``(address, args)`` at once, then wait for each one's banner."""
+        started = [self._launch(address, args, delay_ms, env) for address, args in workers]
         deadline = time.monotonic() + timeout
         for worker in started:
             self._wait_for_banner(worker, deadline, timeout)

@@ -184,13 +184,11 @@ def test_a_prompt_prefilled_by_one_vllm_worker_is_decoded_by_another_from_its_kv
         return ("out=vllm", str(vllm_model_folder), "--model-name", MODEL, "--disagg-role", role,
                 "--extra-engine-args", engine)  # fmt: skip
 
-    [prefill] = cluster.start_workers(
-        1, f"dyn://{MODEL}.prefill.generate", *worker_args("prefill", "kv_producer"), env=KV_CACHE_ENV, timeout=START_S
-    )
-    [decode] = cluster.start_workers(
-        1,
-        f"dyn://{MODEL}.decode.generate",
-        *worker_args("decode", "kv_consumer", enable_prefix_caching=False),
+    prefill, decode = cluster.start_each(  # at once: their starts overlap
+        [
+            (f"dyn://{MODEL}.prefill.generate", worker_args("prefill", "kv_producer")),
+            (f"dyn://{MODEL}.decode.generate", worker_args("decode", "kv_consumer", enable_prefix_caching=False)),
+        ],
         env=KV_CACHE_ENV,
         timeout=START_S,
     )
