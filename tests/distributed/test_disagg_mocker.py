@@ -37,11 +37,26 @@ def start(
     settings: dict[str, object] | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[Worker]:
+    return cluster.start_each([spec(tmp_path, role, settings, extra)] * count)
+
+
+def spec(
+    tmp_path: Path, role: str, settings: dict[str, object] | None = None, extra: tuple[str, ...] = ()
+) -> tuple[str, tuple[str, ...]]:
+    """The address and arguments of a mocker worker of ``role`` (``Cluster.start_each`` starts several at once)."""
     path = tmp_path / f"mocker-{role}.json"
     path.write_text(json.dumps({**SETTINGS, **(settings or {})}))
     address = f"dyn://{MODEL}.{role}.generate"
-    args = ("out=mocker", "--extra-engine-args", str(path), "--model-name", MODEL, "--disagg-role", role, *extra)
-    return cluster.start_workers(count, address, *args)
+    return address, (
+        "out=mocker",
+        "--extra-engine-args",
+        str(path),
+        "--model-name",
+        MODEL,
+        "--disagg-role",
+        role,
+        *extra,
+    )
 
 
 def complete(ingress: Server, prompt: list[int], max_tokens: int = 5, **extra: object) -> httpx.Response:
@@ -61,8 +76,12 @@ def test_the_prompt_is_computed_on_the_prefill_worker_and_the_answer_on_the_deco
 ) -> None:
     ingress = cluster.start_ingress()
     prefill_port, decode_port = free_port(), free_port()
-    [prefill] = start(cluster, tmp_path, "prefill", extra=("--metrics-port", str(prefill_port)))
-    [decode] = start(cluster, tmp_path, "decode", extra=("--metrics-port", str(decode_port)))
+    prefill, decode = cluster.start_each(
+        [
+            spec(tmp_path, "prefill", extra=("--metrics-port", str(prefill_port))),
+            spec(tmp_path, "decode", extra=("--metrics-port", str(decode_port))),
+        ]
+    )
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     prompt = list(range(1000, 1000 + 4 * BLOCK + 3))
 
@@ -126,8 +145,7 @@ def test_without_a_prefill_worker_the_decode_worker_computes_the_prompt_and_one_
 
 def test_a_prefill_worker_killed_or_frozen_costs_the_client_nothing(cluster: Cluster, tmp_path: Path) -> None:
     ingress = cluster.start_ingress()
-    first, second = start(cluster, tmp_path, "prefill", count=2)
-    [decode] = start(cluster, tmp_path, "decode")
+    first, second, decode = cluster.start_each([spec(tmp_path, "prefill")] * 2 + [spec(tmp_path, "decode")])
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     complete(ingress, list(range(300, 340)))
 
@@ -148,8 +166,7 @@ def test_the_isl_policy_keeps_a_prompt_mostly_cached_on_its_decode_worker_there(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     ingress = cluster.start_ingress("--router-mode", "kv", "--disagg-policy", "isl", "--disagg-isl-threshold", "64")
-    [prefill] = start(cluster, tmp_path, "prefill")
-    start(cluster, tmp_path, "decode")
+    prefill, _ = cluster.start_each([spec(tmp_path, "prefill"), spec(tmp_path, "decode")])
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     # Dynamo's isl_bounding: local only when what is left to compute is short *and* a small share of the
     # prompt, so a short prompt nobody holds still goes to the prefill worker.
@@ -173,8 +190,9 @@ def test_the_load_policy_keeps_prompts_on_the_decode_worker_while_the_prefill_wo
     ingress = cluster.start_ingress("--disagg-policy", "load", "--disagg-prefill-busy", "0.01")
     port = free_port()
     slow = {"speedup_ratio": 0.1}  # a 3000-token prompt takes ~0.7 s
-    [prefill] = start(cluster, tmp_path, "prefill", settings=slow, extra=("--metrics-port", str(port)))
-    start(cluster, tmp_path, "decode")
+    prefill, _ = cluster.start_each(
+        [spec(tmp_path, "prefill", settings=slow, extra=("--metrics-port", str(port))), spec(tmp_path, "decode")]
+    )
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
 
     def prefilling() -> bool:
@@ -193,8 +211,7 @@ def test_the_load_policy_keeps_prompts_on_the_decode_worker_while_the_prefill_wo
 
 def test_a_request_may_say_where_its_prompt_is_computed(cluster: Cluster, tmp_path: Path) -> None:
     ingress = cluster.start_ingress("--disagg-policy", "isl")
-    [prefill] = start(cluster, tmp_path, "prefill")
-    start(cluster, tmp_path, "decode")
+    prefill, _ = cluster.start_each([spec(tmp_path, "prefill"), spec(tmp_path, "decode")])
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     body = {"model": MODEL, "prompt": list(range(700, 760)), "max_tokens": 3}
     url = ingress.base_url + "/v1/completions"
@@ -212,8 +229,7 @@ def test_the_policy_a_pipelines_workers_register_is_the_one_the_ingress_uses(clu
     # As the node agent starts a pipeline's workers: its router settings as flags, registered with the model.
     pipeline = ("--router-mode", "kv", "--disagg-policy", "isl", "--disagg-isl-threshold", "64")
     ingress = cluster.start_ingress()  # its own --disagg-policy: always
-    start(cluster, tmp_path, "prefill", extra=pipeline)
-    start(cluster, tmp_path, "decode", extra=pipeline)
+    cluster.start_each([spec(tmp_path, "prefill", extra=pipeline), spec(tmp_path, "decode", extra=pipeline)])
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     conversation = list(range(1000, 1000 + 12 * BLOCK))
     complete(ingress, conversation)
