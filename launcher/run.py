@@ -179,9 +179,9 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
     engine: sglang.SglangEngine | trtllm.TrtLlmEngine
     if output == "sglang":
-        engine = sglang.SglangEngine(path, placement, extra, options.node_group)
+        engine = sglang.SglangEngine(path, placement, extra, options.node_group, role=options.disagg_role)
     else:
-        engine = trtllm.TrtLlmEngine(path, placement, extra)
+        engine = trtllm.TrtLlmEngine(path, placement, extra, role=options.disagg_role)
     # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.
     card = card.replace(kv_cache_block_size=engine.block_size)
     return TokenModel(card, engine), engine

@@ -39,15 +39,22 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from engines.sglang.disagg import (
+    SGLANG_HANDOFF,
+    bootstrap_address,
+    bootstrap_arguments,
+    disagg_engine_args,
+    new_room,
+)
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
 from engines.shared.node_group import NodeGroup
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback_ports_free, translate_batch
 from runtime.engine import RequestContext
-from runtime.errors import EngineError, ModelError
+from runtime.errors import ConfigError, EngineError, ModelError
 from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
-from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest
+from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +192,9 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
     left out, so that SGLang's defaults (the model's generation config) apply."""
     sampling, stop = request.sampling, request.stop_conditions
     params: dict[str, Any] = {
-        "max_new_tokens": stop.max_tokens,
-        "min_new_tokens": stop.min_tokens,
+        # A prefill worker computes the prompt and the token its pass gives; the decode worker the rest.
+        "max_new_tokens": 1 if request.prefill_only else stop.max_tokens,
+        "min_new_tokens": 0 if request.prefill_only else stop.min_tokens,
         "ignore_eos": stop.ignore_eos,
         # Stop strings are the gateway's (they need text); SGLang stops on the model's EOS ids and these.
         "stop_token_ids": list(request.eos_token_ids),
@@ -293,11 +301,23 @@ class SglangEngine:
     skip_special_tokens = True
 
     def __init__(
-        self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], nodes: NodeGroup | None = None
+        self,
+        model_path: Path,
+        placement: GpuPlacement,
+        engine_args: dict[str, Any],
+        nodes: NodeGroup | None = None,
+        role: DisaggRole = "aggregated",
     ) -> None:
+        """Raises ConfigError when ``engine_args`` set a disaggregation mode other than ``role``'s."""
         self.model_path = model_path
         self.placement = placement
+        self.role = role
+        engine_args = disagg_engine_args(role, engine_args)
         self.engine_args = engine_args
+        #: A prefill engine's bootstrap host and port, which its handoffs name.
+        self.bootstrap = bootstrap_address(engine_args) if role == "prefill" else None
+        #: The streams of prefills answered already (their handoff sent): SGLang's KV moves meanwhile.
+        self._prefills: set[asyncio.Task[None]] = set()
         self.nodes = nodes or NodeGroup()
         self.block_size = int(engine_args.get("page_size", DEFAULT_PAGE_SIZE))
         self._engine: Any = None
@@ -331,6 +351,9 @@ class SglangEngine:
         log.info("SGLang loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
 
     async def close(self) -> None:
+        for task in list(self._prefills):
+            task.cancel()
+        await asyncio.gather(*self._prefills, return_exceptions=True)
         for subscriber in self._subscribers:
             subscriber.close()
         if self._engine is not None:
@@ -366,6 +389,15 @@ class SglangEngine:
         extra: dict[str, Any] = {}
         if request.dp_rank is not None:
             extra["data_parallel_rank"] = request.dp_rank
+        if request.prefill_only and self.bootstrap is not None:
+            yield await self._prefill(request, extra)
+            return
+        handoff = request.handoff
+        if handoff is not None and handoff.kind == SGLANG_HANDOFF:
+            try:
+                extra |= bootstrap_arguments(handoff.params)
+            except ConfigError as exc:
+                raise EngineError(str(exc)) from exc
         rid: str | None = None
         finished = False
         sent = 0
@@ -397,6 +429,34 @@ class SglangEngine:
             self._active -= 1
             if not finished and rid is not None:
                 abort_request(self._engine, rid)
+
+    async def _prefill(self, request: PreprocessedRequest, extra: dict[str, Any]) -> EngineOutput:
+        """Start ``request``'s prefill in SGLang with a new room and answer its handoff at once; SGLang's stream
+        runs on in a task of its own (the KV moves once the decode engine connects to the room)."""
+        assert self.bootstrap is not None
+        host, port = self.bootstrap
+        params = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room()}
+        stream = await self._engine.async_generate(
+            input_ids=request.token_ids, sampling_params=sampling_params(request), stream=True, **extra, **params
+        )
+        task = asyncio.create_task(
+            self._finish_prefill(stream, request.request_id), name=f"prefill {request.request_id}"
+        )
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        return EngineOutput([], "length", cached_tokens=0, handoff=KvHandoff(
+            kind=SGLANG_HANDOFF, prompt_tokens=len(request.token_ids), params=params,
+        ))  # fmt: skip
+
+    async def _finish_prefill(self, stream: AsyncIterator[dict[str, Any]], request_id: str) -> None:
+        """Read a prefill's SGLang stream to its end; a failure is logged (the decode half reports its own)."""
+        try:
+            async for chunk in stream:
+                meta = chunk.get("meta_info", {})
+                if finish_reason(meta) == "error":
+                    log.warning("SGLang failed the prefill of request %s: %s", request_id, abort_message(meta))
+        except Exception:
+            log.exception("the prefill of request %s failed in SGLang", request_id)
 
 
 def abort_request(engine: Any, rid: str) -> None:

@@ -36,12 +36,13 @@ from typing import Any, Literal
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
+from engines.trtllm.disagg import TRTLLM_HANDOFF, check_disagg_role, encode_params, generation_params
 from engines.trtllm.kv_events import translate_events
 from engines.trtllm.stats import StatsToLoad
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
 from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
-from runtime.protocol import EngineOutput, FinishReason, PreprocessedRequest
+from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,9 @@ def sampling_kwargs(request: PreprocessedRequest) -> dict[str, Any]:
     library's defaults apply)."""
     sampling, stop = request.sampling, request.stop_conditions
     kwargs: dict[str, Any] = {
-        "max_tokens": stop.max_tokens,
-        "min_tokens": stop.min_tokens,
+        # A prefill worker computes the prompt and the token its pass gives; the decode worker the rest.
+        "max_tokens": 1 if request.prefill_only else stop.max_tokens,
+        "min_tokens": 0 if request.prefill_only else stop.min_tokens,
         "ignore_eos": stop.ignore_eos,
         # Stop strings are the gateway's (they need text); the engine stops on the model's EOS ids.
         "stop_token_ids": list(request.eos_token_ids),
@@ -227,10 +229,16 @@ class TrtLlmEngine:
     kind: Literal["token"] = "token"
     skip_special_tokens = True
 
-    def __init__(self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], role: DisaggRole = "aggregated"
+    ) -> None:
+        """Raises ConfigError for a prefill or decode worker without a cache transceiver."""
+        check_disagg_role(role, engine_args)
         self.model_path = model_path
         self.placement = placement
+        self.role = role
         self.engine_args = engine_args
+        self._disaggregated_params: Any = None  # TensorRT-LLM's DisaggregatedParams, once started
         self.block_size = tokens_per_block(engine_args)
         self._llm: Any = None
         self._sampling_params: Any = None
@@ -271,6 +279,10 @@ class TrtLlmEngine:
         except Exception as exc:  # TensorRT-LLM raises what its loader, CUDA or pydantic raise
             raise ModelError(f"TensorRT-LLM could not load {self.model_path}: {exc}") from exc
         self._sampling_params = SamplingParams
+        if self.role != "aggregated":
+            from tensorrt_llm.llmapi import DisaggregatedParams
+
+            self._disaggregated_params = DisaggregatedParams
         self._events_task = asyncio.create_task(self._read_kv_events(), name="trtllm kv events")
         self._stats_task = asyncio.create_task(self._read_stats(), name="trtllm stats")
         log.info("TensorRT-LLM loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
@@ -319,7 +331,18 @@ class TrtLlmEngine:
         if self._llm is None:
             raise EngineError("the TensorRT-LLM engine is not started")
         params = self._sampling_params(**sampling_kwargs(request))
-        result = self._llm.generate_async({"prompt_token_ids": request.token_ids}, params, streaming=True)
+        extra: dict[str, Any] = {}
+        prefilling = request.prefill_only and self._disaggregated_params is not None
+        if prefilling:
+            extra["disaggregated_params"] = self._disaggregated_params(request_type="context_only")
+        elif (handoff := request.handoff) is not None and handoff.kind == TRTLLM_HANDOFF:
+            if self._disaggregated_params is None:
+                raise EngineError("a TensorRT-LLM KV handoff reached a worker that is not a decode worker")
+            try:
+                extra["disaggregated_params"] = self._disaggregated_params(**generation_params(handoff.params))
+            except ConfigError as exc:
+                raise EngineError(str(exc)) from exc
+        result = self._llm.generate_async({"prompt_token_ids": request.token_ids}, params, streaming=True, **extra)
         finished = False
         sent = 0
         self._active += 1
@@ -331,8 +354,15 @@ class TrtLlmEngine:
                 tokens = list(completion.token_ids[sent:])
                 reason = finish_reason(completion.finish_reason)
                 sent += len(tokens)
+                output = EngineOutput(token_ids=tokens, finish_reason=reason)
+                if prefilling and reason is not None:
+                    output.handoff = KvHandoff(
+                        kind=TRTLLM_HANDOFF,
+                        prompt_tokens=len(request.token_ids),
+                        params=encode_params(getattr(completion, "disaggregated_params", None)),
+                    )
                 if tokens or reason is not None:
-                    yield EngineOutput(token_ids=tokens, finish_reason=reason)
+                    yield output
                 if reason is not None:
                     finished = True
                     return

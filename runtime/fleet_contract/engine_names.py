@@ -43,7 +43,7 @@ SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "sglang", "trtllm", "v
 
 #: Engines that serve prefill and decode on separate workers (``flotilla run --disagg-role``): a worker group of
 #: role prefill or decode must run one of them.
-DISAGG_ENGINES = ("mocker", "vllm")
+DISAGG_ENGINES = ("mocker", "sglang", "trtllm", "vllm")
 
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
 _ENGINE_PACKAGES = {

@@ -220,7 +220,7 @@ def test_a_prefill_or_decode_groups_worker_serves_its_part_on_its_component(role
         (["in=http", "out=mocker", "--disagg-role", "prefill"], "is a worker's (in=dyn://...)"),
         (
             ["in=dyn://m.prefill.generate", "out=echo_core", "--disagg-role", "prefill"],
-            "engines that can: mocker, vllm",
+            "engines that can: mocker, sglang, trtllm, vllm",
         ),
         (["in=dyn://m.decode.generate", "out=mocker", "--disagg-role", "middle"], "invalid choice: 'middle'"),
     ],

@@ -68,7 +68,8 @@ def test_a_taken_name_or_namespace_is_a_conflict() -> None:
         ([GroupSpec(replicas=10_000)], "replicas must be between 0 and 512"),
         (
             [GroupSpec(role="prefill", engine="echo_core"), GroupSpec(role="decode", engine="echo_core")],
-            "echo_core cannot hand a prompt's KV cache between workers yet; engines that can: mocker, vllm",
+            "echo_core cannot hand a prompt's KV cache between workers yet; engines that can: mocker, sglang, "
+            "trtllm, vllm",
         ),
     ],
 )

@@ -30,10 +30,10 @@ from engines.trtllm.engine import (
 )
 from engines.trtllm.kv_events import translate_event, translate_events
 from runtime.engine import RequestContext
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, EngineError
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockRemoved, BlockStored
-from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
+from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest, SamplingOptions, StopConditions
 
 GiB = 2**30
 
@@ -327,3 +327,76 @@ async def test_the_llms_kv_events_are_published_as_they_come_and_answer_a_state_
     named = sequence_block_hashes(TOKENS[:32], 32)
     assert sink.published == [(0, [BlockStored(block_hashes=named)])]
     assert engine.cache_state(None) == {0: [BlockStored(block_hashes=named)]}
+
+
+# --- disaggregated serving --------------------------------------------------------------------------------
+
+
+class FakeDisaggregatedParams:
+    """tensorrt_llm.llmapi.DisaggregatedParams: its keyword arguments, kept."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.fields = fields
+
+
+class FakeDisaggLlm(FakeLlm):
+    def generate_async(self, inputs: Any, sampling_params: Any, *, streaming: bool, **extra: Any) -> FakeResult:
+        self.calls.append((inputs, sampling_params, streaming, extra))
+        return self.result
+
+
+def disagg_request(**fields: Any) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id="r1", model="m", token_ids=[1, 2, 3], sampling=SamplingOptions(),
+        stop_conditions=StopConditions(max_tokens=8), **fields,
+    )  # fmt: skip
+
+
+def disagg_engine(role: str, steps: list[Any]) -> tuple[TrtLlmEngine, FakeDisaggLlm]:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {"cache_transceiver_config": {"backend": "DEFAULT"}}, role=role)  # type: ignore[arg-type]
+    result = FakeResult([])
+    result.steps = steps
+    llm = FakeDisaggLlm(result)
+    engine._llm, engine._sampling_params, engine._disaggregated_params = llm, dict, FakeDisaggregatedParams
+    return engine, llm
+
+
+async def test_a_prefill_runs_context_only_and_hands_on_its_disaggregated_params() -> None:
+    class Steps(FakeResult):
+        async def __aiter__(self) -> AsyncIterator[Any]:
+            state = SimpleNamespace(ctx_request_id=77, opaque_state=b"\x00\xffstate", first_gen_tokens=[9])
+            yield SimpleNamespace(
+                outputs=[SimpleNamespace(token_ids=[9], finish_reason="length", disaggregated_params=state)]
+            )
+
+    engine, llm = disagg_engine("prefill", [])
+    llm.result = Steps([])
+    outputs = [out async for out in engine.generate(disagg_request(prefill_only=True), RequestContext("r1"))]
+    [(_, params, _, extra)] = llm.calls
+    assert params["max_tokens"] == 1 and extra["disaggregated_params"].fields == {"request_type": "context_only"}
+    handoff = outputs[-1].handoff
+    assert handoff is not None and handoff.kind == "trtllm"
+    assert handoff.params == {"first_gen_tokens": [9], "ctx_request_id": 77, "opaque_state": {"base64": "AP9zdGF0ZQ=="}}
+
+
+async def test_a_decode_runs_generation_only_with_the_prefills_params_decoded() -> None:
+    engine, llm = disagg_engine("decode", [([5], None), ([5, 6], "length")])
+    params = {"ctx_request_id": 77, "opaque_state": {"base64": "AP9zdGF0ZQ=="}, "first_gen_tokens": [9]}
+    handoff = KvHandoff(kind="trtllm", prompt_tokens=3, params=params)
+    outputs = [out async for out in engine.generate(disagg_request(handoff=handoff), RequestContext("r1"))]
+    assert [out.token_ids for out in outputs] == [[5], [6]]
+    fields = llm.calls[0][3]["disaggregated_params"].fields
+    assert fields == {"request_type": "generation_only", "ctx_request_id": 77, "opaque_state": b"\x00\xffstate",
+                      "first_gen_tokens": [9]}  # fmt: skip
+
+
+async def test_a_handoff_without_its_context_request_id_is_an_engine_error() -> None:
+    engine, _ = disagg_engine("decode", [])
+    handoff = KvHandoff(kind="trtllm", prompt_tokens=3, params={"opaque_state": {"base64": ""}})
+    with pytest.raises(EngineError, match="without ctx_request_id"):
+        [out async for out in engine.generate(disagg_request(handoff=handoff), RequestContext("r1"))]
+
+
+def test_a_prefill_or_decode_worker_needs_a_cache_transceiver() -> None:
+    with pytest.raises(ConfigError, match="cache_transceiver_config"):
+        TrtLlmEngine(Path("/m"), GpuPlacement(), {}, role="decode")
