@@ -177,6 +177,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             isl_threshold=namespace.disagg_isl_threshold,
             isl_ratio=namespace.disagg_isl_ratio,
             prefill_busy=namespace.disagg_prefill_busy,
+            decode_busy=namespace.disagg_decode_busy,
         ),
         migration_limit=namespace.migration_limit,
         progress_deadline_s=namespace.progress_deadline,

@@ -463,6 +463,14 @@ def _add_disagg_flags(parser: EnvArgumentParser) -> None:
         f"{DEFAULT_ISL_RATIO})",
     )
     parser.add_flag(
+        "--disagg-decode-busy",
+        env="FLOTILLA_DISAGG_DECODE_BUSY",
+        type=_share,
+        help="isl and load policies: a prompt they would keep on its decode worker goes to a prefill worker all "
+        "the same when that worker's KV cache is fuller than this share (0..1), or its fill is unknown (Dynamo's "
+        "decode_busy_threshold; default: no such gate)",
+    )
+    parser.add_flag(
         "--disagg-prefill-busy",
         env="FLOTILLA_DISAGG_PREFILL_BUSY",
         type=_positive_share_of_step,

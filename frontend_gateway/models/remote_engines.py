@@ -195,7 +195,8 @@ class RemoteTokenEngine(_RemoteBase):
             prefilling = True
             try:
                 if handoff is None:
-                    handoff = await self._disaggregate(attempt, decision.prefill_tokens, client, context)
+                    usage = self.router.kv_usage(instance.instance_id, decision.dp_rank)
+                    handoff = await self._disaggregate(attempt, decision.prefill_tokens, usage, client, context)
                 if handoff and not generated:
                     attempt = msgspec.structs.replace(attempt, handoff=handoff)
                 # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.
@@ -245,14 +246,23 @@ class RemoteTokenEngine(_RemoteBase):
                 self.router.finished(request.request_id)
 
     async def _disaggregate(
-        self, request: PreprocessedRequest, uncached_tokens: int, client: RequestClient, context: RequestContext
+        self,
+        request: PreprocessedRequest,
+        uncached_tokens: int,
+        decode_usage: float | None,
+        client: RequestClient,
+        context: RequestContext,
     ) -> KvHandoff | Literal[False]:
         """Where ``request``'s prompt is computed: on a prefill worker (its handoff) or, False, on the decode
-        worker chosen, which lacks ``uncached_tokens`` of it (as its router believes). Counted by reason."""
+        worker chosen, which lacks ``uncached_tokens`` of it (as its router believes) and whose KV cache is
+        ``decode_usage`` full (None: unknown; the policy's decode gate reads it). Counted by reason."""
         prefill = self.prefill_pool() if self.prefill_pool is not None else None
-        prompt_tokens = len(request.token_ids)
+        allows_local = self.disagg.decode_allows_local(decode_usage)
+        gated = False  # the policy would keep it local, the decode gate says no
         if context.disagg is None:
-            reason = self.disagg.decide(prompt_tokens, uncached_tokens)
+            reason = self.disagg.decide(len(request.token_ids), uncached_tokens)
+            if reason is not None and prefill is not None and not allows_local:
+                reason, gated = None, True
         else:
             reason = "header" if context.disagg == "local" else None
         handoff: KvHandoff | None = None
@@ -262,8 +272,12 @@ class RemoteTokenEngine(_RemoteBase):
             else:
                 load_share = self.disagg.prefill_busy if self.disagg.mode is DisaggMode.LOAD else None
                 handoff, reason = await prefill.prefill(request, client, context, busy_share=load_share)
-                if handoff is not None and context.disagg is not None:
-                    reason = "header"
+                if handoff is None and reason == "load" and not allows_local:
+                    # The prefill workers are busy, but the decode worker is fuller still: queue at a prefill worker.
+                    handoff, reason = await prefill.prefill(request, client, context)
+                    gated = True
+                if handoff is not None and (gated or context.disagg is not None):
+                    reason = "decode_busy" if gated else "header"
         if self.health is not None:
             self.health.disagg_decision("remote" if handoff is not None else "local", reason)
         if handoff is None:

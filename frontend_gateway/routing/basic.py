@@ -25,6 +25,9 @@ class _Stateless:
     def finished(self, request_id: str) -> None:
         return None
 
+    def kv_usage(self, instance_id: int, dp_rank: int | None) -> float | None:
+        return None  # it hears no load reports
+
     def busy(self, instance_id: int) -> bool:
         return False  # it knows nothing of the load; a worker's own limit still refuses
 

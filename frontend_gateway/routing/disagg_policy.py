@@ -50,6 +50,10 @@ class DisaggPolicy:
     #: ``load``: a prefill worker with more prompt tokens in flight than this share of what its engine
     #: computes in a step is busy (Dynamo's ``prefill_busy_threshold``).
     prefill_busy: float = DEFAULT_PREFILL_BUSY
+    #: The decode gate (Dynamo's ``decode_busy_threshold``): a prompt the policy would keep on its decode worker
+    #: goes to a prefill worker all the same when that decode worker's KV cache is fuller than this (0..1), or
+    #: its fill is unknown. None: no gate.
+    decode_busy: float | None = None
 
     def __post_init__(self) -> None:
         if self.isl_threshold < 0:
@@ -58,6 +62,13 @@ class DisaggPolicy:
             raise ValueError(f"isl_ratio must be between 0 and 1, not {self.isl_ratio}")
         if not self.prefill_busy > 0.0:
             raise ValueError(f"prefill_busy must be above 0, not {self.prefill_busy}")
+        if self.decode_busy is not None and not 0.0 <= self.decode_busy <= 1.0:
+            raise ValueError(f"decode_busy must be between 0 and 1, not {self.decode_busy}")
+
+    def decode_allows_local(self, kv_usage: float | None) -> bool:
+        """Whether a decode worker whose KV cache is ``kv_usage`` full (None: unknown) may compute a prompt the
+        policy keeps local: always without a gate; with one, only when its fill is known and at most the gate."""
+        return self.decode_busy is None or (kv_usage is not None and kv_usage <= self.decode_busy)
 
     def decide(self, prompt_tokens: int, uncached_tokens: int) -> str | None:
         """Why to compute a prompt of ``prompt_tokens`` on its decode worker, which lacks ``uncached_tokens``

@@ -172,6 +172,16 @@ class ActiveLoad:
                 return True
         return waiting is not None and fresh and load.reported_waiting is not None and load.reported_waiting >= waiting
 
+    def kv_usage(self, worker: Worker) -> float | None:
+        """How full ``worker``'s KV cache is (0..1), as ``busy`` reckons it; None when it was never heard from."""
+        load = self._workers.get(worker)
+        if load is None:
+            return None
+        usage = load.reported_usage if self._fresh(load) else None
+        if load.total_blocks:
+            usage = max(usage or 0.0, self.decode_blocks(worker) / load.total_blocks)
+        return usage
+
     def _fresh(self, load: _Worker) -> bool:
         return load.reported_at is not None and self._clock() - load.reported_at <= self._report_fresh_s
 

@@ -184,6 +184,9 @@ class KvRouter:
         self.load.finished(request_id)
         self.replica_sync.finished(request_id)
 
+    def kv_usage(self, instance_id: int, dp_rank: int | None) -> float | None:
+        return self.load.kv_usage((instance_id, dp_rank or 0))
+
     def busy(self, instance_id: int) -> bool:
         """Whether every dp rank of the instance is past a busy threshold (Dynamo's rule: a rank with room
         keeps the instance routable)."""

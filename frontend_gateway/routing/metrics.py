@@ -27,7 +27,8 @@ What each says, and what to do when it moves:
   request's prompt was computed: ``remote`` (``policy``: on a prefill worker) or ``local`` (on its decode
   worker: ``isl``, little left to compute there; ``load``, every prefill worker has a step's worth queued;
   ``no_prefill``, no prefill worker routable; ``busy``, every one busy; ``prefill_failed``, the prefill
-  workers tried failed); ``header`` either way when the request's ``x-flotilla-disagg`` said where. A
+  workers tried failed); ``header`` either way when the request's ``x-flotilla-disagg`` said where, and
+  ``decode_busy`` remote when the decode gate (``--disagg-decode-busy``) overruled a local verdict. A
   growing ``prefill_failed`` or ``busy`` share means the prefill group is short or failing.
 * ``flotilla_router_deadline_expiries_total{deadline}``: streams that passed a request-plane deadline
   at this ingress (``progress``: no output for ``--progress-deadline``). The worker's side, the ack

@@ -141,6 +141,10 @@ class Router(Protocol):
         """The attempt ``choose`` decided is over, however it ended (no-op for unknown ids)."""
         ...
 
+    def kv_usage(self, instance_id: int, dp_rank: int | None) -> float | None:
+        """How full the instance's (rank's) KV cache is, 0..1, as far as the router knows; None: it does not."""
+        ...
+
     def busy(self, instance_id: int) -> bool:
         """Whether the instance is past a busy threshold and should take no new request (every dp rank)."""
         ...

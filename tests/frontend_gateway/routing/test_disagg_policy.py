@@ -54,3 +54,22 @@ def test_settings_out_of_range_are_refused() -> None:
         DisaggPolicy(isl_threshold=-1)
     with pytest.raises(ValueError, match="prefill_busy"):
         DisaggPolicy(prefill_busy=0.0)
+    with pytest.raises(ValueError, match="decode_busy"):
+        DisaggPolicy(decode_busy=1.5)
+
+
+@pytest.mark.parametrize(
+    ("gate", "usage", "allowed"),
+    [
+        (None, None, True),  # no gate: the policy decides alone
+        (None, 0.99, True),
+        (0.8, 0.5, True),
+        (0.8, 0.8, True),
+        (0.8, 0.81, False),  # too full to take a prefill of its own
+        (0.8, None, False),  # an unknown fill denies it, as in Dynamo
+    ],
+)
+def test_the_decode_gate_vetoes_a_local_prefill_on_a_full_or_unknown_decode_worker(
+    gate: float | None, usage: float | None, allowed: bool
+) -> None:
+    assert DisaggPolicy(mode=DisaggMode.ISL, decode_busy=gate).decode_allows_local(usage) is allowed

@@ -137,3 +137,16 @@ def test_a_worker_reporting_enough_waiting_requests_is_busy() -> None:
     assert load.busy(A, kv_usage=None, waiting=3)
     assert not load.busy(A, kv_usage=None, waiting=4)
     assert not load.busy(B, kv_usage=0.5, waiting=1)  # never heard from: not busy
+
+
+def test_a_workers_kv_usage_is_its_fresh_report_or_the_routers_own_count_and_unknown_if_never_heard() -> None:
+    clock = Clock()
+    load = ActiveLoad(clock=clock)
+    assert load.kv_usage(A) is None  # never heard of: the decode gate denies a local prefill there
+    load.observe(WorkerLoad(instance_id=1, active_requests=1, kv_usage=0.4, kv_total_blocks=100))
+    assert load.kv_usage(A) == 0.4
+    load.started("r1", A, prefill_tokens=0, own_blocks=60)
+    assert load.kv_usage(A) == 0.6  # the router's own decision counts before the next report
+    clock.now += 60
+    load.finished("r1")
+    assert load.kv_usage(A) == 0.0  # a stale report no longer counts; the router holds nothing there

@@ -48,6 +48,9 @@ class RecordingRouter:
     def finished(self, request_id: str) -> None:
         self.calls.append(f"finished {request_id}")
 
+    def kv_usage(self, instance_id: int, dp_rank: int | None) -> float | None:
+        return None
+
     def busy(self, instance_id: int) -> bool:
         return False
 

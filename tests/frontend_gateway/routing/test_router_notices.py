@@ -50,6 +50,9 @@ class ListRouter:
     def finished(self, request_id: str) -> None:
         self.log.append("finished")
 
+    def kv_usage(self, instance_id: int, dp_rank: int | None) -> float | None:
+        return None
+
     def busy(self, instance_id: int) -> bool:
         return instance_id in self.busy_ids
 
