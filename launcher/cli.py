@@ -57,6 +57,7 @@ def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
         disagg_isl_threshold=namespace.disagg_isl_threshold,
         disagg_isl_ratio=namespace.disagg_isl_ratio,
         disagg_prefill_busy=namespace.disagg_prefill_busy,
+        disagg_decode_busy=namespace.disagg_decode_busy,
         generation=_or(namespace.router_generation, 0),
     )
 

@@ -94,6 +94,7 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
             "--disagg-isl-threshold", str(router.disagg_isl_threshold),
             "--disagg-isl-ratio", repr(router.disagg_isl_ratio),
             "--disagg-prefill-busy", repr(router.disagg_prefill_busy),
+            *([] if (gate := router.disagg_decode_busy) is None else ["--disagg-decode-busy", repr(gate)]),
             "--router-generation", str(router.generation),
         ]  # fmt: skip
     if spec.group in ("prefill", "decode"):

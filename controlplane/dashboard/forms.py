@@ -200,6 +200,13 @@ class PipelineForm(ActionForm):
         initial=DEFAULT_PREFILL_BUSY,
         label="load: prefill busy at (engine steps)",
     )
+    disagg_decode_busy = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=1,
+        label="Decode gate (KV share)",
+        help_text="isl and load: a decode worker fuller than this computes no prompt of its own. Empty: no gate.",
+    )
     engine_args = JsonObjectField(label="Engine args (JSON)")
     placement_policy = forms.ChoiceField(choices=PlacementPolicy.choices, initial=PlacementPolicy.SPREAD)
 
@@ -241,6 +248,7 @@ class PipelineForm(ActionForm):
                 disagg_isl_threshold=_or(data["disagg_isl_threshold"], DEFAULT_ISL_THRESHOLD),
                 disagg_isl_ratio=_or(data["disagg_isl_ratio"], DEFAULT_ISL_RATIO),
                 disagg_prefill_busy=_or(data["disagg_prefill_busy"], DEFAULT_PREFILL_BUSY),
+                disagg_decode_busy=data["disagg_decode_busy"],
                 placement_policy=data["placement_policy"],
             )
         except (Invalid, Conflict) as error:

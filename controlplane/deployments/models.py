@@ -80,6 +80,7 @@ class Pipeline(models.Model):
     disagg_isl_threshold = models.PositiveIntegerField(default=DEFAULT_ISL_THRESHOLD)
     disagg_isl_ratio = models.FloatField(default=DEFAULT_ISL_RATIO)  # 0..1
     disagg_prefill_busy = models.FloatField(default=DEFAULT_PREFILL_BUSY)  # > 0, engine steps
+    disagg_decode_busy = models.FloatField(null=True, blank=True)  # 0..1 of the decode worker's KV; None: no gate
     placement_policy = models.CharField(max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
     pinned_nodes = models.JSONField(default=list, blank=True)  # node names; empty: any node
     pinned_gpus = models.JSONField(default=list, blank=True)  # GPU indexes; empty: any GPU

@@ -47,6 +47,7 @@ ROUTER_FIELDS = frozenset(
         "disagg_isl_threshold",
         "disagg_isl_ratio",
         "disagg_prefill_busy",
+        "disagg_decode_busy",
     }
 )
 SETTING_FIELDS = ROUTER_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus"}
@@ -330,6 +331,9 @@ def _check_settings(settings: dict[str, Any]) -> None:
     busy = settings.get("disagg_prefill_busy")
     if busy is not None and not (math.isfinite(busy) and 0 < busy <= MAX_PREFILL_BUSY):
         raise Invalid(f"must be above 0 and at most {MAX_PREFILL_BUSY:g}", field="disagg_prefill_busy")
+    gate = settings.get("disagg_decode_busy")
+    if gate is not None and not (math.isfinite(gate) and 0 <= gate <= 1):
+        raise Invalid("must be between 0 and 1, or null for no gate", field="disagg_decode_busy")
     pinned_nodes = settings.get("pinned_nodes")
     if pinned_nodes:
         known = set(Node.objects.filter(name__in=pinned_nodes).values_list("name", flat=True))

@@ -78,6 +78,7 @@ def start_message(instance: Instance) -> StartInstance:
             disagg_isl_threshold=pipeline.disagg_isl_threshold,
             disagg_isl_ratio=pipeline.disagg_isl_ratio,
             disagg_prefill_busy=pipeline.disagg_prefill_busy,
+            disagg_decode_busy=pipeline.disagg_decode_busy,
             generation=pipeline.router_generation,
         ),
     )

@@ -434,6 +434,7 @@ class ModelWatcher:
                 isl_threshold=registered.disagg_isl_threshold,
                 isl_ratio=registered.disagg_isl_ratio,
                 prefill_busy=registered.disagg_prefill_busy,
+                decode_busy=registered.disagg_decode_busy,
             ),
         )
 

@@ -38,5 +38,6 @@ class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
     disagg_isl_threshold: int = DEFAULT_ISL_THRESHOLD
     disagg_isl_ratio: float = DEFAULT_ISL_RATIO
     disagg_prefill_busy: float = DEFAULT_PREFILL_BUSY
+    disagg_decode_busy: float | None = None  # the decode gate: None, none
     #: Counts the pipeline's changes of these settings: a gateway routes a pool with the newest it has seen.
     generation: int = 0

@@ -127,6 +127,7 @@ def test_a_pipelines_router_settings_become_the_workers_router_flags() -> None:
         disagg_isl_threshold=512,
         disagg_isl_ratio=0.5,
         disagg_prefill_busy=2.5,
+        disagg_decode_busy=0.9,
     )
     spec = WorkerSpec(instance_id=7, pipeline="chat", group="aggregated", replica=0, engine="echo_full", router=router)
     argv = worker_argv(spec, "gpu-a")

@@ -77,6 +77,7 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
         "disagg_isl_threshold": 2048,
         "disagg_isl_ratio": 0.7,
         "disagg_prefill_busy": 1.0,
+        "disagg_decode_busy": None,
     }
     assert spec["model"]["source"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 

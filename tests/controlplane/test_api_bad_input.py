@@ -165,6 +165,7 @@ def pipeline_body(**change: Any) -> dict[str, Any]:
         ({"router": {"disagg_isl_threshold": 2.5}}, ["router", "disagg_isl_threshold"]),
         ({"router": {"disagg_isl_ratio": 1.5}}, ["router", "disagg_isl_ratio"]),
         ({"router": {"disagg_prefill_busy": 0}}, ["router", "disagg_prefill_busy"]),
+        ({"router": {"disagg_decode_busy": 1.01}}, ["router", "disagg_decode_busy"]),
         ({"router": "kv"}, ["router"]),
         ({"placement": {"policy": "random"}}, ["placement", "policy"]),
         ({"placement": {"nodes": ["ghost"]}}, ["placement", "nodes"]),

@@ -128,12 +128,14 @@ def test_a_disaggregated_pipeline_gets_a_prefill_and_a_decode_group_sharing_the_
         "disagg_policy": "isl",
         "disagg_isl_threshold": "512",
         "disagg_isl_ratio": "0.5",
+        "disagg_decode_busy": "0.9",
     }
     browser = logged_in(Role.OPERATOR)
     assert browser.post("/pipelines/", body).status_code == 302
     pipeline = Pipeline.objects.get()
     assert (pipeline.disagg_policy, pipeline.disagg_isl_threshold, pipeline.disagg_isl_ratio) == ("isl", 512, 0.5)
     assert pipeline.disagg_prefill_busy == 1.0  # left empty: the default
+    assert pipeline.disagg_decode_busy == 0.9
     page = browser.get(f"/pipelines/{pipeline.pk}/").content.decode()
     assert "under 512 tokens and 0.5 of the prompt left to compute" in page
     groups = {group.role: group for group in pipeline.groups.all()}

@@ -52,6 +52,7 @@ class RouterSerializer(serializers.Serializer):
         min_value=0, max_value=MAX_ISL_THRESHOLD, default=DEFAULT_ISL_THRESHOLD
     )
     disagg_isl_ratio = serializers.FloatField(min_value=0.0, max_value=1.0, default=DEFAULT_ISL_RATIO)
+    disagg_decode_busy = serializers.FloatField(min_value=0.0, max_value=1.0, allow_null=True, default=None)
     disagg_prefill_busy = serializers.FloatField(
         min_value=0.001, max_value=MAX_PREFILL_BUSY, default=DEFAULT_PREFILL_BUSY
     )

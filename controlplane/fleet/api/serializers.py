@@ -282,4 +282,5 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
             "disagg_isl_threshold": pipeline.disagg_isl_threshold,
             "disagg_isl_ratio": pipeline.disagg_isl_ratio,
             "disagg_prefill_busy": pipeline.disagg_prefill_busy,
+            "disagg_decode_busy": pipeline.disagg_decode_busy,
         }
