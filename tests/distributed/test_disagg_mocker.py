@@ -228,7 +228,8 @@ def test_a_request_may_say_where_its_prompt_is_computed(cluster: Cluster, tmp_pa
 def test_the_policy_a_pipelines_workers_register_is_the_one_the_ingress_uses(cluster: Cluster, tmp_path: Path) -> None:
     # As the node agent starts a pipeline's workers: its router settings as flags, registered with the model.
     # A decode gate at 1.0 lets every known fill through: the turn stays local once the worker's load is heard.
-    pipeline = ("--router-mode", "kv", "--disagg-policy", "isl", "--disagg-isl-threshold", "64", "--disagg-decode-busy", "1")
+    pipeline = ("--router-mode", "kv", "--disagg-policy", "isl", "--disagg-isl-threshold", "64")
+    pipeline += ("--disagg-decode-busy", "1")
     ingress = cluster.start_ingress()  # its own --disagg-policy: always
     cluster.start_each([spec(tmp_path, "prefill", extra=pipeline), spec(tmp_path, "decode", extra=pipeline)])
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
