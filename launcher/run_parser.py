@@ -308,7 +308,8 @@ def _add_worker_flags(parser: EnvArgumentParser) -> None:
         help="in=dyn://...: the part of requests this worker serves when prefill and decode run on separate "
         "workers: prefill (computes prompts and hands their KV cache on; serve it on a component named "
         "prefill) or decode (takes that KV and generates; it still computes prompts sent without one). "
-        "Default aggregated: whole requests. Engines: mocker (docs/disaggregation.md)",
+        "Default aggregated: whole requests. Engines: mocker, vllm (with a KV connector), sglang, trtllm "
+        "(docs/disaggregation.md)",
     )
     parser.add_flag(
         "--metrics-port",
