@@ -4,6 +4,7 @@ The launcher never imports Django: it runs the control plane's own ``manage.py``
 account bootstrap, ``manage.py bootstrapaccounts``), then talks to its REST API like any client.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -180,6 +181,30 @@ class ControlPlaneClient:
         result: dict[str, Any] = await self._call("POST", "pipelines/", body=pipeline)
         return result
 
+    async def repoint_first_model(self, model: FirstModel) -> str | None:
+        """When the catalog's entry of ``model`` (by name) points at a local file or folder that is gone, and
+        ``model.source`` is there (a data folder kept from a checkout since deleted, whose venv held the bundled
+        model), point the entry at ``model.source`` and restart its pipelines' instances that failed for it.
+        Returns the path it pointed at before, or None when nothing changed."""
+        found = (await self._call("GET", "models/", params={"name": model.name}))["results"]
+        if not found:
+            return None
+        entry = found[0]
+        old = str(entry["source"])
+        local = entry["source_kind"] in ("gguf", "folder") and entry["source_kind"] == model.source_kind
+        if not local or old == model.source or _exists(old) or not _exists(model.source):
+            return None
+        await self._call("PATCH", f"models/{entry['id']}/", body={"source": model.source})
+        # Those that failed for the old path, and those on their way to it (dispatched before the change).
+        instances = (await self._call("GET", "instances/", params={"page_size": 500}))["results"]
+        names = {p["name"] for p in await self.pipelines() if p["model"] == model.name}
+        for instance in instances:
+            if instance["pipeline_name"] in names and instance["state"] in ("failed", "downloading", "starting"):
+                # One that moved on meanwhile is a Conflict: nothing to restart, which is fine.
+                with contextlib.suppress(ControlPlaneError):
+                    await self._call("POST", f"instances/{instance['id']}/restart/")
+        return old
+
     async def progress(self, pipeline_names: list[str]) -> str:
         """One line on how far the instances of ``pipeline_names`` are (states, download progress, reasons)."""
         nodes = (await self._call("GET", "nodes/"))["results"]
@@ -190,6 +215,11 @@ class ControlPlaneClient:
         if not mine:
             return "waiting for the reconciler to place the first instance"
         return "; ".join(_describe(instance) for instance in mine[:4])
+
+
+def _exists(path: str) -> bool:
+    """Whether a local model path is there (one stat: no need to leave the event loop)."""
+    return Path(path).exists()
 
 
 def _describe(instance: dict[str, Any]) -> str:

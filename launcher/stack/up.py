@@ -706,6 +706,9 @@ class Stack:
         if not pipelines and first is not None:
             pipelines = [await client.deploy_first_pipeline(first)]
             self.say(f"  deployed a first pipeline: {first.name} ({first.engine}, 1 replica on the CPU)")
+        elif first is not None and (old := await client.repoint_first_model(first)) is not None:
+            # A data folder kept from a checkout since deleted: its model's file went with that checkout's venv.
+            self.say(f"  model {first.name}: {old} is gone; it is now {first.source} (its failed instances restart)")
         return [str(pipeline["name"]) for pipeline in pipelines if pipeline.get("state") == "running"]
 
     async def _wait_until_served(self, client: ControlPlaneClient, gateway_url: str, names: list[str]) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from agent.workers.records import load_records
 from launcher.stack.processes import Child, choose_port
 from launcher.stack.servers import find_binaries
 from runtime.errors import ConfigError
-from tests.servers import free_port
+from tests.servers import free_port, smollm2_path
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 BANNER = "Flotilla is up"
@@ -487,3 +488,26 @@ def test_a_part_that_keeps_dying_stops_the_stack_naming_it_with_its_log(tmp_path
     assert f"flotilla up: {bridge}, its 3rd end within 120 s: it keeps failing" in output
     assert f"the last lines of its log ({stack.data_dir}/logs/live-bridge.log)" in output
     assert still_running(processes) == []
+
+
+def test_up_on_a_data_folder_whose_model_file_went_with_an_old_checkout_points_it_at_this_ones(
+    tmp_path: Path, stacks: list[Up]
+) -> None:
+    # A data folder outlives the checkout that made it: its first model is the GGUF in that checkout's venv.
+    old, new = tmp_path / "old-checkout" / f"{MODEL}.gguf", tmp_path / "new-checkout" / f"{MODEL}.gguf"
+    for path in (old, new):
+        path.parent.mkdir()
+        shutil.copyfile(smollm2_path(), path)
+    first = Up(tmp_path / "data", tmp_path / "first.log", "--model", str(old))
+    stacks.append(first)
+    first.wait_until_up()
+    assert first.stop(signal.SIGTERM) == 0
+    old.unlink()  # the old checkout is deleted
+    second = Up(tmp_path / "data", tmp_path / "second.log", "--model", str(new))
+    stacks.append(second)
+    second.wait_until_up()
+    assert f"model {MODEL}: {old} is gone; it is now {new}" in second.output()
+    with second.admin() as api:
+        [model] = api.get("models/", params={"name": MODEL}).json()["results"]
+    assert model["source"] == str(new)
+    assert chat(second).status_code == 200
