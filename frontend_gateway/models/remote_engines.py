@@ -32,7 +32,7 @@ import msgspec
 from frontend_gateway.models.remote_embeddings import RemoteEmbedder
 from frontend_gateway.routing.disagg_policy import DisaggMode, DisaggPolicy, prefill_busy
 from frontend_gateway.routing.health import RoutingHealth
-from frontend_gateway.routing.protocol import InstanceInfo, Router
+from frontend_gateway.routing.protocol import Decision, InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
 from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge
@@ -146,6 +146,10 @@ class RemoteTokenEngine(_RemoteBase):
     #: it decodes), and where prompts are computed then.
     prefill_pool: Callable[[], "RemoteTokenEngine | None"] | None = None
     disagg: DisaggPolicy = DisaggPolicy()
+    #: Instances registered as decode workers joined the pool: a disaggregated model, whose every request is
+    #: decided (and counted) even while no prefill worker is there. An aggregated one without prefill workers
+    #: skips the policy altogether.
+    decode_role = False
 
     def __init__(
         self,
@@ -179,7 +183,7 @@ class RemoteTokenEngine(_RemoteBase):
         busy_refusals = False
         # Where the prompt was computed, once decided: its handoff (remote), or False (local, or no prefill
         # workers); None until the first attempt is routed.
-        handoff: KvHandoff | Literal[False] | None = None if self.prefill_pool is not None else False
+        handoff: KvHandoff | Literal[False] | None = None if self._disaggregated(context) else False
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
@@ -195,8 +199,7 @@ class RemoteTokenEngine(_RemoteBase):
             prefilling = True
             try:
                 if handoff is None:
-                    usage = self.router.kv_usage(instance.instance_id, decision.dp_rank)
-                    handoff = await self._disaggregate(attempt, decision.prefill_tokens, usage, client, context)
+                    handoff = await self._disaggregate(attempt, decision, client, context)
                 if handoff and not generated:
                     attempt = msgspec.structs.replace(attempt, handoff=handoff)
                 # Closed explicitly: a stream left at its finish would otherwise be finalized by the GC.
@@ -245,18 +248,25 @@ class RemoteTokenEngine(_RemoteBase):
             finally:
                 self.router.finished(request.request_id)
 
+    def _disaggregated(self, context: RequestContext) -> bool:
+        """Whether the request goes through the disaggregation policy: a model with decode workers, or with
+        prefill workers now, or a client that said where its prompt goes."""
+        if self.prefill_pool is None:
+            return False
+        return self.decode_role or context.disagg is not None or self.prefill_pool() is not None
+
     async def _disaggregate(
-        self,
-        request: PreprocessedRequest,
-        uncached_tokens: int,
-        decode_usage: float | None,
-        client: RequestClient,
-        context: RequestContext,
+        self, request: PreprocessedRequest, decision: Decision, client: RequestClient, context: RequestContext
     ) -> KvHandoff | Literal[False]:
         """Where ``request``'s prompt is computed: on a prefill worker (its handoff) or, False, on the decode
-        worker chosen, which lacks ``uncached_tokens`` of it (as its router believes) and whose KV cache is
-        ``decode_usage`` full (None: unknown; the policy's decode gate reads it). Counted by reason."""
+        worker ``decision`` chose, which lacks ``decision.prefill_tokens`` of it (as its router believes).
+        Counted by reason."""
         prefill = self.prefill_pool() if self.prefill_pool is not None else None
+        uncached_tokens = decision.prefill_tokens
+        # The decode gate reads the decode worker's KV fill: asked of the router only when there is a gate.
+        decode_usage = None
+        if self.disagg.decode_busy is not None:
+            decode_usage = self.router.kv_usage(decision.instance.instance_id, decision.dp_rank)
         allows_local = self.disagg.decode_allows_local(decode_usage)
         gated = False  # the policy would keep it local, the decode gate says no
         if context.disagg is None:

@@ -163,7 +163,8 @@ class ModelWatcher:
         self.metrics = metrics
         self._pools: dict[str, _Pool] = {}
         self._prefill_pools: dict[str, _Pool] = {}  # model name -> its prefill instances, when it has some
-        self._mismatch_warned: set[str] = set()  # models whose prefill pool's card differs from their pool's
+        # model name -> (its pool's entry, its prefill pool's entry, whether their cards match), checked once a pair
+        self._prefill_fits: dict[str, tuple[ModelEntry, ModelEntry, bool]] = {}
         self._pooled: dict[str, ModelEntry] = {}  # etcd key -> the entry of an instance in a pool
         self._refused: dict[str, ModelEntry] = {}  # etcd key -> an entry kept out of its model's pool
         self._router_warned: set[str] = set()  # etcd keys whose ignored router settings were logged
@@ -253,16 +254,18 @@ class ModelWatcher:
         prefill, pool = self._prefill_pools.get(name), self._pools.get(name)
         if prefill is None or pool is None or not isinstance(prefill.engine, RemoteTokenEngine):
             return None
-        if differences := card_differences(pool.entry, prefill.entry):
-            if name not in self._mismatch_warned:
-                self._mismatch_warned.add(name)
+        fit = self._prefill_fits.get(name)
+        if fit is None or fit[0] is not pool.entry or fit[1] is not prefill.entry:
+            # Once per pair of first entries, not per request: a card holds a whole chat template.
+            differences = card_differences(pool.entry, prefill.entry)
+            if differences:
                 details = ", ".join(f"{field} ({values})" for field, values in differences.items())
                 log.warning(
                     "the prefill instances of model %r are not used: their card differs from its pool's in %s",
                     name, details,
                 )  # fmt: skip
-            return None
-        return prefill.engine
+            fit = self._prefill_fits[name] = (pool.entry, prefill.entry, not differences)
+        return prefill.engine if fit[2] else None
 
     async def _admit(self, key: str, entry: ModelEntry) -> None:
         """Add the instance to its model's pool, creating the pool, or refuse it if its card differs."""
@@ -283,7 +286,6 @@ class ModelWatcher:
             pools[name] = pool
             mode = self.settings_for(entry).mode.value
             if entry.role == "prefill":
-                self._mismatch_warned.discard(name)
                 log.info("model %r has prefill instances now (%s routing)", name, mode)
             else:
                 self.registry.add(pool.served)
@@ -314,6 +316,8 @@ class ModelWatcher:
         )  # fmt: skip
         pool.instances.add(instance)
         pool.router.instance_added(instance)
+        if entry.role == "decode" and isinstance(pool.engine, RemoteTokenEngine):
+            pool.engine.decode_role = True  # a disaggregated model: its requests go through the policy
         self._pooled[key] = entry
 
     async def _reroute(self, pool: _Pool, entry: ModelEntry, key: str) -> None:
