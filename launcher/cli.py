@@ -21,7 +21,12 @@ from runtime.cluster.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
 from runtime.fleet_contract.engine_names import DISAGG_ENGINES, GPU_ONLY_ENGINES
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+    PipelineRouter,
+)
 from runtime.logging import configure_logging
 from runtime.settings import check_settings
 
@@ -44,6 +49,8 @@ def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
         namespace.kv_queued_prefill_weight,
         namespace.router_temperature,
         namespace.use_kv_events,
+        namespace.kv_host_hit_weight,
+        namespace.kv_disk_hit_weight,
     )
     if all(value is None for value in given):
         return None
@@ -53,6 +60,8 @@ def _worker_router(namespace: argparse.Namespace) -> PipelineRouter | None:
         queued_prefill_weight=_or(namespace.kv_queued_prefill_weight, DEFAULT_QUEUED_PREFILL_WEIGHT),
         temperature=_or(namespace.router_temperature, 0.0),
         use_kv_events=_or(namespace.use_kv_events, True),
+        host_hit_weight=_or(namespace.kv_host_hit_weight, DEFAULT_HOST_HIT_WEIGHT),
+        disk_hit_weight=_or(namespace.kv_disk_hit_weight, DEFAULT_DISK_HIT_WEIGHT),
         disagg_policy=namespace.disagg_policy,
         disagg_isl_threshold=namespace.disagg_isl_threshold,
         disagg_isl_ratio=namespace.disagg_isl_ratio,
@@ -165,6 +174,8 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         kv_queued_prefill_weight=_or(namespace.kv_queued_prefill_weight, DEFAULT_QUEUED_PREFILL_WEIGHT),
         router_temperature=_or(namespace.router_temperature, 0.0),
         use_kv_events=_or(namespace.use_kv_events, True),
+        kv_host_hit_weight=_or(namespace.kv_host_hit_weight, DEFAULT_HOST_HIT_WEIGHT),
+        kv_disk_hit_weight=_or(namespace.kv_disk_hit_weight, DEFAULT_DISK_HIT_WEIGHT),
         worker_router=_worker_router(namespace),
         router_ttl_s=namespace.router_ttl,
         busy_kv_usage=namespace.busy_kv_usage,

@@ -6,7 +6,12 @@ from pathlib import Path
 from engines.shared.node_group import LeaderAddress, NodeGroup
 from frontend_gateway.routing.disagg_policy import DisaggPolicy
 from runtime.fleet_contract.engine_names import IMPLEMENTED_ENGINES, SETTINGS_FILE_ENGINES
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT, PipelineRouter
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+    PipelineRouter,
+)
 from runtime.protocol import DisaggRole
 
 # The engines (runtime/fleet_contract/engine_names.py), and the ingress.
@@ -40,6 +45,8 @@ class RunOptions:
     kv_queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     router_temperature: float = 0.0
     use_kv_events: bool = True
+    kv_host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT  # credit of a host-memory (disk) prompt block hit
+    kv_disk_hit_weight: float = DEFAULT_DISK_HIT_WEIGHT
     router_ttl_s: float = 120.0  # how long --use-kv-events false assumes a routed prefix stays cached
     busy_kv_usage: float | None = None  # --router-mode kv: busy thresholds (frontend_gateway/routing/)
     busy_waiting: int | None = None

@@ -311,6 +311,8 @@ async def run_ingress(options: RunOptions) -> int:
             queued_prefill_weight=options.kv_queued_prefill_weight,
             temperature=options.router_temperature,
             use_kv_events=options.use_kv_events,
+            host_hit_weight=options.kv_host_hit_weight,
+            disk_hit_weight=options.kv_disk_hit_weight,
             predicted_ttl_s=options.router_ttl_s,
             busy_kv_usage=options.busy_kv_usage,
             busy_waiting=options.busy_waiting,

@@ -21,7 +21,11 @@ from frontend_gateway.routing.disagg_policy import (
 )
 from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser, parse_boolean
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+)
 from runtime.protocol import DISAGG_ROLES
 
 RUN_DESCRIPTION = """\
@@ -368,6 +372,20 @@ def _add_router_choice_flags(parser: EnvArgumentParser) -> None:
         help="--router-mode kv: share (0..1) of the prompt tokens already on their way to a worker that "
         "counts as prefill a new request waits for there; 1 counts them in full, as Dynamo does "
         f"(default {DEFAULT_QUEUED_PREFILL_WEIGHT:g}: part of them is computed by the time they are counted)",
+    )
+    parser.add_flag(
+        "--kv-host-hit-weight",
+        env="FLOTILLA_KV_HOST_HIT_WEIGHT",
+        type=_share,
+        help="--router-mode kv: what a prompt block a worker keeps in host memory (an offloaded KV tier) saves, "
+        f"against one on its GPU (1); it must be copied back (default {DEFAULT_HOST_HIT_WEIGHT:g})",
+    )
+    parser.add_flag(
+        "--kv-disk-hit-weight",
+        env="FLOTILLA_KV_DISK_HIT_WEIGHT",
+        type=_share,
+        help="--router-mode kv: the same for a block kept on a disk or outside the node "
+        f"(default {DEFAULT_DISK_HIT_WEIGHT:g})",
     )
     parser.add_flag(
         "--router-temperature",

@@ -90,6 +90,8 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
             "--kv-queued-prefill-weight", repr(router.queued_prefill_weight),
             "--router-temperature", repr(router.temperature),
             "--use-kv-events", "true" if router.use_kv_events else "false",
+            "--kv-host-hit-weight", repr(router.host_hit_weight),
+            "--kv-disk-hit-weight", repr(router.disk_hit_weight),
             "--disagg-policy", router.disagg_policy,
             "--disagg-isl-threshold", str(router.disagg_isl_threshold),
             "--disagg-isl-ratio", repr(router.disagg_isl_ratio),

@@ -433,6 +433,8 @@ class ModelWatcher:
             queued_prefill_weight=registered.queued_prefill_weight,
             temperature=registered.temperature,
             use_kv_events=registered.use_kv_events,
+            host_hit_weight=registered.host_hit_weight,
+            disk_hit_weight=registered.disk_hit_weight,
             disagg=DisaggPolicy(
                 mode=DisaggMode(registered.disagg_policy),
                 isl_threshold=registered.disagg_isl_threshold,

@@ -19,7 +19,11 @@ from typing import Protocol
 
 from frontend_gateway.routing.disagg_policy import DisaggPolicy
 from runtime.cluster.addressing import EndpointAddress
-from runtime.fleet_contract.router_settings import DEFAULT_QUEUED_PREFILL_WEIGHT
+from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
+    DEFAULT_QUEUED_PREFILL_WEIGHT,
+)
 from runtime.protocol import PreprocessedRequest, TextRequest
 
 #: Defaults of the KV router's settings (the flags of launcher/cli.py show them too).
@@ -85,6 +89,10 @@ class RouterSettings:
     temperature: float = 0.0
     #: True: learn caches from the workers' KV events; False: predict them from the router's own decisions.
     use_kv_events: bool = True
+    #: Credit of a prompt block a worker keeps in host memory, and on a disk or outside the node, against one
+    #: on its device (routing/kv_scoring.py).
+    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT
+    disk_hit_weight: float = DEFAULT_DISK_HIT_WEIGHT
     predicted_ttl_s: float = DEFAULT_PREDICTED_TTL_S
     predicted_max_blocks: int = DEFAULT_PREDICTED_MAX_BLOCKS
     #: A worker whose KV cache is this full (0..1), or has this many requests waiting, takes no new
@@ -103,6 +111,9 @@ class RouterSettings:
             raise ValueError(f"overlap_score_weight must be >= 0, not {self.overlap_score_weight}")
         if not 0.0 <= self.queued_prefill_weight <= 1.0:
             raise ValueError(f"queued_prefill_weight must be between 0 and 1, not {self.queued_prefill_weight}")
+        for name in ("host_hit_weight", "disk_hit_weight"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be between 0 and 1, not {getattr(self, name)}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, not {self.temperature}")
         if not self.predicted_ttl_s > 0.0:

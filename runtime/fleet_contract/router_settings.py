@@ -22,6 +22,11 @@ DEFAULT_ISL_RATIO = 0.7
 #: ``load``: a prefill worker with more prompt tokens in flight than this many engine steps is busy (Dynamo's
 #: ``prefill_busy_threshold`` has no default of its own; one step).
 DEFAULT_PREFILL_BUSY = 1.0
+#: How much a prompt block found on a tier below the device saves, against one found on the device (1.0):
+#: bringing it back costs a copy, not a prefill. Dynamo's defaults (``--router-host-cache-hit-weight``,
+#: ``--router-disk-cache-hit-weight``); the disk weight also applies to a store outside the node.
+DEFAULT_HOST_HIT_WEIGHT = 0.75
+DEFAULT_DISK_HIT_WEIGHT = 0.25
 
 
 class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +38,9 @@ class PipelineRouter(msgspec.Struct, frozen=True, kw_only=True):
     queued_prefill_weight: float = DEFAULT_QUEUED_PREFILL_WEIGHT
     temperature: float = 0.0
     use_kv_events: bool = True
+    #: Credit of a prompt block cached in host memory, and on a disk or outside the node, against a device hit.
+    host_hit_weight: float = DEFAULT_HOST_HIT_WEIGHT
+    disk_hit_weight: float = DEFAULT_DISK_HIT_WEIGHT
     #: Where the model's prompts are computed when it has prefill workers, and the policies' thresholds.
     disagg_policy: str = "always"
     disagg_isl_threshold: int = DEFAULT_ISL_THRESHOLD

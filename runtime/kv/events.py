@@ -18,9 +18,14 @@ from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
-#: Where a block is kept, for engines that offload (vLLM's ``medium``): None is the GPU (or the engine's only
-#: tier). Routers count only blocks on the GPU as saved prefill; the others are heard and set aside.
-Medium = Literal["gpu", "cpu", "disk"]
+#: The tier a block is kept on, for engines that offload (vLLM's ``medium``, SGLang's, TensorRT-LLM's cache
+#: level): ``gpu`` the device's memory (None says the same: the engine's only tier), ``cpu`` the host's memory,
+#: ``disk`` a local disk, ``external`` a store outside the node (a name an engine uses that Flotilla does not
+#: know is read as ``external``, never as the device). A router credits a hit on a lower tier below a device
+#: hit (routing/kv_scoring.py): bringing the blocks back costs a copy, not a prefill.
+Medium = Literal["gpu", "cpu", "disk", "external"]
+#: The tiers below the device, best first.
+LOWER_TIERS: tuple[Medium, ...] = ("cpu", "disk", "external")
 
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True):
@@ -81,6 +86,21 @@ class KvStateRequest(msgspec.Struct, kw_only=True):
     parts_to: str | None = None
 
 
+class TierLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One KV tier below the device of one dp rank (``WorkerLoad.tiers``): its size, use and hits."""
+
+    medium: Medium
+    total_blocks: int | None = None
+    used_blocks: int | None = None  # blocks it holds now
+    usage: float | None = None  # used / total, 0..1
+    # Share of the prompt tokens over the last period that were found on this tier (and not on the device)
+    # and brought back instead of computed, 0..1.
+    hit_rate: float | None = None
+    # Counters since the engine started: blocks copied to this tier, and blocks brought back from it.
+    offloaded_blocks: int | None = None
+    onboarded_blocks: int | None = None
+
+
 class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One dp rank of one instance at one moment."""
 
@@ -104,6 +124,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
     # and requests taken with a prefill worker's KV handoff and their seconds from arrival to first token.
     handoffs: int | None = None
     handoff_first_token_seconds: float | None = None
+    # KV cache tiers below the device (host memory, disk), best first; None: the engine offloads nothing.
+    tiers: list[TierLoad] | None = None
 
 
 class KvEventSink(Protocol):
