@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from nats.aio.client import Client as NATS
 
 from frontend_gateway.routing.health import RoutingHealth
-from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, Worker
+from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, TieredMatch, Worker
 from frontend_gateway.routing.kv_load import ActiveLoad
 from frontend_gateway.routing.kv_scoring import WorkerSnapshot, pick, worker_costs
 from frontend_gateway.routing.kv_subscriber import KvEventSubscriber
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 #: The longest answer a request is expected to write, for the blocks it will hold: ``max_tokens`` is an
 #: upper bound, and a client that leaves it out gets the whole context left, which few answers fill.
 EXPECTED_ANSWER_CAP_TOKENS = 512
+NO_MATCH = TieredMatch(0)
 
 
 class KvRouter:
@@ -121,16 +122,13 @@ class KvRouter:
         if isinstance(request, PreprocessedRequest):
             prompt_tokens = len(request.token_ids)
             hashes = sequence_block_hashes(request.token_ids, self.block_size)
-            matches = self.indexer.find_matches(hashes)
-            if self._predicting:
-                for worker, blocks in self.predicted.find_matches(hashes).items():
-                    if worker[0] in self._predicting:
-                        matches[worker] = blocks
+            matches = self._matches(hashes)
             # Its last partial block and its answer's blocks are its own wherever it goes.
             answer = min(request.stop_conditions.max_tokens, EXPECTED_ANSWER_CAP_TOKENS)
             own_blocks = math.ceil((prompt_tokens % self.block_size + answer) / self.block_size)
         else:  # a text engine tokenizes for itself: no blocks to match; one block each, to spread by count
-            prompt_tokens, hashes, matches, own_blocks = 0, [], {}, 1
+            prompt_tokens, hashes, own_blocks = 0, [], 1
+            matches = {}
         load = self.load
         snapshots: list[WorkerSnapshot] = []
         by_id: dict[int, InstanceInfo] = {}
@@ -138,13 +136,16 @@ class KvRouter:
             by_id[info.instance_id] = info
             for rank in self._ranks.get(info.instance_id, (0,)):
                 worker = (info.instance_id, rank)
+                hit = matches.get(worker, NO_MATCH)
                 snapshots.append(
                     WorkerSnapshot(
                         worker,
-                        matches.get(worker, 0),
+                        hit.device,
                         load.prefill_tokens(worker),
                         load.decode_blocks(worker),
                         load.new_blocks(worker, hashes) + own_blocks,
+                        hit.host,
+                        hit.far,
                     )
                 )
         settings = self.settings
@@ -154,6 +155,8 @@ class KvRouter:
             snapshots,
             overlap_score_weight=settings.overlap_score_weight,
             queued_prefill_weight=settings.queued_prefill_weight,
+            host_hit_weight=settings.host_hit_weight,
+            disk_hit_weight=settings.disk_hit_weight,
         )
         chosen = pick(scored, temperature=settings.temperature, rng=self._rng)
         if self._health is not None:
@@ -168,6 +171,20 @@ class KvRouter:
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
         )
         return Decision(by_id[worker[0]], worker[1], chosen.overlap_blocks, chosen.prefill_tokens)
+
+    def _matches(self, hashes: Sequence[int]) -> dict[Worker, TieredMatch]:
+        """Each worker's leading run of ``hashes``, on each tier of its cache (predicted caches: all on the
+        device)."""
+        indexer = self.indexer
+        if isinstance(indexer, KvIndexer):
+            matches = indexer.find_tiered(hashes)
+        else:
+            matches = {worker: TieredMatch(blocks) for worker, blocks in indexer.find_matches(hashes).items()}
+        if self._predicting:
+            for worker, blocks in self.predicted.find_matches(hashes).items():
+                if worker[0] in self._predicting:
+                    matches[worker] = TieredMatch(blocks)
+        return matches
 
     def _predict(self, worker: Worker, hashes: Sequence[int]) -> None:
         """A prompt of blocks ``hashes`` was routed to ``worker`` (by this router or a replica): record them

@@ -4,7 +4,9 @@ For each worker, in blocks of the model's block size::
 
     cost = overlap_score_weight × prefill blocks + decode blocks
 
-where *prefill blocks* is the prompt left to compute there after its cache hit plus
+where *prefill blocks* is the prompt left to compute there after its cache hit (a block held only on a
+lower tier of that worker's cache counts ``host_hit_weight`` of a hit in host memory, ``disk_hit_weight``
+on a disk or outside the node: it is copied back, not computed, but the copy takes time) plus
 ``queued_prefill_weight`` × the prompt tokens already in flight to that worker and not yet known to be
 computed (Dynamo's router counts those in full; see routing/protocol.py for why a share is closer to
 the wait they mean), and *decode blocks* the KV blocks its active
@@ -28,10 +30,13 @@ class WorkerSnapshot:
     """What the router knows of one candidate worker when a request arrives."""
 
     worker: Worker
-    overlap_blocks: int  # leading blocks of this request it holds
+    overlap_blocks: int  # leading blocks of this request it holds on its device
     prefill_tokens_in_flight: int  # prompt tokens sent to it and not yet computed
     decode_blocks: float  # KV blocks its active requests hold
     new_blocks: int = 0  # KV blocks this request would add to them there
+    # The blocks right after the device's that it holds only in host memory, and only farther (disk, outside).
+    host_blocks: int = 0
+    far_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +45,8 @@ class Scored:
 
     worker: Worker
     cost: float
-    overlap_blocks: int
-    prefill_tokens: int  # this request's prompt tokens to compute there
+    overlap_blocks: int  # on the device
+    prefill_tokens: int  # this request's prompt tokens to compute there (lower-tier hits counted by their credit)
 
 
 def worker_costs(
@@ -51,11 +56,14 @@ def worker_costs(
     *,
     overlap_score_weight: float,
     queued_prefill_weight: float,
+    host_hit_weight: float = 0.0,
+    disk_hit_weight: float = 0.0,
 ) -> list[Scored]:
     """The cost of sending a ``prompt_tokens``-token request to each of ``workers``, in their order."""
     scored: list[Scored] = []
     for snapshot in workers:
-        to_compute = max(0, prompt_tokens - snapshot.overlap_blocks * block_size)
+        hit = snapshot.overlap_blocks + host_hit_weight * snapshot.host_blocks + disk_hit_weight * snapshot.far_blocks
+        to_compute = max(0, prompt_tokens - round(hit * block_size))
         prefill_blocks = (to_compute + queued_prefill_weight * snapshot.prefill_tokens_in_flight) / block_size
         cost = overlap_score_weight * prefill_blocks + snapshot.decode_blocks + snapshot.new_blocks
         scored.append(Scored(snapshot.worker, cost, snapshot.overlap_blocks, to_compute))

@@ -17,8 +17,8 @@ load). It is the part of the router that deals with the network being what it is
   batches heard while it was on its way (on another subject, so possibly before it) are held, and those
   it does not cover are applied on top of it, so that neither a block stored nor one removed meanwhile
   is lost. An answer larger than a NATS message comes in parts, put together before it is applied.
-* **What the index cannot use yet.** Blocks of a LoRA adapter, salted, or on another tier than the GPU
-  are set aside (``routable``).
+* **What the index cannot use yet.** Blocks of a LoRA adapter or salted are set aside (``routable``);
+  blocks on a tier below the device (host memory, a disk) are indexed on that tier.
 * **Malformed messages** are dropped and reported, at most one log line per ``MALFORMED_REPORT_S``.
 
 One subscriber listens per component rather than pool only like endpoints: a pool is the instances that
@@ -50,7 +50,7 @@ from nats.aio.msg import Msg
 
 from runtime.cluster.addressing import EndpointAddress
 from runtime.cluster.nats_connection import consume, flush
-from runtime.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
+from runtime.kv.events import BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 
@@ -78,12 +78,12 @@ MAX_STATE_PARTS = 1024
 
 
 def routable(events: list[KvEvent]) -> list[KvEvent]:
-    """The events a router's index takes today: blocks on the GPU, of the base model, unsalted.
+    """The events a router's index takes: blocks of the base model, unsalted (on any tier: the index keeps
+    each tier apart, and a removal from one leaves the others' blocks alone).
 
     The router names a request's blocks from its tokens alone, so a block computed with a LoRA adapter or a
-    cache salt could never match one of its requests, and a block offloaded to the CPU or a disk does not
-    save a prefill the way a block on the GPU does. Such events are heard (the wire carries them for the
-    routers that will use them) and set aside; a removal from another tier leaves the GPU's block alone.
+    cache salt could never match one of its requests. Such events are heard (the wire carries them for the
+    routers that will use them) and set aside.
     """
     if all(_plain(event) for event in events):
         return events
@@ -92,9 +92,7 @@ def routable(events: list[KvEvent]) -> list[KvEvent]:
 
 def _plain(event: KvEvent) -> bool:
     if isinstance(event, BlockStored):
-        return event.medium in (None, "gpu") and event.lora_id is None and event.salt is None
-    if isinstance(event, BlockRemoved):
-        return event.medium in (None, "gpu")
+        return event.lora_id is None and event.salt is None
     return True
 
 

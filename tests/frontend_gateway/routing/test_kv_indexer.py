@@ -1,6 +1,6 @@
 """The KV index: leading-block matches per worker, fed by KV events that may be odd or out of order."""
 
-from frontend_gateway.routing.kv_indexer import KvIndexer, WorkerBits, leading_matches
+from frontend_gateway.routing.kv_indexer import KvIndexer, TieredMatch, WorkerBits, leading_matches
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
 
@@ -124,3 +124,54 @@ def test_worker_bits_name_the_workers_of_a_mask() -> None:
     assert set(bits.workers(7)) == {A, C}  # a released bit names nobody
     assert bits.bit((9, 0)) == 2  # and is given to the next newcomer
     assert bits.known() == [A, C, (9, 0)]
+
+
+def test_lower_tier_blocks_extend_a_run_and_are_counted_apart_from_the_device() -> None:
+    index = KvIndexer()
+    index.apply(A, [BlockStored(HASHES[:3])])
+    index.apply(A, [BlockStored(HASHES[2:6], parent_hash=HASHES[1], medium="cpu")])  # 2 also on the device
+    index.apply(A, [BlockStored(HASHES[6:7], parent_hash=HASHES[5], medium="disk")])
+    index.apply(B, [BlockStored(HASHES[:2], medium="external")])
+    assert index.find_matches(HASHES) == {A: 3}  # device blocks only
+    assert index.find_tiered(HASHES) == {A: TieredMatch(3, host=3, far=1), B: TieredMatch(0, far=2)}
+
+
+def test_a_removal_from_one_tier_leaves_the_same_blocks_on_another() -> None:
+    index = KvIndexer()
+    index.apply(A, [BlockStored(HASHES[:4]), BlockStored(HASHES[:4], medium="cpu")])
+    index.apply(A, [BlockRemoved(HASHES[2:4])])  # evicted from the device: the host copies stay
+    assert index.find_tiered(HASHES) == {A: TieredMatch(2, host=2)}
+    index.apply(A, [BlockRemoved(HASHES[:1], medium="cpu")])  # the host copy of a block still on the device
+    assert index.find_tiered(HASHES) == {A: TieredMatch(2, host=2)}
+    assert (index.block_count(A), index.block_count(A, "cpu")) == (2, 3)
+
+
+def test_a_run_ends_at_the_first_block_on_no_tier_for_each_worker() -> None:
+    index = KvIndexer()
+    index.apply(A, [BlockStored(HASHES[:2]), BlockStored(HASHES[3:5], parent_hash=HASHES[2], medium="cpu")])
+    index.apply(B, [BlockStored(HASHES[:1], medium="cpu"), BlockStored(HASHES[1:4], parent_hash=HASHES[0])])
+    assert index.find_tiered(HASHES) == {A: TieredMatch(2), B: TieredMatch(3, host=1)}
+
+
+def test_clearing_a_worker_or_its_instance_forgets_every_tier() -> None:
+    index = KvIndexer()
+    index.apply(A, [BlockStored(HASHES[:2]), BlockStored(HASHES[2:4], parent_hash=HASHES[1], medium="cpu")])
+    index.apply(B, [BlockStored(HASHES[:2], medium="disk")])
+    index.apply(A, [AllCleared()])
+    assert index.find_tiered(HASHES) == {B: TieredMatch(0, far=2)}
+    index.remove_instance(B[0])
+    assert index.find_tiered(HASHES) == {}
+    assert index.block_count(B, "disk") == 0
+
+
+def test_tiered_matches_agree_with_device_matches_when_nothing_is_offloaded() -> None:
+    index = KvIndexer()
+    index.apply(A, [BlockStored(HASHES[:8])])
+    index.apply(B, [BlockStored(HASHES[:3])])
+    index.apply(C, [BlockStored(HASHES[:1]), BlockStored(HASHES[5:6], parent_hash=HASHES[4], medium="cpu")])
+    index.apply(C, [BlockRemoved(HASHES[5:6], medium="cpu")])  # nothing offloaded any more
+    expected = {worker: TieredMatch(blocks) for worker, blocks in index.find_matches(HASHES).items()}
+    assert index.find_tiered(HASHES) == expected
+    # With offloaded blocks elsewhere in the index, the tiered walk gives the same device-only runs.
+    index.apply(C, [BlockStored([12345], medium="cpu")])
+    assert index.find_tiered(HASHES) == expected

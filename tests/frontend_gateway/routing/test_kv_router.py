@@ -353,3 +353,17 @@ async def test_an_ask_for_a_cache_that_dies_is_logged_and_made_again(
     assert (deaths, asked) == (1, 2)
     assert "background task 'KV state of b rank 0' failed; restarting it" in caplog.text
     assert "a bug while applying the answer" in caplog.text
+
+
+async def test_a_prefix_in_host_memory_draws_a_request_before_a_bare_worker_but_after_a_device_hit(
+    make_router: Any, publisher: NATS
+) -> None:
+    router = await make_router()
+    await publish(publisher, A, 1, BlockStored(HASHES[:6], medium="cpu"))  # offloaded by A
+    await until(router, lambda: router.indexer.block_count((A.instance_id, 0), "cpu") == 6)
+    # A saves 0.75 × 6 blocks: 72 of the prompt's tokens (133 − 72 = 61 to compute); B holds nothing.
+    assert choose(router) == Decision(A, dp_rank=0, overlap_blocks=0, prefill_tokens=len(PROMPT) - 72)
+    router.finished("r")
+    await publish(publisher, B, 1, BlockStored(HASHES[:6]))  # the same prefix on B's device wins
+    await until(router, lambda: blocks_of(router, B) == 6)
+    assert choose(router).instance == B

@@ -140,3 +140,29 @@ def test_blocks_the_request_would_add_count_as_decode_load() -> None:
     workers = [WorkerSnapshot(A, 0, 0, 10, new_blocks=1), WorkerSnapshot(B, 0, 0, 9, new_blocks=4)]
     scored = worker_costs(64, 16, workers, overlap_score_weight=1.0, queued_prefill_weight=1.0)
     assert scored == [Scored(A, 4.0 + 10 + 1, 0, 64), Scored(B, 4.0 + 9 + 4, 0, 64)]
+
+
+def test_blocks_on_a_lower_tier_count_as_hits_at_their_weight() -> None:
+    # A 128-token prompt in blocks of 16. A holds 2 blocks on its device and the next 4 in host memory;
+    # B holds 2 on its device and the next 4 on a disk; C holds 4 on its device. At weights 0.75 and 0.25,
+    # A saves (2 + 3) blocks = 80 tokens, B (2 + 1) = 48, C 64: A computes 48 tokens, B 80, C 64.
+    workers = [WorkerSnapshot(A, 2, 0, 0, host_blocks=4), WorkerSnapshot(B, 2, 0, 0, far_blocks=4)]
+    workers.append(WorkerSnapshot(C, 4, 0, 0))
+    scored = worker_costs(
+        128,
+        16,
+        workers,
+        overlap_score_weight=1.0,
+        queued_prefill_weight=0.5,
+        host_hit_weight=0.75,
+        disk_hit_weight=0.25,
+    )
+    assert [(entry.worker, entry.prefill_tokens, entry.overlap_blocks) for entry in scored] == [
+        (A, 48, 2),
+        (B, 80, 2),
+        (C, 64, 4),
+    ]
+    assert [entry.cost for entry in scored] == [3.0, 5.0, 4.0]
+    # At weight 0 a lower tier saves nothing: the device holder wins.
+    unweighted = worker_costs(128, 16, workers, overlap_score_weight=1.0, queued_prefill_weight=0.5)
+    assert min(unweighted, key=lambda entry: entry.cost).worker == C

@@ -11,12 +11,12 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from frontend_gateway.routing.kv_indexer import KvIndexer
+from frontend_gateway.routing.kv_indexer import KvIndexer, TieredMatch
 from frontend_gateway.routing.kv_router import KvRouter
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings
 from runtime.cluster.addressing import EndpointAddress
 from runtime.cluster.nats_connection import connect_nats, flush
-from runtime.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventSink, WorkerLoad
+from runtime.kv.events import BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventSink, Medium, WorkerLoad
 from runtime.kv.publisher import KvEventPublisher, state_parts
 from tests.frontend_gateway.routing.waiting import until
 from tests.infra import NatsServer
@@ -52,9 +52,9 @@ async def make_router(connections: tuple[NATS, NATS]) -> AsyncIterator[Callable[
         await router.close()
 
 
-def blocks_of(router: KvRouter) -> int:
+def blocks_of(router: KvRouter, tier: Medium | None = None) -> int:
     assert isinstance(router.indexer, KvIndexer)
-    return router.indexer.block_count((A.instance_id, 0))
+    return router.indexer.block_count((A.instance_id, 0), tier)
 
 
 def encoded(event_id: int, *events: KvEvent, **fields: Any) -> bytes:
@@ -147,7 +147,7 @@ def test_state_parts_keep_the_chain_across_a_cut() -> None:
     assert state_parts([], 2) == [[]]  # an empty cache is one (empty) answer
 
 
-async def test_blocks_of_another_tier_an_adapter_or_a_salt_are_set_aside(
+async def test_blocks_of_an_adapter_or_a_salt_are_set_aside_and_lower_tiers_kept_apart(
     make_router: Any, connections: tuple[NATS, NATS]
 ) -> None:
     _, worker = connections
@@ -162,7 +162,7 @@ async def test_blocks_of_another_tier_an_adapter_or_a_salt_are_set_aside(
     await until(router, lambda: router.state_syncs == 1)
     batch = encoded(
         1,
-        BlockStored(HASHES[4:6], parent_hash=HASHES[3], medium="cpu"),  # offloaded: saves no prefill here
+        BlockStored(HASHES[4:6], parent_hash=HASHES[3], medium="cpu"),  # offloaded: indexed on the host tier
         BlockStored(HASHES[6:8], parent_hash=HASHES[3], lora_id=3),  # an adapter's: no request of ours matches
         BlockStored(HASHES[8:10], parent_hash=HASHES[3], salt="tenant-7"),
         BlockRemoved(HASHES[:2], medium="cpu"),  # the CPU copy went, the GPU's stays
@@ -171,6 +171,8 @@ async def test_blocks_of_another_tier_an_adapter_or_a_salt_are_set_aside(
     await worker.publish(ADDRESS.kv_events_subject(), batch)
     await flush(worker)
     await until(router, lambda: blocks_of(router) == 5)
+    assert blocks_of(router, "cpu") == 2  # the host copies of HASHES[:2] never were: their removal removed nothing
+    assert router.indexer.find_tiered(HASHES[:6]) == {(A.instance_id, 0): TieredMatch(4, host=2)}  # type: ignore[union-attr]
     # An older worker's events (no trailing fields) still decode.
     old_style = msgspec.msgpack.encode(
         {"instance_id": A.instance_id, "dp_rank": 0, "event_id": 2, "events": [["stored", [HASHES[11]], HASHES[10]]]}
