@@ -294,6 +294,9 @@ _DYNAMO_FLAGS = {
     "preemption_mode": "--preemption-mode",
     "kv_transfer_bandwidth": "--kv-transfer-bandwidth",
     "kv_bytes_per_token": "--kv-bytes-per-token",
+    "num_host_blocks": "--num-host-blocks",
+    "host_offload_d2h_bandwidth_gbps": "--host-offload-d2h-bandwidth-gbps",
+    "host_offload_h2d_bandwidth_gbps": "--host-offload-h2d-bandwidth-gbps",
 }
 #: Keys Dynamo 1.6.1's mocker has no setting for, with the only value both stacks then agree on: its
 #: engine (aisimulate-core 0.13.0) admits as vLLM v1 does, with no watermark.

@@ -241,3 +241,32 @@ def test_the_policy_a_pipelines_workers_register_is_the_one_the_ingress_uses(clu
         "the pipeline's isl policy never kept a next turn on its decode worker",
     )
     assert decisions(ingress, "local", "isl") >= 1
+
+
+def test_the_decode_gate_sends_a_prompt_the_policy_would_keep_local_away_from_a_full_decode_worker(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # isl keeps a next turn (20 tokens left to compute) on its decode worker, unless that worker's KV cache,
+    # the turn's own 14 blocks of 128 counted, is more than 30% full. A long answer there (600 + 400 tokens, at
+    # speed-up 1: seconds) holds 63 blocks more.
+    ingress = cluster.start_ingress(
+        "--router-mode", "kv", "--disagg-policy", "isl", "--disagg-isl-threshold", "64", "--disagg-decode-busy", "0.3"
+    )
+    decode_settings = {"speedup_ratio": 1, "num_gpu_blocks": 128}
+    cluster.start_each([spec(tmp_path, "prefill"), spec(tmp_path, "decode", settings=decode_settings)])
+    wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
+    conversation = list(range(1000, 1000 + 12 * BLOCK))
+    complete(ingress, conversation)
+
+    def next_turn_is_local() -> bool:
+        return "x-flotilla-prefill-instance" not in complete(ingress, [*conversation, *range(900, 920)]).headers
+
+    wait_until(next_turn_is_local, 15, "isl never kept a next turn on the idle decode worker")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(complete, ingress, list(range(5000, 5600)), 400)
+        wait_until(
+            lambda: not next_turn_is_local(), 15, "the decode gate never sent a turn away from the full decode worker"
+        )
+        assert decisions(ingress, "remote", "decode_busy") >= 1
+        long.result()
+    wait_until(next_turn_is_local, 15, "the next turn never came back to the decode worker once it had room")
