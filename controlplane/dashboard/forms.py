@@ -25,6 +25,7 @@ from controlplane.deployments.models import (
 )
 from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
+    MAX_HOST_CACHE_GIB,
     MAX_ISL_THRESHOLD,
     MAX_PREFILL_BUSY,
     MAX_REPLICAS,
@@ -35,6 +36,8 @@ from controlplane.deployments.pipelines import (
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.node_engines import engine_choices
 from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_ISL_RATIO,
     DEFAULT_ISL_THRESHOLD,
     DEFAULT_PREFILL_BUSY,
@@ -174,6 +177,31 @@ class PipelineForm(ActionForm):
         min_value=0, max_value=MAX_ROUTER_TEMPERATURE, initial=0.0, label="Router temperature", help_text="kv mode."
     )
     use_kv_events = forms.BooleanField(required=False, initial=True, label="Use KV events")
+    kv_host_hit_weight = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=1,
+        initial=DEFAULT_HOST_HIT_WEIGHT,
+        label="KV host-tier hit weight",
+        help_text="kv mode: what a prompt block in a worker's host memory is worth against one on its GPU (1).",
+    )
+    kv_disk_hit_weight = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=1,
+        initial=DEFAULT_DISK_HIT_WEIGHT,
+        label="KV disk-tier hit weight",
+        help_text="kv mode: the same for a block on a disk or in a store outside the node.",
+    )
+    kv_host_cache_gib = forms.FloatField(
+        required=False,
+        min_value=0,
+        max_value=MAX_HOST_CACHE_GIB,
+        initial=0,
+        label="Host KV cache per replica (GiB)",
+        help_text="A KV cache tier in host memory below each replica's GPU (mocker, vllm, sglang); the node must "
+        "have it free. 0 or empty: none.",
+    )
     disagg_policy = forms.ChoiceField(
         required=False,
         choices=DisaggPolicy.choices,
@@ -244,6 +272,9 @@ class PipelineForm(ActionForm):
                 kv_queued_prefill_weight=data["kv_queued_prefill_weight"],
                 router_temperature=data["router_temperature"],
                 use_kv_events=data["use_kv_events"],
+                kv_host_hit_weight=_or(data["kv_host_hit_weight"], DEFAULT_HOST_HIT_WEIGHT),
+                kv_disk_hit_weight=_or(data["kv_disk_hit_weight"], DEFAULT_DISK_HIT_WEIGHT),
+                kv_host_cache_gib=_or(data["kv_host_cache_gib"], 0.0),
                 disagg_policy=data["disagg_policy"] or DisaggPolicy.ALWAYS,
                 disagg_isl_threshold=_or(data["disagg_isl_threshold"], DEFAULT_ISL_THRESHOLD),
                 disagg_isl_ratio=_or(data["disagg_isl_ratio"], DEFAULT_ISL_RATIO),

@@ -105,8 +105,9 @@ def render_instance(instance_id: int) -> str:
 def render_instance_load(instance_id: int, load: Mapping[str, Any]) -> str:
     """``<div id="load-<instance pk>">``: a worker's latest load (a ``WorkerLoad`` as a dict: kv_usage,
     prefix_hit_rate, running, waiting, active_requests, and tokens_per_s and ``at`` (epoch seconds) when
-    present) as text and as ``data-*`` attributes, from which static/dashboard/charts.js adds a point to
-    the instance's charts after each swap. Missing or non-numeric figures are left out. Raises
+    present; ``tiers``, the lower KV tiers' use and hits, shown only when the worker has some) as text and
+    as ``data-*`` attributes, from which static/dashboard/charts.js adds a point to the instance's charts
+    after each swap. Missing or non-numeric figures are left out. Raises
     ``Instance.DoesNotExist`` (``instance_id`` is the instance's row id, not its endpoint id)."""
     if not Instance.objects.filter(pk=instance_id).exists():
         raise Instance.DoesNotExist(f"Instance matching query does not exist: {instance_id}")
@@ -136,6 +137,21 @@ def instances_context(pipeline: Pipeline) -> dict[str, Any]:
     return {"pipeline": pipeline, "instances": queries.pipeline_instances(pipeline)}
 
 
+#: How the load partial names each tier below the device (runtime/kv/events.py ``Medium``).
+TIER_NAMES = {"cpu": "host", "disk": "disk", "external": "external"}
+
+
+@dataclass(frozen=True)
+class TierFigures:
+    """One KV tier below the device, over the instance's ranks: blocks held of its size, and its hit rate."""
+
+    name: str
+    used_blocks: float | None = None
+    total_blocks: float | None = None
+    usage: float | None = None
+    hit_rate: float | None = None
+
+
 @dataclass(frozen=True)
 class LoadFigures:
     """A worker's load as the load partial shows it: text for people, attributes for charts.js."""
@@ -153,6 +169,8 @@ class LoadFigures:
     prefill_ms: float | None = None
     handoffs: float | None = None
     handoff_first_token_ms: float | None = None
+    #: The KV tiers below the device, best first (none: the engine offloads nothing).
+    tiers: tuple[TierFigures, ...] = ()
 
     @property
     def data_attributes(self) -> list[tuple[str, str]]:
@@ -169,7 +187,7 @@ def load_figures(load: Mapping[str, Any] | None) -> LoadFigures | None:
     """The figures of a ``WorkerLoad`` dict that are finite numbers (None: no load reported yet)."""
     if load is None:
         return None
-    numbers = {name: _number(value) for name, value in load.items()}
+    numbers = {name: _number(value) for name, value in load.items() if name != "tiers"}
     at = numbers.get("at")
     return LoadFigures(
         at=time.time() if at is None else at,
@@ -183,7 +201,29 @@ def load_figures(load: Mapping[str, Any] | None) -> LoadFigures | None:
         prefill_ms=numbers.get("prefill_ms"),
         handoffs=numbers.get("handoffs"),
         handoff_first_token_ms=numbers.get("handoff_first_token_ms"),
+        tiers=tier_figures(load.get("tiers")),
     )
+
+
+def tier_figures(tiers: Any) -> tuple[TierFigures, ...]:
+    """The tiers of a load dict (the bridge's ``sum_tiers``) that name a known tier; their figures that are
+    finite numbers."""
+    if not isinstance(tiers, list):
+        return ()
+    figures = []
+    for tier in tiers:
+        if not isinstance(tier, Mapping) or tier.get("medium") not in TIER_NAMES:
+            continue
+        figures.append(
+            TierFigures(
+                name=TIER_NAMES[tier["medium"]],
+                used_blocks=_number(tier.get("used_blocks")),
+                total_blocks=_number(tier.get("total_blocks")),
+                usage=_number(tier.get("usage")),
+                hit_rate=_number(tier.get("hit_rate")),
+            )
+        )
+    return tuple(figures)
 
 
 def _number(value: Any) -> float | None:

@@ -7,6 +7,7 @@ deployment actions (placing pending instances) build it one way, without importi
 from collections import Counter
 
 from controlplane.deployments.instance_states import LIVE_STATES
+from controlplane.deployments.inventory import host_tier_bytes
 from controlplane.deployments.models import WorkerGroup
 from controlplane.deployments.placement import Demand
 
@@ -26,4 +27,5 @@ def group_demand(group: WorkerGroup, count: int) -> Demand:
         pinned_gpus=frozenset(pipeline.pinned_gpus),
         existing_replicas_by_node=dict(existing),
         engine=group.engine,
+        host_memory_per_replica_bytes=host_tier_bytes(pipeline.kv_host_cache_gib),
     )

@@ -3,14 +3,16 @@
 Free GPU memory is the GPU's total minus the larger of what its agent reports used and what the instances
 placed on it reserve (their model's memory need, split over their GPUs). Reported use covers processes
 the control plane does not know; reservations cover instances that were placed but have not loaded yet.
-Taking the larger does not count our own running instances twice. Free system memory (for CPU replicas)
-is likewise the smaller of what the agent reports available and the total minus reservations.
+Taking the larger does not count our own running instances twice. Free system memory (for CPU replicas,
+and for any replica's host KV tier) is likewise the smaller of what the agent reports available and the
+total minus reservations: a CPU replica's model and every replica's host tier.
 """
 
 import math
 from collections import defaultdict
 
 from controlplane.deployments.instance_states import LIVE_STATES
+from controlplane.deployments.kv_tiers import GIB
 from controlplane.deployments.models import Instance
 from controlplane.deployments.placement import GpuInventory, NodeInventory
 from controlplane.fleet.models import Node
@@ -23,10 +25,15 @@ def fleet_inventory() -> list[NodeInventory]:
     reserved_memory: dict[int, int] = defaultdict(int)
     node_instances: dict[int, int] = defaultdict(int)
     placed = Instance.objects.filter(state__in=LIVE_STATES, node__isnull=False).values_list(
-        "node_id", "gpu_indexes", "group__gpus_per_replica", "pipeline__model__memory_bytes"
+        "node_id",
+        "gpu_indexes",
+        "group__gpus_per_replica",
+        "pipeline__model__memory_bytes",
+        "pipeline__kv_host_cache_gib",
     )
-    for node_id, gpu_indexes, gpus_per_replica, memory_bytes in placed:
+    for node_id, gpu_indexes, gpus_per_replica, memory_bytes, host_gib in placed:
         node_instances[node_id] += 1
+        reserved_memory[node_id] += host_tier_bytes(host_gib)
         need = memory_bytes or 0
         if not gpu_indexes:
             reserved_memory[node_id] += need
@@ -61,3 +68,8 @@ def fleet_inventory() -> list[NodeInventory]:
             )
         )
     return inventory
+
+
+def host_tier_bytes(host_gib: float | None) -> int:
+    """A replica's host KV tier in bytes, rounded up (placement never reserves less than the engine takes)."""
+    return math.ceil((host_gib or 0) * GIB)

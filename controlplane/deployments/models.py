@@ -15,6 +15,8 @@ from controlplane.deployments.instance_states import InstanceState
 from controlplane.fleet.models import Node
 from runtime.cluster.addressing import DEFAULT_COMPONENT, DEFAULT_ENDPOINT, SCHEME
 from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_ISL_RATIO,
     DEFAULT_ISL_THRESHOLD,
     DEFAULT_PREFILL_BUSY,
@@ -75,6 +77,12 @@ class Pipeline(models.Model):
     kv_queued_prefill_weight = models.FloatField(default=DEFAULT_QUEUED_PREFILL_WEIGHT)  # 0..1
     router_temperature = models.FloatField(default=0.0)
     use_kv_events = models.BooleanField(default=True)
+    # What a prompt block found on a lower KV tier is worth to the kv router, against one on the device (0..1).
+    kv_host_hit_weight = models.FloatField(default=DEFAULT_HOST_HIT_WEIGHT)
+    kv_disk_hit_weight = models.FloatField(default=DEFAULT_DISK_HIT_WEIGHT)
+    # Host memory each replica keeps as a KV tier below the device (kv_tiers.py turns it into the engine's
+    # own setting; placement reserves it on the node); 0: no host tier.
+    kv_host_cache_gib = models.FloatField(default=0.0)
     # Where prompts are computed when the pipeline has a prefill and a decode group (docs/disaggregation.md).
     disagg_policy = models.CharField(max_length=8, choices=DisaggPolicy.choices, default=DisaggPolicy.ALWAYS)
     disagg_isl_threshold = models.PositiveIntegerField(default=DEFAULT_ISL_THRESHOLD)

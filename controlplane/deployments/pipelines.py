@@ -24,6 +24,7 @@ from controlplane.catalog.models import LanguageModel
 from controlplane.deployments import served_names
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
 from controlplane.deployments.instances import add_instances, stop_instance
+from controlplane.deployments.kv_tiers import HostTierRefused, host_tier_args
 from controlplane.deployments.models import DisaggPolicy, Instance, Pipeline, WorkerGroup, validate_served_name
 from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.models import Node
@@ -43,6 +44,8 @@ ROUTER_FIELDS = frozenset(
         "kv_queued_prefill_weight",
         "router_temperature",
         "use_kv_events",
+        "kv_host_hit_weight",
+        "kv_disk_hit_weight",
         "disagg_policy",
         "disagg_isl_threshold",
         "disagg_isl_ratio",
@@ -50,10 +53,15 @@ ROUTER_FIELDS = frozenset(
         "disagg_decode_busy",
     }
 )
-SETTING_FIELDS = ROUTER_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus"}
+# Settings the pipeline's engines are started with: a change restarts every group's workers (rolling update).
+ENGINE_FIELDS = frozenset({"kv_host_cache_gib"})
+SETTING_FIELDS = ROUTER_FIELDS | ENGINE_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus"}
 #: The largest --disagg-isl-threshold a pipeline may set (tokens), and --disagg-prefill-busy (engine steps).
 MAX_ISL_THRESHOLD = 10_000_000
 MAX_PREFILL_BUSY = 1000.0
+#: The largest host KV tier a replica may ask for, in GiB: a big 8-GPU server's whole memory (4 TiB). Beyond
+#: it a value is a typo (bytes for GiB), not a plan; placement still checks the node's free memory.
+MAX_HOST_CACHE_GIB = 4096.0
 _VALID_ROLE_SETS = ({WorkerGroup.Role.AGGREGATED}, {WorkerGroup.Role.PREFILL, WorkerGroup.Role.DECODE})
 _NAMESPACE_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 # Scaling down stops the instances that got least far first, the newest first among equals.
@@ -102,6 +110,7 @@ def deploy_pipeline(
     _check_served_name(name)
     _check_settings(settings)
     _check_groups(model, groups, settings.get("pinned_gpus") or [])
+    _check_host_tier(model, groups, settings.get("kv_host_cache_gib"), field="kv_host_cache_gib")
     for spec in groups:  # at deploy only: a group deployed before its node went keeps its engine
         check_engine_runs_somewhere(spec.engine or model.engine, f"the {spec.role} group", field="groups")
     if namespace is None:
@@ -131,22 +140,28 @@ def deploy_pipeline(
 
 @transaction.atomic
 def update_pipeline(actor: Actor, pipeline: Pipeline, **changes: Any) -> Pipeline:
-    """Change router settings, placement policy or pins. Running instances stay where they are, but for a
-    change of router settings, which its workers register: that one rolls out to them, one at a time,
-    each replacement ready before the instance it replaces stops (``roll_out_updates``).
+    """Change router settings, the host KV tier, placement policy or pins. Running instances stay where they
+    are, but for a change of router settings, which its workers register, or of the host tier, which its
+    engines are started with: that one rolls out to them, one at a time, each replacement ready before the
+    instance it replaces stops (``roll_out_updates``).
 
     Raises Invalid naming the field.
     """
     _check_settings(changes)
-    pipeline = Pipeline.objects.select_for_update().get(pk=pipeline.pk)
+    pipeline = Pipeline.objects.select_for_update().select_related("model").get(pk=pipeline.pk)
     if "pinned_gpus" in changes:
         _check_pinned_gpus(changes["pinned_gpus"], pipeline.groups.all())
+    if "kv_host_cache_gib" in changes:
+        _check_host_tier(
+            pipeline.model, _group_specs(pipeline), changes["kv_host_cache_gib"], field="kv_host_cache_gib"
+        )
     before = pipeline_snapshot(pipeline)
-    router_changed = any(getattr(pipeline, name) != value for name, value in changes.items() if name in ROUTER_FIELDS)
+    changed = {name for name, value in changes.items() if getattr(pipeline, name) != value}
     for name, value in changes.items():
         setattr(pipeline, name, value)
-    if router_changed:
+    if changed & ROUTER_FIELDS:
         pipeline.router_generation += 1
+    if changed & (ROUTER_FIELDS | ENGINE_FIELDS):
         pipeline.groups.update(generation=F("generation") + 1)
     pipeline.save()
     record(actor, "pipeline.update", pipeline, before=before, after=pipeline_snapshot(pipeline))
@@ -188,6 +203,7 @@ def update_group(
         for g in pipeline.groups.exclude(pk=group.pk)
     ]
     _check_groups(pipeline.model, [spec, *others], pipeline.pinned_gpus)
+    _check_host_tier(pipeline.model, [spec], pipeline.kv_host_cache_gib, field="engine_args")
     before = pipeline_snapshot(pipeline)
     WorkerGroup.objects.filter(pk=group.pk).update(**changes, generation=F("generation") + 1)
     group.refresh_from_db()
@@ -310,6 +326,15 @@ def _check_settings(settings: dict[str, Any]) -> None:
     unknown = sorted(set(settings) - SETTING_FIELDS)
     if unknown:
         raise Invalid(f"a pipeline has no setting {unknown[0]!r}", field=unknown[0])
+    for name in ("kv_host_hit_weight", "kv_disk_hit_weight"):
+        credit = settings.get(name)
+        if credit is not None and not (_is_number(credit) and 0 <= credit <= 1):
+            raise Invalid("must be a number between 0 and 1 (a device hit counts 1)", field=name)
+    host_gib = settings.get("kv_host_cache_gib")
+    if host_gib is not None and not (_is_number(host_gib) and 0 <= host_gib <= MAX_HOST_CACHE_GIB):
+        raise Invalid(
+            f"must be a number of GiB from 0 (no host tier) to {MAX_HOST_CACHE_GIB:g}", field="kv_host_cache_gib"
+        )
     weight = settings.get("kv_overlap_score_weight")
     if weight is not None and not (math.isfinite(weight) and 0 <= weight <= MAX_ROUTER_WEIGHT):
         raise Invalid(f"must be between 0 and {MAX_ROUTER_WEIGHT:g}", field="kv_overlap_score_weight")
@@ -340,6 +365,33 @@ def _check_settings(settings: dict[str, Any]) -> None:
         unknown_nodes = [name for name in pinned_nodes if name not in known]
         if unknown_nodes:
             raise Invalid(f"no node is named {unknown_nodes[0]!r}", field="pinned_nodes")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_host_tier(model: LanguageModel, groups: Sequence[GroupSpec], host_gib: float | None, *, field: str) -> None:
+    """Raise Invalid (naming ``field``) unless every group's engine can keep a host tier of ``host_gib``."""
+    for spec in groups:
+        engine_args = {**model.default_engine_args, **spec.engine_args}
+        try:
+            host_tier_args(spec.engine or model.engine, engine_args, host_gib, spec.gpus_per_replica)
+        except HostTierRefused as exc:
+            raise Invalid(f"the {spec.role} group: {exc}", field=field) from exc
+
+
+def _group_specs(pipeline: Pipeline) -> list[GroupSpec]:
+    return [
+        GroupSpec(
+            role=g.role,
+            replicas=g.replicas,
+            gpus_per_replica=g.gpus_per_replica,
+            engine=g.engine,
+            engine_args=g.engine_args,
+        )
+        for g in pipeline.groups.all()
+    ]
 
 
 def _check_groups(model: LanguageModel, groups: Sequence[GroupSpec], pinned_gpus: Sequence[int]) -> None:

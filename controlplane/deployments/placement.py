@@ -16,6 +16,8 @@ Rules:
 * Replicas that need no GPU (mocker, llama.cpp, echo on CPU) are placed by node only: a node fits when
   its free system memory covers the need (any node, when the need is unknown); both policies prefer
   nodes without GPUs, ``spread`` only after spreading over nodes, so that GPUs stay free for GPU work.
+* A replica with a host KV tier also needs that much free system memory on its node, GPU replicas too;
+  a CPU replica needs its model's memory and its tier together.
 * Only schedulable nodes (online, neither draining nor cordoned) are used; pins restrict nodes and GPU indexes.
 * A replica goes only to a node that runs its engine (as the node's agent reports); when no node does, the
   reason says how to get one ("no node runs vllm: install it with pip install 'flotilla[vllm]' on a node").
@@ -72,7 +74,8 @@ class Demand:
 
     ``memory_per_replica_bytes`` is None when unknown. ``existing_replicas_by_node`` counts the group's
     replicas already placed, so that ``spread`` keeps spreading across calls. ``engine`` is the group's
-    (the nodes that do not run it are passed over); "" places on any node.
+    (the nodes that do not run it are passed over); "" places on any node. ``host_memory_per_replica_bytes``
+    is the system memory each replica keeps as a KV tier (0: none), on top of its model's memory.
     """
 
     replicas: int
@@ -83,6 +86,16 @@ class Demand:
     pinned_gpus: frozenset[int] = frozenset()
     existing_replicas_by_node: Mapping[str, int] = field(default_factory=dict)
     engine: str = ""
+    host_memory_per_replica_bytes: int = 0
+
+    @property
+    def node_memory_bytes(self) -> int | None:
+        """What each replica takes of its node's system memory: its host tier, and on CPU its model too;
+        None when that is unknown (a CPU replica whose model's need is unknown, with no host tier)."""
+        host = self.host_memory_per_replica_bytes
+        if self.gpus_per_replica == 0 and self.memory_per_replica_bytes is not None:
+            return self.memory_per_replica_bytes + host
+        return host or None
 
     @property
     def memory_per_gpu_bytes(self) -> int | None:
@@ -120,6 +133,8 @@ def place(demand: Demand, inventory: Iterable[NodeInventory]) -> Placement | Uns
         raise ValueError(f"replicas and GPUs per replica must be ≥ 0, not {demand.replicas}, {demand.gpus_per_replica}")
     if demand.memory_per_replica_bytes is not None and demand.memory_per_replica_bytes < 0:
         raise ValueError("memory per replica must be ≥ 0")
+    if demand.host_memory_per_replica_bytes < 0:
+        raise ValueError("host memory per replica must be ≥ 0")
     if demand.replicas == 0:
         return Placement(())
     nodes = list(inventory)
@@ -177,8 +192,7 @@ class _WorkingNode:
         for index in gpu_indexes:
             self.gpus[index][0] -= need
             self.gpus[index][1] += 1
-        if not gpu_indexes:
-            self.memory_free -= demand.memory_per_replica_bytes or 0
+        self.memory_free -= demand.node_memory_bytes or 0
         self.instances += 1
         self.group_replicas += 1
 
@@ -219,6 +233,8 @@ def _choose(demand: Demand, nodes: list[_WorkingNode]) -> tuple[_WorkingNode, tu
         return _choose_cpu(demand, nodes)
     best: tuple[tuple[object, ...], _WorkingNode, tuple[int, ...]] | None = None
     for node in nodes:
+        if not _holds_host_tier(demand, node):
+            continue
         fitting = node.fitting_gpus(demand)
         if len(fitting) < demand.gpus_per_replica:
             continue
@@ -240,8 +256,12 @@ def _pick_gpus(demand: Demand, node: _WorkingNode, fitting: list[int]) -> tuple[
     return tuple(sorted(ranked[: demand.gpus_per_replica]))
 
 
+def _holds_host_tier(demand: Demand, node: _WorkingNode) -> bool:
+    return node.memory_free >= demand.host_memory_per_replica_bytes
+
+
 def _choose_cpu(demand: Demand, nodes: list[_WorkingNode]) -> tuple[_WorkingNode, tuple[int, ...]] | None:
-    need = demand.memory_per_replica_bytes
+    need = demand.node_memory_bytes
     fitting = [node for node in nodes if need is None or node.memory_free >= need]
     if not fitting:
         return None
@@ -264,6 +284,13 @@ def _explain(demand: Demand, nodes: list[_WorkingNode], placed: int) -> str:
     elif not any(node.gpus for node in nodes):
         pinned = f" among GPUs {_indexes(demand.pinned_gpus)}" if demand.pinned_gpus else ""
         detail = f"no node that can take new instances has a GPU{pinned}"
+    elif gpus_fit := [node for node in nodes if len(node.fitting_gpus(demand)) >= demand.gpus_per_replica]:
+        # The GPUs are there: it is the host tier's memory that is not.
+        best_host = min(gpus_fit, key=lambda node: (-node.memory_free, node.name))
+        detail = (
+            f"the best node with the GPUs, {best_host.name}, has {format_bytes(max(0, best_host.memory_free))} "
+            "of system memory free"
+        )
     else:
         best = min(nodes, key=lambda node: (-len(node.fitting_gpus(demand)), -_most_free(node), node.name))
         detail = f"the best node, {best.name}, has {len(best.fitting_gpus(demand))}"
@@ -278,14 +305,17 @@ def _explain(demand: Demand, nodes: list[_WorkingNode], placed: int) -> str:
 def _need(demand: Demand) -> str:
     count = demand.gpus_per_replica
     pinned = f" among GPUs {_indexes(demand.pinned_gpus)}" if demand.pinned_gpus else ""
+    host = demand.host_memory_per_replica_bytes
+    tier = f" ({format_bytes(host)} of it for its host KV tier)" if host else ""
     if count == 0:
-        need = demand.memory_per_replica_bytes
-        return "a node" if need is None else f"a node with {format_bytes(need)} of free memory"
+        need = demand.node_memory_bytes
+        return "a node" if need is None else f"a node with {format_bytes(need)} of free memory{tier}"
     per_gpu = demand.memory_per_gpu_bytes
+    on_host = f" and {format_bytes(host)} of free system memory for its host KV tier" if host else ""
     if per_gpu is None:
-        return f"{_plural(count, 'unused GPU')}{pinned} (its memory need is unknown)"
+        return f"{_plural(count, 'unused GPU')}{pinned} (its memory need is unknown){on_host}"
     each = " each" if count > 1 else ""
-    return f"{_plural(count, 'GPU')}{pinned} with {format_bytes(per_gpu)} free{each}"
+    return f"{_plural(count, 'GPU')}{pinned} with {format_bytes(per_gpu)} free{each}{on_host}"
 
 
 def _most_free(node: _WorkingNode) -> int:

@@ -59,6 +59,7 @@ from controlplane.database import db_now
 from controlplane.deployments import evacuation, upkeep
 from controlplane.deployments.dispatch import Dispatcher, DispatchError
 from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
+from controlplane.deployments.kv_tiers import HostTierRefused
 from controlplane.deployments.models import Instance, Lease, Pipeline
 from controlplane.deployments.placement import Placement
 from controlplane.deployments.worker_specs import start_message, stop_message
@@ -480,7 +481,12 @@ class Reconciler:
             stop = stop_message(instance, grace_s=self.settings.stop_grace_s)
             send = partial(self.dispatcher.stop_instance, node.name, stop, expires_s=expires_s)
         else:
-            start = start_message(instance)
+            try:
+                start = start_message(instance)
+            except HostTierRefused as exc:
+                # Its model's defaults changed since deploy: a start would fail on the node the same way.
+                upkeep.refuse_start(ACTOR, instance, f"cannot be started as it stands: {exc}")
+                return False
             send = partial(self.dispatcher.start_instance, node.name, start, expires_s=expires_s)
         return upkeep.dispatch_instance(ACTOR, instance, task, send, now)
 

@@ -169,6 +169,20 @@ def fail_overdue_instance(actor: Actor, instance: Instance, reason: str) -> bool
 
 
 @transaction.atomic
+def refuse_start(actor: Actor, instance: Instance, reason: str) -> bool:
+    """Fail a pending instance for good that cannot be started as its settings stand (its model's engine
+    args changed since deploy so that its host KV tier cannot be sized): retrying cannot fix it, so its
+    node and GPUs are let go. Returns False when its state changed meanwhile."""
+    before = snapshot(instance)
+    try:
+        transition(instance, InstanceState.FAILED, reason=reason, gave_up=True, node=None, gpu_indexes=[], pid=None)
+    except Conflict:
+        return False
+    record(actor, "instance.refused", instance, before=before, after=snapshot(instance))
+    return True
+
+
+@transaction.atomic
 def restart_failed_instance(actor: Actor, instance: Instance) -> Instance:
     """Make a failed instance pending again, unplaced, to be placed where it fits now (restarts + 1).
 

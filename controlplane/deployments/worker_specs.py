@@ -2,7 +2,8 @@
 
 ``start_message(instance)`` builds the StartInstance of a placed instance: the pipeline's namespace and
 served name, the group's role, engine and GPUs, the engine args (the model's defaults with the group's
-laid over them, as ``flotilla run`` flags; for a GPU engine, the memory share it was placed by as
+laid over them, with the engine's own settings for the pipeline's host KV tier (``kv_tiers``), as
+``flotilla run`` flags; for a GPU engine, the memory share it was placed by as
 ``--gpu-memory-utilization``, and for vLLM its GPU count as ``--tensor-parallel-size``), the pipeline's
 router settings, and where the model's files come from.
 ``attempt`` is the instance's restart count, so an agent can tell a restart from a repeat.
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from controlplane.catalog.models import LanguageModel
+from controlplane.deployments.kv_tiers import host_tier_args
 from controlplane.deployments.models import Instance
 from controlplane.fleet.models import Gpu
 from runtime.cluster.addressing import DEFAULT_ENDPOINT
@@ -35,7 +37,8 @@ TENSOR_PARALLEL_FLAGS = {"vllm": "--tensor-parallel-size"}
 
 
 def start_message(instance: Instance) -> StartInstance:
-    """The StartInstance of a placed instance. Raises ValueError when it is not placed on a node."""
+    """The StartInstance of a placed instance. Raises ValueError when it is not placed on a node,
+    HostTierRefused when its engine args (its model's defaults changed since deploy) cannot size its host tier."""
     if instance.node is None:
         raise ValueError(f"instance {instance.pk} is not placed on a node")
     pipeline, group = instance.pipeline, instance.group
@@ -43,6 +46,7 @@ def start_message(instance: Instance) -> StartInstance:
     gpus = instance_gpus(instance)
     memory_per_gpu = gpu_memory_bytes(model.memory_bytes, group.gpus_per_replica)
     engine_args = merged_engine_args(instance)
+    engine_args.update(host_tier_args(group.engine, engine_args, pipeline.kv_host_cache_gib, group.gpus_per_replica))
     if group.engine in GPU_ONLY_ENGINES and MEMORY_SHARE_FLAG not in engine_args:
         # The engine takes what it was placed by, not its own default (vLLM's 0.9 of the GPU): else a second
         # replica placed on the same GPU "as long as memory lasts" would find none left.
@@ -74,6 +78,8 @@ def start_message(instance: Instance) -> StartInstance:
             queued_prefill_weight=pipeline.kv_queued_prefill_weight,
             temperature=pipeline.router_temperature,
             use_kv_events=pipeline.use_kv_events,
+            host_hit_weight=pipeline.kv_host_hit_weight,
+            disk_hit_weight=pipeline.kv_disk_hit_weight,
             disagg_policy=pipeline.disagg_policy,
             disagg_isl_threshold=pipeline.disagg_isl_threshold,
             disagg_isl_ratio=pipeline.disagg_isl_ratio,

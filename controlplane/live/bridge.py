@@ -36,7 +36,15 @@ from controlplane.deployments.models import Instance
 from controlplane.live.groups import html, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from runtime.errors import FlotillaError
-from runtime.kv.events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
+from runtime.kv.events import (
+    LOWER_TIERS,
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    TierLoad,
+    WorkerLoad,
+)
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.supervision import Supervisor
 
@@ -178,6 +186,9 @@ class InstanceFigures:
             # A restarted worker's counter starts again at 0: the next push gives a rate again.
             self.generated = (now, total)
         self._phases(loads, load)
+        tiers = sum_tiers(loads)
+        if tiers:
+            load["tiers"] = tiers
         if self.counting_since is not None and now > self.counting_since:
             elapsed = now - self.counting_since
             load["kv_blocks_stored_per_s"] = self.blocks_stored / elapsed
@@ -203,6 +214,33 @@ class InstanceFigures:
         if now[2] > before[2]:
             load["handoff_first_token_ms"] = (now[3] - before[3]) / (now[2] - before[2]) * 1000
         self.phases = now
+
+
+def sum_tiers(loads: list[WorkerLoad]) -> list[dict[str, Any]]:
+    """Each lower KV tier over the ranks, best first: blocks summed (usage = used / total when both are
+    known, else the ranks' mean usage) and the ranks' mean hit rate. [] when no rank reports a tier."""
+    by_medium: dict[str, list[TierLoad]] = {}
+    for report in loads:
+        for tier in report.tiers or ():
+            by_medium.setdefault(tier.medium, []).append(tier)
+    summed = []
+    for medium in LOWER_TIERS:
+        tiers = by_medium.get(medium)
+        if not tiers:
+            continue
+        figures: dict[str, Any] = {"medium": medium}
+        for name in ("total_blocks", "used_blocks"):
+            values = [getattr(tier, name) for tier in tiers if getattr(tier, name) is not None]
+            if values:
+                figures[name] = sum(values)
+        if figures.get("total_blocks") and "used_blocks" in figures:
+            figures["usage"] = figures["used_blocks"] / figures["total_blocks"]
+        elif usages := [tier.usage for tier in tiers if tier.usage is not None]:
+            figures["usage"] = sum(usages) / len(usages)
+        if hit_rates := [tier.hit_rate for tier in tiers if tier.hit_rate is not None]:
+            figures["hit_rate"] = sum(hit_rates) / len(hit_rates)
+        summed.append(figures)
+    return summed
 
 
 @dataclass

@@ -78,6 +78,8 @@ def test_an_agent_registers_heartbeats_runs_an_instance_and_reports_it(
         "disagg_isl_ratio": 0.7,
         "disagg_prefill_busy": 1.0,
         "disagg_decode_busy": None,
+        "kv_host_hit_weight": 0.75,
+        "kv_disk_hit_weight": 0.25,
     }
     assert spec["model"]["source"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -117,6 +117,56 @@ def test_an_unticked_kv_events_box_turns_them_off_and_engine_args_reach_the_grou
     assert not pipeline.use_kv_events and pipeline.groups.get().engine_args == {"speedup_ratio": 10}
 
 
+def test_the_deploy_form_takes_the_tier_hit_weights_and_a_host_tier_shown_on_the_pipeline_page() -> None:
+    make_model("smol")
+    body = {
+        **A_PIPELINE,
+        "engine_args": json.dumps({"kv_bytes_per_token": 1024}),
+        "kv_host_hit_weight": "0.5",
+        "kv_disk_hit_weight": "0.1",
+        "kv_host_cache_gib": "4",
+    }
+    browser = logged_in(Role.OPERATOR)
+    assert browser.post("/pipelines/", body).status_code == 302
+    pipeline = Pipeline.objects.get()
+    assert (pipeline.kv_host_hit_weight, pipeline.kv_disk_hit_weight, pipeline.kv_host_cache_gib) == (0.5, 0.1, 4.0)
+    page = browser.get(f"/pipelines/{pipeline.pk}/").content.decode()
+    assert "host-tier hits worth 0.5, disk-tier hits 0.1" in page
+    assert "4 GiB of host memory per replica" in page
+
+
+def test_the_deploy_form_left_empty_gives_dynamos_weights_and_no_host_tier() -> None:
+    make_model("smol")
+    browser = logged_in(Role.OPERATOR)
+    assert browser.post("/pipelines/", A_PIPELINE).status_code == 302
+    pipeline = Pipeline.objects.get()
+    assert (pipeline.kv_host_hit_weight, pipeline.kv_disk_hit_weight, pipeline.kv_host_cache_gib) == (0.75, 0.25, 0.0)
+    assert "the GPU only" in browser.get(f"/pipelines/{pipeline.pk}/").content.decode()
+
+
+def test_the_deploy_form_puts_a_host_tier_the_engine_cannot_keep_next_to_its_field() -> None:
+    make_model("smol")
+    response = logged_in(Role.OPERATOR).post("/pipelines/", {**A_PIPELINE, "kv_host_cache_gib": "4"})
+    assert response.status_code == 400 and not Pipeline.objects.exists()
+    assert field_errors(response.content.decode(), "engine args need &#x27;kv_bytes_per_token&#x27;")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("kv_host_hit_weight", "1.5", "less than or equal to 1"),
+        ("kv_disk_hit_weight", "much", "Enter a number."),
+        ("kv_host_cache_gib", "-1", "greater than or equal to 0"),
+        ("kv_host_cache_gib", "5000", "less than or equal to 4096"),
+    ],
+)
+def test_the_deploy_form_refuses_a_weight_or_tier_out_of_range(field: str, value: str, error: str) -> None:
+    make_model("smol")
+    response = logged_in(Role.OPERATOR).post("/pipelines/", {**A_PIPELINE, field: value})
+    assert response.status_code == 400 and not Pipeline.objects.exists()
+    assert field_errors(response.content.decode(), error)
+
+
 def test_a_disaggregated_pipeline_gets_a_prefill_and_a_decode_group_sharing_the_engine_args() -> None:
     make_model("smol")
     body = {

@@ -118,6 +118,38 @@ def test_an_instance_load_says_what_the_worker_did_in_disaggregated_serving() ->
     assert "prefilled" not in decode
 
 
+def test_an_instance_load_shows_each_lower_tiers_use_and_hits_beside_the_devices() -> None:
+    instance = ready_instance()
+    load = {
+        "kv_usage": 0.5,
+        "prefix_hit_rate": 0.25,
+        "tiers": [
+            {"medium": "cpu", "used_blocks": 120, "total_blocks": 4000, "usage": 0.03, "hit_rate": 0.4},
+            {"medium": "disk", "usage": 0.5},
+        ],
+    }
+    html = partials.render_instance_load(instance.pk, load)
+    prefix_hits = html.index("prefix hits <strong>25%</strong>")
+    host_tier = '<span class="tier" data-tier="host">host tier <strong>3%</strong> (120 of 4000 blocks), '
+    host = html.index(host_tier + "hits <strong>40%</strong></span>")
+    assert prefix_hits < host  # next to the device's figures
+    assert '<span class="tier" data-tier="disk">disk tier <strong>50%</strong></span>' in html
+
+
+def test_an_instance_load_without_tiers_shows_none() -> None:
+    instance = ready_instance()
+    html = partials.render_instance_load(instance.pk, {"kv_usage": 0.5, "prefix_hit_rate": 0.25})
+    assert "tier" not in html
+
+
+def test_an_instance_load_skips_tiers_it_cannot_read() -> None:
+    instance = ready_instance()
+    tiers = [{"medium": "gpu", "usage": 0.5}, "cpu", {"medium": "cpu", "usage": "full", "hit_rate": 0.5}]
+    html = partials.render_instance_load(instance.pk, {"tiers": tiers})
+    assert html.count('class="tier"') == 1
+    assert '<span class="tier" data-tier="host">host tier, hits <strong>50%</strong></span>' in html
+
+
 def test_an_instance_load_leaves_out_what_is_missing_or_not_a_number() -> None:
     instance = ready_instance()
     html = partials.render_instance_load(instance.pk, {"active_requests": 2, "kv_usage": "lots", "tokens_per_s": 812.5})

@@ -28,7 +28,7 @@ from controlplane.live.bridge import (
 )
 from controlplane.live.groups import pipeline_group
 from runtime.cluster.nats_connection import connect_nats, flush
-from runtime.kv.events import BlockRemoved, BlockStored, KvEventBatch, WorkerLoad
+from runtime.kv.events import BlockRemoved, BlockStored, KvEventBatch, TierLoad, WorkerLoad
 from runtime.supervision import Supervisor
 from tests.controlplane.live_fixtures import TwoPipelines, live_layer, two_placed_pipelines
 from tests.infra import NatsServer
@@ -197,6 +197,43 @@ def test_ranks_are_summed_and_kv_blocks_counted_per_second() -> None:
     assert load["kv_blocks_stored_per_s"] == pytest.approx(2.0)  # 4 in 2 s; a whole-state answer is no new work
     assert load["kv_blocks_removed_per_s"] == pytest.approx(1.0)
     assert "waiting" not in load  # no rank said
+
+
+def test_lower_tiers_are_summed_over_the_ranks_best_first_with_their_mean_hit_rate() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(
+        instance_id=1,
+        active_requests=0,
+        tiers=[
+            TierLoad(medium="disk", total_blocks=1000, used_blocks=10, hit_rate=0.0),
+            TierLoad(medium="cpu", total_blocks=400, used_blocks=100, usage=0.25, hit_rate=0.5),
+        ],
+    )
+    figures.ranks[1] = WorkerLoad(
+        instance_id=1,
+        dp_rank=1,
+        active_requests=0,
+        tiers=[TierLoad(medium="cpu", total_blocks=400, used_blocks=300, usage=0.75, hit_rate=0.1)],
+    )
+    assert figures.take(now=1.0)["tiers"] == [
+        {"medium": "cpu", "total_blocks": 800, "used_blocks": 400, "usage": 0.5, "hit_rate": pytest.approx(0.3)},
+        {"medium": "disk", "total_blocks": 1000, "used_blocks": 10, "usage": 0.01, "hit_rate": 0.0},
+    ]
+
+
+def test_a_tier_known_only_by_its_usage_keeps_the_ranks_mean_usage() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=0, tiers=[TierLoad(medium="cpu", usage=0.2)])
+    figures.ranks[1] = WorkerLoad(
+        instance_id=1, dp_rank=1, active_requests=0, tiers=[TierLoad(medium="cpu", usage=0.4)]
+    )
+    assert figures.take(now=1.0)["tiers"] == [{"medium": "cpu", "usage": pytest.approx(0.3)}]
+
+
+def test_a_worker_without_tiers_reports_none() -> None:
+    figures = InstanceFigures()
+    figures.ranks[0] = WorkerLoad(instance_id=1, active_requests=0, kv_usage=0.5)
+    assert "tiers" not in figures.take(now=1.0)
 
 
 def test_tokens_per_s_comes_from_the_ranks_generated_token_counters() -> None:

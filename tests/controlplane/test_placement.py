@@ -246,3 +246,41 @@ def test_the_inventory_is_not_modified() -> None:
 )
 def test_sizes_read_as_people_write_them(size: int, text: str) -> None:
     assert format_bytes(size) == text
+
+
+# The host KV tier: system memory on the node, for GPU replicas too.
+
+
+def test_a_gpu_replica_with_a_host_tier_goes_to_a_node_with_that_memory_free() -> None:
+    short = replace(gpu_node("gpu-a", 80), memory_free_bytes=8 * GiB)
+    roomy = replace(gpu_node("gpu-b", 80), memory_free_bytes=64 * GiB)
+    result = place(demand(host_memory_per_replica_bytes=16 * GiB), [short, roomy])
+    assert result == Placement((ReplicaPlacement("gpu-b", (0,)),))
+
+
+def test_a_gpu_replica_whose_host_tier_fits_nowhere_is_unschedulable_for_memory() -> None:
+    node = replace(gpu_node("gpu-a", 80, 80), memory_free_bytes=24 * GiB)
+    result = place(demand(replicas=2, host_memory_per_replica_bytes=16 * GiB), [node])
+    assert result == Unschedulable(
+        "only 1 of 2 replicas fit; the second needs 1 GPU with 20 GiB free and 16 GiB of free system memory for its "
+        "host KV tier; the best node with the GPUs, gpu-a, has 8 GiB of system memory free",
+        (ReplicaPlacement("gpu-a", (0,)),),
+    )
+
+
+def test_a_cpu_replica_needs_its_model_and_its_host_tier_together() -> None:
+    result = place(demand(gpus=0, memory_gib=10, host_memory_per_replica_bytes=20 * GiB), [cpu_node("cpu-a", 25)])
+    assert result == Unschedulable(
+        "needs a node with 30 GiB of free memory (20 GiB of it for its host KV tier); the best node, cpu-a, has "
+        "25 GiB free"
+    )
+
+
+def test_a_cpu_replica_of_unknown_size_still_needs_its_host_tier() -> None:
+    result = place(demand(gpus=0, memory_gib=None, host_memory_per_replica_bytes=20 * GiB), [cpu_node("cpu-a", 8)])
+    assert isinstance(result, Unschedulable) and result.reason.startswith("needs a node with 20 GiB of free memory")
+
+
+def test_a_negative_host_tier_is_a_mistake() -> None:
+    with pytest.raises(ValueError, match="host memory"):
+        place(demand(host_memory_per_replica_bytes=-1), [gpu_node("gpu-a", 80)])

@@ -17,6 +17,7 @@ from controlplane.deployments.models import (
 )
 from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
+    MAX_HOST_CACHE_GIB,
     MAX_ISL_THRESHOLD,
     MAX_PREFILL_BUSY,
     MAX_REPLICAS,
@@ -26,6 +27,8 @@ from controlplane.deployments.pipelines import (
 )
 from controlplane.fleet.models import NODE_NAME_PATTERN, Node
 from runtime.fleet_contract.router_settings import (
+    DEFAULT_DISK_HIT_WEIGHT,
+    DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_ISL_RATIO,
     DEFAULT_ISL_THRESHOLD,
     DEFAULT_PREFILL_BUSY,
@@ -47,6 +50,18 @@ class RouterSerializer(serializers.Serializer):
         source="router_temperature", min_value=0.0, max_value=MAX_ROUTER_TEMPERATURE, default=0.0
     )
     use_kv_events = serializers.BooleanField(default=True)
+    kv_host_hit_weight = serializers.FloatField(
+        min_value=0.0,
+        max_value=1.0,
+        default=DEFAULT_HOST_HIT_WEIGHT,
+        help_text="kv mode: what a prompt block in a worker's host-memory tier is worth against one on its GPU (1).",
+    )
+    kv_disk_hit_weight = serializers.FloatField(
+        min_value=0.0,
+        max_value=1.0,
+        default=DEFAULT_DISK_HIT_WEIGHT,
+        help_text="kv mode: the same for a block on a disk tier or in a store outside the node.",
+    )
     disagg_policy = serializers.ChoiceField(choices=DisaggPolicy.choices, default=DisaggPolicy.ALWAYS)
     disagg_isl_threshold = serializers.IntegerField(
         min_value=0, max_value=MAX_ISL_THRESHOLD, default=DEFAULT_ISL_THRESHOLD
@@ -56,6 +71,26 @@ class RouterSerializer(serializers.Serializer):
     disagg_prefill_busy = serializers.FloatField(
         min_value=0.001, max_value=MAX_PREFILL_BUSY, default=DEFAULT_PREFILL_BUSY
     )
+
+
+class HostCacheField(serializers.FloatField):
+    """``kv_host_cache_gib``: GiB of host memory per replica as a KV tier below the device; null reads as 0."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(
+            min_value=0.0,
+            max_value=MAX_HOST_CACHE_GIB,
+            allow_null=True,
+            help_text="GiB of host memory each replica keeps as a KV cache tier below its GPU (mocker, vllm, "
+            "sglang; the node must have it free); 0 or null: none. A change restarts the workers, one at a time.",
+            **kwargs,
+        )
+
+    def validate_empty_values(self, data: Any) -> tuple[bool, Any]:
+        # null is a value here (no host tier), not an absent field: it goes through to_internal_value.
+        if data is None:
+            return True, 0.0
+        return super().validate_empty_values(data)
 
 
 class PlacementSerializer(serializers.Serializer):
@@ -163,6 +198,7 @@ class PipelineSerializer(serializers.ModelSerializer):
     )
     model = serializers.SlugRelatedField(slug_field="name", queryset=LanguageModel.objects.all())
     router = RouterSerializer(source="*", required=False)
+    kv_host_cache_gib = HostCacheField(default=0.0)
     placement = PlacementSerializer(source="*", required=False)
     groups = WorkerGroupSerializer(many=True, min_length=1, max_length=2)
 
@@ -175,6 +211,7 @@ class PipelineSerializer(serializers.ModelSerializer):
             "model",
             "state",
             "router",
+            "kv_host_cache_gib",
             "placement",
             "groups",
             "created_at",
@@ -206,10 +243,11 @@ class PipelineSerializer(serializers.ModelSerializer):
 
 
 class PipelineUpdateSerializer(serializers.Serializer):
-    """What PATCH may change: router settings and placement (name, model and groups are fixed; scale
-    changes replicas)."""
+    """What PATCH may change: router settings, the host KV tier and placement (name, model and groups are
+    fixed; scale changes replicas)."""
 
     router = RouterSerializer(source="*", required=False)
+    kv_host_cache_gib = HostCacheField(required=False)
     placement = PlacementSerializer(source="*", required=False)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:

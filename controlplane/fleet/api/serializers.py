@@ -278,6 +278,8 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
             "kv_queued_prefill_weight": pipeline.kv_queued_prefill_weight,
             "temperature": pipeline.router_temperature,
             "use_kv_events": pipeline.use_kv_events,
+            "kv_host_hit_weight": pipeline.kv_host_hit_weight,
+            "kv_disk_hit_weight": pipeline.kv_disk_hit_weight,
             "disagg_policy": pipeline.disagg_policy,
             "disagg_isl_threshold": pipeline.disagg_isl_threshold,
             "disagg_isl_ratio": pipeline.disagg_isl_ratio,
