@@ -132,6 +132,16 @@ class VllmEngine:
             raise EngineError("the vLLM engine is not started")
         return int(self._engine.vllm_config.cache_config.block_size)
 
+    @property
+    def prefill_token_capacity(self) -> int | None:
+        """Prompt tokens vLLM computes in one step (its ``max_num_batched_tokens``, on every dp rank), as the
+        worker registers it: ``--disagg-policy load`` counts a prefill worker busy against it. None before
+        ``start``."""
+        if self._engine is None:
+            return None
+        config = self._engine.vllm_config
+        return int(config.scheduler_config.max_num_batched_tokens) * int(config.parallel_config.data_parallel_size)
+
     def _publish_batch(self, batch: Any) -> None:
         if self._names is None or self._sink is None:
             return

@@ -182,6 +182,8 @@ async def test_the_memory_share_and_context_length_reach_vllms_config(engine: ob
     config = engine._engine.vllm_config
     assert config.cache_config.gpu_memory_utilization == 0.35
     assert config.model_config.max_model_len == 2048 and config.cache_config.block_size == 32
+    # Registered with the model, for --disagg-policy load: vLLM's step budget.
+    assert engine.prefill_token_capacity == config.scheduler_config.max_num_batched_tokens > 0
 
 
 @pytest.mark.asyncio(loop_scope="module")
