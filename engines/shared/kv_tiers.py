@@ -11,10 +11,14 @@ A name Flotilla does not know is read as ``external``, never as the device (Dyna
 a router that took a block on some new, slower tier for a GPU block would promise a hit that costs a copy. A
 missing name (None: an engine or version that names no tier) is the device, the only tier such an engine has.
 
-The device is returned as None, the value Flotilla's events carry for it.
+The device is returned as None, the value Flotilla's events carry for it. ``tier_loads`` is each lower tier's
+load report (``WorkerLoad.tiers``) from what the events say the tier holds and what the engine says of its size.
 """
 
-from runtime.kv.events import Medium
+from collections.abc import Iterable, Mapping
+
+from engines.shared.engine_block_names import EngineBlockNames
+from runtime.kv.events import LOWER_TIERS, Medium, TierLoad
 
 #: Engine tier names (upper case) and Flotilla's tier for each; None is the device.
 TIER_NAMES: dict[str, Medium | None] = {
@@ -59,3 +63,37 @@ def tier_of_level(cache_level: object) -> Medium | None:
     if isinstance(cache_level, bool) or not isinstance(cache_level, int):
         return "external"
     return TRTLLM_LEVELS.get(cache_level, "external")
+
+
+def tier_loads(
+    names: EngineBlockNames,
+    *,
+    offloads_to: Iterable[Medium] = (),
+    total_blocks: Mapping[Medium, int | None] | None = None,
+    hit_rates: Mapping[Medium, float | None] | None = None,
+) -> list[TierLoad] | None:
+    """``WorkerLoad.tiers`` for one dp rank: each lower tier the engine is set to offload to (``offloads_to``)
+    or that its events put blocks on, best first; None when there is none (the engine offloads nothing).
+
+    ``used_blocks`` is what the rank's events say the tier holds now (``names``: blocks stored there and not
+    removed since the worker subscribed), since no engine reports it in its stats; ``total_blocks`` and
+    ``hit_rates`` are what the engine's own numbers say, where it has them.
+    """
+    configured = set(offloads_to)
+    totals, rates = total_blocks or {}, hit_rates or {}
+    loads = []
+    for tier in LOWER_TIERS:
+        used = names.held(tier)
+        if tier not in configured and not used:
+            continue
+        total = totals.get(tier)
+        loads.append(
+            TierLoad(
+                medium=tier,
+                total_blocks=total,
+                used_blocks=used,
+                usage=min(used / total, 1.0) if total else None,
+                hit_rate=rates.get(tier),
+            )
+        )
+    return loads or None

@@ -2,7 +2,9 @@
 
 import pytest
 
-from engines.shared.kv_tiers import tier_of_level, tier_of_name
+from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.kv_tiers import tier_loads, tier_of_level, tier_of_name
+from runtime.kv.events import TierLoad
 
 
 @pytest.mark.parametrize(
@@ -41,3 +43,25 @@ def test_a_name_flotilla_does_not_know_is_external_never_the_device(name: object
 @pytest.mark.parametrize(("level", "tier"), [(None, None), (0, None), (1, "cpu"), (2, "external"), ("1", "external")])
 def test_trtllms_cache_levels_are_the_gpu_pool_the_host_pool_and_else_external(level: object, tier: str | None) -> None:
     assert tier_of_level(level) == tier
+
+
+def test_a_worker_that_offloads_nothing_reports_no_tiers() -> None:
+    names = EngineBlockNames(block_size=4)
+    names.stored([1], None, [1, 2, 3, 4])
+    assert tier_loads(names) is None
+
+
+def test_a_configured_tier_is_reported_empty_and_a_tier_the_events_fill_is_reported_too() -> None:
+    names = EngineBlockNames(block_size=4)
+    names.stored([1, 2], None, list(range(8)), medium="disk")
+    assert tier_loads(names, offloads_to=["cpu"], total_blocks={"cpu": 100}, hit_rates={"cpu": 0.25}) == [
+        TierLoad(medium="cpu", total_blocks=100, used_blocks=0, usage=0.0, hit_rate=0.25),
+        TierLoad(medium="disk", used_blocks=2),
+    ]
+
+
+def test_a_tiers_usage_is_its_held_blocks_of_its_size_at_most_one() -> None:
+    names = EngineBlockNames(block_size=4)
+    names.stored([1, 2, 3], None, list(range(12)), medium="cpu")
+    [host] = tier_loads(names, offloads_to=["cpu"], total_blocks={"cpu": 2}) or []
+    assert (host.used_blocks, host.usage) == (3, 1.0)  # events lost or a size rounded: never above full
