@@ -19,7 +19,8 @@ With ``KvCacheConfig(event_buffer_max_size=N)`` the ``LLM`` keeps its KV cache m
 a level Flotilla does not know is ``external``). TensorRT-LLM moves a block between the pools rather than
 copying it: an ``updated`` event whose cache level changes (0 to 1 when it offloads a block, 1 to 0 when it
 brings one back) is the block's removal from the old tier and its store on the new one. ``created`` says
-nothing about blocks and is skipped.
+nothing about blocks: it is read only for the host pool's size (``host_pool_blocks``), which the load report's
+``cpu`` tier gives.
 """
 
 from typing import Any
@@ -27,6 +28,18 @@ from typing import Any
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.kv_tiers import tier_of_level
 from runtime.kv.events import KvEvent, Medium
+
+
+def host_pool_blocks(event: dict[str, Any]) -> int | None:
+    """The host (secondary) pool's size in blocks that a ``created`` event announces, or None for any other event
+    (or a cache without a host pool: 0 blocks)."""
+    data = event.get("data")
+    if not isinstance(data, dict) or data.get("type") != "created":
+        return None
+    levels = data.get("num_blocks_per_cache_level")
+    if not isinstance(levels, list) or len(levels) < 2 or not isinstance(levels[1], int):
+        return None
+    return levels[1] or None
 
 
 def translate_event(event: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:

@@ -32,7 +32,7 @@ from engines.trtllm.kv_events import translate_event, translate_events
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError
 from runtime.kv.blocks import sequence_block_hashes
-from runtime.kv.events import BlockRemoved, BlockStored
+from runtime.kv.events import BlockRemoved, BlockStored, TierLoad
 from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest, SamplingOptions, StopConditions
 
 GiB = 2**30
@@ -358,6 +358,37 @@ async def test_the_llms_kv_events_are_published_as_they_come_and_answer_a_state_
     named = sequence_block_hashes(TOKENS[:32], 32)
     assert sink.published == [(0, [BlockStored(block_hashes=named)])]
     assert engine.cache_state(None) == {0: [BlockStored(block_hashes=named)]}
+
+
+async def test_the_host_pool_the_cache_announces_is_the_load_reports_cpu_tier() -> None:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    created = event({"type": "created", "num_blocks_per_cache_level": [100, 400]})
+    blocks = [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:])]
+    stored = event({"type": "stored", "parent_hash": None, "blocks": blocks})
+    offloaded = event(
+        {"type": "updated", "block_hash": 11, "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1}}
+    )
+
+    class EventsLlm:
+        def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                for each in (created, stored, offloaded):
+                    yield each
+                engine._llm = None
+
+            return events()
+
+    engine._llm = EventsLlm()
+    await engine._read_kv_events()
+    engine._stats.update({"numActiveRequests": 0, "kvCacheStats": {"maxNumBlocks": 100, "usedNumBlocks": 1}})
+    [load] = engine.load()
+    assert load.tiers == [TierLoad(medium="cpu", total_blocks=400, used_blocks=1, usage=1 / 400)]
+
+
+def test_a_cache_without_a_host_pool_reports_no_tiers() -> None:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    engine._stats.update({"numActiveRequests": 1})
+    assert engine.load()[0].tiers is None
 
 
 # --- disaggregated serving --------------------------------------------------------------------------------
