@@ -19,7 +19,14 @@
 #      arrive as Flotilla BlockStored events named with runtime/kv/blocks.py's hashes, and cache_state()
 #      holds the blocks;
 #   2. through the CLI: `flotilla run in=http out=ENGINE MODEL_DIR` answers a chat completion over HTTP, and
-#      an unknown --extra-engine-args key exits 2 naming it.
+#      an unknown --extra-engine-args key exits 2 naming it;
+#   3. KV offloading to host memory (vllm: {"kv_offloading_size": 1}, vLLM's OffloadingConnector, which its CPU
+#      build refuses; sglang: {"enable_hierarchical_cache": true, "hicache_write_policy": "write_through"}), the
+#      engine restarted with those arguments added: the prompt's blocks are stored on the host tier (events with
+#      medium "cpu", named as the router names them), the load report has a "cpu" tier holding them, and
+#      cache_state() lists them with their medium. TensorRT-LLM moves a block to its host pool only when the GPU
+#      pool evicts it, which a short check on a large GPU does not reach: it is not checked here (OFFLOAD=0
+#      skips this part for every engine).
 # It measures nothing: timings of real engines belong in a benchmark of their own.
 set -u -o pipefail
 
@@ -171,5 +178,86 @@ PY
     else
         report FAIL "$engine" "unknown key" "exit $code: $refused"
     fi
+
+    # 3. KV offloading to host memory.
+    case $engine in
+        vllm) offload='{"kv_offloading_size": 1}' ;;
+        sglang) offload='{"enable_hierarchical_cache": true, "hicache_write_policy": "write_through"}' ;;
+        *) offload= ;;
+    esac
+    if [ "${OFFLOAD:-1}" = 0 ] || [ -z "$offload" ]; then
+        continue
+    fi
+    check=$(mktemp --suffix=.py)
+    cat >"$check" <<'PY'
+import asyncio, json, os, sys
+
+from launcher.options import RunOptions
+from launcher.run import build_model
+from runtime.engine import RequestContext
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored
+from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+
+engine_name = os.environ["ENGINE"]
+
+
+def report(status: str, check: str, detail: str) -> None:
+    print(f"{status} {engine_name} {check}: {detail}", flush=True)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, dp_rank: int, events: list) -> None:
+        self.events.extend(events)
+
+
+async def main() -> int:
+    extra = {**json.loads(os.environ["EXTRA_ENGINE_ARGS"] or "{}"), **json.loads(os.environ["OFFLOAD_ARGS"])}
+    options = RunOptions(
+        output=engine_name, model=os.environ["MODEL_DIR"], gpu_memory_utilization=float(os.environ["SHARE"]),
+        extra_engine_args=json.dumps(extra),
+    )
+    model, engine = build_model(options)
+    await engine.start()
+    report("PASS", "offload start", f"loaded with {os.environ['OFFLOAD_ARGS']}")
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    prompt = model.card.tokenizer.encode("A survey of harbour lights from Pharos to the present day: " * 12).ids
+    request = PreprocessedRequest(
+        request_id="offload-1", model="m", token_ids=prompt, sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=4), eos_token_ids=[],
+    )
+    try:
+        async for _ in engine.generate(request, RequestContext("offload-1")):
+            pass
+        ours = set(sequence_block_hashes(prompt, engine.block_size))
+        for _ in range(20):  # host copies are written after the GPU's blocks, and the events are batched
+            await asyncio.sleep(0.5)
+            host = {h for e in sink.events if isinstance(e, BlockStored) and e.medium == "cpu" for h in e.block_hashes}
+            if host & ours:
+                break
+        media = sorted({str(getattr(e, "medium", None)) for e in sink.events})
+        report("PASS" if host & ours else "FAIL", "host events", f"{len(host & ours)} of the prompt's {len(ours)} blocks stored on the host tier; media seen {media}")
+        tiers = engine.load()[0].tiers or []
+        cpu = [tier for tier in tiers if tier.medium == "cpu"]
+        report("PASS" if cpu and (cpu[0].used_blocks or 0) > 0 else "FAIL", "tier load", f"{tiers}")
+        state = [e for events in engine.cache_state(None).values() for e in events if e.medium == "cpu"]
+        report("PASS" if state else "FAIL", "tier state", f"{len(state)} host blocks in cache_state()")
+    finally:
+        await engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
+PY
+    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE OFFLOAD_ARGS=$offload PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout 900 "$PYTHON" "$check"
+    status=$?
+    rm -f "$check"
+    [ $status -eq 0 ] || report FAIL "$engine" offload "the offload check above stopped early (see its output)"
 done
 exit $failed

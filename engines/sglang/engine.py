@@ -27,7 +27,9 @@ publisher (on the port after the previous rank's), subscribed to one by one and 
 Load: each SGLang scheduler publishes a load snapshot per dp rank (running and waiting requests, KV
 tokens used of the pool, token usage, prefix cache hit rate) to shared memory, which its tokenizer
 manager reads for ``/v1/loads`` (``TokenizerManager.get_loads``); the worker reads the same snapshots
-for its load reports, with the blocks counted in pages (``load_reports``).
+for its load reports, with the blocks counted in pages (``load_reports``). With the hierarchical cache
+(``enable_hierarchical_cache``, engines/sglang/hicache.py) each report also has its tiers below the GPU: the
+pages the events put on each, and the host pool's size.
 """
 
 import asyncio
@@ -46,14 +48,16 @@ from engines.sglang.disagg import (
     disagg_engine_args,
     new_room,
 )
+from engines.sglang.hicache import hicache_tiers, host_total_blocks
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
+from engines.shared.kv_tiers import tier_loads
 from engines.shared.node_group import NodeGroup
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback_ports_free, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
-from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
+from runtime.kv.events import BlockStored, KvEventSink, Medium, WorkerLoad
 from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -100,7 +104,8 @@ SERVER_ARGS = frozenset(
         "speculative_eagle_topk", "speculative_num_draft_tokens",
         # hierarchical cache (host memory tier)
         "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
-        "hicache_storage_backend",
+        "hicache_io_backend", "hicache_mem_layout", "hicache_storage_backend", "hicache_storage_prefetch_policy",
+        "hicache_storage_backend_extra_config",
         # logging and metrics
         "log_level", "enable_metrics", "show_time_cost", "decode_log_interval",
     }
@@ -378,7 +383,20 @@ class SglangEngine:
                 snapshots = list(reader.read_all())
             except Exception as exc:  # a torn or missing shared-memory file: the next report reads again
                 log.debug("SGLang's load snapshots could not be read: %r", exc)
-        return load_reports(snapshots, page_size=self.block_size, active=self._active, per_rank=len(self._names) > 1)
+        reports = load_reports(snapshots, page_size=self.block_size, active=self._active, per_rank=len(self._names) > 1)
+        if offloads_to := hicache_tiers(self.engine_args):
+            for report in reports:
+                self._add_tiers(report, offloads_to)
+        return reports
+
+    def _add_tiers(self, report: WorkerLoad, offloads_to: tuple[Medium, ...]) -> None:
+        """Set ``report.tiers``: each HiCache tier's pages held (from the rank's events) and the host pool's size."""
+        names = self._names.get(report.dp_rank)
+        if names is None:
+            return
+        device_tokens = (report.kv_total_blocks or 0) * self.block_size
+        host = host_total_blocks(self.engine_args, device_tokens, self.block_size)
+        report.tiers = tier_loads(names, offloads_to=offloads_to, total_blocks={"cpu": host})
 
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
         return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}

@@ -17,8 +17,11 @@ more keys after ``medium``); both forms are read.
     BlockRemoved      ["BlockRemoved", block_hashes]
     AllBlocksCleared  ["AllBlocksCleared"]
 
-Later versions may append fields (vLLM's same-named events append ``medium``): a trailing string is read
-as the storage tier, anything else trailing is ignored. ``translate_batch`` is pure over the decoded batch;
+Later versions may append fields (vLLM's same-named events append ``medium``, and so does SGLang's
+hierarchical cache): the field after ``lora_id`` (after ``block_hashes`` in a removal) is the tier the blocks
+are on, read by engines/shared/kv_tiers.py ("GPU" the device, vLLM's "CPU" and SGLang's "CPU_TIER1" host memory,
+SGLang's "CPU_TIER2" its storage; a name Flotilla does not know is ``external``, never the device); anything
+after it is ignored. ``translate_batch`` is pure over the decoded batch;
 ``ZmqSubscriber`` is the socket, in a thread of its own (pyzmq comes with SGLang).
 """
 
@@ -31,21 +34,11 @@ from typing import Any
 import msgspec
 
 from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.kv_tiers import tier_of_name
 from runtime.errors import EngineError
-from runtime.kv.events import KvEvent, Medium
+from runtime.kv.events import KvEvent
 
 log = logging.getLogger(__name__)
-
-_MEDIA: dict[str, Medium] = {"gpu": "gpu", "cpu": "cpu", "cpu_tier": "cpu", "disk": "disk"}
-
-
-def medium_of(value: object) -> Medium | None:
-    """A tier name as Flotilla's ("GPU" -> "gpu"); None for the GPU, no name, or one Flotilla does not know."""
-    if not isinstance(value, str):
-        return None
-    medium = _MEDIA.get(value.lower())
-    return None if medium == "gpu" else medium
-
 
 #: The fields of each event, in order, for events that come as maps (vLLM 0.32's: ``{"type": ..., ...}``).
 _FIELDS = {
@@ -71,10 +64,10 @@ def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
         block_hashes, parent, token_ids, block_size, lora_id = fields[:5]
         if block_size != names.block_size:
             return None
-        medium = medium_of(fields[5]) if len(fields) > 5 else None
+        medium = tier_of_name(fields[5]) if len(fields) > 5 else None
         return names.stored(block_hashes, parent, token_ids, lora_id=lora_id, medium=medium)
     if tag == "BlockRemoved" and len(fields) >= 1:
-        medium = medium_of(fields[1]) if len(fields) > 1 else None
+        medium = tier_of_name(fields[1]) if len(fields) > 1 else None
         return names.removed(fields[0], medium=medium)
     if tag == "AllBlocksCleared":
         return names.cleared()

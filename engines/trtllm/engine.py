@@ -36,8 +36,9 @@ from typing import Any, Literal
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
+from engines.shared.kv_tiers import tier_loads
 from engines.trtllm.disagg import TRTLLM_HANDOFF, check_disagg_role, encode_params, generation_params
-from engines.trtllm.kv_events import translate_events
+from engines.trtllm.kv_events import host_pool_blocks, translate_events
 from engines.trtllm.stats import StatsToLoad
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
@@ -247,6 +248,9 @@ class TrtLlmEngine:
         self._events_task: asyncio.Task[None] | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self._stats = StatsToLoad()
+        # Each rank's host (secondary) pool size in blocks, from its "created" KV event (kv_cache_config's
+        # host_cache_size); absent: no host pool.
+        self._host_blocks: dict[int, int] = {}
         self._active = 0
 
     async def start(self) -> None:
@@ -302,6 +306,8 @@ class TrtLlmEngine:
         an event, in some versions) or run for good (others): it is asked again whenever it ends."""
         while (llm := self._llm) is not None:
             async for event in llm.get_kv_cache_events_async(timeout=1):
+                if (host := host_pool_blocks(event)) is not None:
+                    self._host_blocks[event.get("attention_dp_rank") or 0] = host
                 # Translated even before a sink is attached: the names map must hear every stored block.
                 for rank, translated in translate_events([event], self._names).items():
                     if self._sink is not None:
@@ -319,10 +325,17 @@ class TrtLlmEngine:
         self._sink = sink
 
     def load(self) -> list[WorkerLoad]:
-        """Each rank's load from the LLM's latest iteration stats; before the first, the requests taken."""
+        """Each rank's load from the LLM's latest iteration stats (with its host pool, where it has one); before
+        the first, the requests taken."""
         if not self._stats.loads:
             return [WorkerLoad(instance_id=0, active_requests=self._active)]
-        return [self._stats.loads[rank] for rank in sorted(self._stats.loads)]
+        loads = [self._stats.loads[rank] for rank in sorted(self._stats.loads)]
+        for load in loads:
+            names, host = self._names.get(load.dp_rank), self._host_blocks.get(load.dp_rank)
+            if names is not None:
+                # The iteration stats count the GPU pool only: the host pool's use is what the events put there.
+                load.tiers = tier_loads(names, offloads_to=("cpu",) if host else (), total_blocks={"cpu": host})
+        return loads
 
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
         return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}

@@ -15,22 +15,31 @@ With ``KvCacheConfig(event_buffer_max_size=N)`` the ``LLM`` keeps its KV cache m
               "cache_level": {"type": "event_diff", "old_value": int, "new_value": int} | None,
               "priority": {...} | None}}
 
-``cache_level`` 0 is the GPU (primary) pool, 1 the host (secondary, offload) pool. A block moved off the
-GPU (an ``updated`` event whose cache level goes from 0 to 1) is removed from the GPU tier here: the
-router routes on GPU blocks only. ``created`` says nothing about blocks and is skipped.
+``cache_level`` 0 is the GPU (primary) pool, 1 the host (secondary, offload) pool (engines/shared/kv_tiers.py;
+a level Flotilla does not know is ``external``). TensorRT-LLM moves a block between the pools rather than
+copying it: an ``updated`` event whose cache level changes (0 to 1 when it offloads a block, 1 to 0 when it
+brings one back) is the block's removal from the old tier and its store on the new one. ``created`` says
+nothing about blocks: it is read only for the host pool's size (``host_pool_blocks``), which the load report's
+``cpu`` tier gives.
 """
 
 from typing import Any
 
 from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.kv_tiers import tier_of_level
 from runtime.kv.events import KvEvent, Medium
 
-_GPU_LEVEL = 0
 
-
-def medium_of(cache_level: object) -> Medium | None:
-    """TensorRT-LLM's cache level as Flotilla's tier: None for the GPU, "cpu" for the host pool."""
-    return None if cache_level in (None, _GPU_LEVEL) else "cpu"
+def host_pool_blocks(event: dict[str, Any]) -> int | None:
+    """The host (secondary) pool's size in blocks that a ``created`` event announces, or None for any other event
+    (or a cache without a host pool: 0 blocks)."""
+    data = event.get("data")
+    if not isinstance(data, dict) or data.get("type") != "created":
+        return None
+    levels = data.get("num_blocks_per_cache_level")
+    if not isinstance(levels, list) or len(levels) < 2 or not isinstance(levels[1], int):
+        return None
+    return levels[1] or None
 
 
 def translate_event(event: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
@@ -42,13 +51,13 @@ def translate_event(event: dict[str, Any], names: EngineBlockNames) -> list[KvEv
     if kind == "stored":
         return _stored(data, names)
     if kind == "removed":
-        removed = names.removed(data.get("block_hashes") or [])
-        return [removed] if removed is not None else []
+        # A removal names no level: the block goes from whichever pool holds it.
+        return list(names.removed_everywhere(data.get("block_hashes") or []))
     if kind == "updated":
         level = data.get("cache_level")
-        if isinstance(level, dict) and level.get("old_value") == _GPU_LEVEL and level.get("new_value") != _GPU_LEVEL:
-            moved = names.removed([data["block_hash"]])
-            return [moved] if moved is not None else []
+        if isinstance(level, dict) and "block_hash" in data:
+            source, target = tier_of_level(level.get("old_value")), tier_of_level(level.get("new_value"))
+            return names.moved(data["block_hash"], source, target)
     return []
 
 
@@ -71,7 +80,7 @@ def _stored(data: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
         return True
 
     for block in data.get("blocks") or []:
-        key = (block.get("lora_id"), medium_of(block.get("cache_level")))
+        key = (block.get("lora_id"), tier_of_level(block.get("cache_level")))
         if run_key is not None and key != run_key:
             if not flush():
                 return events  # the rest chain from a block that could not be named

@@ -21,7 +21,10 @@ gives those params back to the connector, which loads the prompt's KV. The conne
 (``kv_transfer_config``; engines/vllm/settings.py checks it fits the worker's role).
 
 Load: ``load()`` reads vLLM's scheduler stats (running and waiting requests, KV usage, prefix hits) from
-a stat logger the engine is built with.
+a stat logger the engine is built with. With KV offloading (``kv_offloading_size``, or the ``OffloadingConnector``:
+engines/vllm/settings.py) the report has the host tier too: the blocks its events put there, and the share of
+prompt tokens found there and not on the GPU (vLLM's ``connector_prefix_cache_stats``). vLLM's stats do not say
+the host tier's size.
 """
 
 import asyncio
@@ -31,8 +34,9 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from engines.shared.engine_block_names import EngineBlockNames
+from engines.shared.kv_tiers import tier_loads
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
-from engines.vllm.settings import MISSING_PACKAGE, VllmSettings
+from engines.vllm.settings import MISSING_PACKAGE, VllmSettings, offload_tiers
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError
 from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
@@ -220,8 +224,12 @@ class VllmEngine:
                 await engine.abort(request_id)
 
     def load(self) -> list[WorkerLoad]:
-        """vLLM's scheduler stats at its last step (``instance_id`` 0): one rank."""
-        return [self._stats.load()]
+        """vLLM's scheduler stats at its last step (``instance_id`` 0): one rank, with its offload tier's."""
+        load = self._stats.load()
+        if self._names is not None and (tiers := offload_tiers(self.settings.extra)):
+            rate = self._stats.connector_hit_rate()
+            load.tiers = tier_loads(self._names, offloads_to=tiers, hit_rates=dict.fromkeys(tiers, rate))
+        return [load]
 
 
 def sampling_params(request: PreprocessedRequest) -> Any:
@@ -295,6 +303,8 @@ class _SchedulerStats:
         self.kv_usage = 0.0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Prompt tokens that the KV connector (an offload tier) had of those the GPU's cache did not.
+        self.connector_hits = 0
         self.generated_tokens = 0
         self.preemptions = 0
 
@@ -310,6 +320,11 @@ class _SchedulerStats:
             generated_tokens=self.generated_tokens,
             preemptions=self.preemptions,
         )
+
+    def connector_hit_rate(self) -> float | None:
+        """The share of prompt tokens found on the offload tier (not on the GPU), as ``prefix_hit_rate`` counts
+        the GPU's; None before any prompt."""
+        return min(self.connector_hits / self.prefix_queries, 1.0) if self.prefix_queries else None
 
     def factory(self) -> Any:
         """A vLLM stat logger factory (called with the VllmConfig and the engine index) feeding this."""
@@ -329,6 +344,8 @@ class _SchedulerStats:
                     prefix = scheduler_stats.prefix_cache_stats
                     stats.prefix_queries += prefix.queries
                     stats.prefix_hits += prefix.hits
+                    if (connector := getattr(scheduler_stats, "connector_prefix_cache_stats", None)) is not None:
+                        stats.connector_hits += connector.hits
                 if iteration_stats is not None:
                     stats.generated_tokens += iteration_stats.num_generation_tokens
                     stats.preemptions += iteration_stats.num_preempted_reqs

@@ -4,6 +4,14 @@
 ``vllm serve``'s flags, with underscores). A key that is not a field of the installed vLLM's dataclass is
 refused, naming it, and so is a key that a Flotilla flag owns (the model, the context length, the
 tensor-parallel size, the GPU memory share, the nodes it spans): two places to set one thing would disagree.
+
+KV offloading (a host-memory tier below the GPU) is vLLM's own setting too: ``kv_offloading_size`` (GiB of host
+memory, with ``kv_offloading_backend`` "native", the default) or a ``kv_transfer_config`` naming the
+``OffloadingConnector`` (``kv_connector_extra_config``: ``{"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use":
+...}``). Flotilla adds one key to that connector's extra config, ``self_describing_kv_events``: without it vLLM's
+events for host copies carry no tokens (a placeholder with block size 0), and a block without its tokens cannot be
+given the router's name. vLLM 0.32's CPU build refuses offloading ("CPU Offloading is currently only supported on
+CUDA-alike and XPU GPUs"): it runs on a GPU.
 """
 
 import dataclasses
@@ -14,6 +22,7 @@ from typing import Any
 from engines.shared.extra_engine_args import read_engine_args
 from engines.shared.node_group import NodeGroup
 from runtime.errors import ConfigError
+from runtime.kv.events import Medium
 
 #: The one line a node without the package prints (exit 2).
 MISSING_PACKAGE = "out=vllm needs the vllm package: pip install 'flotilla[vllm]'"
@@ -69,6 +78,9 @@ class VllmSettings:
             "disable_log_stats": False,
             **self.extra,
         }
+        if offload_tiers(self.extra) and _offloading_connector(self.extra):
+            # Host copies can be named for routers only when their events carry their tokens.
+            kwargs["kv_transfer_config"] = with_self_describing_events(kwargs.get("kv_transfer_config"))
         if isinstance(connector := kwargs.get("kv_transfer_config"), dict):
             # JSON gives a dict; AsyncEngineArgs wants vLLM's config object (vllm serve's flag parser converts it).
             from vllm.config import KVTransferConfig
@@ -91,6 +103,50 @@ class VllmSettings:
                 "master_port": leader.port,
             }
         return kwargs
+
+
+#: vLLM's connectors that keep KV copies in host memory (the native backend of ``kv_offloading_size`` is the first,
+#: or the second with VLLM_USE_SIMPLE_KV_OFFLOAD=1).
+_HOST_CONNECTORS = ("OffloadingConnector", "SimpleCPUOffloadConnector")
+
+
+def offload_tiers(extra: dict[str, Any]) -> tuple[Medium, ...]:
+    """The tiers below the GPU that vLLM's engine arguments ``extra`` have it keep KV blocks on: ``("cpu",)``
+    with ``kv_offloading_size`` (the native backend) or a host-memory offloading connector; () otherwise (no
+    offloading, or LMCache, whose store is its own server's)."""
+    if extra.get("kv_offloading_size") is not None:
+        return ("cpu",) if extra.get("kv_offloading_backend", "native") == "native" else ()
+    config = extra.get("kv_transfer_config")
+    connector = config.get("kv_connector") if isinstance(config, dict) else getattr(config, "kv_connector", None)
+    if connector == "OffloadingConnector":
+        spec = _extra_config(config).get("spec_name", "CPUOffloadingSpec")
+        return ("cpu",) if spec == "CPUOffloadingSpec" else ()
+    return ("cpu",) if connector in _HOST_CONNECTORS else ()
+
+
+def _offloading_connector(extra: dict[str, Any]) -> bool:
+    """Whether vLLM will run its ``OffloadingConnector`` (the one whose events need ``self_describing_kv_events``)."""
+    if extra.get("kv_offloading_size") is not None:
+        # The native backend is OffloadingConnector (or, with VLLM_USE_SIMPLE_KV_OFFLOAD, one that ignores the key).
+        return True
+    config = extra.get("kv_transfer_config")
+    connector = config.get("kv_connector") if isinstance(config, dict) else getattr(config, "kv_connector", None)
+    return bool(connector == "OffloadingConnector")
+
+
+def _extra_config(config: Any) -> dict[str, Any]:
+    found = config.get("kv_connector_extra_config") if isinstance(config, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def with_self_describing_events(config: Any) -> Any:
+    """``config`` (a kv_transfer_config dict, or None: vLLM builds one for ``kv_offloading_size``) with
+    ``self_describing_kv_events`` on, unless it turns it off itself; a config object is returned as it is."""
+    if config is not None and not isinstance(config, dict):
+        return config
+    config = dict(config or {})
+    config["kv_connector_extra_config"] = {"self_describing_kv_events": True, **_extra_config(config)}
+    return config
 
 
 def read_extra_args(raw: Path | str | None) -> dict[str, Any]:

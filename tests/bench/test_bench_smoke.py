@@ -458,25 +458,27 @@ def test_gpu_bench_parses_and_imports(script: str) -> None:
 
 
 def test_gpu_engines_check_sh_parses_and_imports(tmp_path: Path) -> None:
-    """bench/gpu_engines_check.sh parses, the check it runs in the engine's process imports, and the script
+    """bench/gpu_engines_check.sh parses, the checks it runs in the engine's process import, and the script
     reports SKIP for every engine whose package is missing here."""
     script = BENCH / "gpu_engines_check.sh"
     parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
     assert parsed.returncode == 0, parsed.stderr
     text = script.read_text()
-    embedded = re.search(r"<<'PY'\n(.*?)\nPY\n", text, re.DOTALL)
-    assert embedded, "the in-process check (a <<'PY' here-document) is no longer in bench/gpu_engines_check.sh"
-    check = tmp_path / "check.py"
-    check.write_text(embedded.group(1))
-    loaded = subprocess.run(
-        [sys.executable, "-c", f"import runpy; runpy.run_path({str(check)!r}, run_name='smoke')"],
-        cwd=ROOT,
-        env={**os.environ, "ENGINE": "vllm", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert loaded.returncode == 0, loaded.stderr
+    # The in-process check, and the KV offloading check that restarts the engine.
+    embedded = re.findall(r"<<'PY'\n(.*?)\nPY\n", text, re.DOTALL)
+    assert len(embedded) == 2, "the in-process checks (<<'PY' here-documents) are no longer in gpu_engines_check.sh"
+    for number, source in enumerate(embedded):
+        check = tmp_path / f"check{number}.py"
+        check.write_text(source)
+        loaded = subprocess.run(
+            [sys.executable, "-c", f"import runpy; runpy.run_path({str(check)!r}, run_name='smoke')"],
+            cwd=ROOT,
+            env={**os.environ, "ENGINE": "vllm", "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert loaded.returncode == 0, loaded.stderr
     packages = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
     missing = [engine for engine, package in packages.items() if importlib.util.find_spec(package) is None]
     if missing:

@@ -416,6 +416,40 @@ def test_a_trailing_medium_field_is_read_as_the_tier() -> None:
     assert isinstance(events[0], BlockStored) and events[0].medium == "cpu"
 
 
+def test_the_hierarchical_caches_backups_evictions_and_storage_writes_are_tracked_per_tier() -> None:
+    # The events SGLang's HiRadixCache sends (medium after lora_id): a page computed on the GPU, backed up to
+    # host memory (CPU_TIER1, the GPU keeps its copy), evicted from the GPU, written to the storage backend
+    # (CPU_TIER2), then evicted from host memory.
+    names = EngineBlockNames(16)
+    page = TOKENS[:16]
+    batch = [
+        0.0,
+        [
+            ["BlockStored", [7], None, page, 16, None, "GPU"],
+            ["BlockStored", [7], None, page, 16, None, "CPU_TIER1"],
+            ["BlockRemoved", [7], "GPU"],
+            ["BlockStored", [7], None, page, 16, None, "CPU_TIER2"],
+            ["BlockRemoved", [7], "CPU_TIER1"],
+        ],
+    ]
+    name = sequence_block_hashes(page, 16)
+    assert translate_batch(batch, names) == [
+        BlockStored(block_hashes=name),
+        BlockStored(block_hashes=name, medium="cpu"),
+        BlockRemoved(block_hashes=name),
+        BlockStored(block_hashes=name, medium="disk"),
+        BlockRemoved(block_hashes=name, medium="cpu"),
+    ]
+    assert names.state() == [BlockStored(block_hashes=name, medium="disk")]
+
+
+def test_a_tier_name_sglang_may_add_later_is_external_not_the_gpu() -> None:
+    names = EngineBlockNames(16)
+    events = translate_batch([0.0, [["BlockStored", [7], None, TOKENS[:16], 16, None, "CPU_TIER3"]]], names)
+    assert events == [BlockStored(block_hashes=sequence_block_hashes(TOKENS[:16], 16), medium="external")]
+    assert len(names) == 0  # the GPU holds nothing
+
+
 def test_a_message_that_is_not_three_frames_or_not_msgpack_is_refused() -> None:
     with pytest.raises(ValueError, match="3 frames"):
         decode_message([b"x"])

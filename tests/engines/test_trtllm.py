@@ -32,7 +32,7 @@ from engines.trtllm.kv_events import translate_event, translate_events
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError
 from runtime.kv.blocks import sequence_block_hashes
-from runtime.kv.events import BlockRemoved, BlockStored
+from runtime.kv.events import BlockRemoved, BlockStored, TierLoad
 from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest, SamplingOptions, StopConditions
 
 GiB = 2**30
@@ -266,18 +266,49 @@ def test_blocks_stored_on_the_host_pool_are_a_run_of_their_own_tier() -> None:
     ]
 
 
-def test_a_block_moved_off_the_gpu_is_removed_from_the_gpu_tier() -> None:
+def updated(block_hash: int, old_level: int, new_level: int) -> dict[str, Any]:
+    diff = {"type": "event_diff", "old_value": old_level, "new_value": new_level}
+    return event({"type": "updated", "block_hash": block_hash, "cache_level": diff, "priority": None})
+
+
+def test_a_block_moved_off_the_gpu_is_a_gpu_removal_and_a_host_store() -> None:
     names = EngineBlockNames(32)
     translate_event(event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]}), names)
-    moved = event(
-        {
-            "type": "updated",
-            "block_hash": 10,
-            "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1},
-            "priority": None,
-        }
-    )
-    assert translate_event(moved, names) == [BlockRemoved(block_hashes=sequence_block_hashes(TOKENS[:32], 32))]
+    flotilla = sequence_block_hashes(TOKENS[:32], 32)
+    assert translate_event(updated(10, 0, 1), names) == [
+        BlockRemoved(block_hashes=flotilla),
+        BlockStored(block_hashes=flotilla, parent_hash=None, medium="cpu"),
+    ]
+    assert names.state() == [BlockStored(block_hashes=flotilla, parent_hash=None, medium="cpu")]
+
+
+def test_a_block_brought_back_to_the_gpu_is_a_host_removal_and_a_gpu_store_that_keeps_its_parent() -> None:
+    names = EngineBlockNames(32)
+    blocks = [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:])]
+    translate_event(event({"type": "stored", "parent_hash": None, "blocks": blocks}), names)
+    translate_event(updated(11, 0, 1), names)
+    flotilla = sequence_block_hashes(TOKENS, 32)
+    assert translate_event(updated(11, 1, 0), names) == [
+        BlockRemoved(block_hashes=[flotilla[1]], medium="cpu"),
+        BlockStored(block_hashes=[flotilla[1]], parent_hash=flotilla[0]),
+    ]
+
+
+def test_a_removal_takes_the_block_off_whichever_pool_holds_it() -> None:
+    names = EngineBlockNames(32)
+    translate_event(event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]}), names)
+    translate_event(updated(10, 0, 1), names)
+    assert translate_event(event({"type": "removed", "block_hashes": [10]}), names) == [
+        BlockRemoved(block_hashes=sequence_block_hashes(TOKENS[:32], 32), medium="cpu")
+    ]
+
+
+def test_a_cache_level_flotilla_does_not_know_is_the_external_tier() -> None:
+    names = EngineBlockNames(32)
+    stored = event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32], cache_level=2)]})
+    assert translate_event(stored, names) == [
+        BlockStored(block_hashes=sequence_block_hashes(TOKENS[:32], 32), parent_hash=None, medium="external")
+    ]
 
 
 def test_created_events_and_unknown_removals_say_nothing() -> None:
@@ -327,6 +358,37 @@ async def test_the_llms_kv_events_are_published_as_they_come_and_answer_a_state_
     named = sequence_block_hashes(TOKENS[:32], 32)
     assert sink.published == [(0, [BlockStored(block_hashes=named)])]
     assert engine.cache_state(None) == {0: [BlockStored(block_hashes=named)]}
+
+
+async def test_the_host_pool_the_cache_announces_is_the_load_reports_cpu_tier() -> None:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    created = event({"type": "created", "num_blocks_per_cache_level": [100, 400]})
+    blocks = [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:])]
+    stored = event({"type": "stored", "parent_hash": None, "blocks": blocks})
+    offloaded = event(
+        {"type": "updated", "block_hash": 11, "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1}}
+    )
+
+    class EventsLlm:
+        def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
+            async def events() -> AsyncIterator[dict[str, Any]]:
+                for each in (created, stored, offloaded):
+                    yield each
+                engine._llm = None
+
+            return events()
+
+    engine._llm = EventsLlm()
+    await engine._read_kv_events()
+    engine._stats.update({"numActiveRequests": 0, "kvCacheStats": {"maxNumBlocks": 100, "usedNumBlocks": 1}})
+    [load] = engine.load()
+    assert load.tiers == [TierLoad(medium="cpu", total_blocks=400, used_blocks=1, usage=1 / 400)]
+
+
+def test_a_cache_without_a_host_pool_reports_no_tiers() -> None:
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    engine._stats.update({"numActiveRequests": 1})
+    assert engine.load()[0].tiers is None
 
 
 # --- disaggregated serving --------------------------------------------------------------------------------

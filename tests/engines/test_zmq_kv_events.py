@@ -22,9 +22,42 @@ def test_vllm_map_events_are_renamed_with_the_routers_hash() -> None:
     expected = sequence_block_hashes(TOKENS, 32)
     events = translate_batch([1.5, [stored([71, 72], None, TOKENS)], 0], names)
     assert events == [BlockStored(block_hashes=expected, parent_hash=None)]
-    # Removals name vLLM's hashes; the map gives Flotilla's. A CPU copy's removal leaves the GPU's block.
+    # Removals name vLLM's hashes; the map gives Flotilla's. A CPU copy the offloading connector never reported
+    # is no removal at all, and leaves the GPU's block.
     removed = translate_batch([1.6, [{"type": "BlockRemoved", "block_hashes": [72], "medium": "CPU"}], 0], names)
     assert removed == []
     removed = translate_batch([1.7, [{"type": "BlockRemoved", "block_hashes": [72], "medium": "GPU"}], 0], names)
     assert removed == [BlockRemoved(block_hashes=[expected[1]])]
     assert translate_batch([1.8, [{"type": "AllBlocksCleared"}, {"type": "Unknown"}], 0], names) == [AllCleared()]
+
+
+def test_the_offloading_connectors_host_copies_are_stored_and_removed_on_the_cpu_tier() -> None:
+    # With self_describing_kv_events, vLLM's OffloadingConnector reports a block it copied to host memory with its
+    # tokens and parent, medium "CPU"; the GPU's copy stays until the GPU evicts it.
+    names = EngineBlockNames(32)
+    expected = sequence_block_hashes(TOKENS, 32)
+    translate_batch([1.0, [stored([71, 72], None, TOKENS)], 0], names)
+    events = translate_batch([1.1, [stored([71, 72], None, TOKENS, medium="CPU")], 0], names)
+    assert events == [BlockStored(block_hashes=expected, parent_hash=None, medium="cpu")]
+    gpu_eviction = {"type": "BlockRemoved", "block_hashes": [71, 72], "medium": "GPU"}
+    assert translate_batch([1.2, [gpu_eviction], 0], names) == [BlockRemoved(block_hashes=expected)]
+    assert names.state() == [
+        BlockStored(block_hashes=[expected[0]], parent_hash=None, medium="cpu"),
+        BlockStored(block_hashes=[expected[1]], parent_hash=expected[0], medium="cpu"),
+    ]
+    host_eviction = {"type": "BlockRemoved", "block_hashes": [72], "medium": "CPU"}
+    assert translate_batch([1.3, [host_eviction], 0], names) == [BlockRemoved(block_hashes=[expected[1]], medium="cpu")]
+
+
+def test_the_connectors_placeholder_events_without_tokens_are_skipped() -> None:
+    # Without self_describing_kv_events vLLM sends a chunk's last hash with no tokens and block size 0.
+    names = EngineBlockNames(32)
+    placeholder = {**stored([72], None, [], medium="CPU"), "block_size": 0}
+    assert translate_batch([1.0, [placeholder], 0], names) == []
+
+
+def test_a_storage_tier_is_the_disk_and_an_unknown_tier_is_external() -> None:
+    names = EngineBlockNames(32)
+    on_storage = translate_batch([1.0, [stored([71], None, TOKENS[:32], medium="STORAGE")], 0], names)
+    elsewhere = translate_batch([1.1, [stored([71], None, TOKENS[:32], medium="CXL_POOL")], 0], names)
+    assert [event.medium for event in on_storage + elsewhere if isinstance(event, BlockStored)] == ["disk", "external"]
