@@ -3,7 +3,7 @@
 Defaults are vLLM's (and Dynamo's mocker's): 16384 blocks of 64 tokens, 256 sequences and 8192
 tokens per step, prefix caching and chunked prefill on, real time (speedup 1), and vLLM v1's
 scheduler (``"scheduler": "v1"``; ``"v0"`` keeps vLLM v0's, with its 1% watermark: scheduler.py says
-how they differ).
+how they differ). No host-memory KV tier unless ``num_host_blocks`` is set (host_tier.py).
 """
 
 from pathlib import Path
@@ -52,12 +52,27 @@ class MockerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     #: (Dynamo's ``--kv-transfer-bandwidth``; NVLink ~450, InfiniBand ~64). None or 0: it takes no time.
     kv_transfer_bandwidth: NonNegativeFloat | None = None
     #: Bytes of KV cache per token (layers × 2 × KV heads × head size × dtype bytes; SmolLM2-135M in
-    #: bf16: 23040). None: the transfer takes no time.
+    #: bf16: 23040): what a disaggregated transfer and a host block copy move. None: the transfer takes no
+    #: time (a host tier then needs both its bandwidths at 0).
     kv_bytes_per_token: PositiveInt | None = None
+    #: KV blocks of host memory per dp rank (KV offload, Dynamo's ``--num-host-blocks``): prompt blocks are
+    #: copied there once computed, and a prompt whose prefix left the device but is on the host is brought
+    #: back instead of computed (host_tier.py). None: no host tier. A host block holds ``block_size`` ×
+    #: ``kv_bytes_per_token`` bytes.
+    num_host_blocks: PositiveInt | None = None
+    #: Device-to-host copy bandwidth per dp rank in decimal GB/s (``--host-offload-d2h-bandwidth-gbps``).
+    #: None: 32, Dynamo's default; 0: copies take no time.
+    host_offload_d2h_bandwidth_gbps: NonNegativeFloat | None = None
+    #: Host-to-device copy bandwidth per dp rank in decimal GB/s (``--host-offload-h2d-bandwidth-gbps``).
+    #: None: 32, Dynamo's default; 0: copies take no time.
+    host_offload_h2d_bandwidth_gbps: NonNegativeFloat | None = None
 
 
 KNOWN_KEYS: tuple[str, ...] = MockerConfig.__struct_fields__
 SCHEDULERS = ("v1", "v0")
+#: Host copy bandwidth in GB/s when none is given: Dynamo 1.6.1's mocker's (its ``NativeHostOffloadConfig``).
+DEFAULT_HOST_BANDWIDTH_GBPS = 32.0
+_HOST_BANDWIDTH_KEYS = ("host_offload_d2h_bandwidth_gbps", "host_offload_h2d_bandwidth_gbps")
 
 
 def parse_mocker_config(values: Any, source: str = "--extra-engine-args") -> MockerConfig:
@@ -97,7 +112,48 @@ def parse_mocker_config(values: Any, source: str = "--extra-engine-args") -> Moc
             f"{source}: max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
             f"max_num_seqs ({config.max_num_seqs})"
         )
+    _check_host_tier(config, source)
     return config
+
+
+def host_bandwidths(config: MockerConfig) -> tuple[float, float]:
+    """(device-to-host, host-to-device) copy bandwidth in GB/s, the default for one not given (0: no time)."""
+    d2h, h2d = config.host_offload_d2h_bandwidth_gbps, config.host_offload_h2d_bandwidth_gbps
+    return (
+        DEFAULT_HOST_BANDWIDTH_GBPS if d2h is None else d2h,
+        DEFAULT_HOST_BANDWIDTH_GBPS if h2d is None else h2d,
+    )
+
+
+def _check_host_tier(config: MockerConfig, source: str) -> None:
+    """Refuse host-tier settings that cannot work together, as Dynamo's mocker refuses them, saying what to add."""
+    if config.num_host_blocks is None:
+        given = [key for key in _HOST_BANDWIDTH_KEYS if getattr(config, key) is not None]
+        if given:
+            # Dynamo: "--host-offload-* flags require --num-host-blocks".
+            raise ConfigError(
+                f"{source}: {' and '.join(repr(key) for key in given)} set the host tier's copy speed, but there "
+                'is no host tier: add "num_host_blocks" (KV blocks of host memory per dp rank), or drop them'
+            )
+        return
+    if config.scheduler != "v1":
+        raise ConfigError(
+            f'{source}: "num_host_blocks" (the host KV tier) is simulated with vLLM v1\'s scheduler only: drop '
+            '"scheduler": "v0", or drop "num_host_blocks"'
+        )
+    if not config.enable_prefix_caching:
+        # Blocks are found on the host by their names: without prefix caching nothing would ever come back.
+        raise ConfigError(
+            f'{source}: "num_host_blocks" needs prefix caching: drop "enable_prefix_caching": false, or drop '
+            '"num_host_blocks"'
+        )
+    if config.kv_bytes_per_token is None and any(bandwidth > 0 for bandwidth in host_bandwidths(config)):
+        # A copy's time is its bytes over the bandwidth; with both bandwidths 0 (no time) sizes do not matter.
+        raise ConfigError(
+            f'{source}: "num_host_blocks" needs "kv_bytes_per_token" (bytes of KV per token) to size a host '
+            "block (block_size x kv_bytes_per_token bytes) and time its copies: add it, or set both "
+            '"host_offload_d2h_bandwidth_gbps" and "host_offload_h2d_bandwidth_gbps" to 0 (copies take no time)'
+        )
 
 
 def load_mocker_config(path: Path | str | None) -> MockerConfig:

@@ -20,6 +20,10 @@ any other, blocks and budget included, but its prompt costs no prefill time: the
 decode worker still times a prompt it computes itself (no handoff, or after a preemption), unlike
 Dynamo's mocker, whose decode workers take every prefill for free.
 
+With ``num_host_blocks`` each rank also has a host-memory KV tier (host_tier.py): its copies run in the rank's
+simulated time (``Scheduler.schedule(now)``), a step with nothing to compute waits for the next copy to end,
+its events (``medium="cpu"``) go out with the device's, and ``load()`` reports it in ``WorkerLoad.tiers``.
+
 A step loop that fails is logged, every request it held fails with an EngineError, and the rank
 starts again with an empty cache (routers are told: all cleared); nothing waits forever.
 """
@@ -37,7 +41,7 @@ from engines.mocker.scheduler import Scheduler, Sequence
 from engines.mocker.timing import StepTimer
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
-from runtime.kv.events import AllCleared, BlockStored, KvEventSink, WorkerLoad
+from runtime.kv.events import AllCleared, BlockStored, KvEventSink, TierLoad, WorkerLoad
 from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -221,7 +225,6 @@ class MockerEngine:
 
     async def _step_loop(self, rank: _Rank) -> None:
         scheduler = rank.scheduler
-        cache = scheduler.cache
         step_seconds = self._timer.step_seconds
         wake = rank.wake
         sleep_until = rank.sleeper.sleep_until
@@ -237,8 +240,11 @@ class MockerEngine:
             started = now()
             if started - clock > MAX_LAG_S or not scheduler.running:
                 clock = started  # idle before (nothing was running), or far behind: simulated time restarts now
-            step = scheduler.schedule()
-            duration = step_seconds(step.prefill_tokens(), step.decode_tokens()) if step.scheduled else 0.0
+            step = scheduler.schedule(clock)
+            if step.scheduled:
+                duration = step_seconds(step.prefill_tokens(), step.decode_tokens())
+            else:
+                duration = scheduler.idle_seconds()  # nothing to compute: wait for the next host copy to end
             clock += duration
             ahead = clock - now()
             if ahead > MIN_SLEEP_S:
@@ -250,13 +256,13 @@ class MockerEngine:
             # The step's KV events once its pass is over, as Dynamo's mocker publishes them: a router never
             # sends a request after blocks still being computed.
             sink = self._sink
-            if sink is not None and (events := cache.take_events()):
+            if sink is not None and (events := scheduler.take_events()):
                 sink.publish(rank.index, events)
             _wake(scheduler.complete(step))
 
     def _fresh_scheduler(self) -> Scheduler:
         scheduler = Scheduler(self.config)
-        scheduler.cache.record_events = self._sink is not None
+        scheduler.set_record_events(self._sink is not None)
         return scheduler
 
     # -- KvEventSource ------------------------------------------------------------------------------
@@ -265,7 +271,7 @@ class MockerEngine:
         """Send every rank's KV events to ``sink`` from now on."""
         self._sink = sink
         for rank in self._ranks:
-            rank.scheduler.cache.record_events = True
+            rank.scheduler.set_record_events(True)
 
     def load(self) -> list[WorkerLoad]:
         """Each rank's requests, KV usage and prefix hit rate (over its last admissions); ``instance_id`` 0."""
@@ -273,7 +279,8 @@ class MockerEngine:
         for rank in self._ranks:
             scheduler = rank.scheduler
             cache = scheduler.cache
-            running, waiting = len(scheduler.running), len(scheduler.waiting)
+            # A sequence waiting for its prefix to come back from the host is waiting, as vLLM counts it.
+            running, waiting = len(scheduler.running), len(scheduler.waiting) + len(scheduler.loading)
             loads.append(
                 WorkerLoad(
                     instance_id=0,
@@ -287,6 +294,7 @@ class MockerEngine:
                     prefix_hit_rate=scheduler.stats.hit_rate,
                     generated_tokens=scheduler.generated_tokens,
                     preemptions=scheduler.preemptions,
+                    tiers=_host_tiers(scheduler),
                 )
             )
         return loads
@@ -294,22 +302,41 @@ class MockerEngine:
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
         """Every cached block of rank ``dp_rank`` (None: of every rank), as stored events in prefix order."""
         ranks = self._ranks if dp_rank is None else self._ranks[dp_rank : dp_rank + 1] if dp_rank >= 0 else []
-        return {rank.index: rank.scheduler.cache.cache_state() for rank in ranks}
+        return {rank.index: rank.scheduler.cache_state() for rank in ranks}
 
     def reset_prefix_cache(self) -> int:
         """Drop every idle cached block of every rank (routers are told); returns how many were dropped."""
         dropped = 0
         for rank in self._ranks:
-            cache = rank.scheduler.cache
-            dropped += cache.reset_prefix_cache()
-            if self._sink is not None and (events := cache.take_events()):
+            scheduler = rank.scheduler
+            dropped += scheduler.cache.reset_prefix_cache()
+            if self._sink is not None and (events := scheduler.take_events()):
                 self._sink.publish(rank.index, events)
         return dropped
 
 
 def _rank_load(rank: _Rank) -> tuple[int, int]:
     scheduler = rank.scheduler
-    return len(scheduler.running) + len(scheduler.waiting), scheduler.cache.active_blocks
+    return len(scheduler.running) + len(scheduler.waiting) + len(scheduler.loading), scheduler.cache.active_blocks
+
+
+def _host_tiers(scheduler: Scheduler) -> list[TierLoad] | None:
+    """The rank's host tier as ``WorkerLoad.tiers``; None without one."""
+    host = scheduler.host
+    if host is None:
+        return None
+    used = host.used_blocks
+    return [
+        TierLoad(
+            medium="cpu",
+            total_blocks=host.num_blocks,
+            used_blocks=used,
+            usage=used / host.num_blocks,
+            hit_rate=scheduler.host_stats.hit_rate,
+            offloaded_blocks=host.offloaded_blocks,
+            onboarded_blocks=host.onboarded_blocks,
+        )
+    ]
 
 
 def _wake(sequences: Iterable[Sequence]) -> None:

@@ -9,7 +9,7 @@ evictions, ``AllCleared`` when a reset leaves nothing.
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from runtime.kv.events import BlockRemoved, BlockStored, KvEvent
+from runtime.kv.events import BlockRemoved, BlockStored, KvEvent, Medium
 
 
 class SequenceBlocks:
@@ -29,6 +29,9 @@ class KvCacheBase(ABC):
 
     #: Blocks new sequences may not take (v0's watermark; none under v1).
     watermark_blocks = 0
+    #: Whether a reset that leaves the device empty is announced as ``AllCleared``. False beside a host tier:
+    #: a router reads ``AllCleared`` as every tier of the rank gone, and the host's blocks are still there.
+    announce_all_cleared = True
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool) -> None:
         """Raises ValueError for a size below 1."""
@@ -122,15 +125,15 @@ class KvCacheBase(ABC):
             events.append(BlockRemoved(hashes))
 
 
-def chains(named: Sequence[tuple[int, int | None]]) -> list[BlockStored]:
-    """(hash, parent) pairs in the order they were stored, as stored events: a block whose parent
-    ends the current chain extends it."""
+def chains(named: Sequence[tuple[int, int | None]], medium: Medium | None = None) -> list[BlockStored]:
+    """(hash, parent) pairs in the order they were stored, as stored events on tier ``medium`` (None: the
+    device): a block whose parent ends the current chain extends it."""
     state: list[BlockStored] = []
     current: BlockStored | None = None
     for block_hash, parent in named:
         if current is not None and parent == current.block_hashes[-1]:
             current.block_hashes.append(block_hash)
         else:
-            current = BlockStored([block_hash], parent)
+            current = BlockStored([block_hash], parent, medium=medium)
             state.append(current)
     return state

@@ -206,7 +206,9 @@ class KvCacheV1(KvCacheBase):
         self._unnamed_free += len(self._freed)
         self._freed.clear()
         if dropped and self.record_events:
-            self._events.append(AllCleared() if not self._copies else BlockRemoved(dropped))
+            self._events.append(
+                AllCleared() if not self._copies and self.announce_all_cleared else BlockRemoved(dropped)
+            )
         return len(dropped)
 
     # -- what routers learn ------------------------------------------------------------------------

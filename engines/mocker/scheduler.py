@@ -37,18 +37,26 @@ A sequence produces a token in the step in which it has computed all of its toke
 that ends its prefill, then every step after (decode). The token ids are pseudo-random from the
 vocabulary, seeded by the request, never an end-of-sequence id; a sequence ends at ``max_tokens``.
 ``schedule()`` plans a step and ``complete()`` applies it once its simulated time has passed.
+
+With ``num_host_blocks`` (v1 only), the rank has a host-memory tier (host_tier.py): the prompt blocks a
+step computes are copied there from the next step on, a waiting sequence whose prefix left the device but is
+on the host takes it back (it waits, holding its blocks, in ``loading`` until the copy ends, then goes back
+to the front of the queue with that prefix computed), and ``schedule(now)`` is given the rank's simulated
+clock so that copies end in simulated time.
 """
 
 from collections import deque
 from collections.abc import Sequence as Tokens
 from typing import Any, Protocol
 
-from engines.mocker.config import MockerConfig
+from engines.mocker.config import MockerConfig, host_bandwidths
+from engines.mocker.host_tier import HostTier, block_seconds
 from engines.mocker.kv_cache_base import KvCacheBase, SequenceBlocks
 from engines.mocker.kv_cache_v0 import KvCacheV0
 from engines.mocker.kv_cache_v1 import KvCacheV1
 from runtime.errors import EngineError
 from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored, KvEvent
 from runtime.protocol import FinishReason
 
 _MASK64 = (1 << 64) - 1
@@ -77,6 +85,8 @@ class Sequence:
         "eos",
         "error",
         "finish_reason",
+        "host_load",
+        "host_offered",
         "max_tokens",
         "num_computed",
         "num_tokens",
@@ -130,6 +140,10 @@ class Sequence:
         #: Its prompt's KV came computed from a prefill worker (a handoff): the prompt takes blocks and
         #: budget, but no prefill time. False again once preempted: the prompt is then recomputed here.
         self.transferred = False
+        #: The host tier's copy bringing its prefix back while it waits in ``Scheduler.loading``; else None.
+        self.host_load: int | None = None
+        #: Its leading prompt blocks already offered to the host tier (the next cohort starts there).
+        self.host_offered = 0
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens ``start`` to ``end`` of prompt + output."""
@@ -228,6 +242,7 @@ class Scheduler:
     """Waiting and running sequences of one rank, and its KV cache."""
 
     def __init__(self, config: MockerConfig) -> None:
+        """Raises ValueError for a host tier (``num_host_blocks``) under ``scheduler`` "v0"."""
         self.config = config
         self.cache: KvCacheBase
         if config.scheduler == "v1":
@@ -244,14 +259,61 @@ class Scheduler:
         self._v1 = config.scheduler == "v1"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        #: Sequences holding their blocks while the host tier copies their prefix back (v1 with a host tier).
+        self.loading: list[Sequence] = []
+        #: The rank's simulated clock (seconds): where the host tier's copies are timed. ``schedule(now)``
+        #: moves it; it never goes back.
+        self.clock = 0.0
         self.stats = PrefixStats()
+        #: Prompt tokens brought back from the host tier (not found on the device) at first admission.
+        self.host_stats = PrefixStats()
+        self.host: HostTier | None = None
+        # Cohorts the host tier had no room for yet, offered again at the next step.
+        self._host_retry: list[tuple[Sequence, list[tuple[int, int | None]]]] = []
+        if config.num_host_blocks is not None:
+            if not self._v1:
+                raise ValueError('a host tier (num_host_blocks) is simulated with "scheduler": "v1" only')
+            d2h, h2d = host_bandwidths(config)
+            block_bytes = config.block_size * (config.kv_bytes_per_token or 0)
+            self.host = HostTier(
+                config.num_host_blocks,
+                d2h_block_seconds=block_seconds(block_bytes, d2h, config.speedup_ratio),
+                h2d_block_seconds=block_seconds(block_bytes, h2d, config.speedup_ratio),
+            )
+            self.cache.announce_all_cleared = False
         self.generated_tokens = 0  # output tokens produced since start, for the load reports
         self.preemptions = 0
         self._lifo = config.preemption_mode == "lifo"
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Whether a step has something to do: sequences to run, or host copies to start or wait for."""
+        return bool(self.running or self.waiting or self.loading or (self.host is not None and self.host.busy))
+
+    def idle_seconds(self) -> float:
+        """How long a step that schedules nothing lasts: until the next host copy ends (0: none under way)."""
+        deadline = None if self.host is None else self.host.next_deadline()
+        return 0.0 if deadline is None else max(0.0, deadline - self.clock)
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events of the device, then of the host tier, since the last call."""
+        events = self.cache.take_events()
+        if self.host is not None and (host_events := self.host.take_events()):
+            events = [*events, *host_events]
+        return events
+
+    def set_record_events(self, on: bool) -> None:
+        """Record KV events (for a sink) in the device cache and the host tier."""
+        self.cache.record_events = on
+        if self.host is not None:
+            self.host.record_events = on
+
+    def cache_state(self) -> list[BlockStored]:
+        """Every cached block of the device, then of the host tier (``medium="cpu"``), parents first."""
+        state = self.cache.cache_state()
+        if self.host is not None:
+            state.extend(self.host.cache_state())
+        return state
 
     def add(self, sequence: Sequence) -> None:
         """Queue ``sequence``. Raises EngineError for a prompt this rank could never schedule."""
@@ -282,13 +344,17 @@ class Scheduler:
             return
         if sequence in self.waiting:
             self.waiting.remove(sequence)
+        elif sequence.host_load is not None:
+            self._cancel_load(sequence)
         else:
             self.running.remove(sequence)
         self._finish(sequence, "cancelled")
 
     def fail_all(self, message: str) -> list[Sequence]:
         """End every sequence with ``message`` as its error (the step loop died); returns them."""
-        failed = [*self.running, *self.waiting]
+        failed = [*self.running, *self.waiting, *self.loading]
+        for sequence in list(self.loading):
+            self._cancel_load(sequence)
         self.running.clear()
         self.waiting.clear()
         for sequence in failed:
@@ -298,8 +364,13 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def schedule(self) -> Step:
-        """Plan the next step: tokens per sequence, preempting and admitting as vLLM v1 does."""
+    def schedule(self, now: float | None = None) -> Step:
+        """Plan the next step, starting at simulated time ``now`` (None: the clock as it is): tokens per
+        sequence, preempting and admitting as vLLM v1 does."""
+        if now is not None and now > self.clock:
+            self.clock = now
+        if self.host is not None:
+            self._host_tick()
         step = Step()
         scheduled = step.scheduled
         cache = self.cache
@@ -343,29 +414,50 @@ class Scheduler:
                 self._commit(sequence, sequence.num_computed + tokens)
         if not preempted:
             budget = self._admit(step, budget)
+        if self.host is not None:
+            self._offer_to_host(step)
         return step
 
     def _admit(self, step: Step, budget: int) -> int:
         config = self.config
         block_size = config.block_size
         cache = self.cache
+        host = self.host
         waiting, running = self.waiting, self.running
-        while waiting and budget > 0 and len(running) < config.max_num_seqs:
-            sequence = waiting[0]
+        index = 0  # sequences before it wait for a host copy to land: the others are still admitted
+        while index < len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
+            sequence = waiting[index]
             if sequence.stop.stopped:
-                waiting.popleft()
+                del waiting[index]
                 self._finish(sequence, "cancelled")
                 step.dropped.append(sequence)
                 continue
             total = sequence.num_tokens
             if -(-total // block_size) > cache.admission_limit:
                 # It could never hold all its tokens, whatever ends: a preempted sequence outgrew the cache.
-                waiting.popleft()
+                del waiting[index]
                 self._fail_outgrown(step, sequence)
                 continue
-            # vLLM computes at least the last token, even when the whole prompt is cached.
-            hit, idle_hit = cache.prefix_hit(sequence.block_hashes, (total - 1) // block_size)
-            cached = hit * block_size
+            loaded = sequence.blocks.count
+            if loaded:
+                # Its prefix came back from the host tier: it holds those blocks, computed.
+                hit, idle_hit = loaded, 0
+                cached = sequence.num_computed
+            else:
+                # vLLM computes at least the last token, even when the whole prompt is cached.
+                limit = (total - 1) // block_size
+                hit, idle_hit = cache.prefix_hit(sequence.block_hashes, limit)
+                cached = hit * block_size
+                if host is not None and not sequence.transferred:
+                    on_host, pending = host.lookup(sequence.block_hashes, hit, limit)
+                    if pending:
+                        index += 1  # part of its prefix is still being copied to the host: look again later
+                        continue
+                    if on_host:
+                        if not self._load(sequence, hit, idle_hit, on_host):
+                            break  # no room for it yet: as when blocks run out, the ones behind it wait too
+                        del waiting[index]
+                        continue
             tokens = total - cached
             if tokens > budget:
                 if not config.enable_chunked_prefill:
@@ -375,15 +467,16 @@ class Scheduler:
             # mocker admits, though it computes only this step's chunk now; its cached blocks that no
             # one holds count too, since reviving them takes room.
             more_blocks = -(-total // block_size) - hit + idle_hit
-            if not cache.can_admit(more_blocks):
-                if not running:
+            if not cache.can_admit(more_blocks + self._loading_reserve()):
+                if not running and not self.loading:
                     # Nothing will ever free a block for it: a preempted sequence outgrew the cache.
-                    waiting.popleft()
+                    del waiting[index]
                     self._fail_outgrown(step, sequence)
                     continue
                 break
-            waiting.popleft()
-            cache.acquire_prefix(sequence.blocks, sequence.block_hashes, hit)
+            del waiting[index]
+            if not loaded:
+                cache.acquire_prefix(sequence.blocks, sequence.block_hashes, hit)
             cache.allocate(sequence.blocks, cached + tokens)
             if config.enable_prefix_caching:
                 self._commit(sequence, cached + tokens)  # before the next admission, which may share them
@@ -392,6 +485,8 @@ class Scheduler:
             if sequence.cached_tokens is None:
                 sequence.cached_tokens = cached
                 self.stats.record(total, cached)
+                if host is not None:
+                    self.host_stats.record(total, 0)
             running.append(sequence)
             step.scheduled[sequence] = tokens
             budget -= tokens
@@ -435,6 +530,93 @@ class Scheduler:
             self.running = [sequence for sequence in self.running if not sequence.done]
         firsts.extend(touched)
         return firsts
+
+    # -- the host tier -----------------------------------------------------------------------------
+
+    def _load(self, sequence: Sequence, hit: int, idle_hit: int, on_host: int) -> bool:
+        """Take blocks for ``sequence``'s device prefix (``hit`` blocks) and the ``on_host`` blocks after it,
+        and queue their copy back from the host; the sequence waits in ``loading`` until it ends.
+
+        False, changing nothing, when the blocks of all its tokens would not fit beside what the sequences
+        already loading will need (the reference's headroom for prefills in flight).
+        """
+        host = self.host
+        assert host is not None
+        block_size = self.config.block_size
+        total = sequence.num_tokens
+        more_blocks = -(-total // block_size) - hit + idle_hit
+        if not self.cache.can_admit(more_blocks + self._loading_reserve()):
+            return False
+        prefix = hit + on_host
+        self.cache.acquire_prefix(sequence.blocks, sequence.block_hashes, hit)
+        self.cache.allocate(sequence.blocks, prefix * block_size)
+        sequence.host_load, _ = host.load(sequence.block_hashes[hit:prefix], self.clock)
+        sequence.num_computed = 0
+        sequence.prefilling = True
+        if sequence.cached_tokens is None:
+            # The client sees both tiers' tokens as cached (vLLM counts a connector's tokens so); the rank's
+            # prefix hit rate is the device's, the host tier's its own.
+            sequence.cached_tokens = prefix * block_size
+            self.stats.record(total, hit * block_size)
+            self.host_stats.record(total, on_host * block_size)
+        self.loading.append(sequence)
+        return True
+
+    def _loading_reserve(self) -> int:
+        """Blocks the loading sequences will still take for the rest of their tokens."""
+        if not self.loading:
+            return 0
+        block_size = self.config.block_size
+        return sum(-(-sequence.num_tokens // block_size) - sequence.blocks.count for sequence in self.loading)
+
+    def _host_tick(self) -> None:
+        """Apply the host copies ended by now, start those reserved last step, and offer again what had no room."""
+        host = self.host
+        assert host is not None
+        if ended := host.tick(self.clock):
+            block_size = self.config.block_size
+            back: list[Sequence] = []
+            for ident in ended:
+                sequence = next(waiting for waiting in self.loading if waiting.host_load == ident)
+                self.loading.remove(sequence)
+                sequence.host_load = None
+                # Its prefix is on the device now: named (announced) as if computed, as vLLM caches blocks a
+                # connector loaded once the load is done.
+                full = sequence.blocks.count
+                self.cache.commit(sequence.blocks, sequence.block_hashes, full)
+                sequence.num_computed = full * block_size
+                back.append(sequence)
+            # Back to the front of the queue, in the order they were admitted, as vLLM puts them back.
+            self.waiting.extendleft(reversed(back))
+        host.submit(self.clock)
+        if self._host_retry:
+            retry, self._host_retry = self._host_retry, []
+            for sequence, cohort in retry:
+                if not sequence.done and not host.prepare(cohort):
+                    self._host_retry.append((sequence, cohort))
+
+    def _offer_to_host(self, step: Step) -> None:
+        """Offer the host tier the prompt blocks this step named, one cohort per sequence (copied next step)."""
+        host = self.host
+        assert host is not None
+        block_size = self.config.block_size
+        for sequence in step.scheduled:
+            named = min(len(sequence.blocks.cached), len(sequence.prompt) // block_size)
+            start = sequence.host_offered
+            if named <= start:
+                continue
+            hashes = sequence.block_hashes
+            cohort = [(hashes[index], hashes[index - 1] if index else None) for index in range(start, named)]
+            sequence.host_offered = named
+            if not host.prepare(cohort):
+                self._host_retry.append((sequence, cohort))
+
+    def _cancel_load(self, sequence: Sequence) -> None:
+        """Stop bringing ``sequence``'s prefix back (it ended); its blocks are freed by ``_finish``."""
+        assert self.host is not None and sequence.host_load is not None
+        self.host.cancel_load(sequence.host_load)
+        sequence.host_load = None
+        self.loading.remove(sequence)
 
     def _commit(self, sequence: Sequence, computed: int) -> None:
         """Name the blocks ``sequence`` fills up to its first ``computed`` tokens (scheduled this step)."""

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from engines.mocker.config import KNOWN_KEYS, MockerConfig, load_mocker_config, parse_mocker_config
+from engines.mocker.config import (
+    DEFAULT_HOST_BANDWIDTH_GBPS,
+    KNOWN_KEYS,
+    MockerConfig,
+    host_bandwidths,
+    load_mocker_config,
+    parse_mocker_config,
+)
 from runtime.errors import ConfigError
 
 
@@ -87,3 +94,58 @@ def test_a_watermark_is_refused_under_v1_which_has_none() -> None:
     with pytest.raises(ConfigError, match=r'"watermark" is a setting of vLLM v0.s scheduler; v1 has none'):
         parse_mocker_config({"watermark": 0.05})
     assert parse_mocker_config({"watermark": 0.05, "scheduler": "v0"}).watermark == 0.05
+
+
+def test_the_host_tier_is_off_unless_num_host_blocks_is_set_and_its_bandwidths_default_to_dynamos() -> None:
+    assert load_mocker_config(None).num_host_blocks is None
+    config = parse_mocker_config({"num_host_blocks": 128, "kv_bytes_per_token": 1024})
+    assert config.num_host_blocks == 128
+    assert host_bandwidths(config) == (DEFAULT_HOST_BANDWIDTH_GBPS, DEFAULT_HOST_BANDWIDTH_GBPS) == (32.0, 32.0)
+    given = parse_mocker_config(
+        {
+            "num_host_blocks": 128,
+            "kv_bytes_per_token": 1024,
+            "host_offload_d2h_bandwidth_gbps": 7,
+            "host_offload_h2d_bandwidth_gbps": 0,
+        }
+    )
+    assert host_bandwidths(given) == (7.0, 0.0)
+
+
+@pytest.mark.parametrize("key", ["host_offload_d2h_bandwidth_gbps", "host_offload_h2d_bandwidth_gbps"])
+def test_a_host_bandwidth_without_num_host_blocks_is_refused_saying_to_add_it(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"'{key}' set the host tier's copy speed, .* add \"num_host_blocks\""):
+        parse_mocker_config({key: 10, "kv_bytes_per_token": 1024})
+
+
+def test_num_host_blocks_without_kv_bytes_per_token_is_refused_unless_copies_take_no_time() -> None:
+    with pytest.raises(ConfigError, match=r'"num_host_blocks" needs "kv_bytes_per_token" .* add it'):
+        parse_mocker_config({"num_host_blocks": 128})
+    with pytest.raises(ConfigError, match=r'"num_host_blocks" needs "kv_bytes_per_token"'):
+        parse_mocker_config({"num_host_blocks": 128, "host_offload_d2h_bandwidth_gbps": 0})
+    # Both copies instant: a block's bytes are never needed.
+    instant = {"num_host_blocks": 128, "host_offload_d2h_bandwidth_gbps": 0, "host_offload_h2d_bandwidth_gbps": 0}
+    assert parse_mocker_config(instant).num_host_blocks == 128
+
+
+def test_num_host_blocks_is_refused_under_v0_and_without_prefix_caching() -> None:
+    base = {"num_host_blocks": 128, "kv_bytes_per_token": 1024}
+    with pytest.raises(ConfigError, match=r'"num_host_blocks" \(the host KV tier\) is simulated with vLLM v1.s'):
+        parse_mocker_config({**base, "scheduler": "v0"})
+    with pytest.raises(ConfigError, match=r'"num_host_blocks" needs prefix caching'):
+        parse_mocker_config({**base, "enable_prefix_caching": False})
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"num_host_blocks": 0, "kv_bytes_per_token": 1}, "num_host_blocks"),
+        (
+            {"num_host_blocks": 8, "kv_bytes_per_token": 1, "host_offload_d2h_bandwidth_gbps": -1},
+            "host_offload_d2h_bandwidth_gbps",
+        ),
+    ],
+)
+def test_a_bad_host_tier_value_names_its_key(values: dict[str, object], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"bad value for key '{key}'"):
+        parse_mocker_config(values)

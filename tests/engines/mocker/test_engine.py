@@ -167,10 +167,10 @@ async def test_a_failing_step_loop_fails_its_requests_and_the_rank_serves_again(
     original = Scheduler.schedule
     failures = iter([True])
 
-    def schedule_once_broken(self: Scheduler) -> Step:
+    def schedule_once_broken(self: Scheduler, now: float | None = None) -> Step:
         if next(failures, False):
             raise RuntimeError("simulated bug")
-        return original(self)
+        return original(self, now)
 
     monkeypatch.setattr(Scheduler, "schedule", schedule_once_broken)
     with pytest.raises(EngineError, match="simulated bug"):
