@@ -5,6 +5,7 @@ it last changed and in which direction. Time is passed in (``now``, seconds on a
 the same inputs give the same decisions, and tests run in simulated time.
 """
 
+from collections import deque
 from dataclasses import dataclass
 
 from planner.bounds import Ask, drain_order, fit_budget, in_flight_floor
@@ -47,6 +48,8 @@ class Planner:
         self._predictor_name = predictor
         self._rate, self._isl, self._osl = self._predictors()
         self._changes: dict[Role, _Change] = {}
+        # What each group's load asked for lately: (when, replicas), for the scale-down window.
+        self._wanted: dict[Role, deque[tuple[float, int]]] = {}
 
     def _predictors(self) -> tuple[Predictor, Predictor, Predictor]:
         name = self._predictor_name
@@ -114,12 +117,24 @@ class Planner:
         draft = _Draft(group, mode, sizing, sizing.wanted, min_replicas=group_targets.min_replicas)
         current = group.replicas
 
-        if draft.desired < current - stability.max_step_down:
-            draft.hold(current - stability.max_step_down, "step", f"at most {stability.max_step_down} fewer at once")
+        recent = self._wanted.setdefault(group.role, deque())
+        recent.append((now, sizing.wanted))
+        while recent and recent[0][0] < now - stability.down_window_s:
+            recent.popleft()
+        if draft.desired < current:
+            highest = max(wanted for _, wanted in recent)
+            if highest > draft.desired:
+                draft.hold(
+                    min(highest, current),
+                    "down_window",
+                    f"{replicas(highest)} asked for within {seconds(stability.down_window_s)}",
+                )
         if draft.desired < current:
             floor, why = in_flight_floor(group, targets.load)
             if floor > draft.desired:
                 draft.hold(min(floor, current), "in_flight", why)
+        if draft.desired < current - stability.max_step_down:
+            draft.hold(current - stability.max_step_down, "step", f"at most {stability.max_step_down} fewer at once")
         if draft.desired > current and mode == "load" and group.reporting < current:
             starting = current - group.reporting
             draft.hold(current, "starting", f"waiting for {replicas(starting)} starting to take load")
@@ -152,9 +167,10 @@ class Planner:
             fitted = granted[draft.group.role]
             if fitted != draft.desired:
                 used = sum(granted[d.group.role] * d.group.gpus_per_replica for d in drafts)
-                note = f"GPU budget {targets.gpu_budget}: {used} GPUs with {fitted} here"
-                if fitted < draft.min_replicas:
-                    note += f" (under min replicas {draft.min_replicas}: the budget is too small for the minimums)"
+                if targets.gpu_budget is not None and used > targets.gpu_budget:
+                    note = f"min replicas: they need {used} GPUs, over the GPU budget {targets.gpu_budget}"
+                else:
+                    note = f"GPU budget {targets.gpu_budget}: {used} GPUs with {fitted} here"
                 draft.hold(fitted, "gpu_budget", note)
 
     def _decision(self, targets: Targets, draft: _Draft) -> Decision:

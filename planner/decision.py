@@ -16,6 +16,7 @@ Bound = Literal[
     "gpu_budget",
     "in_flight",
     "step",
+    "down_window",
     "cooldown",
     "reversal",
     "starting",

@@ -84,19 +84,22 @@ class Stability:
     * ``cooldown_s``: after a group changes, it holds for this long (a new replica needs time to start and
       take load before it shows in the measurements).
     * ``reversal_s``: at least this long between a change and one in the opposite direction.
+    * ``down_window_s``: a group shrinks only to the most replicas its load asked for over this window (as
+      Kubernetes' HPA stabilization window): one quiet interval in noisy traffic does not remove a replica.
     * ``max_step_down``: replicas removed per decision at most (each removal drains its requests first).
     """
 
     scale_down_margin: float = 0.15
     cooldown_s: float = 60.0
     reversal_s: float = 60.0
+    down_window_s: float = 180.0
     max_step_down: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.scale_down_margin < 1:
             raise SettingsError(f"scale_down_margin must be in [0, 1), not {self.scale_down_margin}")
-        if self.cooldown_s < 0 or self.reversal_s < 0:
-            raise SettingsError("cooldown_s and reversal_s must be 0 or more seconds")
+        if min(self.cooldown_s, self.reversal_s, self.down_window_s) < 0:
+            raise SettingsError("cooldown_s, reversal_s and down_window_s must be 0 or more seconds")
         if self.max_step_down < 1:
             raise SettingsError(f"max_step_down must be 1 or more, not {self.max_step_down}")
 

@@ -72,7 +72,7 @@ def sla_sizing(
         need += decode_tokens / decode_cap
         cost += demand.osl / decode_cap
 
-    notes = _profile_notes(role, demand, context, profile, targets)
+    notes = _profile_notes(role, demand, context, profile, targets) if demand.request_rate > 0 else []
     over = _over_target(role, targets, observation)
     discount = 1.0
     if over is not None:
@@ -99,10 +99,13 @@ def sla_sizing(
             verdict = f"needs {replicas(need, role)} at {per_replica}: not enough to spare for one fewer"
         else:
             verdict = f"needs {replicas(up, role)} at {per_replica}"
-    traffic = (
-        f"predicted {amount(demand.request_rate)} req/s "
-        f"(ISL {amount(demand.isl)}, OSL {amount(demand.osl)} tokens) {verdict}"
-    )
+    if demand.request_rate > 0:
+        traffic = (
+            f"predicted {amount(demand.request_rate)} req/s "
+            f"(ISL {amount(demand.isl)}, OSL {amount(demand.osl)} tokens) {verdict}"
+        )
+    else:
+        traffic = "no requests predicted" + (f": {replicas(wanted)} enough" if wanted < current else "")
     return Sizing(wanted, "; ".join([*notes, traffic]))
 
 

@@ -16,8 +16,11 @@ from planner.settings import PredictorName, Role
 #: (10 req/s at ISL 1,000), a decode replica produces 1,000 tokens/s (10 req/s at OSL 100).
 FLAT_PROFILE = {
     "version": 1,
-    "prefill": {"ttft_s": 0.5, "points": [{"isl": 1000, "tokens_per_s": 10000}]},
-    "decode": {"itl_s": 0.05, "points": [{"context_tokens": 1000, "tokens_per_s": 1000}]},
+    "prefill": {"ttft_s": 0.5, "points": [{"isl": 100, "tokens_per_s": 10000}, {"isl": 10000, "tokens_per_s": 10000}]},
+    "decode": {
+        "itl_s": 0.05,
+        "points": [{"context_tokens": 100, "tokens_per_s": 1000}, {"context_tokens": 10000, "tokens_per_s": 1000}],
+    },
 }
 
 
@@ -47,7 +50,7 @@ def targets(
         advisory=advisory,
         predictor=predictor,
         load=load or LoadThresholds(),
-        stability=stability or Stability(cooldown_s=0, reversal_s=0),
+        stability=stability or Stability(cooldown_s=0, reversal_s=0, down_window_s=0),
     )
 
 
