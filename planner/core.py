@@ -16,7 +16,7 @@ from planner.predict import Predictor, make_predictor
 from planner.profile import Profile
 from planner.settings import PredictorName, Role, Targets
 from planner.sizing import Sizing, replicas, seconds
-from planner.sla_mode import Demand, missing_target, sla_sizing
+from planner.sla_mode import Demand, latency_note, missing_target, sla_sizing
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,9 @@ class Planner:
             fallback = "no request lengths seen yet: load mode"
         if fallback or profile is None or demand is None:
             sizing = load_sizing(group, targets.load, stability.scale_down_margin)
-            sizing = Sizing(sizing.wanted, f"{fallback}; {sizing.reason}")
+            latency = latency_note(group.role, group_targets, observation)
+            said = "; ".join(part for part in (fallback, latency, sizing.reason) if part)
+            sizing = Sizing(sizing.wanted, said)
             mode: Mode = "load"
         else:
             hit = observation.prefix_hit_rate or 0.0
@@ -184,7 +186,8 @@ class Planner:
         if drain:
             in_flight = sum(load.active_requests for load in group.loads if load.instance_id in drained)
             names = ", ".join(str(i) for i in drained) or "not yet reporting"
-            reason += f"; drain {replicas(drain)} (instance {names}: {in_flight} requests in flight finish first)"
+            requests = f"{in_flight} request{'' if in_flight == 1 else 's'}"
+            reason += f"; drain {replicas(drain)} (instance {names}: {requests} in flight to finish first)"
         if targets.advisory:
             reason += "; advisory: not acted on"
         return Decision(

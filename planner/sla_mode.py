@@ -75,9 +75,9 @@ def sla_sizing(
     notes = _profile_notes(role, demand, context, profile, targets) if demand.request_rate > 0 else []
     over = _over_target(role, targets, observation)
     discount = 1.0
-    if over is not None:
-        name, measured, target = over
-        said = f"{name} p{observation.percentile:g} {seconds(measured)} over target {seconds(target)}"
+    said = latency_note(role, targets, observation)
+    if over is not None and said is not None:
+        _, measured, target = over
         if current >= math.ceil(need - EPSILON) and need > 0:
             discount = max(MAX_DISCOUNT, target / measured)
             notes.insert(0, f"{said} with enough replicas by the profile: its capacity taken at {percent(discount)}")
@@ -109,9 +109,22 @@ def sla_sizing(
     return Sizing(wanted, "; ".join([*notes, traffic]))
 
 
+def latency_note(role: Role, targets: GroupTargets, observation: Observation) -> str | None:
+    """``TTFT p90 0.82 s over target 0.50 s`` when the latency of ``role``'s phase is (None: it is not, or
+    it was measured at another percentile than the target's)."""
+    over = _over_target(role, targets, observation)
+    if over is None:
+        return None
+    name, measured, target = over
+    return f"{name} p{observation.percentile:g} {seconds(measured)} over target {seconds(target)}"
+
+
 def _over_target(role: Role, targets: GroupTargets, observation: Observation) -> tuple[str, float, float] | None:
     """The measured latency of ``role``'s phase that is over its target, if one is (the worse one for an
-    aggregated group, as a share of its target)."""
+    aggregated group, as a share of its target). A latency measured at another percentile says nothing of
+    the target's."""
+    if observation.percentile != targets.percentile:
+        return None
     found: list[tuple[str, float, float]] = []
     if role in ("prefill", "aggregated") and targets.ttft_s and observation.ttft_s:
         found.append(("TTFT", observation.ttft_s, targets.ttft_s))

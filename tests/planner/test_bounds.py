@@ -60,7 +60,7 @@ def test_a_scale_down_never_goes_below_the_replicas_the_in_flight_kv_needs() -> 
     assert (decision.wanted, decision.desired, decision.bound) == (1, 3, "in_flight")
     assert "held at 3 by the KV in use (1.80 replicas' worth) needs 3 under 80%" in decision.reason
     assert decision.drain == 1
-    assert "drain 1 replica (instance 0: 3 requests in flight finish first)" in decision.reason
+    assert "drain 1 replica (instance 0: 3 requests in flight to finish first)" in decision.reason
 
 
 def test_a_scale_down_removes_at_most_one_replica_at_once_and_drains_the_least_busy() -> None:

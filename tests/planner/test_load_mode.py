@@ -30,7 +30,7 @@ def test_every_replica_under_the_down_thresholds_removes_one_replica_and_drains_
     (decision,) = Planner().decide(100.0, targets(), observation(g))
     assert (decision.current, decision.desired, decision.drain, decision.drain_instances) == (3, 2, 1, (2,))
     assert "fits in 2 replicas with the margin" in decision.reason
-    assert "drain 1 replica (instance 2: 1 requests in flight finish first)" in decision.reason
+    assert "drain 1 replica (instance 2: 1 request in flight to finish first)" in decision.reason
 
 
 def test_a_scale_down_that_would_push_the_rest_over_the_up_threshold_is_not_made() -> None:

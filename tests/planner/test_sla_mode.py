@@ -1,6 +1,7 @@
 """SLA mode: each group sized from the profile's capacity at the targets, and the fallback without one."""
 
 import math
+from dataclasses import replace
 
 from planner import GroupObservation, Planner, Profile
 from tests.planner.factories import FLAT_PROFILE, flat_profile, group, observation, targets
@@ -65,10 +66,17 @@ def test_cached_prompt_tokens_are_not_counted_as_prefill_work() -> None:
 
 
 def test_without_a_profile_the_planner_uses_load_mode_and_says_so() -> None:
-    obs = observation(group("decode", 2, kv=0.9), rate=25.0)
+    obs = observation(group("decode", 2, kv=0.9), rate=25.0, itl=0.08)
     (decision,) = Planner().decide(100.0, targets(), obs, None)
     assert (decision.mode, decision.desired) == ("load", 3)
-    assert decision.reason.startswith("no profile: load mode; ")
+    assert decision.reason.startswith("no profile: load mode; ITL p90 0.08 s over target 0.05 s; instance 1's KV")
+
+
+def test_a_latency_measured_at_another_percentile_is_not_compared_with_the_target() -> None:
+    obs = replace(observation(group("prefill", 2), rate=18.0, ttft=0.8), percentile=50.0)
+    (decision,) = Planner().decide(100.0, targets(), obs, flat_profile())
+    assert decision.desired == 2
+    assert "TTFT" not in decision.reason
 
 
 def test_without_an_itl_target_the_decode_group_falls_back_to_load_mode_and_says_so() -> None:
