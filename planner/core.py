@@ -77,7 +77,9 @@ class Planner:
                 Decision(g.role, g.replicas, g.replicas, g.replicas, "off", "planner off for this pipeline")
                 for g in observation.groups
             ]
-        drafts = [self._size(now, targets, observation, profile, group) for group in observation.groups]
+        drafts = [
+            self._bound(now, targets, self._size(targets, observation, profile, group)) for group in observation.groups
+        ]
         self._fit_budget(targets, drafts)
         decisions = [self._decision(targets, draft) for draft in drafts]
         for decision in decisions:
@@ -93,8 +95,9 @@ class Planner:
             self._osl.observe(observation.mean_osl)
 
     def _size(
-        self, now: float, targets: Targets, observation: Observation, profile: Profile | None, group: GroupObservation
+        self, targets: Targets, observation: Observation, profile: Profile | None, group: GroupObservation
     ) -> _Draft:
+        """What ``group``'s load asks for, by its profile (SLA mode) or its thresholds (load mode)."""
         group_targets = targets.for_group(group.role)
         stability = targets.stability
         demand = self.demand()
@@ -116,9 +119,15 @@ class Planner:
             demand = Demand(demand.request_rate, demand.isl, demand.osl, min(max(hit, 0.0), 1.0))
             sizing = sla_sizing(group, demand, profile, group_targets, observation, stability.scale_down_margin)
             mode = "sla"
-        draft = _Draft(group, mode, sizing, sizing.wanted, min_replicas=group_targets.min_replicas)
-        current = group.replicas
+        return _Draft(group, mode, sizing, sizing.wanted, min_replicas=group_targets.min_replicas)
 
+    def _bound(self, now: float, targets: Targets, draft: _Draft) -> _Draft:
+        """``draft`` held within its group's bounds (all but the budget, which spans the groups), in the order
+        docs/planner.md gives; the last bound that moved it is the one named."""
+        group, mode, sizing = draft.group, draft.mode, draft.sizing
+        group_targets = targets.for_group(group.role)
+        stability = targets.stability
+        current = group.replicas
         recent = self._wanted.setdefault(group.role, deque())
         recent.append((now, sizing.wanted))
         while recent and recent[0][0] < now - stability.down_window_s:
