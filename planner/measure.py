@@ -1,0 +1,265 @@
+"""From what the fleet reports to an ``Observation``: pure functions over snapshots, no scraping here.
+
+The ingress exposes cumulative Prometheus histograms (frontend_gateway/metrics.py); the planner needs what
+happened over one interval, so it takes two snapshots and works on their difference, as PromQL's
+``histogram_quantile(q, rate(..._bucket[interval]))`` does. Workers report ``WorkerLoad`` once a second per
+dp rank (runtime/kv/events.py); ``replica_loads`` folds the latest reports into one ``ReplicaLoad`` per
+instance.
+"""
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from planner.errors import PlannerError
+from planner.observation import GroupObservation, Observation, ReplicaLoad
+from runtime.kv.events import WorkerLoad
+
+#: The ingress's metric names, after its default prefix (frontend_gateway/metrics.py).
+TTFT = "time_to_first_token_seconds"
+ITL = "inter_token_latency_seconds"
+INPUT_TOKENS = "input_sequence_tokens"
+OUTPUT_TOKENS = "output_sequence_tokens"
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """A cumulative histogram at one moment: ``buckets`` are (upper bound, observations at or under it) in
+    increasing order, the last bound ``inf``; ``total`` is the sum of the observed values."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float = 0.0
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1] if self.buckets else 0.0
+
+    def __add__(self, other: "HistogramSnapshot") -> "HistogramSnapshot":
+        """Two ingresses' histograms of the same metric, as one (their buckets must match)."""
+        if not self.buckets:
+            return other
+        if not other.buckets:
+            return self
+        _same_bounds(self, other)
+        buckets = tuple((le, a + b) for (le, a), (_, b) in zip(self.buckets, other.buckets, strict=True))
+        return HistogramSnapshot(buckets, self.total + other.total)
+
+
+EMPTY = HistogramSnapshot(())
+
+
+def _same_bounds(a: HistogramSnapshot, b: HistogramSnapshot) -> None:
+    if [le for le, _ in a.buckets] != [le for le, _ in b.buckets]:
+        raise PlannerError("histogram snapshots have different buckets")
+
+
+def histogram_delta(before: HistogramSnapshot, after: HistogramSnapshot) -> HistogramSnapshot:
+    """What was observed between two snapshots. A counter that went down means the process restarted and
+    counted from zero: then everything in ``after`` happened in the interval (as Prometheus' ``increase``)."""
+    if not before.buckets:
+        return after
+    if not after.buckets:
+        return EMPTY
+    _same_bounds(before, after)
+    deltas = [(le, b - a) for (le, a), (_, b) in zip(before.buckets, after.buckets, strict=True)]
+    if any(d < 0 for _, d in deltas) or after.total < before.total:
+        return after
+    return HistogramSnapshot(tuple(deltas), after.total - before.total)
+
+
+def histogram_quantile(q: float, histogram: HistogramSnapshot) -> float | None:
+    """The ``q`` quantile (0..1) of a histogram's observations, interpolated linearly inside the bucket it
+    falls in, as Prometheus' ``histogram_quantile``; None when it holds no observation. A quantile in the
+    ``+Inf`` bucket is reported as the highest finite bound (all that can be said: "at least this")."""
+    if not 0 <= q <= 1:
+        raise PlannerError(f"quantile must be in [0, 1], not {q}")
+    total = histogram.count
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, cumulative in histogram.buckets:
+        if cumulative >= rank and cumulative > below:
+            if math.isinf(upper):
+                return lower
+            if upper <= 0:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (cumulative - below)
+        lower, below = upper, cumulative
+    return lower
+
+
+def histogram_mean(histogram: HistogramSnapshot) -> float | None:
+    """The mean observed value (None: no observation)."""
+    return histogram.total / histogram.count if histogram.count > 0 else None
+
+
+def counter_increase(before: float, after: float) -> float:
+    """How much a counter grew; one that went down restarted from zero, so all of ``after`` is new."""
+    return after - before if after >= before else after
+
+
+def counter_rate(before: float, after: float, seconds: float) -> float:
+    """A counter's growth per second over ``seconds``."""
+    if seconds <= 0:
+        raise PlannerError(f"an interval must be positive, not {seconds} s")
+    return counter_increase(before, after) / seconds
+
+
+def histogram_from_exposition(text: str, name: str, labels: Mapping[str, str]) -> HistogramSnapshot:
+    """The histogram ``name`` (its full name, without ``_bucket``) whose labels include ``labels``, from a
+    Prometheus text exposition; series that match are added (EMPTY when none does)."""
+    found = EMPTY
+    for family in text_string_to_metric_families(text):
+        if family.name != name or family.type != "histogram":
+            continue
+        series: dict[tuple[tuple[str, str], ...], tuple[dict[float, float], list[float]]] = {}
+        for sample in family.samples:
+            if any(sample.labels.get(k) != v for k, v in labels.items()):
+                continue
+            key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            bounds, total = series.setdefault(key, ({}, [0.0]))
+            if sample.name == f"{name}_bucket":
+                bounds[float(sample.labels["le"])] = float(sample.value)
+            elif sample.name == f"{name}_sum":
+                total[0] = float(sample.value)
+        for bounds, total in series.values():
+            found = found + HistogramSnapshot(tuple(sorted(bounds.items())), total[0])
+    return found
+
+
+@dataclass(frozen=True)
+class IngressSnapshot:
+    """The ingress histograms of one model at one moment (``at_s``: the caller's clock, in seconds)."""
+
+    at_s: float
+    ttft: HistogramSnapshot = EMPTY
+    itl: HistogramSnapshot = EMPTY
+    input_tokens: HistogramSnapshot = EMPTY
+    output_tokens: HistogramSnapshot = EMPTY
+
+    def __add__(self, other: "IngressSnapshot") -> "IngressSnapshot":
+        """Two ingresses' snapshots of the same model taken together (the later moment is kept)."""
+        return IngressSnapshot(
+            max(self.at_s, other.at_s),
+            self.ttft + other.ttft,
+            self.itl + other.itl,
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+        )
+
+
+def ingress_snapshot(text: str, model: str, at_s: float, prefix: str = "flotilla_frontend") -> IngressSnapshot:
+    """``model``'s histograms in one ingress's ``/metrics`` text."""
+    labels = {"model": model}
+    return IngressSnapshot(
+        at_s,
+        ttft=histogram_from_exposition(text, f"{prefix}_{TTFT}", labels),
+        itl=histogram_from_exposition(text, f"{prefix}_{ITL}", labels),
+        input_tokens=histogram_from_exposition(text, f"{prefix}_{INPUT_TOKENS}", labels),
+        output_tokens=histogram_from_exposition(text, f"{prefix}_{OUTPUT_TOKENS}", labels),
+    )
+
+
+@dataclass(frozen=True)
+class IngressStats:
+    """The traffic of one interval: requests per second finished, mean prompt and completion lengths, and
+    TTFT and ITL at ``percentile`` (None where nothing was observed)."""
+
+    interval_s: float
+    request_rate: float
+    mean_isl: float | None
+    mean_osl: float | None
+    percentile: float
+    ttft_s: float | None
+    itl_s: float | None
+
+
+def ingress_stats(before: IngressSnapshot, after: IngressSnapshot, percentile: float = 90.0) -> IngressStats:
+    """What happened between two snapshots. Every finished request observes its prompt length once, so the
+    input-length histogram's count is the request count."""
+    seconds = after.at_s - before.at_s
+    if seconds <= 0:
+        raise PlannerError(f"the second snapshot must be later than the first ({before.at_s} → {after.at_s})")
+    q = percentile / 100
+    inputs = histogram_delta(before.input_tokens, after.input_tokens)
+    return IngressStats(
+        interval_s=seconds,
+        request_rate=inputs.count / seconds,
+        mean_isl=histogram_mean(inputs),
+        mean_osl=histogram_mean(histogram_delta(before.output_tokens, after.output_tokens)),
+        percentile=percentile,
+        ttft_s=histogram_quantile(q, histogram_delta(before.ttft, after.ttft)),
+        itl_s=histogram_quantile(q, histogram_delta(before.itl, after.itl)),
+    )
+
+
+def replica_loads(
+    reports: Iterable[WorkerLoad],
+    *,
+    queued_prefill_tokens: Mapping[int, float] | None = None,
+    mean_isl: float | None = None,
+) -> tuple[ReplicaLoad, ...]:
+    """One ``ReplicaLoad`` per instance, from the latest report of each of its dp ranks (a later report of
+    the same rank replaces an earlier one), ordered by instance id.
+
+    KV usage is the instance's blocks in use over its blocks, where every rank says both; otherwise the mean
+    of the ranks' ``kv_usage``. Queued prompt tokens come from ``queued_prefill_tokens`` (by instance: what a
+    router knows it sent and was not yet computed); without them they are estimated as waiting requests
+    times ``mean_isl``; without either, unknown.
+    """
+    latest: dict[tuple[int, int], WorkerLoad] = {}
+    for report in reports:
+        latest[(report.instance_id, report.dp_rank)] = report
+    ranks: dict[int, list[WorkerLoad]] = {}
+    for (instance_id, _), report in sorted(latest.items()):
+        ranks.setdefault(instance_id, []).append(report)
+    loads = []
+    for instance_id, rank_reports in ranks.items():
+        queued: float | None = None
+        if queued_prefill_tokens is not None and instance_id in queued_prefill_tokens:
+            queued = float(queued_prefill_tokens[instance_id])
+        elif mean_isl is not None and all(r.waiting is not None for r in rank_reports):
+            queued = sum(r.waiting or 0 for r in rank_reports) * mean_isl
+        loads.append(
+            ReplicaLoad(
+                instance_id=instance_id,
+                active_requests=sum(r.active_requests for r in rank_reports),
+                queued_prefill_tokens=queued,
+                kv_usage=_kv_usage(rank_reports),
+            )
+        )
+    return tuple(loads)
+
+
+def _kv_usage(reports: Sequence[WorkerLoad]) -> float | None:
+    if all(r.kv_active_blocks is not None and r.kv_total_blocks for r in reports):
+        total = sum(r.kv_total_blocks or 0 for r in reports)
+        return sum(r.kv_active_blocks or 0 for r in reports) / total
+    usages = [r.kv_usage for r in reports if r.kv_usage is not None]
+    return sum(usages) / len(usages) if usages else None
+
+
+def prefix_hit_rate(reports: Iterable[WorkerLoad]) -> float | None:
+    """The mean prefix hit rate the ranks report (None: none reports one)."""
+    rates = [r.prefix_hit_rate for r in reports if r.prefix_hit_rate is not None]
+    return sum(rates) / len(rates) if rates else None
+
+
+def observation(
+    stats: IngressStats, groups: Sequence[GroupObservation], *, prefix_hit_rate: float | None = None
+) -> Observation:
+    """The planner's input for one interval."""
+    return Observation(
+        interval_s=stats.interval_s,
+        request_rate=stats.request_rate,
+        mean_isl=stats.mean_isl,
+        mean_osl=stats.mean_osl,
+        percentile=stats.percentile,
+        ttft_s=stats.ttft_s,
+        itl_s=stats.itl_s,
+        prefix_hit_rate=prefix_hit_rate,
+        groups=tuple(groups),
+    )

@@ -1,0 +1,133 @@
+"""From the ingress's histograms and the workers' load reports to an Observation."""
+
+import pytest
+
+from frontend_gateway.metrics import GatewayMetrics
+from planner import GroupObservation, PlannerError
+from planner.measure import (
+    HistogramSnapshot,
+    IngressSnapshot,
+    counter_rate,
+    histogram_delta,
+    histogram_quantile,
+    ingress_snapshot,
+    ingress_stats,
+    observation,
+    replica_loads,
+)
+from runtime.kv.events import WorkerLoad
+
+INF = float("inf")
+
+
+def snapshot(
+    counts: list[float], total: float = 0.0, bounds: tuple[float, ...] = (0.1, 0.5, 1.0, INF)
+) -> HistogramSnapshot:
+    """Cumulative buckets from per-bucket counts."""
+    cumulative, running = [], 0.0
+    for count in counts:
+        running += count
+        cumulative.append(running)
+    return HistogramSnapshot(tuple(zip(bounds, cumulative, strict=True)), total)
+
+
+def test_the_p90_of_an_interval_is_interpolated_inside_its_bucket() -> None:
+    # 100 observations: 50 under 0.1 s, 40 in (0.1, 0.5], 10 in (0.5, 1.0]. The 90th is the last of the
+    # second bucket: 0.5 s; the 95th is half-way through the third: 0.75 s.
+    histogram = snapshot([50, 40, 10, 0])
+    assert histogram_quantile(0.90, histogram) == pytest.approx(0.5)
+    assert histogram_quantile(0.95, histogram) == pytest.approx(0.75)
+    assert histogram_quantile(0.25, histogram) == pytest.approx(0.05)
+
+
+def test_the_quantile_of_an_interval_uses_only_that_intervals_observations() -> None:
+    before = snapshot([1000, 0, 0, 0], total=50.0)  # a fast past
+    after = snapshot([1000, 0, 10, 0], total=58.0)  # ten slow requests in this interval
+    delta = histogram_delta(before, after)
+    assert delta.count == 10
+    assert histogram_quantile(0.9, delta) == pytest.approx(0.95)
+    assert histogram_quantile(0.9, after) < 0.1  # the lifetime figure would hide them
+
+
+def test_a_counter_reset_counts_everything_after_it() -> None:
+    before = snapshot([500, 500, 0, 0], total=100.0)
+    after = snapshot([2, 1, 0, 0], total=0.5)  # the ingress restarted
+    assert histogram_delta(before, after) == after
+    assert counter_rate(1000.0, 30.0, 10.0) == 3.0
+    assert counter_rate(1000.0, 1030.0, 10.0) == 3.0
+
+
+def test_a_quantile_in_the_inf_bucket_is_the_highest_finite_bound() -> None:
+    assert histogram_quantile(0.99, snapshot([0, 0, 1, 9])) == 1.0
+
+
+def test_an_interval_without_observations_has_no_quantile() -> None:
+    assert histogram_quantile(0.9, snapshot([0, 0, 0, 0])) is None
+    assert histogram_quantile(0.9, HistogramSnapshot(())) is None
+
+
+def test_snapshots_with_different_buckets_are_refused() -> None:
+    with pytest.raises(PlannerError, match="different buckets"):
+        histogram_delta(snapshot([1, 0, 0, 0]), snapshot([1, 0, 0], bounds=(0.1, 1.0, INF)))
+
+
+def test_two_ingresses_histograms_add_up() -> None:
+    assert (snapshot([1, 2, 0, 0], 1.0) + snapshot([3, 0, 1, 0], 2.0)) == snapshot([4, 2, 1, 0], 3.0)
+
+
+def _serve(metrics: GatewayMetrics, requests: int, ttft: float, isl: int, osl: int) -> None:
+    model = metrics.for_model("smol")
+    for _ in range(requests):
+        model.ttft.observe(ttft)
+        model.inter_token_latency.observe(0.02)
+        model.finished(
+            endpoint="chat", streaming=True, status="success", duration=1.0, prompt_tokens=isl, completion_tokens=osl
+        )
+
+
+def test_ingress_stats_come_from_two_expositions_of_the_gateways_metrics() -> None:
+    metrics = GatewayMetrics()
+    _serve(metrics, 50, ttft=0.03, isl=100, osl=10)
+    before = ingress_snapshot(metrics.exposition().decode(), "smol", at_s=100.0)
+    _serve(metrics, 90, ttft=0.2, isl=2000, osl=300)
+    _serve(metrics, 10, ttft=3.0, isl=2000, osl=300)
+    after = ingress_snapshot(metrics.exposition().decode(), "smol", at_s=110.0)
+    stats = ingress_stats(before, after, percentile=90)
+    assert stats.interval_s == 10.0
+    assert stats.request_rate == pytest.approx(10.0)
+    assert (stats.mean_isl, stats.mean_osl) == (pytest.approx(2000.0), pytest.approx(300.0))
+    assert stats.ttft_s == pytest.approx(0.25)  # the 90th of 100 is the last in the (0.1, 0.25] bucket
+    assert stats.itl_s == pytest.approx(0.01 + 0.015 * 0.9)  # all in (0.01, 0.025]: 90% of the way
+    assert ingress_snapshot(metrics.exposition().decode(), "other", at_s=0.0) == IngressSnapshot(0.0)
+
+
+def test_replica_loads_fold_dp_ranks_and_keep_each_ranks_latest_report() -> None:
+    reports = [
+        WorkerLoad(instance_id=7, dp_rank=0, active_requests=9, kv_active_blocks=90, kv_total_blocks=100),
+        WorkerLoad(instance_id=7, dp_rank=0, active_requests=3, waiting=1, kv_active_blocks=30, kv_total_blocks=100),
+        WorkerLoad(instance_id=7, dp_rank=1, active_requests=2, waiting=2, kv_active_blocks=10, kv_total_blocks=100),
+        WorkerLoad(instance_id=4, active_requests=1, kv_usage=0.5),
+    ]
+    loads = replica_loads(reports, queued_prefill_tokens={4: 700}, mean_isl=1000.0)
+    assert [load.instance_id for load in loads] == [4, 7]
+    four, seven = loads
+    assert (four.active_requests, four.kv_usage, four.queued_prefill_tokens) == (1, 0.5, 700.0)
+    assert (seven.active_requests, seven.kv_usage) == (5, pytest.approx(0.2))
+    assert seven.queued_prefill_tokens == 3000.0  # 3 waiting × ISL 1,000, estimated: no router count for it
+
+
+def test_queued_prompt_tokens_are_unknown_without_a_router_count_or_waiting_requests() -> None:
+    (load,) = replica_loads([WorkerLoad(instance_id=1, active_requests=2)], mean_isl=1000.0)
+    assert load.queued_prefill_tokens is None
+
+
+def test_an_observation_carries_the_interval_and_its_groups() -> None:
+    metrics = GatewayMetrics()
+    before = ingress_snapshot(metrics.exposition().decode(), "smol", at_s=0.0)
+    _serve(metrics, 20, ttft=0.03, isl=100, osl=10)
+    stats = ingress_stats(before, ingress_snapshot(metrics.exposition().decode(), "smol", at_s=5.0))
+    obs = observation(stats, [GroupObservation("aggregated", 1)], prefix_hit_rate=0.3)
+    assert (obs.request_rate, obs.percentile, obs.prefix_hit_rate) == (4.0, 90.0, 0.3)
+    assert obs.group("aggregated") is not None and obs.group("decode") is None
+    with pytest.raises(PlannerError, match="later"):
+        ingress_stats(before, before)
