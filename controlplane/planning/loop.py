@@ -190,6 +190,8 @@ class PlannerLoop:
         try:
             return await scrape_gateway(self._http, self.gateway_url)
         except ScrapeFailed as exc:
+            # The next reading starts a fresh interval: one spanning the outage would average over it.
+            self._snapshots.clear()
             report.problems.append(str(exc))
             self._gateway_failures.warning(
                 f"planner: the gateway's metrics are unreadable ({exc}); planning in load mode on the workers' reports"
