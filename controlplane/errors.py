@@ -21,6 +21,15 @@ class Invalid(ControlPlaneError):
         self.field = field
 
 
+class InvalidDocument(Invalid):
+    """A JSON document with several problems, each as (path inside it, what is wrong); the API answers them
+    as field errors, the path as the field ("" is the whole document)."""
+
+    def __init__(self, message: str, problems: list[tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 class Conflict(ControlPlaneError):
     """The record is not in a state that allows the action (stop what is already stopped, ...)."""
 

@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "controlplane.catalog",
     "controlplane.fleet",
     "controlplane.deployments",
+    "controlplane.planning",
     "controlplane.apikeys",
     "controlplane.dashboard",
     "controlplane.live",

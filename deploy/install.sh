@@ -6,7 +6,7 @@
 #     /opt/flotilla/venv, a Python 3.11 virtual environment with it installed (editable: the control plane
 #     finds its templates, static files and manage.py beside its package, which a wheel would not carry), plus
 #     llama-cpp-python from .wheels/ when `make install` built it there, and the default model;
-#   * /etc/flotilla/{controlplane,live-bridge,agent,ingress}.env from deploy/systemd/env/, each only if it does
+#   * /etc/flotilla/{controlplane,live-bridge,planner,agent,ingress}.env from deploy/systemd/env/, each only if it does
 #     not exist (an existing one is never overwritten: compare it with the new template yourself), and
 #     worker.env.example;
 #   * the units of deploy/systemd/ in /etc/systemd/system/ (replaced: they are code, settings live in the env
@@ -182,10 +182,10 @@ fi
 cat <<EOF
 
 Installed. Next steps:
-  1. Review /etc/flotilla/controlplane.env, live-bridge.env, agent.env and ingress.env.
+  1. Review /etc/flotilla/controlplane.env, live-bridge.env, planner.env, agent.env and ingress.env.
   2. The control plane, its reconciler, the dashboard's live-update bridge and the gateway:
        systemctl enable --now flotilla-controlplane flotilla-celery-worker flotilla-celery-beat \\
-         flotilla-live-bridge flotilla-ingress
+         flotilla-live-bridge flotilla-planner flotilla-ingress
   3. A first admin (a dashboard login), and this node's agent token (its node name: \`hostname -s\`, or
      FLOTILLA_NODE_NAME in agent.env), with manage.py run as $USER_NAME with the control plane's settings:
        manage() { runuser -u $USER_NAME -- sh -c 'set -a; . /etc/flotilla/controlplane.env; exec \\

@@ -6,7 +6,16 @@ class PlannerError(Exception):
 
 
 class SettingsError(PlannerError, ValueError):
-    """A target or setting that cannot be planned with (a negative bound, a percentile out of range...)."""
+    """A target or setting that cannot be planned with (a negative bound, a percentile out of range...).
+
+    ``field`` is the setting at fault as the JSON form writes it (``groups.prefill.ttft_s``; "" when the
+    whole is), so that the control plane can put the message next to the field.
+    """
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
 
 
 class ProfileError(PlannerError, ValueError):

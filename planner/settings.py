@@ -37,14 +37,17 @@ class GroupTargets:
     def __post_init__(self) -> None:
         for name, value in (("ttft_s", self.ttft_s), ("itl_s", self.itl_s)):
             if value is not None and not (math.isfinite(value) and value > 0):
-                raise SettingsError(f"{name} must be a positive number of seconds, not {value!r}")
+                raise SettingsError(f"{name} must be a positive number of seconds, not {value!r}", field=name)
         if not 0 < self.percentile < 100:
-            raise SettingsError(f"percentile must be between 0 and 100 (exclusive), not {self.percentile!r}")
+            raise SettingsError(
+                f"percentile must be between 0 and 100 (exclusive), not {self.percentile!r}", field="percentile"
+            )
         if self.min_replicas < 0:
-            raise SettingsError(f"min_replicas must be 0 or more, not {self.min_replicas}")
+            raise SettingsError(f"min_replicas must be 0 or more, not {self.min_replicas}", field="min_replicas")
         if self.max_replicas < max(self.min_replicas, 1):
             raise SettingsError(
-                f"max_replicas ({self.max_replicas}) must be at least min_replicas ({self.min_replicas}) and 1"
+                f"max_replicas ({self.max_replicas}) must be at least min_replicas ({self.min_replicas}) and 1",
+                field="max_replicas",
             )
 
 
@@ -67,11 +70,13 @@ class LoadThresholds:
         if not 0 <= self.prefill_queue_down_tokens < self.prefill_queue_up_tokens:
             raise SettingsError(
                 "prefill_queue_down_tokens must be 0 or more and under prefill_queue_up_tokens "
-                f"({self.prefill_queue_down_tokens} vs {self.prefill_queue_up_tokens})"
+                f"({self.prefill_queue_down_tokens} vs {self.prefill_queue_up_tokens})",
+                field="prefill_queue_down_tokens",
             )
         if not 0 <= self.kv_usage_down < self.kv_usage_up <= 1:
             raise SettingsError(
-                f"need 0 <= kv_usage_down < kv_usage_up <= 1 (got {self.kv_usage_down} and {self.kv_usage_up})"
+                f"need 0 <= kv_usage_down < kv_usage_up <= 1 (got {self.kv_usage_down} and {self.kv_usage_up})",
+                field="kv_usage_down",
             )
 
 
@@ -97,11 +102,14 @@ class Stability:
 
     def __post_init__(self) -> None:
         if not 0 <= self.scale_down_margin < 1:
-            raise SettingsError(f"scale_down_margin must be in [0, 1), not {self.scale_down_margin}")
-        if min(self.cooldown_s, self.reversal_s, self.down_window_s) < 0:
-            raise SettingsError("cooldown_s, reversal_s and down_window_s must be 0 or more seconds")
+            raise SettingsError(
+                f"scale_down_margin must be in [0, 1), not {self.scale_down_margin}", field="scale_down_margin"
+            )
+        for name in ("cooldown_s", "reversal_s", "down_window_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be 0 or more seconds", field=name)
         if self.max_step_down < 1:
-            raise SettingsError(f"max_step_down must be 1 or more, not {self.max_step_down}")
+            raise SettingsError(f"max_step_down must be 1 or more, not {self.max_step_down}", field="max_step_down")
 
 
 @dataclass(frozen=True)
@@ -124,12 +132,12 @@ class Targets:
 
     def __post_init__(self) -> None:
         if self.gpu_budget is not None and self.gpu_budget < 0:
-            raise SettingsError(f"gpu_budget must be 0 or more GPUs, not {self.gpu_budget}")
+            raise SettingsError(f"gpu_budget must be 0 or more GPUs, not {self.gpu_budget}", field="gpu_budget")
         for role in self.groups:
             if role not in ROLES:
-                raise SettingsError(f"unknown group role {role!r} (one of {', '.join(ROLES)})")
+                raise SettingsError(f"unknown group role {role!r} (one of {', '.join(ROLES)})", field=f"groups.{role}")
         if self.predictor not in ("constant", "trend"):
-            raise SettingsError(f"unknown predictor {self.predictor!r} (constant or trend)")
+            raise SettingsError(f"unknown predictor {self.predictor!r} (constant or trend)", field="predictor")
 
     def for_group(self, role: Role) -> GroupTargets:
         """The targets of ``role``'s group: its own, or the pipeline's."""

@@ -7,7 +7,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from controlplane.errors import Conflict, ControlPlaneError, Forbidden, Invalid, Missing
+from controlplane.errors import Conflict, ControlPlaneError, Forbidden, Invalid, InvalidDocument, Missing
 
 
 class ConflictError(exceptions.APIException):
@@ -26,6 +26,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
 
 def _translate(exc: Exception) -> Exception:
+    if isinstance(exc, InvalidDocument):
+        fields: dict[str, list[str]] = {}
+        for path, message in exc.problems:
+            fields.setdefault(path or "non_field_errors", []).append(message)
+        return exceptions.ValidationError(fields)
     if isinstance(exc, Invalid):
         detail: Any = {exc.field: [exc.message]} if exc.field else {"non_field_errors": [exc.message]}
         return exceptions.ValidationError(detail)

@@ -8,6 +8,7 @@ urlpatterns = [
     path("", include("controlplane.catalog.api.urls")),
     path("", include("controlplane.fleet.api.urls")),
     path("", include("controlplane.deployments.api.urls")),
+    path("", include("controlplane.planning.api.urls")),
     path("", include("controlplane.audit.api.urls")),
     path("", include("controlplane.accounts.api.urls")),
     path("", include("controlplane.health.api.urls")),

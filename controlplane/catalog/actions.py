@@ -18,7 +18,9 @@ from controlplane.catalog.engines import GGUF_ONLY_ENGINES
 from controlplane.catalog.local_roots import check_local_source
 from controlplane.catalog.memory import estimate_memory_bytes, read_local_model
 from controlplane.catalog.models import LanguageModel, validate_model_name
-from controlplane.errors import Conflict, Invalid
+from controlplane.errors import Conflict, Invalid, InvalidDocument
+from planner.errors import ProfileError
+from planner.profile import Profile
 
 # Fields an action may set; everything else is the database's.
 MODEL_FIELDS = frozenset(
@@ -110,6 +112,24 @@ def record_model_size(actor: Actor, model: LanguageModel, size_bytes: int) -> bo
     model.save()
     record(actor, "model.update", model, before=before, after=snapshot(model))
     return True
+
+
+@transaction.atomic
+def set_profile(actor: Actor, model: LanguageModel, profile: Any) -> LanguageModel:
+    """Store the model's profile (a decoded JSON document, as planner/profile.py reads it), or remove it
+    (None). Stored as given, so that notes and unknown-to-the-planner keys it accepts stay. Raises
+    InvalidDocument listing every problem with its path (``decode.points[1].tokens_per_s``)."""
+    if profile is not None:
+        try:
+            Profile.from_dict(profile)
+        except ProfileError as exc:
+            raise InvalidDocument(f"the profile does not validate: {exc}", exc.problems) from exc
+    model = LanguageModel.objects.select_for_update().get(pk=model.pk)
+    before = snapshot(model)
+    model.profile = profile
+    model.save(update_fields=["profile", "updated_at"])
+    record(actor, "model.profile", model, before=before, after=snapshot(model))
+    return model
 
 
 @transaction.atomic

@@ -42,6 +42,9 @@ class LanguageModel(models.Model):
     memory_estimated = models.BooleanField(default=False)
     context_length = models.PositiveIntegerField(null=True, blank=True)  # tokens; None: the model's own
     config = models.JSONField(default=dict, blank=True)  # what the estimate reads of its config.json
+    # Measured capacity at latency targets, for the planner's SLA mode (planner/profile.py's document);
+    # None: no profile, and pipelines of this model are planned in load mode.
+    profile = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -22,6 +22,7 @@ from controlplane.audit.records import Actor
 from controlplane.dashboard import partials
 from controlplane.dashboard.access import ACT_ROLE, role_required
 from controlplane.dashboard.forms import ScaleForm
+from controlplane.dashboard.planner_panel import PlannerForm
 from controlplane.deployments import evacuation
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments import pipelines as pipeline_actions
@@ -46,6 +47,29 @@ def pipeline_scale(request: HttpRequest, pk: int) -> HttpResponseBase:
         lambda actor: pipeline_actions.scale_pipeline(actor, pipeline, replicas, role),
         lambda: _pipeline_answer(request, pipeline, f"{pipeline.name} scaled to {replicas}."),
         lambda note, status: _pipeline_answer(request, pipeline, f"Not scaled: {note}", status=status),
+    )
+
+
+@role_required(ACT_ROLE)
+@require_POST
+def pipeline_planner(request: HttpRequest, pk: int) -> HttpResponseBase:
+    """The planner panel's form: the mode and the targets every group shares."""
+    pipeline = get_object_or_404(Pipeline, pk=pk)
+    page = reverse("dashboard:pipeline", args=[pk])
+
+    def answer(note: str, status: int = 200) -> HttpResponseBase:
+        return _answer(request, partials.render_pipeline_planner(pk), note, status=status, page=page)
+
+    form = PlannerForm(request.POST)
+    if not form.is_valid():
+        problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in form.errors.items())
+        return answer(f"Planner settings not saved: {problems}", 400)
+    document = form.document(pipeline.planner)
+    return _act(
+        request,
+        lambda actor: pipeline_actions.update_pipeline(actor, pipeline, planner=document),
+        lambda: answer(f"Planner settings of {pipeline.name} saved."),
+        lambda note, status: answer(f"Planner settings not saved: {note}", status),
     )
 
 

@@ -33,7 +33,7 @@ from django.template.loader import render_to_string
 from django.utils.html import format_html
 
 from controlplane.audit.models import AuditEntry
-from controlplane.dashboard import queries
+from controlplane.dashboard import planner_panel, queries
 from controlplane.deployments.models import Instance, Pipeline
 
 # The element live audit entries are put at the top of (the overview's recent events).
@@ -130,6 +130,14 @@ def render_download(download_id: int) -> str:
     if any). Raises ``Download.DoesNotExist``."""
     download = queries.downloads_with_names().get(pk=download_id)
     return render_to_string("dashboard/partials/download.html", {"download": download})
+
+
+def render_pipeline_planner(pipeline_id: int) -> str:
+    """``<div id="planner-<pk>">``: the planner's targets, the latest measurement and prediction against
+    them, the recent decisions with their reasons, and the form that sets the mode and targets. Raises
+    ``Pipeline.DoesNotExist``."""
+    pipeline = Pipeline.objects.select_related("model").get(pk=pipeline_id)
+    return render_to_string("dashboard/partials/pipeline_planner.html", {"panel": planner_panel.panel(pipeline)})
 
 
 def instances_context(pipeline: Pipeline) -> dict[str, Any]:

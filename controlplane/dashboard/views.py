@@ -4,6 +4,7 @@ Every page may be read by every role. The two pages with a form (models, pipelin
 for operators and admins only; the buttons' POSTs are in controls.py.
 """
 
+import json
 from typing import Any
 
 from django.contrib import messages
@@ -16,11 +17,13 @@ from django.views.decorators.http import require_GET, require_http_methods
 
 from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
+from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
-from controlplane.dashboard import audit_log, gateway, logs, partials, queries
+from controlplane.dashboard import audit_log, gateway, logs, partials, planner_panel, queries
 from controlplane.dashboard.access import AUDIT_ROLE, can_act, has_role, role_required
 from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
 from controlplane.dashboard.overview import overview
+from controlplane.errors import InvalidDocument
 from runtime.errors import ConfigError
 
 # The previous gateway reading, for rates between two looks at the overview (see gateway.py).
@@ -91,6 +94,35 @@ def models_page(request: HttpRequest) -> HttpResponseBase:
 
 @login_required
 @require_http_methods(["GET", "POST"])
+def model_page(request: HttpRequest, pk: int) -> HttpResponseBase:
+    """One model: its profile (read-only JSON) and, for operators, a form to paste a new one or remove it."""
+    model = get_object_or_404(LanguageModel, pk=pk)
+    form = planner_panel.ProfileForm()
+    status = 200
+    if request.method == "POST":
+        if not can_act(request):
+            raise PermissionDenied("changing a profile needs the operator role")
+        remove = request.POST.get("remove") == "1"
+        form = planner_panel.ProfileForm(request.POST)
+        if remove or form.is_valid():
+            try:
+                catalog_actions.set_profile(
+                    Actor.person(request.user), model, None if remove else form.cleaned_data["profile"]
+                )
+            except InvalidDocument as exc:
+                for path, message in exc.problems:
+                    form.add_error("profile", f"{path}: {message}" if path else message)
+            else:
+                messages.success(request, f"Profile of {model.name} {'removed' if remove else 'saved'}.")
+                return redirect("dashboard:model", pk=model.pk)
+        status = 400
+    document = json.dumps(model.profile, indent=2) if model.profile is not None else ""
+    context = {"model": model, "form": form, "document": document}
+    return render_page(request, "dashboard/model.html", context, status=status)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
 def pipelines_page(request: HttpRequest) -> HttpResponseBase:
     """Pipelines with ready/desired replicas and their controls, and the deploy form."""
     form = PipelineForm()
@@ -118,6 +150,7 @@ def pipeline_page(request: HttpRequest, pk: int) -> HttpResponse:
     (row,) = queries.pipeline_rows([pipeline])
     context = {"rows": [row], "pipeline": pipeline, "groups": list(pipeline.groups.all())}
     context |= partials.instances_context(pipeline)
+    context["planner"] = planner_panel.panel(pipeline)
     return render_page(request, "dashboard/pipeline.html", context)
 
 

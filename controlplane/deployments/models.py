@@ -92,6 +92,8 @@ class Pipeline(models.Model):
     placement_policy = models.CharField(max_length=8, choices=PlacementPolicy.choices, default=PlacementPolicy.SPREAD)
     pinned_nodes = models.JSONField(default=list, blank=True)  # node names; empty: any node
     pinned_gpus = models.JSONField(default=list, blank=True)  # GPU indexes; empty: any GPU
+    # The planner's targets (planner/targets_json.py's document); None: the planner leaves this pipeline alone.
+    planner = models.JSONField(null=True, blank=True)
     # Counts changes of the router settings: workers register it with them, and a gateway takes a pool's
     # settings from the instance with the highest, so that an update reaches it without a restart.
     router_generation = models.PositiveIntegerField(default=1)

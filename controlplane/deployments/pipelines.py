@@ -30,6 +30,8 @@ from controlplane.errors import Conflict, Invalid
 from controlplane.fleet.models import Node
 from controlplane.fleet.node_engines import check_engine_runs_somewhere
 from controlplane.reconcile_requests import request_reconcile
+from planner.errors import SettingsError
+from planner.targets_json import targets_from_dict
 
 MAX_REPLICAS = 512
 MAX_GPUS_PER_REPLICA = 16
@@ -55,7 +57,8 @@ ROUTER_FIELDS = frozenset(
 )
 # Settings the pipeline's engines are started with: a change restarts every group's workers (rolling update).
 ENGINE_FIELDS = frozenset({"kv_host_cache_gib"})
-SETTING_FIELDS = ROUTER_FIELDS | ENGINE_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus"}
+# The planner's targets: read by the planner's loop each interval, nothing restarts for them.
+SETTING_FIELDS = ROUTER_FIELDS | ENGINE_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus", "planner"}
 #: The largest --disagg-isl-threshold a pipeline may set (tokens), and --disagg-prefill-busy (engine steps).
 MAX_ISL_THRESHOLD = 10_000_000
 MAX_PREFILL_BUSY = 1000.0
@@ -213,11 +216,14 @@ def update_group(
 
 
 @transaction.atomic
-def scale_pipeline(actor: Actor, pipeline: Pipeline, replicas: int, role: str | None = None) -> WorkerGroup:
+def scale_pipeline(
+    actor: Actor, pipeline: Pipeline, replicas: int, role: str | None = None, *, reason: str = ""
+) -> WorkerGroup:
     """Set a worker group's replica count; a running pipeline gets new pending instances or stops some.
 
-    ``role`` picks the group and may be left out when the pipeline has one. Raises Invalid naming
-    ``replicas`` or ``role``.
+    ``role`` picks the group and may be left out when the pipeline has one. ``reason`` (the planner's,
+    say) is kept in the audit entry and on the instances it stops. Raises Invalid naming ``replicas`` or
+    ``role``.
     """
     if not 0 <= replicas <= MAX_REPLICAS:
         raise Invalid(f"replicas must be between 0 and {MAX_REPLICAS}", field="replicas")
@@ -231,8 +237,11 @@ def scale_pipeline(actor: Actor, pipeline: Pipeline, replicas: int, role: str | 
         if len(live) < replicas:
             add_instances(actor, group, replicas - len(live))
         for instance in _to_stop(live, len(live) - replicas):
-            stop_instance(actor, instance, f"scaled down to {replicas} by {actor.name}")
-    record(actor, "pipeline.scale", pipeline, before=before, after=pipeline_snapshot(pipeline))
+            stop_instance(actor, instance, f"scaled down to {replicas} by {actor.name}{': ' if reason else ''}{reason}")
+    after = pipeline_snapshot(pipeline)
+    if reason:
+        after["reason"] = reason
+    record(actor, "pipeline.scale", pipeline, before=before, after=after)
     request_reconcile()
     return group
 
@@ -359,12 +368,23 @@ def _check_settings(settings: dict[str, Any]) -> None:
     gate = settings.get("disagg_decode_busy")
     if gate is not None and not (math.isfinite(gate) and 0 <= gate <= 1):
         raise Invalid("must be between 0 and 1, or null for no gate", field="disagg_decode_busy")
+    if settings.get("planner") is not None:
+        check_planner_settings(settings["planner"])
     pinned_nodes = settings.get("pinned_nodes")
     if pinned_nodes:
         known = set(Node.objects.filter(name__in=pinned_nodes).values_list("name", flat=True))
         unknown_nodes = [name for name in pinned_nodes if name not in known]
         if unknown_nodes:
             raise Invalid(f"no node is named {unknown_nodes[0]!r}", field="pinned_nodes")
+
+
+def check_planner_settings(document: Any) -> None:
+    """Raise Invalid naming the setting's path (``planner.default.ttft_s``) unless the planner can plan with
+    ``document`` (planner/targets_json.py)."""
+    try:
+        targets_from_dict(document)
+    except SettingsError as exc:
+        raise Invalid(exc.message, field=f"planner.{exc.field}" if exc.field else "planner") from exc
 
 
 def _is_number(value: Any) -> bool:

@@ -83,6 +83,16 @@ def row_changed(row: models.Model) -> None:
     transaction.on_commit(lambda: _publish(publisher, notices), robust=True)
 
 
+def planner_changed(pipeline_id: int) -> None:
+    """Tell pipeline ``pipeline_id``'s page that its planner decided (its panel is rendered again); call it
+    after commit. A no-op when the live app is not installed."""
+    try:
+        publisher: Publisher = apps.get_app_config("live").publisher
+    except LookupError:
+        return
+    _publish(publisher, _planner(pipeline_id))
+
+
 def notices_of_row(row: models.Model, *, joined_or_left: bool = False) -> Iterator[Notice]:
     """The notices a saved or deleted row of a watched model calls for (``joined_or_left``: it was
     created or deleted, which changes the list it is in)."""
@@ -117,6 +127,8 @@ def notices_of_entry(entry: AuditEntry) -> Iterator[Notice]:
         yield from _node(target, joined_or_left=created_or_deleted)
     elif kind == "pipeline":
         yield from _pipeline(target, joined_or_left=created_or_deleted)
+        if entry.action == "pipeline.update":  # the planner's targets may have changed
+            yield from _planner(target)
     elif kind == "download":
         yield from _download(target, joined_or_left=created_or_deleted)
     elif kind == "instance":
@@ -158,6 +170,10 @@ def _pipeline(pipeline_id: int, *, joined_or_left: bool = False) -> Iterator[Not
         yield "pipeline", pipeline_id, frozenset({pipeline_group(pipeline_id)})
     else:
         yield "pipeline", pipeline_id, frozenset({PIPELINES, pipeline_group(pipeline_id)})
+
+
+def _planner(pipeline_id: int) -> Iterator[Notice]:
+    yield "planner", pipeline_id, frozenset({pipeline_group(pipeline_id)})
 
 
 def _instance(instance_id: int, pipeline_id: int, *, listed_or_unlisted: bool = False) -> Iterator[Notice]:

@@ -29,8 +29,19 @@ def fleet_group(topic: str) -> str:
 #: whole list, pushed when a row joins or leaves it (a changed row is pushed alone): "instances" is a
 #: pipeline's list of instances (id: the pipeline's); "nodes", "pipelines", "downloads" and "models" are
 #: the fleet's lists (id: ``FLEET_LIST``).
+#: "planner" is a pipeline's planner panel (id: the pipeline's), pushed after each of its decisions.
 Kind = Literal[
-    "node", "nodes", "pipeline", "pipelines", "instances", "instance", "download", "downloads", "models", "audit"
+    "node",
+    "nodes",
+    "pipeline",
+    "pipelines",
+    "instances",
+    "instance",
+    "download",
+    "downloads",
+    "models",
+    "audit",
+    "planner",
 ]
 #: The id of a notice about one of the fleet's lists, of which there is one each.
 FLEET_LIST = 0

@@ -30,6 +30,7 @@ _RENDERERS: dict[Kind, Callable[[int], str]] = {
     "downloads": lambda _: partials.render_download_table(),
     "models": lambda _: partials.render_model_table(),
     "audit": partials.render_audit_entry,
+    "planner": partials.render_pipeline_planner,
 }
 # The id of the element each kind's partial renders (controlplane/dashboard/partials.py): a prefix and
 # the row's id, or the one id of a fleet list.
@@ -40,6 +41,7 @@ _ELEMENT_PREFIX: dict[Kind, str] = {
     "instance": "instance",
     "download": "download",
     "audit": "audit",
+    "planner": "planner",
 }
 _LIST_ELEMENT: dict[Kind, str] = {
     "nodes": partials.NODE_TABLE_ID,

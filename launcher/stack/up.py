@@ -2,9 +2,10 @@
 
 It runs, each as a child process with its log in ``<data dir>/logs/``: etcd, NATS (JetStream) and Redis on
 loopback; the control plane (migrations, then uvicorn) with a first admin account; the Celery worker with
-the reconciler's beat; the dashboard's live-update bridge (``manage.py live_bridge``); one agent (node
-``local``); the gateway (``flotilla run in=http out=dyn``). Then, when the control plane has no pipeline yet,
-it deploys one of the default model, and once that model is served it prints where everything is.
+the reconciler's beat; the dashboard's live-update bridge (``manage.py live_bridge``); the planner's loop
+(``manage.py planner``); one agent (node ``local``); the gateway (``flotilla run in=http out=dyn``). Then,
+when the control plane has no pipeline yet, it deploys one of the default model, and once that model is served it
+prints where everything is.
 
 It supervises them as systemd would (``Restart=`` with ``StartLimitBurst=``, launcher/stack/restarts.py): a
 part that ends once it is up is started again, on the same ports and data, after a delay that doubles from 1 s
@@ -631,6 +632,9 @@ class Stack:
         # The workers' load on NATS, pushed live to the dashboard's pipeline pages through Redis.
         bridge_argv = [*manage_command(), "live_bridge", "--nats", nats_url]
         self._launch(self._child("the live-update bridge", "live-bridge", bridge_argv, control_plane_env))
+        # The planner's loop: plans only the pipelines given planner targets (docs/planner.md); restarted if it ends.
+        planner_argv = [*manage_command(), "planner", "--nats", nats_url]
+        self._launch(self._child("the planner", "planner", planner_argv, control_plane_env))
 
         gateway_url = f"http://127.0.0.1:{options.http_port}"
         gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]

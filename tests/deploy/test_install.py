@@ -10,7 +10,7 @@ import pytest
 CHECKOUT = Path(__file__).resolve().parents[2]
 INSTALL = CHECKOUT / "deploy" / "install.sh"
 UNITS = sorted(path.name for path in (CHECKOUT / "deploy" / "systemd").glob("*.service"))
-ENV_FILES = ("agent.env", "controlplane.env", "ingress.env")
+ENV_FILES = ("agent.env", "controlplane.env", "ingress.env", "planner.env")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a real install (even under --root) runs as root only")
 
 

@@ -1,12 +1,18 @@
 from typing import Any, ClassVar
 
-from rest_framework import mixins
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from controlplane.api.base import FlotillaViewSet
 from controlplane.catalog import actions
 from controlplane.catalog.api.filters import ModelFilter
 from controlplane.catalog.api.serializers import ModelSerializer
 from controlplane.catalog.models import LanguageModel
+
+_PROFILE = serializers.JSONField(help_text="A profile document (docs/planner.md)")
 
 
 class ModelViewSet(
@@ -32,3 +38,37 @@ class ModelViewSet(
 
     def perform_destroy(self, instance: LanguageModel) -> None:
         actions.delete_model(self.actor, instance)
+
+    # PUT is this viewset's for the profile only (a profile is replaced whole); the model itself is PATCHed.
+    http_method_names: ClassVar[list[str]] = [*FlotillaViewSet.http_method_names, "put"]
+
+    @extend_schema(exclude=True)
+    def update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        if not kwargs.get("partial"):
+            self.http_method_not_allowed(request)
+        return super().update(request, *args, **kwargs)
+
+    @extend_schema(
+        methods=["GET"],
+        responses={200: _PROFILE, 404: OpenApiResponse(description="no such model, or it has no profile")},
+    )
+    @extend_schema(
+        methods=["PUT"],
+        request=_PROFILE,
+        responses={200: _PROFILE, 400: OpenApiResponse(description="each problem under its path in the profile")},
+    )
+    @extend_schema(methods=["DELETE"], request=None, responses={204: None})
+    @action(detail=True, methods=["get", "put", "delete"])
+    def profile(self, request: Request, pk: str) -> Response:
+        """The model's profile (docs/planner.md, "A profile"): its capacity at latency targets, which the
+        planner's SLA mode sizes groups with. PUT replaces it with the body, DELETE removes it (load mode)."""
+        model = self.get_object()
+        if request.method == "GET":
+            if model.profile is None:
+                return Response({"detail": f"model {model.name} has no profile"}, status=status.HTTP_404_NOT_FOUND)
+            return Response(model.profile)
+        if request.method == "DELETE":
+            actions.set_profile(self.actor, model, None)
+            return Response(status=status.HTTP_204_NO_CONTENT)
+        model = actions.set_profile(self.actor, model, request.data)
+        return Response(model.profile)

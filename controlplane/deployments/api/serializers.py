@@ -26,6 +26,8 @@ from controlplane.deployments.pipelines import (
     GroupSpec,
 )
 from controlplane.fleet.models import NODE_NAME_PATTERN, Node
+from planner.errors import SettingsError
+from planner.targets_json import targets_from_dict
 from runtime.fleet_contract.router_settings import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_HOST_HIT_WEIGHT,
@@ -36,6 +38,27 @@ from runtime.fleet_contract.router_settings import (
 )
 
 MAX_PINS = 64
+
+
+class PlannerSettingsField(JsonObjectField):
+    """``planner``: the planner's targets for the pipeline (docs/planner.md); null turns the planner off.
+    A setting it cannot plan with is a 400 naming its path (``{"planner": {"default.ttft_s": [...]}}``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(
+            allow_null=True,
+            help_text="The planner's targets (docs/planner.md: enabled, advisory, default, groups, gpu_budget, "
+            "load, stability); null: the planner leaves this pipeline alone.",
+            **kwargs,
+        )
+
+    def to_internal_value(self, data: Any) -> Any:
+        value = super().to_internal_value(data)
+        try:
+            targets_from_dict(value)
+        except SettingsError as exc:
+            raise serializers.ValidationError({exc.field or "non_field_errors": [exc.message]}) from exc
+        return value
 
 
 class RouterSerializer(serializers.Serializer):
@@ -200,6 +223,7 @@ class PipelineSerializer(serializers.ModelSerializer):
     router = RouterSerializer(source="*", required=False)
     kv_host_cache_gib = HostCacheField(default=0.0)
     placement = PlacementSerializer(source="*", required=False)
+    planner = PlannerSettingsField(required=False, default=None)
     groups = WorkerGroupSerializer(many=True, min_length=1, max_length=2)
 
     class Meta:
@@ -213,6 +237,7 @@ class PipelineSerializer(serializers.ModelSerializer):
             "router",
             "kv_host_cache_gib",
             "placement",
+            "planner",
             "groups",
             "created_at",
             "updated_at",
@@ -243,12 +268,13 @@ class PipelineSerializer(serializers.ModelSerializer):
 
 
 class PipelineUpdateSerializer(serializers.Serializer):
-    """What PATCH may change: router settings, the host KV tier and placement (name, model and groups are
-    fixed; scale changes replicas)."""
+    """What PATCH may change: router settings, the host KV tier, placement and the planner's targets (name,
+    model and groups are fixed; scale changes replicas)."""
 
     router = RouterSerializer(source="*", required=False)
     kv_host_cache_gib = HostCacheField(required=False)
     placement = PlacementSerializer(source="*", required=False)
+    planner = PlannerSettingsField(required=False)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         fixed = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []

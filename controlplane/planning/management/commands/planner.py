@@ -1,0 +1,138 @@
+"""``manage.py planner``: the planner's loop (controlplane/planning/loop.py, docs/planner.md).
+
+    manage.py planner                              # every $FLOTILLA_PLANNER_INTERVAL_S (default 10) seconds
+    manage.py planner --interval 5 --nats nats://10.0.0.1:4222 --gateway http://10.0.0.2:8080
+    manage.py planner --once                       # one turn, then exit (what it decided on stdout)
+
+One process plans at a time (the ``planner`` lease); a second one waits and takes over when the first
+stops or dies. NATS (``--nats``, $NATS_SERVER) and the gateway (``--gateway``, $FLOTILLA_GATEWAY_URL) may be
+missing or come and go: each is logged with its address and the loop goes on. A bad setting exits 2 (its
+supervisor does not restart it for that); SIGTERM or Ctrl-C stops it between turns (exit 0).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import httpx
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from controlplane.dashboard.gateway import gateway_url
+from controlplane.planning.loop import DEFAULT_INTERVAL_S, PlannerLoop, run_loop
+from runtime.cluster.nats_connection import connect_nats
+from runtime.config import env_float, env_str
+from runtime.errors import ConfigError
+from runtime.logging import configure_logging
+from runtime.settings import nats_servers, parse_nats_servers
+
+log = logging.getLogger("controlplane.planning")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value:g} must be a finite number of seconds, at least 0.1")
+    return value
+
+
+def _servers(text: str) -> list[str]:
+    try:
+        return parse_nats_servers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("NATS_SERVER", "--nats")) from None
+
+
+class Command(BaseCommand):
+    help = "Plan the replicas of the pipelines that have planner targets: observe, decide and scale, every interval."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--once", action="store_true", help="one turn, then exit")
+        parser.add_argument(
+            "--interval",
+            type=_seconds,
+            default=None,
+            help=f"seconds between turns (default: $FLOTILLA_PLANNER_INTERVAL_S, else {DEFAULT_INTERVAL_S:g})",
+        )
+        parser.add_argument(
+            "--nats", type=_servers, default=None, help="NATS server(s), comma-separated (default: $NATS_SERVER)"
+        )
+        parser.add_argument(
+            "--gateway", default=None, help="the gateway's base URL, for its /metrics (default: $FLOTILLA_GATEWAY_URL)"
+        )
+
+    configures_logging = False
+
+    def run_from_argv(self, argv: list[str]) -> None:
+        self.configures_logging = True
+        super().run_from_argv(argv)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            if self.configures_logging:
+                configure_logging(env_str("FLOTILLA_LOG"), max(0, options["verbosity"] - 1))
+            servers = options["nats"] or nats_servers()
+            interval = options["interval"] or env_float("FLOTILLA_PLANNER_INTERVAL_S", DEFAULT_INTERVAL_S, minimum=0.1)
+            gateway = options["gateway"].rstrip("/") if options["gateway"] else gateway_url()
+            if gateway is not None and not gateway.startswith(("http://", "https://")):
+                raise ConfigError(f"--gateway must be the gateway's http(s) base URL, not {gateway[:100]!r}")
+        except ConfigError as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        if gateway is None:
+            log.warning("planner: no gateway URL (FLOTILLA_GATEWAY_URL, --gateway): planning in load mode only")
+        asyncio.run(self._run(servers, gateway, interval, once=options["once"]))
+
+    async def _run(self, servers: list[str], gateway: str | None, interval: float, *, once: bool) -> None:
+        async with httpx.AsyncClient() as http:
+            loop = PlannerLoop(gateway_url=gateway, interval_s=interval, http=http)
+            if once:
+                await self._once(loop, servers)
+                return
+            stopping = asyncio.Event()
+            running = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                running.add_signal_handler(signum, stopping.set)
+            # NATS may be down: the loop plans without reports (load mode holds) while this keeps trying.
+            connecting = asyncio.create_task(_connect(loop, servers), name="NATS")
+            log.info("planner: every %g s; NATS at %s; gateway %s", interval, ", ".join(servers), gateway or "none")
+            try:
+                await run_loop(loop, stopping)
+            finally:
+                connecting.cancel()
+                nc = await asyncio.gather(connecting, return_exceptions=True)
+                if nc and hasattr(nc[0], "drain"):
+                    with contextlib.suppress(Exception):
+                        await nc[0].drain()
+
+    async def _once(self, loop: PlannerLoop, servers: list[str]) -> None:
+        """One turn, after a second of the workers' reports when NATS answers within it."""
+        nc = None
+        with contextlib.suppress(Exception):
+            nc = await connect_nats(servers, name="flotilla-planner", wait=1.0)
+            await loop.subscribe(nc)
+            await asyncio.sleep(1.5)
+        try:
+            report = await loop.turn()
+        finally:
+            await loop.release()
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
+        if not report.held_lease:
+            self.stdout.write("another planner holds the lease; nothing decided")
+            return
+        self.stdout.write(f"decided: {report.decided}; acted: {report.acted}")
+        for problem in report.problems:
+            self.stderr.write(problem)
+
+
+async def _connect(loop: PlannerLoop, servers: list[str]) -> Any:
+    nc = await connect_nats(servers, name="flotilla-planner")
+    await loop.subscribe(nc)
+    log.info("planner: taking the workers' load reports from NATS at %s", ", ".join(servers))
+    return nc
