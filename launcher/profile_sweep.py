@@ -148,10 +148,11 @@ def decode_point(
     """A decode point from the arrivals of one wave of requests sent together.
 
     Only what arrived while every request was decoding counts: after the last first output, up to the
-    first request's last output. An output of several tokens (a reader that fell a step behind gets two
-    steps' tokens at once) counts as that many inter-token gaps of an equal share of its wait. When the
-    requests never all decoded at once (their prompts took longer than their outputs), each one's whole
-    decode counts instead, over the span from the first first output to the last output.
+    first request's last output (and as ITL only the gaps that began in that window). An output of several
+    tokens (a reader that fell a step behind gets two steps' tokens at once) counts as that many inter-token
+    gaps of an equal share of its wait. When the requests never all decoded at once (their prompts took
+    longer than their outputs), each one's whole decode counts instead, over the span from the first first
+    output to the last output.
     """
     decoding = [stream for stream in streams if len(stream) > 1]
     start = max((stream[0][0] for stream in decoding), default=0.0)
@@ -163,8 +164,10 @@ def decode_point(
         for (before, _), (at, count) in itertools.pairwise(stream):
             if overlapping and not start < at <= end:
                 continue
-            gaps.extend([(at - before) / count] * count)
             tokens += count
+            if overlapping and before < start:
+                continue  # a gap that began before every request decoded holds a prompt's step too
+            gaps.extend([(at - before) / count] * count)
     if overlapping:
         span = end - start
     else:

@@ -108,6 +108,15 @@ def test_decode_counts_only_the_window_in_which_every_request_decodes() -> None:
     assert measured.latency_s == pytest.approx(1.0)
 
 
+def test_a_gap_that_began_before_every_request_decoded_is_not_an_itl() -> None:
+    # B's prompt step (0.5 s to 1.5 s) held A's next token back: that gap is a prefill's, not decode's ITL.
+    a = [(0.0, 1), (1.5, 1), (1.6, 1), (1.7, 1), (1.8, 1)]
+    b = [(1.5, 1), (1.6, 1), (1.7, 1), (1.8, 1), (1.9, 1)]
+    measured = decode_point(1024, 2, [a, b], percent=100, scale=TimeScale(1))
+    assert measured.latency_s == pytest.approx(0.1)
+    assert measured.tokens_per_s == pytest.approx(6 / 0.3)
+
+
 def test_an_output_of_several_tokens_counts_as_that_many_equal_gaps() -> None:
     # A reader a step behind gets two tokens at once, 20 ms after the last: two gaps of 10 ms, not one of 20.
     stream = [(0.0, 1), (0.010, 1), (0.030, 2), (0.040, 1)]
