@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from engines.python_file import python_engine_file
+from launcher import heap
 from launcher.arg_types import checked_by, integer, number
 from launcher.env_flags import EnvArgumentParser
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, RunOptions
@@ -413,6 +414,7 @@ async def _profile(options: ProfileOptions, table: Table) -> dict[str, object]:
     timed = "" if scale.speedup == 1 else f" at speed-up {scale.speedup:g} (times and rates below are at speed-up 1)"
     table.say(f"profiling {model.name} on out={options.run.output}{timed}")
     await engine.start()
+    heap.settle()  # as `flotilla run` does: a full collection's pause would count in the points measured
     try:
         sweep = await measure(options, token_engine, model.card.tokenizer.get_vocab_size(), scale, table)
     finally:

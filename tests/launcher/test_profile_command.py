@@ -36,6 +36,7 @@ def run_profile(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     return code, capsys.readouterr().err
 
 
+@pytest.mark.serial  # its rates are checked against the mocker's timing model: a loaded CPU would lower them
 def test_profiling_the_mocker_writes_a_profile_the_planner_reads_and_prints_each_point(tmp_path: Path) -> None:
     done = flotilla(
         "profile", "out=mocker", "--ttft-target", "0.5", "--itl-target", "0.05", *SMALL, "--output", "p.json",

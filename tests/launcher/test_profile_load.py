@@ -10,6 +10,9 @@ from engines.mocker.timing import decode_ms, prefill_ms
 from launcher.profile_load import Prompts, measure_decode, measure_prefill, sweep_lengths, warm_up
 from launcher.profile_sweep import Point, TimeScale
 
+# Measured latencies and rates compared with the timing model's: a loaded CPU would stretch them.
+serial = pytest.mark.serial
+
 
 async def _measure(speedup: float) -> tuple[Point, Point]:
     engine = MockerEngine(MockerConfig(speedup_ratio=speedup), vocab_size=1000)
@@ -18,13 +21,16 @@ async def _measure(speedup: float) -> tuple[Point, Point]:
         prompts = Prompts(1000)
         await warm_up(engine, prompts, 512)
         scale = TimeScale(speedup)
-        prefill = await measure_prefill(engine, prompts, 512, 4, percent=90, scale=scale)
-        decode = await measure_decode(engine, prompts, 128, 4, percent=90, scale=scale)
+        # Medians: a stall of the process (another on the same cores) holds up every request in flight, and
+        # at speed-up 10 counts ten times over; it moves a p90 of 16 requests, rarely their median.
+        prefill = await measure_prefill(engine, prompts, 512, 4, percent=50, scale=scale)
+        decode = await measure_decode(engine, prompts, 128, 4, percent=50, scale=scale)
         return prefill, decode
     finally:
         await engine.close()
 
 
+@serial
 def test_a_point_measured_at_speed_up_10_equals_the_same_point_at_speed_up_1() -> None:
     slow_prefill, slow_decode = asyncio.run(_measure(1.0))
     fast_prefill, fast_decode = asyncio.run(_measure(10.0))
@@ -34,6 +40,7 @@ def test_a_point_measured_at_speed_up_10_equals_the_same_point_at_speed_up_1() -
         assert fast.latency_s == pytest.approx(slow.latency_s, rel=0.15)
 
 
+@serial
 def test_the_measured_points_are_those_of_the_mockers_timing_model() -> None:
     prefill, decode = asyncio.run(_measure(10.0))
     # Four prompts of 512 computed in one step of 2048 tokens: each waits that step.
@@ -51,6 +58,7 @@ def test_prompts_are_distinct_so_no_prefix_is_found_in_the_cache() -> None:
     assert all(24576 <= token < 49151 for token in first.token_ids)
 
 
+@serial
 def test_a_length_sweep_stops_at_its_first_point_over_the_target() -> None:
     reported: list[tuple[int, bool]] = []
 
