@@ -80,6 +80,7 @@ commands:
   run    run a model and talk to it (text, HTTP or batch); `flotilla run --help` for more
   up     the whole stack on this machine: servers, control plane, agent, gateway, a first model
   agent  this machine's node agent: runs the control plane's workers; `flotilla agent --help` for more
+  profile  measure a model's capacity on an engine: the planner's profile; `flotilla profile --help` for more
 """
 
 
@@ -268,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.agent_command import agent_main
 
         return agent_main(args[1:])
+    if args[0] == "profile":
+        from launcher.profile import profile_main
+
+        return profile_main(args[1:])
     if args[0] != "run":
         print(f"flotilla: unknown command {args[0]!r}\n\n{TOP_HELP}", end="", file=sys.stderr)
         return EXIT_CONFIG

@@ -18,6 +18,7 @@ from runtime.errors import ConfigError
 from runtime.models.card import ModelCard, ModelType
 
 if TYPE_CHECKING:
+    from engines.mocker.config import MockerConfig
     from frontend_gateway.access.api_keys import KeyTable
     from frontend_gateway.access.quotas import Meter
     from runtime.distributed import DistributedRuntime
@@ -79,13 +80,18 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     )
 
 
-def build_mocker_model(options: RunOptions) -> tuple[ServedModel, Engine]:
-    """``out=mocker``: a simulated vLLM with the model's tokenizer; its card names the mocker's KV block size."""
+def build_mocker_model(options: RunOptions, *, config: "MockerConfig | None" = None) -> tuple[ServedModel, Engine]:
+    """``out=mocker``: a simulated vLLM with the model's tokenizer; its card names the mocker's KV block size.
+
+    ``config``: settings already read (``flotilla profile`` sets its own speed-up); None reads
+    ``--extra-engine-args``.
+    """
     from engines.mocker.config import load_mocker_config
     from engines.mocker.engine import MockerEngine
 
     # The settings first: their mistakes are quicker to find than a model download.
-    config = load_mocker_config(options.extra_engine_args)
+    if config is None:
+        config = load_mocker_config(options.extra_engine_args)
     card, _ = load_card(options)
     card = card.replace(kv_cache_block_size=config.block_size)
     mocker = MockerEngine(config, vocab_size=card.tokenizer.get_vocab_size())

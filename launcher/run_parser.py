@@ -142,10 +142,11 @@ def build_run_parser() -> EnvArgumentParser:
     )
     run.add_argument("args", nargs="*", metavar="in=INPUT out=ENGINE MODEL", help="input, engine and model")
     # --help lists the flags in the order they are added: these calls are that order.
-    _add_model_flags(run)
+    add_model_source_flags(run)
+    _add_model_output_flags(run)
     _add_http_flags(run)
-    _add_engine_flags(run)
-    _add_gpu_placement_flags(run)
+    add_engine_flags(run)
+    add_gpu_placement_flags(run)
     _add_multinode_flags(run)
     _add_worker_flags(run)
     _add_text_and_batch_flags(run)
@@ -160,8 +161,9 @@ def build_run_parser() -> EnvArgumentParser:
     return run
 
 
-def _add_model_flags(parser: EnvArgumentParser) -> None:
-    """Which model to serve, the name clients give it, and how its output is parsed."""
+def add_model_source_flags(parser: EnvArgumentParser) -> None:
+    """Which model to serve, the name clients give it, and where its tokenizer comes from (also `flotilla
+    profile`'s)."""
     parser.add_flag("--model-path", env="FLOTILLA_MODEL_PATH", help="the model, instead of the positional MODEL")
     parser.add_flag(
         "--model-name",
@@ -180,6 +182,10 @@ def _add_model_flags(parser: EnvArgumentParser) -> None:
         type=_positive_int,
         help="cap the context (tokens) below the model's own",
     )
+
+
+def _add_model_output_flags(parser: EnvArgumentParser) -> None:
+    """How the model's output is parsed: its reasoning and its tool calls."""
     parser.add_flag(
         "--reasoning-parser",
         env="FLOTILLA_REASONING_PARSER",
@@ -213,8 +219,9 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
     )
 
 
-def _add_engine_flags(parser: EnvArgumentParser) -> None:
-    """The engine's own settings: CPU threads, llama.cpp's slots, and any engine's extra arguments."""
+def add_engine_flags(parser: EnvArgumentParser) -> None:
+    """The engine's own settings: CPU threads, llama.cpp's slots, and any engine's extra arguments (also
+    `flotilla profile`'s)."""
     parser.add_flag(
         "--threads",
         env="FLOTILLA_THREADS",
@@ -244,8 +251,9 @@ def _add_engine_flags(parser: EnvArgumentParser) -> None:
     )
 
 
-def _add_gpu_placement_flags(parser: EnvArgumentParser) -> None:
-    """Which GPUs a GPU engine (out=vllm, out=sglang, out=trtllm) takes, and how much of their memory."""
+def add_gpu_placement_flags(parser: EnvArgumentParser) -> None:
+    """Which GPUs a GPU engine (out=vllm, out=sglang, out=trtllm) takes, and how much of their memory (also
+    `flotilla profile`'s)."""
     parser.add_flag(
         "--tensor-parallel-size",
         env="FLOTILLA_TENSOR_PARALLEL_SIZE",
