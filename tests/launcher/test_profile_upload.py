@@ -1,7 +1,6 @@
-"""`flotilla profile --upload`: the client side of PUT /api/v1/models/{id}/profile/, against a local stub.
-
-The control plane's endpoint is being built separately; this stub holds the client to the agreed contract:
-method PUT, that path with its trailing slash, ``Authorization: Bearer TOKEN``, a JSON body the planner reads.
+"""`flotilla profile --upload`: the client side of PUT /api/v1/models/{id}/profile/, against a local stub that
+holds it to the contract (method PUT, that path with its trailing slash, ``Authorization: Bearer TOKEN``, a JSON
+body the planner reads) and answers what a test needs, and once against the real control plane.
 """
 
 import json
@@ -167,3 +166,32 @@ def test_a_refused_upload_exits_2_and_keeps_the_written_profile(stub: Stub, tmp_
     assert "flotilla profile: the control plane refused the token (403)" in done.stderr
     assert "Traceback" not in done.stderr
     Profile.from_json((tmp_path / "profile.json").read_text())
+
+
+def test_flotilla_profile_uploads_to_a_real_control_plane_whose_model_then_has_it(
+    tmp_path: Path, smollm2: Path
+) -> None:
+    # The control plane as a process (uvicorn, SQLite); no task is dispatched, so its broker is never reached.
+    from tests.agent.control_plane_server import ControlPlaneServer, add_mocker_model
+
+    control_plane = ControlPlaneServer(tmp_path / "controlplane", broker_url="redis://127.0.0.1:9/0")
+    control_plane.start()
+    try:
+        token = control_plane.person_token("olga", "operator")
+        operator = control_plane.client(token)
+        model = add_mocker_model(operator, "smol", smollm2)
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "launcher.cli", "profile", "out=mocker", "--ttft-target", "0.5",
+                "--itl-target", "0.05", "--isl", "256", "--context", "256", "--max-concurrency", "2",
+                "--upload", control_plane.url, "--model-id", str(model["id"]),
+            ],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(WORKTREE), "FLOTILLA_TOKEN": token},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        stored = operator.get(f"/api/v1/models/{model['id']}/profile/")
+        assert stored.status_code == 200, stored.text
+        assert stored.json() == json.loads((tmp_path / "profile.json").read_text())
+    finally:
+        control_plane.stop()
