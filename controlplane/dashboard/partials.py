@@ -34,7 +34,7 @@ from django.utils.html import format_html
 
 from controlplane.audit.models import AuditEntry
 from controlplane.dashboard import planner_panel, queries
-from controlplane.deployments.models import Instance, Pipeline
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
 
 # The element live audit entries are put at the top of (the overview's recent events).
 AUDIT_FEED_ID = "audit-feed"
@@ -114,6 +114,15 @@ def render_instance_load(instance_id: int, load: Mapping[str, Any]) -> str:
     return render_to_string(
         "dashboard/partials/instance_load.html", {"instance_id": instance_id, "load": load_figures(load)}
     )
+
+
+def render_group_phases(group_id: int, phases: Mapping[str, Any] | None) -> str:
+    """``<div id="phases-<group pk>">``: a prefill or decode group's phases summed over its instances (the
+    bridge's ``summarise``: prompts prefilled and KV handoffs taken, in total, per second and their mean
+    milliseconds over the last interval; None: nothing counted yet). Missing or non-numeric figures are left
+    out. Raises ``WorkerGroup.DoesNotExist``."""
+    group = WorkerGroup.objects.get(pk=group_id)
+    return render_to_string("dashboard/partials/group_phases.html", {"group": group, "phases": phase_figures(phases)})
 
 
 def render_audit_entry(entry_id: int) -> str:
@@ -211,6 +220,27 @@ def load_figures(load: Mapping[str, Any] | None) -> LoadFigures | None:
         handoff_first_token_ms=numbers.get("handoff_first_token_ms"),
         tiers=tier_figures(load.get("tiers")),
     )
+
+
+@dataclass(frozen=True)
+class PhaseFigures:
+    """A worker group's phases as its partial shows them (controlplane/live/group_phases.py ``summarise``)."""
+
+    instances: float | None = None
+    prefills: float | None = None
+    prefills_per_s: float | None = None
+    prefill_ms: float | None = None
+    handoffs: float | None = None
+    handoffs_per_s: float | None = None
+    handoff_first_token_ms: float | None = None
+
+
+def phase_figures(phases: Mapping[str, Any] | None) -> PhaseFigures | None:
+    """The figures of a group's phases that are finite numbers (None: nothing counted yet)."""
+    if phases is None:
+        return None
+    names = PhaseFigures.__dataclass_fields__
+    return PhaseFigures(**{name: _number(value) for name, value in phases.items() if name in names})
 
 
 def tier_figures(tiers: Any) -> tuple[TierFigures, ...]:

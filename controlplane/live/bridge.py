@@ -6,7 +6,9 @@ their endpoint instance id (runtime/kv/load_metrics.py, runtime/kv/publisher.py)
 the instance's row (``InstanceDirectory``), sums the ranks and counts the blocks stored and removed per
 second (``InstanceFigures``), renders the load partial once and sends it to ``pipeline.<pk>`` through
 the channel layer, at most once per ``interval`` per instance: the first report after a quiet interval
-goes at once, later ones wait for the interval's end and go together.
+goes at once, later ones wait for the interval's end and go together. The instances of a disaggregated
+pipeline's prefill and decode groups also have their phases summed per group (controlplane/live/group_phases.py),
+pushed as the group's phases partial on the same schedule, per group.
 
 Failures are logged and survived: an undecodable message, an unknown instance (a worker that is not the
 control plane's), a Redis that does not answer (at most one warning per ``FAILURE_REPORT_S``). A
@@ -18,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +32,10 @@ from django.db import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from controlplane.dashboard.partials import render_instance_load
+from controlplane.dashboard.partials import render_group_phases, render_instance_load
 from controlplane.deployments.instance_states import InstanceState
-from controlplane.deployments.models import Instance
+from controlplane.deployments.models import Instance, WorkerGroup
+from controlplane.live.group_phases import PhaseCounts, summarise
 from controlplane.live.groups import html, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from runtime.errors import FlotillaError
@@ -64,25 +67,31 @@ class BridgeError(FlotillaError):
     """The bridge cannot go on (NATS lost for too long); the message says which server and where."""
 
 
+#: The groups whose phases are summed on their pipeline's page: those of a disaggregated pipeline.
+DISAGGREGATED_ROLES = frozenset({WorkerGroup.Role.PREFILL, WorkerGroup.Role.DECODE})
+
+
 @dataclass(frozen=True)
 class Watched:
-    """An instance a pipeline page shows: its row and its pipeline's."""
+    """An instance a pipeline page shows: its row, its pipeline's and its worker group's (None: not known)."""
 
     instance_id: int
     pipeline_id: int
+    group_id: int | None = None
+    role: str = WorkerGroup.Role.AGGREGATED
 
 
 def read_directory() -> dict[int, Watched]:
-    """Endpoint instance id -> the instance's row, for every instance with a worker that is not stopped.
+    """Endpoint instance id -> the instance's row and group, for every instance with a worker that is not stopped.
 
     Runs the ORM: call it from a thread. Raises DatabaseError.
     """
     rows = (
         Instance.objects.filter(endpoint_instance_id__isnull=False)
         .exclude(state=InstanceState.STOPPED)
-        .values_list("endpoint_instance_id", "pk", "pipeline_id")
+        .values_list("endpoint_instance_id", "pk", "pipeline_id", "group_id", "group__role")
     )
-    return {endpoint_id: Watched(pk, pipeline_id) for endpoint_id, pk, pipeline_id in rows}
+    return {endpoint_id: Watched(pk, pipeline, group, role) for endpoint_id, pk, pipeline, group, role in rows}
 
 
 class InstanceDirectory:
@@ -118,6 +127,10 @@ class InstanceDirectory:
 
     def forget(self, endpoint_id: int) -> None:
         self._known.pop(endpoint_id, None)
+
+    def instances(self) -> set[int]:
+        """The row ids of the running instances, as last read (no query)."""
+        return {watched.instance_id for watched in self._known.values()}
 
     async def _refresh(self) -> None:
         async with self._reading:
@@ -248,6 +261,19 @@ class _Pushes:
     """An instance's push schedule: when the last one went, and the timer of the next."""
 
     figures: InstanceFigures = field(default_factory=InstanceFigures)
+    watched: Watched | None = None
+    pushed_at: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class _GroupPushes:
+    """A prefill or decode group's push schedule: its instances' latest phase counters (by instance row id),
+    those of its last push, when that went, and the timer of the next."""
+
+    pipeline_id: int
+    counts: dict[int, PhaseCounts] = field(default_factory=dict)
+    before: dict[int, PhaseCounts] = field(default_factory=dict)
     pushed_at: float | None = None
     timer: asyncio.TimerHandle | None = None
 
@@ -256,6 +282,12 @@ def render_load(watched: Watched, load: dict[str, Any]) -> str:
     """The instance's load partial. Runs templates and one query: call it from a thread. Raises
     Instance.DoesNotExist."""
     return render_instance_load(watched.instance_id, load)
+
+
+def render_phases(group_id: int, phases: dict[str, Any]) -> str:
+    """The group's phases partial. Runs templates and one query: call it from a thread. Raises
+    WorkerGroup.DoesNotExist."""
+    return render_group_phases(group_id, phases)
 
 
 class LiveBridge:
@@ -270,6 +302,7 @@ class LiveBridge:
         *,
         interval: float = DEFAULT_INTERVAL_S,
         render: Callable[[Watched, dict[str, Any]], Awaitable[str]] | None = None,
+        render_group: Callable[[int, dict[str, Any]], Awaitable[str]] | None = None,
     ) -> None:
         self._nc = nc
         self._layer = layer
@@ -277,12 +310,15 @@ class LiveBridge:
         self._supervisor = supervisor
         self.interval = interval
         self._render = render or database_sync_to_async(render_load)
+        self._render_group = render_group or database_sync_to_async(render_phases)
         self._instances: dict[int, _Pushes] = {}  # by endpoint instance id
+        self._groups: dict[int, _GroupPushes] = {}  # by worker group id
         self._push_tasks: set[asyncio.Task[None]] = set()
         self._layer_failures = RateLimitedLog(log, period_s=FAILURE_REPORT_S, held_level=logging.DEBUG)
         self._bad_messages = RateLimitedLog(log, period_s=FAILURE_REPORT_S)
         #: Counters, for tests and logs.
         self.pushed = 0
+        self.pushed_groups = 0
         self.unknown = 0
 
     def start(self) -> None:
@@ -294,7 +330,7 @@ class LiveBridge:
 
     async def close(self) -> None:
         """Stop the timers and wait for the pushes under way (the supervisor stops the subscriptions)."""
-        for pushes in self._instances.values():
+        for pushes in [*self._instances.values(), *self._groups.values()]:
             if pushes.timer is not None:
                 pushes.timer.cancel()
         for task in list(self._push_tasks):
@@ -321,7 +357,8 @@ class LiveBridge:
             return
         pushes.figures.ranks[report.dp_rank] = report
         pushes.figures.reported_at = time.time()
-        self._schedule(report.instance_id, pushes)
+        self._schedule(report.instance_id, pushes, self._push_now)
+        self._count_phases(pushes.watched, report)
 
     async def _on_kv_events(self, message: Msg) -> None:
         try:
@@ -334,23 +371,25 @@ class LiveBridge:
             pushes.figures.count(batch, asyncio.get_running_loop().time())
 
     async def _pushes_of(self, endpoint_id: int) -> _Pushes | None:
-        if await self._directory.find(endpoint_id) is None:
+        watched = await self._directory.find(endpoint_id)
+        if watched is None:
             self.unknown += 1
             self._drop(endpoint_id)
             return None
         pushes = self._instances.get(endpoint_id)
         if pushes is None:
             pushes = self._instances[endpoint_id] = _Pushes()
+        pushes.watched = watched
         return pushes
 
-    def _schedule(self, endpoint_id: int, pushes: _Pushes) -> None:
+    def _schedule(self, key: int, pushes: _Pushes | _GroupPushes, push_now: Callable[[int], None]) -> None:
         if pushes.timer is not None:
             return  # a push is coming, and will carry this report
         loop = asyncio.get_running_loop()
         due = loop.time() if pushes.pushed_at is None else max(loop.time(), pushes.pushed_at + self.interval)
         # Even "now" waits for the loop's next turn: the other ranks of the same tick, read from the same
         # socket, join this push.
-        pushes.timer = loop.call_at(due, self._push_now, endpoint_id)
+        pushes.timer = loop.call_at(due, push_now, key)
 
     def _push_now(self, endpoint_id: int) -> None:
         pushes = self._instances.get(endpoint_id)
@@ -359,9 +398,47 @@ class LiveBridge:
         loop = asyncio.get_running_loop()
         pushes.timer = None
         pushes.pushed_at = loop.time()
-        task = asyncio.create_task(self._push(endpoint_id, pushes.figures.take(loop.time())))
+        self._start(self._push(endpoint_id, pushes.figures.take(loop.time())))
+
+    def _start(self, push: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(push)
         self._push_tasks.add(task)
         task.add_done_callback(self._push_tasks.discard)
+
+    def _count_phases(self, watched: Watched | None, report: WorkerLoad) -> None:
+        """Keep the phase counters of a report from an instance of a prefill or decode group, for its group's
+        next push (kept as they arrive, so that a group's push never waits for its instances')."""
+        if watched is None or watched.group_id is None or watched.role not in DISAGGREGATED_ROLES:
+            return
+        if report.prefills is None and report.handoffs is None:
+            return  # not the rank that counts, or the worker has served no such request yet
+        group = self._groups.get(watched.group_id)
+        if group is None:
+            group = self._groups[watched.group_id] = _GroupPushes(watched.pipeline_id)
+        group.counts[watched.instance_id] = PhaseCounts(
+            report.prefills or 0,
+            report.prefill_seconds or 0.0,
+            report.handoffs or 0,
+            report.handoff_first_token_seconds or 0.0,
+        )
+        self._schedule(watched.group_id, group, self._push_group_now)
+
+    def _push_group_now(self, group_id: int) -> None:
+        group = self._groups.get(group_id)
+        if group is None:
+            return
+        group.timer = None
+        # Stopped instances leave the group's totals (the directory lists the running ones).
+        running = self._directory.instances()
+        group.counts = {instance: counts for instance, counts in group.counts.items() if instance in running}
+        if not group.counts:
+            del self._groups[group_id]
+            return
+        now = asyncio.get_running_loop().time()
+        elapsed = None if group.pushed_at is None else now - group.pushed_at
+        phases = summarise(group.before, group.counts, elapsed)
+        group.before, group.pushed_at = dict(group.counts), now
+        self._start(self._push_group(group_id, group.pipeline_id, phases))
 
     async def _push(self, endpoint_id: int, load: dict[str, Any]) -> None:
         watched = await self._directory.find(endpoint_id)
@@ -385,6 +462,27 @@ class LiveBridge:
             self._report_layer_failure(exc)
             return
         self.pushed += 1
+
+    async def _push_group(self, group_id: int, pipeline_id: int, phases: dict[str, Any]) -> None:
+        try:
+            text = await self._render_group(group_id, phases)
+        except ObjectDoesNotExist:
+            self._drop_group(group_id)
+            return
+        except Exception:
+            log.exception("live bridge: rendering the phases of worker group %d failed", group_id)
+            return
+        try:
+            await self._layer.group_send(pipeline_group(pipeline_id), dict(html(text, group=group_id)))
+        except Exception as exc:  # as for an instance's load
+            self._report_layer_failure(exc)
+            return
+        self.pushed_groups += 1
+
+    def _drop_group(self, group_id: int) -> None:
+        group = self._groups.pop(group_id, None)
+        if group is not None and group.timer is not None:
+            group.timer.cancel()
 
     def _drop(self, endpoint_id: int) -> None:
         pushes = self._instances.pop(endpoint_id, None)

@@ -5,7 +5,7 @@
   catalog) and ``audit`` (audit entries). A page joins the topics it shows (all, unless it names some;
   each page names them), so that a page without nodes renders no node.
 * ``pipeline.<pk>``: the detail page of one pipeline; it hears about that pipeline's row, its list of
-  instances and each instance, and the bridge's load figures of its instances.
+  instances and each instance, and the bridge's load figures of its instances and phases of its groups.
 
 Two kinds of message travel: ``live.changed`` names a row that changed (each socket renders its
 partial, so a burst of changes to one row costs one render per socket), ``live.html`` carries HTML
@@ -65,16 +65,19 @@ class Html(TypedDict):
 
     type: Literal["live.html"]
     html: str
-    # The instance whose load it shows, for tests and logs.
+    # The instance whose load it shows, or the worker group whose phases, for tests and logs.
     instance: NotRequired[int]
+    group: NotRequired[int]
 
 
 def changed(kind: Kind, row_id: int) -> Changed:
     return {"type": "live.changed", "kind": kind, "id": row_id}
 
 
-def html(text: str, *, instance: int | None = None) -> Html:
+def html(text: str, *, instance: int | None = None, group: int | None = None) -> Html:
     message: Html = {"type": "live.html", "html": text}
     if instance is not None:
         message["instance"] = instance
+    if group is not None:
+        message["group"] = group
     return message

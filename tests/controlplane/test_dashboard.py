@@ -6,6 +6,7 @@ from django.test import Client
 from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
 from controlplane.deployments.models import Instance
+from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet.actions import report_download
 from controlplane.fleet.models import Download
@@ -158,6 +159,19 @@ def test_the_pipeline_page_shows_its_settings_and_why_an_instance_waits() -> Non
     assert reason and page.count(reason) >= 2  # in the pipeline's row and in the instance's
     assert "temperature 0.5" in page and "dyn://big" in page and "not placed" in page
     assert "queued prefill weight 0.25" in page
+
+
+def test_a_disaggregated_pipeline_page_has_each_groups_phases_prefill_first_and_an_aggregated_one_none() -> None:
+    groups = [GroupSpec(role="prefill"), GroupSpec(role="decode", replicas=2)]
+    split = deploy_pipeline(TEST_ACTOR, name="split", model=make_model("split-model"), groups=groups)
+    whole = deploy("whole")
+    browser = logged_in(Role.READ_ONLY)
+    page = browser.get(f"/pipelines/{split.pk}/").content.decode()
+    prefill, decode = (split.groups.get(role=role).pk for role in ("prefill", "decode"))
+    assert "<h2>Phases</h2>" in page
+    assert page.index(f'<div id="phases-{prefill}"') < page.index(f'<div id="phases-{decode}"')
+    assert page.count("nothing counted yet") == 2  # until the bridge pushes the first figures
+    assert "<h2>Phases</h2>" not in browser.get(f"/pipelines/{whole.pk}/").content.decode()
 
 
 def test_an_unknown_pipeline_is_a_404_and_a_huge_id_is_too() -> None:

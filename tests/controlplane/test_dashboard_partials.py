@@ -13,8 +13,8 @@ from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.dashboard import partials
 from controlplane.deployments.evacuation import drain_node
-from controlplane.deployments.models import Instance, Pipeline
-from controlplane.deployments.pipelines import stop_pipeline
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
+from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline, stop_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
 from controlplane.fleet.actions import report_download
 from controlplane.fleet.models import Download, Node
@@ -116,6 +116,40 @@ def test_an_instance_load_says_what_the_worker_did_in_disaggregated_serving() ->
     decode = partials.render_instance_load(instance.pk, {"handoffs": 7, "handoff_first_token_ms": 9.0})
     assert "<strong>7</strong> KV handoffs taken, first token <strong>9.0</strong> ms" in decode
     assert "prefilled" not in decode
+
+
+def disaggregated_groups() -> dict[str, WorkerGroup]:
+    groups = [GroupSpec(role="prefill", replicas=2), GroupSpec(role="decode")]
+    pipeline = deploy_pipeline(TEST_ACTOR, name="split", model=make_model("smol"), groups=groups)
+    return {group.role: group for group in pipeline.groups.all()}
+
+
+def test_a_prefill_groups_phases_show_its_prompts_their_rate_and_mean_time() -> None:
+    group = disaggregated_groups()["prefill"]
+    phases = {"instances": 2, "prefills": 120, "handoffs": 0, "prefills_per_s": 3.5, "prefill_ms": 41.26}
+    html = partials.render_group_phases(group.pk, phases)
+    assert (
+        top_level_tag(html)
+        == f'<div id="phases-{group.pk}" class="load phases" data-group="{group.pk}" data-role="prefill">'
+    )
+    assert "Prefill group" in html and "(2 instances)" in html
+    assert "<strong>120</strong> prompts prefilled, <strong>3.5</strong>/s, <strong>41.3</strong> ms each" in html
+    assert "handoffs" not in html  # a prefill group takes none
+
+
+def test_a_decode_groups_phases_show_its_handoffs_and_without_any_in_the_interval_no_mean() -> None:
+    group = disaggregated_groups()["decode"]
+    busy = partials.render_group_phases(group.pk, {"handoffs": 7, "handoffs_per_s": 2.0, "handoff_first_token_ms": 9.0})
+    assert "<strong>7</strong> KV handoffs taken, <strong>2.0</strong>/s, first token <strong>9.0</strong> ms" in busy
+    assert "prefilled" not in busy
+    quiet = partials.render_group_phases(group.pk, {"instances": 1, "handoffs": 7, "handoffs_per_s": 0.0})
+    assert "<strong>7</strong> KV handoffs taken, <strong>0.0</strong>/s</span>" in quiet and "(1 instance)" in quiet
+
+
+def test_a_groups_phases_before_any_count_say_so() -> None:
+    group = disaggregated_groups()["decode"]
+    html = partials.render_group_phases(group.pk, None)
+    assert "Decode group" in html and "nothing counted yet" in html and "<strong>" not in html
 
 
 def test_an_instance_load_shows_each_lower_tiers_use_and_hits_beside_the_devices() -> None:
@@ -252,6 +286,7 @@ DELETIONS: list[tuple[str, Callable[[int], str]]] = [
     ("pipeline", partials.render_pipeline_instances),
     ("instance", partials.render_instance),
     ("instance", lambda pk: partials.render_instance_load(pk, {"kv_usage": 0.1})),
+    ("group", lambda pk: partials.render_group_phases(pk, {"prefills": 1})),
     ("entry", partials.render_audit_entry),
     ("download", partials.render_download),
 ]
@@ -265,6 +300,7 @@ def test_a_deleted_record_raises_its_models_does_not_exist(kind: str, render: Ca
         "node": Node.objects.get(),
         "pipeline": Pipeline.objects.get(),
         "instance": Instance.objects.get(),
+        "group": WorkerGroup.objects.get(),
         "entry": AuditEntry.objects.latest("id"),
         "download": Download.objects.get(),
     }

@@ -16,7 +16,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from nats.aio.client import Client as NATS
 
-from controlplane.deployments.models import Instance
+from controlplane.deployments import upkeep
+from controlplane.deployments.models import Instance, Pipeline
+from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline
 from controlplane.live.bridge import (
     BridgeError,
     InstanceDirectory,
@@ -30,6 +32,7 @@ from controlplane.live.groups import pipeline_group
 from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.kv.events import BlockRemoved, BlockStored, KvEventBatch, TierLoad, WorkerLoad
 from runtime.supervision import Supervisor
+from tests.controlplane.factories import TEST_ACTOR, make_model, make_node
 from tests.controlplane.live_fixtures import TwoPipelines, live_layer, two_placed_pipelines
 from tests.infra import NatsServer
 from tests.servers import free_port
@@ -88,6 +91,37 @@ async def receive_load(layer: BaseChannelLayer, channel: str) -> dict[str, Any]:
 async def publish_load(worker: NATS, namespace: str, load: WorkerLoad) -> None:
     await worker.publish(f"flotilla.{namespace}.backend.load_metrics", msgspec.json.encode(load))
     await flush(worker)
+
+
+@dataclass
+class SplitPipeline:
+    """A disaggregated pipeline: two prefill instances and one decode instance, with their workers' ids."""
+
+    pipeline: Pipeline
+    prefill_group: int
+    decode_group: int
+    prefill_workers: tuple[int, int] = (0x2A, 0x2B)
+    decode_worker: int = 0x2C
+
+
+def split_pipeline() -> SplitPipeline:
+    make_node("gpu-a")
+    groups = [GroupSpec(role="prefill", replicas=2), GroupSpec(role="decode")]
+    pipeline = deploy_pipeline(TEST_ACTOR, name="split", model=make_model("split-model"), groups=groups)
+    upkeep.place_pending_instances(TEST_ACTOR)
+    split = SplitPipeline(pipeline, *(pipeline.groups.get(role=role).pk for role in ("prefill", "decode")))
+    instances = pipeline.instances.order_by("group__role", "replica")  # decode, then prefill 0 and 1
+    for instance, worker in zip(instances, (split.decode_worker, *split.prefill_workers), strict=True):
+        Instance.objects.filter(pk=instance.pk).update(endpoint_instance_id=worker)
+    return split
+
+
+async def receive_phases(layer: BaseChannelLayer, channel: str, group: int, showing: str) -> str:
+    """The HTML of the next push of ``group``'s phases that shows ``showing`` (earlier ones are skipped)."""
+    while True:
+        message = await receive_load(layer, channel)
+        if message.get("group") == group and showing in message["html"]:
+            return str(message["html"])
 
 
 @pytest.mark.django_db(transaction=True)
@@ -164,6 +198,56 @@ async def test_a_load_from_a_worker_the_control_plane_does_not_know_is_dropped(r
     pushed = await receive_load(running_bridge.layer, on_a)
     assert pushed["instance"] == rows.a_instance.pk
     assert running_bridge.bridge.unknown >= 1
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_disaggregated_pipelines_groups_have_their_instances_phases_summed_and_pushed(
+    running_bridge: Running,
+) -> None:
+    split = await database_sync_to_async(split_pipeline)()
+    layer, worker, namespace = running_bridge.layer, running_bridge.worker, split.pipeline.namespace
+    channel = await listen(layer, split.pipeline.pk)
+    await _until_bridge_subscribed(running_bridge)
+    first, second = split.prefill_workers
+
+    await publish_load(
+        worker, namespace, WorkerLoad(instance_id=first, active_requests=0, prefills=1, prefill_seconds=0.1)
+    )
+    await publish_load(
+        worker, namespace, WorkerLoad(instance_id=second, active_requests=0, prefills=3, prefill_seconds=0.06)
+    )
+    html = await receive_phases(layer, channel, split.prefill_group, "(2 instances)")
+    assert f'id="phases-{split.prefill_group}"' in html and "<strong>4</strong> prompts prefilled" in html
+
+    # The next interval: one prompt of 100 ms on the first, three of 20 ms on the second.
+    await publish_load(
+        worker, namespace, WorkerLoad(instance_id=first, active_requests=0, prefills=2, prefill_seconds=0.2)
+    )
+    await publish_load(
+        worker, namespace, WorkerLoad(instance_id=second, active_requests=0, prefills=6, prefill_seconds=0.12)
+    )
+    html = await receive_phases(layer, channel, split.prefill_group, "<strong>8</strong> prompts prefilled")
+    assert "<strong>40.0</strong> ms each" in html  # 160 ms over 4, not (100 + 20) / 2
+
+    decode = WorkerLoad(
+        instance_id=split.decode_worker, active_requests=1, handoffs=4, handoff_first_token_seconds=0.04
+    )
+    await publish_load(worker, namespace, decode)
+    html = await receive_phases(layer, channel, split.decode_group, "KV handoffs taken")
+    assert "<strong>4</strong> KV handoffs taken" in html and "first token <strong>10.0</strong> ms" in html
+    assert "prefilled" not in html
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_aggregated_pipeline_has_no_group_phases(running_bridge: Running) -> None:
+    rows = await database_sync_to_async(give_endpoint_ids)()
+    on_a = await listen(running_bridge.layer, rows.a.pk)
+    await _until_bridge_subscribed(running_bridge)
+    # Counters an aggregated worker never sends: still, its group is not one of a disaggregated pipeline.
+    load = WorkerLoad(instance_id=ENDPOINT_A, active_requests=1, prefills=1, prefill_seconds=0.1)
+    await publish_load(running_bridge.worker, rows.a.namespace, load)
+    assert (await receive_load(running_bridge.layer, on_a))["instance"] == rows.a_instance.pk
+    assert running_bridge.bridge.pushed_groups == 0 and not running_bridge.bridge._groups
 
 
 async def _until_bridge_subscribed(running: Running) -> None:
