@@ -6,7 +6,8 @@ import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -15,6 +16,7 @@ from channels.layers import BaseChannelLayer, get_channel_layer
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from controlplane.deployments import upkeep
 from controlplane.deployments.models import Instance, Pipeline
@@ -248,6 +250,49 @@ async def test_an_aggregated_pipeline_has_no_group_phases(running_bridge: Runnin
     await publish_load(running_bridge.worker, rows.a.namespace, load)
     assert (await receive_load(running_bridge.layer, on_a))["instance"] == rows.a_instance.pk
     assert running_bridge.bridge.pushed_groups == 0 and not running_bridge.bridge._groups
+
+
+async def test_a_stopped_instance_and_a_restarted_worker_leave_the_groups_totals_without_a_negative_rate() -> None:
+    running = {1: Watched(10, 5, 50, "prefill"), 2: Watched(11, 5, 50, "prefill")}
+    summaries: list[dict[str, Any]] = []
+
+    async def read() -> dict[int, Watched]:
+        return dict(running)
+
+    async def render(watched: Watched, load: dict[str, Any]) -> str:
+        return f"load of {watched.instance_id}"
+
+    async def render_group(group_id: int, phases: dict[str, Any]) -> str:
+        summaries.append(phases)
+        return f"phases of {group_id}"
+
+    class Layer:
+        async def group_send(self, group: str, message: dict[str, Any]) -> None:
+            assert group == pipeline_group(5)
+
+    directory = InstanceDirectory(read, refresh_s=0.0, miss_refresh_s=0.0)  # each report reads the rows again
+    bridge = LiveBridge(
+        cast(NATS, None), cast(BaseChannelLayer, Layer()), directory, Supervisor(lambda: None), interval=0.0,
+        render=render, render_group=render_group,
+    )  # fmt: skip
+
+    async def report(endpoint: int, prefills: int, seconds: float) -> None:
+        load = WorkerLoad(instance_id=endpoint, active_requests=0, prefills=prefills, prefill_seconds=seconds)
+        message = SimpleNamespace(subject="flotilla.split.prefill.load_metrics", data=msgspec.json.encode(load))
+        await bridge._on_load(cast(Msg, message))
+        pushed = len(summaries)
+        await _until(lambda: len(summaries) > pushed)
+
+    await report(1, 100, 5.0)
+    await report(2, 3, 0.3)
+    assert summaries[-1]["prefills"] == 103 and summaries[-1]["instances"] == 2
+    await report(1, 2, 0.05)  # instance 10's worker restarted: 2 prompts since, of 25 ms
+    assert summaries[-1]["prefills"] == 5 and summaries[-1]["prefills_per_s"] >= 0
+    assert summaries[-1]["prefill_ms"] == pytest.approx(25.0)
+    del running[1]  # instance 10 stopped
+    await report(2, 4, 0.4)
+    assert (summaries[-1]["prefills"], summaries[-1]["instances"]) == (4, 1)
+    await bridge.close()
 
 
 async def _until_bridge_subscribed(running: Running) -> None:
