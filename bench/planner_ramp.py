@@ -18,7 +18,8 @@ pipeline of one mocker worker through the REST API. Then:
    through the gateway (round-robin routing, the pipeline's default). The live instances are sampled every
    second and the planner's decisions read from the API.
 
-    .venv/bin/python bench/planner_ramp.py [--ramp-s 180] [--interval 3]
+    .venv/bin/python bench/planner_ramp.py [--ramp-s 180] [--interval 3] [--cooldown 3] [--reversal 12]
+                                           [--down-window 9]
 
 The workers: 4,096-token prompts in chunks of 512 tokens per step (``max_num_batched_tokens`` 512, vLLM's
 chunked-prefill default of old) so that one worker holds a few requests per second, and the whole run stays
@@ -253,12 +254,18 @@ def desired_at(changes: Sequence[tuple[float, int]], t: float, initial: int = 1)
 
 
 def reaction(changes: Sequence[tuple[float, int]], level: int, at: float) -> float | None:
-    """Seconds from ``at`` (the load crossing ``level`` workers' capacity) until the planner had asked for
-    more than ``level`` replicas (0: it had already); None: it never did."""
+    """Seconds from ``at`` (the load crossing ``level`` workers' capacity) to the decision that took the
+    planner over ``level`` replicas: the one that had done so already (negative: ahead of the load), else the
+    first after; None: it never did."""
+    previous, crossings = 1, []
+    for t, value in changes:
+        if previous <= level < value:
+            crossings.append(t)
+        previous = value
     if desired_at(changes, at) > level:
-        return 0.0
-    later = [t for t, value in changes if t >= at and value > level]
-    return min(later) - at if later else None
+        return max(t for t in crossings if t <= at) - at
+    later = [t for t in crossings if t >= at]
+    return later[0] - at if later else None
 
 
 def reversals(changes: Sequence[tuple[float, int]], parts: Sequence[tuple[float, float]]) -> int:
@@ -286,14 +293,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--itl", type=float, default=0.25, help="ITL p90 target, seconds")
     parser.add_argument("--sweep-s", type=float, default=12.0, help="seconds per capacity sweep point")
     parser.add_argument("--sweep-points", type=int, default=len(SWEEP_SHARES))
+    parser.add_argument("--cooldown", type=float, default=None, help="stability.cooldown_s (default: --interval)")
+    parser.add_argument("--reversal", type=float, default=12.0, help="stability.reversal_s")
+    parser.add_argument("--down-window", type=float, default=9.0, help="stability.down_window_s")
     return parser.parse_args()
 
 
 def targets(args: argparse.Namespace) -> dict[str, Any]:
-    """SLA mode with stability windows fit for a 3-minute ramp (the defaults are minutes long)."""
+    """SLA mode with stability windows fit for a 3-minute ramp (the defaults are minutes long): a cooldown of
+    one interval, and a scale-down window of three, so that a ramp down of one worker's load per 10 s is
+    followed; the scale-down margin (0.15, the default) is what keeps a steady load from flapping."""
+    cooldown = args.interval if args.cooldown is None else args.cooldown
     return {
         "default": {"ttft_s": args.ttft, "itl_s": args.itl, "percentile": 90, "min_replicas": 1, "max_replicas": 8},
-        "stability": {"cooldown_s": 2 * args.interval, "reversal_s": 20, "down_window_s": 15},
+        "stability": {"cooldown_s": cooldown, "reversal_s": args.reversal, "down_window_s": args.down_window},
     }
 
 
@@ -383,7 +396,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
         f"{used / static:.2f}x (<= {FLOOR_WORKER_SECONDS}): {verdict(checks['worker_seconds_vs_static_peak'][1])}"
     )
     for level, seconds in reactions.items():
-        said = "never" if seconds is None else f"{seconds:.1f} s"
+        said = "never" if seconds is None else f"{seconds:+.1f} s"
         print(
             f"load over {level} worker(s)' capacity at {crossing(level, duration):.0f} s -> "
             f"more than {level} asked: {said}"
