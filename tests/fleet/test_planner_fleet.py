@@ -53,7 +53,7 @@ def pipeline(fleet: FleetStack) -> int:
 @contextlib.contextmanager
 def streaming_load(fleet: FleetStack, streams: int = STREAMS) -> Iterator[list[int]]:
     """``streams`` threads, each sending streamed completions one after another while the block runs:
-    the status codes of those that ended."""
+    the status codes of those that ended (0 for one the connection failed, whose error is printed)."""
     assert fleet.gateway is not None
     url = fleet.gateway.api_url + "/completions"
     codes: list[int] = []
@@ -64,10 +64,15 @@ def streaming_load(fleet: FleetStack, streams: int = STREAMS) -> Iterator[list[i
         with httpx.Client(timeout=30) as client:
             while not done.is_set():
                 prompt = f"stream {number} asks, at {time.monotonic()}, " + "about the fleet " * 10
-                with client.stream("POST", url, json=body | {"prompt": prompt}) as reply:
-                    for _ in reply.iter_bytes():
-                        pass
-                codes.append(reply.status_code)
+                try:
+                    with client.stream("POST", url, json=body | {"prompt": prompt}) as reply:
+                        for _ in reply.iter_bytes():
+                            pass
+                except httpx.HTTPError as exc:
+                    print(f"stream {number}: {exc!r}")  # shown when the test fails
+                    codes.append(0)
+                else:
+                    codes.append(reply.status_code)
 
     senders = [threading.Thread(target=send, args=(number,)) for number in range(streams)]
     for sender in senders:
