@@ -6,11 +6,11 @@ pipeline of one mocker worker through the REST API. Then:
 
 1. **Capacity**: one worker's service time unloaded (a few prompts one after another), then open-loop
    Poisson load at a few shares of it, ``--sweep-s`` each: the highest rate whose TTFT p90 is within the
-   target is what one worker holds (``R1``). ``flotilla profile`` is not on main yet, so this sweep stands
-   in for it: its result is PUT to ``/api/v1/models/{id}/profile/`` as the planner's profile (both phases
-   at ``(ISL + OSL) × R1`` tokens/s: a step's token budget holds prompt chunks and one token per decoding
-   sequence alike, so a request costs its ISL + OSL tokens of it, and the aggregated sizing, the sum of the
-   two phases, is then ``rate / R1``).
+   target is what one worker holds (``R1``), the ramp's 1×. Its result is PUT to
+   ``/api/v1/models/{id}/profile/`` as the planner's profile (both phases at ``(ISL + OSL) × R1`` tokens/s:
+   a step's token budget holds prompt chunks and one token per decoding sequence alike, so a request costs
+   its ISL + OSL tokens of it, and the aggregated sizing, the sum of the two phases, is then ``rate / R1``),
+   unless ``--profile FILE`` gives one (``flotilla profile --output FILE``, measured in a closed loop).
 2. **Ramp**: the pipeline's planner targets are set (SLA mode: TTFT and ITL targets, short stability
    windows, ``--interval``) and `manage.py planner` is started beside the fleet. Open-loop Poisson arrivals
    at ``R1 ×`` 1 (steady) → 1..4 (ramp) → 4 (steady) → 4..1 (ramp) → 1 (steady), over ``--ramp-s`` (180 s:
@@ -293,6 +293,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--itl", type=float, default=0.25, help="ITL p90 target, seconds")
     parser.add_argument("--sweep-s", type=float, default=12.0, help="seconds per capacity sweep point")
     parser.add_argument("--sweep-points", type=int, default=len(SWEEP_SHARES))
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="the planner's profile from this file (default: the sweep's)"
+    )
     parser.add_argument("--cooldown", type=float, default=None, help="stability.cooldown_s (default: --interval)")
     parser.add_argument("--reversal", type=float, default=12.0, help="stability.reversal_s")
     parser.add_argument("--down-window", type=float, default=9.0, help="stability.down_window_s")
@@ -323,7 +326,10 @@ def run(stack: FleetStack, args: argparse.Namespace) -> dict[str, Any]:
     print(f"  one worker holds {rate:.2f} req/s (unloaded TTFT {capacity['service_s']:.3f} s)", flush=True)
     model = stack.pipeline(pipeline)["model"]
     [model_id] = [m["id"] for m in json_of(stack.operator.get("/api/v1/models/"))["results"] if m["name"] == model]
-    profile = profile_for(rate, args.isl, args.osl, args.ttft, args.itl)
+    if args.profile is None:
+        profile = profile_for(rate, args.isl, args.osl, args.ttft, args.itl)
+    else:
+        profile = json.loads(args.profile.read_text())
     json_of(stack.operator.put(f"/api/v1/models/{model_id}/profile/", json=profile))
     json_of(stack.operator.patch(f"/api/v1/pipelines/{pipeline}/", json={"planner": targets(args)}))
     stack.start_planner(args.interval)
@@ -384,8 +390,9 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
         "reversals_per_minute_steady": (per_minute, per_minute <= FLOOR_REVERSALS_PER_MIN),
     }
     acted = sum(1 for d in decisions if d["acted"])
+    source = "the sweep's profile" if args.profile is None else f"the profile of {args.profile}"
     print(f"\none worker holds {rate:.2f} req/s at TTFT p90 <= {target:g} s; {len(sent)} requests, {errors} failed")
-    print(f"planner: {len(decisions)} decisions ({acted} acted), every {args.interval:g} s, SLA mode on the profile")
+    print(f"planner: {len(decisions)} decisions ({acted} acted), every {args.interval:g} s, SLA mode on {source}")
     print(f"requests with TTFT within {target:g} s: {within:.1%} (a p90 target asks for >= 90%)")
     print(
         f"TTFT p90 within target in {windows_ok:.0%} of {len(counted)} 10 s windows (>= 95%): "
