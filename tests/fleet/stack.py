@@ -1,4 +1,4 @@
-"""A whole fleet as real processes, for the fleet tests and bench/fleet_scale.py.
+"""A whole fleet as real processes, for the fleet tests, bench/fleet_scale.py and bench/planner_ramp.py.
 
 The control plane under uvicorn on a SQLite file, its Celery worker with beat (the reconciler), two
 `flotilla agent` processes (node-a, node-b, two simulated 24 GiB GPUs each unless told otherwise) and a
