@@ -208,7 +208,9 @@ def replica_loads(
     KV usage is the instance's blocks in use over its blocks, where every rank says both; otherwise the mean
     of the ranks' ``kv_usage``. Queued prompt tokens come from ``queued_prefill_tokens`` (by instance: what a
     router knows it sent and was not yet computed); without them they are estimated as waiting requests
-    times ``mean_isl``; without either, unknown.
+    times ``mean_isl``; without either, unknown, except that an instance whose every rank says nothing
+    waits has none queued whatever the prompts' length (no request finished in an idle interval, so its
+    mean ISL is unknown exactly when a scale-down needs the queue to be known).
     """
     latest: dict[tuple[int, int], WorkerLoad] = {}
     for report in reports:
@@ -221,8 +223,12 @@ def replica_loads(
         queued: float | None = None
         if queued_prefill_tokens is not None and instance_id in queued_prefill_tokens:
             queued = float(queued_prefill_tokens[instance_id])
-        elif mean_isl is not None and all(r.waiting is not None for r in rank_reports):
-            queued = sum(r.waiting or 0 for r in rank_reports) * mean_isl
+        elif all(r.waiting is not None for r in rank_reports):
+            waiting = sum(r.waiting or 0 for r in rank_reports)
+            if waiting == 0:
+                queued = 0.0
+            elif mean_isl is not None:
+                queued = waiting * mean_isl
         loads.append(
             ReplicaLoad(
                 instance_id=instance_id,

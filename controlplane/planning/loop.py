@@ -218,6 +218,7 @@ class PlannerLoop:
             interval_s=self.interval_s,
             percentile=targets.default.percentile,
             rate_when_unknown=predicted.request_rate if predicted is not None else 0.0,
+            isl_when_unknown=predicted.isl if predicted is not None and predicted.isl > 0 else None,
         )
         # No measurement from the gateway: SLA sizing would size on a guess; load mode judges what workers say.
         decisions = planner.decide(now, targets, observation, profile if stats is not None else None)

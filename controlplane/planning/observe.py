@@ -66,12 +66,16 @@ def observe(
     interval_s: float,
     percentile: float,
     rate_when_unknown: float,
+    isl_when_unknown: float | None = None,
 ) -> Observation:
     """The pipeline's ``Observation``. Without ingress stats (the gateway unreadable) the request rate is
     ``rate_when_unknown`` (the planner's own prediction, so that its history is not taught a false zero)
-    and lengths and latencies are unknown."""
+    and lengths and latencies are unknown. Waiting requests are turned into queued prompt tokens with the
+    interval's mean ISL or, when no request finished in it (long requests, or the gateway unreadable),
+    ``isl_when_unknown`` (the predicted ISL): without either, a queue of waiting requests would be unknown
+    and load mode would hold."""
     mine = [report for report in reports if any(report.instance_id in g.endpoint_ids for g in pipeline.groups)]
-    mean_isl = stats.mean_isl if stats is not None else None
+    mean_isl = stats.mean_isl if stats is not None and stats.mean_isl is not None else isl_when_unknown
     groups = tuple(
         GroupObservation(
             role=group.role,

@@ -185,6 +185,17 @@ SMOKES = [
         marks=[SERIAL],
     ),
     Smoke(
+        "planner_ramp",
+        "planner_ramp.py",
+        "--ramp-s 12 --interval 1 --sweep-s 2 --sweep-points 1 --isl 512",
+        [
+            r"^worker-seconds .* static for the peak .*: (met|NOT met)$",
+            r"^changes of direction in the steady parts: .*: (met|NOT met)$",
+        ],
+        timeout=150,
+        marks=[SERIAL],
+    ),
+    Smoke(
         "worker_start",
         "worker_start.py",
         "--rounds 1",

@@ -1,9 +1,10 @@
-"""A whole fleet as real processes, for the fleet tests and bench/fleet_scale.py.
+"""A whole fleet as real processes, for the fleet tests, bench/fleet_scale.py and bench/planner_ramp.py.
 
 The control plane under uvicorn on a SQLite file, its Celery worker with beat (the reconciler), two
-`flotilla agent` processes (node-a, node-b, two simulated 24 GiB GPUs each) and a gateway (`flotilla run
-in=http out=dyn`), over the Redis, etcd and NATS it is given. Models and pipelines go through the REST API
-with an operator's token, as a person would make them.
+`flotilla agent` processes (node-a, node-b, two simulated 24 GiB GPUs each unless told otherwise) and a
+gateway (`flotilla run in=http out=dyn`), over the Redis, etcd and NATS it is given; the planner's loop
+(`manage.py planner`) when a test or bench starts it. Models and pipelines go through the REST API with an
+operator's token, as a person would make them.
 """
 
 import os
@@ -57,10 +58,13 @@ class FleetStack:
     nats: NatsServer
     smollm2: Path
     template: Path | None = None
+    #: Simulated 24 GiB GPUs per node.
+    gpus_per_node: int = 2
     control_plane: ControlPlaneServer = field(init=False)
     reconciler: subprocess.Popen[bytes] | None = field(default=None, init=False)
     agents: dict[str, Agent] = field(default_factory=dict, init=False)
     gateway: Server | None = field(default=None, init=False)
+    planners: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
     operator: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +122,8 @@ class FleetStack:
         log_path = self.directory / f"agent-{node}.log"
         state = self.directory / node
         command = [sys.executable, "-m", "launcher.cli", "agent", "--control-plane", self.control_plane.url]
-        command += ["--name", node, "--gpus", "2x24GiB", "--heartbeat-s", "0.5", "--broker", self.redis.url]
+        command += ["--name", node, "--gpus", f"{self.gpus_per_node}x24GiB", "--heartbeat-s", "0.5"]
+        command += ["--broker", self.redis.url]
         command += ["--state-dir", str(state / "state"), "--log-dir", str(state / "logs")]
         command += ["--models-dir", str(state / "models")]
         env = {
@@ -134,8 +139,28 @@ class FleetStack:
         self.agents[node] = Agent(node, process, log_path)
         return self.agents[node]
 
+    def start_planner(self, interval_s: float = 1.0) -> subprocess.Popen[bytes]:
+        """One more `manage.py planner` process (on the control plane's database, with its gateway URL and
+        NATS), logging to ``planner-N.log`` (N counts from 1: ``planner_log(N)``)."""
+        number = len(self.planners) + 1
+        command = [sys.executable, "manage.py", "planner", "--interval", str(interval_s)]
+        env = {**self.control_plane.env, "NATS_SERVER": self.nats.url}
+        with self.planner_log_path(number).open("ab") as log_file:
+            process = subprocess.Popen(command, cwd=REPOSITORY, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        self.planners.append(process)
+        return process
+
+    def planner_log_path(self, number: int) -> Path:
+        return self.directory / f"planner-{number}.log"
+
+    def planner_log(self, number: int) -> str:
+        path = self.planner_log_path(number)
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def stop(self) -> None:
         """Everything, workers included (an agent's SIGTERM leaves its workers running, on purpose)."""
+        for planner in self.planners:
+            stop_process(planner, signal.SIGTERM, timeout=10)
         pids = [i["pid"] for i in self.instances() if i["pid"]] if self.control_plane.process else []
         if self.gateway is not None:
             self.gateway.stop()
@@ -157,14 +182,26 @@ class FleetStack:
         reconciler = self.directory / "reconciler.log"
         if reconciler.exists():
             parts.append(f"--- reconciler ---\n{reconciler.read_text(errors='replace')[-3000:]}")
+        for number in range(1, len(self.planners) + 1):
+            parts.append(f"--- planner {number} ---\n{self.planner_log(number)[-3000:]}")
         return "\n".join(parts)
 
     # --- the API -----------------------------------------------------------------------------------
 
-    def deploy(self, name: str, *, replicas: int, gpus: int = 1, router: dict[str, Any] | None = None) -> int:
-        """A model and a pipeline of mocker workers with the SmolLM2 tokenizer; the pipeline's id."""
+    def deploy(
+        self,
+        name: str,
+        *,
+        replicas: int,
+        gpus: int = 1,
+        router: dict[str, Any] | None = None,
+        engine_args: dict[str, Any] | None = None,
+    ) -> int:
+        """A model and a pipeline of mocker workers with the SmolLM2 tokenizer (``engine_args``: the mocker's,
+        MOCKER_ARGS when None); the pipeline's id."""
         model = add_mocker_model(self.operator, f"{name}-model", self.smollm2)
-        group = {"replicas": replicas, "gpus_per_replica": gpus, "engine_args": MOCKER_ARGS}
+        args = MOCKER_ARGS if engine_args is None else engine_args
+        group = {"replicas": replicas, "gpus_per_replica": gpus, "engine_args": args}
         body: dict[str, Any] = {"name": name, "model": model["name"], "groups": [group]}
         if router is not None:
             body["router"] = router

@@ -121,6 +121,17 @@ def test_queued_prompt_tokens_are_unknown_without_a_router_count_or_waiting_requ
     assert load.queued_prefill_tokens is None
 
 
+def test_nothing_waiting_is_no_queued_prompt_tokens_even_when_no_request_finished_to_give_an_isl() -> None:
+    # An idle interval has no mean ISL; had the queue been unknown then, load mode could never scale down.
+    reports = [
+        WorkerLoad(instance_id=1, active_requests=0, waiting=0),
+        WorkerLoad(instance_id=2, active_requests=3, waiting=2),
+    ]
+    idle, busy = replica_loads(reports)
+    assert idle.queued_prefill_tokens == 0.0
+    assert busy.queued_prefill_tokens is None  # two waiting, of a length no one measured
+
+
 def test_an_observation_carries_the_interval_and_its_groups() -> None:
     metrics = GatewayMetrics()
     before = ingress_snapshot(metrics.exposition().decode(), "smol", at_s=0.0)
