@@ -1,7 +1,7 @@
 """bench/kv_tiers_vs_dynamo.py in simulated time: where its ITL p99 comes from, without the serving path.
 
     .venv/bin/python bench/kv_tiers_sim.py [--seeds 2,3,4] [--draws 4] [--delay-scales 0,1] [--tiers host,device]
-                                           [--dynamo-python .dynamo-venv/bin/python] [--dynamo-runs 4]
+                                           [--engines] [--dynamo-python .dynamo-venv/bin/python] [--dynamo-runs 4]
 
 The same trace (documents that come back, a fresh question each, 32 tokens out, a closed loop of 4) and the
 same two mocker workers, host tier and device only, run through Flotilla's own ``KvRouter`` and each worker's
@@ -18,6 +18,10 @@ sequence (~43 ms) or of two (~51 ms), a whole 4160-token prefill beside a decode
 and 100 ms. ITL p99 is the 50th longest of 4960 gaps, and the gaps of 47 ms and more are about that many: p99
 lands on 43 or on 51 ms by a handful of gaps either way, from one trace seed or delay draw to the next.
 
+``--engines`` also runs each trace through the mocker engines themselves, in real time in this process (speed-up
+1, ~45 s a run), behind the same router with no HTTP or NATS: what their step loops and token hand-off add. What
+the live bench adds beyond that is its serving path's (gateway, request plane, HTTP stream).
+
 ``--dynamo-python`` names a Python with Dynamo 1.6.1 installed (``make dynamo``): the same trace then also
 runs through Dynamo's own core and router in simulated time (``dynamo.replay.run_trace_replay``, offline, KV
 routing, the same closed loop, instant hops) ``--dynamo-runs`` times per seed (its router breaks ties at
@@ -33,21 +37,25 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import uvloop
 from kv_tiers_vs_dynamo import BLOCK, mocker_settings, trace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engines.mocker.config import MockerConfig  # noqa: E402
+from engines.mocker.engine import MockerEngine  # noqa: E402
 from engines.mocker.scheduler import Scheduler  # noqa: E402
 from engines.mocker.scheduler import Sequence as MockerSequence  # noqa: E402
 from engines.mocker.timing import StepTimer  # noqa: E402
 from frontend_gateway.routing.kv_router import KvRouter  # noqa: E402
 from frontend_gateway.routing.protocol import InstanceInfo, RouterMode, RouterSettings  # noqa: E402
 from runtime.cluster.addressing import EndpointAddress  # noqa: E402
+from runtime.engine import RequestContext  # noqa: E402
 from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions  # noqa: E402
 
 VOCAB_SIZE = 40000
@@ -170,6 +178,66 @@ async def simulate(prompts: list[list[int]], max_tokens: int, settings: dict[str
     return times
 
 
+class _IndexSink:
+    """A worker's KV event sink that hands its events to the router's index at once (no NATS)."""
+
+    def __init__(self, router: KvRouter, instance_id: int) -> None:
+        self.router, self.instance_id = router, instance_id
+
+    def publish(self, dp_rank: int, events: list[Any]) -> None:
+        self.router.indexer.apply((self.instance_id, dp_rank), events)
+
+
+async def real_time(prompts: list[list[int]], max_tokens: int, settings: dict[str, Any], *, workers: int,
+                    concurrency: int) -> list[list[float]]:  # fmt: skip
+    """As ``simulate``, but with the mocker engines themselves in real time in this process: their step loops and
+    token hand-off, no HTTP or NATS between them and the router. Takes the trace's length in real seconds."""
+    router = KvRouter(
+        RouterSettings(mode=RouterMode.KV, seed=0),
+        block_size=settings["block_size"],
+        nc=None,  # type: ignore[arg-type]  # no NATS: the engines' events are handed to the router directly
+        address=EndpointAddress("sim", "mocker", "generate"),
+        clock=time.monotonic,
+    )
+    instances = [InstanceInfo(number + 1, f"worker{number}") for number in range(workers)]
+    for instance in instances:
+        router.instance_added(instance)
+    await router.subscriber.close()
+    engines = [MockerEngine(MockerConfig(**settings), vocab_size=VOCAB_SIZE) for _ in instances]
+    for instance, engine in zip(instances, engines, strict=True):
+        engine.attach_kv_events(_IndexSink(router, instance.instance_id))
+        await engine.start()
+    times: list[list[float]] = [[] for _ in prompts]
+    waiting = iter(range(len(prompts)))
+
+    async def stream() -> None:
+        for index in waiting:
+            request = PreprocessedRequest(
+                request_id=str(index),
+                model="sim",
+                token_ids=prompts[index],
+                sampling=SamplingOptions(),
+                stop_conditions=StopConditions(max_tokens=max_tokens, ignore_eos=True),
+            )
+            decision = router.choose(request, instances)
+            assert decision is not None
+            times[index].append(time.perf_counter())
+            engine = engines[decision.instance.instance_id - 1]
+            async for output in engine.generate(request, RequestContext(request.request_id)):
+                if len(times[index]) == 1:
+                    router.prefill_done(request.request_id)
+                times[index].extend([time.perf_counter()] * len(output.token_ids))
+            router.finished(request.request_id)
+
+    try:
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+    finally:
+        for engine in engines:
+            await engine.close()
+        await router.close()
+    return times
+
+
 def percentile(values: list[float], percent: float) -> float:
     """Linear between the closest ranks (numpy's default)."""
     ordered = sorted(values)
@@ -255,6 +323,10 @@ def main() -> None:
         "starting then, as in Dynamo's offline replay)",
     )  # fmt: skip
     parser.add_argument("--tiers", default="host,device", help="host (a host tier), device (device only), or both")
+    parser.add_argument(
+        "--engines", action="store_true",
+        help="also run the mocker engines themselves in real time here (no HTTP, no NATS): the trace's length a run",
+    )  # fmt: skip
     parser.add_argument("--dynamo-python", help="a Python with Dynamo 1.6.1: its offline replay of each trace too")
     parser.add_argument("--dynamo-runs", type=int, default=4, help="Dynamo replays per trace seed")
     args = parser.parse_args()
@@ -279,6 +351,11 @@ def main() -> None:
                 )  # fmt: skip
                 label = f"x{scale:g} draw {draw}"
                 print(f"{name:<11} seed {seed} {label:<11}{describe(times)}", flush=True)
+            if args.engines:
+                times = uvloop.run(
+                    real_time(prompts, args.max_tokens, settings, workers=args.workers, concurrency=args.concurrency)
+                )
+                print(f"{name:<11} seed {seed} {'engines':<11}{describe(times)}", flush=True)
             if args.dynamo_python:
                 p99s = dynamo_p99s(args.dynamo_python, args, seed, settings)
                 print(
