@@ -8,7 +8,7 @@ import pytest
 
 from engines.mocker.config import MockerConfig
 from engines.mocker.scheduler import Scheduler, Sequence, Step
-from engines.mocker.timing import StepTimer
+from engines.mocker.timing import StepTimer, decode_ms, prefill_ms
 from runtime.kv.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 
 BLOCK = 4
@@ -245,3 +245,60 @@ def test_the_host_hit_rate_counts_prompt_tokens_brought_back_from_the_host() -> 
 def test_a_host_tier_is_refused_under_v0() -> None:
     with pytest.raises(ValueError, match="v1"):
         Rank(scheduler="v0")
+
+
+def test_a_prefix_brought_back_beside_a_decode_is_timed_as_dynamos_mocker_times_it() -> None:
+    """bench/kv_tiers_vs_dynamo.py's geometry on one rank: a long decode (a) while a document (b's) is pushed
+    off the device (by c) and asked for again (e): e's prefix comes back from the host, and the step that
+    computes its last 64 tokens beside a's decode costs a 64-token prefill plus a's decode alone (e gets its
+    first token from that pass, so it is not in the decode batch, and its copy back is not charged there).
+
+    Every time below is Dynamo 1.6.1's, from its own core in simulated time (``dynamo.replay``'s
+    ``run_trace_replay``, offline, one worker, the same settings and arrivals as a Mooncake trace); Flotilla's
+    match them to the microsecond.
+    """
+    rank = Rank(
+        block_size=64,
+        num_gpu_blocks=136,
+        num_host_blocks=904,
+        kv_bytes_per_token=23040,
+        host_offload_d2h_bandwidth_gbps=25.0,
+        host_offload_h2d_bandwidth_gbps=25.0,
+    )
+
+    def prompt(document: int, question: int) -> list[int]:
+        return [document * 10_000 + offset for offset in range(4096)] + [question * 100 + n for n in range(64)]
+
+    a, b = sequence(prompt(1, 1), max_tokens=200), sequence(prompt(2, 2), max_tokens=2)
+    c, e = sequence(prompt(3, 3), max_tokens=2), sequence(prompt(2, 4), max_tokens=32)
+    arrivals = [(0.0, a), (0.0, b), (0.4, c), (0.8, e)]
+    tokens: dict[Sequence, list[float]] = {each: [] for _, each in arrivals}
+    onboard: tuple[Step, float, float, int] | None = None
+    scheduler = rank.scheduler
+    while arrivals or scheduler.has_work:
+        while arrivals and arrivals[0][0] <= rank.clock:
+            scheduler.add(arrivals.pop(0)[1])
+        if not scheduler.has_work:
+            rank.clock = arrivals[0][0]
+            continue
+        # Each token leaves when its step ends: read the tokens after the step, against the clock then.
+        before = {each: len(each.output) for each in tokens}
+        decoding = a.num_tokens  # a's length in the step: its prompt and its output so far
+        step, started = rank.step()
+        if e in step.scheduled:
+            onboard = onboard or (step, started, rank.clock, decoding)
+        for each, count in before.items():
+            tokens[each].extend([rank.clock] * (len(each.output) - count))
+    ms = {each: [time * 1000 for time in times] for each, times in tokens.items()}
+    assert ms[a][0] == pytest.approx(169.136918, abs=1e-3) and ms[a][-1] == pytest.approx(5734.093568, abs=1e-3)
+    assert ms[b][0] == pytest.approx(213.265966, abs=1e-3)
+    assert ms[c][0] == pytest.approx(513.924972, abs=1e-3)
+    assert ms[e][0] == pytest.approx(874.008397, abs=1e-3) and ms[e][-1] == pytest.approx(1924.194468, abs=1e-3)
+    # 4 of e's 64 document blocks were still on the device, 60 came back from the host (Dynamo's 256 + 3840).
+    host = scheduler.host
+    assert host is not None and host.onboarded_blocks == 60 and e.cached_tokens == 4096
+    assert onboard is not None
+    step, started, ended, decoding = onboard
+    assert step.scheduled == {a: 1, e: 64} and rank.prefill[step] == 64
+    assert (ended - started) * 1000 == pytest.approx(prefill_ms(64) + decode_ms(decoding / (136 * 64)), abs=1e-9)
+    assert (ended - started) * 1000 == pytest.approx(43.223, abs=1e-3)
