@@ -360,6 +360,30 @@ SMOKES = [
         skip=no_dynamo,
     ),
     Smoke(
+        "kv_tiers_vs_dynamo",
+        "kv_tiers_vs_dynamo.py",
+        "--documents 3 --document-tokens 256 --requests 6 --max-tokens 4 --concurrency 2 --rounds 1 --stacks flotilla",
+        [
+            rf"^flotilla host tier\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$",
+            rf"^flotilla host tier / device only: TTFT p50 {NUMBER}x",
+        ],
+        timeout=120,
+    ),
+    Smoke(
+        "kv_tiers_vs_dynamo-dynamo",
+        "kv_tiers_vs_dynamo.py",
+        "--documents 3 --document-tokens 256 --requests 6 --max-tokens 4 --concurrency 2 --rounds 1",
+        [rf"^flotilla host tier / dynamo host tier: TTFT p50 {NUMBER}x, p99 {NUMBER}x"],
+        timeout=240,
+        skip=no_dynamo,
+    ),
+    Smoke(
+        "kv_tiers_sim",
+        "kv_tiers_sim.py",
+        "--documents 4 --document-tokens 512 --requests 12 --max-tokens 4 --seeds 2 --draws 1",
+        [rf"^host tier\s+seed 2 x1 draw 0\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s"],
+    ),
+    Smoke(
         "trace_replay",
         "trace_replay.py",
         "--modes flotilla-kv --duration 2 --rate 8 --warmup 0",
