@@ -160,6 +160,26 @@ def show(rows: Iterable[Row]) -> None:
         )
 
 
+def run_rounds(
+    chosen: list[Topology], rounds: int, measure_one: Callable[[Topology, int], Row]
+) -> tuple[dict[str, list[Row]], dict[str, Row]]:
+    """Each topology measured once a round (``measure_one(topology, seed)``, seed 2, 3, ... by round), in the
+    opposite order to the round before, each round's rows printed; returns every round's rows by topology and
+    their medians."""
+    measured: dict[str, list[Row]] = {t.name: [] for t in chosen}
+    for number in range(rounds):
+        order = chosen if number % 2 == 0 else list(reversed(chosen))
+        print(f"round {number + 1}:")
+        round_rows = {t.name: measure_one(t, 2 + number) for t in order}
+        show(round_rows[t.name] for t in chosen)
+        for name, row in round_rows.items():
+            measured[name].append(row)
+    rows = {name: median_row(runs) for name, runs in measured.items()}
+    print(f"medians of {rounds} round(s):")
+    show(rows.values())
+    return measured, rows
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -181,17 +201,7 @@ def main() -> None:
         f"closed loop of {args.concurrency}; mocker at speed-up 1:"
     )
     chosen = [t for t in topologies(args.busy) if t.stack in args.stacks]
-    measured: dict[str, list[Row]] = {t.name: [] for t in chosen}
-    for number in range(args.rounds):
-        order = chosen if number % 2 == 0 else list(reversed(chosen))
-        print(f"round {number + 1}:")
-        round_rows = {t.name: measure(t, args, seed=2 + number) for t in order}
-        show(round_rows[t.name] for t in chosen)
-        for name, row in round_rows.items():
-            measured[name].append(row)
-    rows = {name: median_row(runs) for name, runs in measured.items()}
-    print(f"medians of {args.rounds} round(s):")
-    show(rows.values())
+    measured, rows = run_rounds(chosen, args.rounds, lambda topology, seed: measure(topology, args, seed))
     checks = []
     cond, plain = rows.get("flotilla 1P+1D conditional"), rows.get("flotilla 1P+1D")
     dyn_load, dyn_plain = rows.get("dynamo 1P+1D prefill_load"), rows.get("dynamo 1P+1D")

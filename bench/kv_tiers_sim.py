@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from kv_tiers_vs_dynamo import BLOCK, mocker_settings, trace
+from kv_tiers_vs_dynamo import BLOCK, add_trace_flags, mocker_settings, trace
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -308,13 +308,7 @@ def dynamo_p99s(python: str, args: argparse.Namespace, seed: int, settings: dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--documents", type=int, default=12)
-    parser.add_argument("--document-tokens", type=int, default=4096)
-    parser.add_argument("--question-tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=160)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    add_trace_flags(parser)
     parser.add_argument("--seeds", default="2,3,4", help="trace seeds (kv_tiers_vs_dynamo.py's rounds use 2, 3, 4)")
     parser.add_argument("--draws", type=int, default=4, help="delay draws per trace seed")
     parser.add_argument(

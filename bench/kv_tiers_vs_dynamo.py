@@ -32,7 +32,7 @@ from typing import Any
 
 import uvloop
 from _common import RESULTS_DIR, percentile
-from disagg_vs_dynamo import Row, Topology, closed_loop, median_row, show, verdict
+from disagg_vs_dynamo import Row, Topology, closed_loop, run_rounds, verdict
 from stacks import STACK_NAMES, Stack, dynamo_stack, flotilla_stack, stack_names
 
 RESULTS = RESULTS_DIR / "kv_tiers_vs_dynamo.json"
@@ -113,8 +113,8 @@ def measure(topology: Topology, args: argparse.Namespace, seed: int) -> Row:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    """The trace's and the fleet's size (kv_tiers_sim.py replays the same trace)."""
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--documents", type=int, default=12)
     parser.add_argument("--document-tokens", type=int, default=4096)
@@ -122,6 +122,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_flags(parser)
     parser.add_argument("--rounds", type=int, default=3, help="each topology this many times (medians compared)")
     parser.add_argument("--stacks", type=stack_names, default=list(STACK_NAMES))
     args = parser.parse_args()
@@ -133,17 +138,7 @@ def main() -> None:
         f"(host tier: {settings['num_host_blocks']} blocks at {HOST_BANDWIDTH_GBPS:g} GB/s); mocker at speed-up 1:"
     )
     chosen = [t for t in topologies(args) if t.stack in args.stacks]
-    measured: dict[str, list[Row]] = {t.name: [] for t in chosen}
-    for number in range(args.rounds):
-        order = chosen if number % 2 == 0 else list(reversed(chosen))
-        print(f"round {number + 1}:")
-        round_rows = {t.name: measure(t, args, seed=2 + number) for t in order}
-        show(round_rows[t.name] for t in chosen)
-        for name, row in round_rows.items():
-            measured[name].append(row)
-    rows = {name: median_row(runs) for name, runs in measured.items()}
-    print(f"medians of {args.rounds} round(s):")
-    show(rows.values())
+    measured, rows = run_rounds(chosen, args.rounds, lambda topology, seed: measure(topology, args, seed))
     checks = []
     host, bare = rows.get("flotilla host tier"), rows.get("flotilla device only")
     dyn_host = rows.get("dynamo host tier")

@@ -9,7 +9,7 @@ not be read). ``observe`` puts them together the way planner/measure.py document
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from planner.measure import IngressStats, prefix_hit_rate, replica_loads
+from planner.measure import IngressStats, observation, prefix_hit_rate, replica_loads
 from planner.observation import GroupObservation, Observation
 from planner.settings import Role
 from runtime.kv.events import WorkerLoad
@@ -93,14 +93,4 @@ def observe(
             prefix_hit_rate=prefix_hit_rate(mine),
             groups=groups,
         )
-    return Observation(
-        interval_s=stats.interval_s,
-        request_rate=stats.request_rate,
-        mean_isl=stats.mean_isl,
-        mean_osl=stats.mean_osl,
-        percentile=stats.percentile,
-        ttft_s=stats.ttft_s,
-        itl_s=stats.itl_s,
-        prefix_hit_rate=prefix_hit_rate(mine),
-        groups=groups,
-    )
+    return observation(stats, groups, prefix_hit_rate=prefix_hit_rate(mine))

@@ -9,7 +9,6 @@ SIGTERM or Ctrl-C ends the loop between passes. Passes share the Celery task's l
 beside a Celery worker is harmless: they take turns.
 """
 
-import argparse
 import signal
 import threading
 from types import FrameType
@@ -19,19 +18,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
 from controlplane import celery_app
+from controlplane.command_args import seconds_at_least
 from controlplane.deployments.dispatch import CeleryDispatcher
 from controlplane.deployments.reconciler import PassReport, Reconciler, ReconcilerSettings
 from runtime.errors import ConfigError
 
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value:g} must be a finite number of seconds, at least 0.1")
-    return value
+_seconds = seconds_at_least(0.1)
 
 
 class Command(BaseCommand):

@@ -9,7 +9,6 @@ NATS does not answer within ``--nats-timeout`` seconds, then or later: its super
 database may come and go: what fails meanwhile is logged and skipped. SIGTERM or Ctrl-C stops it (exit 0).
 """
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,6 +19,7 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from controlplane.command_args import nats_servers_flag, seconds_at_least
 from controlplane.live.bridge import (
     DEFAULT_INTERVAL_S,
     DEFAULT_NATS_TIMEOUT_S,
@@ -34,27 +34,13 @@ from runtime.cluster.nats_connection import connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError, RequestPlaneUnavailable
 from runtime.logging import configure_logging
-from runtime.settings import nats_servers, parse_nats_servers
+from runtime.settings import nats_servers
 from runtime.supervision import Supervisor
 
 log = logging.getLogger("controlplane.live")
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.01 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value:g} must be a finite number of seconds, at least 0.01")
-    return value
-
-
-def _servers(text: str) -> list[str]:
-    try:
-        return parse_nats_servers(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("NATS_SERVER", "--nats")) from None
+_seconds = seconds_at_least(0.01)
 
 
 class Command(BaseCommand):
@@ -62,7 +48,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--nats", type=_servers, default=None, help="NATS server(s), comma-separated (default: $NATS_SERVER)"
+            "--nats",
+            type=nats_servers_flag,
+            default=None,
+            help="NATS server(s), comma-separated (default: $NATS_SERVER)",
         )
         parser.add_argument(
             "--nats-timeout",

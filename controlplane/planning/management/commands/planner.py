@@ -10,7 +10,6 @@ missing or come and go: each is logged with its address and the loop goes on. A 
 supervisor does not restart it for that); SIGTERM or Ctrl-C stops it between turns (exit 0).
 """
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,32 +19,19 @@ from typing import Any
 import httpx
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from controlplane.command_args import nats_servers_flag, seconds_at_least
 from controlplane.dashboard.gateway import gateway_url
 from controlplane.planning.loop import DEFAULT_INTERVAL_S, PlannerLoop, run_loop
 from runtime.cluster.nats_connection import connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError
 from runtime.logging import configure_logging
-from runtime.settings import nats_servers, parse_nats_servers
+from runtime.settings import nats_servers
 
 log = logging.getLogger("controlplane.planning")
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value:g} must be a finite number of seconds, at least 0.1")
-    return value
-
-
-def _servers(text: str) -> list[str]:
-    try:
-        return parse_nats_servers(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("NATS_SERVER", "--nats")) from None
+_seconds = seconds_at_least(0.1)
 
 
 class Command(BaseCommand):
@@ -60,7 +46,10 @@ class Command(BaseCommand):
             help=f"seconds between turns (default: $FLOTILLA_PLANNER_INTERVAL_S, else {DEFAULT_INTERVAL_S:g})",
         )
         parser.add_argument(
-            "--nats", type=_servers, default=None, help="NATS server(s), comma-separated (default: $NATS_SERVER)"
+            "--nats",
+            type=nats_servers_flag,
+            default=None,
+            help="NATS server(s), comma-separated (default: $NATS_SERVER)",
         )
         parser.add_argument(
             "--gateway", default=None, help="the gateway's base URL, for its /metrics (default: $FLOTILLA_GATEWAY_URL)"
