@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 
 from runtime.cluster.addressing import EndpointAddress, new_instance_id
 from runtime.cluster.discovery import Discovery
-from runtime.cluster.nats_connection import connect_nats
+from runtime.cluster.nats_connection import close_nats, connect_nats
 from runtime.cluster.object_store import fetch_tokenizer
 from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
 from runtime.errors import BackgroundTaskFailed, Fenced
@@ -181,8 +181,7 @@ class DistributedRuntime:
         await self._supervisor.close()
         if self._client is not None:
             await self._client.close()
-        with contextlib.suppress(Exception):
-            await self.nc.drain()
+        await close_nats(self.nc)
 
     async def fetch_tokenizer(self, digest: str) -> str:
         """The tokenizer JSON named ``digest`` from the object store. Raises ModelError if absent."""

@@ -147,5 +147,43 @@ async def consume(nc: NATS, subject: str, handle: Callable[[Msg], None], *, subs
             await subscription.unsubscribe()
 
 
+# How long a process that stops waits for NATS to take what it sent before it closes the connection anyway.
+CLOSE_FLUSH_S = 2.0
+
+
+async def close_nats(nc: NATS, within: float = CLOSE_FLUSH_S) -> None:
+    """Flush what ``nc`` sent (up to ``within`` seconds), then close it; never raises.
+
+    Not nats-py's ``drain``: it waits up to 10 s per flush, twice, for a server that dies during it (a whole
+    stack stopped at once), and swallows a cancellation meanwhile, so a process stopping on SIGTERM outlived
+    its supervisor's patience. What drain adds, handling the messages already queued for this process's
+    subscriptions, no caller needs: servers stop taking requests before they close (runtime/request_plane).
+    """
+    if not nc.is_closed:
+        if nc.is_connected:
+            with contextlib.suppress(Exception):  # out of time, or the connection lost meanwhile
+                await flush(nc, within)
+        with contextlib.suppress(Exception):
+            await nc.close()
+    await _end_reconnecting(nc)
+
+
+async def _end_reconnecting(nc: NATS, attempts: int = 20) -> None:
+    """Make sure nats-py's reconnection task has ended once ``nc`` is closed.
+
+    Cancelled at the wrong moment of a connection attempt, that task can lose the cancellation (Python 3.11's
+    ``wait_for`` returns the attempt's error instead) and set the client back to reconnecting: it then tries
+    a dead server for ever, and ``asyncio.run`` waits for it at exit, so the process never ends (seen with a
+    whole `flotilla up` killed at once). It is cancelled again until it ends; it sleeps between attempts.
+    """
+    task = nc._reconnection_task  # private, in nats-py 2.16 (pinned)
+    for _ in range(attempts):
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECONNECT_WAIT / 2)
+    log.warning("NATS: the client's reconnection task did not end when cancelled %d times", attempts)
+
+
 # nats-py's flush takes a number of seconds; this one outlasts any process.
 _NO_LIMIT = 10**9

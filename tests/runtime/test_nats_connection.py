@@ -2,11 +2,13 @@
 
 import asyncio
 import logging
+import os
+import signal
 
 import pytest
 from nats.aio.msg import Msg
 
-from runtime.cluster.nats_connection import connect_nats, consume, flush
+from runtime.cluster.nats_connection import close_nats, connect_nats, consume, flush
 from tests.infra import NatsServer
 
 
@@ -175,3 +177,21 @@ async def test_consume_raises_what_the_handler_raised_and_stops_listening(nats_s
         task.cancel()
         await listener.close()
         await sender.close()
+
+
+async def test_closing_on_a_server_that_stopped_answering_takes_the_flush_limit_not_nats_pys_drain(
+    nats_server: NatsServer,
+) -> None:
+    # A whole stack stopped at once: the server goes while this process closes. nats-py's drain waited 10 s per
+    # flush for it, and a live-update bridge outlived its killed `flotilla up` by over 20 s (CI caught it).
+    nc = await connect_nats(nats_server.url, name="closing")
+    await nc.subscribe("anything")
+    await nc.publish("anything", b"sent before the server froze")
+    os.kill(nats_server.process.pid, signal.SIGSTOP)  # the socket stays open; nothing answers on it
+    try:
+        async with asyncio.timeout(5):  # nats-py's drain would still be waiting here
+            await close_nats(nc, within=0.3)
+        assert nc.is_closed
+        await close_nats(nc)  # closing a closed connection is a no-op, not an error
+    finally:
+        os.kill(nats_server.process.pid, signal.SIGCONT)

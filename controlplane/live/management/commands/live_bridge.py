@@ -10,7 +10,6 @@ database may come and go: what fails meanwhile is logged and skipped. SIGTERM or
 """
 
 import asyncio
-import contextlib
 import logging
 import signal
 from typing import Any
@@ -30,7 +29,7 @@ from controlplane.live.bridge import (
     read_directory,
 )
 from controlplane.live.publisher import layer_address
-from runtime.cluster.nats_connection import connect_nats
+from runtime.cluster.nats_connection import close_nats, connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError, RequestPlaneUnavailable
 from runtime.logging import configure_logging
@@ -119,8 +118,7 @@ async def run_bridge(servers: list[str], nats_timeout: float, interval: float) -
             task.cancel()
         await supervisor.close()
         await bridge.close()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        await close_nats(nc)
     if watching.done() and not watching.cancelled():
         watching.result()  # raises BridgeError: NATS lost too long
     if supervisor.failure is not None:

@@ -18,11 +18,12 @@ from typing import Any
 
 import httpx
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from nats.aio.client import Client as NATS
 
 from controlplane.command_args import nats_servers_flag, seconds_at_least
 from controlplane.dashboard.gateway import gateway_url
 from controlplane.planning.loop import DEFAULT_INTERVAL_S, PlannerLoop, run_loop
-from runtime.cluster.nats_connection import connect_nats
+from runtime.cluster.nats_connection import close_nats, connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError
 from runtime.logging import configure_logging
@@ -94,9 +95,8 @@ class Command(BaseCommand):
             finally:
                 connecting.cancel()
                 nc = await asyncio.gather(connecting, return_exceptions=True)
-                if nc and hasattr(nc[0], "drain"):
-                    with contextlib.suppress(Exception):
-                        await nc[0].drain()
+                if nc and isinstance(nc[0], NATS):
+                    await close_nats(nc[0])
 
     async def _once(self, loop: PlannerLoop, servers: list[str]) -> None:
         """One turn, after a second of the workers' reports when NATS answers within it."""
@@ -110,8 +110,7 @@ class Command(BaseCommand):
         finally:
             await loop.release()
             if nc is not None:
-                with contextlib.suppress(Exception):
-                    await nc.drain()
+                await close_nats(nc)
         if not report.held_lease:
             self.stdout.write("another planner holds the lease; nothing decided")
             return
