@@ -32,8 +32,10 @@ from agent.errors import (
     DownloadError,
     HubUnreachable,
     LocalModelInvalid,
+    LocalModelMissing,
     RepoNotFound,
     RepoUnauthorized,
+    SourceRefused,
 )
 from runtime.errors import ModelError
 from runtime.fleet_contract.tasks import HubSource, LocalSource, ModelSource
@@ -75,8 +77,9 @@ class ModelDownloader:
         """The local path of ``source``'s model, downloading it first if need be.
 
         ``on_progress`` is called on the event loop's thread, at most every ``progress_interval_s``.
-        Raises a DownloadError subclass: HubUnreachable (retryable), RepoNotFound, RepoUnauthorized,
-        DiskFull, LocalModelInvalid, or DownloadError for anything else the hub refused.
+        Raises a DownloadError subclass: HubUnreachable, RepoNotFound, RepoUnauthorized, DiskFull,
+        LocalModelMissing, DownloadError for anything else the hub refused (all retryable), or SourceRefused
+        (LocalModelInvalid, a malformed repo id), which only a changed source fixes.
         """
         listeners = self._listeners.setdefault(source, [])
         if on_progress is not None:
@@ -122,7 +125,7 @@ class ModelDownloader:
 
     def _fetch_from_hub(self, source: HubSource, report: ProgressCallback) -> Path:
         if parse_hub_model(source.repo_id) is None or ":" in source.repo_id:
-            raise DownloadError(f"{source.repo_id!r} is not a Hugging Face repo id (write org/name)")
+            raise SourceRefused(f"{source.repo_id!r} is not a Hugging Face repo id (write org/name)")
         try:
             lock_file = self.lock_path(source)
             lock_file.parent.mkdir(parents=True, exist_ok=True)
@@ -214,7 +217,7 @@ def _hub_model(source: HubSource) -> HubModel:
     return HubModel(source.repo_id, source.file, source.revision)
 
 
-# What each problem the hub module names is to the agent: HubUnreachable and DiskFull are worth a retry.
+# What each problem the hub module names is to the agent (all but a malformed source are worth a retry).
 _AGENT_ERRORS: dict[HubProblem, type[DownloadError]] = {
     HubProblem.UNREACHABLE: HubUnreachable,
     HubProblem.NOT_FOUND: RepoNotFound,
@@ -266,9 +269,10 @@ def _gib(size: int) -> str:
 
 
 def check_local_model(path: Path) -> Path:
-    """``path`` if it is a Hugging Face model folder or a GGUF file. Raises LocalModelInvalid."""
+    """``path`` if it is a Hugging Face model folder or a GGUF file. Raises LocalModelMissing (retryable: a
+    file system not mounted yet) or LocalModelInvalid."""
     if not path.exists():
-        raise LocalModelInvalid(f"model path {str(path)!r} does not exist on this node")
+        raise LocalModelMissing(f"model path {str(path)!r} does not exist on this node")
     try:
         return resolve_model(str(path))
     except ModelError as exc:

@@ -16,13 +16,26 @@ class AgentError(FlotillaError):
 
 
 class DownloadError(AgentError):
-    """A model could not be downloaded or checked."""
+    """A model could not be downloaded or checked.
+
+    Retryable unless a subclass says otherwise: a hub that rate-limits (429) or has an incident, a gated
+    repo whose access is pending, a disk that someone is freeing, an error nobody foresaw. The control
+    plane backs off and tries again, up to its restart limit; giving up at once would turn a hub's bad
+    minute during a scale-up into every replica given up.
+    """
+
+    retryable = True
+
+
+class SourceRefused(DownloadError):
+    """The source itself cannot be fetched as written (a malformed repo id, a local path that is not a
+    model): only a changed source can succeed."""
+
+    retryable = False
 
 
 class HubUnreachable(DownloadError):
     """The Hugging Face hub did not answer (no network, DNS, a firewall): retry, or serve from local files."""
-
-    retryable = True
 
 
 class RepoNotFound(DownloadError):
@@ -37,8 +50,12 @@ class DiskFull(DownloadError):
     """The models folder has no room for the model."""
 
 
-class LocalModelInvalid(DownloadError):
-    """A local model folder or GGUF file is missing or is not a model."""
+class LocalModelMissing(DownloadError):
+    """A local model path does not exist (yet): a file system not mounted, a copy not finished."""
+
+
+class LocalModelInvalid(SourceRefused):
+    """A local model folder or GGUF file is not a model."""
 
 
 class WorkerError(AgentError):

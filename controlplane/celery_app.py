@@ -27,6 +27,7 @@ from kombu.utils.url import maybe_sanitize_url
 from controlplane.secret_key import default_data_dir
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError
+from runtime.fleet_contract.broker import celery_redis_settings
 from runtime.fleet_contract.tasks import CONTROL_PLANE_QUEUE
 
 # Celery's worker and beat import this module first: they need Django's settings to load the tasks.
@@ -121,9 +122,6 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         },
         beat_schedule_filename=str(Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir()) / "celerybeat-schedule"),
         broker_connection_timeout=PUBLISH_CONNECT_TIMEOUT_S,
-        # A publish tries a lost broker twice, not kombu's default four times with sleeps (2 s) in between:
-        # it runs in an API request's commit, and the reconciler tries again on its next pass anyway.
-        broker_transport_options={"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1},
         # Reading an answer retries a lost Redis once, not Celery's default 20 times a second apart: an
         # API request waiting on an agent's answer must fail in seconds.
         result_backend_transport_options={"retry_policy": {"max_retries": 1, "interval_start": 0.2}},
@@ -132,6 +130,10 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         worker_prefetch_multiplier=1,
         timezone="UTC",
         enable_utc=True,
+        # Every Redis command bounded (runtime/fleet_contract/broker.py); a publish tries a lost broker twice,
+        # not kombu's default four times with sleeps (2 s) in between: the reconciler tries again on its next
+        # pass anyway.
+        **celery_redis_settings({"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}),
     )
     celery.autodiscover_tasks(["controlplane.deployments", "controlplane.apikeys"])
     return celery

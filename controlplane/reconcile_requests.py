@@ -5,9 +5,17 @@ it inside their transaction; once that commits, the registered sender queues one
 Celery's (``controlplane.celery_app.send_reconcile_request``), registered when Django starts
 (``DeploymentsConfig.ready``), so that no domain module names Celery. The periodic pass comes anyway:
 this only makes it sooner, and a request that cannot be sent is logged and dropped by the sender.
+
+The sender runs on a thread of its own (``SendingThread``), never in the request that committed: a frozen
+broker would otherwise hold every API call that changes something for as long as its publish waits, and
+heartbeats queued behind those calls would make healthy nodes look lost. Requests made while one is being
+sent become one more send: a pass reads everything committed before it starts.
 """
 
 import logging
+import os
+import threading
+import time
 from collections.abc import Callable
 
 from django.db import transaction
@@ -15,6 +23,59 @@ from django.db import transaction
 log = logging.getLogger(__name__)
 
 _sender: Callable[[], object] | None = None
+
+
+class SendingThread:
+    """Calls ``send`` on a daemon thread, once per burst of calls (started on first use, per process: a
+    forked process starts its own). Calling it never blocks on the broker and never raises."""
+
+    def __init__(self, send: Callable[[], object]) -> None:
+        self._send = send
+        self._lock = threading.Condition()
+        self._wanted = False
+        self._sending = False
+        self._pid: int | None = None
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="reconcile requests", daemon=True).start()
+            self._wanted = True
+            self._lock.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every request made so far has been sent (or failed); False after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._wanted or self._sending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._wanted:
+                    self._lock.wait()
+                self._wanted, self._sending = False, True
+            try:
+                self._send()
+            except Exception:  # the sender logs what it expects; nothing may end this thread
+                log.exception("a reconcile request could not be sent; the periodic pass will come")
+            finally:
+                with self._lock:
+                    self._sending = False
+                    self._lock.notify_all()
+
+
+def settle(timeout: float = 5.0) -> bool:
+    """Wait until the reconcile requests made so far are sent, when the sender is a ``SendingThread``
+    (tests, and a process about to exit); False after ``timeout`` s."""
+    send = _sender
+    return send.settle(timeout) if isinstance(send, SendingThread) else True
 
 
 def set_sender(send: Callable[[], object]) -> None:

@@ -17,7 +17,7 @@ import logging
 import msgspec
 
 from agent.control_plane_client import InstanceReport
-from agent.errors import DiskFull, DownloadError, HubUnreachable, WorkerError
+from agent.errors import DownloadError, WorkerError
 from agent.gpu_check import GpuMismatch, check_gpus, named_by_uuid
 from agent.instances.reports import InstanceReporter
 from agent.inventory import Inventory
@@ -55,9 +55,9 @@ class InstanceStarter:
             try:
                 path = await self._downloads.fetch(instance_id, request.source)
             except DownloadError as exc:
-                # A missing or forbidden repository, a bad local path: no retry fixes those. A hub that does
-                # not answer, or a full disk, may be fine on the next try.
-                permanent = not isinstance(exc, HubUnreachable | DiskFull)
+                # Only a source that cannot be fetched as written is permanent: a hub that rate-limits or
+                # does not answer, a path not mounted yet, a full disk may be fine on the next try.
+                permanent = not exc.retryable
                 self._reports.report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
             spec = msgspec.structs.replace(spec, model_path=str(path))

@@ -37,6 +37,7 @@ from kombu.utils.url import maybe_sanitize_url
 from agent.errors import AgentError, TaskNotAllowed, WorkerError
 from agent.tasks.checks import check_start
 from runtime.errors import ConfigError
+from runtime.fleet_contract.broker import celery_redis_settings
 from runtime.fleet_contract.engine_names import engines_on_this_node
 from runtime.fleet_contract.signing import SIGNATURES_FIELD, SigningKey, signature_ok
 from runtime.fleet_contract.tasks import (
@@ -106,6 +107,8 @@ def celery_app(broker_url: str, node: str, *, result_backend: str | None = None)
         worker_enable_remote_control=False,
         worker_send_task_events=False,
         task_send_sent_event=False,
+        # Every Redis command bounded: a frozen Redis must not hang an answer, nor a consumer on a dead peer.
+        **celery_redis_settings(),
     )
     return app
 

@@ -11,7 +11,7 @@ total minus reservations: a CPU replica's model and every replica's host tier.
 import math
 from collections import defaultdict
 
-from controlplane.deployments.instance_states import LIVE_STATES
+from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
 from controlplane.deployments.kv_tiers import GIB
 from controlplane.deployments.models import Instance
 from controlplane.deployments.placement import GpuInventory, NodeInventory
@@ -24,7 +24,10 @@ def fleet_inventory() -> list[NodeInventory]:
     gpu_instances: dict[tuple[int, int], int] = defaultdict(int)
     reserved_memory: dict[int, int] = defaultdict(int)
     node_instances: dict[int, int] = defaultdict(int)
-    placed = Instance.objects.filter(state__in=LIVE_STATES, node__isnull=False).values_list(
+    # A stopping instance's worker still holds its GPUs and memory until it has stopped (a restart in place
+    # among them): counted as free, another instance placed there would start on a GPU still in use.
+    holding = LIVE_STATES | {InstanceState.STOPPING}
+    placed = Instance.objects.filter(state__in=holding, node__isnull=False).values_list(
         "node_id",
         "gpu_indexes",
         "group__gpus_per_replica",

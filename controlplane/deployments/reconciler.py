@@ -52,7 +52,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
-from django.db.models import Q
+from django.db.models import Max, Q
 
 from controlplane.audit.records import Actor
 from controlplane.database import db_now
@@ -91,6 +91,12 @@ _hold_log = RateLimitedLog(log, period_s=60.0)
 _spare_log = RateLimitedLog(log, period_s=60.0)
 
 
+def _silent_since(node: Node) -> datetime | None:
+    """Since when the node's silence counts: its last heartbeat, or a later restart of the count."""
+    moments = [moment for moment in (node.last_heartbeat_at, node.silence_counted_from) if moment is not None]
+    return max(moments) if moments else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReconcilerSettings:
     """The reconciler's timings, each from a ``FLOTILLA_*`` variable (``from_env``)."""
@@ -100,6 +106,8 @@ class ReconcilerSettings:
     evict_after_s: float = 300.0  # FLOTILLA_NODE_EVICT_S: silent this long, a node's instances move
     # FLOTILLA_DISRUPTION_SHARE: more than this share of the occupied nodes silent at once: evict none
     disruption_share: float = 0.5
+    # FLOTILLA_NODE_EVICTION_INTERVAL_S: at most one node evicted per this many seconds (Kubernetes: 0.1/s)
+    eviction_interval_s: float = 10.0
     resend_after_s: float = 30.0  # FLOTILLA_DISPATCH_RESEND_S: a task unanswered this long is sent again
     backoff_max_s: float = 60.0  # FLOTILLA_RESTART_BACKOFF_MAX_S
     max_restarts: int = 10  # FLOTILLA_MAX_RESTARTS: failures in a row restarted before giving up
@@ -119,6 +127,7 @@ class ReconcilerSettings:
             node_timeout_s=env_float("FLOTILLA_NODE_TIMEOUT_S", cls.node_timeout_s, minimum=1.0),
             evict_after_s=env_float("FLOTILLA_NODE_EVICT_S", cls.evict_after_s, minimum=1.0),
             disruption_share=env_float("FLOTILLA_DISRUPTION_SHARE", cls.disruption_share, minimum=0.0),
+            eviction_interval_s=env_float("FLOTILLA_NODE_EVICTION_INTERVAL_S", cls.eviction_interval_s, minimum=0.0),
             resend_after_s=env_float("FLOTILLA_DISPATCH_RESEND_S", cls.resend_after_s, minimum=1.0),
             backoff_max_s=env_float("FLOTILLA_RESTART_BACKOFF_MAX_S", cls.backoff_max_s, minimum=0.0),
             max_restarts=env_int("FLOTILLA_MAX_RESTARTS", cls.max_restarts, minimum=0),
@@ -297,19 +306,37 @@ class Reconciler:
             .order_by("name")
         )
         evict_before = now - timedelta(seconds=max(self.settings.evict_after_s, self.settings.node_timeout_s))
-        due = [node for node in occupied if node.last_heartbeat_at is None or node.last_heartbeat_at < evict_before]
+        due = [node for node in occupied if (since := _silent_since(node)) is None or since < evict_before]
         if not due:
             return
         if held := self._disruption(occupied):
             report.evictions_held = held
             _hold_log.warning(held)
+            # Silence while evictions are held is not counted against a node: once the disruption ends, those
+            # still silent get a whole eviction time from then, not evicted in one pass the moment the share
+            # drops (Kubernetes resets its timers on leaving full disruption; the control plane's own outage
+            # looks like every node silent at once).
+            Node.objects.filter(pk__in=[node.pk for node in occupied]).update(silence_counted_from=now)
             return
         alive = self._live_workers()
         if alive is None:
             report.evictions_held = "etcd cannot say which of their workers are alive"
             return
-        for node in due:
+        last_eviction = Node.objects.aggregate(last=Max("evicted_at"))["last"]
+        interval = timedelta(seconds=self.settings.eviction_interval_s)
+        for position, node in enumerate(due):
+            if last_eviction is not None and now < last_eviction + interval:
+                waiting = ", ".join(waiting_node.name for waiting_node in due[position:])
+                report.evictions_held = (
+                    f"one node evicted every {self.settings.eviction_interval_s:g} s "
+                    f"(FLOTILLA_NODE_EVICTION_INTERVAL_S): {waiting} waits"
+                )
+                _hold_log.warning(f"silent nodes past their eviction time: {report.evictions_held}")
+                return
             lost = evacuation.evacuate_offline_node(ACTOR, node, spare_workers=alive)
+            if lost:
+                Node.objects.filter(pk=node.pk).update(evicted_at=now)
+                last_eviction = now
             report.instances_lost += len(lost)
             report.fenced += self.fence(node, [i.endpoint_instance_id for i in lost if i.endpoint_instance_id])
             spared = list(
@@ -327,7 +354,9 @@ class Reconciler:
 
     def _disruption(self, silent: list[Node]) -> str:
         """Why no node may be evicted now (too many silent at once), or "" when evicting is safe."""
-        online = Node.objects.filter(state=Node.State.ONLINE).count()
+        # Nodes that run something, as ``silent`` are: idle nodes beside them would water the share down (two
+        # silent GPU nodes beside three idle CPU ones are all the GPU nodes silent, not 40% of the fleet).
+        online = Node.objects.filter(state=Node.State.ONLINE, instances__state__in=_ON_NODE_STATES).distinct().count()
         share = len(silent) / (online + len(silent))
         if share <= self.settings.disruption_share:
             return ""

@@ -217,29 +217,42 @@ def give_up_instance(actor: Actor, instance: Instance, restarts: int) -> bool:
     return True
 
 
-@transaction.atomic
 def dispatch_instance(
     actor: Actor, instance: Instance, task: str, send: Callable[[], None], now: datetime.datetime
 ) -> bool:
-    """Record that ``task`` goes to the instance's agent now, and ``send`` it, exactly once per claim.
+    """Claim the instance's dispatch, ``send`` the task, then record it: of two passes that both see the
+    instance due, only the one whose claim lands sends.
 
-    The claim is a conditional update on the state, node, attempt and last dispatch we read, so of two
-    passes that both see the instance due only one sends. ``send`` runs inside the transaction, after the
-    claim: if it raises (the broker is unreachable), the claim and its audit entry roll back and the
-    next pass tries again. Returns False when another pass (or a state change) got there first.
+    The claim is a conditional update on the state, node, attempt and dispatches we read, committed
+    before ``send`` runs: no database lock is held while the broker is asked (a frozen Redis would hold
+    SQLite's write lock for as long as the publish waits, and every other write would fail meanwhile). If
+    ``send`` raises (the broker is unreachable), the claim is taken back, if it is still ours, nothing is
+    recorded, and the next pass tries again. A process that dies between the claim and the send leaves a
+    claim with no task: the instance is due again after the task's resend interval, as after a lost task.
+    Returns False when another pass (or a state change) got there first.
     """
-    claimed = Instance.objects.filter(
-        pk=instance.pk,
-        state=instance.state,
-        node_id=instance.node_id,
-        restarts=instance.restarts,
-        dispatched_at=instance.dispatched_at,
-    ).update(dispatched_at=now, dispatches=F("dispatches") + 1)
+    before = snapshot(instance)
+    dispatches = instance.dispatches + 1
+    with transaction.atomic():
+        claimed = Instance.objects.filter(
+            pk=instance.pk,
+            state=instance.state,
+            node_id=instance.node_id,
+            restarts=instance.restarts,
+            dispatched_at=instance.dispatched_at,
+            dispatches=instance.dispatches,
+        ).update(dispatched_at=now, dispatches=dispatches)
     if not claimed:
         return False
-    before = snapshot(instance)
-    instance.dispatched_at, instance.dispatches = now, instance.dispatches + 1
-    after = snapshot(instance) | {"task": task}
-    record(actor, "instance.dispatch", instance, before=before, after=after)
-    send()
+    try:
+        send()
+    except BaseException:
+        with transaction.atomic():
+            Instance.objects.filter(pk=instance.pk, dispatched_at=now, dispatches=dispatches).update(
+                dispatched_at=instance.dispatched_at, dispatches=instance.dispatches
+            )
+        raise
+    instance.dispatched_at, instance.dispatches = now, dispatches
+    with transaction.atomic():
+        record(actor, "instance.dispatch", instance, before=before, after=snapshot(instance) | {"task": task})
     return True

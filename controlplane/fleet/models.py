@@ -52,6 +52,12 @@ class Node(models.Model):
     cordoned = models.BooleanField(default=False)
     draining = models.BooleanField(default=False)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # Silence is counted from the later of the last heartbeat and this: the reconciler moves it to now while
+    # it cannot judge silence (its own absence, a disruption that holds evictions), so that a node is
+    # evicted only after a whole eviction time of silence the control plane itself witnessed.
+    silence_counted_from = models.DateTimeField(null=True, blank=True)
+    # When the reconciler last evicted it (its instances failed to be placed elsewhere): evictions are rate-limited.
+    evicted_at = models.DateTimeField(null=True, blank=True)
     cpu_count = models.PositiveIntegerField(default=0)
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)

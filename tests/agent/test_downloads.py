@@ -24,6 +24,7 @@ from agent.errors import (
     DownloadError,
     HubUnreachable,
     LocalModelInvalid,
+    LocalModelMissing,
     RepoNotFound,
     RepoUnauthorized,
 )
@@ -114,7 +115,6 @@ async def test_a_local_model_folder_or_gguf_file_is_checked_and_returned(tmp_pat
 @pytest.mark.parametrize(
     ("make", "complaint"),
     [
-        (lambda path: None, "does not exist on this node"),
         (lambda path: path.mkdir(), "neither config.json nor tokenizer.json"),
         (lambda path: path.write_bytes(b"PK\x03\x04"), "not a GGUF file"),
     ],
@@ -122,8 +122,16 @@ async def test_a_local_model_folder_or_gguf_file_is_checked_and_returned(tmp_pat
 async def test_a_local_path_that_is_no_model_says_why(tmp_path: Path, make: Any, complaint: str) -> None:
     path = tmp_path / "thing"
     make(path)
-    with pytest.raises(LocalModelInvalid, match=complaint):
+    with pytest.raises(LocalModelInvalid, match=complaint) as raised:
         await ModelDownloader(tmp_path / "models", hub=HUB).fetch(LocalSource(str(path)))
+    assert not raised.value.retryable  # only a changed source fixes it
+
+
+async def test_a_local_path_that_is_not_there_yet_is_worth_another_try(tmp_path: Path) -> None:
+    # A file system not mounted yet, a copy not finished: the control plane backs off and tries again.
+    with pytest.raises(LocalModelMissing, match="does not exist on this node") as raised:
+        await ModelDownloader(tmp_path / "models", hub=HUB).fetch(LocalSource(str(tmp_path / "thing")))
+    assert raised.value.retryable
 
 
 # -- hub downloads (the hub faked) ---------------------------------------------------------------
@@ -238,6 +246,8 @@ def _response(status: int) -> httpx2.Response:
         (HfHubHTTPError("503", response=_response(503)), HubUnreachable, "try again later"),
         (httpx2.ConnectError("Name or service not known"), HubUnreachable, "HF_HUB_OFFLINE=1"),
         (OSError(errno.ENOSPC, "No space left on device"), DiskFull, "no space left"),
+        (HfHubHTTPError("429", response=_response(429)), DownloadError, "429"),
+        (RuntimeError("something nobody foresaw"), DownloadError, "something nobody foresaw"),
     ],
 )
 async def test_hub_errors_become_errors_that_say_what_to_do(
@@ -253,12 +263,15 @@ async def test_hub_errors_become_errors_that_say_what_to_do(
     with pytest.raises(translated, match=says) as raised:
         await ModelDownloader(tmp_path / "models", hub=HUB).fetch(HubSource(REPO))
     assert raised.value.__cause__ is error
-    assert raised.value.retryable is (translated is HubUnreachable)
+    # Each may be fine later (a hub's incident, access granted, space freed): the control plane backs off and
+    # tries again rather than giving the replica up at once.
+    assert raised.value.retryable
 
 
 async def test_a_bad_repo_id_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(DownloadError, match="is not a Hugging Face repo id"):
+    with pytest.raises(DownloadError, match="is not a Hugging Face repo id") as raised:
         await ModelDownloader(tmp_path, hub=HUB).fetch(HubSource("not a repo"))
+    assert not raised.value.retryable  # only a changed source fixes it
 
 
 # -- the real library, no network ----------------------------------------------------------------

@@ -266,12 +266,20 @@ async def test_a_worker_that_fails_is_reported_with_why_and_not_restarted(
         failed = await control_plane.next_state(5, "failed")
         assert (failed.attempt, failed.permanent) == (4, True)
 
-        # A start whose model is missing fails before any process is launched, saying so.
+        # A start whose model is missing fails before any process is launched, saying so; not for good: the
+        # file system it is on may not be mounted yet.
         missing = msgspec.structs.replace(start(4), source=LocalSource(path=str(tmp_path / "nowhere.gguf")))
         await agent.accept_start(missing)
         failed = await control_plane.next_state(4, "failed")
-        assert "does not exist on this node" in failed.reason and failed.permanent
+        assert "does not exist on this node" in failed.reason and not failed.permanent
         assert not (tmp_path / "logs" / "instance-4.log").exists()
+
+        # A path that is there and is not a model only a changed source fixes.
+        (tmp_path / "notes.txt").write_text("not a model")
+        invalid = msgspec.structs.replace(start(6), source=LocalSource(path=str(tmp_path / "notes.txt")))
+        await agent.accept_start(invalid)
+        failed = await control_plane.next_state(6, "failed")
+        assert failed.permanent, failed.reason
     finally:
         await agent.close()
 

@@ -1,11 +1,13 @@
 """Actions that change desired state ask for a reconciler pass once they commit, and only then."""
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from controlplane import celery_app
+from controlplane import celery_app, reconcile_requests
 from controlplane.audit.records import Actor
 from controlplane.deployments import evacuation
 from controlplane.deployments import instances as instance_actions
@@ -29,8 +31,16 @@ def requests(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
 @pytest.fixture
 def committing(django_capture_on_commit_callbacks: Any) -> Callable[[], Any]:
-    """``with committing():`` runs the on-commit callbacks of what happens inside, as a commit would."""
-    return lambda: django_capture_on_commit_callbacks(execute=True)
+    """``with committing():`` runs the on-commit callbacks of what happens inside, as a commit would, and
+    waits for the requests they made to leave the sender's thread."""
+
+    @contextlib.contextmanager
+    def committed() -> Iterator[Any]:
+        with django_capture_on_commit_callbacks(execute=True) as callbacks:
+            yield callbacks
+        assert reconcile_requests.settle(5.0)
+
+    return committed
 
 
 @pytest.fixture
@@ -89,3 +99,22 @@ def test_a_pass_asks_for_no_further_pass(requests: list[object], committing: Cal
     with committing():
         make_reconciler(RecordingDispatcher(), Clock()).run_once()
     assert requests == []
+
+
+def test_a_request_is_sent_from_a_thread_of_its_own_so_a_hung_broker_holds_no_caller() -> None:
+    release = threading.Event()
+    sent: list[str] = []
+
+    def hung_broker() -> None:
+        release.wait(10)  # a publish to a frozen Redis, until its socket timeout
+        sent.append(threading.current_thread().name)
+
+    sender = reconcile_requests.SendingThread(hung_broker)
+    for _ in range(3):
+        sender()  # returns at once though the broker answers nothing
+    assert not sender.settle(0.05)  # still sending
+    release.set()
+    assert sender.settle(5.0)
+    # The three calls became one or two sends (one that had started, one for what came meanwhile), none
+    # on the caller's thread.
+    assert 1 <= len(sent) <= 2 and threading.current_thread().name not in sent

@@ -4,6 +4,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
@@ -14,14 +15,14 @@ from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.dispatch import DispatchError
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.deployments.models import Instance, Lease
-from controlplane.deployments.reconciler import LEASE_NAME, ReconcilerSettings
+from controlplane.deployments.reconciler import LEASE_NAME, Reconciler, ReconcilerSettings
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from runtime.errors import ConfigError
 from runtime.fleet_contract.fences import FENCES_PREFIX, fence_key
 from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
 from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, node_report
-from tests.controlplane.reconciling import Clock, RecordingDispatcher, agent_reports, make_reconciler
+from tests.controlplane.reconciling import Clock, RecordingDispatcher, Sent, agent_reports, make_reconciler
 from tests.distributed.cluster import etcd_put, etcd_values
 from tests.infra import EtcdServer
 from tests.servers import free_port
@@ -333,6 +334,86 @@ def test_when_most_of_the_fleet_falls_silent_at_once_nothing_is_evicted(
     assert not AuditEntry.objects.filter(action="instance.node_lost").exists()
 
 
+def _ready_fleet(dispatcher: RecordingDispatcher, clock: Clock, nodes: list[str], **settings: Any) -> Reconciler:
+    """A replica ready on each of ``nodes`` (one GPU each), and the reconciler that placed them."""
+    for name in nodes:
+        make_node(name, (80,))
+    deploy("chat", replicas=len(nodes), gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock, node_timeout_s=15, evict_after_s=60, **settings)
+    reconciler.run_once()
+    for instance in instances("chat"):
+        agent_reports(instance, S.READY)
+    dispatcher.take()
+    return reconciler
+
+
+def _heartbeats_from(clock: Clock, seconds: float, names: list[str]) -> None:
+    """``seconds`` pass, and then the agents of ``names`` heartbeat (which brings an offline node back)."""
+    clock.advance(seconds)
+    Node.objects.filter(name__in=names).update(last_heartbeat_at=clock.now, state=Node.State.ONLINE)
+
+
+def test_idle_online_nodes_do_not_water_down_the_disruption_share(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    # Two GPU nodes run the fleet's replicas; three CPU nodes beside them are idle. Both GPU nodes silent is
+    # every occupied node silent (100%), not 2 of 5 (40%).
+    reconciler = _ready_fleet(dispatcher, clock, ["gpu-a", "gpu-b"])
+    for name in ("cpu-a", "cpu-b", "cpu-c"):
+        make_node(name, ())
+    _heartbeats_from(clock, 600, ["cpu-a", "cpu-b", "cpu-c"])
+
+    report = reconciler.run_once()
+
+    assert report is not None and report.instances_lost == 0
+    assert report.evictions_held.startswith("2 of the 2 nodes running instances are silent at once (100%")
+    assert [(i.state, i.restarts) for i in instances("chat")] == [(S.READY, 0)] * 2
+
+
+def test_when_a_disruption_ends_the_nodes_still_silent_get_a_whole_eviction_time_from_then(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    # A 10-minute outage of the control plane: every node silent, evictions held. Then two of the three
+    # agents are back; the third, still reconnecting, is not evicted in the same pass.
+    reconciler = _ready_fleet(dispatcher, clock, ["gpu-a", "gpu-b", "gpu-c"])
+    clock.advance(600)
+    report = reconciler.run_once()
+    assert report is not None and report.evictions_held.startswith("3 of the 3")
+
+    _heartbeats_from(clock, 2, ["gpu-a", "gpu-b"])
+    report = reconciler.run_once()
+    assert report is not None and report.instances_lost == 0 and not report.evictions_held
+    _heartbeats_from(clock, 57, ["gpu-a", "gpu-b"])  # 59 s since the disruption ended
+    report = reconciler.run_once()
+    assert report is not None and report.instances_lost == 0
+
+    _heartbeats_from(clock, 2, ["gpu-a", "gpu-b"])  # 61 s: gpu-c has been silent a whole eviction time since
+    report = reconciler.run_once()
+    assert report is not None and report.instances_lost == 1
+    lost = AuditEntry.objects.get(action="instance.node_lost")
+    assert lost.target_name == "chat-aggregated-2" and "node gpu-c stopped heartbeating" in lost.after["reason"]
+
+
+def test_evictions_are_rate_limited_to_one_node_per_interval(dispatcher: RecordingDispatcher, clock: Clock) -> None:
+    # Two of five occupied nodes lost at once (40%: no disruption): one is evicted now, the other after the
+    # interval, so that a wrong judgement moves one node's replicas, not a fleet's.
+    names = ["gpu-a", "gpu-b", "gpu-c", "gpu-d", "gpu-e"]
+    reconciler = _ready_fleet(dispatcher, clock, names, eviction_interval_s=10)
+    _heartbeats_from(clock, 61, names[2:])
+
+    report = reconciler.run_once()
+    assert report is not None and report.instances_lost == 1
+    assert report.evictions_held == "one node evicted every 10 s (FLOTILLA_NODE_EVICTION_INTERVAL_S): gpu-b waits"
+    assert Node.objects.get(name="gpu-a").evicted_at == clock.now
+
+    _heartbeats_from(clock, 9, names[2:])
+    report = reconciler.run_once()
+    assert report is not None and report.instances_lost == 0
+    _heartbeats_from(clock, 1, names[2:])
+    report = reconciler.run_once()
+    assert report is not None and report.instances_lost == 1 and not report.evictions_held
+
+
 def test_a_lone_node_is_never_evicted(dispatcher: RecordingDispatcher, clock: Clock) -> None:
     make_node("gpu-a", (80,))
     deploy("chat", gpus_per_replica=1)
@@ -544,6 +625,31 @@ def test_a_restart_in_place_stops_then_starts_on_the_same_node(dispatcher: Recor
     assert isinstance(sent.message, StartInstance) and sent.message.attempt == 1
 
 
+def test_a_gpu_whose_instance_restarts_in_place_is_not_given_to_another_while_it_stops(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    # While the restarting worker stops, it still holds the GPU: another pipeline's replica placed there
+    # would start on a GPU in use, and the restart would then find no room on its own.
+    make_node("gpu-a", (80,))
+    deploy("chat", make_model("chat", memory_bytes=60 * GiB), gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock)
+    reconciler.run_once()
+    [instance] = instances("chat")
+    agent_reports(instance, S.READY)
+    instance_actions.restart_instance(TEST_ACTOR, instance)
+    deploy("other", make_model("other", memory_bytes=60 * GiB), gpus_per_replica=1)
+
+    reconciler.run_once()
+
+    [waiting] = instances("other")
+    assert waiting.node is None and "needs 1 GPU with 60 GiB free" in waiting.reason
+    agent_reports(instance, S.STOPPED)
+    reconciler.run_once()
+    [restarted] = instances("chat")
+    assert (restarted.state, restarted.node.name) == (S.PENDING, "gpu-a")  # type: ignore[union-attr]
+    assert instances("other")[0].node is None  # the restart got its GPU back; "other" still waits
+
+
 def test_a_pass_that_finds_another_running_sends_nothing_and_asks_it_to_run_again(
     dispatcher: RecordingDispatcher, clock: Clock
 ) -> None:
@@ -612,6 +718,43 @@ def test_a_broker_failure_sends_nothing_records_nothing_and_the_next_pass_retrie
     dispatcher.failure = None
     reconciler.run_once()
     assert len(dispatcher.take()) == 2
+
+
+@pytest.mark.django_db(transaction=True)  # no test-wide transaction: the pass's own are what is looked at
+def test_a_task_is_sent_with_no_transaction_open_so_a_hung_broker_holds_no_database_lock(clock: Clock) -> None:
+    # A publish to a frozen Redis waits up to its socket timeout; inside the claim's transaction it held
+    # SQLite's write lock that long, and every other write (agents' heartbeats) failed "database is locked".
+    make_node("gpu-a", (80, 80))
+    deploy("chat", replicas=2, gpus_per_replica=1)
+    in_transaction: list[bool] = []
+
+    class Watching(RecordingDispatcher):
+        def _record(self, sent: Sent) -> None:
+            in_transaction.append(connection.in_atomic_block)
+            super()._record(sent)
+
+    dispatcher = Watching()
+    make_reconciler(dispatcher, clock).run_once()
+
+    assert len(dispatcher.take()) == 2 and in_transaction == [False, False]
+    assert AuditEntry.objects.filter(action="instance.dispatch").count() == 2
+
+
+def test_a_broker_failure_after_the_claim_gives_the_claim_back_for_the_next_pass(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    make_node("gpu-a", (80, 80))
+    deploy("chat", replicas=1, gpus_per_replica=1)
+    reconciler = make_reconciler(dispatcher, clock)
+    dispatcher.failure = DispatchError("the broker redis://127.0.0.1:6379/0 did not answer within 5 s")
+    reconciler.run_once()
+    [instance] = instances("chat")
+    assert (instance.dispatched_at, instance.dispatches) == (None, 0)
+    dispatcher.failure = None
+    reconciler.run_once()
+    [instance] = instances("chat")
+    assert instance.dispatched_at is not None and instance.dispatches == 1
+    assert len(dispatcher.take()) == 1
 
 
 def test_a_given_up_instance_lets_its_gpu_go_to_another_pipeline(dispatcher: RecordingDispatcher, clock: Clock) -> None:

@@ -273,6 +273,35 @@ def test_a_redis_outage_restarts_no_worker_and_the_reconciler_resumes_after_it(f
     fleet.wait_ready(smol, 2)
 
 
+def test_a_frozen_redis_holds_no_api_call_takes_no_node_offline_and_a_scale_up_lands_once_it_thaws(
+    fleet: FleetStack,
+) -> None:
+    """Redis SIGSTOPped (a fork stall, a host gone without closing its connections): every Redis command waits
+    for an answer that does not come. Past the node timeout and the eviction time."""
+    [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
+    fleet.wait_ready(smol, 2)
+    before = _settled_workers(fleet)
+    reconciler_log = fleet.directory / "reconciler.log"
+    log_before = len(reconciler_log.read_bytes())
+    redis = fleet.redis.process
+    redis.send_signal(signal.SIGSTOP)
+    try:
+        # An operator's scale-up asks for a reconciler pass on Redis: it is answered at once all the same.
+        answered = fleet.operator.post(f"/api/v1/pipelines/{smol}/scale/", json={"replicas": 3}, timeout=5)
+        assert answered.status_code == 200, answered.text
+        codes = _serve_through(fleet, _silent_longer_than_eviction())
+        assert {fleet.node(name)["state"] for name in NODES} == {"online"}  # their heartbeats went on
+    finally:
+        redis.send_signal(signal.SIGCONT)
+    assert codes and set(codes) == {200}, codes
+    ready = fleet.wait_ready(smol, 3)  # the reconciler starts the third replica once its broker answers
+    assert {i["id"]: (i["state"], i["node"], i["pid"], i["restarts"]) for i in ready if i["id"] in before} == before
+    after_freeze = reconciler_log.read_bytes()[log_before:].decode(errors="replace")
+    assert "nodes offline" not in after_freeze and "database is locked" not in after_freeze, after_freeze
+    fleet.scale(smol, 2)
+    fleet.wait_ready(smol, 2)
+
+
 def test_an_agent_cut_off_from_the_control_plane_loses_no_replica(fleet: FleetStack) -> None:
     """node-b's agent frozen (a partition: connections open, nothing answered) past the eviction time; its
     worker still renews its etcd lease, so it is not dead and nothing is moved."""
