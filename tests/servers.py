@@ -63,16 +63,26 @@ def stop_process(process: subprocess.Popen[bytes], signum: int, timeout: float =
 
 def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:
     """Start `flotilla run in=http ARGS` and wait until /live answers (or fail with its log)."""
+    return wait_until_live(launch_server(args, log_path, env), timeout)
+
+
+def launch_server(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Server:
+    """Start `flotilla run in=http ARGS` and return at once (``wait_until_live`` waits for it): a test can
+    start something else while a slow engine loads."""
     port = free_port()
     command = [sys.executable, "-m", "launcher.cli", "run", "in=http", "--http-port", str(port), *args]
     full_env = {**os.environ, "FLOTILLA_LOG": "info", **(env or {})}
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
-    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    return Server(process, f"http://127.0.0.1:{port}", log_path)
+
+
+def wait_until_live(server: Server, timeout: float = 120.0) -> Server:
+    """``server`` once its /live answers; RuntimeError with its log if it exits or ``timeout`` s pass first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         try:
             if httpx.get(server.base_url + "/live", timeout=1.0).status_code == 200:
                 return server

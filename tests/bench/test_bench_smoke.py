@@ -187,7 +187,7 @@ SMOKES = [
     Smoke(
         "planner_ramp",
         "planner_ramp.py",
-        "--ramp-s 12 --interval 1 --sweep-s 2 --sweep-points 1 --isl 512",
+        "--ramp-s 8 --interval 1 --sweep-s 1 --sweep-points 1 --isl 512",
         [
             r"^worker-seconds .* static for the peak .*: (met|NOT met)$",
             r"^changes of direction in the steady parts: .*: (met|NOT met)$",

@@ -23,7 +23,7 @@ from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockStored, KvEvent
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS
-from tests.servers import Server, start_server
+from tests.servers import Server, launch_server, wait_until_live
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(600)]
 
@@ -32,12 +32,20 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(vllm_model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def launched_server(vllm_model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`flotilla run in=http out=vllm`, launched and not yet waited for: the in-process engine below starts
+    while it loads (each start takes ~25 s here, much of it one core's work)."""
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     args = ["out=vllm", str(vllm_model_folder), "--model-name", MODEL, "--extra-engine-args", ENGINE_ARGS]
-    running = start_server(args, log, env={**KV_CACHE_ENV, "FLOTILLA_GPU_MEMORY_UTILIZATION": "0.35"}, timeout=300)
-    yield running
-    running.stop()
+    launched = launch_server(args, log, env={**KV_CACHE_ENV, "FLOTILLA_GPU_MEMORY_UTILIZATION": "0.35"})
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def server(launched_server: Server, engine: object) -> Server:
+    # ``engine`` first: it starts beside the server's process, not after it.
+    return wait_until_live(launched_server, timeout=300)
 
 
 @pytest.fixture
@@ -46,7 +54,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(vllm_model_folder: Path) -> AsyncIterator[object]:
+async def engine(launched_server: Server, vllm_model_folder: Path) -> AsyncIterator[object]:
     from engines.vllm.engine import VllmEngine
     from engines.vllm.settings import VllmSettings, read_extra_args
 
