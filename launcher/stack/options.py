@@ -34,10 +34,12 @@ examples:
 
 etcd, NATS and Redis take their usual ports (2379, 4222, 6379) when free, else free ones (say so; 0 asks for
 any free port). `flotilla run` needs none of this: it serves a model in one process.
-A part that ends is started again after 1, 2, 4 ... 30 s; one that ends more than --restart-burst times within
---restart-window seconds (or exits with code 2, its configuration refused) stops the stack.
-exit codes: 0 stopped by SIGTERM, 1 a part kept failing or did not start (its log is shown), 2 bad usage,
-130 Ctrl-C
+A part that ends is started again after 1, 2, 4 ... 30 s. One that ends more than --restart-burst times within
+--restart-window seconds (or exits with code 2, its configuration refused) is given up on: the gateway, etcd or
+NATS stops the stack; any other part is reported as an ERROR while serving goes on, and is tried again every
+--retry-given-up seconds.
+exit codes: 0 stopped by SIGTERM, 1 a part the gateway needs kept failing, or a part did not start (its log is
+shown), 2 bad usage, 130 Ctrl-C
 """
 
 
@@ -131,6 +133,14 @@ def build_up_parser() -> EnvArgumentParser:
         default=default.window_s,
         help=f"seconds in which --restart-burst restarts are allowed ({default.window_s:.0f})",
     )
+    up.add_flag(
+        "--retry-given-up",
+        env="FLOTILLA_UP_RETRY_GIVEN_UP_S",
+        type=_seconds,
+        default=default.retry_given_up_s,
+        help="seconds after which a part the gateway does not need, given up on, is started again "
+        f"({default.retry_given_up_s:.0f})",
+    )
     up.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs")
     return up
 
@@ -157,7 +167,11 @@ def parse_up_options(parser: EnvArgumentParser, namespace: argparse.Namespace) -
         data_dir=(namespace.data_dir or default_data_dir()).expanduser().absolute(),
         first_model=first_model,
         gpus=namespace.gpus,
-        restarts=RestartPolicy(burst=namespace.restart_burst, window_s=namespace.restart_window),
+        restarts=RestartPolicy(
+            burst=namespace.restart_burst,
+            window_s=namespace.restart_window,
+            retry_given_up_s=namespace.retry_given_up,
+        ),
         api_keys=not namespace.no_api_keys,
     )
 

@@ -18,12 +18,14 @@ EXIT_USAGE = 2
 @dataclass(frozen=True)
 class RestartPolicy:
     """Up to ``burst`` restarts of one part within ``window_s`` seconds, each after a delay that doubles from
-    ``first_delay_s`` up to ``max_delay_s``; the next end within the window is one too many."""
+    ``first_delay_s`` up to ``max_delay_s``; the next end within the window is one too many. A part off the serving
+    path that was given up on is started again ``retry_given_up_s`` seconds later (``launcher/stack/parts.py``)."""
 
     burst: int = 5
     window_s: float = 120.0
     first_delay_s: float = 1.0
     max_delay_s: float = 30.0
+    retry_given_up_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,10 @@ class GiveUp:
     def why(self, policy: RestartPolicy) -> str:
         """Why, in words that follow how the part ended."""
         if self.refused:
-            return "which says its command line or configuration was refused: restarting it cannot help"
+            return (
+                "which says its command line or configuration was refused: restarting it cannot help until that "
+                "is fixed"
+            )
         if policy.burst == 0:
             return "and restarts are off (--restart-burst 0)"
         return f"its {_ordinal(self.ends)} end within {policy.window_s:.0f} s: it keeps failing"

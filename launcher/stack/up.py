@@ -11,9 +11,12 @@ It supervises them as systemd would (``Restart=`` with ``StartLimitBurst=``, lau
 part that ends once it is up is started again, on the same ports and data, after a delay that doubles from 1 s
 to 30 s, and each restart is said in one line. The agent adopts the engine workers it left running (they are in
 sessions of their own, so the agent's end does not take them along), and the gateway, which needs only etcd
-and NATS, keeps serving meanwhile. A part that ends more than ``--restart-burst`` times within
-``--restart-window`` seconds, or exits with code 2 (its configuration refused, which a restart would repeat),
-or dies while starting, stops the whole stack: its log's tail is shown and ``flotilla up`` exits 1.
+and NATS, keeps serving meanwhile. A part that dies while starting stops the whole stack. One that ends more than
+``--restart-burst`` times within ``--restart-window`` seconds, or exits with code 2 (its configuration refused,
+which a restart at once would repeat), is given up on: when it is on the serving path (the gateway, etcd, NATS:
+launcher/stack/parts.py) that stops the whole stack, its log's tail shown, and ``flotilla up`` exits 1; any other
+part is reported as an ERROR (what no longer works, its log's tail) while the stack serves on, and is started
+again every ``--retry-given-up`` seconds.
 
 Ctrl-C or SIGTERM stops everything, the engine workers too: the agent leaves them running when it stops (that
 is how a restarted agent adopts them), so ``flotilla up`` stops them itself, through the agent's worker
@@ -55,6 +58,7 @@ from launcher.stack.controlplane import (
     write_secret,
 )
 from launcher.stack.options import UpOptions, build_up_parser, parse_up_options
+from launcher.stack.parts import Role, given_up_report, role_of
 from launcher.stack.processes import Child, choose_port, port_is_free
 from launcher.stack.restarts import GiveUp, RestartHistory, describe_end
 from launcher.stack.servers import ServerSpec, etcd_server, find_binaries, nats_server, redis_server
@@ -156,7 +160,7 @@ class Progress:
 
 class Stack:
     """One run of ``flotilla up``: ``run()`` starts every part, restarts those that end, and stops them all on a
-    signal or when one keeps ending."""
+    signal or when one the gateway needs keeps ending (one it does not need is reported and tried again later)."""
 
     def __init__(self, options: UpOptions, own_variables: set[str], out: IO[str] = sys.stdout) -> None:
         self.options = options
@@ -174,6 +178,7 @@ class Stack:
         # Long-running children that have come up: from then on their end is followed by a restart.
         self._up: set[Child] = set()
         self._histories: dict[Child, RestartHistory] = {}
+        self._roles: dict[Child, Role] = {}
         self._restarts: set[asyncio.Task[None]] = set()  # each waits out a restart's delay, then starts a child
         self._failure: ChildDied | StartupFailed | None = None  # a part that is not restarted: the stack stops
         self._stopping = False
@@ -309,6 +314,7 @@ class Stack:
         an end before that fails the start (a restart would fail alike), an end after it is followed by a
         restart (_on_exit). Raises StartupFailed."""
         self._histories[child] = RestartHistory(self.options.restarts)
+        self._roles[child] = role_of(child.log_path.stem)
         self._start_child(child)
         self.children.append(child)
         if not answers:
@@ -324,7 +330,8 @@ class Stack:
         child.exited.add_done_callback(lambda exited: self._on_exit(child, exited.result()))
 
     def _on_exit(self, child: Child, code: int) -> None:
-        """A long-running child ended: restart it later, or fail the stack (which stops it)."""
+        """A long-running child ended: restart it later, or give up on it (which fails the stack when the gateway
+        needs it)."""
         if self._stopping or self._signal is not None or self._failure is not None:
             return
         how = f"{child.name} {describe_end(code)}"
@@ -334,24 +341,43 @@ class Stack:
         policy = self.options.restarts
         decision = self._histories[child].ended(asyncio.get_running_loop().time(), code)
         if isinstance(decision, GiveUp):
-            self._fail(ChildDied(child, f"{how}, {decision.why(policy)}"))
+            self._give_up(child, ChildDied(child, f"{how}, {decision.why(policy)}"))
             return
         self.say(
             f"{how}; restarting it in {decision.delay_s:.0f} s "
             f"(restart {decision.number} of {policy.burst} within {policy.window_s:.0f} s)"
         )
+        self._restart_later(child, decision.delay_s)
+
+    def _give_up(self, child: Child, failure: ChildDied | StartupFailed) -> None:
+        """Restart ``child`` no more: fail the stack when the gateway needs it; else say so loudly, serve on, and
+        start it again after ``--retry-given-up`` seconds."""
+        role = self._roles[child]
+        if role.serving:
+            self._fail(failure)
+            return
+        retry_s = self.options.restarts.retry_given_up_s
+        report = given_up_report(str(failure), role, str(child.log_path), child.log(), retry_s)
+        print(report, file=sys.stderr, flush=True)
+        self._restart_later(child, retry_s, retry=True)
+
+    def _restart_later(self, child: Child, delay_s: float, *, retry: bool = False) -> None:
+        """Start ``child`` again in ``delay_s`` seconds (unless the stack stops first); ``retry``: after a give-up."""
         task = asyncio.get_running_loop().create_task(
-            self._restart(child, decision.delay_s), name=f"restart {child.name}"
+            self._restart(child, delay_s, retry=retry), name=f"restart {child.name}"
         )
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
 
-    async def _restart(self, child: Child, delay_s: float) -> None:
+    async def _restart(self, child: Child, delay_s: float, *, retry: bool) -> None:
         await asyncio.sleep(delay_s)
+        if retry:
+            self.say(f"starting {child.name} again, {delay_s:.0f} s after giving up on it")
+            self._histories[child] = RestartHistory(self.options.restarts)  # a new run of restarts
         try:
             self._start_child(child)
         except StartupFailed as exc:
-            self._fail(StartupFailed(str(exc), child))  # its log says how it ended before
+            self._give_up(child, StartupFailed(str(exc), child))  # its log says how it ended before
 
     def _fail(self, failure: ChildDied | StartupFailed) -> None:
         self._failure = failure

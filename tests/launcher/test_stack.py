@@ -1,6 +1,7 @@
 """`flotilla up`: its refusals, the processes it runs, and the whole stack end to end (servers, control plane,
 Celery, an agent, the gateway, a mocker pipeline) up to Ctrl-C, after which no process of it is left; a part that
-dies is restarted (the agent adopting its worker while the gateway serves) until it keeps dying."""
+dies is restarted (the agent adopting its worker while the gateway serves) until it keeps dying: then a part the
+gateway needs stops the stack, and any other is reported while the gateway serves on."""
 
 import asyncio
 import fcntl
@@ -282,9 +283,10 @@ def stacks() -> Iterator[list[Up]]:
 @pytest.fixture(scope="module")
 def served_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """One stack serving a mocker pipeline, shared by the tests that look at its processes or kill one it restarts
-    (starting a stack takes most of a test's time)."""
+    (starting a stack takes most of a test's time). One restart per part, and a part given up on is tried again 3 s
+    later: a give-up takes two kills, and its retry little time."""
     folder = tmp_path_factory.mktemp("served")
-    stack = Up(folder / "data", folder / "up.log")
+    stack = Up(folder / "data", folder / "up.log", "--restart-burst", "1", "--retry-given-up", "3")
     try:
         stack.wait_until_up()
         yield stack
@@ -310,6 +312,34 @@ def pid_titled(stack: Up, title: str, timeout: float = 60) -> int:
         time.sleep(0.1)  # another process's start: no event to await
 
 
+def wait_for_output(stack: Up, text: str, timeout: float = 60) -> None:
+    """Return once ``stack`` has printed ``text``."""
+    deadline = time.monotonic() + timeout
+    while text not in stack.output():
+        assert stack.process.poll() is None or text in stack.output(), f"{text!r} not printed: {stack.output()}"
+        assert time.monotonic() < deadline, f"{text!r} not printed: {stack.output()}"
+        time.sleep(0.1)  # another process's output: no event to await
+
+
+def bridges(stack: Up) -> list[int]:
+    """The pids of the live-update bridge of ``stack`` now (none, or one)."""
+    return [pid for pid in descendants(stack.process.pid) if "live_bridge" in args_of(pid)]
+
+
+def kill_each_start(stack: Up, times: int) -> list[int]:
+    """SIGKILL the live-update bridge of ``stack`` ``times`` times, each time once it runs again; returns the pids."""
+    killed: list[int] = []
+    for _ in range(times):
+        deadline = time.monotonic() + 60
+        while not (alive := [pid for pid in bridges(stack) if pid not in killed]):
+            assert stack.process.poll() is None, stack.output()
+            assert time.monotonic() < deadline, stack.output()
+            time.sleep(0.1)  # another process's start: no event to await
+        os.kill(alive[0], signal.SIGKILL)
+        killed.append(alive[0])
+    return killed
+
+
 def chat(stack: "Up") -> httpx.Response:
     body = {
         "model": MODEL,
@@ -319,8 +349,10 @@ def chat(stack: "Up") -> httpx.Response:
     return httpx.post(f"{stack.gateway}/v1/chat/completions", json=body, headers=stack.api_key_header(), timeout=60)
 
 
-def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, stacks: list[Up]) -> None:
-    stack = Up(tmp_path / "data", tmp_path / "up.log")
+def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind_even_after_giving_up_on_a_part(
+    tmp_path: Path, stacks: list[Up]
+) -> None:
+    stack = Up(tmp_path / "data", tmp_path / "up.log", "--restart-burst", "0")
     stacks.append(stack)
     stack.wait_until_up()
     output = stack.output()
@@ -359,12 +391,19 @@ def test_up_serves_the_apis_and_ctrl_c_leaves_no_process_behind(tmp_path: Path, 
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] > 0
 
+    # A part off the serving path given up on (--restart-burst 0) is to be started again 300 s later: not once
+    # Ctrl-C came.
+    kill_each_start(stack, 1)
+    wait_for_output(stack, "flotilla up: ERROR: the live-update bridge was killed by signal 9 (SIGKILL), and restarts")
+    assert chat(stack).status_code == 200
+
     # Ctrl-C: every process goes, the engine worker (which the agent leaves running when it stops) included.
     processes = descendants(stack.process.pid)
     workers = load_records(stack.data_dir / "agent")
     assert len(workers) == 1 and workers[0].pid in processes
     assert stack.stop(signal.SIGINT) == 130
     assert still_running(processes) == []
+    assert "starting the live-update bridge again" not in stack.output()
 
 
 def test_up_after_a_killed_up_stops_its_orphaned_worker_and_reuses_the_admin_and_pipeline(
@@ -452,7 +491,7 @@ def test_a_killed_agent_is_restarted_and_adopts_its_worker_while_the_gateway_ser
     print(f"the agent adopted its worker {back_after:.1f} s after its kill; {len(statuses)} chat completions meanwhile")
     assert statuses and set(statuses) == {200}, statuses
     assert pid_titled(stack, "flotilla agent local") != agent
-    assert "the agent (node local) was killed by signal 9 (SIGKILL); restarting it in 1 s (restart 1 of 5" in (
+    assert "the agent (node local) was killed by signal 9 (SIGKILL); restarting it in 1 s (restart 1 of 1" in (
         stack.output()
     )
     assert process_start_time(worker.pid) == worker.start_time  # adopted, not started again
@@ -461,32 +500,45 @@ def test_a_killed_agent_is_restarted_and_adopts_its_worker_while_the_gateway_ser
     assert stack.process.poll() is None
 
 
-def test_a_part_that_keeps_dying_stops_the_stack_naming_it_with_its_log(tmp_path: Path, stacks: list[Up]) -> None:
-    stack = Up(tmp_path / "data", tmp_path / "up.log", "--no-pipeline", "--restart-burst", "2")
+def test_a_part_off_the_serving_path_that_keeps_dying_is_reported_while_the_gateway_serves_and_tried_again_later(
+    served_stack: Up,
+) -> None:
+    stack = served_stack
+    killed = kill_each_start(stack, 2)  # restarted once (--restart-burst 1), then one end too many
+    bridge = "the live-update bridge was killed by signal 9 (SIGKILL)"
+    wait_for_output(stack, f"flotilla up: ERROR: {bridge}, its 2nd end within 120 s: it keeps failing.")
+    output = stack.output()
+    assert f"{bridge}; restarting it in 1 s (restart 1 of 1 within 120 s)" in output
+    assert "The OpenAI endpoint does not need it: it goes on serving" in output
+    assert "No longer works meanwhile: the dashboard's pipeline pages do not update live" in output
+    assert f"The last lines of its log ({stack.data_dir}/logs/live-bridge.log):" in output
+    assert "`flotilla up` starts it again in 3 s" in output
+
+    assert chat(stack).status_code == 200
+    assert stack.process.poll() is None
+    # --retry-given-up later, a new bridge, with its restarts counted afresh.
+    wait_for_output(stack, "starting the live-update bridge again, 3 s after giving up on it")
+    deadline = time.monotonic() + 60
+    while not [pid for pid in bridges(stack) if pid not in killed]:
+        assert time.monotonic() < deadline, stack.output()
+        time.sleep(0.1)  # another process's start: no event to await
+    assert stack.process.poll() is None
+
+
+def test_a_part_the_gateway_needs_that_dies_stops_the_stack_naming_it_with_its_log(
+    tmp_path: Path, stacks: list[Up]
+) -> None:
+    stack = Up(tmp_path / "data", tmp_path / "up.log", "--no-pipeline", "--restart-burst", "0")
     stacks.append(stack)
     stack.wait_until_up()
-    assert "Flotilla is up: no pipeline running yet" in stack.output()
-
-    def bridges() -> list[int]:
-        return [pid for pid in descendants(stack.process.pid) if "live_bridge" in args_of(pid)]
-
-    killed: list[int] = []
-    for _ in range(3):  # restarted twice, then one end too many
-        deadline = time.monotonic() + 60
-        while not (alive := [pid for pid in bridges() if pid not in killed]):
-            assert stack.process.poll() is None, stack.output()
-            assert time.monotonic() < deadline, stack.output()
-            time.sleep(0.1)  # another process's start: no event to await
-        processes = descendants(stack.process.pid)
-        os.kill(alive[0], signal.SIGKILL)
-        killed.append(alive[0])
+    processes = descendants(stack.process.pid)
+    os.kill(pid_titled(stack, "flotilla gateway"), signal.SIGKILL)
     assert stack.process.wait(timeout=120) == 1
     output = stack.output()
-    bridge = "the live-update bridge was killed by signal 9 (SIGKILL)"
-    assert f"{bridge}; restarting it in 1 s (restart 1 of 2 within 120 s)" in output
-    assert f"{bridge}; restarting it in 2 s (restart 2 of 2 within 120 s)" in output
-    assert f"flotilla up: {bridge}, its 3rd end within 120 s: it keeps failing" in output
-    assert f"the last lines of its log ({stack.data_dir}/logs/live-bridge.log)" in output
+    assert "flotilla up: the gateway was killed by signal 9 (SIGKILL), and restarts are off (--restart-burst 0)" in (
+        output
+    )
+    assert f"the last lines of its log ({stack.data_dir}/logs/gateway.log)" in output
     assert still_running(processes) == []
 
 
