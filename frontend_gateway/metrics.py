@@ -143,6 +143,13 @@ class GatewayMetrics:
             ["model", "reason"],
             registry=r,
         )
+        self.api_key_records_skipped = Counter(
+            f"{prefix}_api_key_records_skipped",
+            "API key records in etcd skipped as not the control plane's (forged, altered, malformed, out of "
+            "bounds, or older than one applied), by reason; the other records still apply.",
+            ["reason"],
+            registry=r,
+        )
         self._models: dict[str, ModelMetrics] = {}
         self.routing = RoutingCollectors(r)
         self._routing: dict[str, ModelRoutingMetrics] = {}
@@ -169,6 +176,10 @@ class GatewayMetrics:
     def refused_instance(self, model: str, reason: str) -> None:
         """Count an instance refused from ``model``'s pool; ``reason`` names the differing card fields."""
         self.refused_instances.labels(model=model, reason=reason).inc()
+
+    def api_key_record_skipped(self, reason: str) -> None:
+        """Count an API key record the ingress skipped; ``reason`` is BadRecord.reason, or "older"."""
+        self.api_key_records_skipped.labels(reason=reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

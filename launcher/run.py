@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from engines.mocker.config import MockerConfig
     from frontend_gateway.access.api_keys import KeyTable
     from frontend_gateway.access.quotas import Meter
+    from frontend_gateway.metrics import GatewayMetrics
     from runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -335,7 +336,7 @@ async def run_ingress(options: RunOptions) -> int:
         nats=bool(runtime.nc.is_connected), etcd=runtime.discovery.connected, instances=watcher.instance_counts()
     )
     try:
-        api_keys = await _api_keys(runtime, options.api_keys_secret_file)
+        api_keys = await _api_keys(runtime, options.api_keys_secret_file, metrics)
         meter = _meter(runtime, options.quota_redis_url) if api_keys is not None else None
         served_names = ServedNames()  # its watch lists them first: no request waits on it
         runtime.own(lambda: served_names.run(runtime.discovery), name="served-name watcher", restart=True)
@@ -374,7 +375,9 @@ async def run_ingress(options: RunOptions) -> int:
     return exit_code_after(stopped_by)
 
 
-async def _api_keys(runtime: "DistributedRuntime", secret_file: Path | None) -> "KeyTable | None":
+async def _api_keys(
+    runtime: "DistributedRuntime", secret_file: Path | None, metrics: "GatewayMetrics"
+) -> "KeyTable | None":
     """The ingress's API keys, loaded from etcd and then watched; None when keys are not required.
 
     Raises ConfigError for an unreadable secret, DiscoveryUnavailable when etcd cannot list the keys.
@@ -384,7 +387,7 @@ async def _api_keys(runtime: "DistributedRuntime", secret_file: Path | None) -> 
 
     if secret_file is None:
         return None
-    table = KeyTable(read_secret(secret_file))
+    table = KeyTable(read_secret(secret_file), on_skipped=metrics.api_key_record_skipped)
     await table.load(runtime.discovery)
     # Restarted if it fails: the watch resumes from the records it has applied.
     runtime.own(lambda: table.run(runtime.discovery), name="API key watcher", restart=True)

@@ -2,13 +2,19 @@
 
 ``KeyTable`` holds the keys the control plane published in etcd (``runtime/fleet_contract/api_keys.py``), kept current
 by a watch, so that checking a request costs one SHA-256 and one dict lookup, with no round trip. A
-record that does not carry the control plane's signature is ignored (and logged, at most once a minute):
-only the control plane mints keys. A revocation takes effect when its watch event arrives (milliseconds
-after the control plane's commit); while etcd is unreachable the table keeps what it had, and the
-watch, once back, lists the prefix again and applies the differences.
+revocation takes effect when its watch event arrives (milliseconds after the control plane's commit);
+while etcd is unreachable the table keeps what it had, and the watch, once back, lists the prefix again
+and applies the differences.
 
-Answers are OpenAI's: 401 ``invalid_api_key`` for a missing, unknown, revoked or expired key, 403
-``model_not_allowed`` for a model outside the key's list.
+A record that is not one the control plane signed (forged, altered, garbage, out of bounds) is skipped,
+logged (at most once a minute, naming its etcd key and what is wrong) and counted (``on_skipped``: the
+gateway's ``flotilla_frontend_api_key_records_skipped_total``), and every other record still applies: one
+bad record must not stop revocations, nor an ingress from starting. A skipped record changes nothing: the
+key keeps the last good record it had (a revoked key stays revoked) until the control plane's sync puts
+its record back.
+
+Answers are OpenAI's: 401 ``invalid_api_key`` for a missing, unknown, revoked, suspended (its owner is
+deactivated) or expired key, 403 ``model_not_allowed`` for a model outside the key's list.
 """
 
 import logging
@@ -48,9 +54,17 @@ class ModelNotAllowed(GatewayError):
 class KeyTable:
     """The published keys by hash; ``check`` answers for a request's ``Authorization`` header."""
 
-    def __init__(self, secret: bytes, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_skipped: Callable[[str], None] | None = None,
+    ) -> None:
         self._secret = secret
         self._clock = clock
+        #: Told the reason (BadRecord.reason, or "older") of every record skipped, for a metric.
+        self._on_skipped = on_skipped
         self._keys: dict[str, KeyRecord] = {}
         #: The highest version seen per key hash, revoked ones included: an older record is a replay.
         self._versions: dict[str, int] = {}
@@ -87,16 +101,22 @@ class KeyTable:
         try:
             record = verify(event.value, hashed, self._secret)
         except BadRecord as exc:
-            self._refused.warning(f"API keys: ignored the record at {event.key}: {exc}")
+            self._skip(exc.reason, f"API keys: skipped the record at {_shown_key(event.key)}: {exc}")
             return
         if record.version < self._versions.get(hashed, 0):
-            self._refused.warning(
-                f"API keys: ignored an older record (version {record.version}) of key {record.name!r}: it has "
-                f"version {self._versions[hashed]}"
+            self._skip(
+                "older",
+                f"API keys: skipped an older record (version {record.version}) of key {record.name!r} at "
+                f"{_shown_key(event.key)}: it has version {self._versions[hashed]}",
             )
             return
         self._versions[hashed] = record.version
         self._keys[hashed] = record
+
+    def _skip(self, reason: str, message: str) -> None:
+        self._refused.warning(message)
+        if self._on_skipped is not None:
+            self._on_skipped(reason)
 
     def check(self, authorization: bytes | None) -> KeyRecord:
         """The key of an ``Authorization: Bearer …`` header. Raises InvalidApiKey saying what is wrong."""
@@ -110,6 +130,10 @@ class KeyTable:
         shown = _shown(token)
         if record is None:
             raise InvalidApiKey(f"Incorrect API key provided: {shown}. Check it, or ask an operator for a new one.")
+        if record.suspended:
+            raise InvalidApiKey(
+                f"The API key {shown} ({record.name!r}) is suspended: its owner's account is deactivated."
+            )
         if record.revoked:
             raise InvalidApiKey(f"The API key {shown} ({record.name!r}) was revoked. Ask an operator for a new one.")
         if record.expires_at is not None and record.expires_at <= self._clock():
@@ -123,6 +147,12 @@ def check_model(record: KeyRecord, model: str) -> None:
     if not record.allows_model(model):
         shown = model if len(model) <= 200 else model[:200] + "..."
         raise ModelNotAllowed(f"The API key {record.name!r} may not use the model {shown!r}.", param="model")
+
+
+def _shown_key(key: str) -> str:
+    """An etcd key as log lines show it: escaped, and cut short (a forged one may be anything, of any size)."""
+    shown = ascii(key)
+    return shown if len(shown) <= 120 else shown[:120] + "..."
 
 
 def _shown(token: str) -> str:

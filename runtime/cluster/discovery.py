@@ -22,6 +22,7 @@ from runtime.backoff import Backoff
 from runtime.cluster.addressing import EndpointAddress
 from runtime.cluster.server_wait import ServerWait
 from runtime.errors import ConfigError, DiscoveryUnavailable
+from runtime.rate_limited_log import RateLimitedLog
 from runtime.settings import etcd_endpoints, parse_etcd_endpoint
 from runtime.settings import lease_ttl as configured_lease_ttl
 
@@ -86,6 +87,7 @@ class Discovery:
         # a lease that is being replaced (it would vanish with it).
         self._lock = asyncio.Lock()
         self._closed = False
+        self._bad_keys = RateLimitedLog(log, period_s=60.0)
         #: Whether etcd answered the last lease refresh (for /health).
         self.connected = True
         self._keepalive = asyncio.create_task(self._keep_alive(), name="etcd-lease-keepalive")
@@ -207,9 +209,18 @@ class Discovery:
     async def _list(self, prefix: str) -> tuple[dict[str, bytes], int]:
         """The keys under ``prefix`` and the store revision they were read at."""
         response = await self._client.get_prefix(prefix.encode())
-        keys = {bytes(kv.key).decode(): bytes(kv.value) for kv in response.kvs}
+        keys = {key: bytes(kv.value) for kv in response.kvs if (key := self._key_text(kv.key)) is not None}
         revision: int = response.header.revision
         return keys, revision
+
+    def _key_text(self, raw: bytes) -> str | None:
+        """``raw`` as text; None (logged, at most once a minute) for a key that is not UTF-8: no Flotilla
+        process writes one, and a reader must skip it rather than stop (and stop every later change)."""
+        try:
+            return bytes(raw).decode()
+        except UnicodeDecodeError:
+            self._bad_keys.warning(f"etcd: skipped the key {bytes(raw)[:120]!r}: it is not UTF-8")
+            return None
 
     async def watch_prefix(
         self, prefix: str, known: dict[str, bytes] | None = None
@@ -248,13 +259,15 @@ class Discovery:
             known = current
             try:
                 async for event in watch:
-                    key = bytes(event.kv.key).decode()
+                    changed = self._key_text(event.kv.key)
+                    if changed is None:
+                        continue
                     if event.kind == "PUT":
-                        known[key] = bytes(event.kv.value)
-                        yield WatchEvent("put", key, known[key])
+                        known[changed] = bytes(event.kv.value)
+                        yield WatchEvent("put", changed, known[changed])
                     else:
-                        known.pop(key, None)
-                        yield WatchEvent("delete", key)
+                        known.pop(changed, None)
+                        yield WatchEvent("delete", changed)
             except aetcd.ClientError as exc:
                 log.warning("watch of %r in etcd at %s broke (%s); listing it again", prefix, self._endpoint, exc)
                 failing = True

@@ -11,13 +11,21 @@ A revoked key's record is replaced by a signed tombstone with a higher ``version
 takes a record older than one it has seen for that key, so an old "active" record put back by someone
 who kept a copy does not bring a revoked key back to that ingress; the control plane's periodic sync
 rewrites every record from its database, which undoes such a replay in etcd itself.
+
+A key whose owner is deactivated is published as revoked with ``suspended`` set (and a higher version);
+reactivating the owner publishes it active again, with a higher version still.
+
+Anything else under the prefix is refused by ``verify`` with BadRecord saying why, whatever its bytes: an
+ingress skips such a record and applies the others (``frontend_gateway/access/api_keys.py``).
 """
 
 import hashlib
 import hmac
 import os
+import re
 import secrets
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -28,24 +36,37 @@ KEY_PREFIX = "sk-flt-"
 SECRET_FILE_VARIABLE = "FLOTILLA_API_KEYS_SECRET_FILE"
 _SIGNATURE_BYTES = 64  # hex of a SHA-256 HMAC
 _MIN_SECRET_BYTES = 32
+_HEX_DIGEST = re.compile(rb"[0-9a-f]{64}")
+
+# Bounds on what a record may say: wide enough for anything the control plane stores (its own limits are
+# far tighter), narrow enough that no value can overflow what the ingress does with it (time.gmtime for an
+# expiry, Redis's 64-bit counters for limits) or flood its log with a name.
+_MAX_INT = 2**63 - 1
+_Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_INT)]
+_Text = Annotated[str, msgspec.Meta(max_length=1000)]
+#: Unix times of the years 1 to 9999, the range of Python's datetime (and Django's DateTimeField).
+_Time = Annotated[float, msgspec.Meta(ge=-62135596800.0, le=253402300799.0)]
 
 
 class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """What an ingress knows of a key: who it is, what it may use, and its limits."""
 
-    key_id: int
-    name: str
-    owner: str
+    key_id: _Count
+    name: _Text
+    owner: _Text
     #: Served model names it may use; None: every model.
-    models: list[str] | None = None
+    models: Annotated[list[_Text], msgspec.Meta(max_length=10_000)] | None = None
     #: Unix time after which it is refused; None: never.
-    expires_at: float | None = None
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    monthly_token_budget: int | None = None
+    expires_at: _Time | None = None
+    requests_per_minute: _Count | None = None
+    tokens_per_minute: _Count | None = None
+    monthly_token_budget: _Count | None = None
     revoked: bool = False
+    #: Revoked for now because its owner is deactivated (``revoked`` is set too, so that an ingress that
+    #: does not know this field refuses the key as well); it works again when the owner is reactivated.
+    suspended: bool = False
     #: Grows with every record published for the key: an ingress ignores one older than what it has.
-    version: int = 0
+    version: _Count = 0
 
     def allows_model(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -70,28 +91,43 @@ def sign(record: KeyRecord, hashed: str, secret: bytes) -> bytes:
 
     The signature covers the key's hash too, so a record cannot be moved to another key."""
     body = msgspec.json.encode(record)
-    return _mac(secret, hashed, body).encode() + b"\n" + body
+    return _mac(secret, hashed, body) + b"\n" + body
 
 
 class BadRecord(Exception):
-    """An etcd value that is not a record signed with our secret for that key."""
+    """An etcd value that is not a record signed with our secret for that key; ``reason`` is a short
+    label of what is wrong (for a metric), the message says it in words."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def verify(value: bytes, hashed: str, secret: bytes) -> KeyRecord:
-    """The record in ``value`` (from ``sign``) for the key whose hash is ``hashed``. Raises BadRecord."""
+    """The record in ``value`` (from ``sign``) for the key whose hash is ``hashed``.
+
+    Raises BadRecord, and nothing else, for any other bytes: the values under the prefix are anyone's who
+    can write to etcd."""
+    # Compared as bytes throughout: hmac.compare_digest refuses str with non-ASCII characters (TypeError).
+    if _HEX_DIGEST.fullmatch(hashed.encode(errors="replace")) is None:
+        raise BadRecord("key", "its etcd key does not end in a key's SHA-256 (64 lowercase hex digits)")
     signature, newline, body = value.partition(b"\n")
-    if not newline or len(signature) != _SIGNATURE_BYTES:
-        raise BadRecord("not a signed key record")
-    if not hmac.compare_digest(signature.decode(errors="replace"), _mac(secret, hashed, body)):
-        raise BadRecord("its signature does not match (signed with another secret, or altered)")
+    if not newline:
+        raise BadRecord("unsigned", "not a signed key record (no signature line)")
+    if _HEX_DIGEST.fullmatch(signature) is None:
+        raise BadRecord("unsigned", "not a signed key record (its signature is not 64 lowercase hex digits)")
+    if not hmac.compare_digest(signature, _mac(secret, hashed, body)):
+        raise BadRecord("signature", "its signature does not match (signed with another secret, or altered)")
     try:
         return msgspec.json.decode(body, type=KeyRecord)
-    except msgspec.DecodeError as exc:
-        raise BadRecord(f"malformed: {exc}") from exc
+    # msgspec's DecodeError and ValidationError (a wrong type, a missing field, a bound) are ValueErrors;
+    # so is the UnicodeDecodeError of a string that is not UTF-8; deep nesting is a RecursionError.
+    except (ValueError, RecursionError) as exc:
+        raise BadRecord("malformed", f"malformed: {exc}") from exc
 
 
-def _mac(secret: bytes, hashed: str, body: bytes) -> str:
-    return hmac.new(secret, hashed.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+def _mac(secret: bytes, hashed: str, body: bytes) -> bytes:
+    return hmac.new(secret, hashed.encode() + b"\n" + body, hashlib.sha256).hexdigest().encode()
 
 
 def read_secret(path: Path) -> bytes:

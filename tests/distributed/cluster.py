@@ -156,14 +156,15 @@ def etcd_values(etcd: EtcdServer, prefix: str) -> dict[str, str]:
     }
 
 
-def etcd_put(etcd: EtcdServer, key: str, value: str) -> None:
-    """Put ``key`` in etcd, over its JSON API (as a worker's registration, without a lease)."""
+def etcd_put(etcd: EtcdServer, key: str | bytes, value: str | bytes) -> None:
+    """Put ``key`` in etcd, over its JSON API (as a worker's registration, without a lease); bytes go as
+    they are (what a process that is not Flotilla's could write)."""
     body = {"key": _b64(key), "value": _b64(value)}
     httpx.post(etcd.endpoint + "/v3/kv/put", json=body, timeout=5).raise_for_status()
 
 
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
+def _b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
 
 def _etcd_range(etcd: EtcdServer, prefix: str) -> list[dict[str, str]]:

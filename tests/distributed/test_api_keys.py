@@ -1,8 +1,11 @@
 """API keys on real ingress processes, called with the official ``openai`` client: records signed as the
 control plane signs them (controlplane/apikeys/publication.py) and put in etcd; missing, wrong, expired,
-revoked and out-of-scope keys are refused as OpenAI refuses them, and a revocation reaches two ingress
-processes within a second."""
+revoked and out-of-scope keys are refused as OpenAI refuses them, a revocation reaches two ingress
+processes within a second, and malformed records in etcd are skipped while the others apply."""
 
+import hashlib
+import hmac
+import re
 import time
 from pathlib import Path
 
@@ -122,6 +125,56 @@ def test_a_revocation_reaches_two_ingress_processes_within_a_second(cluster: Clu
     for ingress in ingresses:
         wait_until(lambda: refused(ingress, key), 1.0, "a revoked key still worked after a second")  # noqa: B023
     assert time.monotonic() - revoked_at < 1.0
+
+
+#: What a worker that can write etcd, or a bug, could leave under the keys' prefix. The first two sort
+#: before any real key's hash: a watcher that died on them would re-list and die again before the rest.
+MALFORMED: dict[str | bytes, str | bytes] = {
+    etcd_key("0" * 64): "é" * 32 + "\n{}",  # a signature of non-ASCII bytes (once a TypeError)
+    etcd_key("00"): "garbage",
+    etcd_key(key_hash(new_key())): "a" * 64 + "\n" + "{" * 100_000,  # a signature that does not match
+}
+
+
+def test_malformed_records_are_skipped_and_counted_while_keys_and_revocations_apply(
+    cluster: Cluster, secret_file: Path
+) -> None:
+    kept, revoked, late = new_key(), new_key(), new_key()
+    publish(cluster, kept, key_id=1)
+    publish(cluster, revoked, key_id=2, name="to-revoke", version=1)
+    for key, value in MALFORMED.items():
+        etcd_put(cluster.etcd, key, value)
+    signed_bad = key_hash(new_key())  # signed with the secret, but out of bounds (an expiry past year 9999)
+    body = '{"key_id": 3, "name": "x", "owner": "y", "expires_at": 1e300}'
+    etcd_put(cluster.etcd, etcd_key(signed_bad), mac(signed_bad, body) + "\n" + body)
+    (ingress,) = start(cluster, secret_file)  # it starts with them in etcd
+    assert ask(ingress, kept) and ask(ingress, revoked)
+
+    # Written while it watches: skipped too, and the revocation and the new key after them still apply.
+    etcd_put(cluster.etcd, etcd_key("0" * 64), bytes(range(128, 192)) + b"\n{}")
+    etcd_put(cluster.etcd, etcd_key("f" * 64).encode() + b"\xff", b"a key that is not UTF-8")  # skipped by the watch
+    publish(cluster, revoked, key_id=2, name="to-revoke", version=2, revoked=True)
+    publish(cluster, late, key_id=4, name="late")
+    wait_until(lambda: refused(ingress, revoked), 10, "the revocation did not apply")
+    assert ask(ingress, late) and ask(ingress, kept)
+
+    skipped = skipped_records(ingress)
+    assert skipped == {"unsigned": 2, "key": 1, "signature": 1, "malformed": 1}, skipped
+    log = ingress.log()
+    assert "API keys: skipped the record at" in log and "it is not UTF-8" in log and "Traceback" not in log
+    assert ingress.process.poll() is None
+
+
+def mac(hashed: str, body: str) -> str:
+    """The control plane's signature of ``body`` for the key hash ``hashed``, as ``sign`` makes it."""
+    return hmac.new(SECRET.encode(), f"{hashed}\n{body}".encode(), hashlib.sha256).hexdigest()
+
+
+def skipped_records(server: Server) -> dict[str, float]:
+    """The ingress's count of skipped key records by reason, from its /metrics."""
+    text = httpx.get(server.base_url + "/metrics", timeout=5).text
+    found = re.findall(r'^flotilla_frontend_api_key_records_skipped_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+    return {reason: float(count) for reason, count in found}
 
 
 def refused(server: Server, key: str) -> bool:

@@ -1,6 +1,6 @@
 """frontend_gateway/access/api_keys.py: the ingress believes only key records the control plane signed, never
-an older one than it has seen, and answers missing, wrong, revoked, expired and out-of-scope keys as
-OpenAI does."""
+an older one than it has seen, skips (and counts) any other record while the rest apply, and answers
+missing, wrong, revoked, suspended, expired and out-of-scope keys as OpenAI does."""
 
 import logging
 
@@ -95,3 +95,46 @@ def test_an_older_record_put_back_does_not_revive_a_revoked_key(table: KeyTable)
     table.apply(first)  # not even after its record was deleted
     with pytest.raises(InvalidApiKey):
         table.check(bearer(key))
+
+
+def test_a_malformed_record_is_skipped_logged_and_counted_while_the_others_apply(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    skipped: list[str] = []
+    table = KeyTable(SECRET, clock=lambda: NOW, on_skipped=skipped.append)
+    good, revoked = new_key(), new_key()
+    table.apply(published(good, record(key_id=1)))
+    table.apply(published(revoked, record(key_id=2, version=1)))
+    forged = etcd_key(key_hash(new_key()))
+    with caplog.at_level(logging.WARNING, "frontend_gateway.access.api_keys"):
+        # A signature of non-ASCII bytes once raised TypeError out of apply(), and the watch with it.
+        table.apply(WatchEvent("put", forged, "é".encode() * 32 + b"\n{}"))
+        table.apply(WatchEvent("put", etcd_key("not-a-hash"), b"garbage"))
+        table.apply(published(revoked, record(key_id=2, version=2, revoked=True)))  # still applies
+        table.apply(published(revoked, record(key_id=2, version=1)))  # a replay: skipped too
+    assert skipped == ["unsigned", "key", "older"]
+    assert table.check(bearer(good)).key_id == 1
+    with pytest.raises(InvalidApiKey, match="was revoked"):
+        table.check(bearer(revoked))
+    # The first line names the record and says why; the rest within the minute are counted in the next one.
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert forged in line and "not a signed key record" in line
+
+
+def test_a_skipped_record_leaves_the_last_good_one_in_place(table: KeyTable) -> None:
+    key = new_key()
+    table.apply(published(key, record(version=2, revoked=True)))
+    table.apply(WatchEvent("put", etcd_key(key_hash(key)), b"\xff" * 64 + b"\n{}"))  # the revocation overwritten
+    with pytest.raises(InvalidApiKey, match="was revoked"):
+        table.check(bearer(key))
+
+
+def test_a_suspended_key_is_a_401_that_says_its_owner_is_deactivated(table: KeyTable) -> None:
+    key = new_key()
+    table.apply(published(key, record(version=1)))
+    table.apply(published(key, record(version=2, revoked=True, suspended=True)))
+    with pytest.raises(InvalidApiKey, match="is suspended: its owner's account is deactivated") as refused:
+        table.check(bearer(key))
+    assert (refused.value.status, len(table)) == (401, 0)
+    table.apply(published(key, record(version=3)))  # the owner reactivated
+    assert table.check(bearer(key)).name == "chat-app"

@@ -19,6 +19,7 @@ from runtime.cluster.discovery import (
     model_key,
 )
 from runtime.errors import ConfigError, DiscoveryUnavailable
+from tests.distributed.cluster import etcd_put
 from tests.infra import EtcdServer
 from tests.servers import free_port
 
@@ -133,6 +134,21 @@ async def test_watch_yields_the_snapshot_then_puts_and_deletes(etcd_server: Etcd
         assert await next_event(events) == WatchEvent("put", PREFIX + "a", b"changed")
         await discovery.deregister(PREFIX + "b")
         assert await next_event(events) == WatchEvent("delete", PREFIX + "b")
+        await events.aclose()
+
+
+async def test_a_key_that_is_not_utf8_is_skipped_by_listings_and_watches_and_the_others_come_through(
+    etcd_server: EtcdServer,
+) -> None:
+    async with await Discovery.connect([etcd_server.endpoint]) as discovery:
+        etcd_put(etcd_server, PREFIX.encode() + b"\xff-listed", b"junk")
+        await discovery.register(PREFIX + "a", b"1")
+        assert await discovery.get_prefix(PREFIX) == {PREFIX + "a": b"1"}
+        events = discovery.watch_prefix(PREFIX)
+        assert await next_event(events) == WatchEvent("put", PREFIX + "a", b"1")
+        etcd_put(etcd_server, PREFIX.encode() + b"\xfe-watched", b"junk")
+        await discovery.register(PREFIX + "b", b"2")
+        assert await next_event(events) == WatchEvent("put", PREFIX + "b", b"2")
         await events.aclose()
 
 
