@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: What an ingress without --api-keys-secret-file says as it starts: anyone who reaches it may use it.
+OPEN_INGRESS_WARNING = (
+    "API keys are off: /v1/* is served to anyone who can reach this ingress, with no key. To require keys, "
+    "start it with --api-keys-secret-file FILE (FLOTILLA_API_KEYS_SECRET_FILE), FILE being a copy of the "
+    "control plane's signing secret (api-keys.secret in its data directory), and make keys in the control "
+    "plane (the dashboard's API keys page, or POST /api/v1/api-keys/)"
+)
+
 
 def load_card(options: RunOptions) -> tuple[ModelCard, Path]:
     """Resolve the model argument (downloading if needed) and read its card."""
@@ -378,7 +386,8 @@ async def run_ingress(options: RunOptions) -> int:
 async def _api_keys(
     runtime: "DistributedRuntime", secret_file: Path | None, metrics: "GatewayMetrics"
 ) -> "KeyTable | None":
-    """The ingress's API keys, loaded from etcd and then watched; None when keys are not required.
+    """The ingress's API keys, loaded from etcd and then watched; None when keys are not required (said
+    in a warning: /v1/* is then open to whoever reaches the port).
 
     Raises ConfigError for an unreadable secret, DiscoveryUnavailable when etcd cannot list the keys.
     """
@@ -386,6 +395,7 @@ async def _api_keys(
     from runtime.fleet_contract.api_keys import read_secret
 
     if secret_file is None:
+        log.warning(OPEN_INGRESS_WARNING)
         return None
     table = KeyTable(read_secret(secret_file), on_skipped=metrics.api_key_record_skipped)
     await table.load(runtime.discovery)

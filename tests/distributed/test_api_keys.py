@@ -1,7 +1,8 @@
 """API keys on real ingress processes, called with the official ``openai`` client: records signed as the
 control plane signs them (controlplane/apikeys/publication.py) and put in etcd; missing, wrong, expired,
 revoked and out-of-scope keys are refused as OpenAI refuses them, a revocation reaches two ingress
-processes within a second, and malformed records in etcd are skipped while the others apply."""
+processes within a second, malformed records in etcd are skipped while the others apply, and an ingress
+without the secret says that /v1 is open."""
 
 import hashlib
 import hmac
@@ -85,6 +86,7 @@ def test_only_a_published_key_opens_the_endpoint(cluster: Cluster, secret_file: 
     # Health, liveness and metrics stay open for probes and scrapers.
     for path in ("/health", "/live", "/metrics"):
         assert httpx.get(ingress.base_url + path, timeout=5).status_code == 200
+    assert "API keys are off" not in ingress.log()
 
 
 def test_a_key_sees_and_uses_only_its_models(cluster: Cluster, secret_file: Path) -> None:
@@ -175,6 +177,15 @@ def skipped_records(server: Server) -> dict[str, float]:
     text = httpx.get(server.base_url + "/metrics", timeout=5).text
     found = re.findall(r'^flotilla_frontend_api_key_records_skipped_total\{reason="(\w+)"\} (\S+)$', text, re.M)
     return {reason: float(count) for reason, count in found}
+
+
+def test_an_ingress_without_the_secret_warns_that_v1_is_open_and_says_how_to_require_keys(cluster: Cluster) -> None:
+    ingress = cluster.start_ingress()
+    cluster.start_worker("dyn://alpha", "out=echo_core", "--model-name", "alpha")
+    wait_until(lambda: "alpha" in httpx.get(ingress.base_url + "/health", timeout=5).json()["models"], 15, "no model")
+    assert ask(ingress, None)  # open indeed
+    (line,) = [line for line in ingress.log().splitlines() if "API keys are off" in line]
+    assert "WARNING" in line and "/v1/* is served to anyone" in line and "--api-keys-secret-file" in line
 
 
 def refused(server: Server, key: str) -> bool:
