@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from controlplane.accounts import throttle
 from controlplane.accounts.models import TOKEN_DISPLAY_CHARS, ApiToken, Role, User, hash_token
+from controlplane.apikeys.actions import follow_owner
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.errors import Conflict, Forbidden, Invalid
 
@@ -140,8 +141,9 @@ def update_user(
 
 @transaction.atomic
 def deactivate_user(actor: Actor, user: User) -> User:
-    """Stop a person: from now on their logins, sessions, tokens and websockets are refused (their tokens stay,
-    and work again if they are reactivated; revoke them to end them for good). Returns the person.
+    """Stop a person: from now on their logins, sessions, tokens and websockets are refused, and every ingress
+    refuses their API keys (suspended: published so once this commits). Their tokens and keys stay, and work
+    again if they are reactivated; revoke them to end them for good. Returns the person.
 
     Raises Conflict when they are inactive already, or are the last active admin.
     """
@@ -155,8 +157,8 @@ def deactivate_user(actor: Actor, user: User) -> User:
 
 @transaction.atomic
 def reactivate_user(actor: Actor, user: User) -> User:
-    """Let a deactivated person in again, with the role, password and tokens they had. Raises Conflict when
-    they are active already."""
+    """Let a deactivated person in again, with the role, password, tokens and API keys they had (the keys
+    published active again once this commits). Raises Conflict when they are active already."""
     user = _locked(user)
     if user.is_active:
         raise Conflict(f"{user.username} is active already")
@@ -258,6 +260,8 @@ def save_user(actor: Actor, user: User) -> User:
     if old is not None and user.password != old.password:
         after["password"] = "changed"
     record(actor, "user.create" if old is None else "user.update", user, before=before, after=after)
+    if old is not None and old.is_active != user.is_active:
+        follow_owner(actor, user)  # their API keys suspended or restored, as by deactivate_user/reactivate_user
     return user
 
 
@@ -331,6 +335,7 @@ def _set_active(actor: Actor, user: User, *, active: bool) -> User:
     user.save(update_fields=["is_active"])
     action = "user.reactivate" if active else "user.deactivate"
     record(actor, action, user, before=before, after=snapshot(user, exclude=_USER_AUDIT_EXCLUDE))
+    follow_owner(actor, user)
     return user
 
 

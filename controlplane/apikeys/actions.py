@@ -2,6 +2,8 @@
 new record goes to the ingress processes (``publication.publish_after_commit``).
 
 Operators create and manage their own keys; admins anyone's (the views check who may act on which).
+A person's keys follow their account: deactivating them suspends their live keys, reactivating them
+restores those keys (``follow_owner``, called by ``accounts.actions``).
 """
 
 import datetime
@@ -35,10 +37,16 @@ def create_key(
 ) -> tuple[ApiKey, str]:
     """A new key for ``owner``; returns the row and the key itself (shown once, stored hashed).
 
-    Raises Invalid for a past expiry, Conflict when the owner has a live key of that name already.
+    Raises Invalid for a past expiry, Conflict when the owner has a live key of that name already or is
+    deactivated.
     """
     if expires_at is not None and expires_at <= timezone.now():
         raise Invalid("expires_at is in the past", field="expires_at")
+    # The owner's row locked until this commits: a deactivation committing meanwhile would not see this key
+    # to suspend it (the forms offer active people only, but one may be deactivated after the form was sent).
+    owner = User.objects.select_for_update(no_key=True).get(pk=owner.pk)
+    if not owner.is_active:
+        raise Conflict(f"{owner.get_username()} is deactivated: reactivate them before making them a key")
     secret = new_key()
     key = ApiKey(
         name=name,
@@ -74,3 +82,25 @@ def revoke_key(actor: Actor, key: ApiKey) -> ApiKey:
     record(actor, "api_key.revoke", key, before=before, after=snapshot(key, exclude=_AUDIT_EXCLUDE))
     publish_after_commit(key)
     return key
+
+
+@transaction.atomic
+def follow_owner(actor: Actor, owner: User) -> list[ApiKey]:
+    """Publish again the live keys of ``owner``, whose account was just deactivated or reactivated (call it
+    in that action's transaction, with ``owner`` as saved): suspended while they are inactive, working again
+    once they are active. Returns those keys.
+
+    Each key's version grows, so that every ingress takes the new record over the one it has, and a copy of
+    the record from before the change, put back in etcd, is older and ignored.
+    """
+    keys = list(ApiKey.objects.select_for_update().filter(owner=owner, revoked_at__isnull=True).order_by("pk"))
+    action = "api_key.suspend" if not owner.is_active else "api_key.restore"
+    for key in keys:
+        key.owner = owner  # as just saved: whether the key is suspended follows owner.is_active
+        before = {**snapshot(key, exclude=_AUDIT_EXCLUDE), "suspended": not key.suspended}  # the change flips it
+        key.version += 1
+        key.save(update_fields=["version"])
+        after = {**snapshot(key, exclude=_AUDIT_EXCLUDE), "suspended": key.suspended}
+        record(actor, action, key, before=before, after=after)
+    publish_after_commit(*keys)
+    return keys

@@ -19,7 +19,15 @@ KEY_DISPLAY_CHARS = 12
 
 
 class ApiKey(models.Model):
-    """One application's key. ``allowed_models`` empty means every model; a limit left empty means none."""
+    """One application's key. ``allowed_models`` empty means every model; a limit left empty means none.
+
+    Its states: active -> revoked (``revoked_at`` set, for good), and, while its owner is deactivated,
+    suspended (refused by every ingress, back to active when the owner is reactivated)::
+
+        active --revoke_key--> revoked
+        active --owner deactivated--> suspended --owner reactivated--> active
+        suspended --revoke_key--> revoked
+    """
 
     name = models.CharField(max_length=100)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="api_keys")
@@ -50,6 +58,12 @@ class ApiKey(models.Model):
     def revoked(self) -> bool:
         return self.revoked_at is not None
 
+    @property
+    def suspended(self) -> bool:
+        """Refused for now because its owner is deactivated; it works again when they are reactivated
+        (``actions.follow_owner``). A revoked key is revoked, not suspended."""
+        return not self.revoked and not self.owner.is_active
+
     @staticmethod
     def visible_to(person: object) -> "models.QuerySet[ApiKey]":
         """The keys ``person`` may see and manage, with their owners: their own, or everyone's for an admin
@@ -70,7 +84,9 @@ class ApiKey(models.Model):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             monthly_token_budget=self.monthly_token_budget,
-            revoked=self.revoked,
+            # Revoked too while suspended: an ingress that does not know ``suspended`` refuses it as well.
+            revoked=self.revoked or self.suspended,
+            suspended=self.suspended,
             version=self.version,
         )
 

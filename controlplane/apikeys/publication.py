@@ -35,10 +35,11 @@ def secret_file() -> Path:
     return Path(configured) if configured else secret_in(Path(settings.DATA_DIR))
 
 
-def publish_after_commit(key: ApiKey) -> None:
-    """Publish ``key``'s record once the current transaction commits; a failure is logged, and the next
-    sync publishes it."""
-    transaction.on_commit(lambda: publish([key]), robust=True)
+def publish_after_commit(*keys: ApiKey) -> None:
+    """Publish the records of ``keys`` once the current transaction commits; a failure is logged, and the
+    next sync publishes them."""
+    if keys:
+        transaction.on_commit(lambda: publish(keys), robust=True)
 
 
 def publish(keys: Iterable[ApiKey]) -> bool:

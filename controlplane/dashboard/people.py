@@ -74,7 +74,10 @@ def person_edit(request: HttpRequest, pk: int) -> HttpResponseBase:
 @require_POST
 def person_deactivate(request: HttpRequest, pk: int) -> HttpResponseBase:
     person = get_object_or_404(User, pk=pk)
-    done = f"{person.username} is deactivated: their logins, sessions, tokens and live pages are refused."
+    done = (
+        f"{person.username} is deactivated: their logins, sessions, tokens and live pages are refused, and their "
+        "API keys suspended."
+    )
     return _act(request, person, lambda actor: actions.deactivate_user(actor, person), done)
 
 
@@ -82,7 +85,7 @@ def person_deactivate(request: HttpRequest, pk: int) -> HttpResponseBase:
 @require_POST
 def person_reactivate(request: HttpRequest, pk: int) -> HttpResponseBase:
     person = get_object_or_404(User, pk=pk)
-    done = f"{person.username} is active again, with their role, password and tokens."
+    done = f"{person.username} is active again, with their role, password, tokens and API keys."
     return _act(request, person, lambda actor: actions.reactivate_user(actor, person), done)
 
 

@@ -9,6 +9,7 @@ import re
 import pytest
 from django.test import Client
 
+from controlplane.accounts import actions as account_actions
 from controlplane.accounts.models import Role, User
 from controlplane.apikeys import actions
 from controlplane.apikeys.models import ApiKey
@@ -171,3 +172,13 @@ def test_the_snippets_call_the_gateway_with_the_key() -> None:
     assert curl.startswith("curl http://127.0.0.1:8080/v1/chat/completions")
     assert '"model": "smol"' in curl and "Bearer sk-flt-abc" in curl
     assert 'api_key="sk-flt-abc"' in python and 'model="smol"' in python
+
+
+def test_an_admin_sees_a_deactivated_persons_key_as_suspended() -> None:
+    olga = make_user("olga")
+    key = make_key(olga)
+    browser = logged_in(Role.ADMIN)
+    account_actions.deactivate_user(Actor.system("tests"), olga)
+    page = browser.get("/api-keys/").content.decode()
+    assert f'id="api-key-{key.pk}"' in page
+    assert '<span class="state state-failed">suspended</span><div class="hint">its owner is deactivated</div>' in page

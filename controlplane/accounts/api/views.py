@@ -66,7 +66,7 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Dest
 
 class PersonViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FlotillaViewSet):
     """People and their roles (admin only). A person is deactivated rather than deleted: their audit entries
-    keep their name, and a deactivated person's logins, sessions, tokens and websockets are refused.
+    keep their name, and a deactivated person's logins, sessions, tokens, websockets and API keys are refused.
 
     A new person's password, and one an admin resets, is generated and shown once in the answer
     (``actions.reset_password`` says why); the person changes it at ``/me/password/``. Nothing leaves the
@@ -106,13 +106,14 @@ class PersonViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, FlotillaVi
     @extend_schema(request=None, responses={200: PersonSerializer, 409: _LAST_ADMIN})
     @action(detail=True, methods=["post"])
     def deactivate(self, request: Request, pk: str) -> Response:
-        """Refuse the person's logins, sessions, tokens and websockets from now on (their tokens are kept)."""
+        """Refuse the person's logins, sessions, tokens, websockets and API keys from now on (their tokens are
+        kept; their API keys are suspended)."""
         return Response(PersonSerializer(actions.deactivate_user(self.actor, self.get_object())).data)
 
     @extend_schema(request=None, responses={200: PersonSerializer, 409: _LAST_ADMIN})
     @action(detail=True, methods=["post"])
     def reactivate(self, request: Request, pk: str) -> Response:
-        """Let a deactivated person in again, with the role, password and tokens they had."""
+        """Let a deactivated person in again, with the role, password, tokens and API keys they had."""
         return Response(PersonSerializer(actions.reactivate_user(self.actor, self.get_object())).data)
 
     @extend_schema(

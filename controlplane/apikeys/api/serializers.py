@@ -14,12 +14,15 @@ MAX_BUDGET = 10**15
 class ApiKeySerializer(serializers.ModelSerializer):
     owner = serializers.SlugRelatedField(slug_field="username", read_only=True)
     revoked = serializers.BooleanField(read_only=True)
+    suspended = serializers.BooleanField(
+        read_only=True, help_text="Refused while its owner is deactivated; it works again when they are reactivated."
+    )
 
     class Meta:
         model = ApiKey
         fields: ClassVar = [
             "id", "name", "owner", "key_start", "allowed_models", "expires_at", "requests_per_minute",
-            "tokens_per_minute", "monthly_token_budget", "revoked", "revoked_at", "created_at",
+            "tokens_per_minute", "monthly_token_budget", "revoked", "revoked_at", "suspended", "created_at",
         ]  # fmt: skip
         read_only_fields = fields
 
