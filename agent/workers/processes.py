@@ -7,16 +7,27 @@ to another process since, or one from before a reboot, is then never mistaken fo
 
 Exits are awaited through a pidfd (Linux 5.3+), which also works for a process the agent did not start
 (one it adopted after its own restart): it is then not the parent, so the exit code is unknown.
+
+Nothing a worker started outlives it, however it ends: each worker is started with a mark of its own in its
+environment, which its processes inherit wherever they go (another session, adopted by init), and once it
+has ended, the processes that hold the mark or are still in its group are ended too (SIGTERM, then SIGKILL
+after a grace), before its end is reported (runtime/process_tree.py says why a mark and not a parent-death
+signal or a subreaper). So the replacement the control plane starts finds the GPU as the worker found it.
 """
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.process_tree import DEFAULT_GRACE_S, Tree, end_tree, marked_environment, new_mark
+
+log = logging.getLogger(__name__)
 
 # Polling is the fallback where pidfds are missing (old kernels): an exit is noticed within this.
 _POLL_S = 0.2
@@ -116,36 +127,42 @@ def log_tail(path: Path, lines: int) -> str:
 class WorkerProcess:
     """A worker process this agent started (``spawn``) or found running (``adopt``)."""
 
-    def __init__(self, pid: int, start_time: int, *, popen: "subprocess.Popen[bytes] | None" = None) -> None:
+    def __init__(
+        self, pid: int, start_time: int, *, mark: str = "", popen: "subprocess.Popen[bytes] | None" = None
+    ) -> None:
         self.pid = pid
         self.start_time = start_time
+        #: The mark in its processes' environment (runtime/process_tree.py; "": a worker of an older agent).
+        self.mark = mark
         # Only for a process this agent started: it is then the parent, and can read the exit code.
         self._popen = popen
 
     @classmethod
     def spawn(cls, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> "WorkerProcess":
-        """Start ``argv`` in its own session, stdout and stderr appended to ``log_path``. Raises OSError."""
+        """Start ``argv`` in its own session, its tree marked, stdout and stderr appended to ``log_path``.
+        Raises OSError."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        mark = new_mark()
         with log_path.open("ab") as log_file:
             popen = subprocess.Popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=dict(env),
+                env={**env, **marked_environment(mark)},
                 start_new_session=True,
                 close_fds=True,
             )
         start_time = process_start_time(popen.pid)
         # A worker that died at once has no start time left to read: 0 never matches a live process.
-        return cls(popen.pid, start_time or 0, popen=popen)
+        return cls(popen.pid, start_time or 0, mark=mark, popen=popen)
 
     @classmethod
-    def adopt(cls, pid: int, start_time: int, recorded_boot_id: str) -> "WorkerProcess | None":
+    def adopt(cls, pid: int, start_time: int, recorded_boot_id: str, mark: str = "") -> "WorkerProcess | None":
         """The running process ``pid`` if it is the one recorded (same boot, same start time), else None."""
         if recorded_boot_id != boot_id() or process_start_time(pid) != start_time:
             return None
-        return cls(pid, start_time)
+        return cls(pid, start_time, mark=mark)
 
     @property
     def is_child(self) -> bool:
@@ -155,11 +172,11 @@ class WorkerProcess:
         """Whether the process still runs (a zombie does not). Reaps nothing."""
         return process_start_time(self.pid) == self.start_time
 
-    async def wait(self, *, kill_leftovers: bool = False) -> ExitStatus:
+    async def wait(self, *, kill_leftovers: bool = False, grace_s: float = DEFAULT_GRACE_S) -> ExitStatus:
         """Wait for the process to end; its exit code when it is this agent's child, else an unknown status.
 
-        ``kill_leftovers``: then SIGKILL what remains of its process group (children it left behind),
-        before reaping it, while its pid still names the group.
+        ``kill_leftovers``: then end what it left behind (``end_leftovers``) before returning, and before reaping
+        it, while its pid still names its group.
         """
         try:
             pidfd = os.pidfd_open(self.pid)
@@ -175,8 +192,8 @@ class WorkerProcess:
                     await until_readable(pidfd)
             finally:
                 os.close(pidfd)
-        if kill_leftovers and self._popen is not None:
-            self._kill_group()
+        if kill_leftovers:
+            await end_leftovers(self.pid, self.start_time, self.mark, grace_s)
         return self._reap()
 
     async def _poll_until_gone(self) -> None:
@@ -209,6 +226,23 @@ class WorkerProcess:
         # from being reused.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+
+
+async def end_leftovers(pid: int, start_time: int, mark: str, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """End every process the worker ``pid`` (started at ``start_time``, its tree marked ``mark``) left behind:
+    SIGTERM, then SIGKILL after ``grace_s``; returns once they have ended. Logs what it ended, and what would not."""
+    tree = Tree(mark=mark or None, group=pid, started_after=start_time)
+    ending = await asyncio.to_thread(end_tree, tree, grace_s)
+    if ending.ended:
+        log.warning("ended %d processes the worker (pid %d) left behind: %s", len(ending.ended), pid, ending.ended)
+    if ending.remaining:
+        log.error(
+            "processes the worker (pid %d) left behind did not end even after SIGKILL (stuck in the kernel, a GPU "
+            "driver say: see `ps -o pid,stat,wchan -p %s`): %s",
+            pid,
+            ",".join(map(str, ending.remaining)),
+            ending.remaining,
+        )
 
 
 async def until_readable(fd: int) -> None:

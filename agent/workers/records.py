@@ -25,6 +25,8 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     boot_id: str
     log_path: str
     endpoint_instance_id: int | None = None
+    #: The mark in its processes' environment (runtime/process_tree.py); "" in records of older agents.
+    tree_mark: str = ""
     # Records of older agents also carry ``restarts`` (restarts by the agent itself, always 0 since the
     # control plane decides restarts): an unknown field, ignored when they are read.
 

@@ -11,10 +11,11 @@ Every state change goes to ``on_status`` as a WorkerStatus::
           failed (reason, exit code or signal)
 
 Readiness is the worker's registration in etcd (agent/workers/readiness.py). A worker that ends without being
-asked is reported failed, with how it ended (exit code or signal) and its log's last lines, and forgotten:
-the supervisor never starts it again itself. The control plane decides restarts (it starts the instance
-again, after its own backoff); the agent reports exit code 2 (EXIT_CONFIG, bad configuration) as a
-permanent failure, since a restart would fail the same way.
+asked is reported failed, once what it left behind has been ended too (agent/workers/processes.py), with how
+it ended (exit code or signal) and its log's last lines, and forgotten: the supervisor never starts it again
+itself. The control plane decides restarts (it starts the instance again, after its own backoff); the agent
+reports exit code 2 (EXIT_CONFIG, bad configuration) as a permanent failure, since a restart would fail the
+same way.
 
 The supervisor survives its own restart: each running worker has a record in ``state_dir``
 (agent/workers/records.py); ``adopt()`` in a new supervisor takes over the workers still running,
@@ -35,10 +36,11 @@ from typing import Protocol
 import msgspec
 
 from agent.errors import WorkerError
-from agent.workers.processes import ExitStatus, WorkerProcess, boot_id, describe_exit, log_tail
+from agent.workers.processes import ExitStatus, WorkerProcess, boot_id, describe_exit, end_leftovers, log_tail
 from agent.workers.records import WorkerRecord, load_records, remove_record, save_record
 from agent.workers.spec import DEFAULT_COMMAND, allowed_environment, worker_argv, worker_env
 from runtime.fleet_contract.tasks import WorkerSpec
+from runtime.process_tree import DEFAULT_GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +106,19 @@ class Supervisor:
         on_status: StatusCallback,
         command: Sequence[str] = DEFAULT_COMMAND,
         stop_timeout_s: float = 30.0,
+        leftover_grace_s: float = DEFAULT_GRACE_S,
         base_env: Mapping[str, str] | None = None,
     ) -> None:
         """``command`` starts ``flotilla``; ``stop_timeout_s`` is how long a stopping worker may drain
-        before it is killed (more than its FLOTILLA_DRAIN_S); ``base_env`` is the environment the workers'
-        is made from (agent/workers/spec.py), by default the agent's own variables that a worker may see."""
+        before it is killed (more than its FLOTILLA_DRAIN_S); ``leftover_grace_s`` is how long the processes
+        an ended worker left behind may take to end on SIGTERM before they are killed; ``base_env`` is the
+        environment the workers' is made from (agent/workers/spec.py), by default the agent's own variables
+        that a worker may see."""
         self.node = node
         self.state_dir = state_dir
         self.log_dir = log_dir
         self.stop_timeout_s = stop_timeout_s
+        self.leftover_grace_s = leftover_grace_s
         self._readiness = readiness
         self._on_status = on_status
         self._command = tuple(command)
@@ -179,8 +185,8 @@ class Supervisor:
     async def adopt(self) -> list[int]:
         """Take over the workers a previous agent left running; returns the instance ids adopted.
 
-        A recorded worker that is no longer running is reported failed (with its log's last lines) and
-        forgotten: the control plane decides whether to start it again.
+        A recorded worker that is no longer running is reported failed (with its log's last lines), once what
+        it left behind has been ended, and forgotten: the control plane decides whether to start it again.
         """
         adopted = []
         for record in load_records(self.state_dir):
@@ -188,8 +194,10 @@ class Supervisor:
             if instance_id in self._workers:
                 continue
             log_path = Path(record.log_path)
-            process = WorkerProcess.adopt(record.pid, record.start_time, record.boot_id)
+            process = WorkerProcess.adopt(record.pid, record.start_time, record.boot_id, record.tree_mark)
             if process is None:
+                if record.boot_id == self._boot_id:  # after a reboot nothing of it runs
+                    await end_leftovers(record.pid, record.start_time, record.tree_mark, self.leftover_grace_s)
                 remove_record(self.state_dir, instance_id)
                 reason = await self._reason(
                     f"the worker (pid {record.pid}) ended while the agent was not watching it", log_path
@@ -298,7 +306,9 @@ class Supervisor:
 
     async def _watch(self, worker: _Worker, process: WorkerProcess) -> ExitStatus:
         """Wait for the process to end, reporting it ready meanwhile; how it ended."""
-        exited = asyncio.create_task(process.wait(kill_leftovers=True), name=f"wait for pid {process.pid}")
+        exited = asyncio.create_task(
+            process.wait(kill_leftovers=True, grace_s=self.leftover_grace_s), name=f"wait for pid {process.pid}"
+        )
         labels = {"instance": str(worker.spec.instance_id), "node": self.node}
         registered = asyncio.create_task(self._readiness.wait_registered(process.pid, labels))
         try:
@@ -329,7 +339,7 @@ class Supervisor:
     async def _terminate(self, process: WorkerProcess, timeout_s: float) -> ExitStatus:
         """SIGTERM, wait up to ``timeout_s`` for the drain, then SIGKILL the whole group."""
         process.terminate()
-        waiting = asyncio.create_task(process.wait(kill_leftovers=True))
+        waiting = asyncio.create_task(process.wait(kill_leftovers=True, grace_s=self.leftover_grace_s))
         try:
             return await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
         except TimeoutError:
@@ -354,6 +364,7 @@ class Supervisor:
                 boot_id=self._boot_id,
                 log_path=str(worker.log_path),
                 endpoint_instance_id=worker.endpoint_instance_id,
+                tree_mark=process.mark,
             ),
         )
 
