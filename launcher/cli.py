@@ -17,6 +17,7 @@ from launcher.env_flags import EnvArgumentParser
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, RunOptions
 from launcher.proctitle import run_title, set_title
 from launcher.run_parser import build_run_parser
+from launcher.worker_tree import mark_own_tree, start_guard
 from runtime.cluster.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
@@ -283,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         options = parse_run_options(parser, namespace)
         check_environment()
+        if argv is None:  # a program of its own, not a call from Python: nothing it starts may outlive it
+            mark_own_tree()
+            start_guard()
         set_title(run_title(options))
         if options.node_rank > 0:
             from launcher.follower import run_follower
