@@ -256,6 +256,13 @@ def exit_code(exc: FlotillaError) -> int:
     return EXIT_FAILED
 
 
+#: The engines that start processes of their own (an engine core, ranks, a scheduler): a `flotilla run` of one,
+#: started by hand, marks its tree and has a guard end it when it dies (launcher/worker_tree.py). The others run
+#: in the process itself and leave nothing behind (a Python engine, pystr or pytok, is code of its own that may
+#: start processes).
+ENGINES_WITH_PROCESSES = frozenset({"vllm", "sglang", "trtllm", "pystr", "pytok"})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flotilla`` console script. Returns the process exit code (see EXIT_CODES)."""
     args = sys.argv[1:] if argv is None else argv
@@ -284,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         options = parse_run_options(parser, namespace)
         check_environment()
-        if argv is None:  # a program of its own, not a call from Python: nothing it starts may outlive it
+        if argv is None and options.output in ENGINES_WITH_PROCESSES:
+            # A program of its own whose engine starts processes (which hold the GPU): none may outlive it.
+            # Only these engines pay for the mark (this program executed again) and the guard process.
             mark_own_tree()
             start_guard()
         set_title(run_title(options))
