@@ -23,6 +23,7 @@ from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockStored, KvEvent
 from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS
+from tests.process_trees import Leftovers, descendants, running, wait_ended
 from tests.servers import Server, launch_server, wait_until_live
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(600)]
@@ -262,3 +263,27 @@ async def test_vllms_kv_events_name_its_blocks_as_a_router_does(engine: object, 
             await arrived.wait()
     state = {name for event in engine.cache_state(None)[0] for name in event.block_hashes}
     assert set(expected) <= state  # what a router asking for the whole cache is told
+
+
+# Last in the module, on purpose: it kills the module's server (its fixture's stop then has nothing to do).
+def test_flotilla_run_out_vllm_killed_with_sigkill_leaves_no_engine_core(server: Server) -> None:
+    # As the out-of-memory killer kills: vLLM's engine core (on a GPU node, the GPU memory a replacement needs)
+    # must end with it. launcher/worker_tree.py's guard ends it here; under the agent, the agent does.
+    engine = descendants(server.process.pid)
+    leftovers = Leftovers()
+    leftovers.add(engine)
+    try:
+        titles = [command_line(pid) for pid in engine]
+        assert any("EngineCore" in title for title in titles), titles  # vLLM's own title for it
+        server.process.kill()
+        assert server.process.wait(timeout=30) == -9
+        assert wait_ended(engine, timeout_s=60) == [], [command_line(pid) for pid in running(engine)]
+    finally:
+        leftovers.kill()
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
