@@ -260,7 +260,12 @@ def exit_code(exc: FlotillaError) -> int:
 #: started by hand, marks its tree and has a guard end it when it dies (launcher/worker_tree.py). The others run
 #: in the process itself and leave nothing behind (a Python engine, pystr or pytok, is code of its own that may
 #: start processes).
-ENGINES_WITH_PROCESSES = frozenset({"vllm", "sglang", "trtllm", "pystr", "pytok"})
+ENGINES_WITH_PROCESSES = frozenset({"vllm", "sglang", "trtllm"})
+
+
+def _starts_processes(output: str) -> bool:
+    """Whether engine ``output`` may start processes of its own (see ENGINES_WITH_PROCESSES)."""
+    return output in ENGINES_WITH_PROCESSES or python_engine_file(output) is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(env_str("FLOTILLA_LOG"), namespace.verbose)
         options = parse_run_options(parser, namespace)
         check_environment()
-        if argv is None and options.output in ENGINES_WITH_PROCESSES:
+        if argv is None and _starts_processes(options.output):
             # A program of its own whose engine starts processes (which hold the GPU): none may outlive it.
             # Only these engines pay for the mark (this program executed again) and the guard process.
             mark_own_tree()
