@@ -52,7 +52,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
-from django.db.models import Max, Q
+from django.db.models import Count, Max, Q
 
 from controlplane.audit.records import Actor
 from controlplane.database import db_now
@@ -354,14 +354,21 @@ class Reconciler:
 
     def _disruption(self, silent: list[Node]) -> str:
         """Why no node may be evicted now (too many silent at once), or "" when evicting is safe."""
-        # Nodes that run something, as ``silent`` are: idle nodes beside them would water the share down (two
-        # silent GPU nodes beside three idle CPU ones are all the GPU nodes silent, not 40% of the fleet).
-        online = Node.objects.filter(state=Node.State.ONLINE, instances__state__in=_ON_NODE_STATES).distinct().count()
+        # The nodes that run something, and the idle ones that could take what the silent ones run (GPU nodes for
+        # silent GPU nodes, CPU nodes for CPU ones): idle nodes of another kind would water the share down (two
+        # silent GPU nodes beside three idle CPU ones are every GPU node silent, not 40% of the fleet), while an
+        # idle spare of the same kind is where the silent node's replicas would go.
+        silent_kinds = {node.gpus.exists() for node in silent}
+        counted = Node.objects.filter(state=Node.State.ONLINE).annotate(
+            gpu_count=Count("gpus", distinct=True),
+            running=Count("instances", filter=Q(instances__state__in=_ON_NODE_STATES), distinct=True),
+        )
+        online = sum(1 for node in counted if node.running or (node.gpu_count > 0) in silent_kinds)
         share = len(silent) / (online + len(silent))
         if share <= self.settings.disruption_share:
             return ""
         return (
-            f"{len(silent)} of the {online + len(silent)} nodes running instances are silent at once "
+            f"{len(silent)} of the {online + len(silent)} nodes that run or could take instances are silent at once "
             f"({share:.0%}, more than FLOTILLA_DISRUPTION_SHARE={self.settings.disruption_share:g}): more "
             "likely the control plane's own outage or a partition than dead machines, so none is evicted; "
             "their instances stay where they are until their agents report again"

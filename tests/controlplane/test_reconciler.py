@@ -328,7 +328,7 @@ def test_when_most_of_the_fleet_falls_silent_at_once_nothing_is_evicted(
 
     assert report is not None and report.nodes_offline == ["gpu-a", "gpu-c"]
     assert report.instances_lost == 0
-    assert report.evictions_held.startswith("2 of the 3 nodes running instances are silent at once (67%")
+    assert report.evictions_held.startswith("2 of the 3 nodes that run or could take instances are silent at once (67%")
     assert [(i.state, i.restarts) for i in instances("chat")] == [(S.READY, 0)] * 3
     assert dispatcher.take() == []
     assert not AuditEntry.objects.filter(action="instance.node_lost").exists()
@@ -366,8 +366,24 @@ def test_idle_online_nodes_do_not_water_down_the_disruption_share(
     report = reconciler.run_once()
 
     assert report is not None and report.instances_lost == 0
-    assert report.evictions_held.startswith("2 of the 2 nodes running instances are silent at once (100%")
+    assert report.evictions_held.startswith("2 of the 2 nodes that run or could take instances are silent at once")
     assert [(i.state, i.restarts) for i in instances("chat")] == [(S.READY, 0)] * 2
+
+
+def test_an_idle_spare_of_the_same_kind_counts_so_a_lone_busy_node_that_dies_is_evicted_onto_it(
+    dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    # One GPU node runs the replica, another GPU node stands by: the busy one silent is half the nodes that run
+    # or could take GPU replicas (not all of them), so it is evicted, and its replica moves to the spare.
+    reconciler = _ready_fleet(dispatcher, clock, ["gpu-a"])
+    make_node("gpu-b", (80,))
+    _heartbeats_from(clock, 61, ["gpu-b"])
+
+    report = reconciler.run_once()
+
+    assert report is not None and report.instances_lost == 1 and not report.evictions_held
+    [moved] = instances("chat")
+    assert moved.node is not None and moved.node.name == "gpu-b"
 
 
 def test_when_a_disruption_ends_the_nodes_still_silent_get_a_whole_eviction_time_from_then(
