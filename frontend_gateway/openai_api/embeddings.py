@@ -73,9 +73,9 @@ async def create(
 ) -> tuple[bytes, int]:
     """The embeddings response body, and the prompt tokens it took. Raises ContextLengthExceeded, or the
     GatewayError of the engine's failure (a 503 when no instance can embed now)."""
-    for index, text in enumerate(inputs):
-        param = "input" if isinstance(request.input, str) else f"input[{index}]"
-        count = len(await preprocessor.tokenize(card, text, add_special_tokens=True, param=param))
+    params = ["input"] if isinstance(request.input, str) else [f"input[{index}]" for index in range(len(inputs))]
+    counts = await preprocessor.token_counts(card, inputs, add_special_tokens=True, params=params)
+    for count, param in zip(counts, params, strict=True):
         if count > card.context_length:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {card.context_length} tokens, and this input has "

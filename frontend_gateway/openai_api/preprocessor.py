@@ -176,6 +176,28 @@ async def tokenize(card: ModelCard, text: str, *, add_special_tokens: bool, para
     return long_ids
 
 
+async def token_counts(card: ModelCard, texts: list[str], *, add_special_tokens: bool, params: list[str]) -> list[int]:
+    """How many tokens each of ``texts`` is, without stalling the event loop however many there are.
+
+    Many short texts (an embeddings request of 2,048 lines) cost as much as one long prompt: together over
+    ``_INLINE_TOKENIZE_CHARS`` they are encoded on a thread with ``encode_batch`` (which releases the GIL),
+    where one at a time in place each would be cheap and all of them would stall every stream on this
+    process for a second. Raises ContextLengthExceeded, naming ``params[i]``, for a text that cannot fit.
+    """
+    for text, param in zip(texts, params, strict=True):
+        if len(text) > card.context_length * card.max_token_chars:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {card.context_length} tokens, and an input of "
+                f"{len(text)} characters cannot fit it; shorten it",
+                param=param,
+            )
+    tokenizer = card.tokenizer
+    if sum(len(text) for text in texts) <= _INLINE_TOKENIZE_CHARS:
+        return [len(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids) for text in texts]
+    encodings = await asyncio.to_thread(tokenizer.encode_batch, texts, add_special_tokens=add_special_tokens)
+    return [len(encoding.ids) for encoding in encodings]
+
+
 async def chat_prompt_ids(
     card: ModelCard, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None
 ) -> list[int]:
