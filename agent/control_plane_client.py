@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from agent.control_plane_clock import ControlPlaneClock
 from agent.errors import AgentError
 from agent.inventory import NodeInventory
 from runtime.backoff import Backoff
@@ -131,6 +132,8 @@ class AgentInstance(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     #: The attempt the control plane is at (its restart count); None from a control plane that does not say.
     attempt: int | None = None
+    #: The instance row's random id (runtime/fleet_contract/tasks.py); "" from a control plane that does not say.
+    incarnation: str = ""
     restart_requested: bool = False
     model: AgentModel | None = None
 
@@ -197,6 +200,8 @@ class ControlPlaneClient:
         does not answer (each retry loop starts a ``fresh()`` one); ``transport`` replaces the network (tests)."""
         self.base_url = base_url.rstrip("/")
         self.node = node
+        #: The control plane's clock, from the Date of its answers: the agent's tasks expire on it.
+        self.clock = ControlPlaneClock()
         self._backoff = backoff or Backoff(0.5, 10.0, jitter=CONTROL_PLANE_RETRY_JITTER)
         self._http = httpx.AsyncClient(
             base_url=self.base_url + "/",
@@ -430,7 +435,9 @@ class ControlPlaneClient:
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request. Raises httpx.HTTPError, ControlPlaneUnreachable (5xx), TokenRejected (401)."""
+        sent_at = time.time()
         response = await self._http.request(method, path, **kwargs)
+        self.clock.observe(response.headers.get("date"), sent_at, time.time())
         if response.status_code >= 500:
             self._outage.lost(f"{method} {path} answered {response.status_code}")
             raise ControlPlaneUnreachable(f"the control plane at {self.base_url} answered {response.status_code}")

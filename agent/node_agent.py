@@ -164,6 +164,7 @@ class NodeAgent:
             tasks=self._tasks,
         )
         self._ownership = OwnershipChecks(
+            node=node,
             client=client,
             instances=instances,
             supervisor=self.supervisor,
@@ -304,6 +305,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             # Tasks signed for this node only: the broker's other clients (every agent) cannot forge them.
             signing_key=agent_signing_key(settings.token, settings.node),
             engines=agent.engines,  # the ones it reported: it refuses what it told the control plane it lacks
+            control_plane_now=client.clock.now,  # tasks expire on the control plane's clock, not this node's
         )
         consumer.start()
         stack.push_async_callback(asyncio.to_thread, consumer.stop)

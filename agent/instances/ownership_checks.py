@@ -4,7 +4,8 @@ what it does with the verdict (the verdict itself is agent/instances/ownership.p
 It compares every ``reconcile_s``, when the control plane answers again after an outage, and when it
 refuses a report (403/404/409): the client's ``doubt()`` says so. The workers the list disowns are
 stopped; a list that cannot be had changes nothing, since a control plane that does not answer is no
-reason to stop anything. A start accepted since the list was asked for, or shortly before (its
+reason to stop anything. The instances the list has running here with no worker here are reported
+(``report_missing``). A start accepted since the list was asked for, or shortly before (its
 transaction may not be committed yet: ``listing_lag_s``), may be missing from it: such a worker is kept,
 and looked at again after ``listing_lag_s``.
 """
@@ -15,14 +16,25 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from agent.control_plane_client import AgentInstance, ControlPlaneRefused, ControlPlaneUnreachable, TokenRejected
-from agent.instances.ownership import disowned
+import msgspec
+
+from agent.control_plane_client import (
+    AgentInstance,
+    ControlPlaneRefused,
+    ControlPlaneUnreachable,
+    InstanceReport,
+    TokenRejected,
+)
+from agent.instances.ownership import RUNNING_STATES, Started, disowned
 from agent.instances.reports import InstanceReporter
 from agent.instances.table import InstanceTable
 from agent.workers.supervisor import Supervisor
 from runtime.fleet_contract.tasks import StopInstance
 
 log = logging.getLogger(__name__)
+
+#: What an agent reports of a worker that is gone: after either, the control plane has been told.
+_GONE_STATES = frozenset({"failed", "stopped"})
 
 
 class InstanceListing(Protocol):
@@ -41,6 +53,7 @@ class OwnershipChecks:
     def __init__(
         self,
         *,
+        node: str,
         client: InstanceListing,
         instances: InstanceTable,
         supervisor: Supervisor,
@@ -49,6 +62,7 @@ class OwnershipChecks:
         reconcile_s: float,
         listing_lag_s: float,
     ) -> None:
+        self._node = node
         self._client = client
         self._instances = instances
         self._supervisor = supervisor
@@ -97,17 +111,18 @@ class OwnershipChecks:
             log.warning("cannot compare the workers with the control plane: %s", exc)
             return
         await self.stop_disowned(rows, accepted, asked_at, context)
+        self.report_missing(rows, accepted, asked_at, context)
 
     async def stop_disowned(self, rows: list[AgentInstance], accepted: int, asked_at: float, context: str) -> None:
         """Stop the workers ``rows`` disowns, of those started (or starting) before start number ``accepted``
         (a start accepted since the list was asked for, at ``asked_at``, may be missing from it)."""
-        workers: dict[int, int | None] = {}
+        workers: dict[int, Started] = {}
         recent = set()
         for instance_id, entry in self._instances.items():
             if entry.accepted > accepted or entry.stopping:
                 continue  # too new for this list, or being stopped already
             if entry.underway or self._supervisor.status(instance_id) is not None:
-                workers[instance_id] = entry.attempt
+                workers[instance_id] = Started(entry.attempt, entry.incarnation)
                 if entry.accepted and entry.accepted_at > asked_at - self._listing_lag_s:
                     recent.add(instance_id)
         if recent - {row.id for row in rows}:
@@ -117,3 +132,32 @@ class OwnershipChecks:
             if not verdict.awaits_stop:
                 self._reports.mark_disowned(verdict.instance_id)
             await self._stop(StopInstance(instance_id=verdict.instance_id, reason=verdict.why))
+
+    def report_missing(self, rows: list[AgentInstance], accepted: int, asked_at: float, context: str) -> None:
+        """Tell the control plane of each instance ``rows`` has running (or stopping) on this node that has no
+        worker here and no operation under way: one that runs is reported failed (it is then restarted), one
+        that stops is reported stopped. Instances started since the list was asked for (start number above
+        ``accepted``, or accepted within ``listing_lag_s`` of ``asked_at``) and those already reported gone are
+        left alone. This is what catches a worker lost without a word: a report that never arrived, a worker
+        stopped by a task the agent should not have taken."""
+        for row in rows:
+            entry = self._instances.get(row.id)
+            if self._supervisor.status(row.id) is not None:
+                continue
+            if entry is not None:
+                recent = entry.accepted and entry.accepted_at > asked_at - self._listing_lag_s
+                told = entry.last_report is not None and entry.last_report.state in _GONE_STATES
+                if entry.underway or entry.accepted > accepted or recent or told:
+                    continue
+            if row.state == "stopping":
+                log.info("instance %d: the control plane has it stopping and nothing runs here (%s)", row.id, context)
+                self._reports.report(row.id, self._named(row, InstanceReport(state="stopped")))
+            elif row.state in RUNNING_STATES:
+                reason = f"no worker of this instance runs on node {self._node} (it was {row.state}; {context})"
+                log.warning("instance %d: %s", row.id, reason)
+                self._reports.report(row.id, self._named(row, InstanceReport(state="failed", reason=reason)))
+
+    @staticmethod
+    def _named(row: AgentInstance, report: InstanceReport) -> InstanceReport:
+        """``report`` about the start the control plane's row is at (its attempt and incarnation)."""
+        return msgspec.structs.replace(report, attempt=row.attempt, incarnation=row.incarnation)

@@ -33,7 +33,7 @@ class InstanceReportSink(Protocol):
 
 
 class InstanceReporter:
-    """Sends the instances' reports, each named by the attempt its instance is at, and keeps each
+    """Sends the instances' reports, each named by the attempt (and incarnation) its instance is at, and keeps each
     instance's last one; turns the supervisor's WorkerStatus changes into reports (``on_worker_status``)."""
 
     def __init__(self, client: InstanceReportSink, instances: InstanceTable, attempts: AttemptFiles) -> None:
@@ -52,10 +52,19 @@ class InstanceReporter:
         if report.attempt is None and entry.attempt is not None:
             # Named, so that a report from a worker a newer attempt has replaced cannot pass for the new one's.
             report = msgspec.structs.replace(report, attempt=entry.attempt)
+        if not report.incarnation and entry.incarnation:
+            # And a report from another incarnation's worker (a restored database reused the id) for this one's.
+            report = msgspec.structs.replace(report, incarnation=entry.incarnation)
         entry.last_report = report
         # A download reports its progress every second or so: that is news only at debug level.
         level = logging.DEBUG if report.state == "downloading" and report.download_progress else logging.INFO
         log.log(level, "instance %d: %s%s", instance_id, report.state, f" ({report.reason})" if report.reason else "")
+        self._client.report_instance(instance_id, report)
+
+    def send_unkept(self, instance_id: int, report: InstanceReport) -> None:
+        """Send a report about another start than the one the instance's entry is of (it names its own
+        attempt and incarnation): the entry's last report stays what it was."""
+        log.info("instance %d: %s (incarnation %s)", instance_id, report.state, report.incarnation or "not said")
         self._client.report_instance(instance_id, report)
 
     def send_again(self, instance_id: int, report: InstanceReport) -> None:

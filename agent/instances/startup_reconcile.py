@@ -17,7 +17,6 @@ from agent.control_plane_client import (
     AgentInstance,
     ControlPlaneRefused,
     ControlPlaneUnreachable,
-    InstanceReport,
     TokenRejected,
 )
 from agent.instances.ownership_checks import OwnershipChecks
@@ -30,9 +29,6 @@ from agent.workers.supervisor import Supervisor
 from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
-
-#: Instance states in which the control plane expects a process of the instance on its node.
-_RUNNING_STATES = frozenset({"downloading", "starting", "ready"})
 
 
 class InstanceLister(Protocol):
@@ -72,7 +68,8 @@ class StartupReconciliation:
         """Take over the workers a previous agent left running, each at the attempt it recorded."""
         adopted = await self._supervisor.adopt()
         for instance_id in adopted:
-            self._instances.add(instance_id, self._attempts.load(instance_id))
+            attempt, incarnation = self._attempts.load(instance_id)
+            self._instances.add(instance_id, attempt, incarnation)
         self._attempts.forget_all_but(set(adopted))
         if adopted:
             log.info("adopted %d running worker(s): instances %s", len(adopted), ", ".join(map(str, adopted)))
@@ -93,22 +90,8 @@ class StartupReconciliation:
                 log.error("cannot reconcile the workers with the control plane: %s", exc)
                 return
         self._downloads.learn_models(rows)
-        running = set(self._supervisor.instances())
-        await self._ownership.stop_disowned(rows, accepted, asked_at, "found when the agent started")
-        for row in rows:
-            entry = self._instances.get(row.id)
-            # Left alone: what runs here, what is under way, and what was reported already (a worker that
-            # ended while no agent watched it was reported failed by the adoption, with its log's last lines).
-            if row.id in running or (entry is not None and (self._intake.busy(row.id, entry) or entry.last_report)):
-                continue
-            if row.state == "stopping":
-                self._reports.report(row.id, InstanceReport(state="stopped"))  # nothing runs here: the stop is done
-            elif row.state in _RUNNING_STATES:
-                self._reports.report(
-                    row.id,
-                    InstanceReport(
-                        state="failed",
-                        reason=f"no worker of this instance runs on node {self._node} (it was {row.state} when the "
-                        "agent restarted)",
-                    ),
-                )
+        context = "found when the agent started"
+        await self._ownership.stop_disowned(rows, accepted, asked_at, context)
+        # What the control plane thinks runs (or stops) here and does not: a worker that ended while no
+        # agent watched it was reported failed by the adoption already, with its log's last lines.
+        self._ownership.report_missing(rows, accepted, asked_at, context)

@@ -20,6 +20,8 @@ class InstanceEntry:
 
     #: The control plane's attempt this node runs or ran; None when unknown (adopted without a record).
     attempt: int | None
+    #: The instance's incarnation this node runs or ran (runtime/fleet_contract/tasks.py); "" when unknown.
+    incarnation: str = ""
     #: The latest operation (a start or a stop); the next one waits for it.
     operation: "asyncio.Task[None] | None" = field(default=None, repr=False)
     #: Whether ``operation`` is a start (which a stop or a newer start cancels, if it is still under way).
@@ -57,8 +59,8 @@ class InstanceTable:
         """The instance's entry, made (its attempt unknown) if it has none."""
         return self._entries.setdefault(instance_id, InstanceEntry(attempt=None))
 
-    def add(self, instance_id: int, attempt: int | None) -> InstanceEntry:
-        entry = self._entries[instance_id] = InstanceEntry(attempt=attempt)
+    def add(self, instance_id: int, attempt: int | None, incarnation: str = "") -> InstanceEntry:
+        entry = self._entries[instance_id] = InstanceEntry(attempt=attempt, incarnation=incarnation)
         return entry
 
     def items(self) -> list[tuple[int, InstanceEntry]]:

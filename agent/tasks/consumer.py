@@ -12,7 +12,9 @@ result backend to the control plane waiting on it.
 The broker vouches for nothing: every agent holds its credentials, so any of them, or whoever took one,
 can send any node a task. So the consumer takes a task only when it is signed with this node's key
 (runtime/fleet_contract/signing.py; checked on the payload as received, before anything is decoded) and, for a
-start or a stop, names this node. Anything else is refused: logged at warning, its task failed, and
+start or a stop, names this node, and only while it is valid and news (agent/tasks/freshness.py: a task
+past its validity on the control plane's clock, or a re-sent copy of one taken, is logged and dropped,
+never reported). Anything else is refused: logged at warning, its task failed, and
 nothing reported, since nothing it says can be believed. A signed start for this node is then checked
 (agent/tasks/checks.py: engines this node has, no flag the agent sets itself, no model path); one that is
 malformed or fails a check is refused too, and reported to the control plane as the instance failing for
@@ -26,7 +28,8 @@ and between connection attempts (a signal handler in ``celery worker`` does the 
 import asyncio
 import logging
 import threading
-from collections.abc import Collection, Coroutine
+import time
+from collections.abc import Callable, Collection, Coroutine
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, TypeVar
 
@@ -36,6 +39,7 @@ from kombu.utils.url import maybe_sanitize_url
 
 from agent.errors import AgentError, TaskNotAllowed, WorkerError
 from agent.tasks.checks import check_start
+from agent.tasks.freshness import TaskFreshness
 from runtime.errors import ConfigError
 from runtime.fleet_contract.broker import celery_redis_settings
 from runtime.fleet_contract.engine_names import engines_on_this_node
@@ -48,6 +52,7 @@ from runtime.fleet_contract.tasks import (
     LogTailRequest,
     StartInstance,
     StopInstance,
+    TaskStamp,
     decode_task_argument,
     node_queue,
 )
@@ -126,10 +131,12 @@ class TaskConsumer:
         signing_key: SigningKey | None,
         result_backend: str | None = None,
         engines: Collection[str] | None = None,
+        control_plane_now: Callable[[], float] = time.time,
     ) -> None:
         """``signing_key`` is the node's (``runtime.fleet_contract.signing.agent_signing_key``): tasks not signed with
         it are refused; None takes unsigned tasks (tests of other things only). ``engines`` are those this
-        node's workers can run (default: the fleet's engines installed here).
+        node's workers can run (default: the fleet's engines installed here). ``control_plane_now`` is the
+        control plane's clock as the agent estimates it (agent/control_plane_clock.py): tasks expire on it.
 
         Raises ConfigError for a node name that cannot name a queue.
         """
@@ -138,6 +145,7 @@ class TaskConsumer:
         self.node = node
         self.engines = frozenset(engines_on_this_node() if engines is None else engines)
         self._signing_key = signing_key
+        self._freshness = TaskFreshness(control_plane_now)
         self._handler = handler
         self._loop = loop
         self.app = celery_app(broker_url, node, result_backend=result_backend)
@@ -168,6 +176,7 @@ class TaskConsumer:
             self._refuse_start(_instance_id(args, self.node), str(exc), None)
             raise
         self._check_node(request.node, TASK_START_INSTANCE)
+        self._check_fresh(request, TASK_START_INSTANCE)
         try:
             check_start(request, engines=self.engines, node=self.node)
         except TaskNotAllowed as exc:
@@ -181,12 +190,14 @@ class TaskConsumer:
         self._check_signature(args, TASK_STOP_INSTANCE)
         request = self._decode(args, kwargs, StopInstance, TASK_STOP_INSTANCE)
         self._check_node(request.node, TASK_STOP_INSTANCE)
+        self._check_fresh(request, TASK_STOP_INSTANCE)
         log.info("task: stop instance %d (%s)", request.instance_id, request.reason or "no reason given")
         self._hand_off(self._handler.accept_stop(request), TASK_STOP_INSTANCE)
 
     def _log_tail(self, *args: object, **kwargs: object) -> str:
         self._check_signature(args, TASK_LOG_TAIL)
         request = self._decode(args, kwargs, LogTailRequest, TASK_LOG_TAIL)
+        self._check_fresh(request, TASK_LOG_TAIL)
         if request.lines > MAX_LOG_LINES:
             request = LogTailRequest(instance_id=request.instance_id, lines=MAX_LOG_LINES)
         try:
@@ -219,6 +230,15 @@ class TaskConsumer:
         message = f"the task is for node {node!r}, not {self.node}" if node else "the task names no node"
         log.warning("task %s refused: %s", task, message)
         raise TaskNotAllowed(message)
+
+    def _check_fresh(self, stamp: TaskStamp, task: str) -> None:
+        """Raises TaskNotAllowed (logged) for a task past its validity or taken before (agent/tasks/freshness.py).
+        Not reported: the control plane sends a fresh task if it still wants one."""
+        try:
+            self._freshness.check(stamp, task)
+        except TaskNotAllowed as exc:
+            log.warning("task %s refused: %s", task, exc)
+            raise
 
     def _refuse_start(self, instance_id: int | None, reason: str, attempt: int | None) -> None:
         """Tell the agent (which reports it) that the start of ``instance_id`` was refused; None: unknown."""

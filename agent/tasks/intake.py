@@ -6,8 +6,11 @@
 
 Tasks are idempotent. A start of an instance at the attempt it runs (or is starting) at only reports
 its state again; a start at a newer attempt replaces the worker; one at an older attempt is ignored.
-A stop of an instance not running here reports it stopped. The operations on one instance run one
-after another: a stop cancels a start still downloading, a newer start waits for a stop in progress.
+A stop of an instance not running here reports it stopped; a stop of an older attempt is ignored. A
+start or stop of another incarnation of the instance id (runtime/fleet_contract/tasks.py) is never taken
+for this one's: a start replaces the worker whatever its attempt, a stop leaves it alone. The operations
+on one instance run one after another: a stop cancels a start still downloading, a newer start waits for
+a stop in progress.
 A start's steps are agent/instances/start.py's.
 """
 
@@ -53,7 +56,17 @@ class TaskIntake:
         """Start ``request``'s instance, unless this attempt (or a newer one) is here already; returns at once."""
         instance_id = request.spec.instance_id
         entry = self._instances.get(instance_id)
-        if entry is not None and entry.attempt is not None and request.attempt < entry.attempt:
+        if entry is not None and _other_incarnation(entry.incarnation, request.incarnation):
+            # Not a newer or older start of the instance this node knows: another instance with its id (a
+            # restored database). Whatever attempt each is at, the worker here is replaced.
+            log.warning(
+                "instance %d: a start of incarnation %s, but this node's worker is of incarnation %s (the control "
+                "plane gave the id to a new instance): replacing it",
+                instance_id,
+                request.incarnation,
+                entry.incarnation,
+            )
+        elif entry is not None and entry.attempt is not None and request.attempt < entry.attempt:
             log.info(
                 "instance %d: ignoring a start of attempt %d (attempt %d is newer)",
                 instance_id,
@@ -61,12 +74,13 @@ class TaskIntake:
                 entry.attempt,
             )
             return
-        if entry is not None and entry.attempt is None and self._runs_unstopped(instance_id, entry):
+        elif entry is not None and entry.attempt is None and self._runs_unstopped(instance_id, entry):
             # A worker adopted without a record of its attempt: this start is taken to name it.
-            entry.attempt = request.attempt
-            self._attempts.save(instance_id, request.attempt)
+            entry.attempt, entry.incarnation = request.attempt, request.incarnation
+            self._attempts.save(instance_id, request.attempt, request.incarnation)
         if (
             entry is not None
+            and not _other_incarnation(entry.incarnation, request.incarnation)
             and entry.attempt == request.attempt
             and (self.busy(instance_id, entry) or entry.last_report is not None)
         ):
@@ -76,17 +90,46 @@ class TaskIntake:
                 self._reports.send_again(instance_id, entry.last_report)
             return
         if entry is None:
-            entry = self._instances.add(instance_id, request.attempt)
-        entry.attempt = request.attempt
+            entry = self._instances.add(instance_id, request.attempt, request.incarnation)
+        entry.attempt, entry.incarnation = request.attempt, request.incarnation
         entry.last_report = None
         self._instances.count_start(entry)
         self._reports.clear_disowned(instance_id)
-        self._attempts.save(instance_id, request.attempt)
+        self._attempts.save(instance_id, request.attempt, request.incarnation)
         self._operate(instance_id, entry, lambda: self._starter.start(request), starting=True)
 
     async def accept_stop(self, request: StopInstance) -> None:
-        """Stop the instance's worker (or say it is stopped, if none runs here); returns at once."""
-        entry = self._instances.entry(request.instance_id)
+        """Stop the instance's worker (or say it is stopped, if none runs here); returns at once.
+
+        A stop names the start it stops: a worker of a newer attempt, or of another incarnation, is left
+        alone (an old stop, delivered late or re-sent, must not stop what replaced its worker)."""
+        instance_id = request.instance_id
+        known = self._instances.get(instance_id)
+        if known is not None and _other_incarnation(known.incarnation, request.incarnation):
+            log.warning(
+                "instance %d: a stop of incarnation %s leaves this node's worker of incarnation %s alone; "
+                "nothing of the incarnation it names runs here",
+                instance_id,
+                request.incarnation,
+                known.incarnation,
+            )
+            stopped = InstanceReport(state="stopped", attempt=request.attempt, incarnation=request.incarnation)
+            self._reports.send_unkept(instance_id, stopped)
+            return
+        if (
+            known is not None
+            and known.attempt is not None
+            and request.attempt is not None
+            and request.attempt < known.attempt
+        ):
+            log.warning(
+                "instance %d: ignoring a stop of attempt %d: this node runs attempt %d, which it does not name",
+                instance_id,
+                request.attempt,
+                known.attempt,
+            )
+            return
+        entry = self._instances.entry(instance_id)
         self._operate(request.instance_id, entry, lambda: self._stop(request), starting=False)
 
     async def log_tail(self, request: LogTailRequest) -> str:
@@ -132,3 +175,9 @@ class TaskIntake:
 
     async def _stop(self, request: StopInstance) -> None:
         await self._supervisor.stop(request.instance_id, timeout_s=request.grace_s)
+
+
+def _other_incarnation(known: str, named: str) -> bool:
+    """Whether a task naming incarnation ``named`` is about another instance than the entry of ``known``
+    (either unknown: no, as from agents and control planes that did not record one)."""
+    return bool(known and named and known != named)

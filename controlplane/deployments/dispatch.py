@@ -7,6 +7,8 @@ signed with the keys of the node's agent tokens (runtime/fleet_contract/signing.
 """
 
 import contextlib
+import time
+import uuid
 from typing import Protocol
 
 import msgspec
@@ -25,6 +27,7 @@ from runtime.fleet_contract.tasks import (
     LogTailRequest,
     StartInstance,
     StopInstance,
+    TaskStamp,
     node_queue,
 )
 
@@ -44,7 +47,8 @@ class AgentFailed(DispatchError):
 class Dispatcher(Protocol):
     """Where the control plane's tasks for agents go. Every method raises DispatchError when the task
     cannot be handed over; ``expires_s`` is how long an unconsumed task stays valid (a later pass sends
-    a fresh one), so that an agent that comes back after a long absence does not act on stale orders."""
+    a fresh one), so that an agent that comes back after a long absence does not act on stale orders
+    (judged on the control plane's clock: runtime/fleet_contract/tasks.py's ``TaskStamp``)."""
 
     def start_instance(self, node: str, message: StartInstance, *, expires_s: float) -> None: ...
 
@@ -90,16 +94,18 @@ class CeleryDispatcher:
         return str(maybe_sanitize_url(self.celery.conf.broker_url))
 
     def _send(
-        self, task: str, node: str, payload: msgspec.Struct, *, expires_s: float, wants_answer: bool
+        self, task: str, node: str, payload: TaskStamp, *, expires_s: float, wants_answer: bool
     ) -> "CeleryResult":
-        # Signed last, over the payload as it goes: the agent checks it before it decodes anything.
-        argument = sign_payload(task, msgspec.to_builtins(payload), node_task_keys(node))
+        # Stamped (single-use, valid for ``expires_s`` on the control plane's clock), then signed last, over
+        # the payload as it goes: the agent checks both before it decodes anything else. No Celery
+        # ``expires``: it is outside the signature and judged on the agent's clock alone.
+        stamped = msgspec.structs.replace(payload, nonce=uuid.uuid4().hex, issued_at=time.time(), valid_for_s=expires_s)
+        argument = sign_payload(task, msgspec.to_builtins(stamped), node_task_keys(node))
         try:
             result: CeleryResult = self.celery.send_task(
                 task,
                 args=[argument],
                 queue=node_queue(node),
-                expires=expires_s,
                 # Fire-and-forget tasks neither store a result nor subscribe to one.
                 ignore_result=not wants_answer,
                 # One attempt: the reconciler retries on its next pass, an API caller gets an answer now.

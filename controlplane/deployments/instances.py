@@ -68,6 +68,11 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
     if instance.node is None or instance.node.name != node_name:
         where = f"on node {instance.node.name}" if instance.node else "not placed yet"
         raise Forbidden(f"instance {instance.name} is {where}, not on node {node_name}")
+    if report.incarnation and report.incarnation != instance.incarnation:
+        raise Conflict(
+            f"the report is about incarnation {report.incarnation} of instance id {instance.pk}, which is "
+            f"{instance.name} (incarnation {instance.incarnation}) now: its worker is another instance's, stop it"
+        )
     if report.attempt is not None and report.attempt != instance.restarts:
         raise Conflict(
             f"the report is about attempt {report.attempt} of instance {instance.name}, which is at attempt "

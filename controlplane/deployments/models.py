@@ -22,6 +22,7 @@ from runtime.fleet_contract.router_settings import (
     DEFAULT_PREFILL_BUSY,
     DEFAULT_QUEUED_PREFILL_WEIGHT,
 )
+from runtime.fleet_contract.tasks import new_incarnation
 
 # What clients put in an OpenAI request's "model": "smol", "Qwen/Qwen3-0.6B", "llama-3.1-8b:instruct".
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
@@ -202,6 +203,9 @@ class Instance(models.Model):
     reason = models.TextField(blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
     endpoint_instance_id = models.BigIntegerField(null=True, blank=True)  # the worker's id in etcd (63 bits)
+    # Random, made with the row: every task and report names it, so that after a database restore a new
+    # instance that got an old one's id is never taken for it (runtime/fleet_contract/tasks.py).
+    incarnation = models.CharField(max_length=32, default=new_incarnation, editable=False)
     restarts = models.PositiveIntegerField(default=0)
     restart_requested = models.BooleanField(default=False)
     failure_streak = models.PositiveIntegerField(default=0)

@@ -19,7 +19,8 @@ A pass, in order (each step is an action of its own: audited, idempotent, safe b
    The evicted workers that may still run (a dead agent, a live machine) are fenced in etcd
    (runtime/fleet_contract/fences.py), so they deregister and exit instead of serving beside their replacements.
    Then deadlines: a start nobody took after ``max_dispatches`` sends, a download with no progress for
-   ``download_stall_s``, a worker not ready ``start_deadline_s`` after it started: each fails, with why.
+   ``download_stall_s``, a worker not ready ``start_deadline_s`` after it started: each fails, with why;
+   a stop not confirmed after ``max_dispatches`` sends is taken as done, its worker fenced.
    Then replaced instances retire: one whose replacement (a drain's, a one-replica restart's) is ready
    is stopped, so that a group never runs short while its instances move.
 2. Failed instances of running pipelines whose backoff has passed go back to pending, unplaced
@@ -385,8 +386,9 @@ class Reconciler:
             _hold_log.warning(f"{exc}: no silent node is evicted until it answers")
             return None
 
-    def fence(self, node: Node, worker_ids: list[int]) -> int:
-        """Fence the workers ``worker_ids`` of offline ``node``; returns how many were fenced.
+    def fence(self, node: Node, worker_ids: list[int], reason: str = "") -> int:
+        """Fence the workers ``worker_ids`` of ``node`` (offline, unless ``reason`` says otherwise); returns how
+        many were fenced.
 
         Failing to (no etcd configured, or none answering) is logged with its consequence; the pass
         goes on, as the replacements are placed either way.
@@ -402,7 +404,7 @@ class Reconciler:
                 ids,
             )
             return 0
-        reason = f"node {node.name} stopped heartbeating; the control plane placed this replica elsewhere"
+        reason = reason or f"node {node.name} stopped heartbeating; the control plane placed this replica elsewhere"
         try:
             asyncio.run(put_fences(list(self.settings.etcd_endpoints), worker_ids, reason))
         except FlotillaError as exc:
@@ -448,6 +450,32 @@ class Reconciler:
         for instance in slow.order_by("id"):
             reason = f"its worker did not become ready within {settings.start_deadline_s:g} s of starting"
             report.overdue += upkeep.fail_overdue_instance(ACTOR, instance, reason)
+        self._end_unconfirmed_stops(on_online, now, report)
+
+    def _end_unconfirmed_stops(self, on_online: Any, now: datetime, report: PassReport) -> None:
+        """Stopping has a deadline: a stop sent ``max_dispatches`` times that the node's agent never confirmed
+        (it heartbeats but does not act: a stuck agent, a clock it judged the stops by wrongly) is taken as done,
+        and its worker fenced in etcd, so that a drain or a rolling update waiting on it moves on."""
+        settings = self.settings
+        resend_s = settings.resend_s(TASK_STOP_INSTANCE)
+        unconfirmed = on_online.filter(
+            state=InstanceState.STOPPING,
+            dispatches__gte=settings.max_dispatches,
+            dispatched_at__lte=now - timedelta(seconds=resend_s),
+        )
+        for instance in unconfirmed.order_by("id"):
+            node = instance.node
+            assert node is not None
+            worker_id = instance.endpoint_instance_id
+            waited = settings.max_dispatches * resend_s
+            reason = (
+                f"node {node.name}'s agent confirmed none of {instance.dispatches} stops sent over {waited:g} s: "
+                "taken as stopped, and its worker fenced (see the agent's log)"
+            )
+            if upkeep.end_unconfirmed_stop(ACTOR, instance, reason):
+                report.overdue += 1
+                if worker_id:
+                    report.fenced += self.fence(node, [worker_id], reason=f"instance {instance.pk}: {reason}")
 
     def restart_failed(self, report: PassReport) -> None:
         """Step 2: failed instances back to pending once their backoff passed, or given up."""

@@ -169,6 +169,23 @@ def fail_overdue_instance(actor: Actor, instance: Instance, reason: str) -> bool
 
 
 @transaction.atomic
+def end_unconfirmed_stop(actor: Actor, instance: Instance, reason: str) -> bool:
+    """Take a stop its agent never confirmed as done: the instance is stopped, or, when it was stopping to
+    restart, pending again and unplaced (restarts + 1) so that it is placed anew. Returns False when its state
+    changed meanwhile (a report came in). The caller fences its worker once this has committed."""
+    before = snapshot(instance)
+    try:
+        if instance.restart_requested:
+            transition(instance, InstanceState.PENDING, **fresh_start(instance), restart_requested=False)
+        else:
+            transition(instance, InstanceState.STOPPED, reason=reason, pid=None)
+    except Conflict:
+        return False
+    record(actor, "instance.stop_unconfirmed", instance, before=before, after=snapshot(instance) | {"why": reason})
+    return True
+
+
+@transaction.atomic
 def refuse_start(actor: Actor, instance: Instance, reason: str) -> bool:
     """Fail a pending instance for good that cannot be started as its settings stand (its model's engine
     args changed since deploy so that its host KV tier cannot be sized): retrying cannot fix it, so its

@@ -89,7 +89,13 @@ def start_message(instance: Instance) -> StartInstance:
         ),
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)
-    return StartInstance(spec=spec, source=source, attempt=instance.restarts, node=instance.node.name)
+    return StartInstance(
+        spec=spec,
+        source=source,
+        attempt=instance.restarts,
+        incarnation=instance.incarnation,
+        node=instance.node.name,
+    )
 
 
 def merged_engine_args(instance: Instance) -> dict[str, Any]:
@@ -115,9 +121,17 @@ def gpu_memory_share(memory_bytes_per_gpu: int, gpu_totals: list[int]) -> float 
 
 
 def stop_message(instance: Instance, *, grace_s: float) -> StopInstance:
-    """The StopInstance of a stopping instance: its node, its reason, and the seconds it has to drain."""
+    """The StopInstance of a stopping instance: its node, its reason, the seconds it has to drain, and the
+    start it stops (its attempt and incarnation: an agent leaves a newer worker alone)."""
     node = instance.node.name if instance.node is not None else ""
-    return StopInstance(instance_id=instance.pk, reason=instance.reason, grace_s=grace_s, node=node)
+    return StopInstance(
+        instance_id=instance.pk,
+        reason=instance.reason,
+        grace_s=grace_s,
+        node=node,
+        attempt=instance.restarts,
+        incarnation=instance.incarnation,
+    )
 
 
 def model_source(model: LanguageModel) -> ModelSource:

@@ -57,6 +57,9 @@ class InstanceReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     #: The start this report is about (the instance's restart count when it was sent): the control plane
     #: refuses (409) a report of an older one. None: not said.
     attempt: int | None = None
+    #: The instance's incarnation the report is about (runtime/fleet_contract/tasks.py): the control plane
+    #: refuses (409) a report of another one. "": not said.
+    incarnation: str = ""
     #: With "failed": retrying cannot fix it (exit code 2, a repository that does not exist); given up at once.
     permanent: bool = False
 

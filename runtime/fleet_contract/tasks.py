@@ -16,9 +16,22 @@ new one). A spec carries no environment: a worker's variables are the agent's al
 
 Each task names the node it is for (``node``: an agent refuses another node's) and carries the control
 plane's ``signatures`` (runtime/fleet_contract/signing.py): an agent acts on no task its node's key did not sign.
+
+The signature covers the whole payload, so also what makes a task single-use and short-lived
+(``TaskStamp``): a ``nonce`` the agent remembers while the task is valid (a re-sent copy is ignored), and
+when it was issued on the control plane's clock with how long it is valid. The agent judges that on the
+control plane's clock too, as it estimates it from the ``Date`` of the control plane's answers, so a node
+whose clock is off by minutes neither discards every task nor acts on old ones (Celery's own ``expires``
+header, outside the signature and judged on the agent's clock alone, is not used).
+
+An instance's ``incarnation`` is a random id the control plane gives the instance row when it makes it.
+Instance ids are a database's counter: after a restore from an older backup, a new instance can have the
+id of one whose worker still runs somewhere. A start, a stop and every report name the incarnation, and
+an agent never takes a worker of one incarnation for another's.
 """
 
 import re
+import uuid
 from typing import TypeVar
 
 import msgspec
@@ -44,7 +57,14 @@ T = TypeVar("T")
 NODE_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 #: NVML's GPU and MIG UUIDs ("GPU-8f1c…", "MIG-GPU-8f1c…/1/0") and the agent's simulated ones.
 GPU_UUID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,95}$"
+#: An instance's incarnation: 32 hex digits (a UUID4's), made by ``new_incarnation``.
+INCARNATION_PATTERN = r"^[0-9a-f]{32}$"
 _NODE_NAME = re.compile(NODE_NAME_PATTERN)
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id: random, so that no restored or second database can make it again."""
+    return uuid.uuid4().hex
 
 
 def node_queue(node: str) -> str:
@@ -104,25 +124,43 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return EndpointAddress(self.pipeline, self.component, self.endpoint)
 
 
-class StartInstance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class TaskStamp(msgspec.Struct, frozen=True, kw_only=True):
+    """What makes a signed task single-use and short-lived (the fields every task has; signed with it)."""
+
+    #: A random id, new for every task sent: an agent ignores a second task with a nonce it has seen.
+    nonce: str = ""
+    #: When the control plane sent it (UNIX seconds, on its clock); 0: not said (then not checked).
+    issued_at: float = 0.0
+    #: How long after ``issued_at`` the task may still be acted on; a later pass sends a fresh one.
+    valid_for_s: float = 0.0
+
+
+class StartInstance(TaskStamp, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Run ``spec`` on the agent's node. ``source`` is fetched first and its local path becomes the spec's
     ``model_path``; None for engines that need no model files (``echo_full``)."""
 
     spec: WorkerSpec
     source: ModelSource | None = None
     attempt: int = 0
+    #: The instance row's random id ("" from a control plane that does not say): see the module's doc.
+    incarnation: str = ""
     #: The node the start is for ("" from a control plane that does not say: refused).
     node: str = ""
     #: Key id -> HMAC-SHA256 of the task (runtime/fleet_contract/signing.py).
     signatures: dict[str, str] = {}
 
 
-class StopInstance(msgspec.Struct, frozen=True, kw_only=True):
-    """Stop instance ``instance_id``'s worker: SIGTERM (it drains), then SIGKILL after ``grace_s``."""
+class StopInstance(TaskStamp, frozen=True, kw_only=True):
+    """Stop instance ``instance_id``'s worker: SIGTERM (it drains), then SIGKILL after ``grace_s``.
+
+    ``attempt`` and ``incarnation`` name the start it stops: an agent leaves alone a worker of a newer
+    attempt or of another incarnation (None / "": not said, any worker of the instance is stopped)."""
 
     instance_id: int
     reason: str = ""
     grace_s: float = 30.0
+    attempt: int | None = None
+    incarnation: str = ""
     #: The node the stop is for ("" from a control plane that does not say: refused).
     node: str = ""
     signatures: dict[str, str] = {}
@@ -133,7 +171,7 @@ class StopInstance(msgspec.Struct, frozen=True, kw_only=True):
 MAX_LOG_LINES = 10_000
 
 
-class LogTailRequest(msgspec.Struct, frozen=True, kw_only=True):
+class LogTailRequest(TaskStamp, frozen=True, kw_only=True):
     """The last ``lines`` lines of instance ``instance_id``'s worker log."""
 
     instance_id: int

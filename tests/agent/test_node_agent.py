@@ -140,7 +140,8 @@ class Fleet:
 
     def send(self, task: str, payload: object) -> AsyncResult:
         """Send a task to node-a's agent, as the reconciler does: its JSON, for node-a, signed with the key of
-        node-a's agent token."""
+        node-a's agent token. Its result is read with ``disable_sync_subtasks=False``: an agent's Celery worker
+        that ran in this process (another test's) marked it as one whose tasks must not wait on results."""
         if isinstance(payload, StartInstance | StopInstance):
             payload = msgspec.structs.replace(payload, node=NODE)
         argument = sign_payload(task, msgspec.to_builtins(payload), [agent_signing_key(self.agent_token, NODE)])
@@ -222,6 +223,8 @@ def test_the_agent_registers_heartbeats_runs_serves_the_log_of_and_stops_a_worke
     node = wait_for("node-a to register", fleet.node, explain=agent.log)
     assert (node["state"], [gpu["memory_total_bytes"] for gpu in node["gpus"]]) == ("online", [24 * GIB, 24 * GIB])
     first_beat = node["last_heartbeat_at"]
+    # The agent reads the control plane's clock from the Date of its answers (agent/control_plane_clock.py).
+    assert fleet.operator.get("/api/v1/nodes/").headers.get("date")
     wait_for("a heartbeat", lambda: fleet.node()["last_heartbeat_at"] != first_beat)
 
     pipeline, placed = fleet.deploy("smol")
@@ -237,15 +240,19 @@ def test_the_agent_registers_heartbeats_runs_serves_the_log_of_and_stops_a_worke
 
     wait_for("the GPU's memory used to show the worker", lambda: gpu_used() == GIB)
 
-    tail = fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=200)).get(timeout=10)
+    tail = fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=200)).get(
+        timeout=10, disable_sync_subtasks=False
+    )
     assert f"--- flotilla agent: starting instance {placed['id']} ---" in tail
 
     # Malformed tasks fail with the reason, and the consumer keeps taking tasks.
     fleet.send(TASK_START_INSTANCE, {"spec": "not a spec"})
     with pytest.raises(Exception, match="malformed LogTailRequest"):
-        fleet.send(TASK_LOG_TAIL, {"instance_id": "seven"}).get(timeout=10)
+        fleet.send(TASK_LOG_TAIL, {"instance_id": "seven"}).get(timeout=10, disable_sync_subtasks=False)
     assert "malformed StartInstance task argument" in agent.log()
-    again = fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=1)).get(timeout=10)
+    again = fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=1)).get(
+        timeout=10, disable_sync_subtasks=False
+    )
     assert again.strip() and again in tail + again  # one line, still answered
 
     json_of(fleet.operator.post(f"/api/v1/pipelines/{pipeline['id']}/stop/"))
@@ -271,7 +278,9 @@ def test_a_restarted_agent_adopts_its_running_worker_and_watches_it(fleet: Fleet
     wait_for("the new agent to adopt the worker", lambda: f"(pid {pid})" in agent.log(), explain=agent.log)
     # A duplicate of the start (a redelivery) changes nothing: the adopted worker is that attempt.
     fleet.send(TASK_START_INSTANCE, fleet.start_message(pipeline, placed))
-    fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=1)).get(timeout=10)
+    fleet.send(TASK_LOG_TAIL, LogTailRequest(instance_id=placed["id"], lines=1)).get(
+        timeout=10, disable_sync_subtasks=False
+    )
     assert fleet.wait_state(placed["id"], "ready", agent)["pid"] == pid
     assert running(pid)
 

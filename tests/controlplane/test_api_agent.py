@@ -161,3 +161,27 @@ def test_a_report_about_an_older_attempt_is_answered_409_and_a_permanent_failure
     failed = operator.get(f"/api/v1/instances/{spec['id']}/").json()
     assert (failed["state"], failed["node"], failed["gpu_indexes"]) == ("failed", None, [])
     assert failed["reason"] == "gave up on node gpu-a, as retrying cannot fix it: exit code 2: unknown flag"
+
+
+def test_a_report_about_another_incarnation_of_the_id_is_answered_409(
+    agent_client: Callable[[str], APIClient], operator: APIClient
+) -> None:
+    """A worker of an instance a restored database no longer has, whose id a new instance got."""
+    agent = agent_client("gpu-a")
+    agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
+    make_model("smol")
+    operator.post("/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 2}]}, format="json")
+    place_pending_instances(TEST_ACTOR)
+    first, second = agent.get("/api/v1/agent/instances/").json()
+    assert len(first["incarnation"]) == 32 and first["incarnation"] != second["incarnation"]  # random, per row
+    state_path = f"/api/v1/agent/instances/{first['id']}/state/"
+
+    stale = {"state": "ready", "attempt": 0, "incarnation": second["incarnation"]}
+    refused = agent.post(state_path, stale, format="json")
+    assert refused.status_code == 409
+    assert f"about incarnation {second['incarnation']} of instance id {first['id']}" in refused.json()["detail"]
+    assert operator.get(f"/api/v1/instances/{first['id']}/").json()["state"] == "pending"  # nothing adopted
+
+    assert agent.post(state_path, {**stale, "incarnation": "not hex"}, format="json").status_code == 400
+    own = {"state": "ready", "attempt": 0, "incarnation": first["incarnation"]}
+    assert agent.post(state_path, own, format="json").status_code == 200

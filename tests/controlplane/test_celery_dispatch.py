@@ -2,6 +2,7 @@
 Celery worker, and the log-tail endpoint answered (or not) by a tiny agent-like worker."""
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,7 +93,13 @@ def test_a_pass_puts_the_start_instance_json_on_the_nodes_queue_signed_for_its_a
     start = decode_task_argument(args[0], StartInstance)
     assert start.spec.instance_id == Instance.objects.get().pk
     assert (start.spec.pipeline, start.spec.gpu_indexes, start.attempt, start.node) == ("chat", [0], 0, "gpu-a")
+    assert start.incarnation == Instance.objects.get().incarnation
     assert kwargs == {}
+    # Valid for the resend time on the control plane's clock, inside the signature; no Celery expiry, which
+    # the agent would judge on its own clock.
+    assert len(start.nonce) == 32 and abs(start.issued_at - time.time()) < 60
+    assert start.valid_for_s == ReconcilerSettings().resend_after_s
+    assert message.headers.get("expires") is None
     # Each of the node's agents can tell it came from the control plane; another node's agent cannot.
     assert len(start.signatures) == 2
     assert signature_ok(TASK_START_INSTANCE, args[0], agent_signing_key(old_token, "gpu-a"))
@@ -150,7 +157,13 @@ def test_the_log_endpoint_returns_what_the_nodes_agent_answers(
         "lines": 2,
         "text": f"line 0 of instance {instance.pk}\nline 1 of instance {instance.pk}\n",
     }
-    assert agent_worker == [{"instance_id": instance.pk, "lines": 2, "signatures": {}}]  # gpu-a has no token here
+    (asked,) = agent_worker
+    assert {key: asked[key] for key in ("instance_id", "lines", "signatures")} == {
+        "instance_id": instance.pk,
+        "lines": 2,
+        "signatures": {},  # gpu-a has no token here
+    }
+    assert asked["nonce"] and asked["valid_for_s"] > 0
 
 
 @pytest.mark.django_db

@@ -870,6 +870,44 @@ def test_a_stop_is_sent_again_only_after_the_workers_grace_has_passed(
     assert [task for _, task, _ in dispatcher.take()] == [STOP]
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_stop_its_agent_never_confirms_is_taken_as_done_and_its_worker_fenced(
+    etcd_server: EtcdServer, dispatcher: RecordingDispatcher, clock: Clock, restart: bool
+) -> None:
+    """gpu-a heartbeats but never acts on its stops (an agent that judged them expired on a wrong clock, or
+    stuck): a scale-down or a restart waiting on it must not hang for ever."""
+    make_node("gpu-a", (80,))
+    pipeline = deploy("chat", gpus_per_replica=1)
+    settings = {"resend_after_s": 30, "stop_grace_s": 30, "max_dispatches": 3, "node_timeout_s": HOUR}
+    reconciler = make_reconciler(dispatcher, clock, etcd_endpoints=(etcd_server.endpoint,), **settings)
+    reconciler.run_once()
+    [instance] = instances("chat")
+    agent_reports(instance, S.READY, worker_id=0xC1)
+    if restart:
+        instance_actions.restart_instance(TEST_ACTOR, Instance.objects.get(pk=instance.pk))
+    else:
+        pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    dispatcher.take()
+    for _ in range(3):
+        reconciler.run_once()
+        clock.advance(61)
+    assert [task for _, task, _ in dispatcher.take()] == [STOP] * 3
+    instance.refresh_from_db()
+    assert instance.state == S.STOPPING
+
+    report = reconciler.run_once()
+
+    assert report is not None and (report.overdue, report.fenced) == (1, 1)
+    reason = "node gpu-a's agent confirmed none of 3 stops sent over 180 s: taken as stopped, and its worker fenced"
+    assert reason in AuditEntry.objects.get(action="instance.stop_unconfirmed").after["why"]
+    assert "confirmed none of 3 stops" in etcd_values(etcd_server, FENCES_PREFIX)[fence_key(0xC1)]
+    instance.refresh_from_db()
+    if restart:  # placed anew at the next attempt (on gpu-a again: it is the only node)
+        assert (instance.state, instance.restarts, instance.restart_requested) == (S.PENDING, 1, False)
+    else:
+        assert (instance.state, instance.pid) == (S.STOPPED, None)
+
+
 def test_a_group_short_of_its_replicas_gets_them_back(dispatcher: RecordingDispatcher, clock: Clock) -> None:
     make_node("gpu-a", (80, 80))
     deploy("chat", replicas=2, gpus_per_replica=1)

@@ -12,7 +12,7 @@ from controlplane.fleet.machines import MACHINE_ID_PATTERN
 from controlplane.fleet.models import NODE_NAME_PATTERN, Download, Gpu, Node
 from runtime.fleet_contract.engine_names import ENGINE_LABELS, FLEET_ENGINES
 from runtime.fleet_contract.reports import DownloadReport, InstanceReport, NodeReport
-from runtime.fleet_contract.tasks import GPU_UUID_PATTERN
+from runtime.fleet_contract.tasks import GPU_UUID_PATTERN, INCARNATION_PATTERN
 
 MAX_BYTES = 2**53
 MAX_GPUS_PER_NODE = 64
@@ -197,6 +197,7 @@ class InstanceReportSerializer(serializers.Serializer):
     endpoint_instance_id = serializers.IntegerField(min_value=1, max_value=MAX_INSTANCE_ID, required=False)
     download_progress = serializers.FloatField(min_value=0.0, max_value=1.0, required=False)
     attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+    incarnation = serializers.RegexField(INCARNATION_PATTERN, required=False)
     permanent = serializers.BooleanField(default=False)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +244,7 @@ class AgentInstanceSerializer(serializers.ModelSerializer):
             "name",
             "state",
             "attempt",
+            "incarnation",
             "restart_requested",
             "replica",
             "role",
