@@ -60,7 +60,7 @@ from agent.workers.supervisor import Readiness, Supervisor
 from runtime.cluster.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed
 from runtime.fleet_contract.engine_names import engines_on_this_node
-from runtime.fleet_contract.signing import agent_signing_key
+from runtime.fleet_contract.signing import SigningKey, agent_signing_key
 from runtime.fleet_contract.tasks import LogTailRequest, StartInstance, StopInstance
 
 log = logging.getLogger(__name__)
@@ -119,11 +119,13 @@ class NodeAgent:
         reconcile_s: float = 30.0,
         listing_lag_s: float = 5.0,
         engines: Collection[str] | None = None,
+        signing_key: SigningKey | None = None,
     ) -> None:
         """``worker_env`` is the workers' environment (default: the agent's own); every ``reconcile_s`` the
         workers are compared with the control plane's list, which may not show a start sent less than
         ``listing_lag_s`` before (its transaction not committed yet). ``engines``, reported with the node's
-        inventory, are those its workers can run (default: the fleet's engines installed here)."""
+        inventory, are those its workers can run (default: the fleet's engines installed here). ``signing_key``
+        is the node's task-signing key, from which each worker gets its instance's worker key (none without it)."""
         self.node = node
         self.state_dir = state_dir
         self.engines = frozenset(engines_on_this_node() if engines is None else engines)
@@ -142,6 +144,7 @@ class NodeAgent:
             command=worker_command,
             stop_timeout_s=stop_timeout_s,
             base_env=worker_env,
+            node_key=signing_key,
         )
         self._heartbeats = Heartbeats(
             client=client,
@@ -274,6 +277,8 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             )
         )
         readiness = ReadinessWhenConnected()
+        # Tasks signed for this node only, and each worker's key derived from it (fences, liveness).
+        signing_key = agent_signing_key(settings.token, settings.node)
         agent = NodeAgent(
             node=settings.node,
             client=client,
@@ -290,6 +295,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             stop_timeout_s=settings.stop_timeout_s,
             version=settings.version,
             machine_id=machine,
+            signing_key=signing_key,
         )
         stack.push_async_callback(agent.close)
         if not await _unless_stopped(agent.start(), stop):
@@ -303,7 +309,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             handler=agent,
             loop=loop,
             # Tasks signed for this node only: the broker's other clients (every agent) cannot forge them.
-            signing_key=agent_signing_key(settings.token, settings.node),
+            signing_key=signing_key,
             engines=agent.engines,  # the ones it reported: it refuses what it told the control plane it lacks
             control_plane_now=client.clock.now,  # tasks expire on the control plane's clock, not this node's
         )

@@ -24,7 +24,10 @@ from runtime.cluster.object_store import fetch_tokenizer
 from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
 from runtime.errors import BackgroundTaskFailed, Fenced
 from runtime.fleet_contract.fences import watch_own_fence
+from runtime.fleet_contract.liveness import keep_claiming
+from runtime.fleet_contract.worker_keys import WorkerKey, take_from_environment
 from runtime.loop_lag import watch_loop_lag
+from runtime.rate_limited_log import RateLimitedLog
 from runtime.request_plane import EndpointServer, RequestClient
 from runtime.settings import (
     stream_gone_after_seconds,
@@ -43,10 +46,17 @@ __all__ = ["DistributedRuntime", "Endpoint", "Namespace", "register_model", "wor
 class DistributedRuntime:
     """Owns the NATS connection, the etcd lease and everything served through them."""
 
-    def __init__(self, nc: NATS, discovery: Discovery, *, heartbeat_interval: float) -> None:
+    def __init__(
+        self, nc: NATS, discovery: Discovery, *, heartbeat_interval: float, worker_key: WorkerKey | None = None
+    ) -> None:
+        """``worker_key`` is the one the agent gave this worker (runtime/fleet_contract/worker_keys.py): with it,
+        only fences signed under it stop the worker, and the worker signs its liveness with it."""
         self.nc = nc
         self.discovery = discovery
         self.instance_id = new_instance_id()
+        self.worker_key = worker_key
+        #: Fences put for this worker that it refused to obey (``refused_fences.count``: how many).
+        self.refused_fences = RateLimitedLog(log, period_s=60.0)
         self.heartbeat_interval = heartbeat_interval
         self._servers: list[EndpointServer] = []
         self._supervisor = Supervisor(on_fatal=self.shutdown)
@@ -73,8 +83,12 @@ class DistributedRuntime:
         warns within a second which server does not answer and how to start it, and again every few
         seconds, until it connects. Raises ConfigError for a malformed setting, RequestPlaneUnavailable /
         DiscoveryUnavailable if a server did not answer within ``wait`` seconds (None: wait for ever).
+
+        The worker key the agent set in ``FLOTILLA_WORKER_KEY`` is taken out of the environment here, so that
+        no process this one starts inherits it.
         """
         heartbeat = stream_heartbeat_seconds()
+        worker_key = take_from_environment()
         name = f"flotilla-{socket.gethostname()}-{os.getpid()}"
         connecting_nats = asyncio.create_task(connect_nats(nats_url, name=name, wait=wait), name="connect NATS")
         connecting_etcd = asyncio.create_task(
@@ -93,7 +107,7 @@ class DistributedRuntime:
             if not connecting_etcd.cancelled() and connecting_etcd.exception() is None:
                 await connecting_etcd.result().close()
             raise
-        runtime = cls(nc, discovery, heartbeat_interval=heartbeat)
+        runtime = cls(nc, discovery, heartbeat_interval=heartbeat, worker_key=worker_key)
         runtime.own(watch_loop_lag, name="event loop lag", restart=True)
         return runtime
 
@@ -189,7 +203,14 @@ class DistributedRuntime:
 
     def _add_server(self, server: EndpointServer) -> None:
         if not self._servers:  # a worker, not only a client: the control plane may fence it
-            self.own(lambda: watch_own_fence(self.discovery, self.instance_id, self._on_fenced), name="fence watch")
+            self.own(
+                lambda: watch_own_fence(
+                    self.discovery, self.instance_id, self.worker_key, self._on_fenced, self.refused_fences
+                ),
+                name="fence watch",
+            )
+            if (key := self.worker_key) is not None:  # the agent's: the control plane may spare it when silent
+                self.own(lambda: keep_claiming(self.discovery, self.instance_id, key), name="liveness claim")
         self._servers.append(server)
 
     def _on_fenced(self, reason: str) -> None:

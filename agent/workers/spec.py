@@ -7,7 +7,9 @@ which is how the agent (readiness) and the gateway tell whose instance it is.
 Its environment is not the agent's: the agent holds what speaks for the whole node or fleet (the broker's
 URL and password, its token, ``HF_TOKEN``), and an engine runs a model's code and its users' prompts. So a
 worker gets only the variables it needs to run and serve (``allowed_environment``: an allowlist, so that a
-secret added to the agent's environment later does not leak by default), its GPUs, and nothing from a task.
+secret added to the agent's environment later does not leak by default), its GPUs, its own instance's worker
+key (runtime/fleet_contract/worker_keys.py: what lets it tell the control plane's fences from forged ones and
+sign its liveness), and nothing from a task.
 """
 
 import re
@@ -15,7 +17,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from runtime.endpoint import format_labels
+from runtime.fleet_contract.signing import SigningKey
 from runtime.fleet_contract.tasks import WorkerSpec
+from runtime.fleet_contract.worker_keys import WORKER_KEY_VARIABLE, encode, worker_key
 
 #: How the agent starts ``flotilla``: the launcher of this very installation, whatever PATH says.
 DEFAULT_COMMAND = (sys.executable, "-m", "launcher.cli")
@@ -57,6 +61,7 @@ NEVER_TO_WORKERS = frozenset(
         "HF_TOKEN_FILE",
         "HUGGING_FACE_HUB_TOKEN",
         "LD_PRELOAD",
+        WORKER_KEY_VARIABLE,  # each worker's own, set by worker_env: never one from the agent's environment
     }
 )
 
@@ -121,10 +126,11 @@ def _engine_secret(name: str) -> bool:
     return bool(ENGINE_VARIABLES.fullmatch(name) and SECRET_LOOKING.fullmatch(name))
 
 
-def worker_env(spec: WorkerSpec, base: Mapping[str, str]) -> dict[str, str]:
+def worker_env(spec: WorkerSpec, base: Mapping[str, str], node_key: SigningKey | None = None) -> dict[str, str]:
     """The worker's environment: ``base`` (``allowed_environment`` of the agent's) less ``NEVER_TO_WORKERS``
     and the engine variables that look like secrets,
-    and its GPUs in ``CUDA_VISIBLE_DEVICES`` (by UUID when the spec has them, else by index).
+    and its GPUs in ``CUDA_VISIBLE_DEVICES`` (by UUID when the spec has them, else by index), and, given the
+    node's task-signing key ``node_key``, its instance's worker key in ``FLOTILLA_WORKER_KEY``.
 
     A worker with no GPUs gets an empty ``CUDA_VISIBLE_DEVICES``, so that it cannot take one it was not given.
     """
@@ -139,4 +145,6 @@ def worker_env(spec: WorkerSpec, base: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     # The labels go on the command line; a variable from the agent's own environment would clash with them.
     env.pop("FLOTILLA_LABELS", None)
+    if node_key is not None:
+        env[WORKER_KEY_VARIABLE] = encode(worker_key(node_key, spec.instance_id))
     return env

@@ -18,3 +18,15 @@ def node_task_keys(node: str) -> list[SigningKey]:
     tokens = ApiToken.objects.filter(kind=ApiToken.Kind.AGENT, node_name=node).exclude(expires_at__lte=Now())
     digests = tokens.values_list("key_hash", flat=True)
     return [signing_key(digest, node) for digest in digests]
+
+
+def node_worker_key_sources(node: str) -> list[SigningKey]:
+    """The signing keys of every agent token node ``node`` still has, expired ones included: what its workers'
+    keys (runtime/fleet_contract/worker_keys.py) are derived from, to sign their fences and check their liveness.
+
+    An expired token signs no more tasks, but the workers its agent started under it still run, and fencing
+    them is most needed then: an agent whose token expired is refused, so its node falls silent. A revoked
+    (deleted) token's workers hold keys nobody can derive any more (docs/architecture.md says what follows).
+    """
+    tokens = ApiToken.objects.filter(kind=ApiToken.Kind.AGENT, node_name=node)
+    return [signing_key(digest, node) for digest in tokens.values_list("key_hash", flat=True)]

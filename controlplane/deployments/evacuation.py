@@ -98,8 +98,9 @@ def evacuate_offline_node(actor: Actor, node: Node, *, spare_workers: Collection
     """Give up the processes of an offline node: what ran or was about to start there fails, so that the
     reconciler places it elsewhere; what was stopping is stopped (or pending again, for a restart).
 
-    Instances whose worker id is in ``spare_workers`` (alive in etcd) are left as they are. The node's
-    agent, should it come back, stops the workers it still runs that are no longer listed for it.
+    Instances whose worker id is in ``spare_workers`` (alive, by their signed claims in etcd) are left as
+    they are. The node's agent, should it come back, stops the workers it still runs that are no longer
+    listed for it.
     Returns the instances changed; those an agent report changed meanwhile are left for the next pass.
     Does nothing for a node that is online again.
     """

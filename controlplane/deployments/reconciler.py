@@ -13,11 +13,13 @@ A pass, in order (each step is an action of its own: audited, idempotent, safe b
      silent at once, none is evicted (the likelier cause is the control plane's own network, Redis, or
      a slow upgrade, not most of the machines dying together), as Kubernetes stops evicting in a
      zone that is mostly unhealthy;
-   * etcd's word: a worker whose registration is alive in etcd renewed its lease within seconds, so its
-     instance is not evicted, whatever its agent's silence; and when etcd cannot be asked, nobody is.
+   * the worker's word: a worker whose signed liveness claim in etcd is recent (runtime/fleet_contract/
+     liveness.py: signed under its instance's worker key, dated within ``liveness_window_s``) is alive, so
+     its instance is not evicted, whatever its agent's silence; and when etcd cannot be asked, nobody is.
 
-   The evicted workers that may still run (a dead agent, a live machine) are fenced in etcd
-   (runtime/fleet_contract/fences.py), so they deregister and exit instead of serving beside their replacements.
+   The evicted workers that may still run (a dead agent, a live machine) are fenced in etcd with fences signed
+   under their instances' worker keys (runtime/fleet_contract/fences.py), so they deregister and exit instead
+   of serving beside their replacements.
    Then deadlines: a start nobody took after ``max_dispatches`` sends, a download with no progress for
    ``download_stall_s``, a worker not ready ``start_deadline_s`` after it started: each fails, with why;
    a stop not confirmed after ``max_dispatches`` sends is taken as done, its worker fenced.
@@ -42,6 +44,7 @@ lease expires under a slow pass.
 """
 
 import asyncio
+import copy
 import logging
 import os
 import socket
@@ -55,6 +58,7 @@ from typing import Any
 
 from django.db.models import Count, Max, Q
 
+from controlplane.accounts.task_keys import node_worker_key_sources
 from controlplane.audit.records import Actor
 from controlplane.database import db_now
 from controlplane.deployments import evacuation, upkeep
@@ -71,8 +75,10 @@ from controlplane.health.records import record_pass
 from runtime.backoff import exponential_delay
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
-from runtime.fleet_contract.fences import live_instance_ids, put_fences
+from runtime.fleet_contract.fences import FenceTarget, put_fences
+from runtime.fleet_contract.liveness import WINDOW_S, BadClaim, check_claim, read_claims
 from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
+from runtime.fleet_contract.worker_keys import worker_keys
 from runtime.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -90,6 +96,7 @@ _ON_NODE_STATES = [
 # Passes run every 2 s: a held eviction is said once a minute, not thirty times.
 _hold_log = RateLimitedLog(log, period_s=60.0)
 _spare_log = RateLimitedLog(log, period_s=60.0)
+_claim_log = RateLimitedLog(log, period_s=60.0)
 
 
 def _silent_since(node: Node) -> datetime | None:
@@ -117,6 +124,8 @@ class ReconcilerSettings:
     download_stall_s: float = 600.0  # FLOTILLA_DOWNLOAD_STALL_S: a download with no progress this long fails
     start_deadline_s: float = 1800.0  # FLOTILLA_START_DEADLINE_S: a worker not ready this long after starting
     lease_s: float = 10.0  # a pass's lease, renewed at each step; a crashed pass's frees itself after it
+    # FLOTILLA_LIVENESS_WINDOW_S: a worker's liveness claim counts this long either side of its date
+    liveness_window_s: float = WINDOW_S
     # ETCD_ENDPOINTS: where the workers are registered, to fence those of offline nodes; none: no fencing
     etcd_endpoints: tuple[str, ...] = ()
 
@@ -136,6 +145,7 @@ class ReconcilerSettings:
             max_dispatches=env_int("FLOTILLA_MAX_DISPATCHES", cls.max_dispatches, minimum=1),
             download_stall_s=env_float("FLOTILLA_DOWNLOAD_STALL_S", cls.download_stall_s, minimum=1.0),
             start_deadline_s=env_float("FLOTILLA_START_DEADLINE_S", cls.start_deadline_s, minimum=1.0),
+            liveness_window_s=env_float("FLOTILLA_LIVENESS_WINDOW_S", cls.liveness_window_s, minimum=1.0),
             etcd_endpoints=tuple(part.strip() for part in (env_str("ETCD_ENDPOINTS") or "").split(",") if part.strip()),
         )
         if settings.evict_after_s < settings.node_timeout_s:
@@ -165,7 +175,7 @@ class PassReport:
 
     nodes_offline: list[str] = field(default_factory=list)
     instances_lost: int = 0
-    spared: int = 0  # instances of evicted nodes kept because their worker is alive in etcd
+    spared: int = 0  # instances of evicted nodes kept because their worker claims (signed) to be alive
     evictions_held: str = ""  # why silent nodes past their eviction time were not evicted
     fenced: int = 0
     overdue: int = 0  # instances failed for a deadline: a start nobody took, a stalled download or start
@@ -201,7 +211,7 @@ class PassReport:
         parts = [f"nodes offline: {', '.join(self.nodes_offline)}"] if self.nodes_offline else []
         counts = {
             "lost with their node": self.instances_lost,
-            "kept (worker alive in etcd)": self.spared,
+            "kept (worker signs it is alive)": self.spared,
             "overdue": self.overdue,
             "replicas replaced": self.replaced,
             "retired (replacement ready)": self.retired,
@@ -319,7 +329,7 @@ class Reconciler:
             # looks like every node silent at once).
             Node.objects.filter(pk__in=[node.pk for node in occupied]).update(silence_counted_from=now)
             return
-        alive = self._live_workers()
+        alive = self._live_workers(due)
         if alive is None:
             report.evictions_held = "etcd cannot say which of their workers are alive"
             return
@@ -339,7 +349,7 @@ class Reconciler:
                 Node.objects.filter(pk=node.pk).update(evicted_at=now)
                 last_eviction = now
             report.instances_lost += len(lost)
-            report.fenced += self.fence(node, [i.endpoint_instance_id for i in lost if i.endpoint_instance_id])
+            report.fenced += self.fence(node, lost)
             spared = list(
                 Instance.objects.filter(
                     node=node, state__in=_ON_NODE_STATES, endpoint_instance_id__in=alive
@@ -348,7 +358,7 @@ class Reconciler:
             if spared:
                 report.spared += len(spared)
                 _spare_log.warning(
-                    f"node {node.name} is silent past its eviction time, but its workers renew their etcd leases: "
+                    f"node {node.name} is silent past its eviction time, but its workers sign that they are alive: "
                     f"not evicted ({', '.join(f'{worker_id:x}' for worker_id in spared)}); its agent is cut off "
                     "from the control plane, or dead while its workers serve on"
                 )
@@ -375,27 +385,56 @@ class Reconciler:
             "their instances stay where they are until their agents report again"
         )
 
-    def _live_workers(self) -> set[int] | None:
-        """The worker ids alive in etcd; empty when no etcd is configured (nothing to ask), None when it
-        is configured and does not answer (then nobody may be evicted: silence is not death)."""
+    def _live_workers(self, nodes: list[Node]) -> set[int] | None:
+        """The worker ids of ``nodes``' instances that prove in etcd that they are alive (a signed, recent
+        liveness claim); empty when no etcd is configured (nothing to ask), None when it is configured and does
+        not answer (then nobody may be evicted: silence is not death)."""
         if not self.settings.etcd_endpoints:
             return set()
         try:
-            return asyncio.run(live_instance_ids(list(self.settings.etcd_endpoints)))
+            claims = asyncio.run(read_claims(list(self.settings.etcd_endpoints)))
         except FlotillaError as exc:
             _hold_log.warning(f"{exc}: no silent node is evicted until it answers")
             return None
+        now = self.clock().timestamp()
+        alive = set()
+        for node in nodes:
+            on_node = Instance.objects.filter(node=node, state__in=_ON_NODE_STATES, endpoint_instance_id__isnull=False)
+            ids = on_node.values_list("pk", "endpoint_instance_id")
+            claimed = [(pk, worker_id) for pk, worker_id in ids if worker_id in claims]
+            node_keys = node_worker_key_sources(node.name) if claimed else []
+            for pk, worker_id in claimed:
+                keys = worker_keys(node_keys, pk)
+                try:
+                    check_claim(
+                        claims[worker_id],
+                        instance_id=pk,
+                        worker_id=worker_id,
+                        keys=keys,
+                        now=now,
+                        window_s=self.settings.liveness_window_s,
+                    )
+                except BadClaim as exc:
+                    # Someone else's forgery, or a worker started under a revoked token: evicted all the same.
+                    _claim_log.warning(
+                        f"the liveness claim of worker {worker_id:x} (instance {pk} on silent node {node.name}) is "
+                        f"not believed: {exc}"
+                    )
+                    continue
+                alive.add(worker_id)
+        return alive
 
-    def fence(self, node: Node, worker_ids: list[int], reason: str = "") -> int:
-        """Fence the workers ``worker_ids`` of ``node`` (offline, unless ``reason`` says otherwise); returns how
-        many were fenced.
+    def fence(self, node: Node, lost: list[Instance], reason: str = "") -> int:
+        """Fence the workers of ``lost``, instances of ``node`` (offline, unless ``reason`` says otherwise);
+        returns how many were fenced.
 
         Failing to (no etcd configured, or none answering) is logged with its consequence; the pass
         goes on, as the replacements are placed either way.
         """
-        if not worker_ids:
+        targets = [FenceTarget(i.pk, i.endpoint_instance_id) for i in lost if i.endpoint_instance_id]
+        if not targets:
             return 0
-        ids = ", ".join(f"{worker_id:x}" for worker_id in worker_ids)
+        ids = ", ".join(f"{target.worker_id:x}" for target in targets)
         if not self.settings.etcd_endpoints:
             log.warning(
                 "cannot fence the workers of offline node %s (%s): ETCD_ENDPOINTS is not set for the control "
@@ -404,9 +443,17 @@ class Reconciler:
                 ids,
             )
             return 0
+        node_keys = node_worker_key_sources(node.name)
+        if not node_keys:
+            log.warning(
+                "node %s has no agent token: the fences of its workers (%s) carry no signature, so the workers "
+                "its agent started ignore them",
+                node.name,
+                ids,
+            )
         reason = reason or f"node {node.name} stopped heartbeating; the control plane placed this replica elsewhere"
         try:
-            asyncio.run(put_fences(list(self.settings.etcd_endpoints), worker_ids, reason))
+            asyncio.run(put_fences(list(self.settings.etcd_endpoints), targets, reason, node_keys))
         except FlotillaError as exc:
             log.error(
                 "%s: the workers of offline node %s (%s) may serve until their agent returns",
@@ -415,7 +462,7 @@ class Reconciler:
                 ids,
             )
             return 0
-        return len(worker_ids)
+        return len(targets)
 
     def fail_overdue(self, report: PassReport) -> None:
         """Step 1b: instances on online nodes that wait past a deadline fail with the reason (and are
@@ -466,7 +513,7 @@ class Reconciler:
         for instance in unconfirmed.order_by("id"):
             node = instance.node
             assert node is not None
-            worker_id = instance.endpoint_instance_id
+            as_it_was = copy.copy(instance)  # its worker id, which a restart's fresh start clears
             waited = settings.max_dispatches * resend_s
             reason = (
                 f"node {node.name}'s agent confirmed none of {instance.dispatches} stops sent over {waited:g} s: "
@@ -474,8 +521,7 @@ class Reconciler:
             )
             if upkeep.end_unconfirmed_stop(ACTOR, instance, reason):
                 report.overdue += 1
-                if worker_id:
-                    report.fenced += self.fence(node, [worker_id], reason=f"instance {instance.pk}: {reason}")
+                report.fenced += self.fence(node, [as_it_was], reason=f"instance {instance.pk}: {reason}")
 
     def restart_failed(self, report: PassReport) -> None:
         """Step 2: failed instances back to pending once their backoff passed, or given up."""

@@ -9,7 +9,7 @@ workers that run now.
   back). Without any one of them every request fails, so giving up on it stops the whole stack, its log shown: a
   stack that cannot serve must not look as if it did.
 * Every other part serves the operator or changes the fleet, and the gateway serves without it. The engine workers
-  outlive the agent (their own sessions; a node whose workers renew their etcd leases is never evicted, and a
+  outlive the agent (their own sessions; a node whose workers sign that they are alive is never evicted, and a
   restarted agent adopts them); the gateway reads API keys from etcd, not from the control plane; with Redis away
   it counts keys' limits in memory and keeps its usage counts for later (``frontend_gateway/access/quotas.py``).
   Giving up on one of these stops nothing: ``flotilla up`` reports it loudly (what no longer works, its log, how to

@@ -14,7 +14,9 @@ from launcher.run_parser import build_run_parser
 from runtime.endpoint import InstanceEntry, format_labels, parse_labels
 from runtime.errors import ConfigError
 from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.fleet_contract.signing import agent_signing_key
 from runtime.fleet_contract.tasks import WorkerSpec
+from runtime.fleet_contract.worker_keys import WORKER_KEY_VARIABLE, decode, worker_key
 
 SPEC = WorkerSpec(
     instance_id=42,
@@ -188,6 +190,18 @@ def test_a_worker_inherits_only_the_agents_variables_it_needs_to_run_and_serve()
             "HF_HUB_OFFLINE",
         )
     }  # fmt: skip
+
+
+def test_a_worker_gets_its_own_instances_key_and_never_one_from_the_agents_environment() -> None:
+    node_key = agent_signing_key("flt_agent-token", "gpu-a")
+    smuggled = {**AGENTS_ENVIRONMENT, WORKER_KEY_VARIABLE: "7:" + "ab" * 32}
+
+    given = decode(worker_env(SPEC, smuggled, node_key)[WORKER_KEY_VARIABLE])
+
+    assert given == worker_key(node_key, SPEC.instance_id)  # instance 42's, derived from the node's key
+    assert given != worker_key(node_key, 43) and given != worker_key(agent_signing_key("flt_other", "gpu-b"), 42)
+    assert WORKER_KEY_VARIABLE not in worker_env(SPEC, smuggled)  # no node key (no agent): no key at all
+    assert given.key.secret.hex() not in repr(given)  # never the secret, in a log or a traceback
 
 
 def test_the_agents_credentials_never_reach_a_worker_even_in_an_environment_given_to_it() -> None:

@@ -1,0 +1,138 @@
+"""Liveness claims: how a worker tells the control plane that it is alive, in a way no other worker can fake.
+
+The reconciler does not evict an instance of a silent node whose worker is alive (controlplane/deployments/
+reconciler.py): its agent is cut off, not its machine. A registration in etcd is no proof of that: any
+worker can put keys there, under a lease it keeps alive, and etcd lets anyone refresh anyone's lease. So a
+worker that holds a key (runtime/fleet_contract/worker_keys.py) puts a signed, dated claim under its lease,
+``flotilla/liveness/<worker id in hex>``, and signs it again every ``REFRESH_S``::
+
+    {"instance": <control-plane instance id>, "worker": <worker id>, "at": <Unix time, whole seconds>,
+     "signatures": {<key id>: <HMAC>}}
+
+The reconciler believes a worker alive only for a claim that verifies under the worker key of the instance
+it is asked about (one per agent token of its node), names that instance and that worker, and is dated
+within a window of its own clock (``check_claim``). A claim copied by another worker is therefore worth
+the window at most: clocks of the nodes and the control plane must agree within it (NTP). A worker started
+by hand has no key and claims nothing; the control plane has no instance of it to spare anyway.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import aetcd
+
+from runtime.cluster.discovery import Discovery
+from runtime.errors import DiscoveryUnavailable
+from runtime.fleet_contract.signing import SigningKey, sign_payload, signature_ok
+from runtime.fleet_contract.worker_keys import WorkerKey
+from runtime.settings import parse_etcd_endpoint
+
+log = logging.getLogger(__name__)
+
+LIVENESS_PREFIX = "flotilla/liveness/"
+#: How often a worker signs its claim again.
+REFRESH_S = 10.0
+#: How far a claim's date may be from the reader's clock (the reconciler's default): the refresh interval,
+#: and room for clocks that do not quite agree.
+WINDOW_S = 60.0
+_RPC_TIMEOUT_S = 5.0
+#: What a claim's signature is over, besides its body: no signature of another kind can pass for one.
+_SIGNED_AS = "liveness v1"
+
+
+def liveness_key(worker_id: int) -> str:
+    """Where the worker whose etcd instance id is ``worker_id`` claims to be alive."""
+    return f"{LIVENESS_PREFIX}{worker_id:x}"
+
+
+def claim_value(key: WorkerKey, worker_id: int, at: float) -> bytes:
+    """The claim of worker ``worker_id`` (holding ``key``) to be alive at Unix time ``at``."""
+    body = {"instance": key.instance_id, "worker": worker_id, "at": int(at)}
+    return json.dumps(sign_payload(_SIGNED_AS, body, [key.key]), sort_keys=True, separators=(",", ":")).encode()
+
+
+class BadClaim(Exception):
+    """A liveness claim that proves nothing; the message says why."""
+
+
+def check_claim(
+    value: bytes,
+    *,
+    instance_id: int,
+    worker_id: int,
+    keys: Sequence[SigningKey],
+    now: float,
+    window_s: float = WINDOW_S,
+) -> None:
+    """Return if ``value`` proves worker ``worker_id`` of instance ``instance_id`` alive at Unix time ``now``:
+    signed under one of ``keys`` (the instance's worker keys, worker_keys.worker_keys), naming both, dated
+    within ``window_s`` of ``now``. Raises BadClaim, and nothing else, for any other bytes."""
+    try:
+        claim = json.loads(value)
+    except (ValueError, RecursionError) as exc:  # not JSON (or not UTF-8), or nested past the parser's depth
+        raise BadClaim("not a signed claim (not JSON)") from exc
+    if not isinstance(claim, dict):
+        raise BadClaim("not a signed claim (not a JSON object)")
+    if not keys:
+        raise BadClaim("its node has no agent token, so no key to check it with")
+    if not any(signature_ok(_SIGNED_AS, claim, key) for key in keys):
+        raise BadClaim("its signature does not verify under the instance's worker key (unsigned, or another's)")
+    if claim.get("instance") != instance_id or claim.get("worker") != worker_id:
+        raise BadClaim(f"it is signed for worker {claim.get('worker')!r} of instance {claim.get('instance')!r}")
+    at = claim.get("at")
+    if not isinstance(at, int) or isinstance(at, bool):
+        raise BadClaim("it carries no time")
+    if abs(now - at) > window_s:
+        raise BadClaim(
+            f"it is dated {now - at:+.0f} s from now, outside the {window_s:g} s window (a stale copy, or clocks "
+            "that disagree: check NTP on the node and the control plane)"
+        )
+
+
+async def read_claims(endpoints: list[str]) -> dict[int, bytes]:
+    """Every liveness claim in etcd now (worker id -> value), read through the first endpoint that answers.
+
+    Raises ConfigError for a malformed endpoint, DiscoveryUnavailable when no endpoint answers.
+    """
+    failures = []
+    for host, port in (parse_etcd_endpoint(endpoint) for endpoint in endpoints):
+        client = aetcd.Client(host=host, port=port, timeout=_RPC_TIMEOUT_S)
+        try:
+            response = await client.get_prefix(LIVENESS_PREFIX.encode())
+        except aetcd.ClientError as exc:
+            failures.append(f"{host}:{port}: {str(exc).rpartition(': ')[2] or exc}")
+            continue
+        finally:
+            await client.close()
+        claims = {}
+        for kv in response.kvs:
+            try:
+                worker_id = int(bytes(kv.key)[len(LIVENESS_PREFIX) :].decode(), 16)
+            except ValueError:  # not ours (no Flotilla process writes one): it names no worker
+                continue
+            claims[worker_id] = bytes(kv.value)
+        return claims
+    raise DiscoveryUnavailable(f"cannot reach etcd to see which workers are alive ({'; '.join(failures)})")
+
+
+async def keep_claiming(
+    discovery: Discovery,
+    worker_id: int,
+    key: WorkerKey,
+    *,
+    interval_s: float = REFRESH_S,
+    clock: Callable[[], float] = time.time,
+) -> None:
+    """Put worker ``worker_id``'s claim under its lease, signed anew every ``interval_s``, until cancelled.
+
+    An etcd outage is ridden out (the lease's keepalive says so in the log); the claim is put again once
+    etcd answers, and the lease's keys vanish with the process."""
+    while True:
+        try:
+            await discovery.register(liveness_key(worker_id), claim_value(key, worker_id, clock()))
+        except DiscoveryUnavailable as exc:
+            log.debug("cannot renew the liveness claim of worker %x: %s", worker_id, exc)
+        await asyncio.sleep(interval_s)
