@@ -96,7 +96,8 @@ _ON_NODE_STATES = [
 # Passes run every 2 s: a held eviction is said once a minute, not thirty times.
 _hold_log = RateLimitedLog(log, period_s=60.0)
 _spare_log = RateLimitedLog(log, period_s=60.0)
-_claim_log = RateLimitedLog(log, period_s=60.0)
+# Each refused liveness claim is said at debug level too: the first of a minute hides the others' details.
+_claim_log = RateLimitedLog(log, period_s=60.0, held_level=logging.DEBUG)
 
 
 def _silent_since(node: Node) -> datetime | None:

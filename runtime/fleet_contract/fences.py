@@ -86,9 +86,9 @@ def fence_reason(value: bytes, worker_id: int, key: WorkerKey | None) -> str:
         raise ForgedFence("its signature does not verify under this worker's key (unsigned, or signed for another)")
     if fence.get("instance") != key.instance_id or fence.get("worker") != worker_id:
         # Signed for this instance, so the control plane's: a fence of an earlier worker of it, put back.
-        raise ForgedFence(
-            f"it is signed for worker {fence.get('worker')!r} of instance {fence.get('instance')!r}, not this one"
-        )
+        worker = fence.get("worker")
+        named = f"{worker:x}" if isinstance(worker, int) else repr(worker)
+        raise ForgedFence(f"it is signed for worker {named} of instance {fence.get('instance')!r}, not this one")
     reason = fence.get("reason")
     return reason if isinstance(reason, str) and reason else "no reason given"
 

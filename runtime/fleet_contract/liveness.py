@@ -81,15 +81,22 @@ def check_claim(
     if not any(signature_ok(_SIGNED_AS, claim, key) for key in keys):
         raise BadClaim("its signature does not verify under the instance's worker key (unsigned, or another's)")
     if claim.get("instance") != instance_id or claim.get("worker") != worker_id:
-        raise BadClaim(f"it is signed for worker {claim.get('worker')!r} of instance {claim.get('instance')!r}")
+        named = f"worker {_hex(claim.get('worker'))} of instance {claim.get('instance')!r}"
+        raise BadClaim(f"it is signed for {named}, not this one (a genuine claim put back at another key)")
     at = claim.get("at")
     if not isinstance(at, int) or isinstance(at, bool):
         raise BadClaim("it carries no time")
     if abs(now - at) > window_s:
+        when = f"{now - at:.0f} s old" if now >= at else f"dated {at - now:.0f} s ahead"
         raise BadClaim(
-            f"it is dated {now - at:+.0f} s from now, outside the {window_s:g} s window (a stale copy, or clocks "
-            "that disagree: check NTP on the node and the control plane)"
+            f"it is {when}, outside the {window_s:g} s window (a stale copy kept by someone else, or clocks that "
+            "disagree: check NTP on the node and the control plane)"
         )
+
+
+def _hex(worker_id: object) -> str:
+    """A worker id as every log shows one (hex), or what stands in its place."""
+    return f"{worker_id:x}" if isinstance(worker_id, int) else repr(worker_id)
 
 
 async def read_claims(endpoints: list[str]) -> dict[int, bytes]:

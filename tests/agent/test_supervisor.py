@@ -23,7 +23,9 @@ from agent.errors import WorkerError
 from agent.workers.processes import process_start_time
 from agent.workers.records import WorkerRecord, load_records, record_path
 from agent.workers.supervisor import Supervisor, WorkerState, WorkerStatus
+from runtime.fleet_contract.signing import agent_signing_key
 from runtime.fleet_contract.tasks import WorkerSpec
+from runtime.fleet_contract.worker_keys import decode, worker_key
 
 CHILD = """
 import json, os, signal, socket, subprocess, sys
@@ -381,10 +383,12 @@ async def test_a_worker_sees_none_of_the_agents_credentials_only_what_it_needs_t
         "ETCD_ENDPOINTS": "http://127.0.0.1:2379",
         "NATS_SERVER": "nats://127.0.0.1:4222",
         "FLOTILLA_DRAIN_S": "3",
+        "FLOTILLA_WORKER_KEY": "1:" + "ab" * 32,  # another worker's, were it there: never passed on
     }
     for name, value in agents.items():
         monkeypatch.setenv(name, value)
     statuses = Statuses()
+    node_key = agent_signing_key(agents["FLOTILLA_AGENT_TOKEN"], "node-a")
     supervisor = Supervisor(
         node="node-a",
         state_dir=tmp_path / "state",
@@ -392,6 +396,7 @@ async def test_a_worker_sees_none_of_the_agents_credentials_only_what_it_needs_t
         readiness=readiness,
         on_status=statuses,
         command=[sys.executable, str(child)],
+        node_key=node_key,
     )
     supervisor.start(spec(4, "environment", gpu_indexes=[2]))
     await statuses.next(WorkerState.STARTING)
@@ -405,3 +410,4 @@ async def test_a_worker_sees_none_of_the_agents_credentials_only_what_it_needs_t
         assert seen[needed] == agents[needed]
     assert seen["PATH"] == os.environ["PATH"]
     assert (seen["CUDA_VISIBLE_DEVICES"], seen["CUDA_DEVICE_ORDER"]) == ("2", "PCI_BUS_ID")
+    assert decode(seen["FLOTILLA_WORKER_KEY"]) == worker_key(node_key, 4)  # its own instance's key only

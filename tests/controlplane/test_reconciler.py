@@ -1,5 +1,7 @@
 """Reconciler passes, with a recording Dispatcher: what is sent to which node's queue, and when."""
 
+import logging
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -7,6 +9,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.deployments import evacuation
@@ -19,9 +22,12 @@ from controlplane.deployments.reconciler import LEASE_NAME, Reconciler, Reconcil
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from runtime.errors import ConfigError
-from runtime.fleet_contract.fences import FENCES_PREFIX, fence_key
+from runtime.fleet_contract.fences import FENCES_PREFIX, fence_key, fence_reason
+from runtime.fleet_contract.liveness import claim_value, liveness_key
+from runtime.fleet_contract.signing import SigningKey, agent_signing_key
 from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
-from tests.controlplane.factories import TEST_ACTOR, GiB, deploy, make_model, make_node, node_report
+from runtime.fleet_contract.worker_keys import WorkerKey, worker_key
+from tests.controlplane.factories import TEST_ACTOR, GiB, agent_token, deploy, make_model, make_node, node_report
 from tests.controlplane.reconciling import Clock, RecordingDispatcher, Sent, agent_reports, make_reconciler
 from tests.distributed.cluster import etcd_put, etcd_values
 from tests.infra import EtcdServer
@@ -457,16 +463,31 @@ def _lose_node_a(dispatcher: RecordingDispatcher, clock: Clock, **settings: Any)
     return on_a, on_b
 
 
-def test_the_workers_of_a_lost_node_are_fenced_in_etcd(
+def test_the_workers_of_a_lost_node_are_fenced_in_etcd_signed_for_each_worker(
     etcd_server: EtcdServer,  # first: the clock starts once etcd (~1 s to start) is up
     dispatcher: RecordingDispatcher,
     clock: Clock,
 ) -> None:
-    _lose_node_a(dispatcher, clock, etcd_endpoints=(etcd_server.endpoint,))
+    node_key = agent_signing_key(agent_token("gpu-a"), "gpu-a")  # what gpu-a's agent derives its workers' keys from
+    on_a, _ = _lose_node_a(dispatcher, clock, etcd_endpoints=(etcd_server.endpoint,))
 
     fences = etcd_values(etcd_server, FENCES_PREFIX)
     assert list(fences) == [fence_key(0xA1)]  # the replica on gpu-b is not touched
-    assert fences[fence_key(0xA1)].startswith("node gpu-a stopped heartbeating")
+    # The worker's agent gave it its instance's key: the fence verifies under it, for that worker.
+    reason = fence_reason(fences[fence_key(0xA1)].encode(), 0xA1, worker_key(node_key, on_a.pk))
+    assert reason.startswith("node gpu-a stopped heartbeating")
+
+
+def test_the_workers_of_a_node_whose_agent_token_expired_are_fenced_with_a_signature_they_accept(
+    etcd_server: EtcdServer, dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    """An expired token is refused, so its agent falls silent: its workers are the very ones to fence."""
+    node_key = agent_signing_key(agent_token("gpu-a"), "gpu-a")
+    ApiToken.objects.filter(node_name="gpu-a").update(expires_at=timezone.now() - timedelta(hours=1))
+    on_a, _ = _lose_node_a(dispatcher, clock, etcd_endpoints=(etcd_server.endpoint,))
+
+    fence = etcd_values(etcd_server, FENCES_PREFIX)[fence_key(0xA1)].encode()
+    assert fence_reason(fence, 0xA1, worker_key(node_key, on_a.pk)).startswith("node gpu-a stopped heartbeating")
 
 
 def test_without_etcd_the_lost_workers_cannot_be_fenced_and_the_log_says_so(
@@ -489,23 +510,24 @@ def test_while_etcd_cannot_say_which_workers_live_no_node_is_evicted(
     assert dispatcher.take() == []
 
 
-def test_a_worker_alive_in_etcd_is_not_evicted_with_its_silent_node(
+def test_a_worker_that_signs_it_is_alive_is_not_evicted_with_its_silent_node(
     etcd_server: EtcdServer,  # first: the clock starts once etcd (~1 s to start) is up
     dispatcher: RecordingDispatcher,
     clock: Clock,
 ) -> None:
-    """A partitioned agent: the control plane hears nothing from gpu-a, but its worker renews its etcd lease."""
+    """A partitioned agent: the control plane hears nothing from gpu-a, but its worker signs that it is alive."""
+    node_key = agent_signing_key(agent_token("gpu-a"), "gpu-a")
     on_a, _ = _two_ready_replicas(dispatcher, clock)
     starting = deploy("other", pinned_nodes=["gpu-a"])
     make_reconciler(dispatcher, clock).run_once()
     [other] = instances("other")
     agent_reports(other, S.STARTING)
-    etcd_put(etcd_server, "flotilla/instances/chat/backend/generate/a1", "{}")
     reconciler = make_reconciler(
         dispatcher, clock, node_timeout_s=15, evict_after_s=15, etcd_endpoints=(etcd_server.endpoint,)
     )
 
     _only_b_heartbeats(clock, 16)
+    etcd_put(etcd_server, liveness_key(0xA1), claim_value(worker_key(node_key, on_a.pk), 0xA1, clock.now.timestamp()))
     report = reconciler.run_once()
 
     assert report is not None and (report.instances_lost, report.spared) == (1, 1)
@@ -514,6 +536,75 @@ def test_a_worker_alive_in_etcd_is_not_evicted_with_its_silent_node(
     other.refresh_from_db()  # no worker in etcd yet: lost with its node, and pinned there, so not placed again
     assert other.pipeline == starting and (other.state, other.restarts, other.node) == (S.PENDING, 1, None)
     assert etcd_values(etcd_server, FENCES_PREFIX) == {}
+
+
+def _registration_only(on_a: Instance, on_b: Instance, gpu_a: SigningKey, now: float) -> tuple[str, bytes]:
+    # What sufficed before claims were signed: any process can put it, under a lease it keeps alive.
+    return "flotilla/instances/chat/backend/generate/a1", b"{}"
+
+
+def _unsigned(on_a: Instance, on_b: Instance, gpu_a: SigningKey, now: float) -> tuple[str, bytes]:
+    return liveness_key(0xA1), f'{{"at":{int(now)},"instance":{on_a.pk},"signatures":{{}},"worker":161}}'.encode()
+
+
+def _signed_with_the_forgers_own_key(
+    on_a: Instance, on_b: Instance, gpu_a: SigningKey, now: float
+) -> tuple[str, bytes]:
+    # gpu-b's worker holds its own instance's key, and names gpu-a's instance and worker with it.
+    own = worker_key(agent_signing_key(agent_token("gpu-b"), "gpu-b"), on_b.pk)
+    return liveness_key(0xA1), claim_value(WorkerKey(on_a.pk, own.key), 0xA1, now)
+
+
+def _a_stale_genuine_claim(on_a: Instance, on_b: Instance, gpu_a: SigningKey, now: float) -> tuple[str, bytes]:
+    # The worker's own claim, kept by someone else from before it died (and its lease refreshed by them).
+    genuine = worker_key(gpu_a, on_a.pk)
+    return liveness_key(0xA1), claim_value(genuine, 0xA1, now - 600)
+
+
+def _another_workers_claim(on_a: Instance, on_b: Instance, gpu_a: SigningKey, now: float) -> tuple[str, bytes]:
+    # A genuine claim of an earlier worker of the same instance, put at the key of the one that is gone.
+    genuine = worker_key(gpu_a, on_a.pk)
+    return liveness_key(0xA1), claim_value(genuine, 0xA0, now)
+
+
+@pytest.mark.parametrize(
+    ("forge", "refused"),
+    [
+        (_registration_only, ""),  # no claim at all: nothing to refuse
+        (_unsigned, "its signature does not verify"),
+        (_signed_with_the_forgers_own_key, "its signature does not verify"),
+        (_a_stale_genuine_claim, "it is 60"),  # 600 or 601 s old (its date is in whole seconds)
+        (_another_workers_claim, "it is signed for worker a0 of instance"),
+    ],
+)
+def test_a_forged_liveness_claim_does_not_spare_a_silent_nodes_instance(
+    etcd_server: EtcdServer,
+    dispatcher: RecordingDispatcher,
+    clock: Clock,
+    caplog: pytest.LogCaptureFixture,
+    forge: Callable[[Instance, Instance, SigningKey, float], tuple[str, bytes]],
+    refused: str,
+) -> None:
+    """Written by a worker that runs foreign code, to keep a dead node's replica from moving."""
+    caplog.set_level(logging.DEBUG, logger="controlplane.deployments.reconciler")  # each refusal, not a minute's first
+    gpu_a = agent_signing_key(agent_token("gpu-a"), "gpu-a")
+    on_a, on_b = _two_ready_replicas(dispatcher, clock)
+    reconciler = make_reconciler(
+        dispatcher, clock, node_timeout_s=15, evict_after_s=15, etcd_endpoints=(etcd_server.endpoint,)
+    )
+    _only_b_heartbeats(clock, 16)
+    etcd_put(etcd_server, *forge(on_a, on_b, gpu_a, clock.now.timestamp()))
+
+    report = reconciler.run_once()
+
+    assert report is not None and (report.instances_lost, report.spared, report.fenced) == (1, 0, 1)
+    on_a.refresh_from_db()
+    assert (on_a.node.name, on_a.restarts) == ("gpu-b", 1)  # type: ignore[union-attr]
+    if refused:
+        assert (
+            f"the liveness claim of worker a1 (instance {on_a.pk} on silent node gpu-a) is not believed" in caplog.text
+        )
+        assert refused in caplog.text
 
 
 def test_a_stopping_instance_on_a_lost_node_is_stopped(dispatcher: RecordingDispatcher, clock: Clock) -> None:

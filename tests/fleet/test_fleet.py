@@ -306,7 +306,7 @@ def test_a_frozen_redis_holds_no_api_call_takes_no_node_offline_and_a_scale_up_l
 
 def test_an_agent_cut_off_from_the_control_plane_loses_no_replica(fleet: FleetStack) -> None:
     """node-b's agent frozen (a partition: connections open, nothing answered) past the eviction time; its
-    worker still renews its etcd lease, so it is not dead and nothing is moved."""
+    worker still signs that it is alive in etcd, so it is not dead and nothing is moved."""
     [smol] = [p["id"] for p in fleet.operator.get("/api/v1/pipelines/").json()["results"] if p["name"] == "smol"]
     assert any(i["node"] == "node-b" for i in fleet.wait_ready(smol, 2))
     before = _settled_workers(fleet)
@@ -321,7 +321,7 @@ def test_an_agent_cut_off_from_the_control_plane_loses_no_replica(fleet: FleetSt
 
     assert codes and set(codes) == {200}, codes
     assert _workers(fleet) == before
-    assert "but its workers renew their etcd leases: not evicted" in (fleet.directory / "reconciler.log").read_text()
+    assert "but its workers sign that they are alive: not evicted" in (fleet.directory / "reconciler.log").read_text()
 
 
 def test_a_lost_node_goes_offline_and_its_instances_move_to_the_other(fleet: FleetStack) -> None:
