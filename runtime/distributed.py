@@ -24,7 +24,7 @@ from runtime.cluster.object_store import fetch_tokenizer
 from runtime.endpoint import Endpoint, Namespace, drain_grace_seconds, register_model
 from runtime.errors import BackgroundTaskFailed, Fenced
 from runtime.fleet_contract.fences import watch_own_fence
-from runtime.fleet_contract.liveness import keep_claiming
+from runtime.fleet_contract.liveness import claim_while_asked
 from runtime.fleet_contract.worker_keys import WorkerKey, take_from_environment
 from runtime.loop_lag import watch_loop_lag
 from runtime.rate_limited_log import RateLimitedLog
@@ -210,7 +210,7 @@ class DistributedRuntime:
                 name="fence watch",
             )
             if (key := self.worker_key) is not None:  # the agent's: the control plane may spare it when silent
-                self.own(lambda: keep_claiming(self.discovery, self.instance_id, key), name="liveness claim")
+                self.own(lambda: claim_while_asked(self.discovery, self.instance_id, key), name="liveness claims")
         self._servers.append(server)
 
     def _on_fenced(self, reason: str) -> None:

@@ -76,7 +76,7 @@ from runtime.backoff import exponential_delay
 from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
 from runtime.fleet_contract.fences import FenceTarget, put_fences
-from runtime.fleet_contract.liveness import WINDOW_S, BadClaim, check_claim, read_claims
+from runtime.fleet_contract.liveness import WINDOW_S, BadClaim, ask_for_claims, check_claim, read_claims
 from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
 from runtime.fleet_contract.worker_keys import worker_keys
 from runtime.rate_limited_log import RateLimitedLog
@@ -317,6 +317,7 @@ class Reconciler:
             .distinct()
             .order_by("name")
         )
+        self._ask_for_claims(occupied)
         evict_before = now - timedelta(seconds=max(self.settings.evict_after_s, self.settings.node_timeout_s))
         due = [node for node in occupied if (since := _silent_since(node)) is None or since < evict_before]
         if not due:
@@ -385,6 +386,19 @@ class Reconciler:
             "likely the control plane's own outage or a partition than dead machines, so none is evicted; "
             "their instances stay where they are until their agents report again"
         )
+
+    def _ask_for_claims(self, silent: list[Node]) -> None:
+        """Ask the workers of the offline nodes ``silent`` to sign that they are alive, and no others: by their
+        node's eviction time, those alive have (runtime/fleet_contract/liveness.py). Nothing is asked while no
+        node is offline: the requests left expire on their own."""
+        if not self.settings.etcd_endpoints or not silent:
+            return
+        on_silent = Instance.objects.filter(node__in=silent, state__in=_ON_NODE_STATES)
+        workers = [worker for worker in on_silent.values_list("endpoint_instance_id", flat=True) if worker is not None]
+        try:
+            asyncio.run(ask_for_claims(list(self.settings.etcd_endpoints), workers))
+        except FlotillaError as exc:
+            _hold_log.warning(f"{exc}: the workers of the offline nodes cannot prove that they are alive meanwhile")
 
     def _live_workers(self, nodes: list[Node]) -> set[int] | None:
         """The worker ids of ``nodes``' instances that prove in etcd that they are alive (a signed, recent

@@ -3,11 +3,18 @@
 The reconciler does not evict an instance of a silent node whose worker is alive (controlplane/deployments/
 reconciler.py): its agent is cut off, not its machine. A registration in etcd is no proof of that: any
 worker can put keys there, under a lease it keeps alive, and etcd lets anyone refresh anyone's lease. So a
-worker that holds a key (runtime/fleet_contract/worker_keys.py) puts a signed, dated claim under its lease,
-``flotilla/liveness/<worker id in hex>``, and signs it again every ``REFRESH_S``::
+worker that holds a key (runtime/fleet_contract/worker_keys.py) proves it with a signed, dated claim under
+its own lease, ``flotilla/liveness/<worker id in hex>``, signed anew every ``REFRESH_S``::
 
     {"instance": <control-plane instance id>, "worker": <worker id>, "at": <Unix time, whole seconds>,
      "signatures": {<key id>: <HMAC>}}
+
+Only while it is asked: each put is an etcd revision, kept until etcd compacts its history (which it does
+not by default), so a claim every few seconds from every worker for ever would fill etcd's quota in weeks.
+The reconciler asks the workers of offline nodes only (``ask_for_claims``: ``flotilla/liveness-asked/<worker
+id>``, under a lease it keeps alive while the node is offline, and deletes once it is back); each worker
+watches its own request (``claim_while_asked``). Someone else's request only makes a worker write claims
+for a while; a request deleted by someone else only stops them, which can hasten an eviction, not stop one.
 
 The reconciler believes a worker alive only for a claim that verifies under the worker key of the instance
 it is asked about (one per agent token of its node), names that instance and that worker, and is dated
@@ -20,7 +27,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import aetcd
 
@@ -33,6 +41,9 @@ from runtime.settings import parse_etcd_endpoint
 log = logging.getLogger(__name__)
 
 LIVENESS_PREFIX = "flotilla/liveness/"
+ASKED_PREFIX = "flotilla/liveness-asked/"
+#: How long a request outlives the last reconciler pass that wanted it.
+ASKED_TTL_S = 60
 #: How often a worker signs its claim again.
 REFRESH_S = 10.0
 #: How far a claim's date may be from the reader's clock (the reconciler's default): the refresh interval,
@@ -46,6 +57,11 @@ _SIGNED_AS = "liveness v1"
 def liveness_key(worker_id: int) -> str:
     """Where the worker whose etcd instance id is ``worker_id`` claims to be alive."""
     return f"{LIVENESS_PREFIX}{worker_id:x}"
+
+
+def asked_key(worker_id: int) -> str:
+    """Where the control plane asks the worker whose etcd instance id is ``worker_id`` to claim it is alive."""
+    return f"{ASKED_PREFIX}{worker_id:x}"
 
 
 def claim_value(key: WorkerKey, worker_id: int, at: float) -> bytes:
@@ -104,25 +120,90 @@ async def read_claims(endpoints: list[str]) -> dict[int, bytes]:
 
     Raises ConfigError for a malformed endpoint, DiscoveryUnavailable when no endpoint answers.
     """
+    claims: dict[int, bytes] = {}
+
+    async def read(client: aetcd.Client) -> None:
+        for worker_id, kv in (await _listing(client, LIVENESS_PREFIX)).items():
+            claims[worker_id] = bytes(kv.value)
+
+    await _through_first_answering(endpoints, read, "see which workers are alive")
+    return claims
+
+
+async def ask_for_claims(endpoints: list[str], worker_ids: Iterable[int]) -> None:
+    """Ask the workers ``worker_ids`` (and no others) to claim that they are alive, through the first of
+    ``endpoints`` that answers: a missing request is put under a lease of ``ASKED_TTL_S``, a present one has
+    its lease refreshed (no new revision), one no longer wanted is deleted.
+
+    Raises ConfigError for a malformed endpoint, DiscoveryUnavailable when no endpoint answers.
+    """
+    wanted = set(worker_ids)
+
+    async def ask(client: aetcd.Client) -> None:
+        present = await _listing(client, ASKED_PREFIX)
+        for worker_id in present.keys() - wanted:
+            await client.delete(asked_key(worker_id).encode())
+        missing = wanted - present.keys()
+        for lease_id in {present[worker_id].lease for worker_id in wanted & present.keys()}:
+            reply = await client.refresh_lease(lease_id)
+            if reply is None or reply.TTL <= 0:  # expired meanwhile: its keys are gone, or about to be
+                missing |= {worker_id for worker_id in wanted & present.keys() if present[worker_id].lease == lease_id}
+        if missing:
+            lease = await client.lease(ASKED_TTL_S)
+            for worker_id in sorted(missing):
+                await client.put(asked_key(worker_id).encode(), b"prove that you are alive", lease=lease.id)
+
+    await _through_first_answering(endpoints, ask, "ask workers whether they are alive")
+
+
+async def _listing(client: aetcd.Client, prefix: str) -> dict[int, Any]:
+    """The keys under ``prefix`` that end in a worker id, by that id."""
+    listed = {}
+    for kv in (await client.get_prefix(prefix.encode())).kvs:
+        try:
+            listed[int(bytes(kv.key)[len(prefix) :].decode(), 16)] = kv
+        except ValueError:  # not ours (no Flotilla process writes one): it names no worker
+            continue
+    return listed
+
+
+async def _through_first_answering(
+    endpoints: list[str], work: Callable[[aetcd.Client], Awaitable[None]], purpose: str
+) -> None:
     failures = []
     for host, port in (parse_etcd_endpoint(endpoint) for endpoint in endpoints):
         client = aetcd.Client(host=host, port=port, timeout=_RPC_TIMEOUT_S)
         try:
-            response = await client.get_prefix(LIVENESS_PREFIX.encode())
+            await work(client)
         except aetcd.ClientError as exc:
             failures.append(f"{host}:{port}: {str(exc).rpartition(': ')[2] or exc}")
             continue
         finally:
             await client.close()
-        claims = {}
-        for kv in response.kvs:
-            try:
-                worker_id = int(bytes(kv.key)[len(LIVENESS_PREFIX) :].decode(), 16)
-            except ValueError:  # not ours (no Flotilla process writes one): it names no worker
+        return
+    raise DiscoveryUnavailable(f"cannot reach etcd to {purpose} ({'; '.join(failures)})")
+
+
+async def claim_while_asked(discovery: Discovery, worker_id: int, key: WorkerKey) -> None:
+    """Claim that worker ``worker_id`` is alive (``keep_claiming``) for as long as the control plane asks it
+    to, until cancelled. Rides out etcd outages as ``Discovery.watch_prefix`` does."""
+    own = asked_key(worker_id)
+    claiming: asyncio.Task[None] | None = None
+    try:
+        async for event in discovery.watch_prefix(own):
+            if event.key != own:  # the prefix of "…/abc" also matches "…/abcd"
                 continue
-            claims[worker_id] = bytes(kv.value)
-        return claims
-    raise DiscoveryUnavailable(f"cannot reach etcd to see which workers are alive ({'; '.join(failures)})")
+            if event.kind == "put" and (claiming is None or claiming.done()):
+                log.info("worker %x: its node is silent to the control plane; claiming that it is alive", worker_id)
+                claiming = asyncio.create_task(keep_claiming(discovery, worker_id, key), name="liveness claims")
+            elif event.kind == "delete" and claiming is not None:
+                claiming.cancel()
+                await asyncio.wait([claiming])
+                claiming = None
+    finally:
+        if claiming is not None:
+            claiming.cancel()
+            await asyncio.wait([claiming])
 
 
 async def keep_claiming(

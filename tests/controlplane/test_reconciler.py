@@ -23,13 +23,13 @@ from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
 from runtime.errors import ConfigError
 from runtime.fleet_contract.fences import FENCES_PREFIX, fence_key, fence_reason
-from runtime.fleet_contract.liveness import claim_value, liveness_key
+from runtime.fleet_contract.liveness import ASKED_PREFIX, asked_key, claim_value, liveness_key
 from runtime.fleet_contract.signing import SigningKey, agent_signing_key
 from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE, HubSource, StartInstance, StopInstance
 from runtime.fleet_contract.worker_keys import WorkerKey, worker_key
 from tests.controlplane.factories import TEST_ACTOR, GiB, agent_token, deploy, make_model, make_node, node_report
 from tests.controlplane.reconciling import Clock, RecordingDispatcher, Sent, agent_reports, make_reconciler
-from tests.distributed.cluster import etcd_put, etcd_values
+from tests.distributed.cluster import etcd_leases, etcd_put, etcd_values
 from tests.infra import EtcdServer
 from tests.servers import free_port
 
@@ -536,6 +536,30 @@ def test_a_worker_that_signs_it_is_alive_is_not_evicted_with_its_silent_node(
     other.refresh_from_db()  # no worker in etcd yet: lost with its node, and pinned there, so not placed again
     assert other.pipeline == starting and (other.state, other.restarts, other.node) == (S.PENDING, 1, None)
     assert etcd_values(etcd_server, FENCES_PREFIX) == {}
+
+
+def test_the_workers_of_offline_nodes_only_are_asked_to_sign_that_they_are_alive(
+    etcd_server: EtcdServer, dispatcher: RecordingDispatcher, clock: Clock
+) -> None:
+    """Each claim is an etcd write: asked for where it may spare an instance, not from every worker for ever."""
+    _two_ready_replicas(dispatcher, clock)
+    reconciler = make_reconciler(
+        dispatcher, clock, node_timeout_s=15, evict_after_s=300, etcd_endpoints=(etcd_server.endpoint,)
+    )
+    reconciler.run_once()
+    assert etcd_values(etcd_server, ASKED_PREFIX) == {}  # every node heartbeats
+
+    _only_b_heartbeats(clock, 16)
+    reconciler.run_once()
+    assert list(etcd_values(etcd_server, ASKED_PREFIX)) == [asked_key(0xA1)]
+    assert etcd_leases(etcd_server, ASKED_PREFIX)[asked_key(0xA1)] != 0  # it expires unless asked again
+
+    # gpu-a is back, gpu-b falls silent: a1 is no longer asked, b1 is.
+    Node.objects.filter(name="gpu-a").update(state=Node.State.ONLINE, last_heartbeat_at=clock.now)
+    clock.advance(16)
+    Node.objects.filter(name="gpu-a").update(last_heartbeat_at=clock.now)
+    reconciler.run_once()
+    assert list(etcd_values(etcd_server, ASKED_PREFIX)) == [asked_key(0xB1)]
 
 
 def _registration_only(on_a: Instance, on_b: Instance, gpu_a: SigningKey, now: float) -> tuple[str, bytes]:

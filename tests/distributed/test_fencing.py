@@ -11,7 +11,7 @@ import pytest
 from runtime.errors import DiscoveryUnavailable
 from runtime.fleet_contract import fences as fencing
 from runtime.fleet_contract.fences import FenceTarget, fence_key, fence_value, put_fences
-from runtime.fleet_contract.liveness import BadClaim, check_claim, liveness_key
+from runtime.fleet_contract.liveness import BadClaim, asked_key, check_claim, liveness_key
 from runtime.fleet_contract.signing import agent_signing_key
 from runtime.fleet_contract.worker_keys import WORKER_KEY_VARIABLE, encode, worker_key
 from tests.distributed.cluster import Cluster, Worker, etcd_leases, etcd_put, etcd_values, served_models, wait_until
@@ -91,9 +91,13 @@ def test_a_worker_started_by_hand_has_no_key_and_obeys_any_fence(cluster: Cluste
     assert "fenced by the control plane: stop, whoever you are" in worker.log()
 
 
-def test_a_worker_with_a_key_signs_its_liveness_which_holds_for_its_instance_only(cluster: Cluster) -> None:
+def test_a_worker_asked_signs_its_liveness_which_holds_for_its_instance_only(cluster: Cluster) -> None:
     worker = start_keyed_worker(cluster, 7)
     claim = liveness_key(worker_id(worker))
+    assert etcd_values(cluster.etcd, "flotilla/liveness/") == {}  # nobody asked: no etcd write every few seconds
+
+    etcd_put(cluster.etcd, asked_key(worker_id(worker)), "prove that you are alive")  # as the reconciler asks
+
     wait_until(lambda: claim in etcd_values(cluster.etcd, "flotilla/liveness/"), 15, "no liveness claim")
     value = etcd_values(cluster.etcd, "flotilla/liveness/")[claim].encode()
 
