@@ -143,11 +143,13 @@ async def ask_for_claims(endpoints: list[str], worker_ids: Iterable[int]) -> Non
         present = await _listing(client, ASKED_PREFIX)
         for worker_id in present.keys() - wanted:
             await client.delete(asked_key(worker_id).encode())
-        missing = wanted - present.keys()
-        for lease_id in {present[worker_id].lease for worker_id in wanted & present.keys()}:
+        # A request with no lease is not ours (someone else put it): put ours over it, which lets it expire.
+        leased = {worker_id: present[worker_id].lease for worker_id in wanted & present.keys()}
+        missing = {worker_id for worker_id in wanted if not leased.get(worker_id)}
+        for lease_id in set(leased.values()) - {0}:
             reply = await client.refresh_lease(lease_id)
             if reply is None or reply.TTL <= 0:  # expired meanwhile: its keys are gone, or about to be
-                missing |= {worker_id for worker_id in wanted & present.keys() if present[worker_id].lease == lease_id}
+                missing |= {worker_id for worker_id, lease in leased.items() if lease == lease_id}
         if missing:
             lease = await client.lease(ASKED_TTL_S)
             for worker_id in sorted(missing):

@@ -548,11 +548,12 @@ def test_the_workers_of_offline_nodes_only_are_asked_to_sign_that_they_are_alive
     )
     reconciler.run_once()
     assert etcd_values(etcd_server, ASKED_PREFIX) == {}  # every node heartbeats
+    etcd_put(etcd_server, asked_key(0xA1), "someone else's, with no lease")
 
     _only_b_heartbeats(clock, 16)
     reconciler.run_once()
     assert list(etcd_values(etcd_server, ASKED_PREFIX)) == [asked_key(0xA1)]
-    assert etcd_leases(etcd_server, ASKED_PREFIX)[asked_key(0xA1)] != 0  # it expires unless asked again
+    assert etcd_leases(etcd_server, ASKED_PREFIX)[asked_key(0xA1)] != 0  # ours: it expires unless asked again
 
     # gpu-a is back, gpu-b falls silent: a1 is no longer asked, b1 is.
     Node.objects.filter(name="gpu-a").update(state=Node.State.ONLINE, last_heartbeat_at=clock.now)
