@@ -7,6 +7,7 @@ the admin and the API all read. Superusers are admins whatever the field says.
 
 import hashlib
 import secrets
+from enum import StrEnum
 from typing import ClassVar
 
 from django.contrib.auth.models import AbstractUser
@@ -23,11 +24,26 @@ class Role(models.TextChoices):
 
     READ_ONLY = "read_only", "read-only"  # read models, nodes, pipelines, instances
     OPERATOR = "operator", "operator"  # + deploy, scale, stop, restart, drain; edit the catalog; read the audit log
-    ADMIN = "admin", "admin"  # + delete nodes, manage people's and agents' tokens
+    ADMIN = "admin", "admin"  # + delete nodes, manage people's and agents' tokens, trust a model's remote code
 
     @property
     def rank(self) -> int:
         return list(Role).index(self)
+
+
+class Permission(StrEnum):
+    """What a role allows beyond what its rank says: a power held by the roles ``ROLE_PERMISSIONS`` lists."""
+
+    #: Turn on an engine's ``trust_remote_code`` (controlplane/catalog/remote_code.py): the model repo's own
+    #: Python code then runs in the workers, on the nodes, which is an operator's code execution there.
+    TRUST_REMOTE_CODE = "trust_remote_code"
+
+
+ROLE_PERMISSIONS: dict[Role, frozenset[Permission]] = {
+    Role.READ_ONLY: frozenset(),
+    Role.OPERATOR: frozenset(),
+    Role.ADMIN: frozenset({Permission.TRUST_REMOTE_CODE}),
+}
 
 
 class User(AbstractUser):
@@ -42,6 +58,10 @@ class User(AbstractUser):
     def has_role(self, needed: Role) -> bool:
         """Whether this person's role is ``needed`` or above it (inactive people have none)."""
         return self.is_active and self.effective_role.rank >= needed.rank
+
+    def held_permissions(self) -> frozenset[Permission]:
+        """The permissions this person's role holds (inactive people hold none)."""
+        return ROLE_PERMISSIONS[self.effective_role] if self.is_active else frozenset()
 
 
 def hash_token(key: str) -> str:

@@ -24,14 +24,24 @@ entry_committed = Signal()
 
 @dataclass(frozen=True)
 class Actor:
-    """Who makes a change: a person (with their user id), a node's agent, or the system itself."""
+    """Who makes a change: a person (with their user id), a node's agent, or the system itself.
+
+    ``permissions`` are the names of what the person's role allows beyond its rank
+    (``controlplane.accounts.models.Permission``); actions that need one check it with ``holds``. Agents and
+    the system hold none.
+    """
 
     name: str
     user_id: int | None = None
+    permissions: frozenset[str] = frozenset()
 
     @classmethod
     def person(cls, user: Any) -> "Actor":
-        return cls(name=user.get_username(), user_id=user.pk)
+        return cls(name=user.get_username(), user_id=user.pk, permissions=frozenset(user.held_permissions()))
+
+    def holds(self, permission: str) -> bool:
+        """Whether this actor holds ``permission`` (a ``Permission``'s value)."""
+        return permission in self.permissions
 
     @classmethod
     def agent(cls, node_name: str) -> "Actor":

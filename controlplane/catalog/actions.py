@@ -18,6 +18,7 @@ from controlplane.catalog.engines import GGUF_ONLY_ENGINES
 from controlplane.catalog.local_roots import check_local_source
 from controlplane.catalog.memory import estimate_memory_bytes, read_local_model
 from controlplane.catalog.models import LanguageModel, validate_model_name
+from controlplane.catalog.remote_code import check_model_change, record_change
 from controlplane.errors import Conflict, Invalid, InvalidDocument
 from planner.errors import ProfileError
 from planner.profile import Profile
@@ -38,6 +39,8 @@ MODEL_FIELDS = frozenset(
         "config",
     }
 )
+# Where a model's files come from: trusting its remote code trusts these (catalog/remote_code.py).
+_SOURCE_FIELDS = ("source_kind", "source", "revision", "filename")
 # What an estimate is made of: a change to any of them makes a new one.
 _ESTIMATE_INPUTS = frozenset({"size_bytes", "config", "context_length", "source", "source_kind"})
 # huggingface_hub's own rule for a repo id: "name" or "owner/name".
@@ -51,12 +54,14 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     """Add a model to the catalog.
 
     Raises Invalid naming the field when the source does not suit its kind or the engine, Conflict
-    when the name is taken.
+    when the name is taken, Forbidden when its default engine args trust remote code and ``actor`` may not
+    allow that (catalog/remote_code.py).
     """
     _check_fields(fields)
     model = LanguageModel(**fields)
     _check_name(model.name)
     check_model(model)
+    remote_code = check_model_change(actor, before=None, after=model.default_engine_args, source_changed=False)
     _check_local_root(model)
     _fill_from_local_files(model)
     if model.memory_bytes is None:
@@ -66,6 +71,7 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     except IntegrityError as exc:
         raise Conflict(f"a model named {model.name!r} already exists") from exc
     record(actor, "model.create", model, before=None, after=snapshot(model))
+    record_change(actor, model, remote_code, kind="model", where="default_engine_args")
     return model
 
 
@@ -73,7 +79,8 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
 def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> LanguageModel:
     """Change a model's fields; pipelines already deployed keep running with what they were started with.
 
-    Raises Invalid or Conflict as ``create_model`` does.
+    Raises Invalid, Conflict or Forbidden as ``create_model`` does; Forbidden too for a new source of a model
+    whose default engine args trust remote code.
     """
     _check_fields(changes)
     model = LanguageModel.objects.select_for_update().get(pk=model.pk)
@@ -81,6 +88,12 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
     for name, value in changes.items():
         setattr(model, name, value)
     check_model(model)
+    remote_code = check_model_change(
+        actor,
+        before=before["default_engine_args"],
+        after=model.default_engine_args,
+        source_changed=any(before[name] != getattr(model, name) for name in _SOURCE_FIELDS),
+    )
     if "source" in changes or "source_kind" in changes:
         _check_local_root(model)
         _fill_from_local_files(model)
@@ -95,6 +108,7 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
     except IntegrityError as exc:
         raise Conflict(f"a model named {model.name!r} already exists") from exc
     record(actor, "model.update", model, before=before, after=snapshot(model))
+    record_change(actor, model, remote_code, kind="model", where="default_engine_args")
     return model
 
 

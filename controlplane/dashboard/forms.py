@@ -33,7 +33,7 @@ from controlplane.deployments.pipelines import (
     MAX_ROUTER_WEIGHT,
     GroupSpec,
 )
-from controlplane.errors import Conflict, Invalid
+from controlplane.errors import Conflict, Forbidden, Invalid
 from controlplane.fleet.node_engines import engine_choices
 from runtime.fleet_contract.router_settings import (
     DEFAULT_DISK_HIT_WEIGHT,
@@ -77,11 +77,15 @@ class ActionForm(forms.Form):
 
     # Where a Conflict goes (the field whose value collides); None: the whole form.
     conflict_field: str | None = None
+    # Where a Forbidden goes (engine args that need a permission the person lacks); None: the whole form.
+    forbidden_field: str | None = None
 
-    def refuse(self, error: Invalid | Conflict) -> None:
+    def refuse(self, error: Invalid | Conflict | Forbidden) -> None:
         if isinstance(error, Invalid):
             field = error.field if error.field in self.fields else None
             message = error.message if field is not None or error.field is None else f"{error.field}: {error.message}"
+        elif isinstance(error, Forbidden):
+            field, message = self.forbidden_field, str(error)
         else:
             field, message = self.conflict_field, str(error)
         self.add_error(field, message)
@@ -91,6 +95,7 @@ class ModelForm(ActionForm):
     """Add a model to the catalog: a Hugging Face repo (id and revision), a local folder, or a GGUF file."""
 
     conflict_field = "name"
+    forbidden_field = "default_engine_args"
 
     # The actions do not check names (the API's serializers do): the models' validators do it here.
     name = forms.CharField(max_length=100, validators=[validate_model_name], help_text="What pipelines refer to it by.")
@@ -117,7 +122,7 @@ class ModelForm(ActionForm):
             return None
         try:
             return catalog_actions.create_model(actor, **self.cleaned_data)
-        except (Invalid, Conflict) as error:
+        except (Invalid, Conflict, Forbidden) as error:
             self.refuse(error)
             return None
 
@@ -127,6 +132,7 @@ class PipelineForm(ActionForm):
     (docs/disaggregation.md), which share the engine and its args."""
 
     conflict_field = "name"
+    forbidden_field = "engine_args"
 
     name = forms.CharField(
         max_length=200,
@@ -282,7 +288,7 @@ class PipelineForm(ActionForm):
                 disagg_decode_busy=data["disagg_decode_busy"],
                 placement_policy=data["placement_policy"],
             )
-        except (Invalid, Conflict) as error:
+        except (Invalid, Conflict, Forbidden) as error:
             self.refuse(error)
             return None
 

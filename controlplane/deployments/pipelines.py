@@ -21,6 +21,7 @@ from django.db.models import F
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import DISAGG_ENGINES, GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
 from controlplane.catalog.models import LanguageModel
+from controlplane.catalog.remote_code import RemoteCodeChange, check_group_change, record_change
 from controlplane.deployments import served_names
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
 from controlplane.deployments.instances import add_instances, stop_instance
@@ -108,11 +109,15 @@ def deploy_pipeline(
     """Create a running pipeline with its worker groups and their (pending, unplaced) instances.
 
     Raises Invalid naming the field (groups, pins, router settings, namespace), Conflict when the name or
-    the namespace is taken.
+    the namespace is taken, Forbidden when a group's engine args trust remote code and ``actor`` may not allow
+    that (catalog/remote_code.py).
     """
     _check_served_name(name)
     _check_settings(settings)
     _check_groups(model, groups, settings.get("pinned_gpus") or [])
+    remote_code = {
+        spec.role: check_group_change(actor, before=None, after=spec.engine_args, role=spec.role) for spec in groups
+    }
     _check_host_tier(model, groups, settings.get("kv_host_cache_gib"), field="kv_host_cache_gib")
     for spec in groups:  # at deploy only: a group deployed before its node went keeps its engine
         check_engine_runs_somewhere(spec.engine or model.engine, f"the {spec.role} group", field="groups")
@@ -136,6 +141,8 @@ def deploy_pipeline(
         )
         add_instances(actor, group, spec.replicas)
     record(actor, "pipeline.deploy", pipeline, before=None, after=pipeline_snapshot(pipeline))
+    for role, change in remote_code.items():
+        _record_remote_code(actor, pipeline, change, role)
     served_names.publish_after_commit(pipeline)
     request_reconcile()
     return pipeline
@@ -183,13 +190,16 @@ def update_group(
 ) -> WorkerGroup:
     """Change a worker group's engine args or GPUs per replica. A change bumps the group's generation, and
     the reconciler replaces its instances one at a time (``roll_out_updates``). Raises Invalid naming the
-    field, Conflict when nothing would change.
+    field, Conflict when nothing would change, Forbidden when the new engine args turn remote code on and
+    ``actor`` may not allow that (catalog/remote_code.py).
     """
     pipeline = Pipeline.objects.select_for_update().select_related("model").get(pk=pipeline.pk)
     group = _group(pipeline, role)
     changes: dict[str, Any] = {}
+    remote_code = RemoteCodeChange(was=False, now=False)
     if engine_args is not None and engine_args != group.engine_args:
         changes["engine_args"] = engine_args
+        remote_code = check_group_change(actor, before=group.engine_args, after=engine_args, role=group.role)
     if gpus_per_replica is not None and gpus_per_replica != group.gpus_per_replica:
         changes["gpus_per_replica"] = gpus_per_replica
     if not changes:
@@ -211,8 +221,13 @@ def update_group(
     WorkerGroup.objects.filter(pk=group.pk).update(**changes, generation=F("generation") + 1)
     group.refresh_from_db()
     record(actor, "pipeline.update_group", pipeline, before=before, after=pipeline_snapshot(pipeline))
+    _record_remote_code(actor, pipeline, remote_code, group.role)
     request_reconcile()
     return group
+
+
+def _record_remote_code(actor: Actor, pipeline: Pipeline, change: RemoteCodeChange, role: str) -> None:
+    record_change(actor, pipeline, change, kind="pipeline", where=f"the {role} group's engine_args")
 
 
 @transaction.atomic

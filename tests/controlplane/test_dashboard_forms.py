@@ -258,3 +258,14 @@ def test_a_form_without_its_csrf_token_is_refused(page: str, body: dict[str, str
     # With the token from the page's form, the same post goes through.
     token = browser.get(page).context["csrf_token"]
     assert browser.post(page, {**body, "csrfmiddlewaretoken": str(token)}).status_code == 302
+
+
+def test_trust_remote_code_from_an_operators_form_is_refused_on_the_engine_args_field() -> None:
+    browser = logged_in(Role.OPERATOR)
+    trusting = '{"trust_remote_code": true}'
+    response = browser.post("/models/", {**A_MODEL, "default_engine_args": trusting})
+    assert response.status_code == 400 and field_errors(response.content.decode(), "Only an admin may allow that")
+    make_model("smol")
+    response = browser.post("/pipelines/", {**A_PIPELINE, "engine_args": trusting})
+    assert response.status_code == 400 and field_errors(response.content.decode(), "Only an admin may allow that")
+    assert not Pipeline.objects.exists() and LanguageModel.objects.get().default_engine_args == {}
