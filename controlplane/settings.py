@@ -31,6 +31,8 @@ WEB_SECURITY = web_security()
 SECURE_PROXY_SSL_HEADER = WEB_SECURITY.secure_proxy_ssl_header
 CSRF_TRUSTED_ORIGINS = WEB_SECURITY.csrf_trusted_origins
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = WEB_SECURITY.secure_cookies
+# Says when a refused form is the secure cookies' doing (a plain-HTTP page), and what to do.
+CSRF_FAILURE_VIEW = "controlplane.csrf_failure.csrf_failure"
 SECURE_HSTS_SECONDS = WEB_SECURITY.hsts_seconds
 SECURE_HSTS_INCLUDE_SUBDOMAINS = WEB_SECURITY.hsts_include_subdomains
 SECURE_HSTS_PRELOAD = WEB_SECURITY.hsts_preload

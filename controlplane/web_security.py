@@ -16,6 +16,11 @@ deploy/systemd/env/controlplane.env and the README):
 * ``FLOTILLA_LOGIN_MAX_FAILURES`` failed logins per user name and address within
   ``FLOTILLA_LOGIN_WINDOW_S`` seconds, after which that pair waits (controlplane/accounts/throttle.py).
 * ``FLOTILLA_PASSWORD_MIN_LENGTH``: the shortest password Django's validators accept.
+
+The defaults here suit a control plane on plain HTTP (a development machine, ``flotilla up``, which says what
+they leave off: ``relaxed``). Production is the systemd unit, flotilla-controlplane.service, which sets
+``PRODUCTION`` (the proxy trusted, secure cookies, a year of HSTS) unless /etc/flotilla/controlplane.env says
+otherwise; tests/deploy/test_units.py checks that the two agree.
 """
 
 from dataclasses import dataclass
@@ -23,6 +28,16 @@ from urllib.parse import urlsplit
 
 from runtime.config import env_bool, env_int, env_list
 from runtime.errors import ConfigError
+
+#: What flotilla-controlplane.service sets (its ``Environment=`` lines), behind the TLS proxy deploy/ puts in
+#: front of it: the proxy's X-Forwarded-Proto believed (the unit listens on loopback, where the proxy is),
+#: cookies over HTTPS only, and browsers told to keep to HTTPS for a year (Django sends the header only on
+#: HTTPS requests; not for subdomains, nor preloaded: those commit other hosts, an operator's choice).
+PRODUCTION = {
+    "FLOTILLA_TRUST_X_FORWARDED_PROTO": "true",
+    "FLOTILLA_SECURE_COOKIES": "true",
+    "FLOTILLA_HSTS_SECONDS": "31536000",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,18 @@ class WebSecurity:
             {"NAME": prefix + "CommonPasswordValidator"},
             {"NAME": prefix + "NumericPasswordValidator"},
         ]
+
+
+def relaxed(security: WebSecurity) -> list[str]:
+    """What ``security`` leaves off that production (``PRODUCTION``) turns on, each in words; [] for none."""
+    off = []
+    if security.secure_proxy_ssl_header is None:
+        off.append("a TLS proxy's X-Forwarded-Proto is not believed (FLOTILLA_TRUST_X_FORWARDED_PROTO)")
+    if not security.secure_cookies:
+        off.append("session and CSRF cookies also go over plain HTTP (FLOTILLA_SECURE_COOKIES)")
+    if security.hsts_seconds == 0:
+        off.append("no Strict-Transport-Security header (FLOTILLA_HSTS_SECONDS)")
+    return off
 
 
 def web_security() -> WebSecurity:

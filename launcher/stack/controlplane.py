@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from controlplane.web_security import WebSecurity, relaxed
 from runtime.errors import FlotillaError
 from runtime.models.source import DEFAULT_MODEL_PACKAGE
 
@@ -87,6 +88,19 @@ def parse_bootstrap(output: str) -> Bootstrap:
         return Bootstrap(bool(data["admin_created"]), data["admin_token"], data["agent_token"], data.get("api_key"))
     except (IndexError, ValueError, KeyError, TypeError) as exc:
         raise ControlPlaneError(f"the control plane's account bootstrap printed no result: {output[-500:]!r}") from exc
+
+
+def development_notice(security: WebSecurity) -> str:
+    """What ``flotilla up``'s control plane leaves off that a production one (deploy/systemd) has on, as lines
+    to print; "" when it leaves nothing off (the variables set for a TLS proxy in front of it)."""
+    off = relaxed(security)
+    if not off:
+        return ""
+    items = "".join(f"\n    - {item}" for item in off)
+    return (
+        "  development web settings (plain HTTP on 127.0.0.1; production, deploy/systemd, has these on):"
+        f"{items}\n    set the variables to turn them on, e.g. behind a TLS proxy (docs/operations.md)"
+    )
 
 
 def read_secret(path: Path) -> str:

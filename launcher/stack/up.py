@@ -41,6 +41,7 @@ import httpx
 
 from agent.workers.processes import WorkerProcess
 from agent.workers.records import load_records
+from controlplane.web_security import web_security
 from launcher.proctitle import set_title
 from launcher.stack.controlplane import (
     ADMIN_TOKEN_FILE,
@@ -51,6 +52,7 @@ from launcher.stack.controlplane import (
     ControlPlaneClient,
     ControlPlaneError,
     bootstrap_command,
+    development_notice,
     local_model_roots,
     manage_command,
     parse_bootstrap,
@@ -543,6 +545,10 @@ class Stack:
         # Any answer will do (401 without a token): Django is serving.
         await self._wait_ready(child, lambda: self._http_answers(f"{url}/api/v1/models/"), SERVICE_START_S)
         self.say(f"  control plane  {url}/")
+        # It takes its web settings from this environment (env sets none): read here the same way (a bad value
+        # stopped its migrations already, with the variable named).
+        if notice := development_notice(web_security()):
+            self.say(notice)
         return read_secret(data_dir / ADMIN_TOKEN_FILE)
 
     async def _first_pipeline(self, client: ControlPlaneClient) -> list[str]:

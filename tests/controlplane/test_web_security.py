@@ -7,7 +7,8 @@ import pytest
 from django.test import Client, override_settings
 
 from controlplane import settings as settings_module
-from controlplane.web_security import web_security
+from controlplane.csrf_failure import PLAIN_HTTP_WITH_SECURE_COOKIES
+from controlplane.web_security import PRODUCTION, relaxed, web_security
 from runtime.errors import ConfigError
 from tests.controlplane.factories import make_user
 
@@ -73,6 +74,22 @@ def test_by_default_nothing_is_trusted_and_cookies_also_go_over_http() -> None:
     assert (security.secure_cookies, security.hsts_seconds) == (False, 0)
 
 
+def test_the_production_settings_relax_nothing_and_the_defaults_say_what_they_relax(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert [text.rsplit("(", 1)[1] for text in relaxed(web_security())] == [
+        "FLOTILLA_TRUST_X_FORWARDED_PROTO)",
+        "FLOTILLA_SECURE_COOKIES)",
+        "FLOTILLA_HSTS_SECONDS)",
+    ]
+    for name, value in PRODUCTION.items():
+        monkeypatch.setenv(name, value)
+    security = web_security()
+    assert relaxed(security) == []
+    assert (security.secure_proxy_ssl_header, security.secure_cookies) == (("HTTP_X_FORWARDED_PROTO", "https"), True)
+    assert (security.hsts_seconds, security.hsts_include_subdomains, security.hsts_preload) == (31536000, False, False)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
@@ -126,3 +143,16 @@ def test_without_trusting_the_proxy_the_same_login_is_refused_as_cross_origin() 
             "/login/", {"username": "bob", "password": "x", "csrfmiddlewaretoken": token}, **proxied
         )
     assert response.status_code == 403
+
+
+@pytest.mark.django_db
+def test_a_login_posted_from_a_plain_http_page_with_secure_cookies_on_says_why_it_is_refused() -> None:
+    # A browser keeps no Secure cookie from an http:// page: the form arrives without its CSRF cookie.
+    make_user("bob")
+    with override_settings(CSRF_COOKIE_SECURE=True, SESSION_COOKIE_SECURE=True):
+        response = Client(enforce_csrf_checks=True).post("/login/", {"username": "bob", "password": "x"})
+        assert response.status_code == 403
+        assert response.content.decode() == PLAIN_HTTP_WITH_SECURE_COOKIES
+        # Over HTTPS the same missing cookie is another fault: Django's own page names it.
+        response = Client(enforce_csrf_checks=True).post("/login/", {"username": "bob"}, secure=True)
+    assert response.status_code == 403 and "FLOTILLA_SECURE_COOKIES" not in response.content.decode()

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.web_security import PRODUCTION
+
 CHECKOUT = Path(__file__).resolve().parents[2]
 UNITS_DIR = CHECKOUT / "deploy" / "systemd"
 VERIFY = CHECKOUT / "deploy" / "verify-units.sh"
@@ -59,6 +61,21 @@ def test_the_agent_leaves_its_workers_running_when_it_stops() -> None:
     agent = unit("flotilla-agent.service")
     assert agent["Service"]["KillMode"] == "process"
     assert agent["Service"]["ExecStart"] == "/opt/flotilla/venv/bin/flotilla agent"
+
+
+def environment(name: str) -> dict[str, str]:
+    """The unit's ``Environment=`` lines (configparser keeps only the last of a repeated key)."""
+    lines = (UNITS_DIR / name).read_text().splitlines()
+    return dict(line.removeprefix("Environment=").split("=", 1) for line in lines if line.startswith("Environment="))
+
+
+def test_the_control_plane_is_secure_by_default_behind_its_tls_proxy() -> None:
+    service = environment("flotilla-controlplane.service")
+    assert {name: service.get(name) for name in PRODUCTION} == PRODUCTION
+    # And its env file (read after them: it wins) leaves them so unless an operator uncomments a line.
+    env_file = (UNITS_DIR / "env" / "controlplane.env").read_text().splitlines()
+    assert not [line for line in env_file if line.split("=", 1)[0] in PRODUCTION]
+    assert {f"#{name}={value}" for name, value in PRODUCTION.items()} <= set(env_file)
 
 
 def test_the_control_plane_migrates_before_it_serves() -> None:

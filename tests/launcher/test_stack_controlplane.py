@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.web_security import PRODUCTION, web_security
 from launcher.stack.controlplane import (
     ADMIN_TOKEN_FILE,
     ADMIN_USERNAME,
@@ -17,6 +18,7 @@ from launcher.stack.controlplane import (
     ControlPlaneError,
     FirstModel,
     bootstrap_command,
+    development_notice,
     local_model_roots,
     manage_command,
     parse_bootstrap,
@@ -64,3 +66,18 @@ def test_the_bootstrap_result_is_its_last_line() -> None:
     assert parse_bootstrap(output) == Bootstrap(admin_created=True, admin_token="flt_a", agent_token=None)
     with pytest.raises(ControlPlaneError, match="printed no result"):
         parse_bootstrap("Traceback (most recent call last): ...")
+
+
+def test_the_stack_says_which_production_web_settings_its_control_plane_leaves_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in PRODUCTION:
+        monkeypatch.delenv(name, raising=False)
+    notice = development_notice(web_security())
+    assert notice.startswith("  development web settings (plain HTTP on 127.0.0.1; production, deploy/systemd")
+    assert all(name in notice for name in PRODUCTION)
+    monkeypatch.setenv("FLOTILLA_SECURE_COOKIES", "true")
+    assert "FLOTILLA_SECURE_COOKIES" not in development_notice(web_security())
+    for name, value in PRODUCTION.items():
+        monkeypatch.setenv(name, value)
+    assert development_notice(web_security()) == ""
