@@ -57,6 +57,7 @@ from agent.workers.attempt_files import AttemptFiles
 from agent.workers.readiness import RegistrationWatch
 from agent.workers.spec import DEFAULT_COMMAND, allowed_environment
 from agent.workers.supervisor import Readiness, Supervisor
+from agent.workers.worker_user import WorkerUser, share_models_dir
 from runtime.cluster.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed
 from runtime.fleet_contract.engine_names import engines_on_this_node
@@ -120,6 +121,7 @@ class NodeAgent:
         listing_lag_s: float = 5.0,
         engines: Collection[str] | None = None,
         signing_key: SigningKey | None = None,
+        worker_user: WorkerUser | None = None,
     ) -> None:
         """``worker_env`` is the workers' environment (default: the agent's own); every ``reconcile_s`` the
         workers are compared with the control plane's list, which may not show a start sent less than
@@ -145,6 +147,7 @@ class NodeAgent:
             stop_timeout_s=stop_timeout_s,
             base_env=worker_env,
             node_key=signing_key,
+            worker_user=worker_user,
         )
         self._heartbeats = Heartbeats(
             client=client,
@@ -254,6 +257,8 @@ class AgentSettings:
     stop_timeout_s: float = 30.0
     #: The machine id sent to the control plane; "" for this machine's own (agent/machine_identity.py).
     machine_id: str = ""
+    #: The user the workers run as when the agent is root (agent/workers/worker_user.py); None: the agent's.
+    worker_user: WorkerUser | None = None
 
 
 async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
@@ -265,6 +270,10 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
     """
     loop = asyncio.get_running_loop()
     machine = settings.machine_id or await asyncio.to_thread(local_machine_id, settings.state_dir)
+    if (user := settings.worker_user) is not None:
+        # Before any download: what it writes must be the workers' group's to read.
+        await asyncio.to_thread(share_models_dir, settings.models_dir, user)
+        log.info("engine workers run as user %s (uid %d), without access to the agent's token", user.name, user.uid)
     async with AsyncExitStack() as stack:
         inventory = Inventory(settings.simulated_gpus)
         stack.callback(inventory.close)
@@ -296,6 +305,7 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
             version=settings.version,
             machine_id=machine,
             signing_key=signing_key,
+            worker_user=settings.worker_user,
         )
         stack.push_async_callback(agent.close)
         if not await _unless_stopped(agent.start(), stop):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install Flotilla as systemd services on this machine, from this checkout. Safe to run again (to upgrade):
 #
-#   * the system user `flotilla` (home /var/lib/flotilla, no login), if missing;
+#   * the system user `flotilla` (home /var/lib/flotilla, no login), if missing, and `flotilla-worker` (home
+#     /var/lib/flotilla-worker, where the engines keep their caches): the agent runs as root and starts each
+#     engine worker as flotilla-worker, which cannot read the agent's token (agent/workers/worker_user.py);
 #   * /opt/flotilla/src, a copy of this checkout's files (tracked and untracked, not ignored ones), and
 #     /opt/flotilla/venv, a Python 3.11 virtual environment with it installed (editable: the control plane
 #     finds its templates, static files and manage.py beside its package, which a wheel would not carry), plus
@@ -56,6 +58,7 @@ ETC="$ROOT/etc/flotilla"
 UNITS="$ROOT/etc/systemd/system"
 PYTHON="${PYTHON:-python3.11}"
 USER_NAME=flotilla
+WORKER_USER=flotilla-worker
 
 # Each step is printed; with --dry-run, only printed.
 step() {
@@ -76,6 +79,15 @@ elif getent passwd "$USER_NAME" >/dev/null; then
 else
     step useradd --system --user-group --home-dir /var/lib/flotilla --no-create-home \
         --shell /usr/sbin/nologin --comment "Flotilla services" "$USER_NAME"
+fi
+if [ -n "$ROOT" ]; then
+    note "--root: not creating the user $WORKER_USER"
+elif getent passwd "$WORKER_USER" >/dev/null; then
+    note "user $WORKER_USER exists"
+else
+    # A home of its own (0700): the engines write their caches (Triton, torch, the hub's tokenizers) there.
+    step useradd --system --user-group --home-dir "/var/lib/$WORKER_USER" --create-home \
+        --shell /usr/sbin/nologin --comment "Flotilla engine workers" "$WORKER_USER"
 fi
 OWNER_GROUP=""
 if [ -z "$ROOT" ] && { getent group "$USER_NAME" >/dev/null || [ "$DRY_RUN" -eq 1 ]; }; then
@@ -194,4 +206,6 @@ Installed. Next steps:
        manage createtoken --agent "\$(hostname -s)" > /etc/flotilla/agent.token
        chmod 600 /etc/flotilla/agent.token
   4. The agent: systemctl enable --now flotilla-agent
+     (it runs as root, and its engine workers as $WORKER_USER; a local model folder must be readable by
+     $WORKER_USER: the models it downloads are shared with that group)
 EOF

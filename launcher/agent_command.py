@@ -20,6 +20,7 @@ from agent.control_plane_client import TokenRejected
 from agent.inventory import parse_gpu_spec
 from agent.machine_identity import valid_machine_id
 from agent.node_agent import AgentSettings, run_agent
+from agent.workers.worker_user import DEFAULT_WORKER_USER, resolve_worker_user
 from launcher.arg_types import checked_by, number
 from launcher.env_flags import EnvArgumentParser
 from launcher.proctitle import set_title
@@ -204,6 +205,13 @@ def build_agent_parser() -> EnvArgumentParser:
         help="the id this machine registers its node with (default: /etc/machine-id, else a random one kept in "
         "STATE_DIR/machine-id); the control plane refuses another machine's agent under this node's name",
     )
+    parser.add_flag(
+        "--worker-user",
+        env="FLOTILLA_WORKER_USER",
+        help="the unprivileged user the engine workers run as, when the agent runs as root, so that they cannot "
+        f"read its token (flotilla-agent.service: {DEFAULT_WORKER_USER}, which deploy/install.sh creates; default: "
+        "the agent's own user)",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for debug logs, -vv for trace")
     return parser
 
@@ -242,6 +250,7 @@ def agent_settings(parser: EnvArgumentParser, namespace: argparse.Namespace) -> 
         reconcile_s=namespace.reconcile_s,
         version=_version(),
         machine_id=namespace.machine_id or "",
+        worker_user=resolve_worker_user(namespace.worker_user),
     )
 
 

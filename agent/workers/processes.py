@@ -24,7 +24,9 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from agent.workers.worker_user import WorkerUser
 from runtime.process_tree import DEFAULT_GRACE_S, Tree, end_tree, marked_environment, new_mark
 
 log = logging.getLogger(__name__)
@@ -138,9 +140,12 @@ class WorkerProcess:
         self._popen = popen
 
     @classmethod
-    def spawn(cls, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> "WorkerProcess":
-        """Start ``argv`` in its own session, its tree marked, stdout and stderr appended to ``log_path``.
-        Raises OSError."""
+    def spawn(
+        cls, argv: Sequence[str], env: Mapping[str, str], log_path: Path, *, user: WorkerUser | None = None
+    ) -> "WorkerProcess":
+        """Start ``argv`` in its own session, its tree marked, stdout and stderr appended to ``log_path``; as
+        ``user`` when given (agent/workers/worker_user.py: the agent is root), else as the agent. The log is
+        opened here and handed over, so the worker needs no access to the log folder. Raises OSError."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         mark = new_mark()
         with log_path.open("ab") as log_file:
@@ -149,9 +154,10 @@ class WorkerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env={**env, **marked_environment(mark)},
+                env={**env, **(user.environment() if user else {}), **marked_environment(mark)},
                 start_new_session=True,
                 close_fds=True,
+                **_switch_to(user),
             )
         start_time = process_start_time(popen.pid)
         # A worker that died at once has no start time left to read: 0 never matches a live process.
@@ -226,6 +232,14 @@ class WorkerProcess:
         # from being reused.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+
+
+def _switch_to(user: WorkerUser | None) -> dict[str, Any]:
+    """Popen's arguments that start the process as ``user``: its uid, its group and only its own supplementary
+    groups (not root's), in its working folder; none when ``user`` is None."""
+    if user is None:
+        return {}
+    return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "cwd": user.working_dir()}
 
 
 async def end_leftovers(pid: int, start_time: int, mark: str, grace_s: float = DEFAULT_GRACE_S) -> None:

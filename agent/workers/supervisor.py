@@ -39,6 +39,7 @@ from agent.errors import WorkerError
 from agent.workers.processes import ExitStatus, WorkerProcess, boot_id, describe_exit, end_leftovers, log_tail
 from agent.workers.records import WorkerRecord, load_records, remove_record, save_record
 from agent.workers.spec import DEFAULT_COMMAND, allowed_environment, worker_argv, worker_env
+from agent.workers.worker_user import WorkerUser
 from runtime.fleet_contract.signing import SigningKey
 from runtime.fleet_contract.tasks import WorkerSpec
 from runtime.process_tree import DEFAULT_GRACE_S
@@ -110,13 +111,15 @@ class Supervisor:
         leftover_grace_s: float = DEFAULT_GRACE_S,
         base_env: Mapping[str, str] | None = None,
         node_key: SigningKey | None = None,
+        worker_user: WorkerUser | None = None,
     ) -> None:
         """``command`` starts ``flotilla``; ``stop_timeout_s`` is how long a stopping worker may drain
         before it is killed (more than its FLOTILLA_DRAIN_S); ``leftover_grace_s`` is how long the processes
         an ended worker left behind may take to end on SIGTERM before they are killed; ``base_env`` is the
         environment the workers' is made from (agent/workers/spec.py), by default the agent's own variables
         that a worker may see; ``node_key`` is the node's task-signing key, from which each worker gets its own
-        instance's worker key (none without it: a worker then obeys any fence and claims no liveness)."""
+        instance's worker key (none without it: a worker then obeys any fence and claims no liveness);
+        ``worker_user`` is the user they run as (agent/workers/worker_user.py; None: the agent's)."""
         self.node = node
         self.state_dir = state_dir
         self.log_dir = log_dir
@@ -127,6 +130,7 @@ class Supervisor:
         self._command = tuple(command)
         self._base_env = allowed_environment(os.environ) if base_env is None else dict(base_env)
         self._node_key = node_key
+        self._worker_user = worker_user
         self._workers: dict[int, _Worker] = {}
         self._boot_id = boot_id()
 
@@ -299,6 +303,7 @@ class Supervisor:
             worker_argv(spec, self.node, self._command),
             worker_env(spec, self._base_env, self._node_key),
             worker.log_path,
+            user=self._worker_user,
         )
         worker.process = process
         worker.endpoint_instance_id = None

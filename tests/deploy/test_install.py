@@ -86,3 +86,13 @@ def test_an_install_writes_units_and_settings_and_a_second_one_keeps_edited_sett
     assert (units / "flotilla-agent.service").read_text() == (
         CHECKOUT / "deploy" / "systemd" / "flotilla-agent.service"
     ).read_text()
+
+
+def test_a_dry_run_creates_the_workers_user_beside_the_services_one() -> None:
+    result = install("--dry-run", "--no-venv", as_nobody=True)
+    assert result.returncode == 0, result.stderr
+    created = (
+        "+ useradd --system --user-group --home-dir /var/lib/flotilla-worker --create-home --shell /usr/sbin/nologin "
+        "--comment Flotilla engine workers flotilla-worker"
+    )
+    assert created in result.stdout or "user flotilla-worker exists" in result.stdout

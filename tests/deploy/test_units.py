@@ -89,7 +89,19 @@ def test_a_bad_configuration_is_not_restarted(name: str) -> None:
     service = unit(name)["Service"]
     assert service["Restart"] == "on-failure"
     assert service["RestartPreventExitStatus"] == "2"
-    assert service["User"] == "flotilla"
+    assert service["User"] == ("root" if name == "flotilla-agent.service" else "flotilla")
+
+
+def test_the_agent_is_root_with_only_what_starting_its_workers_as_another_user_takes() -> None:
+    service = unit("flotilla-agent.service")["Service"]
+    assert (service["User"], service["SupplementaryGroups"]) == ("root", "flotilla-worker")
+    assert environment("flotilla-agent.service")["FLOTILLA_WORKER_USER"] == "flotilla-worker"
+    assert set(service["CapabilityBoundingSet"].split()) == {
+        "CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"
+    }  # fmt: skip
+    # The token is root's, as a credential; the workers reach the models folder through the state folder.
+    assert service["LoadCredential"] == "agent-token:/etc/flotilla/agent.token"
+    assert (service["UMask"], service["StateDirectoryMode"]) == ("0027", "0711")
 
 
 HARDENING = {
@@ -104,12 +116,16 @@ HARDENING = {
 }
 # Their engine workers use the GPUs' device files (/dev/nvidia*).
 NEEDS_GPUS = {"flotilla-agent.service", "flotilla-worker@.service"}
+# The agent starts its workers as another user, and shares the models folder with them (the test above).
+AGENT_HARDENING = {"UMask": "0027", "CapabilityBoundingSet": "CAP_SETUID CAP_SETGID CAP_KILL CAP_SYS_PTRACE "
+                   "CAP_DAC_READ_SEARCH"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in UNITS_DIR.glob("*.service")))
 def test_every_unit_carries_the_hardening_keys(name: str) -> None:
     service = unit(name)["Service"]
-    assert {key: service.get(key) for key in HARDENING} == HARDENING
+    wanted = HARDENING | (AGENT_HARDENING if name == "flotilla-agent.service" else {})
+    assert {key: service.get(key) for key in HARDENING} == wanted
     families = set(service["RestrictAddressFamilies"].split())
     assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= families <= {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
     if name in NEEDS_GPUS:
