@@ -82,7 +82,7 @@ def _is_on(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class RemoteCodeChange:
-    """Whether remote code was trusted before a change and is after it (``source`` : the source changed too)."""
+    """Whether remote code was trusted before a change and is after it (``source``: its source changed too)."""
 
     was: bool
     now: bool
