@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from frontend_gateway.access.api_keys import KeyTable, check_model
-from frontend_gateway.access.quotas import UNKNOWN_MODEL, Meter
+from frontend_gateway.access.quotas import UNKNOWN_MODEL, Meter, Reservation
 from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.errors import (
     EngineFailed,
@@ -66,6 +66,7 @@ _MODEL = "flotilla.model"
 _GENERATION = "flotilla.generation"
 _STATUS = "flotilla.status"
 _EMBEDDED_TOKENS = "flotilla.embedded_tokens"  # an embeddings request's prompt tokens, for its key's usage
+_RESERVATION = "flotilla.reservation"  # the tokens set aside for it against its key's token limits
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -145,6 +146,8 @@ class GatewayApp:
         except Exception:
             log.exception("unexpected error serving %s", scope.get("path"))
             await self._send_error(send, GatewayError("internal error; see the server log"))
+        finally:
+            self._release(scope)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         self.metrics.error(exc.error_type, int(exc.status))
@@ -265,11 +268,35 @@ class GatewayApp:
             raise ModelNotFound(f"the model {shown!r} does not exist; served models: {served}", param="model")
         return model
 
-    def _charge(self, scope: Scope) -> None:
+    async def _charge(self, scope: Scope) -> None:
         """Count the request against its key's limits. Raises RateLimited or QuotaExhausted (429)."""
         key: KeyRecord | None = scope.get(_API_KEY)
+        if key is None or self.meter is None:
+            return
+        if not self.meter.knows(key):
+            # First sight of the key here (or after it was idle): its fleet totals before admitting, or a
+            # key whose budget is used up would pass until the next flush (at most LOAD_TIMEOUT_S).
+            await self.meter.load(key)
+        self.meter.charge(key)
+
+    def _reserve(self, scope: Scope, tokens: int) -> None:
+        """Set ``tokens`` (the most the request may use) aside against its key's token limits, until it ends.
+        Raises RateLimited or QuotaExhausted (429) when they do not fit."""
+        key: KeyRecord | None = scope.get(_API_KEY)
         if key is not None and self.meter is not None:
-            self.meter.charge(key)
+            scope[_RESERVATION] = self.meter.reserve(key, tokens)
+
+    def _release(self, scope: Scope) -> None:
+        """Settle a reservation that no usage count did (an unexpected error, a cancelled task) with the
+        tokens known to be used."""
+        reservation: Reservation | None = scope.get(_RESERVATION)
+        if reservation is None or reservation.settled or self.meter is None:
+            return
+        generation: Generation | None = scope.get(_GENERATION)
+        if generation is not None:
+            self.meter.settle(reservation, generation.prompt_tokens + generation.completion_tokens)
+        else:
+            self.meter.settle(reservation, scope.get(_EMBEDDED_TOKENS) or 0)
 
     def _count_usage(self, scope: Scope, *, failed: bool) -> None:
         """Add a finished request to its key's usage (by model and day), with the tokens it used."""
@@ -278,8 +305,10 @@ class GatewayApp:
         embedded: int | None = scope.get(_EMBEDDED_TOKENS)
         if key is None or self.meter is None or (generation is None and embedded is None and not failed):
             return  # a listing of models, say: usage counts generations, embeddings and failed requests
+        reservation: Reservation | None = scope.get(_RESERVATION)
         if generation is None:
-            self.meter.finished(key, scope.get(_MODEL, UNKNOWN_MODEL), prompt_tokens=embedded or 0, error=failed)
+            model = scope.get(_MODEL, UNKNOWN_MODEL)
+            self.meter.finished(key, model, prompt_tokens=embedded or 0, error=failed, reservation=reservation)
             return
         self.meter.finished(
             key,
@@ -288,6 +317,7 @@ class GatewayApp:
             cached_tokens=generation.cached_tokens or 0,
             completion_tokens=generation.completion_tokens,
             error=failed,
+            reservation=reservation,
         )
 
     # The slot is taken after the body is read and validated (bad requests never wait behind good
@@ -320,10 +350,12 @@ class GatewayApp:
         preprocessor.check_chat(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
-        self._charge(scope)
+        await self._charge(scope)
         await self._admit(receive)
         try:
-            generation = scope[_GENERATION] = await model.prepare_chat(request)
+            generation = await model.prepare_chat(request)
+            self._reserve(scope, generation.token_bound)
+            scope[_GENERATION] = generation
             generation.context.disagg = disagg
             scope[_STATUS] = await self._respond("chat", "chat_completions", model, request, generation, receive, send)
         finally:
@@ -334,10 +366,12 @@ class GatewayApp:
         preprocessor.check_stream_options(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
-        self._charge(scope)
+        await self._charge(scope)
         await self._admit(receive)
         try:
-            generation = scope[_GENERATION] = await model.prepare_completion(request)
+            generation = await model.prepare_completion(request)
+            self._reserve(scope, generation.token_bound)
+            scope[_GENERATION] = generation
             generation.context.disagg = disagg
             scope[_STATUS] = await self._respond("completion", "completions", model, request, generation, receive, send)
         finally:
@@ -349,9 +383,10 @@ class GatewayApp:
         inputs = embeddings.texts(request)
         model = await self._find_model(request.model, scope)
         card, embedder = embeddings.embedder_of(model)
-        self._charge(scope)
+        await self._charge(scope)
         await self._admit(receive)
         try:
+            self._reserve(scope, await embeddings.count_tokens(card, request, inputs))
             body, scope[_EMBEDDED_TOKENS] = await embeddings.create(card, embedder, request, inputs)
         finally:
             self.admission.release()
@@ -364,10 +399,12 @@ class GatewayApp:
         preprocessor.check_chat(chat)
         disagg = _disagg_override(scope)
         model = await self._find_model(chat.model, scope)
-        self._charge(scope)
+        await self._charge(scope)
         await self._admit(receive)
         try:
-            generation = scope[_GENERATION] = await model.prepare_chat(chat)
+            generation = await model.prepare_chat(chat)
+            self._reserve(scope, generation.token_bound)
+            scope[_GENERATION] = generation
             generation.context.disagg = disagg
             builder = ResponseBuilder(request, response_id=generation.request_id, model=model.name)
             scope[_STATUS] = await self._respond("chat", "responses", model, chat, generation, receive, send, builder)

@@ -50,11 +50,16 @@ class Generation:
         "output",
         "prompt_tokens",
         "request_id",
+        "token_bound",
     )
 
-    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, prompt_tokens: int, *, token_bound: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        #: The most tokens (prompt and completion) it may use, known before it starts: what an API key's
+        #: token limits reserve for it. Unknown (a text engine's, with no context length or max_tokens): the
+        #: prompt's tokens known then.
+        self.token_bound = token_bound if token_bound is not None else prompt_tokens
         self.completion_tokens = 0
         #: Prompt tokens the engine found in its cache, when it says (usage.prompt_tokens_details).
         self.cached_tokens: int | None = None
@@ -170,7 +175,7 @@ class TokenModel:
         if skip_special is None:
             # A tool-call format marked by special tokens ([TOOL_CALLS]) needs them in the text it parses.
             skip_special = self.engine.skip_special_tokens and not keep_special_tokens
-        generation = Generation(request_id, len(prompt_ids))
+        generation = Generation(request_id, len(prompt_ids), token_bound=len(prompt_ids) + stop.max_tokens)
         if logprobs is not None:
             generation.logprobs = []
         tokens = self._postprocess(generation, engine_request, skip_special)
@@ -332,7 +337,11 @@ class TextModel:
         )
 
     def _prepare(self, text_request: TextRequest) -> Generation:
-        generation = Generation(text_request.request_id, 0)
+        # The prompt is not counted here: the engine's context bounds prompt and answer together; without
+        # one, max_tokens bounds the answer alone (the prompt's tokens are then known only as it ends).
+        max_tokens = text_request.stop_conditions.max_tokens
+        bound = self.context_length or (max_tokens if max_tokens < _UNBOUNDED_CONTEXT else None)
+        generation = Generation(text_request.request_id, 0, token_bound=bound)
         return generation.bind(_finish(generation, self._postprocess(generation, text_request)))
 
     async def _postprocess(self, generation: Generation, request: TextRequest) -> AsyncIterator[str]:

@@ -22,7 +22,7 @@ from runtime.errors import EngineError
 from runtime.models.card import ModelCard
 from runtime.protocol import float32_bytes
 
-__all__ = ["EmbeddingRequest", "create", "decoder", "embedder_of", "texts"]
+__all__ = ["EmbeddingRequest", "count_tokens", "create", "decoder", "embedder_of", "texts"]
 
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
@@ -68,11 +68,9 @@ def embedder_of(model: ServedModel) -> tuple[ModelCard, Embedder]:
     return card, engine
 
 
-async def create(
-    card: ModelCard, embedder: Embedder, request: EmbeddingRequest, inputs: list[str]
-) -> tuple[bytes, int]:
-    """The embeddings response body, and the prompt tokens it took. Raises ContextLengthExceeded, or the
-    GatewayError of the engine's failure (a 503 when no instance can embed now)."""
+async def count_tokens(card: ModelCard, request: EmbeddingRequest, inputs: list[str]) -> int:
+    """The prompt tokens of ``inputs`` (what an API key's token limits reserve before they are embedded).
+    Raises ContextLengthExceeded, naming the input that does not fit the model's context."""
     params = ["input"] if isinstance(request.input, str) else [f"input[{index}]" for index in range(len(inputs))]
     counts = await preprocessor.token_counts(card, inputs, add_special_tokens=True, params=params)
     for count, param in zip(counts, params, strict=True):
@@ -82,6 +80,15 @@ async def create(
                 f"{count}; shorten it",
                 param=param,
             )
+    return sum(counts)
+
+
+async def create(
+    card: ModelCard, embedder: Embedder, request: EmbeddingRequest, inputs: list[str]
+) -> tuple[bytes, int]:
+    """The embeddings response body of ``inputs`` (counted first: ``count_tokens``), and the prompt tokens
+    the engine says they took. Raises the GatewayError of the engine's failure (a 503 when no instance can
+    embed now)."""
     try:
         vectors, tokens = await embedder.embed(inputs)
     except EngineError as exc:

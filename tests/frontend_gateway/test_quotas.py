@@ -10,7 +10,6 @@ import redis.asyncio as aioredis
 from frontend_gateway.access.quotas import USAGE_PREFIX, Meter, QuotaExhausted, RateLimited
 from runtime.fleet_contract.api_keys import KeyRecord
 from tests.infra import RedisServer
-from tests.servers import free_port
 
 # 2027-01-15 08:00:00 UTC, the start of a minute.
 START = 1_800_000_000.0 - 1_800_000_000.0 % 60
@@ -141,22 +140,23 @@ async def test_usage_adds_up_per_key_model_and_day_in_redis(redis: aioredis.Redi
 async def test_counts_made_while_redis_is_down_are_kept_and_sent_when_it_answers(
     redis_server: RedisServer, clock: Clock
 ) -> None:
-    down = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
-    meter = Meter(down, clock=clock)
+    redis_server.stop()
+    meter = Meter(aioredis.Redis.from_url(redis_server.url, socket_connect_timeout=0.5), clock=clock)
     limited = key(requests_per_minute=3)
     assert admitted(meter, limited, 5) == 3  # still enforced, on what this process saw
     meter.finished(limited, "smol", prompt_tokens=8, completion_tokens=2)
     assert not await meter.flush()
-    await down.aclose()
 
-    meter._redis = aioredis.Redis.from_url(redis_server.url)  # Redis is back
+    redis_server.start()  # Redis is back, on the same port
+    client = aioredis.Redis.from_url(redis_server.url)
     try:
         assert await meter.flush()
-        usage = await meter._redis.hgetall(f"{USAGE_PREFIX}2027-01-15")
+        usage = await client.hgetall(f"{USAGE_PREFIX}2027-01-15")
         assert int(usage[b"7\tsmol\tprompt_tokens"]) == 8
-        assert int(await meter._redis.get(f"flotilla:rate:7:{int(START // 60)}:r")) == 3
+        assert int(await client.get(f"flotilla:rate:7:{int(START // 60)}:r")) == 3
     finally:
-        await meter._redis.aclose()
+        await client.aclose()
+        await meter.close()
 
 
 def test_without_redis_each_process_enforces_its_limits_alone(clock: Clock) -> None:

@@ -50,7 +50,9 @@ async def test_an_embeddings_request_of_many_short_inputs_is_tokenized_off_the_e
     watched = Watched(card.tokenizer)
     card.__dict__["tokenizer"] = watched  # the cached property's value, replaced for this card
 
-    body, _ = await embeddings.create(card, Embedder(), EmbeddingRequest(model="m", input=list(texts)), texts)
+    request = EmbeddingRequest(model="m", input=list(texts))
+    assert await embeddings.count_tokens(card, request, texts) > len(texts)
+    body, _ = await embeddings.create(card, Embedder(), request, texts)
 
     assert len(msgspec.json.decode(body)["data"]) == len(texts)
     assert watched.threads and threading.main_thread().name not in watched.threads
