@@ -1,7 +1,9 @@
 """frontend_gateway/access/quotas.py on a real redis-server: two ingress processes' meters share one limit per
-key, minutes slide, monthly budgets hold, usage adds up per key, model and day, and a Redis outage loses
-no count."""
+key, minutes slide, monthly budgets hold, reservations reach the other processes, usage adds up per key,
+model and day, a Redis outage loses no count, and a flush whose reply is lost is not counted twice."""
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -10,6 +12,7 @@ import redis.asyncio as aioredis
 from frontend_gateway.access.quotas import USAGE_PREFIX, Meter, QuotaExhausted, RateLimited
 from runtime.fleet_contract.api_keys import KeyRecord
 from tests.infra import RedisServer
+from tests.servers import free_port
 
 # 2027-01-15 08:00:00 UTC, the start of a minute.
 START = 1_800_000_000.0 - 1_800_000_000.0 % 60
@@ -165,3 +168,110 @@ def test_without_redis_each_process_enforces_its_limits_alone(clock: Clock) -> N
     unlimited: Callable[[], None] = lambda: meter.charge(key())  # noqa: E731
     for _ in range(100):
         unlimited()
+
+
+async def test_a_reservation_reaches_the_other_processes_at_the_next_flush_and_its_end_corrects_its_minute(
+    redis: aioredis.Redis, clock: Clock
+) -> None:
+    first, second = Meter(redis, clock=clock), Meter(redis, clock=clock)
+    limited = key(tokens_per_minute=1000)
+    await second.load(limited)  # it knows the key already (as after a request of it)
+    reservation = first.reserve(limited, 800)
+    await first.flush()
+    await second.flush()
+    with pytest.raises(RateLimited, match="1000 tokens per minute, of which 800 are used or reserved"):
+        second.reserve(limited, 300)
+
+    clock.now = START + 70  # the request ends in the next minute, having used 100 tokens
+    first.settle(reservation, 100)
+    first.settle(reservation, 100)  # settled once
+    await first.flush()
+    assert int(await redis.get(f"flotilla:rate:7:{int(START // 60)}:t")) == 100  # the minute it was admitted in
+    await second.flush()
+    # 100 of the last minute, 5/6 of it still counting, and 800 more fit in 1000.
+    assert second.reserve(limited, 800) is not None
+
+
+class ReplyDropper:
+    """A TCP relay to redis-server that can lose the next reply on its way back (Redis has applied the
+    command), resetting the client's connection as a network fault would."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.dropped = asyncio.Event()
+        self._drop = False
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def close(self) -> None:
+        for writer in self._writers:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    def drop_next_reply(self) -> None:
+        self._drop = True
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers |= {writer, up_writer}
+
+        async def requests() -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    up_writer.write(data)
+                    await up_writer.drain()
+            up_writer.transport.abort()
+
+        async def replies() -> None:
+            with contextlib.suppress(OSError):
+                while data := await up_reader.read(65536):
+                    if self._drop:
+                        self._drop = False
+                        self.dropped.set()
+                        break
+                    writer.write(data)
+                    await writer.drain()
+            writer.transport.abort()
+            up_writer.transport.abort()
+
+        await asyncio.gather(requests(), replies())
+
+
+async def test_a_flush_whose_reply_is_lost_after_redis_applied_it_is_counted_once(
+    redis_server: RedisServer, redis: aioredis.Redis, clock: Clock
+) -> None:
+    relay = ReplyDropper(redis_server.port)
+    await relay.start()
+    meter = Meter(aioredis.Redis.from_url(relay.url, socket_timeout=5), clock=clock)
+    limited = key(requests_per_minute=100, monthly_token_budget=10_000)
+    try:
+        meter.charge(limited)
+        meter.finished(limited, "smol", prompt_tokens=10, completion_tokens=5)
+        assert await meter.flush()
+        meter.charge(limited)
+        meter.finished(limited, "smol", prompt_tokens=20, completion_tokens=3)
+        relay.drop_next_reply()
+        # Redis applies this flush and its reply is lost: redis-py may send it again at once on a new
+        # connection, or the flush fails and the next one sends it again.
+        applied = await meter.flush()
+        assert relay.dropped.is_set()
+        assert applied or await meter.flush()
+
+        usage = {k.decode(): int(v) for k, v in (await redis.hgetall(f"{USAGE_PREFIX}2027-01-15")).items()}
+        fields = ("requests", "prompt_tokens", "completion_tokens")
+        assert [usage[f"7\tsmol\t{name}"] for name in fields] == [2, 30, 8]
+        assert int(await redis.get(f"flotilla:rate:7:{int(START // 60)}:r")) == 2
+        assert int(await redis.get("flotilla:budget:7:2027-01")) == 38
+    finally:
+        await meter.close()
+        await relay.close()
