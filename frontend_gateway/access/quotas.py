@@ -404,6 +404,8 @@ class Meter:
 
     async def close(self) -> None:
         """Flush what is left (a clean stop loses nothing that Redis takes), and close the Redis client."""
+        for loading in list(self._loading.values()):
+            loading.cancel()  # a key's totals read for requests that are gone now
         # Twice: a batch in doubt goes first, alone; the counts made since follow in the second.
         if not (await self.flush() and await self.flush()):
             log.warning("stopping with counts Redis did not take: this process's last usage is lost")
