@@ -279,12 +279,12 @@ class GatewayApp:
             await self.meter.load(key)
         self.meter.charge(key)
 
-    def _reserve(self, scope: Scope, tokens: int) -> None:
+    def _reserve(self, scope: Scope, tokens: int, **messages: str) -> None:
         """Set ``tokens`` (the most the request may use) aside against its key's token limits, until it ends.
-        Raises RateLimited or QuotaExhausted (429) when they do not fit."""
+        Raises RateLimited or QuotaExhausted (429) when they do not fit (``messages``: see Meter.reserve)."""
         key: KeyRecord | None = scope.get(_API_KEY)
         if key is not None and self.meter is not None:
-            scope[_RESERVATION] = self.meter.reserve(key, tokens)
+            scope[_RESERVATION] = self.meter.reserve(key, tokens, **messages)
 
     def _release(self, scope: Scope) -> None:
         """Settle a reservation that no usage count did (an unexpected error, a cancelled task) with the
@@ -386,7 +386,8 @@ class GatewayApp:
         await self._charge(scope)
         await self._admit(receive)
         try:
-            self._reserve(scope, await embeddings.count_tokens(card, request, inputs))
+            tokens = await embeddings.count_tokens(card, request, inputs)
+            self._reserve(scope, tokens, what="its inputs' tokens", shrink="send fewer or shorter inputs")
             body, scope[_EMBEDDED_TOKENS] = await embeddings.create(card, embedder, request, inputs)
         finally:
             self.admission.release()

@@ -68,6 +68,8 @@ _WINDOW_TTL_S = 3 * _WINDOW_S
 _MONTH_TTL_S = 40 * 86400
 #: A key's fleet totals are kept fresh this long after this process last saw it.
 _KEEP_FRESH_S = 2 * _WINDOW_S
+#: What a generation reserves, as refusals say it.
+GENERATION_TOKENS = "its prompt and max_tokens, which defaults to the room left in the model's context"
 #: Model names kept apart in usage; others (names no model has) are counted under this one.
 UNKNOWN_MODEL = "(unknown model)"
 
@@ -263,11 +265,13 @@ class Meter:
             raise _limited(QuotaExhausted(message), _seconds_to_next_month(now), headers)
         window.requests += 1
 
-    def reserve(self, key: KeyRecord, tokens: int) -> Reservation | None:
-        """Set ``tokens`` aside for a request of ``key`` (the most it may use: its prompt and its
-        ``max_tokens``) in this minute and month; None for a key without token limits. Raises RateLimited or
-        QuotaExhausted when what is used and reserved, plus these, would pass the key's tokens per minute
-        or monthly budget. ``settle`` the reservation, exactly once, when the request ends."""
+    def reserve(
+        self, key: KeyRecord, tokens: int, *, what: str = GENERATION_TOKENS, shrink: str = "lower max_tokens"
+    ) -> Reservation | None:
+        """Set ``tokens`` aside for a request of ``key`` (the most it may use: ``what`` they are, for the
+        messages, with how to ``shrink`` them) in this minute and month; None for a key without token limits.
+        Raises RateLimited or QuotaExhausted when what is used and reserved, plus these, would pass the key's
+        tokens per minute or monthly budget. ``settle`` the reservation, exactly once, when the request ends."""
         tpm, budget = key.tokens_per_minute, key.monthly_token_budget
         if tpm is None and budget is None:
             return None
@@ -282,25 +286,23 @@ class Meter:
             headers = _headers(key, requests, counted, fraction)
             if tokens > tpm:  # no wait makes it fit: no Retry-After
                 error = RateLimited(
-                    f"Request too large for API key {key.name!r}: it may use {tokens} tokens (its prompt and "
-                    f"max_tokens, which defaults to the room left in the model's context), over the limit of "
-                    f"{tpm} tokens per minute; lower max_tokens."
+                    f"Request too large for API key {key.name!r}: it may use {tokens} tokens ({what}), over the "
+                    f"limit of {tpm} tokens per minute; {shrink}."
                 )
                 error.headers = headers
                 raise error
             wait = _wait_s(tpm - tokens, tokens_now, window.previous_tokens, fraction)
             message = (
                 f"Rate limit reached for API key {key.name!r}: {tpm} tokens per minute, of which "
-                f"{math.ceil(counted)} are used or reserved; this request may use {tokens} (its prompt and "
-                "max_tokens)."
+                f"{math.ceil(counted)} are used or reserved; this request may use {tokens} ({what})."
             )
             raise _limited(RateLimited(message), wait, headers)
         if budget is not None and month.used() + tokens > budget:
             left = max(0, budget - month.used())
             message = (
                 f"API key {key.name!r} has {left} tokens left of its monthly budget of {budget}, and this "
-                f"request may use {tokens} (its prompt and max_tokens): lower max_tokens, or wait for the 1st "
-                "(UTC), or ask an operator to raise it."
+                f"request may use {tokens} ({what}): {shrink}, or wait for the 1st (UTC), or ask an operator "
+                "to raise it."
             )
             headers = _headers(key, requests, counted, fraction)
             raise _limited(QuotaExhausted(message), _seconds_to_next_month(now), headers)

@@ -250,6 +250,7 @@ async def test_embeddings_reserve_their_tokens_before_the_engine_embeds(card: Mo
     await engine.called.wait()
     second = await gateway.post(key, {"model": card.name, "input": texts}, path="/v1/embeddings")
     assert second.status == 429 and engine.calls == 1  # refused before any embedding
+    assert f"this request may use {tokens} (its inputs' tokens)" in error_of(second)["message"]
     engine.go.set()
     assert (await first).status == 200
 
@@ -275,7 +276,7 @@ async def test_a_used_up_budget_is_refused_by_a_process_meeting_the_key_first_an
     assert again.status == 429 and error_of(again)["code"] == "insufficient_quota"
 
 
-async def test_a_key_met_while_redis_is_frozen_is_admitted_after_the_load_timeout_on_this_process_counts(
+async def test_a_key_met_while_redis_is_frozen_is_judged_on_this_process_counts_after_the_load_timeout(
     card: ModelCard, start: Start, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     gateway = start(TokenModel(card, TokenScript([11])))
