@@ -35,6 +35,7 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
 from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api
+from frontend_gateway.openai_api import tokenize as tokenization
 from frontend_gateway.openai_api.chat_output import Delta
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs, chat_logprobs
@@ -110,6 +111,11 @@ class GatewayApp:
             "/v1/responses": ("POST", self._responses),
             "/v1/embeddings": ("POST", self._embeddings),
             "/v1/models": ("GET", self._list_models),
+            "/v1/tokenize": ("POST", self._tokenize),
+            "/v1/detokenize": ("POST", self._detokenize),
+            # vLLM serves these two without the /v1 prefix; clients written against it call them there.
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
             "/health": ("GET", self._health),
             "/live": ("GET", self._live),
             "/metrics": ("GET", self._metrics),
@@ -132,7 +138,7 @@ class GatewayApp:
             method, handler = route
             if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
                 raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
-            if self.api_keys is not None and path.startswith("/v1/"):
+            if self.api_keys is not None and (path.startswith("/v1/") or path in _KEYED_WITHOUT_V1):
                 scope[_API_KEY] = self.api_keys.check(_header(scope, b"authorization"))
             await handler(scope, receive, send)
             self._count_usage(scope, failed=scope.get(_STATUS) == "error")
@@ -392,6 +398,24 @@ class GatewayApp:
         finally:
             self.admission.release()
         await self._send_json(send, body)
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/tokenize`` (and vLLM's ``/tokenize``): a prompt's or a chat's token ids (tokenize.py)."""
+        request: tokenization.TokenizeRequest = _decode(
+            tokenization.tokenize_decoder, await self._read_body(scope, receive)
+        )
+        model = await self._find_model(request.model, scope)
+        await self._charge(scope)
+        await self._send_json(send, msgspec.json.encode(await tokenization.tokenize(model, request)))
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/detokenize`` (and vLLM's ``/detokenize``): token ids as text."""
+        request: tokenization.DetokenizeRequest = _decode(
+            tokenization.detokenize_decoder, await self._read_body(scope, receive)
+        )
+        model = await self._find_model(request.model, scope)
+        await self._charge(scope)
+        await self._send_json(send, msgspec.json.encode(tokenization.detokenize(model, request)))
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``: the Responses API over the chat pipeline (openai_api/responses_api.py)."""
@@ -739,6 +763,8 @@ async def _wait_for_disconnect(receive: Receive) -> bool:
 
 
 _MODEL_PREFIX = "/v1/models/"
+#: Paths outside /v1/ that an API key guards as it guards /v1/ (vLLM's tokenizer endpoints).
+_KEYED_WITHOUT_V1 = frozenset({"/tokenize", "/detokenize"})
 
 
 def _model_object(model: ServedModel) -> dict[str, Any]:
