@@ -68,6 +68,16 @@ class RequestTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class RequestTimeout(GatewayError):
+    """The request body did not arrive whole within the body deadline (408); the connection is closed, as
+    the rest of a body that late is not worth reading."""
+
+    status = HTTPStatus.REQUEST_TIMEOUT
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+    headers = ((b"connection", b"close"),)
+
+
 class EngineFailed(GatewayError):
     """The engine failed while generating (500, with the engine's reason)."""
 

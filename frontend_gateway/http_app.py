@@ -7,7 +7,8 @@ status; anything unexpected is logged and answered 500, never a dropped connecti
 stream has started ends it with an error event and ``[DONE]``, never a truncated body.
 
 Generation routes pass through ``Admission`` first: beyond the in-flight limit requests wait in a
-bounded queue, and what cannot wait is refused at once with 429 or 503 and ``Retry-After``.
+bounded queue, and what cannot wait is refused at once with 429 or 503 and ``Retry-After``. A client too
+slow to send its body, or to take its response, is dropped at a deadline (``slow_clients.py``).
 """
 
 import asyncio
@@ -47,6 +48,7 @@ from frontend_gateway.openai_api.types import (
     chat_decoder,
     completion_decoder,
 )
+from frontend_gateway.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S, SlowClients
 from runtime.fleet_contract.api_keys import KeyRecord
 
 log = logging.getLogger(__name__)
@@ -93,10 +95,13 @@ class GatewayApp:
         api_keys: KeyTable | None = None,
         meter: Meter | None = None,
         served_names: ServedNames | None = None,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> None:
         self.models = models
         self.metrics = metrics or GatewayMetrics()
         self.max_body_bytes = max_body_bytes
+        self.slow_clients = SlowClients(self.metrics, body_timeout_s=body_timeout_s, send_timeout_s=send_timeout_s)
         self.admission = Admission(limits or AdmissionLimits(), self.metrics)
         self._lifespan = lifespan
         #: When set, every /v1/* request needs one of its keys (frontend_gateway/access/api_keys.py).
@@ -128,6 +133,18 @@ class GatewayApp:
             await self._run_lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deadline = self.slow_clients.watch_sends(scope, send)
+        try:
+            await self._serve(scope, receive, deadline.send)
+        except asyncio.CancelledError:
+            if not deadline.dropped:
+                raise
+            # Cancelled by the deadline (a server whose connection it cannot abort): the generation is closed.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        finally:
+            deadline.close()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             path = scope["path"].rstrip("/") or "/"
             route = self._routes.get(path)
@@ -230,7 +247,11 @@ class GatewayApp:
     # --- generation routes -------------------------------------------------------------------
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        """Read the whole body, refusing more than ``max_body_bytes`` without buffering it all."""
+        """Read the whole body, refusing more than ``max_body_bytes`` without buffering it all. Raises
+        RequestTimeout when it has not arrived whole within the body deadline."""
+        return await self.slow_clients.body_within_deadline(scope, self._receive_body(scope, receive))
+
+    async def _receive_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length":

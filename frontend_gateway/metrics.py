@@ -150,6 +150,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.slow_clients_dropped = Counter(
+            f"{prefix}_slow_clients_dropped",
+            "Clients dropped for slowness: body (its request body did not arrive within --body-timeout: a 408) "
+            "or send (it took none of its response for --send-timeout: its connection aborted).",
+            ["reason"],
+            registry=r,
+        )
         self._models: dict[str, ModelMetrics] = {}
         self.routing = RoutingCollectors(r)
         self._routing: dict[str, ModelRoutingMetrics] = {}
@@ -180,6 +187,10 @@ class GatewayMetrics:
     def api_key_record_skipped(self, reason: str) -> None:
         """Count an API key record the ingress skipped; ``reason`` is BadRecord.reason, or "older"."""
         self.api_key_records_skipped.labels(reason=reason).inc()
+
+    def slow_client_dropped(self, reason: str) -> None:
+        """Count a client dropped for slowness; ``reason`` is "body" or "send"."""
+        self.slow_clients_dropped.labels(reason=reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

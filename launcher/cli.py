@@ -166,6 +166,8 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         http_host=namespace.http_host,
         http_port=namespace.http_port,
         max_body_bytes=namespace.max_body_bytes,
+        body_timeout_s=namespace.body_timeout,
+        send_timeout_s=namespace.send_timeout,
         threads=namespace.threads,
         parallel=namespace.parallel,
         batch_concurrency=namespace.batch_concurrency,

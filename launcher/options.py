@@ -35,6 +35,8 @@ class RunOptions:
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 60.0  # in=http: a request body arrives whole within this, else 408
+    send_timeout_s: float = 60.0  # in=http: a client that takes none of its response this long is dropped
     threads: int | None = None
     parallel: int = 1  # out=llamacpp: slots decoded together (engines/llamacpp/batch.py)
     batch_concurrency: int = 4

@@ -250,6 +250,8 @@ async def run(options: RunOptions) -> int:
                 host=options.http_host,
                 port=options.http_port,
                 max_body_bytes=options.max_body_bytes,
+                body_timeout_s=options.body_timeout_s,
+                send_timeout_s=options.send_timeout_s,
                 limits=admission_limits(options),
                 reuse_port=options.reuse_port,
             )
@@ -362,6 +364,8 @@ async def run_ingress(options: RunOptions) -> int:
             host=options.http_host,
             port=options.http_port,
             max_body_bytes=options.max_body_bytes,
+            body_timeout_s=options.body_timeout_s,
+            send_timeout_s=options.send_timeout_s,
             limits=admission_limits(options),
             metrics=metrics,
             stop=stop,

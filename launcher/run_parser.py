@@ -217,6 +217,22 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
         default=8 * 1024 * 1024,
         help="largest request body accepted, else 413 (default 8 MiB)",
     )
+    parser.add_flag(
+        "--body-timeout",
+        env="FLOTILLA_BODY_TIMEOUT_S",
+        type=_positive_seconds,
+        default=60.0,
+        help="seconds a request body may take to arrive whole after its headers, else 408 and the connection "
+        "closed (default 60)",
+    )
+    parser.add_flag(
+        "--send-timeout",
+        env="FLOTILLA_SEND_TIMEOUT_S",
+        type=_positive_seconds,
+        default=60.0,
+        help="seconds a client may take none of its response (a stream it stopped reading) before it is "
+        "dropped: its connection aborted, its generation stopped, its slot freed (default 60)",
+    )
 
 
 def add_engine_flags(parser: EnvArgumentParser) -> None:

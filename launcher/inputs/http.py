@@ -17,6 +17,7 @@ from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
 from frontend_gateway.models.served_names import ServedNames
+from frontend_gateway.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 
@@ -101,6 +102,8 @@ async def serve_http(
     host: str,
     port: int,
     max_body_bytes: int,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     limits: AdmissionLimits | None = None,
     metrics: GatewayMetrics | None = None,
     stop: asyncio.Event | None = None,
@@ -120,6 +123,8 @@ async def serve_http(
     app = GatewayApp(
         models,
         max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        send_timeout_s=send_timeout_s,
         limits=limits,
         metrics=metrics,
         api_keys=api_keys,
