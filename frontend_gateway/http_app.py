@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from frontend_gateway.access.api_keys import KeyTable, check_model
+from frontend_gateway.access.concurrency import KeyConcurrency
 from frontend_gateway.access.quotas import UNKNOWN_MODEL, Meter, Reservation
 from frontend_gateway.admission import Admission, AdmissionLimits
 from frontend_gateway.errors import (
@@ -95,6 +96,7 @@ class GatewayApp:
         api_keys: KeyTable | None = None,
         meter: Meter | None = None,
         served_names: ServedNames | None = None,
+        max_concurrent_per_key: int | None = None,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
     ) -> None:
@@ -108,6 +110,8 @@ class GatewayApp:
         self.api_keys = api_keys
         #: Counts keyed requests against their limits, and their usage (frontend_gateway/access/quotas.py).
         self.meter = meter
+        #: Each key's requests in progress here, against its cap (frontend_gateway/access/concurrency.py).
+        self.key_concurrency = KeyConcurrency(max_concurrent_per_key)
         #: The control plane's served names: a model with none of its replicas here is then a 503, not a 404.
         self.served_names = served_names
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
@@ -155,9 +159,17 @@ class GatewayApp:
             method, handler = route
             if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
                 raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
+            counted: KeyRecord | None = None
             if self.api_keys is not None and (path.startswith("/v1/") or path in _KEYED_WITHOUT_V1):
-                scope[_API_KEY] = self.api_keys.check(_header(scope, b"authorization"))
-            await handler(scope, receive, send)
+                key = scope[_API_KEY] = self.api_keys.check(_header(scope, b"authorization"))
+                # Generations and embeddings (the POST routes) count among the key's concurrent requests.
+                if method == "POST" and self.key_concurrency.enter(key):
+                    counted = key
+            try:
+                await handler(scope, receive, send)
+            finally:
+                if counted is not None:
+                    self.key_concurrency.leave(counted)
             self._count_usage(scope, failed=scope.get(_STATUS) == "error")
         except GatewayError as exc:
             self._count_usage(scope, failed=True)

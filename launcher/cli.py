@@ -136,6 +136,11 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         )
     if namespace.quota_redis is not None and namespace.api_keys_secret_file is None:
         parser.error("--quota-redis (FLOTILLA_QUOTA_REDIS_URL) counts API keys' use: give --api-keys-secret-file too")
+    if namespace.max_concurrent_per_key is not None and namespace.api_keys_secret_file is None:
+        parser.error(
+            "--max-concurrent-per-key (FLOTILLA_MAX_CONCURRENT_PER_KEY) caps API keys' requests: give "
+            "--api-keys-secret-file too"
+        )
     if namespace.metrics_port is not None and not input_.startswith("dyn://"):
         where = "in=http serves /metrics on --http-port" if input_ == "http" else f"in={input_} has no /metrics"
         parser.error(f"--metrics-port (FLOTILLA_METRICS_PORT) is a worker's (in=dyn://...); {where}")
@@ -203,6 +208,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         reuse_port=namespace.reuse_port,
         api_keys_secret_file=namespace.api_keys_secret_file,
         quota_redis_url=namespace.quota_redis,
+        max_concurrent_per_key=namespace.max_concurrent_per_key,
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},
         disagg_role=namespace.disagg_role or "aggregated",

@@ -71,6 +71,8 @@ class RunOptions:
     node_rank: int = 0  # this machine's among them: 0 serves, the others run their share of the model
     leader_addr: LeaderAddress | None = None  # where they meet (rank 0's machine), when num_nodes > 1
     quota_redis_url: str | None = None
+    #: out=dyn with API keys: the cap on a key's concurrent requests per process, for keys that set none.
+    max_concurrent_per_key: int | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
     disagg_role: DisaggRole = "aggregated"  # in=dyn: --disagg-role, the part of requests the worker serves

@@ -373,6 +373,7 @@ async def run_ingress(options: RunOptions) -> int:
             api_keys=api_keys,
             meter=meter,
             served_names=served_names,
+            max_concurrent_per_key=options.max_concurrent_per_key,
         )
     finally:
         stop_on_failure.cancel()

@@ -592,3 +592,10 @@ def _add_api_key_flags(parser: EnvArgumentParser) -> None:
         "ingress shares each key's limits and records its usage; unset, each process enforces limits alone "
         "and records no usage",
     )
+    parser.add_flag(
+        "--max-concurrent-per-key",
+        env="FLOTILLA_MAX_CONCURRENT_PER_KEY",
+        type=_positive_int,
+        help="with --api-keys-secret-file: requests of one API key this process serves at once, for keys whose "
+        "own max_concurrent_requests is unset; more are refused with 429 (default: no cap)",
+    )

@@ -34,6 +34,7 @@ def create_key(
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
     monthly_token_budget: int | None = None,
+    max_concurrent_requests: int | None = None,
 ) -> tuple[ApiKey, str]:
     """A new key for ``owner``; returns the row and the key itself (shown once, stored hashed).
 
@@ -58,6 +59,7 @@ def create_key(
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
         monthly_token_budget=monthly_token_budget,
+        max_concurrent_requests=max_concurrent_requests,
     )
     try:
         with transaction.atomic():

@@ -38,6 +38,8 @@ class ApiKey(models.Model):
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
     tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
     monthly_token_budget = models.PositiveBigIntegerField(null=True, blank=True)
+    # Requests served at once per ingress process; empty: the ingress's --max-concurrent-per-key, if any.
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     # Grows with every change, so that an ingress can tell a newer record from an older one.
     version = models.PositiveIntegerField(default=1)
@@ -84,6 +86,7 @@ class ApiKey(models.Model):
             requests_per_minute=self.requests_per_minute,
             tokens_per_minute=self.tokens_per_minute,
             monthly_token_budget=self.monthly_token_budget,
+            max_concurrent_requests=self.max_concurrent_requests,
             # Revoked too while suspended: an ingress that does not know ``suspended`` refuses it as well.
             revoked=self.revoked or self.suspended,
             suspended=self.suspended,

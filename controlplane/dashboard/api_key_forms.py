@@ -35,7 +35,7 @@ class ApiKeyForm(ActionForm):
     conflict_field = "name"
     field_order = (
         "name", "owner", "models", "other_models", "expires_at", "requests_per_minute", "tokens_per_minute",
-        "monthly_token_budget",
+        "monthly_token_budget", "max_concurrent_requests",
     )  # fmt: skip
 
     name = forms.CharField(max_length=100, help_text="What the key is for, e.g. the application's name.")
@@ -66,6 +66,13 @@ class ApiKeyForm(ActionForm):
     )
     monthly_token_budget = forms.IntegerField(
         min_value=1, max_value=MAX_BUDGET, required=False, help_text="Tokens per calendar month (UTC); empty: none."
+    )
+    max_concurrent_requests = forms.IntegerField(
+        label="Concurrent requests",
+        min_value=1,
+        max_value=MAX_LIMIT,
+        required=False,
+        help_text="Served at once by each ingress process; empty: the ingress's default (no cap unless set).",
     )
 
     def __init__(self, *args: Any, admin: bool, person: User, **kwargs: Any) -> None:
@@ -121,6 +128,7 @@ class ApiKeyForm(ActionForm):
                 requests_per_minute=data["requests_per_minute"],
                 tokens_per_minute=data["tokens_per_minute"],
                 monthly_token_budget=data["monthly_token_budget"],
+                max_concurrent_requests=data["max_concurrent_requests"],
             )
         except (Invalid, Conflict) as error:
             self.refuse(error)

@@ -112,6 +112,7 @@ async def serve_http(
     api_keys: KeyTable | None = None,
     meter: Meter | None = None,
     served_names: ServedNames | None = None,
+    max_concurrent_per_key: int | None = None,
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
@@ -130,6 +131,7 @@ async def serve_http(
         api_keys=api_keys,
         meter=meter,
         served_names=served_names,
+        max_concurrent_per_key=max_concurrent_per_key,
     )
     config = uvicorn.Config(
         app,

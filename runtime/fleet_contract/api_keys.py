@@ -61,6 +61,8 @@ class KeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     requests_per_minute: _Count | None = None
     tokens_per_minute: _Count | None = None
     monthly_token_budget: _Count | None = None
+    #: Requests of this key one ingress process serves at once; None: the process's default, if any.
+    max_concurrent_requests: _Count | None = None
     revoked: bool = False
     #: Revoked for now because its owner is deactivated (``revoked`` is set too, so that an ingress that
     #: does not know this field refuses the key as well); it works again when the owner is reactivated.

@@ -106,6 +106,7 @@ def test_only_an_admin_makes_a_key_for_someone_else_and_readers_make_none(
         ({"requests_per_minute": 0}, "requests_per_minute"),
         ({"tokens_per_minute": "lots"}, "tokens_per_minute"),
         ({"monthly_token_budget": -5}, "monthly_token_budget"),
+        ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
         ({"expires_at": "yesterday"}, "expires_at"),
         ({"expires_at": "2020-01-01T00:00:00Z"}, "expires_at"),
         ({"owner": "nobody-of-that-name"}, "owner"),
@@ -128,7 +129,14 @@ def test_a_key_and_its_revocation_are_published_to_etcd_signed(
 ) -> None:
     expires = timezone.now() + datetime.timedelta(days=30)
     with committing():
-        made = create(operator, allowed_models=["smol"], expires_at=expires.isoformat(), tokens_per_minute=500).json()
+        made = create(
+            operator,
+            allowed_models=["smol"],
+            expires_at=expires.isoformat(),
+            tokens_per_minute=500,
+            max_concurrent_requests=4,
+        ).json()
+    assert made["max_concurrent_requests"] == 4
     hashed = key_hash(made["key"])
     secret = read_secret(publication.secret_file())
 
@@ -141,6 +149,7 @@ def test_a_key_and_its_revocation_are_published_to_etcd_signed(
         500,
     )
     assert record.expires_at == pytest.approx(expires.timestamp()) and not record.revoked
+    assert record.max_concurrent_requests == 4
     with pytest.raises(BadRecord, match="signature"):
         verify(value, key_hash("sk-flt-another"), secret)  # a record cannot be moved to another key
 

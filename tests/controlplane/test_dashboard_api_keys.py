@@ -65,6 +65,7 @@ def test_an_operator_makes_a_key_and_sees_it_once_with_snippets(monkeypatch: pyt
         "requests_per_minute": "600",
         "tokens_per_minute": "",
         "monthly_token_budget": "1000000",
+        "max_concurrent_requests": "8",
     }
     response = browser.post("/api-keys/", form)
     assert response.status_code == 200
@@ -80,12 +81,14 @@ def test_an_operator_makes_a_key_and_sees_it_once_with_snippets(monkeypatch: pyt
     assert key.key_hash == key_hash(secret) and key.owner.username == "olga"
     assert key.allowed_models == ["later", "org/next-model", "smol-chat"]
     assert (key.requests_per_minute, key.tokens_per_minute, key.monthly_token_budget) == (600, None, 1_000_000)
+    assert key.max_concurrent_requests == 8
     assert key.expires_at == datetime.datetime(2099, 1, 31, 12, 0, tzinfo=datetime.UTC)
     assert AuditEntry.objects.get(action="api_key.create").actor_name == "olga"
 
     listing = browser.get("/api-keys/").content.decode()
     assert new_key(listing) is None and secret not in listing  # never again
     assert f'id="api-key-{key.pk}"' in listing and f"{key.key_start}…" in listing and "600 requests/min" in listing
+    assert "8 at once" in listing
 
 
 def test_bad_input_is_refused_on_its_field_and_makes_no_key() -> None:

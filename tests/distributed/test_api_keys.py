@@ -4,10 +4,12 @@ revoked and out-of-scope keys are refused as OpenAI refuses them, a revocation r
 processes within a second, malformed records in etcd are skipped while the others apply, and an ingress
 without the secret says that /v1 is open."""
 
+import contextlib
 import hashlib
 import hmac
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -254,3 +256,57 @@ def usage_in(server: RedisServer) -> dict[str, int]:
         return usage
     finally:
         client.close()
+
+
+def test_a_key_past_its_concurrent_requests_is_refused_with_429_and_other_keys_are_not(
+    cluster: Cluster, secret_file: Path
+) -> None:
+    capped, defaulted, other = new_key(), new_key(), new_key()
+    publish(cluster, capped, key_id=1, name="capped", max_concurrent_requests=1)
+    publish(cluster, defaulted, key_id=2, name="defaulted")  # takes the ingress's --max-concurrent-per-key
+    publish(cluster, other, key_id=3, name="other")
+    ingress = cluster.start_ingress("--api-keys-secret-file", str(secret_file), "--max-concurrent-per-key", "2")
+    # echo_core sends the ~200-token templated prompt back at 50 ms a token: streams that last ~10 s.
+    cluster.start_worker("dyn://alpha", "out=echo_core", "--model-name", "alpha", delay_ms=50)
+    wait_until(lambda: "alpha" in httpx.get(ingress.base_url + "/health", timeout=5).json()["models"], 15, "no model")
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "count " * 200}], "stream": True}
+
+    readers: list[Iterator[str]] = []  # kept: a reader dropped unread closes its response
+    with contextlib.ExitStack() as streams:
+
+        def open_stream(key: str) -> httpx.Response:
+            response = streams.enter_context(
+                httpx.stream("POST", ingress.api_url + "/chat/completions", json=body, headers=bearer(key), timeout=30)
+            )
+            assert response.status_code == 200
+            readers.append(response.iter_lines())
+            next(readers[-1])  # it is generating now
+            return response
+
+        first = open_stream(capped)
+        with pytest.raises(openai.RateLimitError, match="'capped' has 1 requests in progress") as refused:
+            ask(ingress, capped)
+        assert refused.value.code == "concurrency_limit_exceeded"
+        assert refused.value.response.headers["retry-after"] == "1"
+
+        open_stream(defaulted)
+        open_stream(defaulted)
+        with pytest.raises(openai.RateLimitError, match="'defaulted' has 2 requests in progress"):
+            ask(ingress, defaulted)
+        assert ask(ingress, other)  # the keys at their caps take nothing from another key
+        assert httpx.get(ingress.api_url + "/models", headers=bearer(capped), timeout=5).status_code == 200
+
+        first.close()  # the client leaves: its place is given back once the ingress sees it go
+        wait_until(lambda: served(ingress, capped), 10, "the capped key stayed refused after its request ended")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def served(server: Server, key: str) -> bool:
+    """Whether ``server`` serves ``key`` now (False: refused at its cap of concurrent requests)."""
+    try:
+        return bool(ask(server, key))
+    except openai.RateLimitError:
+        return False

@@ -22,7 +22,8 @@ class ApiKeySerializer(serializers.ModelSerializer):
         model = ApiKey
         fields: ClassVar = [
             "id", "name", "owner", "key_start", "allowed_models", "expires_at", "requests_per_minute",
-            "tokens_per_minute", "monthly_token_budget", "revoked", "revoked_at", "suspended", "created_at",
+            "tokens_per_minute", "monthly_token_budget", "max_concurrent_requests", "revoked", "revoked_at",
+            "suspended", "created_at",
         ]  # fmt: skip
         read_only_fields = fields
 
@@ -48,6 +49,13 @@ class ApiKeyCreateSerializer(serializers.Serializer):
         min_value=1, max_value=MAX_LIMIT, required=False, allow_null=True, help_text="Prompt and completion tokens."
     )
     monthly_token_budget = serializers.IntegerField(min_value=1, max_value=MAX_BUDGET, required=False, allow_null=True)
+    max_concurrent_requests = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_LIMIT,
+        required=False,
+        allow_null=True,
+        help_text="Requests served at once by each ingress process; none: the ingress's default, if any.",
+    )
 
     def validate_name(self, value: str) -> str:
         if not value.strip():
