@@ -397,15 +397,18 @@ async def _api_keys(
     Raises ConfigError for an unreadable secret, DiscoveryUnavailable when etcd cannot list the keys.
     """
     from frontend_gateway.access.api_keys import KeyTable
-    from runtime.fleet_contract.api_keys import read_secret
+    from frontend_gateway.access.secret_file import follow_secret_file
+    from runtime.fleet_contract.api_keys import read_secrets
 
     if secret_file is None:
         log.warning(OPEN_INGRESS_WARNING)
         return None
-    table = KeyTable(read_secret(secret_file), on_skipped=metrics.api_key_record_skipped)
+    table = KeyTable(read_secrets(secret_file), on_skipped=metrics.api_key_record_skipped)
     await table.load(runtime.discovery)
     # Restarted if it fails: the watch resumes from the records it has applied.
     runtime.own(lambda: table.run(runtime.discovery), name="API key watcher", restart=True)
+    # A rotation of the secret needs no restart: the file is read again while the ingress runs.
+    runtime.own(lambda: follow_secret_file(secret_file, table), name="API key secret reader", restart=True)
     log.info("API keys required on /v1/*: %d key(s) from the control plane", len(table))
     return table
 

@@ -583,7 +583,8 @@ def _add_api_key_flags(parser: EnvArgumentParser) -> None:
         type=Path,
         help="out=dyn: require an API key (Authorization: Bearer sk-flt-...) on /v1/*, checked against the keys "
         "the control plane publishes in etcd; PATH is its signing secret (api-keys.secret in its data "
-        "directory). /health, /live and /metrics stay open",
+        "directory), one secret per line, any of which a record may be signed with: read again every 2 s, so "
+        "the secret is rotated without a restart. /health, /live and /metrics stay open",
     )
     parser.add_flag(
         "--quota-redis",

@@ -8,6 +8,8 @@ differ (a missed change, a replayed or forged record) and deleting any with no k
 
 Settings: ``ETCD_ENDPOINTS`` (as the reconciler's), and the signing secret in
 ``FLOTILLA_API_KEYS_SECRET_FILE``, by default ``api-keys.secret`` in the data directory (made on first use).
+The file is read at each publication and sync, and its first line signs: a new secret put first is used at
+once, and the next sync re-signs every record with it (a rotation: docs/controlplane.md).
 """
 
 from collections.abc import Iterable

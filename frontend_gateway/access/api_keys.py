@@ -13,13 +13,17 @@ bad record must not stop revocations, nor an ingress from starting. A skipped re
 key keeps the last good record it had (a revoked key stays revoked) until the control plane's sync puts
 its record back.
 
+The secrets a record may be signed with can change while the ingress runs (``set_secrets``, from the file
+that ``secret_file.py`` re-reads): during a rotation the old one and the new are both accepted, and the
+records seen in etcd are applied again, so one skipped for a secret not yet known here takes effect.
+
 Answers are OpenAI's: 401 ``invalid_api_key`` for a missing, unknown, revoked, suspended (its owner is
 deactivated) or expired key, 403 ``model_not_allowed`` for a model outside the key's list.
 """
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 
 from frontend_gateway.errors import GatewayError
@@ -56,12 +60,12 @@ class KeyTable:
 
     def __init__(
         self,
-        secret: bytes,
+        secrets: bytes | Sequence[bytes],
         *,
         clock: Callable[[], float] = time.time,
         on_skipped: Callable[[str], None] | None = None,
     ) -> None:
-        self._secret = secret
+        self._secrets = (secrets,) if isinstance(secrets, bytes) else tuple(secrets)
         self._clock = clock
         #: Told the reason (BadRecord.reason, or "older") of every record skipped, for a metric.
         self._on_skipped = on_skipped
@@ -70,6 +74,23 @@ class KeyTable:
         self._versions: dict[str, int] = {}
         self._refused = RateLimitedLog(log, period_s=60.0)
         self._seen: dict[str, bytes] = {}  # etcd key -> the value last applied, for the watch to resume from
+
+    @property
+    def secrets(self) -> tuple[bytes, ...]:
+        return self._secrets
+
+    def set_secrets(self, secrets: Sequence[bytes]) -> bool:
+        """Accept records signed with ``secrets`` from now on; returns whether they changed. The records
+        seen in etcd are applied again: one skipped for a secret this table did not know yet takes effect
+        (a record signed only with a secret no longer accepted is skipped from now on; what it set stays,
+        until the control plane's sync re-signs it)."""
+        secrets = tuple(secrets)
+        if secrets == self._secrets:
+            return False
+        self._secrets = secrets
+        for key, value in list(self._seen.items()):
+            self.apply(WatchEvent("put", key, value))
+        return True
 
     def __len__(self) -> int:
         return sum(not record.revoked for record in self._keys.values())
@@ -99,7 +120,7 @@ class KeyTable:
             return
         assert event.value is not None
         try:
-            record = verify(event.value, hashed, self._secret)
+            record = verify(event.value, hashed, self._secrets)
         except BadRecord as exc:
             self._skip(exc.reason, f"API keys: skipped the record at {_shown_key(event.key)}: {exc}")
             return

@@ -12,6 +12,11 @@ takes a record older than one it has seen for that key, so an old "active" recor
 who kept a copy does not bring a revoked key back to that ingress; the control plane's periodic sync
 rewrites every record from its database, which undoes such a replay in etcd itself.
 
+The secret file holds one secret per line: the control plane signs with the first, an ingress accepts a
+record signed with any (and re-reads the file while it runs), so the secret is rotated without a refused
+request: the new one is added to every ingress's file, then put first in the control plane's (whose sync
+re-signs every record with it), then the old one is removed (docs/controlplane.md says how).
+
 A key whose owner is deactivated is published as revoked with ``suspended`` set (and a higher version);
 reactivating the owner publishes it active again, with a higher version still.
 
@@ -24,6 +29,7 @@ import hmac
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -105,8 +111,9 @@ class BadRecord(Exception):
         self.reason = reason
 
 
-def verify(value: bytes, hashed: str, secret: bytes) -> KeyRecord:
-    """The record in ``value`` (from ``sign``) for the key whose hash is ``hashed``.
+def verify(value: bytes, hashed: str, secret: bytes | Sequence[bytes]) -> KeyRecord:
+    """The record in ``value`` (from ``sign``) for the key whose hash is ``hashed``, signed with ``secret``
+    (or with any of several: while the secret is rotated, the old one and the new).
 
     Raises BadRecord, and nothing else, for any other bytes: the values under the prefix are anyone's who
     can write to etcd."""
@@ -118,7 +125,8 @@ def verify(value: bytes, hashed: str, secret: bytes) -> KeyRecord:
         raise BadRecord("unsigned", "not a signed key record (no signature line)")
     if _HEX_DIGEST.fullmatch(signature) is None:
         raise BadRecord("unsigned", "not a signed key record (its signature is not 64 lowercase hex digits)")
-    if not hmac.compare_digest(signature, _mac(secret, hashed, body)):
+    accepted = (secret,) if isinstance(secret, bytes) else secret
+    if not any(hmac.compare_digest(signature, _mac(key, hashed, body)) for key in accepted):
         raise BadRecord("signature", "its signature does not match (signed with another secret, or altered)")
     try:
         return msgspec.json.decode(body, type=KeyRecord)
@@ -133,17 +141,33 @@ def _mac(secret: bytes, hashed: str, body: bytes) -> bytes:
 
 
 def read_secret(path: Path) -> bytes:
-    """The signing secret in ``path``. Raises ConfigError saying what is wrong and what to do."""
+    """The secret to sign with: the first in ``path``. Raises ConfigError saying what is wrong and what to do."""
+    return read_secrets(path)[0]
+
+
+def read_secrets(path: Path) -> tuple[bytes, ...]:
+    """The secrets in ``path``, one per line (blank lines aside), the signing one first. Raises ConfigError
+    saying what is wrong and what to do."""
     try:
-        secret = path.read_bytes().strip()
+        content = path.read_bytes()
     except OSError as exc:
         raise ConfigError(
             f"cannot read the API keys' signing secret {path} ({exc.strerror}); it is the control plane's "
             f"(its data directory's api-keys.secret): copy it to this machine, readable by this user only"
         ) from exc
-    if len(secret) < _MIN_SECRET_BYTES:
-        raise ConfigError(f"the API keys' signing secret {path} is {len(secret)} bytes; it needs {_MIN_SECRET_BYTES}")
-    return secret
+    found: list[bytes] = []
+    for number, line in enumerate(content.splitlines(), start=1):
+        if not (secret := line.strip()):
+            continue
+        if len(secret) < _MIN_SECRET_BYTES:
+            raise ConfigError(
+                f"the API keys' signing secret on line {number} of {path} is {len(secret)} bytes; it needs "
+                f"{_MIN_SECRET_BYTES} (one secret per line)"
+            )
+        found.append(secret)
+    if not found:
+        raise ConfigError(f"the API keys' signing secret {path} is empty; it needs {_MIN_SECRET_BYTES} bytes or more")
+    return tuple(found)
 
 
 def secret_in(directory: Path) -> Path:

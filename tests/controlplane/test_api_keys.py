@@ -175,6 +175,22 @@ def test_the_sync_rewrites_tampered_records_and_deletes_forged_ones(
     assert publication.sync().written == 0  # nothing left to do
 
 
+def test_after_a_new_secret_is_put_first_in_the_file_the_sync_re_signs_every_record_with_it(
+    operator: APIClient, etcd: EtcdServer, secret_file: Path, committing: Callable[[], Any]
+) -> None:
+    with committing():
+        made = create(operator).json()
+    hashed = key_hash(made["key"])
+    old, new = b"s" * 64, b"n" * 64
+    secret_file.write_bytes(new + b"\n" + old + b"\n")  # the rotation's second step: the new secret signs
+
+    assert publication.sync().written == 1
+    value = etcd_values(etcd, API_KEYS_PREFIX)[etcd_key(hashed)].encode()
+    assert verify(value, hashed, new).key_id == made["id"]
+    with pytest.raises(BadRecord, match="signature"):
+        verify(value, hashed, old)
+
+
 def test_with_etcd_down_a_key_is_still_made_and_the_sync_says_so(
     operator: APIClient, monkeypatch: pytest.MonkeyPatch, committing: Callable[[], Any]
 ) -> None:

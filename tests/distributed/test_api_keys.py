@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import hmac
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +34,11 @@ def secret_file(tmp_path: Path) -> Path:
     return path
 
 
-def publish(cluster: Cluster, key: str, **fields: object) -> None:
+def publish(cluster: Cluster, key: str, *, secret: str = SECRET, **fields: object) -> None:
     """Put ``key``'s record in etcd, signed with the control plane's secret."""
     record = KeyRecord(**{"key_id": 1, "name": "chat-app", "owner": "alice", **fields})  # type: ignore[arg-type]
     hashed = key_hash(key)
-    etcd_put(cluster.etcd, etcd_key(hashed), sign(record, hashed, SECRET.encode()).decode())
+    etcd_put(cluster.etcd, etcd_key(hashed), sign(record, hashed, secret.encode()).decode())
 
 
 def client(server: Server, key: str | None) -> openai.OpenAI:
@@ -310,3 +311,53 @@ def served(server: Server, key: str) -> bool:
         return bool(ask(server, key))
     except openai.RateLimitError:
         return False
+
+
+def test_the_signing_secret_is_rotated_under_traffic_without_a_refused_request(
+    cluster: Cluster, secret_file: Path
+) -> None:
+    new_secret = "n" * 64
+    key, revoked = new_key(), new_key()
+    publish(cluster, key, version=1)
+    publish(cluster, revoked, key_id=2, name="to-revoke", version=1)
+    (ingress,) = start(cluster, secret_file)
+    answers: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:  # a client calling all along; every answer is kept, refusals included
+        while not stop.is_set():
+            try:
+                answers.append("ok" if ask(ingress, key) else "empty")
+            except openai.APIError as exc:
+                answers.append(repr(exc))
+
+    def secrets_accepted(count: int) -> bool:
+        return f"records signed with any of {count} accepted" in ingress.log()
+
+    caller = threading.Thread(target=traffic)
+    caller.start()
+    try:
+        # 1. Every ingress is given the new secret besides the old one: it reads its file again by itself.
+        secret_file.write_text(SECRET + "\n" + new_secret + "\n")
+        wait_until(lambda: secrets_accepted(2), 10, "the ingress did not read its secret file again")
+        # 2. The control plane signs with the new one (first in its file); its sync re-signs every record.
+        publish(cluster, key, version=1, secret=new_secret)
+        publish(cluster, revoked, key_id=2, name="to-revoke", version=2, revoked=True, secret=new_secret)
+        late = new_key()
+        publish(cluster, late, key_id=3, name="late", secret=new_secret)
+        wait_until(lambda: refused(ingress, revoked), 10, "a revocation signed with the new secret did not apply")
+        assert ask(ingress, late)
+        # 3. The old secret is removed: a record signed with it opens nothing from now on.
+        secret_file.write_text(new_secret + "\n")
+        wait_until(lambda: secrets_accepted(1), 10, "the ingress did not drop the old secret")
+        calls = len(answers)
+        wait_until(lambda: len(answers) > calls + 3, 10, "the client's calls stopped")  # served past the change
+        forged = new_key()
+        publish(cluster, forged, key_id=4, name="signed-with-the-old", secret=SECRET)
+        wait_until(lambda: skipped_records(ingress).get("signature", 0) >= 1, 10, "the old-secret record applied")
+        with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+            ask(ingress, forged)
+    finally:
+        stop.set()
+        caller.join()
+    assert len(answers) > 10 and set(answers) == {"ok"}, [answer for answer in answers if answer != "ok"][:3]

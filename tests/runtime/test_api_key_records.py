@@ -7,11 +7,13 @@ import hashlib
 import hmac
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from runtime.fleet_contract.api_keys import BadRecord, KeyRecord, key_hash, sign, verify
+from runtime.errors import ConfigError
+from runtime.fleet_contract.api_keys import BadRecord, KeyRecord, key_hash, read_secret, read_secrets, sign, verify
 
 SECRET = b"s" * 64
 HASHED = key_hash("sk-flt-a-fixed-key")  # fixed: test ids must be the same in every xdist worker
@@ -97,3 +99,25 @@ def test_what_the_control_plane_signs_comes_back_whole_even_at_the_bounds() -> N
     )
     assert verify(sign(record, HASHED, SECRET), HASHED, SECRET) == record
     assert signed(msgspec.json.encode(record)) == sign(record, HASHED, SECRET)  # the helper above signs alike
+
+
+def test_while_a_secret_is_rotated_a_record_signed_with_either_of_two_is_taken() -> None:
+    record = KeyRecord(key_id=1, name="x", owner="y")
+    old, new = SECRET, b"n" * 64
+    for signer in (old, new):
+        assert verify(sign(record, HASHED, signer), HASHED, (new, old)) == record
+    with pytest.raises(BadRecord, match="signature"):
+        verify(sign(record, HASHED, b"f" * 64), HASHED, (new, old))
+
+
+def test_the_secret_file_holds_one_secret_a_line_and_the_first_signs(tmp_path: Path) -> None:
+    path = tmp_path / "api-keys.secret"
+    path.write_bytes(b"n" * 64 + b"\n\n  " + b"o" * 40 + b"  \n")
+    assert read_secrets(path) == (b"n" * 64, b"o" * 40)
+    assert read_secret(path) == b"n" * 64
+    path.write_bytes(b"n" * 64 + b"\n\n" + b"o" * 20 + b"\n")  # a line cut short
+    with pytest.raises(ConfigError, match=r"on line 3 of .* is 20 bytes; it needs 32 \(one secret per line\)"):
+        read_secrets(path)
+    path.write_bytes(b"\n \n")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_secrets(path)
