@@ -109,8 +109,11 @@ class ChatOutputParser:
         return Delta(reasoning, shown, calls)
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's finish reason: ``tool_calls`` when the answer ended by calling tools."""
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        """OpenAI's finish reason: ``tool_calls`` when the model chose to end by calling tools. A call that
+        ``tool_choice`` forced (a named function, or ``required``) ends with ``stop``, as OpenAI's and vLLM's
+        do: clients that loop until ``stop`` would otherwise never see one."""
+        chose = self.calls and self.required is None
+        return "tool_calls" if chose and reason == "stop" else reason
 
     def check_required(self, finish_reason: str | None) -> None:
         """Raise ToolCallMissing when the answer (which ended for ``finish_reason``) lacks the call
