@@ -165,6 +165,8 @@ class GatewayApp:
                 # Generations and embeddings (the POST routes) count among the key's concurrent requests.
                 if method == "POST" and self.key_concurrency.enter(key):
                     counted = key
+                if self.meter is not None and (key.requests_per_minute or key.tokens_per_minute) is not None:
+                    send = _with_limit_headers(send, self.meter, key)
             try:
                 await handler(scope, receive, send)
             finally:
@@ -824,6 +826,20 @@ def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
         raise InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
     except RecursionError as exc:
         raise InvalidRequest("the request body nests arrays or objects too deeply") from exc
+
+
+def _with_limit_headers(send: Send, meter: Meter, key: KeyRecord) -> Send:
+    """``send`` that adds the key's ``x-ratelimit-*`` headers (as its counts stand then) to every answer, as
+    OpenAI's do, so that a client can pace itself before it meets a 429 (whose headers say the same)."""
+
+    async def send_with_limits(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if not any(name.startswith(b"x-ratelimit-") for name, _ in headers):
+                message = {**message, "headers": [*headers, *meter.limit_headers(key)]}
+        await send(message)
+
+    return send_with_limits
 
 
 def _response_headers(base: list[tuple[bytes, bytes]], generation: Generation) -> list[tuple[bytes, bytes]]:

@@ -265,6 +265,19 @@ class Meter:
             raise _limited(QuotaExhausted(message), _seconds_to_next_month(now), headers)
         window.requests += 1
 
+    def limit_headers(self, key: KeyRecord) -> list[tuple[bytes, bytes]]:
+        """OpenAI's ``x-ratelimit-*`` headers for ``key`` as its counts stand now (this request's charge and
+        reservation included); [] for a key without per-minute limits."""
+        if key.requests_per_minute is None and key.tokens_per_minute is None:
+            return []
+        now = self._clock()
+        window = self._state(key.key_id, now).minute
+        _, fraction = _minute_of(now)
+        requests_now, tokens_now = window.counts()
+        requests = requests_now + window.previous_requests * (1.0 - fraction)
+        tokens = tokens_now + window.previous_tokens * (1.0 - fraction)
+        return _headers(key, requests, tokens, fraction)
+
     def reserve(
         self, key: KeyRecord, tokens: int, *, what: str = GENERATION_TOKENS, shrink: str = "lower max_tokens"
     ) -> Reservation | None:

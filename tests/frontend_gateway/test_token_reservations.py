@@ -291,3 +291,34 @@ async def test_a_key_met_while_redis_is_frozen_is_judged_on_this_process_counts_
     finally:
         os.kill(redis_server.process.pid, signal.SIGCONT)
     assert "Redis did not give the fleet's totals of key 7 within 0.5 s" in caplog.text
+
+
+async def test_every_answer_of_a_key_with_limits_says_what_is_left_of_them(card: ModelCard, start: Start) -> None:
+    """As OpenAI's answers do, not only its 429s: a client can pace itself before it is refused."""
+    gateway = start(TokenModel(card, TokenScript(WORDS)))
+    key, unlimited = new_key(), new_key()
+    gateway.publish(key, requests_per_minute=5, tokens_per_minute=10_000)
+
+    first, second = await gateway.post(key, chat(card)), await gateway.post(key, chat(card))
+
+    assert (first.status, second.status) == (200, 200)
+    assert first.headers[b"x-ratelimit-limit-requests"] == b"5"
+    assert (first.headers[b"x-ratelimit-remaining-requests"], second.headers[b"x-ratelimit-remaining-requests"]) == (
+        b"4",
+        b"3",
+    )
+    assert first.headers[b"x-ratelimit-limit-tokens"] == b"10000"
+    assert int(first.headers[b"x-ratelimit-remaining-tokens"]) < 10_000  # its reservation or its use counted
+    assert first.headers[b"x-ratelimit-reset-requests"].endswith(b"s")
+    tokenized = await gateway.post(key, {"model": card.name, "prompt": "hi"}, path="/v1/tokenize")
+    assert tokenized.status == 200 and tokenized.headers[b"x-ratelimit-remaining-requests"] == b"2"
+    # A key without limits gets none of these headers.
+    gateway.keys.apply(
+        WatchEvent(
+            "put",
+            etcd_key(key_hash(unlimited)),
+            sign(KeyRecord(key_id=8, name="free", owner="bob"), key_hash(unlimited), SECRET),
+        )
+    )
+    free = await gateway.post(unlimited, chat(card))
+    assert free.status == 200 and not any(name.startswith(b"x-ratelimit") for name in free.headers)
