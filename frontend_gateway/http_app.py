@@ -36,7 +36,7 @@ from frontend_gateway.errors import (
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
-from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api
+from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api, scoring
 from frontend_gateway.openai_api import tokenize as tokenization
 from frontend_gateway.openai_api.chat_output import Delta
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
@@ -120,11 +120,16 @@ class GatewayApp:
             "/v1/responses": ("POST", self._responses),
             "/v1/embeddings": ("POST", self._embeddings),
             "/v1/models": ("GET", self._list_models),
+            "/v1/score": ("POST", self._score),
+            "/v1/rerank": ("POST", self._rerank),
             "/v1/tokenize": ("POST", self._tokenize),
             "/v1/detokenize": ("POST", self._detokenize),
             # vLLM serves these two without the /v1 prefix; clients written against it call them there.
             "/tokenize": ("POST", self._tokenize),
             "/detokenize": ("POST", self._detokenize),
+            "/score": ("POST", self._score),
+            "/rerank": ("POST", self._rerank),
+            "/v2/rerank": ("POST", self._rerank),  # Cohere's v2 path, which vLLM serves too
             "/health": ("GET", self._health),
             "/live": ("GET", self._live),
             "/metrics": ("GET", self._metrics),
@@ -430,6 +435,30 @@ class GatewayApp:
             tokens = await embeddings.count_tokens(card, request, inputs)
             self._reserve(scope, tokens, what="its inputs' tokens", shrink="send fewer or shorter inputs")
             body, scope[_EMBEDDED_TOKENS] = await embeddings.create(card, embedder, request, inputs)
+        finally:
+            self.admission.release()
+        await self._send_json(send, body)
+
+    async def _score(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/score`` (and vLLM's ``/score``): pairs of texts scored by a model that embeds (scoring.py)."""
+        request: scoring.ScoreRequest = _decode(scoring.score_decoder, await self._read_body(scope, receive))
+        model = await self._find_model(request.model, scope)
+        await self._answer_scores(scope, receive, send, scoring.Scoring(model, request))
+
+    async def _rerank(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/rerank`` (and ``/rerank``, ``/v2/rerank``): documents ranked against a query (scoring.py)."""
+        request: scoring.RerankRequest = _decode(scoring.rerank_decoder, await self._read_body(scope, receive))
+        model = await self._find_model(request.model, scope)
+        await self._answer_scores(scope, receive, send, scoring.Scoring(model, request))
+
+    async def _answer_scores(self, scope: Scope, receive: Receive, send: Send, job: scoring.Scoring) -> None:
+        """Charge, admit, reserve the texts' tokens, then embed them and answer (as embeddings do)."""
+        await self._charge(scope)
+        await self._admit(receive)
+        try:
+            tokens = await job.count_tokens()
+            self._reserve(scope, tokens, what="its texts' tokens", shrink="send fewer or shorter texts")
+            body, scope[_EMBEDDED_TOKENS] = await job.run()
         finally:
             self.admission.release()
         await self._send_json(send, body)
@@ -798,8 +827,8 @@ async def _wait_for_disconnect(receive: Receive) -> bool:
 
 
 _MODEL_PREFIX = "/v1/models/"
-#: Paths outside /v1/ that an API key guards as it guards /v1/ (vLLM's tokenizer endpoints).
-_KEYED_WITHOUT_V1 = frozenset({"/tokenize", "/detokenize"})
+#: Paths outside /v1/ that an API key guards as it guards /v1/ (vLLM's own, and Cohere's v2 rerank).
+_KEYED_WITHOUT_V1 = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
 
 
 def _model_object(model: ServedModel) -> dict[str, Any]:
