@@ -1,18 +1,22 @@
 """Model downloads for the instances this node runs: Hugging Face repos into a models folder, local models checked.
 
 A model comes from a Hugging Face repo at a revision (``HubSource``), downloaded with huggingface_hub
-into ``models_dir`` (the hub's cache layout: files are shared between revisions, and an interrupted
-download resumes from its ``.incomplete`` files), or from a local folder or GGUF file (``LocalSource``),
-which is only checked. ``ModelDownloader.fetch`` returns the local path to give ``flotilla run``.
+into ``models_dir`` (the hub's cache layout: files are shared between revisions), or from a local folder
+or GGUF file (``LocalSource``), which is only checked. ``ModelDownloader.fetch`` returns the local path to
+give ``flotilla run``.
+
+A hub download runs in a process of its own (agent/download_process.py), which is killed when no start
+waits for it any more (each was stopped or replaced, or the agent stops). Its files are fetched so that
+an interrupted download, stopped or killed with the agent, resumes where it was (agent/hub_files.py).
 
 Two instances never write the same files: a download holds a file lock per repo (which also keeps two
 agents on one machine, sharing a models folder, apart), and concurrent fetches of one model in this
 process share one download. The second comes back with the first's result, finding the files in place.
 
-Progress is the bytes present in the repo's blob folder against the total size of the files to fetch,
-polled every ``progress_interval_s`` (throttled by construction; independent of the library's progress
-bars). The settings of huggingface_hub apply: ``HF_TOKEN`` (or ``HF_TOKEN_FILE``), ``HF_ENDPOINT``,
-``HF_HUB_OFFLINE=1`` (only what the models folder already holds).
+Progress is the bytes present in the repo's blob folder (partial files included) against the total size
+of the files to fetch, polled every ``progress_interval_s`` (throttled by construction; independent of the
+library's progress bars). The settings of huggingface_hub apply: ``HF_TOKEN`` (or ``HF_TOKEN_FILE``),
+``HF_ENDPOINT``, ``HF_HUB_OFFLINE=1`` (only what the models folder already holds).
 """
 
 import asyncio
@@ -27,6 +31,7 @@ import filelock
 import msgspec
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
+from agent.download_process import DownloadJob, Progress, run_download
 from agent.errors import (
     DiskFull,
     DownloadError,
@@ -37,6 +42,7 @@ from agent.errors import (
     RepoUnauthorized,
     SourceRefused,
 )
+from agent.hub_files import fetch_blobs, repo_folder
 from runtime.errors import ModelError
 from runtime.fleet_contract.tasks import HubSource, LocalSource, ModelSource
 from runtime.models.hub_download import HubCaller, HubError, HubProblem, HubSettings, hub_error, pick_files
@@ -56,8 +62,17 @@ class DownloadProgress(msgspec.Struct, frozen=True):
 ProgressCallback = Callable[[DownloadProgress], None]
 
 
+class _Download:
+    """One hub download under way, shared by every fetch of its source meanwhile."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Path] | None = None
+        self.waiters = 0
+        self.listeners: list[ProgressCallback] = []
+
+
 class ModelDownloader:
-    """Fetches models into ``models_dir``; one per agent."""
+    """Fetches models into ``models_dir``; one per agent. ``close()`` stops the downloads under way."""
 
     def __init__(self, models_dir: Path, *, hub: HubSettings | None = None, progress_interval_s: float = 1.0) -> None:
         self.models_dir = models_dir
@@ -69,59 +84,93 @@ class ModelDownloader:
             cache=str(models_dir),
             who=" for the agent",
         )
-        # In-flight downloads by source, shared by every fetch of that source meanwhile.
-        self._running: dict[ModelSource, asyncio.Future[Path]] = {}
-        self._listeners: dict[ModelSource, list[ProgressCallback]] = {}
+        self._running: dict[HubSource, _Download] = {}
+        # Every download's task, those being stopped included, for close() to wait for.
+        self._tasks: set[asyncio.Task[Path]] = set()
 
     async def fetch(self, source: ModelSource, on_progress: ProgressCallback | None = None) -> Path:
         """The local path of ``source``'s model, downloading it first if need be.
 
-        ``on_progress`` is called on the event loop's thread, at most every ``progress_interval_s``.
+        ``on_progress`` is called on the event loop's thread, at most every ``progress_interval_s``. A
+        download that every fetch of it gave up (cancelled) is stopped: its process is killed.
         Raises a DownloadError subclass: HubUnreachable, RepoNotFound, RepoUnauthorized, DiskFull,
         LocalModelMissing, DownloadError for anything else the hub refused (all retryable), or SourceRefused
         (LocalModelInvalid, a malformed repo id), which only a changed source fixes.
         """
-        listeners = self._listeners.setdefault(source, [])
+        if isinstance(source, LocalSource):
+            return await asyncio.to_thread(check_local_model, Path(source.path))
+        download = self._running.get(source)
+        if download is None:
+            download = self._running[source] = _Download()
+            download.task = asyncio.create_task(self._download_in_process(source, download), name=f"download {source}")
+            download.task.add_done_callback(lambda task: self._finished(source, download, task))
+            self._tasks.add(download.task)
+        assert download.task is not None
         if on_progress is not None:
-            listeners.append(on_progress)
-        running = self._running.get(source)
-        if running is None:
-            loop = asyncio.get_running_loop()
-
-            def report(progress: DownloadProgress) -> None:
-                # Called from the download's threads: hand it to the loop, where the listeners live.
-                loop.call_soon_threadsafe(self._notify, source, progress)
-
-            running = asyncio.ensure_future(asyncio.to_thread(self.fetch_blocking, source, report))
-            self._running[source] = running
-            running.add_done_callback(lambda _: self._forget(source))
+            download.listeners.append(on_progress)
+        download.waiters += 1
         try:
             # Shielded: one caller giving up must not cancel the download the others wait for.
-            return await asyncio.shield(running)
+            return await asyncio.shield(download.task)
         finally:
-            if on_progress is not None and on_progress in listeners:
-                listeners.remove(on_progress)
+            download.waiters -= 1
+            if on_progress is not None and on_progress in download.listeners:
+                download.listeners.remove(on_progress)
+            if download.waiters == 0 and not download.task.done():
+                log.info("stopping the download of %s: nothing waits for it any more (its partial files stay)", source)
+                self._forget(source, download)
+                download.task.cancel()
 
-    def _notify(self, source: ModelSource, progress: DownloadProgress) -> None:
-        for listener in list(self._listeners.get(source, ())):
-            try:
-                listener(progress)
-            except Exception:
-                log.exception("a download progress callback failed")
+    async def close(self) -> None:
+        """Stop the downloads under way and wait until their processes have ended."""
+        self._running.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _forget(self, source: ModelSource) -> None:
-        self._running.pop(source, None)
-        self._listeners.pop(source, None)
+    async def _download_in_process(self, source: HubSource, download: _Download) -> Path:
+        def notify(progress: Progress) -> None:
+            reported = DownloadProgress(progress.bytes_done, progress.bytes_total, progress.waiting)
+            for listener in list(download.listeners):
+                try:
+                    listener(reported)
+                except Exception:
+                    log.exception("a download progress callback failed")
+
+        job = DownloadJob(
+            source=source,
+            models_dir=str(self.models_dir),
+            endpoint=self.hub.endpoint,
+            token=self.hub.token,
+            offline=self.hub.offline,
+            timeout_s=self.hub.timeout_s,
+            progress_interval_s=self.progress_interval_s,
+            parent_pid=os.getpid(),
+        )
+        return await run_download(job, notify)
+
+    def _finished(self, source: HubSource, download: _Download, task: "asyncio.Task[Path]") -> None:
+        self._forget(source, download)
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a download nobody waits for any more may still fail
+
+    def _forget(self, source: HubSource, download: _Download) -> None:
+        """Let the next fetch of ``source`` start a download of its own, unless another one took its place."""
+        if self._running.get(source) is download:
+            del self._running[source]
 
     def fetch_blocking(self, source: ModelSource, report: ProgressCallback | None = None) -> Path:
-        """``fetch`` for a thread: blocks, and calls ``report`` from this and a polling thread."""
+        """``fetch`` in the download process (or a thread): blocks, and calls ``report`` from this and a
+        polling thread. Raises what ``fetch`` raises."""
         if isinstance(source, LocalSource):
             return check_local_model(Path(source.path))
         return self._fetch_from_hub(source, report or _ignore)
 
     def lock_path(self, source: HubSource) -> Path:
         """The lock file of ``source``'s repo (every revision shares the repo's blobs)."""
-        return self.models_dir / ".locks" / f"{_repo_folder(source.repo_id)}.lock"
+        return self.models_dir / ".locks" / f"{repo_folder(source.repo_id)}.lock"
 
     def _fetch_from_hub(self, source: HubSource, report: ProgressCallback) -> Path:
         if parse_hub_model(source.repo_id) is None or ":" in source.repo_id:
@@ -169,7 +218,7 @@ class ModelDownloader:
         sizes = {sibling.rfilename: sibling.size or 0 for sibling in info.siblings or []}
         plan = pick_files(_hub_model(source), sorted(sizes), self._caller)
         total = sum(sizes[name] for name in plan.names)
-        blobs = self.models_dir / _repo_folder(source.repo_id) / "blobs"
+        blobs = self.models_dir / repo_folder(source.repo_id) / "blobs"
         _check_space(self.models_dir, needed=total - _bytes_in(blobs), what=source.repo_id)
         stop_polling = threading.Event()
         poller = threading.Thread(
@@ -180,7 +229,10 @@ class ModelDownloader:
         )
         poller.start()
         try:
-            # Pinned to the commit model_info saw, so that every file comes from one commit.
+            # Pinned to the commit model_info saw, so that every file comes from one commit. The files go
+            # into the blob folder first, resuming what an interrupted download left; huggingface_hub then
+            # lays out the snapshot around them.
+            fetch_blobs(source.repo_id, plan.names, commit=info.sha or "main", cache=self.models_dir, hub=hub)
             if plan.file is not None:
                 path = hf_hub_download(
                     source.repo_id,
@@ -226,11 +278,6 @@ _AGENT_ERRORS: dict[HubProblem, type[DownloadError]] = {
     HubProblem.DISK_FULL: DiskFull,
     HubProblem.REFUSED: DownloadError,
 }
-
-
-def _repo_folder(repo_id: str) -> str:
-    """The hub cache's folder name of a model repo (``models--org--name``)."""
-    return "models--" + repo_id.replace("/", "--")
 
 
 def _bytes_in(folder: Path) -> int:

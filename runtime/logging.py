@@ -59,6 +59,6 @@ def configure_logging(spec: str | None, verbosity: int = 0) -> None:
     for name, level in targets.items():
         logging.getLogger(name).setLevel(level)
     # Third-party chatter stays at warning unless asked for by name.
-    for noisy in ("httpx", "httpcore", "filelock", "huggingface_hub"):
+    for noisy in ("httpx", "httpx2", "httpcore", "filelock", "huggingface_hub"):
         if noisy not in targets:
             logging.getLogger(noisy).setLevel(max(root, logging.WARNING))

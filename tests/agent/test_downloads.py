@@ -1,14 +1,15 @@
 """Model downloads: local models checked, hub repos fetched under a lock with progress, errors explained.
 
-The hub cannot be reached from the tests. Where a download must succeed, huggingface_hub's network
-calls (``HfApi.model_info``, ``snapshot_download``, ``hf_hub_download``) are replaced by fakes that
-write files as the hub cache would; the error tests raise huggingface_hub's own exceptions from those
-calls. An unreachable hub and offline mode go through the real library.
+The hub cannot be reached from the tests. Downloads go to a fake hub on loopback (tests/agent/fake_hub.py),
+through the download process and the real library; the tests of what is decided before any file is
+fetched (the space check, the translation of huggingface_hub's exceptions) fake ``HfApi.model_info`` and
+call ``fetch_blocking``, what the download process runs, directly. An unreachable hub and offline mode go
+through the real library.
 """
 
 import asyncio
 import errno
-import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,27 +30,21 @@ from agent.errors import (
     RepoUnauthorized,
 )
 from runtime.fleet_contract.tasks import HubSource, LocalSource
+from tests.agent.fake_hub import SHA, FakeHub, running_hub
 from tests.servers import free_port
 
 REPO = "acme/tiny-llm"
 HUB = HubSettings(endpoint="http://hub.invalid", token=None, offline=False, timeout_s=1)
 
 
-class FakeHub:
-    """The hub calls the downloader makes, over a repo of ``files`` (name -> size)."""
+class FakeHubApi:
+    """huggingface_hub's HfApi as the downloader uses it, over a repo of ``files`` (name -> size), or raising
+    ``error``: for what is decided before any file is fetched (the space check, the translation of errors).
+    ``fetch_blocking`` is called directly: it is what the download process runs."""
 
-    def __init__(self, models_dir: Path, files: dict[str, int]) -> None:
-        self.models_dir = models_dir
+    def __init__(self, files: dict[str, int], error: BaseException | None = None) -> None:
         self.files = files
-        self.snapshot_calls: list[dict[str, Any]] = []
-        self.file_calls: list[str] = []
-        self.inside = 0
-        self.most_inside = 0
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.release.set()
-        self.error: BaseException | None = None
-        self.halfway: threading.Event | None = None  # set: write half, wait for it, write the rest
+        self.error = error
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         hub = self
@@ -62,40 +57,15 @@ class FakeHub:
                 if hub.error is not None:
                     raise hub.error
                 siblings = [SimpleNamespace(rfilename=name, size=size) for name, size in hub.files.items()]
-                return SimpleNamespace(sha="c0ffee" * 6 + "abcd", siblings=siblings)
+                return SimpleNamespace(sha=SHA, siblings=siblings)
 
         monkeypatch.setattr(downloads, "HfApi", FakeApi)
-        monkeypatch.setattr(downloads, "snapshot_download", self.snapshot_download)
-        monkeypatch.setattr(downloads, "hf_hub_download", self.hf_hub_download)
 
-    def _write(self, repo_id: str, names: list[str]) -> Path:
-        self.inside += 1
-        self.most_inside = max(self.most_inside, self.inside)
-        self.entered.set()
-        try:
-            assert self.release.wait(30)
-            storage = self.models_dir / ("models--" + repo_id.replace("/", "--"))
-            blobs = storage / "blobs"
-            blobs.mkdir(parents=True, exist_ok=True)
-            for index, name in enumerate(names):
-                if self.halfway is not None and index == len(names) // 2:
-                    assert self.halfway.wait(30)
-                (blobs / f"blob-{index}").write_bytes(b"x" * self.files[name])
-            snapshot = storage / "snapshots" / "abc"
-            snapshot.mkdir(parents=True, exist_ok=True)
-            return snapshot
-        finally:
-            self.inside -= 1
 
-    def snapshot_download(self, repo_id: str, **kwargs: Any) -> str:
-        self.snapshot_calls.append(kwargs)
-        ignore = kwargs.get("ignore_patterns") or []
-        names = [name for name in self.files if not any(Path(name).match(pattern) for pattern in ignore)]
-        return str(self._write(repo_id, names))
-
-    def hf_hub_download(self, repo_id: str, filename: str, **kwargs: Any) -> str:
-        self.file_calls.append(filename)
-        return str(self._write(repo_id, [filename]) / filename)
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    with running_hub() as hub:
+        yield hub
 
 
 # -- local models --------------------------------------------------------------------------------
@@ -134,49 +104,47 @@ async def test_a_local_path_that_is_not_there_yet_is_worth_another_try(tmp_path:
     assert raised.value.retryable
 
 
-# -- hub downloads (the hub faked) ---------------------------------------------------------------
+# -- hub downloads (a fake hub on loopback: tests/agent/fake_hub.py) ------------------------------
+
+
+def on(hub: FakeHub) -> HubSettings:
+    return HubSettings(endpoint=hub.url, timeout_s=10)
 
 
 async def test_a_snapshot_skips_other_weight_formats_and_reports_progress_to_the_end(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hub: FakeHub
 ) -> None:
     models = tmp_path / "models"
-    hub = FakeHub(
-        models, {"config.json": 100, "tokenizer.json": 400, "model.safetensors": 5000, "pytorch_model.bin": 9999}
-    )
-    hub.install(monkeypatch)
-    hub.halfway = threading.Event()
+    sizes = {"config.json": 100, "tokenizer.json": 400, "model.safetensors": 5000, "pytorch_model.bin": 9999}
+    hub.repos[REPO] = {name: bytes(size) for name, size in sizes.items()}
+    weights = hub.hold("model.safetensors", 0)
     reports: list[DownloadProgress] = []
 
     def on_progress(progress: DownloadProgress) -> None:
         reports.append(progress)
-        # The poller saw the first file on disk: let the fake write the rest.
+        # The poller saw the small files on disk: let the hub send the weights.
         if progress.bytes_done > 0:
-            hub.halfway.set()  # type: ignore[union-attr]
+            weights.go_on.set()
 
-    downloader = ModelDownloader(models, hub=HUB, progress_interval_s=0.01)
+    downloader = ModelDownloader(models, hub=on(hub), progress_interval_s=0.01)
     path = await downloader.fetch(HubSource(REPO, revision="v1"), on_progress)
-    assert path == models / "models--acme--tiny-llm" / "snapshots" / "abc"
-    [call] = hub.snapshot_calls
-    assert "*.bin" in call["ignore_patterns"] and "*.gguf" in call["ignore_patterns"]
-    assert call["revision"] == "c0ffee" * 6 + "abcd"  # pinned to the commit model_info saw
-    assert call["cache_dir"] == str(models)
+    assert path == models / "models--acme--tiny-llm" / "snapshots" / SHA
+    assert sorted(entry.name for entry in path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert hub.gets("pytorch_model.bin") == []
+    assert {get.revision for get in hub.served} == {SHA}  # pinned to the commit model_info saw
     assert reports[-1] == DownloadProgress(5500, 5500)
-    assert all(report.bytes_total == 5500 for report in reports)
+    assert all(report.bytes_total == 5500 for report in reports if not report.waiting)
     done = [report.bytes_done for report in reports]
-    assert done == sorted(done) and 0 < done[0] < 5500  # a report came before the end
+    assert done == sorted(done) and any(0 < each < 5500 for each in done)  # a report came before the end
 
 
-async def test_a_gguf_repo_fetches_its_one_gguf_or_the_file_named(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    models = tmp_path / "models"
-    hub = FakeHub(models, {"model-Q4_K_M.gguf": 300, "README.md": 10})
-    hub.install(monkeypatch)
-    downloader = ModelDownloader(models, hub=HUB)
+async def test_a_gguf_repo_fetches_its_one_gguf_or_the_file_named(tmp_path: Path, hub: FakeHub) -> None:
+    hub.repos[REPO] = {"model-Q4_K_M.gguf": bytes(300), "README.md": b"a model"}
+    downloader = ModelDownloader(tmp_path / "models", hub=on(hub))
     path = await downloader.fetch(HubSource(REPO))
-    assert path.name == "model-Q4_K_M.gguf" and hub.file_calls == ["model-Q4_K_M.gguf"]
-    hub.files["model-Q8_0.gguf"] = 600
+    assert path.name == "model-Q4_K_M.gguf" and path.stat().st_size == 300
+    assert [get.name for get in hub.served] == ["model-Q4_K_M.gguf"]
+    hub.repos[REPO]["model-Q8_0.gguf"] = bytes(600)
     with pytest.raises(DownloadError, match="holds 2 GGUF files: name the one"):
         await downloader.fetch(HubSource(REPO))
     assert (await downloader.fetch(HubSource(REPO, file="model-Q8_0.gguf"))).name == "model-Q8_0.gguf"
@@ -184,52 +152,44 @@ async def test_a_gguf_repo_fetches_its_one_gguf_or_the_file_named(
         await downloader.fetch(HubSource(REPO, file="nope.gguf"))
 
 
-async def test_concurrent_fetches_of_one_model_share_one_download(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    models = tmp_path / "models"
-    hub = FakeHub(models, {"config.json": 10, "model.safetensors": 90})
-    hub.install(monkeypatch)
-    hub.release.clear()
-    downloader = ModelDownloader(models, hub=HUB)
+async def test_concurrent_fetches_of_one_model_share_one_download(tmp_path: Path, hub: FakeHub) -> None:
+    hub.repos[REPO] = {"config.json": bytes(10), "model.safetensors": bytes(90)}
+    weights = hub.hold("model.safetensors", 0)
+    downloader = ModelDownloader(tmp_path / "models", hub=on(hub))
     first = asyncio.create_task(downloader.fetch(HubSource(REPO)))
     second = asyncio.create_task(downloader.fetch(HubSource(REPO)))
-    assert await asyncio.to_thread(hub.entered.wait, 30)
-    hub.release.set()
+    assert await asyncio.to_thread(weights.reached.wait, 60)
+    weights.go_on.set()
     assert await first == await second
-    assert len(hub.snapshot_calls) == 1
+    assert len(hub.gets("model.safetensors")) == 1
 
 
-async def test_two_agents_sharing_a_models_folder_download_one_at_a_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_two_agents_sharing_a_models_folder_download_one_at_a_time(tmp_path: Path, hub: FakeHub) -> None:
     models = tmp_path / "models"
-    hub = FakeHub(models, {"config.json": 10, "model.safetensors": 90})
-    hub.install(monkeypatch)
-    hub.release.clear()
-    one, other = ModelDownloader(models, hub=HUB), ModelDownloader(models, hub=HUB)
+    hub.repos[REPO] = {"config.json": bytes(10), "model.safetensors": bytes(90)}
+    weights = hub.hold("model.safetensors", 0)
+    one, other = ModelDownloader(models, hub=on(hub)), ModelDownloader(models, hub=on(hub))
     first = asyncio.create_task(one.fetch(HubSource(REPO)))
-    assert await asyncio.to_thread(hub.entered.wait, 30)
+    assert await asyncio.to_thread(weights.reached.wait, 60)
     waiting = asyncio.Event()
     second = asyncio.create_task(
         other.fetch(HubSource(REPO), lambda progress: waiting.set() if progress.waiting else None)
     )
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(60):
         await waiting.wait()  # it found the repo's lock held and said so
     assert not second.done()
-    hub.release.set()
+    weights.go_on.set()
     assert await first == await second
-    assert hub.most_inside == 1  # never two writers in the repo's files at once
+    assert len(hub.gets("model.safetensors")) == 1  # the second found the files in place
 
 
-async def test_a_model_bigger_than_the_free_space_is_refused_before_downloading(
+def test_a_model_bigger_than_the_free_space_is_refused_before_downloading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hub = FakeHub(tmp_path / "models", {"config.json": 10, "model.safetensors": 1 << 60})
-    hub.install(monkeypatch)
+    FakeHubApi({"config.json": 10, "model.safetensors": 1 << 60}).install(monkeypatch)
     with pytest.raises(DiskFull, match=r"needs .* GiB more in"):
-        await ModelDownloader(tmp_path / "models", hub=HUB).fetch(HubSource(REPO))
-    assert hub.snapshot_calls == []
+        ModelDownloader(tmp_path / "models", hub=HUB).fetch_blocking(HubSource(REPO))
+    assert not (tmp_path / "models" / "models--acme--tiny-llm" / "blobs").exists()
 
 
 def _response(status: int) -> httpx2.Response:
@@ -250,18 +210,16 @@ def _response(status: int) -> httpx2.Response:
         (RuntimeError("something nobody foresaw"), DownloadError, "something nobody foresaw"),
     ],
 )
-async def test_hub_errors_become_errors_that_say_what_to_do(
+def test_hub_errors_become_errors_that_say_what_to_do(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     error: BaseException,
     translated: type[DownloadError],
     says: str,
 ) -> None:
-    hub = FakeHub(tmp_path / "models", {})
-    hub.error = error
-    hub.install(monkeypatch)
+    FakeHubApi({}, error).install(monkeypatch)
     with pytest.raises(translated, match=says) as raised:
-        await ModelDownloader(tmp_path / "models", hub=HUB).fetch(HubSource(REPO))
+        ModelDownloader(tmp_path / "models", hub=HUB).fetch_blocking(HubSource(REPO))
     assert raised.value.__cause__ is error
     # Each may be fine later (a hub's incident, access granted, space freed): the control plane backs off and
     # tries again rather than giving the replica up at once.
