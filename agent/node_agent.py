@@ -6,10 +6,11 @@
         │                                                                    agent/heartbeats.py
         │
         ├──► adopt the workers a previous agent left running, and reconcile with the control plane:
-        │    those it no longer wants are stopped, instances it thinks run here but do not are failed
+        │    the starts it left under way (downloads) that the control plane still wants are resumed,
+        │    workers it no longer wants are stopped, instances it thinks run here but do not are failed
         │                                                                    agent/instances/startup_reconcile.py
         │
-        ├──► compare the workers with the control plane's list of the node's instances every
+        ├──► then compare the workers with the control plane's list of the node's instances every
         │    ``reconcile_s``, when it answers again after an outage, and when it refuses a report
         │    (403/404/409): the workers it disowns (agent/instances/ownership.py) are stopped; a list that cannot
         │    be had changes nothing                                          agent/instances/ownership_checks.py
@@ -23,8 +24,9 @@ Each of those is its module's; NodeAgent builds the parts, wires them together, 
 them. The parts share what the agent knows of each instance (agent/instances/table.py); every outcome
 reaches the control plane as a state report through agent/instances/reports.py, never as a task's result
 (the control plane decides restarts). A start's steps are agent/instances/start.py's, its download's
-reports agent/reported_downloads.py's; each worker's attempt is kept on disk by agent/workers/attempt_files.py;
-the background tasks are agent/owned_tasks.py's.
+reports agent/reported_downloads.py's; each worker's attempt is kept on disk by agent/workers/attempt_files.py,
+each start until its worker is launched by agent/instances/start_files.py; the background tasks are
+agent/owned_tasks.py's.
 
 ``run_agent`` runs a NodeAgent as the ``flotilla agent`` process, with the control plane's client, the
 etcd watch that tells when workers are ready, and the broker's task consumer.
@@ -45,6 +47,7 @@ from agent.heartbeats import Heartbeats, NodeRegistry
 from agent.instances.ownership_checks import InstanceListing, OwnershipChecks
 from agent.instances.reports import InstanceReporter, InstanceReportSink
 from agent.instances.start import InstanceStarter
+from agent.instances.start_files import StartFiles
 from agent.instances.startup_reconcile import StartupReconciliation
 from agent.instances.table import InstanceTable
 from agent.inventory import Inventory
@@ -135,6 +138,7 @@ class NodeAgent:
         self._tasks = OwnedTasks()
         instances = InstanceTable()
         attempts = AttemptFiles(state_dir)
+        starts = StartFiles(state_dir)
         reports = InstanceReporter(client, instances, attempts)
         self.supervisor = Supervisor(
             node=node,
@@ -166,6 +170,7 @@ class NodeAgent:
             supervisor=self.supervisor,
             reports=reports,
             attempts=attempts,
+            starts=starts,
             starter=InstanceStarter(self.supervisor, downloads, inventory, reports),
             tasks=self._tasks,
         )
@@ -184,6 +189,7 @@ class NodeAgent:
             client=client,
             instances=instances,
             attempts=attempts,
+            starts=starts,
             supervisor=self.supervisor,
             intake=self._intake,
             ownership=self._ownership,
@@ -202,8 +208,13 @@ class NodeAgent:
         await self._heartbeats.register()
         self._tasks.spawn(self._heartbeats.run(), name="heartbeats")
         await self._startup.adopt()
-        self._tasks.spawn(self._startup.reconcile(), name="reconcile with the control plane")
-        self._tasks.spawn(self._ownership.run(), name="compare the workers with the control plane")
+        self._tasks.spawn(self._reconcile_then_compare(), name="reconcile and compare with the control plane")
+
+    async def _reconcile_then_compare(self) -> None:
+        # The comparisons begin once the reconciliation has resumed the starts left under way: one before
+        # would take a resumed download's instance for one with no worker here, and report it failed.
+        await self._startup.reconcile()
+        await self._ownership.run()
 
     async def close(self, flush_s: float = 3.0) -> None:
         """Stop the agent's work and leave the workers running (the next agent adopts them); send the
@@ -285,13 +296,15 @@ async def run_agent(settings: AgentSettings, stop: asyncio.Event) -> None:
                 user_agent=f"flotilla-agent/{settings.version or 'dev'}",
             )
         )
+        downloader = ModelDownloader(settings.models_dir)
+        stack.push_async_callback(downloader.close)  # after the agent's close: its downloads' processes end
         readiness = ReadinessWhenConnected()
         # Tasks signed for this node only, and each worker's key derived from it (fences, liveness).
         signing_key = agent_signing_key(settings.token, settings.node)
         agent = NodeAgent(
             node=settings.node,
             client=client,
-            downloader=ModelDownloader(settings.models_dir),
+            downloader=downloader,
             inventory=inventory,
             readiness=readiness,
             state_dir=settings.state_dir,

@@ -11,7 +11,8 @@ start or stop of another incarnation of the instance id (runtime/fleet_contract/
 for this one's: a start replaces the worker whatever its attempt, a stop leaves it alone. The operations
 on one instance run one after another: a stop cancels a start still downloading, a newer start waits for
 a stop in progress.
-A start's steps are agent/instances/start.py's.
+A start's steps are agent/instances/start.py's. Each start is kept on disk until its worker is launched
+(agent/instances/start_files.py), for an agent restarted meanwhile to resume it.
 """
 
 import asyncio
@@ -22,6 +23,7 @@ from typing import Any
 from agent.control_plane_client import InstanceReport
 from agent.instances.reports import InstanceReporter
 from agent.instances.start import InstanceStarter
+from agent.instances.start_files import StartFiles
 from agent.instances.table import InstanceEntry, InstanceTable
 from agent.owned_tasks import OwnedTasks
 from agent.workers.attempt_files import AttemptFiles
@@ -42,6 +44,7 @@ class TaskIntake:
         supervisor: Supervisor,
         reports: InstanceReporter,
         attempts: AttemptFiles,
+        starts: StartFiles,
         starter: InstanceStarter,
         tasks: OwnedTasks,
     ) -> None:
@@ -49,6 +52,7 @@ class TaskIntake:
         self._supervisor = supervisor
         self._reports = reports
         self._attempts = attempts
+        self._starts = starts
         self._starter = starter
         self._tasks = tasks
 
@@ -96,7 +100,8 @@ class TaskIntake:
         self._instances.count_start(entry)
         self._reports.clear_disowned(instance_id)
         self._attempts.save(instance_id, request.attempt, request.incarnation)
-        self._operate(instance_id, entry, lambda: self._starter.start(request), starting=True)
+        self._starts.save(request)
+        self._operate(instance_id, entry, lambda: self._start(request), starting=True)
 
     async def accept_stop(self, request: StopInstance) -> None:
         """Stop the instance's worker (or say it is stopped, if none runs here); returns at once.
@@ -130,6 +135,7 @@ class TaskIntake:
             )
             return
         entry = self._instances.entry(instance_id)
+        self._starts.forget(instance_id)  # a start it cancels is not to be resumed by the next agent
         self._operate(request.instance_id, entry, lambda: self._stop(request), starting=False)
 
     async def log_tail(self, request: LogTailRequest) -> str:
@@ -172,6 +178,19 @@ class TaskIntake:
         kind = "start" if starting else "stop"
         entry.operation = self._tasks.spawn(after_previous(), name=f"{kind} instance {instance_id}")
         entry.starting = starting
+
+    async def _start(self, request: StartInstance) -> None:
+        try:
+            await self._starter.start(request)
+        except asyncio.CancelledError:
+            # A stop or a newer start cancelled it, and removed or replaced its file; or the agent stops, and
+            # the file stays for the next agent to resume the start.
+            raise
+        except BaseException:
+            self._starts.forget_start(request)
+            raise
+        # Launched (the worker's record takes over), or failed and reported: nothing to resume.
+        self._starts.forget_start(request)
 
     async def _stop(self, request: StopInstance) -> None:
         await self._supervisor.stop(request.instance_id, timeout_s=request.grace_s)
