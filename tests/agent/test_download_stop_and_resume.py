@@ -8,6 +8,9 @@ the hub sent.
 
 import asyncio
 import os
+import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,17 @@ def download_processes() -> list[int]:
             continue
         if b"agent.download_process" in command:
             found.append(pid)
+    return found
+
+
+def downloading_threads() -> list[str]:
+    """The threads of this process that are inside a download (huggingface_hub's code, or the agent's)."""
+    found = []
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        stack = traceback.extract_stack(frame)
+        if any("huggingface_hub" in step.filename or "agent/downloads.py" in step.filename for step in stack):
+            found.append(names.get(ident, str(ident)))
     return found
 
 
@@ -67,6 +81,7 @@ async def test_a_stopped_download_hangs_up_at_once_and_the_next_fetch_resumes_it
         assert partial_file(models).stat().st_size == DOWNLOAD_CHUNK_SIZE
         await downloader.close()
         assert download_processes() == []
+        assert downloading_threads() == []  # nothing of the download goes on in this process either
 
         path = await ModelDownloader(models, hub=HubSettings(endpoint=hub.url, timeout_s=10)).fetch(HubSource(REPO))
         assert path.read_bytes() == content

@@ -23,7 +23,7 @@ from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
 from runtime.fleet_contract.tasks import HubSource, StartInstance, StopInstance
 from tests.agent.fake_hub import FakeHub, running_hub
-from tests.agent.test_download_stop_and_resume import download_processes
+from tests.agent.test_download_stop_and_resume import download_processes, downloading_threads
 from tests.agent.test_node_agent_operations import GIB, StandInControlPlane, child, readiness, start
 from tests.agent.test_supervisor import SocketReadiness
 
@@ -95,10 +95,11 @@ async def test_a_stop_during_a_download_ends_it_at_once_and_it_is_not_resumed(
         assert await _waited(hold.hung_up)
         assert hub.bytes_served(FILE) == DOWNLOAD_CHUNK_SIZE
         assert not (tmp_path / "state" / "start-1.json").exists()  # a next agent has nothing to resume
+        assert download_processes() == []
+        assert downloading_threads() == []
     finally:
         await agent.close()
         await downloader.close()
-    assert download_processes() == []
 
 
 async def test_a_restarted_agent_resumes_the_downloads_the_control_plane_still_wants_from_their_partial_files(
