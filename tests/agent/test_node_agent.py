@@ -89,7 +89,7 @@ class Fleet:
     sender: Celery
     agents: list[Agent] = field(default_factory=list)
 
-    def start_agent(self, *flags: str, token: str | None = None) -> Agent:
+    def start_agent(self, *flags: str, token: str | None = None, env: dict[str, str] | None = None) -> Agent:
         log_path = self.directory / "agent.log"
         command = [sys.executable, "-m", "launcher.cli", "agent", "--control-plane", self.control_plane.url]
         command += ["--name", NODE, "--gpus", "2x24GiB", "--heartbeat-s", "0.5", "--broker", self.redis.url]
@@ -103,6 +103,7 @@ class Fleet:
             "FLOTILLA_LEASE_TTL": "3",
             "FLOTILLA_DRAIN_S": "1",
             "FLOTILLA_LOG": "info",
+            **(env or {}),
         }
         with log_path.open("ab") as log_file:
             process = subprocess.Popen(command, cwd=REPOSITORY, env=env, stdout=log_file, stderr=subprocess.STDOUT)
