@@ -139,9 +139,14 @@ def main() -> None:
     from agent.downloads import DownloadProgress, ModelDownloader  # here: agent.downloads imports this module
     from runtime.logging import configure_logging
 
-    job = msgspec.json.decode(sys.stdin.buffer.readline(), type=DownloadJob)
-    _die_with(job.parent_pid)
     configure_logging(os.environ.get("FLOTILLA_LOG"))
+    try:
+        job = msgspec.json.decode(sys.stdin.buffer.readline(), type=DownloadJob)
+    except msgspec.DecodeError as exc:
+        # Not started by the agent (or it died before it wrote the job): nothing to do.
+        log.error("the download process needs a job on its stdin, as the node agent sends it: %s", exc)
+        sys.exit(2)
+    _die_with(job.parent_pid)
     disable_progress_bars()  # the agent reports progress itself; bars would fill its log
     out = sys.stdout.buffer
     lock = threading.Lock()  # progress comes from a polling thread too

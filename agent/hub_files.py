@@ -45,10 +45,11 @@ def fetch_blobs(repo_id: str, names: Sequence[str], *, commit: str, cache: Path,
     pool = ThreadPoolExecutor(max_workers=max(1, min(PARALLEL_FILES, len(names))), thread_name_prefix="hub file")
     futures = [pool.submit(_fetch_blob, repo_id, name, commit, cache, hub) for name in names]
     done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-    failed = [future for future in done if future.exception() is not None]
-    pool.shutdown(wait=not failed, cancel_futures=True)
-    if failed:
-        raise failed[0].exception()  # type: ignore[misc]  # not None: checked above
+    for future in done:
+        if (error := future.exception()) is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise error
+    pool.shutdown()
 
 
 def _fetch_blob(repo_id: str, name: str, commit: str, cache: Path, hub: HubSettings) -> None:
