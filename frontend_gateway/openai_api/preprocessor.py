@@ -78,9 +78,10 @@ def check_chat(request: ChatCompletionRequest) -> None:
                     "only assistant messages may have tool_calls", param=f"messages[{index}].tool_calls"
                 )
             try:
-                msgspec.convert(message.tool_calls, list[_ToolCall])
+                calls = msgspec.convert(message.tool_calls, list[_ToolCall])
             except msgspec.ValidationError as exc:
                 raise InvalidRequest(f"invalid tool call: {exc}", param=f"messages[{index}].tool_calls") from exc
+            _check_arguments(calls, index)
     choice = request.tool_choice
     if choice is not None and request.tools is None:
         raise InvalidRequest("tool_choice is only allowed when tools are given", param="tool_choice")
@@ -91,6 +92,22 @@ def check_chat(request: ChatCompletionRequest) -> None:
                 f"tool_choice names the function {choice.function.name!r}, which is not among tools",
                 param="tool_choice",
             )
+
+
+def _check_arguments(calls: list[_ToolCall], index: int) -> None:
+    """Each call's ``arguments`` must be JSON text (or empty): the chat template is given the value it holds
+    (runtime/models/chat_template.py), as vLLM gives it, and text that is not JSON has none."""
+    for number, call in enumerate(calls):
+        text = call.function.arguments
+        if not text.strip():
+            continue
+        try:
+            msgspec.json.decode(text)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(
+                f"a tool call's arguments must be JSON text, as the model returned them: {exc}",
+                param=f"messages[{index}].tool_calls[{number}].function.arguments",
+            ) from exc
 
 
 def check_stream_options(request: SamplingFields) -> None:

@@ -5,6 +5,10 @@ Models ship their prompt format as a Jinja template (``tokenizer_config.json`` o
 the environment here copies transformers' own: a sandbox (templates come from model files, which we do
 not trust), ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that
 does not escape HTML, and the ``raise_exception``/``strftime_now`` globals.
+
+One step comes before it, as in vLLM: an assistant message's ``tool_calls`` carry their ``arguments`` as
+JSON text in the OpenAI API, and templates expect the object (Llama 3.1's ``arguments | tojson`` would
+encode the text a second time, ``arguments | items`` fails on it), so the text is parsed first.
 """
 
 import json
@@ -107,7 +111,7 @@ class ChatTemplate:
             "eos_token": self.eos_token,
             "documents": None,  # transformers always defines it; RAG templates test it
             **extra,
-            "messages": messages,
+            "messages": with_parsed_arguments(messages),
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -121,3 +125,35 @@ class ChatTemplate:
             # Templates index and concatenate message fields freely; a request with an unexpected shape
             # (content as a list, a missing role) surfaces here and is the client's error.
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+def with_parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each tool call's ``function.arguments`` as the JSON value its text holds (an empty
+    text: ``{}``), as vLLM gives templates. The messages given are not changed; text that is not JSON is
+    left as it is (the gateway refuses it before templating, naming the field)."""
+    result = messages
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if not isinstance(calls, list) or not any(_needs_parsing(call) for call in calls):
+            continue
+        if result is messages:
+            result = list(messages)
+        result[index] = {**message, "tool_calls": [_parsed_call(call) for call in calls]}
+    return result
+
+
+def _needs_parsing(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("arguments"), str)
+
+
+def _parsed_call(call: Any) -> Any:
+    if not _needs_parsing(call):
+        return call
+    function = call["function"]
+    text = function["arguments"]
+    try:
+        arguments = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

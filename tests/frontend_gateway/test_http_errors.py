@@ -64,6 +64,16 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
             "messages[0].tool_calls",
             "function",
         ),
+        (
+            {
+                "model": "echo",
+                "messages": [
+                    {"role": "assistant", "tool_calls": [{**TOOL_CALL, "function": {"name": "f", "arguments": "{c"}}]}
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+            "must be JSON text",
+        ),
         ({**GOOD_CHAT, "tools": []}, "tools", "length >= 1"),
         ({**GOOD_CHAT, "tools": [{"type": "retrieval"}]}, "tools[0].type", "Invalid enum"),
         ({**GOOD_CHAT, "tools": [{"type": "function", "function": {}}]}, "tools[0].function", "`name`"),

@@ -94,6 +94,30 @@ def test_tools_are_rendered_with_hugging_faces_tojson() -> None:
     )
 
 
+# Llama 3.1's way of showing an earlier call: its arguments as JSON, through tojson; and the items filter.
+CALLS_TEMPLATE = (
+    "{%- for message in messages if message.tool_calls %}{% set call = message.tool_calls[0].function %}"
+    "{{ call.name }} {{ call.arguments | tojson }}{% for key, value in call.arguments | items %} {{ key }}={{ value }}"
+    "{% endfor %}{% endfor %}"
+)
+
+
+def _call(arguments: str) -> dict[str, object]:
+    function = {"name": "get_weather", "arguments": arguments}
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": function}]}
+
+
+def test_an_earlier_calls_arguments_reach_the_template_as_an_object_not_json_text() -> None:
+    messages = [{"role": "user", "content": "Paris?"}, _call('{"city": "Paris", "days": 2}')]
+    prompt = _template(CALLS_TEMPLATE).render(messages)
+    assert prompt == 'get_weather {"city": "Paris", "days": 2} city=Paris days=2'
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 2}'  # not changed
+
+
+def test_empty_arguments_reach_the_template_as_an_empty_object() -> None:
+    assert _template(CALLS_TEMPLATE).render([_call("")]) == "get_weather {}"
+
+
 def test_tojson_takes_indent_separators_and_sort_keys() -> None:
     template = _template(
         "{{ messages[0] | tojson(indent=2, sort_keys=True) }}|{{ {'a': 1} | tojson(separators=(',', ':')) }}"
