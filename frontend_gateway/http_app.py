@@ -36,7 +36,7 @@ from frontend_gateway.errors import (
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
-from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api, scoring
+from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api, scoring, unknown_fields
 from frontend_gateway.openai_api import tokenize as tokenization
 from frontend_gateway.openai_api.chat_output import Delta
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
@@ -847,6 +847,8 @@ def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         message = str(exc)
+        if (unknown := unknown_fields.refusal(message)) is not None:
+            raise unknown from exc
         _, _, path = message.rpartition(" - at `$.")
         raise InvalidRequest(f"invalid request: {message}", param=path.rstrip("`") or None) from exc
     except msgspec.DecodeError as exc:

@@ -27,7 +27,7 @@ __all__ = ["EmbeddingRequest", "count_tokens", "create", "decoder", "embedder_of
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     # Strings, or token ids (accepted by the type only to be refused with a clear message).
     input: str | Annotated[list[str | int | list[int]], Meta(min_length=1, max_length=MAX_INPUTS)]

@@ -72,6 +72,11 @@ def check_chat(request: ChatCompletionRequest) -> None:
             raise InvalidRequest(
                 "a message with role 'tool' needs the tool_call_id it answers", param=f"messages[{index}].tool_call_id"
             )
+        if message.function_call is not None:
+            raise InvalidRequest(
+                "function_call is the deprecated form of tool_calls, and is not supported; use tool_calls",
+                param=f"messages[{index}].function_call",
+            )
         if message.tool_calls is not None:
             if message.role != "assistant":
                 raise InvalidRequest(
@@ -141,6 +146,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["tool_calls"] = message.tool_calls
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         result.append(entry)
     return result
 

@@ -74,7 +74,7 @@ class TextConfig(msgspec.Struct):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     input: str | Annotated[list[InputItem], Meta(min_length=1)]
     instructions: str | None = None
@@ -89,6 +89,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool | None = None
+    # Harmless to ignore (docs/openai-api.md): billing and caching hints.
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # Accepted only to be refused: nothing is stored, nothing runs in the background.
     previous_response_id: str | None = None
     conversation: Any | None = None

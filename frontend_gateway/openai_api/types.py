@@ -1,7 +1,9 @@
 """OpenAI request bodies as msgspec Structs.
 
 Decoding validates types and ranges in one pass (msgspec's errors name the field, e.g. "Expected
-`int`, got `str` - at `$.max_tokens`"). Unknown fields are ignored, as the OpenAI API does.
+`int`, got `str` - at `$.max_tokens`"). A field the request structs do not declare is refused, naming it
+(``unknown_fields.py``): a client asking for what Flotilla does not do (vLLM's ``guided_json``, say) must not
+get an answer made without it. The few fields known to be harmless to ignore are declared, and ignored.
 Responses are built as plain dicts/bytes in ``encoding.py``: no per-token object validation.
 
 Every integer that travels to a worker is bounded here by the type it has on the wire: JSON numbers
@@ -27,11 +29,12 @@ OnlyOne = Annotated[int, Meta(ge=1, le=1)]
 StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # harmless: padding against side channels, no change in content
 
 
-class NvExt(msgspec.Struct):
+class NvExt(msgspec.Struct, forbid_unknown_fields=True):
     """Dynamo's extension block; ``ignore_eos`` keeps generating past EOS (for benchmarks)."""
 
     ignore_eos: bool | None = None
@@ -48,15 +51,23 @@ class ContentPart(msgspec.Struct):
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's reasoning, as this gateway returned it: given to the chat template (Qwen3's shows
+    # it within a tool loop), as vLLM gives it.
+    reasoning_content: str | None = None
+    # Harmless: what the openai client's message objects carry when an earlier answer is sent back whole.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any | None = None
+    function_call: Any | None = None  # a deprecated call; refused unless null (preprocessor.check_chat)
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completion requests."""
 
     model: str
@@ -84,6 +95,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    # Known to be harmless to ignore (docs/openai-api.md): OpenAI's storage, billing and caching hints, and a
+    # prediction that only speeds an answer up; none of them changes what the answer is.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
 
 
 class FunctionDefinition(msgspec.Struct, omit_defaults=True):
