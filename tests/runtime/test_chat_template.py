@@ -103,8 +103,8 @@ CALLS_TEMPLATE = (
 
 
 def _call(arguments: str) -> dict[str, object]:
-    function = {"name": "get_weather", "arguments": arguments}
-    return {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": function}]}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 def test_an_earlier_calls_arguments_reach_the_template_as_an_object_not_json_text() -> None:
