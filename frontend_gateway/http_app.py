@@ -36,7 +36,15 @@ from frontend_gateway.errors import (
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
-from frontend_gateway.openai_api import embeddings, encoding, preprocessor, responses_api, scoring, unknown_fields
+from frontend_gateway.openai_api import (
+    completion_batch,
+    embeddings,
+    encoding,
+    preprocessor,
+    responses_api,
+    scoring,
+    unknown_fields,
+)
 from frontend_gateway.openai_api import tokenize as tokenization
 from frontend_gateway.openai_api.chat_output import Delta
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
@@ -410,11 +418,15 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
+        prompts = completion_batch.prompts(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
         await self._charge(scope)
         await self._admit(receive)
         try:
+            if len(prompts) > 1:
+                scope[_STATUS] = await self._completion_batch(scope, model, request, prompts, disagg, receive, send)
+                return
             generation = await model.prepare_completion(request)
             self._reserve(scope, generation.token_bound)
             scope[_GENERATION] = generation
@@ -422,6 +434,22 @@ class GatewayApp:
             scope[_STATUS] = await self._respond("completion", "completions", model, request, generation, receive, send)
         finally:
             self.admission.release()
+
+    async def _completion_batch(
+        self,
+        scope: Scope,
+        model: ServedModel,
+        request: CompletionRequest,
+        prompts: list[completion_batch.Prompt],
+        disagg: str | None,
+        receive: Receive,
+        send: Send,
+    ) -> str:
+        """A completion request with several prompts (openai_api/completion_batch.py); returns how it ended."""
+        batch = await completion_batch.prepare(model, request, prompts, disagg)
+        self._reserve(scope, batch.total.token_bound)
+        scope[_GENERATION] = batch.total
+        return await self._respond("completion", "completions", model, request, batch.total, receive, send, batch=batch)
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/embeddings``, for models whose engine embeds (openai_api/embeddings.py)."""
@@ -510,9 +538,11 @@ class GatewayApp:
         receive: Receive,
         send: Send,
         builder: ResponseBuilder | None = None,
+        batch: completion_batch.Batch | None = None,
     ) -> str:
         """Run the generation, streamed or whole, and stop it if the client goes away; returns how it ended
-        ("success", "error" or "cancelled"). ``builder`` shapes it as a Responses API answer."""
+        ("success", "error" or "cancelled"). ``builder`` shapes it as a Responses API answer; a ``batch``
+        (whose ``total`` is ``generation``) runs its prompts' generations instead."""
         stream, stream_options = request.stream, request.stream_options
         model_metrics = self.metrics.for_model(model.name)
         model_metrics.inflight.inc()
@@ -523,7 +553,16 @@ class GatewayApp:
             nvext = request.nvext
             show_instance = bool(nvext is not None and nvext.annotations and "instance_id" in nvext.annotations)
             failure = None
-            if builder is not None:
+            if batch is not None:
+                failure = await batch.respond(
+                    stream=stream,
+                    include_usage=bool(stream_options is not None and stream_options.include_usage),
+                    model=model.name,
+                    headers=_response_headers(_SSE_HEADERS if stream else _JSON_HEADERS, generation),
+                    send=send,
+                    first_piece=lambda: model_metrics.ttft.observe(time.perf_counter() - started),
+                )
+            elif builder is not None:
                 failure = await _respond_responses(builder, generation, stream, send, started, model_metrics)
             elif stream:
                 include_usage = bool(stream_options is not None and stream_options.include_usage)

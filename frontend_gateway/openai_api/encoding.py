@@ -16,7 +16,7 @@ _encode = msgspec.json.encode
 DONE_FRAME = b"data: [DONE]\n\n"
 
 
-def _openai_finish_reason(reason: str | None) -> str | None:
+def openai_finish_reason(reason: str | None) -> str | None:
     # "cancelled" and "error" are ours; OpenAI clients know only stop/length/tool_calls/content_filter.
     if reason is None or reason in ("stop", "length", "tool_calls"):
         return reason
@@ -78,7 +78,7 @@ def full_response(
             "index": 0,
             "message": message or {"role": "assistant", "content": text},
             "logprobs": logprobs,
-            "finish_reason": _openai_finish_reason(finish_reason),
+            "finish_reason": openai_finish_reason(finish_reason),
         }
         obj = "chat.completion"
     else:
@@ -86,7 +86,7 @@ def full_response(
             "index": 0,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": _openai_finish_reason(finish_reason),
+            "finish_reason": openai_finish_reason(finish_reason),
         }
         obj = "text_completion"
     body: dict[str, Any] = {
@@ -152,11 +152,11 @@ class StreamEncoder:
         else:
             choice["text"] = content
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = _openai_finish_reason(finish_reason)
+        choice["finish_reason"] = openai_finish_reason(finish_reason)
         return self._head + _encode(choice) + b"]}\n\n"
 
     def finish(self, finish_reason: str | None, nvext: dict[str, Any] | None = None) -> bytes:
-        reason = _encode(_openai_finish_reason(finish_reason))
+        reason = _encode(openai_finish_reason(finish_reason))
         extra = b',"nvext":' + _encode(nvext) if nvext is not None else b""
         if self._kind == "chat":
             choice = b'{"index":0,"delta":{},"logprobs":null,"finish_reason":'

@@ -243,7 +243,8 @@ async def chat_prompt_ids(
 
 
 async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> list[int]:
-    """Tokenize a completion prompt: a string, a one-string list, or a list of token ids."""
+    """Tokenize one completion prompt: a string, a one-string list, or a list of token ids (a batch of
+    several is split first: completion_batch.py)."""
     prompt = request.prompt
     if isinstance(prompt, list):
         if prompt and (bounds := _int_bounds(prompt)) is not None:
@@ -254,8 +255,7 @@ async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> 
             return check_token_ids(card, prompt[0])
         else:
             raise InvalidRequest(
-                "prompt must be a string, a list of one string, or a list of token ids; "
-                "batches of several prompts are not supported: send one request per prompt",
+                "prompt must be one prompt here: a string, a list of one string, or a list of token ids",
                 param="prompt",
             )
     assert isinstance(prompt, str)

@@ -125,11 +125,6 @@ def test_malformed_chat_requests_are_400_with_the_field_named(
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_a_batch_of_completion_prompts_is_refused(echo_full_server: Server) -> None:
-    response = post(echo_full_server, "/v1/completions", {"model": "echo", "prompt": ["a", "b"]})
-    assert_error(response, 400, param="prompt", contains="one string")
-
-
 def test_unknown_model_is_404_model_not_found(echo_full_server: Server) -> None:
     response = post(echo_full_server, CHAT, {**GOOD_CHAT, "model": "gpt-9"})
     assert_error(response, 404, param="model", contains="gpt-9")

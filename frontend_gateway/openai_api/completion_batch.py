@@ -1,0 +1,230 @@
+"""A batch of completion prompts (``prompt`` as a list of strings or of token-id lists), as vLLM serves it.
+
+LangChain's ``OpenAI.generate``/``batch`` and other clients of the legacy API send several prompts in one
+request. Each prompt is its own generation, all of them at once; the answer has one choice per prompt,
+its ``index`` the prompt's, and usage summed over them. Streamed, the chunks of the prompts interleave,
+each naming its choice's ``index``, and each choice ends with a chunk carrying its ``finish_reason``.
+
+The batch is one request to everything around it: one admission slot, one reservation of all its prompts'
+tokens against an API key's limits, one usage record (``Batch.total``). A prompt that fails fails the
+request: a whole answer is then that error, a stream ends with an error event.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+
+from frontend_gateway.errors import EngineFailed, GatewayError, InvalidRequest
+from frontend_gateway.models.pipeline import Generation, ServedModel
+from frontend_gateway.openai_api import encoding
+from frontend_gateway.openai_api.logprobs import CompletionLogprobs
+from frontend_gateway.openai_api.types import CompletionRequest
+
+__all__ = ["Batch", "prepare", "prompts"]
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Prompt = str | list[int]
+
+#: The most prompts one request may hold: they all generate at once, on one admission slot.
+MAX_PROMPTS = 256
+
+_encode = msgspec.json.encode
+
+
+def prompts(request: CompletionRequest) -> list[Prompt]:
+    """The request's prompts: one for a string or a list of token ids, one per item for a list of strings
+    or of token-id lists. Raises InvalidRequest for an empty list, a mix of shapes or too many prompts."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    first = prompt[0]
+    # One pass in C for the common shapes; a mix (ints with strings, strings with lists) fails each test.
+    if type(first) is int:
+        if all(type(item) is int for item in prompt):
+            return [prompt]  # type: ignore[list-item]  # checked: every item is an int
+    elif isinstance(first, str):
+        if all(isinstance(item, str) for item in prompt):
+            return _bounded(prompt)  # type: ignore[arg-type]  # checked: every item is a string
+    elif all(isinstance(item, list) for item in prompt):
+        return _bounded(prompt)  # type: ignore[arg-type]  # checked: every item is a list of ints (msgspec)
+    raise InvalidRequest(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, not a mix",
+        param="prompt",
+    )
+
+
+def _bounded(items: list[Prompt]) -> list[Prompt]:
+    if len(items) > MAX_PROMPTS:
+        raise InvalidRequest(
+            f"prompt holds {len(items)} prompts; at most {MAX_PROMPTS} are served in one request: send several",
+            param="prompt",
+        )
+    return items
+
+
+class Batch:
+    """The generations of a batch's prompts, in order, and ``total``: the one Generation that stands for
+    them all in usage counts, reservations and metrics (its counts are summed by ``respond``)."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
+        prompt_tokens = sum(generation.prompt_tokens for generation in generations)
+        bound = sum(generation.token_bound for generation in generations)
+        self.total = Generation(uuid.uuid4().hex, prompt_tokens, token_bound=bound)
+
+    async def respond(
+        self,
+        *,
+        stream: bool,
+        include_usage: bool,
+        model: str,
+        headers: list[tuple[bytes, bytes]],
+        send: Send,
+        first_piece: Callable[[], None],
+    ) -> GatewayError | None:
+        """Run every prompt's generation at once and send the answer, whole or streamed (``first_piece`` is
+        called when the first text arrives); returns the failure that ended a stream early.
+
+        A prompt that fails before anything was sent raises its error (the client gets its status); one
+        that fails after the status line ends the stream with an error event and ``[DONE]``.
+        """
+        created = int(time.time())
+        response_id = "cmpl-" + self.total.request_id
+        head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+        count = len(self.generations)
+        texts: list[list[str]] = [[] for _ in range(count)]
+        shapes = [CompletionLogprobs() for _ in range(count)]
+        queue: asyncio.Queue[tuple[int, str | BaseException | None]] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(_pump(index, generation, queue)) for index, generation in enumerate(self.generations)
+        ]
+        first = True
+        started = False
+        try:
+            remaining = count
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    self.total.finish_reason = "error"
+                    if not started:
+                        raise item
+                    failure = _mid_stream(item, self.total)
+                    frame = encoding.error_frame(failure.message, failure.error_type, failure.code)
+                    await send({"type": "http.response.body", "body": frame + encoding.DONE_FRAME})
+                    return failure
+                if first and item is not None:
+                    first = False
+                    first_piece()
+                if not stream:
+                    if item is None:
+                        remaining -= 1
+                    else:
+                        texts[index].append(item)
+                    continue
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    started = True
+                generation = self.generations[index]
+                if item is None:
+                    remaining -= 1
+                    choice = self._choice(index, "", generation.finish_reason, shapes[index], final=True)
+                else:
+                    choice = self._choice(index, item, None, shapes[index], final=False)
+                await send({"type": "http.response.body", "body": _frame(head, [choice]), "more_body": True})
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tally()
+        total = self.total
+        usage = encoding.usage(total.prompt_tokens, total.completion_tokens, total.cached_tokens)
+        if stream:
+            if not started:  # every prompt answered nothing at all: the status line is still to be sent
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+            tail = _frame(head, [], usage) if include_usage else b""
+            await send({"type": "http.response.body", "body": tail + encoding.DONE_FRAME})
+            return None
+        choices = [
+            self._choice(index, "".join(texts[index]), generation.finish_reason, shapes[index], final=True)
+            for index, generation in enumerate(self.generations)
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": _encode({**head, "choices": choices, "usage": usage})})
+        return None
+
+    def _choice(
+        self, index: int, text: str, finish_reason: str | None, shape: CompletionLogprobs, *, final: bool
+    ) -> dict[str, Any]:
+        generation = self.generations[index]
+        logprobs = shape.shape(generation.take_logprobs()) if generation.logprobs is not None else None
+        reason = encoding.openai_finish_reason(finish_reason) if final else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _tally(self) -> None:
+        total, generations = self.total, self.generations
+        total.prompt_tokens = sum(generation.prompt_tokens for generation in generations)  # a text engine's: now
+        total.completion_tokens = sum(generation.completion_tokens for generation in generations)
+        cached = [generation.cached_tokens for generation in generations if generation.cached_tokens is not None]
+        total.cached_tokens = sum(cached) if cached else None
+
+
+async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Prompt], disagg: str | None) -> Batch:
+    """The batch's generations, each prompt checked and tokenized as a request of its own; ``disagg`` is the
+    client's x-flotilla-disagg. Raises the InvalidRequest of the first prompt that cannot be served,
+    naming it (``prompt[i]``)."""
+    generations: list[Generation] = []
+    try:
+        for index, prompt in enumerate(batch):
+            try:
+                generation = await model.prepare_completion(msgspec.structs.replace(request, prompt=prompt))
+            except InvalidRequest as exc:
+                if exc.param == "prompt":
+                    exc.param = f"prompt[{index}]"
+                raise
+            generation.context.disagg = disagg
+            generations.append(generation)
+    except BaseException:
+        for generation in generations:  # not started: closing them only settles their cleanup
+            await generation.aclose()
+        raise
+    return Batch(generations)
+
+
+async def _pump(
+    index: int, generation: Generation, queue: "asyncio.Queue[tuple[int, str | BaseException | None]]"
+) -> None:
+    """Put ``(index, piece)`` for each of the generation's pieces, then ``(index, None)``, or its failure."""
+    try:
+        async with contextlib.aclosing(generation):
+            async for piece in generation.pieces():
+                queue.put_nowait((index, piece))
+    except Exception as exc:
+        queue.put_nowait((index, exc))
+        return
+    queue.put_nowait((index, None))
+
+
+def _frame(head: dict[str, Any], choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+    body = {**head, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + _encode(body) + b"\n\n"
+
+
+def _mid_stream(exc: BaseException, total: Generation) -> GatewayError:
+    """The error to report for a prompt that failed mid-stream, logged here (nothing else will see it)."""
+    if isinstance(exc, GatewayError):
+        log.warning("request %s failed mid-stream: %s", total.request_id, exc.message)
+        return exc
+    log.error("request %s failed mid-stream", total.request_id, exc_info=exc)
+    return EngineFailed("internal error while generating; see the server log")
