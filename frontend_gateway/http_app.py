@@ -454,7 +454,7 @@ class GatewayApp:
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/embeddings``, for models whose engine embeds (openai_api/embeddings.py)."""
         request: EmbeddingRequest = _decode(embeddings.decoder, await self._read_body(scope, receive))
-        inputs = embeddings.texts(request)
+        inputs = embeddings.inputs(request)
         model = await self._find_model(request.model, scope)
         card, embedder = embeddings.embedder_of(model)
         await self._charge(scope)

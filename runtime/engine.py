@@ -6,10 +6,10 @@ pre/post-processes for it); a *text* engine takes OpenAI-level requests and does
 engine object runs inside ``flotilla run`` or, later, behind a networked worker.
 """
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-from runtime.protocol import EngineOutput, PreprocessedRequest, TextOutput, TextRequest
+from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest, TextOutput, TextRequest
 
 
 class RequestContext:
@@ -75,6 +75,7 @@ Engine = TokenEngine | TextEngine
 class Embedder(Protocol):
     """An engine that also embeds text (``POST /v1/embeddings``); its model's card says ``embeddings``."""
 
-    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
-        """One unit-length vector per text, and the tokens they took. Raises EngineError."""
+    async def embed(self, inputs: Sequence[EmbedInput]) -> tuple[list[list[float]], int]:
+        """One unit-length vector per input (a text, or the model's token ids as given), and the tokens they
+        took. Raises EngineError."""
         ...

@@ -149,15 +149,21 @@ class TextOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     parts: list[tuple[int, int]] | None = None
 
 
-class EmbedRequest(msgspec.Struct, kw_only=True):
-    """Texts for a worker's embedding endpoint (``POST /v1/embeddings`` through an ingress).
+#: What is embedded: a text, or the model's token ids as the client gave them (``POST /v1/embeddings``).
+EmbedInput = str | list[int]
 
-    The ingress has checked each text against the model's context length; an ingress may split one
-    client request into several of these (see frontend_gateway/models/remote_embeddings.py).
+
+class EmbedRequest(msgspec.Struct, kw_only=True):
+    """Inputs for a worker's embedding endpoint (``POST /v1/embeddings`` through an ingress).
+
+    The ingress has checked each input against the model's context length (and token ids against its
+    vocabulary); an ingress may split one client request into several of these (see
+    frontend_gateway/models/remote_embeddings.py). ``texts`` keeps its name from when inputs were texts
+    only: a request of texts reads the same to a worker of either version.
     """
 
     request_id: str
-    texts: list[str]
+    texts: list[EmbedInput]
 
 
 class EmbedOutput(msgspec.Struct, kw_only=True):

@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engines.llamacpp.batch import END, BatchScheduler, SequenceJob
+from engines.llamacpp.embedding import embed_token_ids
 from engines.llamacpp.sampling import json_schema_grammar
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
-from runtime.protocol import EngineOutput, PreprocessedRequest
+from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,9 @@ class LlamaCppEngine:
         tokens: list[int] = self._model.tokenize(text.encode(), add_bos=False, special=True)
         return tokens
 
-    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
-        """Mean-pooled, unit-length embeddings of ``texts``, and how many tokens they took.
+    async def embed(self, inputs: Sequence[EmbedInput]) -> tuple[list[list[float]], int]:
+        """Mean-pooled, unit-length embeddings of ``inputs`` (texts, or token ids embedded as given: all of
+        one kind), and how many tokens they took.
 
         A second llama.cpp context, in embedding mode, is made at the first request (the weights are
         memory-mapped, so the two share them); it runs on the engine's one thread, between two steps.
@@ -164,12 +166,12 @@ class LlamaCppEngine:
         if self._scheduler is None:
             raise EngineError("the llama.cpp engine is not started")
         try:
-            vectors, tokens = await asyncio.wrap_future(self._scheduler.call(lambda: self._embed_blocking(texts)))
+            vectors, tokens = await asyncio.wrap_future(self._scheduler.call(lambda: self._embed_blocking(inputs)))
         except (ValueError, RuntimeError) as exc:
             raise EngineError(f"llama.cpp could not embed: {exc}") from exc
         return vectors, tokens
 
-    def _embed_blocking(self, texts: list[str]) -> tuple[list[list[float]], int]:
+    def _embed_blocking(self, inputs: Sequence[EmbedInput]) -> tuple[list[list[float]], int]:
         if self._embedder is None:
             import llama_cpp
 
@@ -182,6 +184,11 @@ class LlamaCppEngine:
                 pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
                 verbose=False,
             )
+        texts = [item for item in inputs if isinstance(item, str)]
+        if not texts:
+            return embed_token_ids(self._embedder, [item for item in inputs if isinstance(item, list)])
+        if len(texts) < len(inputs):
+            raise ValueError("the inputs mix texts and token ids")  # the gateway sends one kind per request
         vectors, tokens = self._embedder.embed(texts, normalize=True, truncate=False, return_count=True)
         return vectors, tokens
 

@@ -1,24 +1,25 @@
 """Embeddings through the request plane: ``POST /v1/embeddings`` for a model served by remote workers.
 
 A worker whose engine embeds (llama.cpp) answers ``EmbedRequest``s on its instance's embed subject
-(``ModelEntry.embed_subject``). The ingress cuts a client's texts into batches of at most
-``BATCH_TEXTS`` texts and ``BATCH_BYTES`` of text, so that no batch nears NATS's payload limit or the
-progress deadline, and sends them to the embedding instances, one batch in flight per instance, so a
-long list is embedded by every worker at once. Embedding has no state and no side effect: a batch whose
-instance refuses it (busy, gone, cut off mid-answer) is sent to the next instance, and the client's
-request fails only when every instance failed its batch.
+(``ModelEntry.embed_subject``). The ingress cuts a client's inputs (texts or token-id lists) into batches
+of at most ``BATCH_TEXTS`` inputs and about ``BATCH_BYTES`` on the wire, so that no batch nears NATS's
+payload limit or the progress deadline, and sends them to the embedding instances, one batch in flight per
+instance, so a long list is embedded by every worker at once. Embedding has no state and no side effect: a
+batch whose instance refuses it (busy, gone, cut off mid-answer) is sent to the next instance, and the
+client's request fails only when every instance failed its batch.
 """
 
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from contextlib import aclosing
 
 import msgspec
 
 from frontend_gateway.routing.protocol import InstanceInfo
 from runtime.errors import EngineBusy, EngineError, EngineUnavailable, PayloadTooLarge
-from runtime.protocol import EmbedOutput, EmbedRequest, float32_values
+from runtime.protocol import EmbedInput, EmbedOutput, EmbedRequest, float32_values
 from runtime.request_plane import (
     RemoteError,
     RequestClient,
@@ -34,38 +35,40 @@ log = logging.getLogger(__name__)
 #: a CPU, large enough that a worker embeds several texts per call.
 BATCH_TEXTS = 32
 BATCH_BYTES = 128 * 1024
+#: The most bytes a token id takes in msgpack (a uint32): what a token-id input counts against BATCH_BYTES.
+TOKEN_ID_BYTES = 5
 
 _encode = msgspec.msgpack.Encoder().encode
 _embed_output = msgspec.msgpack.Decoder(EmbedOutput)
 
 
-def batches(texts: list[str]) -> list[tuple[int, list[str]]]:
-    """``texts`` cut into (index of the first, texts) batches within ``BATCH_TEXTS`` and ``BATCH_BYTES``;
-    a text longer than ``BATCH_BYTES`` is a batch of its own."""
-    result: list[tuple[int, list[str]]] = []
+def batches(texts: Sequence[EmbedInput]) -> list[tuple[int, list[EmbedInput]]]:
+    """``texts`` (texts or token-id lists) cut into (index of the first, inputs) batches within
+    ``BATCH_TEXTS`` and ``BATCH_BYTES``; an input longer than ``BATCH_BYTES`` is a batch of its own."""
+    result: list[tuple[int, list[EmbedInput]]] = []
     start, size = 0, 0
     for index, text in enumerate(texts):
-        length = len(text.encode())
+        length = len(text.encode()) if isinstance(text, str) else TOKEN_ID_BYTES * len(text)
         if index > start and (index - start >= BATCH_TEXTS or size + length > BATCH_BYTES):
-            result.append((start, texts[start:index]))
+            result.append((start, list(texts[start:index])))
             start, size = index, 0
         size += length
     if start < len(texts):
-        result.append((start, texts[start:]))
+        result.append((start, list(texts[start:])))
     return result
 
 
 class RemoteEmbedder:
-    """Embeds texts on a model's instances that serve an embed subject."""
+    """Embeds texts or token ids on a model's instances that serve an embed subject."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._turn = itertools.count()  # which instance takes a request's first batch: round-robin
 
     async def embed(
-        self, client: RequestClient, instances: list[InstanceInfo], request_id: str, texts: list[str]
+        self, client: RequestClient, instances: list[InstanceInfo], request_id: str, texts: Sequence[EmbedInput]
     ) -> tuple[list[list[float]], int]:
-        """One vector per text, and the prompt tokens the texts took.
+        """One vector per input, and the prompt tokens the inputs took.
 
         Raises EngineUnavailable when no instance embeds or answers, EngineBusy when every one refused as
         busy, PayloadTooLarge for a batch over a worker's limit, EngineError for a worker's failure.
@@ -102,7 +105,7 @@ class RemoteEmbedder:
         return vectors, tokens
 
     async def _embed_batch(
-        self, client: RequestClient, instances: list[InstanceInfo], request_id: str, texts: list[str]
+        self, client: RequestClient, instances: list[InstanceInfo], request_id: str, texts: list[EmbedInput]
     ) -> list[EmbedOutput]:
         """The outputs of one batch, from the first of ``instances`` that answers it whole."""
         payload = _encode(EmbedRequest(request_id=request_id, texts=texts))

@@ -23,7 +23,7 @@ progress deadlines passed are told to the model's ``health`` (the gateway's metr
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Literal
 
@@ -37,6 +37,7 @@ from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
 from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge
 from runtime.protocol import (
+    EmbedInput,
     EngineOutput,
     KvHandoff,
     PreprocessedRequest,
@@ -167,9 +168,10 @@ class RemoteTokenEngine(_RemoteBase):
         #: As a prefill pool's engine: prompt tokens this ingress sent each instance and not yet heard done.
         self._prefilling: dict[int, int] = {}
 
-    async def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
-        """Embed ``texts`` on the instances whose workers embed (remote_embeddings.py): one unit-length
-        vector per text, and the tokens they took. Raises EngineError (EngineUnavailable when none embeds)."""
+    async def embed(self, texts: Sequence[EmbedInput]) -> tuple[list[list[float]], int]:
+        """Embed ``texts`` (texts or token-id lists) on the instances whose workers embed
+        (remote_embeddings.py): one unit-length vector per input, and the tokens they took. Raises EngineError
+        (EngineUnavailable when none embeds)."""
         client = await self.runtime.client()
         if not client.connected:
             raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")

@@ -248,11 +248,11 @@ async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> 
     prompt = request.prompt
     if isinstance(prompt, list):
         if prompt and (bounds := _int_bounds(prompt)) is not None:
-            return _check_bounds(card, prompt, *bounds)  # type: ignore[arg-type]
+            return _check_bounds(card, prompt, *bounds, param="prompt")  # type: ignore[arg-type]
         if len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         elif len(prompt) == 1 and isinstance(prompt[0], list):
-            return check_token_ids(card, prompt[0])
+            return check_token_ids(card, prompt[0], param="prompt")
         else:
             raise InvalidRequest(
                 "prompt must be one prompt here: a string, a list of one string, or a list of token ids",
@@ -264,9 +264,10 @@ async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> 
     return await tokenize(card, prompt, add_special_tokens=True, param="prompt")
 
 
-def check_token_ids(card: ModelCard, ids: list[int]) -> list[int]:
-    """Return ``ids`` if all are in the vocabulary; raises InvalidRequest naming the first that is not."""
-    return _check_bounds(card, ids, min(ids), max(ids)) if ids else ids
+def check_token_ids(card: ModelCard, ids: list[int], *, param: str) -> list[int]:
+    """Return ``ids`` if all are in the vocabulary; raises InvalidRequest naming the first that is not
+    (the error's ``param``: ``param``)."""
+    return _check_bounds(card, ids, min(ids), max(ids), param=param) if ids else ids
 
 
 def _int_bounds(items: list[str | int | list[int]]) -> tuple[int, int] | None:
@@ -283,11 +284,11 @@ def _int_bounds(items: list[str | int | list[int]]) -> tuple[int, int] | None:
     return (low, high) if type(low) is int and type(high) is int else None
 
 
-def _check_bounds(card: ModelCard, ids: list[int], low: int, high: int) -> list[int]:
+def _check_bounds(card: ModelCard, ids: list[int], low: int, high: int, *, param: str) -> list[int]:
     vocab_size = card.tokenizer.get_vocab_size(with_added_tokens=True)
     if low < 0 or high >= vocab_size:
         token = next(token for token in ids if not 0 <= token < vocab_size)
-        raise InvalidRequest(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param="prompt")
+        raise InvalidRequest(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", param=param)
     return ids
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from runtime.fleet_contract.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
+from runtime.models.loading import load_model_card
 from tests.distributed.cluster import Cluster, Worker, etcd_put, served_models, wait_until
 from tests.distributed.test_api_keys import usage_in
 from tests.infra import RedisServer
@@ -62,6 +63,15 @@ def test_a_worker_embeds_what_the_engine_embeds_in_one_process(cluster: Cluster,
     floats = client(ingress).embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
     pairs = zip(floats.data[0].embedding, remote.data[0].embedding, strict=True)
     assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in pairs)
+    # Token ids travel to the worker as they are, and are embedded as the text they stand for.
+    tokenizer = load_model_card(smollm2_path()).tokenizer
+    ids = [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    by_ids = client(ingress).embeddings.create(model=MODEL, input=ids)
+    for from_ids, from_text in zip(by_ids.data, remote.data, strict=True):
+        assert all(
+            math.isclose(a, b, abs_tol=1e-6) for a, b in zip(from_ids.embedding, from_text.embedding, strict=True)
+        )
+    assert by_ids.usage.prompt_tokens == remote.usage.prompt_tokens
 
 
 def test_a_list_is_spread_over_the_workers_and_a_killed_one_costs_the_client_nothing(cluster: Cluster) -> None:

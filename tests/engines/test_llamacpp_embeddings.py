@@ -7,7 +7,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.servers import Server, llama_cpp_available
+from runtime.models.loading import load_model_card
+from tests.servers import Server, llama_cpp_available, smollm2_path
 
 pytestmark = [
     pytest.mark.llamacpp,
@@ -48,11 +49,37 @@ def test_float_and_base64_encodings_carry_the_same_vector(client: openai.OpenAI)
     assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(default, floats, strict=True))
 
 
+def test_token_ids_are_embedded_as_the_text_they_stand_for(client: openai.OpenAI, llamacpp_server: Server) -> None:
+    texts = ["The cat sat on the mat.", "Quarterly revenue grew by 4 percent."]
+    card = load_model_card(smollm2_path())
+    ids = [card.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    by_text = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    for text_item, ids_item in zip(by_text.data, by_ids.data, strict=True):
+        assert text_item.index == ids_item.index
+        assert all(
+            math.isclose(a, b, abs_tol=1e-6) for a, b in zip(text_item.embedding, ids_item.embedding, strict=True)
+        )
+    assert by_ids.usage.prompt_tokens == sum(map(len, ids)) == by_text.usage.prompt_tokens
+    # One list of token ids is one input, as in vLLM and OpenAI.
+    [single] = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float").data
+    assert all(
+        math.isclose(a, b, abs_tol=1e-6) for a, b in zip(single.embedding, by_text.data[0].embedding, strict=True)
+    )
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "contains"),
     [
-        ({"input": [[1, 2, 3]]}, "input", "not token ids"),
         ({"input": ""}, "input", "must not be empty"),
+        ({"input": ["fine", ""]}, "input[1]", "must not be empty"),
+        ({"input": [[1, 2], []]}, "input[1]", "must not be empty"),
+        ({"input": [[1, 2], [3, 49_152]]}, "input[1]", "token id 49152 is outside the vocabulary"),
+        ({"input": [5, -1]}, "input", "token id -1 is outside the vocabulary"),
+        ({"input": [1] * 3000}, "input", "maximum context length"),
+        ({"input": ["x"] * 2049}, "input", "at most 2048"),
+        ({"input": ["text", [1, 2]]}, "input", "not a mix"),
+        ({"input": [1, [2]]}, "input", "not a mix"),
         ({"input": "hi", "dimensions": 64}, "dimensions", "dimensions"),
         ({"input": "word " * 3000}, "input", "maximum context length"),
     ],
