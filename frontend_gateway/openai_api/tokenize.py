@@ -86,8 +86,5 @@ async def tokenize(model: ServedModel, request: TokenizeRequest) -> dict[str, An
 def detokenize(model: ServedModel, request: DetokenizeRequest) -> dict[str, Any]:
     """The text of the request's token ids (special tokens kept, as vLLM's). Raises InvalidRequest."""
     card = _card(model)
-    try:
-        ids = preprocessor.check_token_ids(card, request.tokens)
-    except InvalidRequest as exc:
-        raise InvalidRequest(exc.message, param="tokens") from exc
+    ids = preprocessor.check_token_ids(card, request.tokens, param="tokens")
     return {"prompt": card.tokenizer.decode(ids, skip_special_tokens=False)}
