@@ -255,7 +255,8 @@ async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> 
             return check_token_ids(card, prompt[0], param="prompt")
         else:
             raise InvalidRequest(
-                "prompt must be one prompt here: a string, a list of one string, or a list of token ids",
+                "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, "
+                "not a mix",
                 param="prompt",
             )
     assert isinstance(prompt, str)
