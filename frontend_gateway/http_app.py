@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -24,14 +24,34 @@ from frontend_gateway.access.api_keys import KeyTable, check_model
 from frontend_gateway.access.concurrency import KeyConcurrency
 from frontend_gateway.access.quotas import UNKNOWN_MODEL, Meter, Reservation
 from frontend_gateway.admission import Admission, AdmissionLimits
+from frontend_gateway.answers import (
+    RichFrames,
+    as_gateway_error,
+    nvext,
+    respond_responses,
+    response_headers,
+    response_id,
+)
 from frontend_gateway.errors import (
-    EngineFailed,
     GatewayError,
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
     RequestTooLarge,
+)
+from frontend_gateway.http_io import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ClientDisconnected,
+    DisconnectWatcher,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    decode_body,
+    header,
+    wait_for_disconnect,
 )
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
@@ -43,10 +63,8 @@ from frontend_gateway.openai_api import (
     preprocessor,
     responses_api,
     scoring,
-    unknown_fields,
 )
 from frontend_gateway.openai_api import tokenize as tokenization
-from frontend_gateway.openai_api.chat_output import Delta
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs, chat_logprobs
 from frontend_gateway.openai_api.responses_api import ResponseBuilder, ResponsesRequest
@@ -62,15 +80,10 @@ from runtime.fleet_contract.api_keys import KeyRecord
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Lifespan = Callable[[], contextlib.AbstractAsyncContextManager[None]]
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 # Where a checked request's API key record rides in its ASGI scope, with what its usage is counted from:
 # the model it named (when served), its generation, and how the generation ended.
 _API_KEY = "flotilla.api_key"
@@ -79,15 +92,6 @@ _GENERATION = "flotilla.generation"
 _STATUS = "flotilla.status"
 _EMBEDDED_TOKENS = "flotilla.embedded_tokens"  # an embeddings request's prompt tokens, for its key's usage
 _RESERVATION = "flotilla.reservation"  # the tokens set aside for it against its key's token limits
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response was complete."""
 
 
 class GatewayApp:
@@ -174,7 +178,7 @@ class GatewayApp:
                 raise MethodNotAllowed(f"{scope['path']} takes {method}, not {scope['method']}")
             counted: KeyRecord | None = None
             if self.api_keys is not None and (path.startswith("/v1/") or path in _KEYED_WITHOUT_V1):
-                key = scope[_API_KEY] = self.api_keys.check(_header(scope, b"authorization"))
+                key = scope[_API_KEY] = self.api_keys.check(header(scope, b"authorization"))
                 # Generations and embeddings (the POST routes) count among the key's concurrent requests.
                 if method == "POST" and self.key_concurrency.enter(key):
                     counted = key
@@ -202,7 +206,7 @@ class GatewayApp:
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         self.metrics.error(exc.error_type, int(exc.status))
         body = encoding.error_body(exc.message, exc.error_type, exc.code, exc.param)
-        headers = _JSON_HEADERS
+        headers = JSON_HEADERS
         if exc.retry_after is not None:
             headers = [*headers, (b"retry-after", str(exc.retry_after).encode())]
         if exc.headers:
@@ -235,7 +239,7 @@ class GatewayApp:
     # --- simple GET routes -------------------------------------------------------------------
 
     async def _send_json(self, send: Send, body: bytes, status: int = 200) -> None:
-        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": body})
 
     async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -386,7 +390,7 @@ class GatewayApp:
         if self.admission.try_acquire():
             return
         acquiring = asyncio.ensure_future(self.admission.acquire())
-        leaving = asyncio.ensure_future(_wait_for_disconnect(receive))
+        leaving = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             await asyncio.wait((acquiring, leaving), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -400,7 +404,7 @@ class GatewayApp:
         acquiring.result()  # Overloaded or QueueTimeout propagate; with a slot, go on
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request: ChatCompletionRequest = _decode(chat_decoder, await self._read_body(scope, receive))
+        request: ChatCompletionRequest = decode_body(chat_decoder, await self._read_body(scope, receive))
         preprocessor.check_chat(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
@@ -416,7 +420,7 @@ class GatewayApp:
             self.admission.release()
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request: CompletionRequest = _decode(completion_decoder, await self._read_body(scope, receive))
+        request: CompletionRequest = decode_body(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
         prompts = completion_batch.prompts(request)
         disagg = _disagg_override(scope)
@@ -453,7 +457,7 @@ class GatewayApp:
 
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/embeddings``, for models whose engine embeds (openai_api/embeddings.py)."""
-        request: EmbeddingRequest = _decode(embeddings.decoder, await self._read_body(scope, receive))
+        request: EmbeddingRequest = decode_body(embeddings.decoder, await self._read_body(scope, receive))
         inputs = embeddings.inputs(request)
         model = await self._find_model(request.model, scope)
         card, embedder = embeddings.embedder_of(model)
@@ -469,13 +473,13 @@ class GatewayApp:
 
     async def _score(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/score`` (and vLLM's ``/score``): pairs of texts scored by a model that embeds (scoring.py)."""
-        request: scoring.ScoreRequest = _decode(scoring.score_decoder, await self._read_body(scope, receive))
+        request: scoring.ScoreRequest = decode_body(scoring.score_decoder, await self._read_body(scope, receive))
         model = await self._find_model(request.model, scope)
         await self._answer_scores(scope, receive, send, scoring.Scoring(model, request))
 
     async def _rerank(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/rerank`` (and ``/rerank``, ``/v2/rerank``): documents ranked against a query (scoring.py)."""
-        request: scoring.RerankRequest = _decode(scoring.rerank_decoder, await self._read_body(scope, receive))
+        request: scoring.RerankRequest = decode_body(scoring.rerank_decoder, await self._read_body(scope, receive))
         model = await self._find_model(request.model, scope)
         await self._answer_scores(scope, receive, send, scoring.Scoring(model, request))
 
@@ -493,7 +497,7 @@ class GatewayApp:
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/tokenize`` (and vLLM's ``/tokenize``): a prompt's or a chat's token ids (tokenize.py)."""
-        request: tokenization.TokenizeRequest = _decode(
+        request: tokenization.TokenizeRequest = decode_body(
             tokenization.tokenize_decoder, await self._read_body(scope, receive)
         )
         model = await self._find_model(request.model, scope)
@@ -502,7 +506,7 @@ class GatewayApp:
 
     async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/detokenize`` (and vLLM's ``/detokenize``): token ids as text."""
-        request: tokenization.DetokenizeRequest = _decode(
+        request: tokenization.DetokenizeRequest = decode_body(
             tokenization.detokenize_decoder, await self._read_body(scope, receive)
         )
         model = await self._find_model(request.model, scope)
@@ -511,7 +515,7 @@ class GatewayApp:
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``: the Responses API over the chat pipeline (openai_api/responses_api.py)."""
-        request: ResponsesRequest = _decode(responses_api.decoder, await self._read_body(scope, receive))
+        request: ResponsesRequest = decode_body(responses_api.decoder, await self._read_body(scope, receive))
         chat = responses_api.to_chat(request)
         preprocessor.check_chat(chat)
         disagg = _disagg_override(scope)
@@ -548,7 +552,7 @@ class GatewayApp:
         model_metrics.inflight.inc()
         started = time.perf_counter()
         status = "error"
-        watcher = _DisconnectWatcher(receive, generation)
+        watcher = DisconnectWatcher(receive, generation)
         try:
             nvext = request.nvext
             show_instance = bool(nvext is not None and nvext.annotations and "instance_id" in nvext.annotations)
@@ -558,12 +562,12 @@ class GatewayApp:
                     stream=stream,
                     include_usage=bool(stream_options is not None and stream_options.include_usage),
                     model=model.name,
-                    headers=_response_headers(_SSE_HEADERS if stream else _JSON_HEADERS, generation),
+                    headers=response_headers(SSE_HEADERS if stream else JSON_HEADERS, generation),
                     send=send,
                     first_piece=lambda: model_metrics.ttft.observe(time.perf_counter() - started),
                 )
             elif builder is not None:
-                failure = await _respond_responses(builder, generation, stream, send, started, model_metrics)
+                failure = await respond_responses(builder, generation, stream, send, started, model_metrics)
             elif stream:
                 include_usage = bool(stream_options is not None and stream_options.include_usage)
                 failure = await self._stream(
@@ -631,7 +635,7 @@ class GatewayApp:
                 logprobs = CompletionLogprobs().shape(generation.logprobs)
         body = encoding.full_response(
             kind,
-            response_id=_response_id(kind, generation),
+            response_id=response_id(kind, generation),
             created=int(time.time()),
             model=model.name,
             text=text,
@@ -639,11 +643,11 @@ class GatewayApp:
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
             cached_tokens=generation.cached_tokens,
-            nvext=_nvext(generation) if show_instance else None,
+            nvext=nvext(generation) if show_instance else None,
             message=message,
             logprobs=logprobs,
         )
-        headers = _response_headers(_JSON_HEADERS, generation)
+        headers = response_headers(JSON_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -665,7 +669,7 @@ class GatewayApp:
         and no finish chunk: the answer did not finish.
         """
         encoder = encoding.StreamEncoder(
-            kind, response_id=_response_id(kind, generation), created=int(time.time()), model=model.name
+            kind, response_id=response_id(kind, generation), created=int(time.time()), model=model.name
         )
         # aclosing: see _whole; here a cancellation may also land inside a send to a slow client.
         async with contextlib.aclosing(generation):
@@ -673,13 +677,13 @@ class GatewayApp:
             # Pull the first piece before sending the status line, so that an engine that fails at
             # once still gets a proper error status instead of a broken stream.
             first = await anext(pieces, None)
-            headers = _response_headers(_SSE_HEADERS, generation)
+            headers = response_headers(SSE_HEADERS, generation)
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             opening = encoder.first()
             if opening is not None:
                 await send({"type": "http.response.body", "body": opening, "more_body": True})
             rich = generation.output is not None or generation.logprobs is not None
-            parsed = _RichFrames(kind, encoder, generation) if rich else None
+            parsed = RichFrames(kind, encoder, generation) if rich else None
             if first is not None:
                 first_at = time.perf_counter()
                 metrics.ttft.observe(first_at - started)
@@ -694,7 +698,7 @@ class GatewayApp:
                         async for piece in pieces:
                             await parsed.send(send, piece)
                 except Exception as exc:
-                    failure = _as_gateway_error(exc, generation)
+                    failure = as_gateway_error(exc, generation)
                     frame = encoding.error_frame(failure.message, failure.error_type, failure.code)
                     await send({"type": "http.response.body", "body": frame + encoding.DONE_FRAME})
                     return failure
@@ -708,161 +712,16 @@ class GatewayApp:
             try:
                 await parsed.finish(send)
             except GatewayError as exc:  # ToolCallMissing: the answer lacks the call asked for
-                failure = _as_gateway_error(exc, generation)
+                failure = as_gateway_error(exc, generation)
                 frame = encoding.error_frame(failure.message, failure.error_type, failure.code)
                 await send({"type": "http.response.body", "body": frame + encoding.DONE_FRAME})
                 return failure
             finish_reason = parsed.finish_reason(finish_reason)
-        tail = encoder.finish(finish_reason, _nvext(generation) if show_instance else None)
+        tail = encoder.finish(finish_reason, nvext(generation) if show_instance else None)
         if include_usage:
             tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
         await send({"type": "http.response.body", "body": tail + encoding.DONE_FRAME})
         return None
-
-
-class _RichFrames:
-    """The frames of a streamed answer that goes through its model's parsers (chat_output), or carries
-    log probabilities: each frame a dict encoded whole, off the fast path of plain text pieces."""
-
-    __slots__ = ("_completion_logprobs", "_encoder", "_generation", "_kind", "_next_index", "_parser")
-
-    def __init__(self, kind: encoding.Kind, encoder: encoding.StreamEncoder, generation: Generation) -> None:
-        self._kind = kind
-        self._encoder = encoder
-        self._generation = generation
-        self._parser = generation.output
-        self._completion_logprobs = CompletionLogprobs()
-        self._next_index = 0  # of the next tool call: a stream numbers them
-
-    async def send(self, send: Send, piece: str) -> None:
-        await self._send(send, self._parser.feed(piece) if self._parser is not None else Delta(content=piece))
-
-    async def finish(self, send: Send) -> None:
-        """Send what the parsers held back; raises ToolCallMissing if a required call never came."""
-        if self._parser is not None:
-            await self._send(send, self._parser.flush())
-            self._parser.check_required(self._generation.finish_reason)
-        await self._send(send, Delta())  # log probabilities of tokens whose text was held back or cut
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return self._parser.finish_reason(reason) if self._parser is not None else reason
-
-    async def _send(self, send: Send, delta: Delta) -> None:
-        entries = self._generation.take_logprobs()
-        if not delta and not entries:
-            return  # held back: part of a tag, or a call not yet complete
-        calls = []
-        for call in delta.tool_calls:
-            calls.append(call.as_openai(self._next_index))
-            self._next_index += 1
-        logprobs = None
-        if self._generation.logprobs is not None:
-            chat = self._kind == "chat"
-            logprobs = chat_logprobs(entries) if chat else self._completion_logprobs.shape(entries)
-        frame = self._encoder.delta(delta.reasoning, delta.content, calls, logprobs)
-        await send({"type": "http.response.body", "body": frame, "more_body": True})
-
-
-async def _respond_responses(
-    builder: ResponseBuilder, generation: Generation, stream: bool, send: Send, started: float, metrics: Any
-) -> GatewayError | None:
-    """Send a Responses API answer, whole or as its events; returns the failure that ended a stream.
-
-    As for chat, a failure before the first piece propagates (a proper error status) and one after
-    the status line ends the stream with an ``error`` event.
-    """
-    parser = generation.output
-    parsed = Delta()
-    async with contextlib.aclosing(generation):
-        pieces = generation.pieces()
-        first = await anext(pieces, None)
-        if first is not None:
-            metrics.ttft.observe(time.perf_counter() - started)
-        if not stream:
-            text = "".join([first or "", *[piece async for piece in pieces]])
-            parsed.content = text
-            if parser is not None:
-                parsed = parser.feed(text).extend(parser.flush())
-                parser.check_required(generation.finish_reason)
-        else:
-            headers = _response_headers(_SSE_HEADERS, generation)
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": builder.start(), "more_body": True})
-            try:
-                piece = first
-                while piece is not None:
-                    delta = parser.feed(piece) if parser is not None else Delta(content=piece)
-                    if delta:
-                        await send({"type": "http.response.body", "body": builder.delta(delta), "more_body": True})
-                    piece = await anext(pieces, None)
-                if parser is not None:
-                    if delta := parser.flush():
-                        await send({"type": "http.response.body", "body": builder.delta(delta), "more_body": True})
-                    parser.check_required(generation.finish_reason)
-            except Exception as exc:
-                failure = _as_gateway_error(exc, generation)
-                await send({"type": "http.response.body", "body": builder.error(failure.message, failure.code)})
-                return failure
-    finish_reason = parser.finish_reason(generation.finish_reason) if parser else generation.finish_reason
-    usage = builder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
-    if stream:
-        await send({"type": "http.response.body", "body": builder.finish(finish_reason=finish_reason, usage=usage)})
-    else:
-        body = builder.whole(parsed, finish_reason=finish_reason, usage=usage)
-        headers = _response_headers(_JSON_HEADERS, generation)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-    return None
-
-
-def _as_gateway_error(exc: Exception, generation: Generation) -> GatewayError:
-    """The error to report for a failure mid-stream, logged here (nothing else will see it)."""
-    generation.finish_reason = "error"
-    if isinstance(exc, GatewayError):
-        log.warning("request %s failed mid-stream: %s", generation.request_id, exc.message)
-        return exc
-    log.error("request %s failed mid-stream", generation.request_id, exc_info=exc)
-    return EngineFailed("internal error while generating; see the server log")
-
-
-class _DisconnectWatcher:
-    """Waits for ``http.disconnect``; when it comes first, stops the generation and cancels us."""
-
-    __slots__ = ("_generation", "_owner", "_task", "disconnected")
-
-    def __init__(self, receive: Receive, generation: Generation) -> None:
-        self.disconnected = False
-        self._generation = generation
-        self._owner = asyncio.current_task()
-        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        if not await _wait_for_disconnect(receive):
-            return  # closed: the answer is over
-        self.disconnected = True
-        self._generation.context.stop()
-        if self._owner is not None:
-            self._owner.cancel()
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
-async def _wait_for_disconnect(receive: Receive) -> bool:
-    """True once the client has disconnected; False when this task is cancelled first.
-
-    It runs in a task of its own, which its owner cancels when the answer is over. The cancellation
-    ends here instead of being stored in the task: a stored CancelledError's traceback holds these
-    frames, and through them the whole request (its transport, its generation, the request's task),
-    in a cycle that only the garbage collector frees. Every request left one, and under load the
-    ingress spent up to 126 ms in one collection on them (bench/trace_replay.py).
-    """
-    try:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-    except asyncio.CancelledError:
-        return False
-    return True
 
 
 _MODEL_PREFIX = "/v1/models/"
@@ -876,26 +735,6 @@ def _model_object(model: ServedModel) -> dict[str, Any]:
     if model.context_length:
         body["max_model_len"] = model.context_length
     return body
-
-
-def _decode(decoder: "msgspec.json.Decoder[Any]", body: bytes) -> Any:
-    """Decode and validate a request body; translate msgspec's errors into a 400 that names the field."""
-    if not body:
-        raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        if (unknown := unknown_fields.refusal(message)) is not None:
-            raise unknown from exc
-        _, _, path = message.rpartition(" - at `$.")
-        raise InvalidRequest(f"invalid request: {message}", param=path.rstrip("`") or None) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-    except UnicodeDecodeError as exc:  # msgspec lets invalid UTF-8 inside a string through as this
-        raise InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
-    except RecursionError as exc:
-        raise InvalidRequest("the request body nests arrays or objects too deeply") from exc
 
 
 def _with_limit_headers(send: Send, meter: Meter, key: KeyRecord) -> Send:
@@ -912,23 +751,6 @@ def _with_limit_headers(send: Send, meter: Meter, key: KeyRecord) -> Send:
     return send_with_limits
 
 
-def _response_headers(base: list[tuple[bytes, bytes]], generation: Generation) -> list[tuple[bytes, bytes]]:
-    headers = [*base, (b"x-request-id", generation.request_id.encode())]
-    if generation.context.served_by is not None:
-        headers.append((b"x-flotilla-instance", generation.context.served_by.encode()))
-    if generation.context.prefilled_by is not None:
-        headers.append((b"x-flotilla-prefill-instance", generation.context.prefilled_by.encode()))
-    return headers
-
-
-def _nvext(generation: Generation) -> dict[str, Any]:
-    return {"instance_id": generation.context.served_by}
-
-
-def _response_id(kind: encoding.Kind, generation: Generation) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id
-
-
 #: ``x-flotilla-disagg``: where this request's prompt is computed, whatever the ingress's --disagg-policy says.
 DISAGG_HEADER = b"x-flotilla-disagg"
 _DISAGG_VALUES = {b"local": "local", b"remote": "remote"}
@@ -937,18 +759,10 @@ _DISAGG_VALUES = {b"local": "local", b"remote": "remote"}
 def _disagg_override(scope: Scope) -> str | None:
     """The request's ``x-flotilla-disagg`` header: "local" (on its decode worker), "remote" (on a prefill worker
     when one is routable and not busy), or None. Raises InvalidRequest for another value."""
-    value = _header(scope, DISAGG_HEADER)
+    value = header(scope, DISAGG_HEADER)
     if value is None:
         return None
     if (override := _DISAGG_VALUES.get(value.strip().lower())) is None:
         shown = value[:40].decode("latin-1")
         raise InvalidRequest(f"x-flotilla-disagg must be local or remote, not {shown!r}")
     return override
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    """The first value of header ``name`` (lower case, as ASGI gives them), or None."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value)
-    return None
