@@ -225,7 +225,12 @@ class MistralRsEngine:
         template. Raises TemplateError."""
         if request.prompt is not None:
             return request.prompt
-        return self._template.render(request.messages or [], add_generation_prompt=True, tools=request.tools)
+        return self._template.render(
+            request.messages or [],
+            add_generation_prompt=True,
+            tools=request.tools,
+            **(request.chat_template_kwargs or {}),
+        )
 
     def _stream(self, chat: Any, context: RequestContext, emit: Callable[[Any], None]) -> None:
         """Send ``chat`` and emit its TextOutputs, then _END; an error is emitted as an EngineError."""

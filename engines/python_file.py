@@ -140,6 +140,8 @@ def text_request_dict(request: TextRequest) -> dict[str, Any]:
     data.update(msgspec.to_builtins(request.sampling))
     data["max_tokens"] = request.stop_conditions.max_tokens
     data["stop"] = list(request.stop_conditions.stop)
+    if request.chat_template_kwargs:
+        data["chat_template_kwargs"] = request.chat_template_kwargs
     return data
 
 

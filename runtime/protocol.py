@@ -130,6 +130,9 @@ class TextRequest(msgspec.Struct, kw_only=True):
     stop_conditions: StopConditions
     #: The tools the prompt should offer (OpenAI's ``tools`` entries), for an engine that templates.
     tools: list[dict[str, Any]] | None = None
+    #: Extra variables for an engine that renders the chat template (``chat_template_kwargs``, and
+    #: ``reasoning_effort``), as the gateway gives them to the templates it renders.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TextOutput(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -298,7 +298,9 @@ class TextModel:
         messages = preprocessor.message_dicts(request.messages)
         if plan.tools is not None:
             preprocessor.check_wire_ints(plan.tools, "tools")  # they travel to the engine
-        generation = self._prepare(self._text_request(request, messages=messages, tools=plan.tools))
+        text_request = self._text_request(request, messages=messages, tools=plan.tools)
+        text_request.chat_template_kwargs = preprocessor.template_variables(request) or None
+        generation = self._prepare(text_request)
         generation.output = plan.parser
         return generation
 

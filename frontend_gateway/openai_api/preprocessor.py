@@ -235,11 +235,36 @@ async def chat_prompt_ids(
             param="messages",
         )
     try:
-        text = template.render(message_dicts(request.messages), add_generation_prompt=True, tools=tools)
+        text = template.render(
+            message_dicts(request.messages), add_generation_prompt=True, tools=tools, **template_variables(request)
+        )
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already placed BOS and special tokens; HF encodes it without adding more.
     return await tokenize(card, text, add_special_tokens=False, param="messages")
+
+
+_SET_BY_THE_REQUEST = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+def template_variables(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The variables a chat request adds to its template's render: ``chat_template_kwargs`` and
+    ``reasoning_effort`` (vLLM's rule: the explicit field wins over the same name in the kwargs).
+
+    Raises InvalidRequest when the kwargs name what the request itself sets (messages, tools,
+    add_generation_prompt), or hold an integer that cannot travel to a worker (a text engine renders the
+    template itself).
+    """
+    variables = dict(request.chat_template_kwargs or {})
+    if taken := sorted(_SET_BY_THE_REQUEST.intersection(variables)):
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields give them",
+            param="chat_template_kwargs",
+        )
+    check_wire_ints(variables, "chat_template_kwargs")
+    if request.reasoning_effort is not None:
+        variables["reasoning_effort"] = request.reasoning_effort
+    return variables
 
 
 async def completion_prompt_ids(card: ModelCard, request: CompletionRequest) -> list[int]:

@@ -144,6 +144,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    # Extra variables for the chat template (vLLM's): Qwen3's ``enable_thinking: false``, say. They cannot
+    # replace what the gateway gives every template (messages, tools, add_generation_prompt).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Given to the chat template as ``reasoning_effort``, as vLLM gives it (gpt-oss's template reads it); a
+    # template that does not read it ignores it, as there.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

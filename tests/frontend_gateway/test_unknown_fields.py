@@ -19,8 +19,8 @@ COMPLETION = {"model": "echo", "prompt": "hi"}
         (CHAT, {**GOOD_CHAT, "guided_json": {"type": "object"}}, "guided_json", "use response_format json_schema"),
         (CHAT, {**GOOD_CHAT, "guided_choice": ["yes", "no"]}, "guided_choice", "would not follow it"),
         (CHAT, {**GOOD_CHAT, "guided_regex": "[0-9]+"}, "guided_regex", "guided decoding"),
-        (CHAT, {**GOOD_CHAT, "reasoning_effort": "low"}, "reasoning_effort", "refused rather than ignored"),
-        (CHAT, {**GOOD_CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", ""),
+        (CHAT, {**GOOD_CHAT, "use_beam_search": True}, "use_beam_search", "refused rather than ignored"),
+        (CHAT, {**GOOD_CHAT, "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", ""),
         (
             CHAT,
             {"model": "echo", "messages": [{"role": "user", "content": "hi", "prefix": True}]},
