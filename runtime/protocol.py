@@ -36,13 +36,19 @@ class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
     """When generation ends.
 
     The engine enforces ``max_tokens``, ``min_tokens`` and EOS (it must not waste work past them);
-    stop strings need text, so the gateway's postprocessor enforces ``stop`` and closes the stream.
+    stop strings need text, so the gateway's postprocessor enforces ``stop`` and closes the stream. It
+    enforces ``stop_token_ids`` too, the same way for every token engine (none of them needs to know).
     """
 
     max_tokens: int
     min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    #: Token ids that end the answer, after ``min_tokens`` (vLLM's ``stop_token_ids``; not ignored by
+    #: ``ignore_eos``, as there).
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    #: Show the stop string (or stop token's text) that ended the answer, as vLLM's field does.
+    include_stop_str_in_output: bool = False
 
 
 class KvHandoff(msgspec.Struct, omit_defaults=True, kw_only=True):

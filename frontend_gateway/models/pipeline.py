@@ -197,7 +197,12 @@ class TokenModel:
         step = DecodeStream(skip_special_tokens=skip_special_tokens).step
         conditions = request.stop_conditions
         max_tokens, min_tokens = conditions.max_tokens, conditions.min_tokens
-        matcher = StopStringMatcher(conditions.stop) if conditions.stop else None
+        matcher = (
+            StopStringMatcher(conditions.stop, include=conditions.include_stop_str_in_output)
+            if conditions.stop
+            else None
+        )
+        stop_ids = frozenset(conditions.stop_token_ids)
         outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:
@@ -205,30 +210,39 @@ class TokenModel:
                     generation.cached_tokens = output.cached_tokens  # the first worker's, after a migration
                 token_ids = output.token_ids
                 room = max_tokens - generation.completion_tokens
+                # The engine's finish reason is for its last token: kept only when none is cut off here.
+                engine_finish = output.finish_reason if len(token_ids) <= room else None
                 if len(token_ids) > room:
                     token_ids = token_ids[:room]
-                stopped = False
+                counted = token_ids  # the tokens this output bills; ``token_ids``: those shown
+                stopped = hit = False
+                if stop_ids and (at := _stop_token_at(token_ids, stop_ids, generation.completion_tokens, min_tokens)):
+                    stopped = True
+                    counted = token_ids[:at]
+                    token_ids = counted if conditions.include_stop_str_in_output else token_ids[: at - 1]
                 piece: str | None
                 try:
                     if matcher is not None:
-                        piece, sent, stopped = self._match_stops(generation, token_ids, step, matcher, min_tokens)
-                        token_ids = token_ids[:sent]
+                        piece, sent, hit = self._match_stops(generation, token_ids, step, matcher, min_tokens)
+                        if hit:
+                            stopped, counted = True, token_ids[:sent]
                     elif len(token_ids) == 1:
                         piece = step(tokenizer, token_ids[0])
                     else:
                         piece = "".join([text for token_id in token_ids if (text := step(tokenizer, token_id))])
                 except Exception as exc:  # tokenizers raises plain Exception, e.g. "Invalid prefix encountered"
                     raise EngineFailed(f"the engine's tokens could not be detokenized: {exc}") from exc
-                generation.completion_tokens += len(token_ids)
+                generation.completion_tokens += len(counted)
                 if generation.logprobs is not None and output.logprobs:
-                    generation.logprobs += map(self._logprob_entry, token_ids, output.logprobs)
+                    generation.logprobs += map(self._logprob_entry, counted, output.logprobs)
                 if stopped:
                     generation.finish_reason = "stop"
+                elif engine_finish is not None:
+                    # An EOS that is the max_tokens-th token ends the answer as "stop", as in vLLM.
+                    generation.finish_reason = engine_finish
                 elif generation.completion_tokens >= max_tokens:
                     generation.finish_reason = "length"
-                elif output.finish_reason is not None:
-                    generation.finish_reason = output.finish_reason
-                if generation.finish_reason is not None and matcher is not None and not stopped:
+                if generation.finish_reason is not None and matcher is not None and not hit:
                     piece = (piece or "") + matcher.flush()
                 if piece:
                     yield piece
@@ -266,6 +280,15 @@ class TokenModel:
         decode = self._tokenizer.decode
         top = [(decode([other], skip_special_tokens=False), value) for other, value in logprob.top]
         return LogprobEntry(decode([token_id], skip_special_tokens=False), logprob.logprob, top)
+
+
+def _stop_token_at(token_ids: list[int], stop_ids: frozenset[int], done: int, min_tokens: int) -> int:
+    """How many of ``token_ids`` there are up to and with the first of ``stop_ids`` that may end the
+    answer (none among the first ``min_tokens`` tokens, ``done`` of which came before); 0 if none."""
+    for index, token_id in enumerate(token_ids):
+        if token_id in stop_ids and done + index + 1 > min_tokens:
+            return index + 1
+    return 0
 
 
 _UNBOUNDED_CONTEXT = 1 << 31
@@ -325,6 +348,12 @@ class TextModel:
     ) -> TextRequest:
         # Without a tokenizer the prompt cannot be counted here: the engine checks its own context.
         stop = preprocessor.stop_conditions(request, 0, self.context_length or _UNBOUNDED_CONTEXT)
+        if request.stop_token_ids:
+            raise InvalidRequest(
+                f"model {self.name!r} is served by an engine that answers in text, with no token ids to stop "
+                "at; use stop strings, or leave stop_token_ids out",
+                param="stop_token_ids",
+            )
         # Text engines report neither: these refuse what the request asks of them.
         preprocessor.output_schema(request, model=self.name, structured_output=False)
         preprocessor.logprob_count(request, model=self.name, supported=False)
@@ -354,7 +383,11 @@ class TextModel:
         alone; none ends the stream before ``min_tokens`` tokens.
         """
         conditions = request.stop_conditions
-        matcher = StopStringMatcher(conditions.stop) if conditions.stop else None
+        matcher = (
+            StopStringMatcher(conditions.stop, include=conditions.include_stop_str_in_output)
+            if conditions.stop
+            else None
+        )
         outputs = self.engine.generate(request, generation.context)
         try:
             async for output in outputs:

@@ -473,4 +473,6 @@ def stop_conditions(request: SamplingFields, prompt_tokens: int, context_length:
         min_tokens=min_tokens,
         stop=[stop] if isinstance(stop, str) else list(stop or ()),
         ignore_eos=ignore_eos,
+        stop_token_ids=list(request.stop_token_ids or ()),
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
     )

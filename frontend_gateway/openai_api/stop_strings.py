@@ -1,8 +1,8 @@
 """Stop strings over a stream of text pieces.
 
 A stop string can span several pieces ("Hel" + "lo" for "Hello"), so text that could be the start
-of a stop string is held back until the next piece settles it. The stop string itself is never
-shown to the client, as in the OpenAI API.
+of a stop string is held back until the next piece settles it. The stop string itself is not shown to
+the client, as in the OpenAI API, unless asked for (vLLM's ``include_stop_str_in_output``).
 
 Before ``min_tokens`` tokens are generated no stop string ends the stream (vLLM's rule): the text of
 those tokens is fed with ``may_stop=False``, and a stop string counts only if it ends in text fed
@@ -13,10 +13,12 @@ afterwards (it may begin earlier, as in vLLM, which searches back from the new t
 class StopStringMatcher:
     """Feed text pieces; get back what may be shown now and whether a stop string was hit."""
 
-    __slots__ = ("_held", "_settled", "_stops")
+    __slots__ = ("_held", "_include", "_settled", "_stops")
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], *, include: bool = False) -> None:
         self._stops = [stop for stop in stops if stop]
+        # include_stop_str_in_output: the stop string is shown, as the end of the text.
+        self._include = include
         self._held = ""
         # How many leading characters of the held text no stop string may end in (fed with may_stop=False).
         self._settled = 0
@@ -29,14 +31,14 @@ class StopStringMatcher:
         text = self._held + piece
         if may_stop:
             settled = self._settled
-            first = -1
+            first, end = -1, -1
             for stop in self._stops:
                 at = text.find(stop, max(0, settled - len(stop) + 1))
                 if at != -1 and (first == -1 or at < first):
-                    first = at
+                    first, end = at, at + len(stop)
             if first != -1:
                 self._held, self._settled = "", 0
-                return text[:first], True
+                return text[: end if self._include else first], True
         else:
             settled = len(text)
         hold = 0

@@ -85,6 +85,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     stop: StopStrings | None = None
     n: OnlyOne | None = None
+    stop_token_ids: Annotated[list[NonNegativeInt], Meta(max_length=64)] | None = None
+    include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     nvext: NvExt | None = None
