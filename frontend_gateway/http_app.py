@@ -65,6 +65,7 @@ from frontend_gateway.openai_api import (
     scoring,
 )
 from frontend_gateway.openai_api import tokenize as tokenization
+from frontend_gateway.openai_api.continuous_usage import with_usage_in_every_chunk
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs, chat_logprobs
 from frontend_gateway.openai_api.responses_api import ResponseBuilder, ResponsesRequest
@@ -553,6 +554,8 @@ class GatewayApp:
         started = time.perf_counter()
         status = "error"
         watcher = DisconnectWatcher(receive, generation)
+        if stream_options is not None and stream_options.include_usage and stream_options.continuous_usage_stats:
+            send = with_usage_in_every_chunk(send, batch.tally if batch is not None else lambda: generation)
         try:
             nvext = request.nvext
             show_instance = bool(nvext is not None and nvext.annotations and "instance_id" in nvext.annotations)

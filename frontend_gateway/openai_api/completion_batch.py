@@ -145,7 +145,7 @@ class Batch:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._tally()
+            self.tally()
         total = self.total
         usage = encoding.usage(total.prompt_tokens, total.completion_tokens, total.cached_tokens)
         if stream:
@@ -170,12 +170,14 @@ class Batch:
         reason = encoding.openai_finish_reason(finish_reason) if final else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def _tally(self) -> None:
+    def tally(self) -> Generation:
+        """``total``, its counts summed from the prompts' generations now."""
         total, generations = self.total, self.generations
         total.prompt_tokens = sum(generation.prompt_tokens for generation in generations)  # a text engine's: now
         total.completion_tokens = sum(generation.completion_tokens for generation in generations)
         cached = [generation.cached_tokens for generation in generations if generation.cached_tokens is not None]
         total.cached_tokens = sum(cached) if cached else None
+        return total
 
 
 async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Prompt], disagg: str | None) -> Batch:

@@ -31,6 +31,8 @@ StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    # vLLM's: usage so far in every chunk too (needs include_usage, as there).
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None  # harmless: padding against side channels, no change in content
 
 

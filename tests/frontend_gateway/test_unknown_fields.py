@@ -29,8 +29,8 @@ COMPLETION = {"model": "echo", "prompt": "hi"}
         ),
         (
             CHAT,
-            {**GOOD_CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
+            {**GOOD_CHAT, "stream": True, "stream_options": {"chunk_size": 4}},
+            "stream_options.chunk_size",
             "",
         ),
         (CHAT, {**GOOD_CHAT, "nvext": {"greed_sampling": True}}, "nvext.greed_sampling", ""),
