@@ -1,0 +1,32 @@
+"""Per-request sampling fields on llama.cpp through the openai client: seed (and logit_bias)."""
+
+import openai
+import pytest
+
+from tests.servers import Server, llama_cpp_available
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed (`make install`)"),
+]
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+STORY = [{"role": "user", "content": "Tell me a short story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def client(llamacpp_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=llamacpp_server.api_url, api_key="unused", max_retries=0)
+
+
+def sample(client: openai.OpenAI, seed: int) -> str | None:
+    reply = client.chat.completions.create(model=MODEL, messages=STORY, temperature=1.0, seed=seed, max_tokens=16)
+    return reply.choices[0].message.content
+
+
+def test_the_same_seed_and_prompt_give_the_same_text_at_temperature_one(client: openai.OpenAI) -> None:
+    assert sample(client, 1234) == sample(client, 1234)
+
+
+def test_other_seeds_draw_other_texts(client: openai.OpenAI) -> None:
+    assert len({sample(client, seed) for seed in (1, 2, 3)}) > 1
