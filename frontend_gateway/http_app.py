@@ -423,7 +423,7 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = decode_body(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
-        prompts = completion_batch.prompts(request)
+        prompts = completion_batch.choices(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
         await self._charge(scope)

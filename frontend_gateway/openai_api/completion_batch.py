@@ -2,7 +2,8 @@
 
 LangChain's ``OpenAI.generate``/``batch`` and other clients of the legacy API send several prompts in one
 request. Each prompt is its own generation, all of them at once; the answer has one choice per prompt,
-its ``index`` the prompt's, and usage summed over them. Streamed, the chunks of the prompts interleave,
+its ``index`` the prompt's, and usage summed over them. ``n`` choices per prompt are served the same
+way: each prompt ``n`` times, each its own generation (``choices``). Streamed, the chunks of the prompts interleave,
 each naming its choice's ``index``, and each choice ends with a chunk carrying its ``finish_reason``.
 
 The batch is one request to everything around it: one admission slot, one reservation of all its prompts'
@@ -26,7 +27,7 @@ from frontend_gateway.openai_api import encoding
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs
 from frontend_gateway.openai_api.types import CompletionRequest
 
-__all__ = ["Batch", "prepare", "prompts"]
+__all__ = ["Batch", "choices", "prepare", "prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,23 @@ def _bounded(items: list[Prompt]) -> list[Prompt]:
             param="prompt",
         )
     return items
+
+
+def choices(request: CompletionRequest) -> list[Prompt]:
+    """One prompt per choice of the answer: each of the request's prompts ``n`` times in a row, so that a
+    choice's index is ``prompt index * n + j``, as vLLM numbers them. Raises InvalidRequest as ``prompts``
+    does, and when there are more than MAX_PROMPTS choices."""
+    items = prompts(request)
+    n = request.n or 1
+    if n == 1:
+        return items
+    if len(items) * n > MAX_PROMPTS:
+        raise InvalidRequest(
+            f"{len(items)} prompts with n={n} make {len(items) * n} choices; at most {MAX_PROMPTS} are served "
+            "in one request: send several",
+            param="n",
+        )
+    return [prompt for prompt in items for _ in range(n)]
 
 
 class Batch:
@@ -185,13 +203,18 @@ async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Pr
     client's x-flotilla-disagg. Raises the InvalidRequest of the first prompt that cannot be served,
     naming it (``prompt[i]``)."""
     generations: list[Generation] = []
+    n = request.n or 1
     try:
         for index, prompt in enumerate(batch):
+            # The choices of one prompt draw differently with one seed, as in vLLM: the j-th is seeded seed + j.
+            seed = None if request.seed is None else _wrapped(request.seed + index % n)
             try:
-                generation = await model.prepare_completion(msgspec.structs.replace(request, prompt=prompt))
+                generation = await model.prepare_completion(
+                    msgspec.structs.replace(request, prompt=prompt, n=1, seed=seed)
+                )
             except InvalidRequest as exc:
-                if exc.param == "prompt":
-                    exc.param = f"prompt[{index}]"
+                if exc.param == "prompt" and len(batch) > n:
+                    exc.param = f"prompt[{index // n}]"
                 raise
             generation.context.disagg = disagg
             generations.append(generation)
@@ -200,6 +223,11 @@ async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Pr
             await generation.aclose()
         raise
     return Batch(generations)
+
+
+def _wrapped(seed: int) -> int:
+    """``seed`` as a signed 64-bit integer (what travels to a worker), wrapping past the largest."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 async def _pump(

@@ -30,3 +30,15 @@ def test_the_same_seed_and_prompt_give_the_same_text_at_temperature_one(client: 
 
 def test_other_seeds_draw_other_texts(client: openai.OpenAI) -> None:
     assert len({sample(client, seed) for seed in (1, 2, 3)}) > 1
+
+
+def test_n_seeded_choices_differ_from_each_other_and_repeat_with_the_seed(client: openai.OpenAI) -> None:
+    def choices() -> list[str]:
+        reply = client.completions.create(
+            model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=42, max_tokens=16
+        )
+        return [choice.text for choice in reply.choices]
+
+    first = choices()
+    assert len(set(first)) > 1  # the j-th choice is seeded seed + j, as in vLLM
+    assert choices() == first
