@@ -57,6 +57,7 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
 from frontend_gateway.openai_api import (
+    chat_choices,
     completion_batch,
     embeddings,
     encoding,
@@ -412,6 +413,14 @@ class GatewayApp:
         await self._charge(scope)
         await self._admit(receive)
         try:
+            if (request.n or 1) > 1:
+                batch = await chat_choices.prepare(model, request, disagg)
+                self._reserve(scope, batch.total.token_bound)
+                scope[_GENERATION] = batch.total
+                scope[_STATUS] = await self._respond(
+                    "chat", "chat_completions", model, request, batch.total, receive, send, batch=batch
+                )
+                return
             generation = await model.prepare_chat(request)
             self._reserve(scope, generation.token_bound)
             scope[_GENERATION] = generation

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -27,7 +27,7 @@ from frontend_gateway.openai_api import encoding
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs
 from frontend_gateway.openai_api.types import CompletionRequest
 
-__all__ = ["Batch", "choices", "prepare", "prompts"]
+__all__ = ["Batch", "ChoiceShape", "CompletionChoices", "choice_seed", "choices", "prepare", "prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,10 @@ class Batch:
     """The generations of a batch's prompts, in order, and ``total``: the one Generation that stands for
     them all in usage counts, reservations and metrics (its counts are summed by ``respond``)."""
 
-    def __init__(self, generations: list[Generation]) -> None:
+    def __init__(self, generations: list[Generation], shape: "ChoiceShape | None" = None) -> None:
         self.generations = generations
+        #: How each choice is shaped: a completion's text, or a chat message (chat_choices.py).
+        self.shape = shape if shape is not None else CompletionChoices(generations)
         prompt_tokens = sum(generation.prompt_tokens for generation in generations)
         bound = sum(generation.token_bound for generation in generations)
         self.total = Generation(uuid.uuid4().hex, prompt_tokens, token_bound=bound)
@@ -117,11 +119,12 @@ class Batch:
         that fails after the status line ends the stream with an error event and ``[DONE]``.
         """
         created = int(time.time())
-        response_id = "cmpl-" + self.total.request_id
-        head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+        shape = self.shape
+        response_id = shape.id_prefix + self.total.request_id
+        obj = shape.chunk_object if stream else shape.whole_object
+        head = {"id": response_id, "object": obj, "created": created, "model": model}
         count = len(self.generations)
         texts: list[list[str]] = [[] for _ in range(count)]
-        shapes = [CompletionLogprobs() for _ in range(count)]
         queue: asyncio.Queue[tuple[int, str | BaseException | None]] = asyncio.Queue()
         tasks = [
             asyncio.create_task(_pump(index, generation, queue)) for index, generation in enumerate(self.generations)
@@ -152,13 +155,20 @@ class Batch:
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": headers})
                     started = True
-                generation = self.generations[index]
-                if item is None:
-                    remaining -= 1
-                    choice = self._choice(index, "", generation.finish_reason, shapes[index], final=True)
-                else:
-                    choice = self._choice(index, item, None, shapes[index], final=False)
-                await send({"type": "http.response.body", "body": _frame(head, [choice]), "more_body": True})
+                try:
+                    if item is None:
+                        remaining -= 1
+                        choices = shape.end(index)
+                    else:
+                        choices = shape.piece(index, item)
+                except GatewayError as exc:  # ToolCallMissing: the choice lacks the call asked for
+                    self.total.finish_reason = "error"
+                    failure = _mid_stream(exc, self.total)
+                    frame = encoding.error_frame(failure.message, failure.error_type, failure.code)
+                    await send({"type": "http.response.body", "body": frame + encoding.DONE_FRAME})
+                    return failure
+                for choice in choices:
+                    await send({"type": "http.response.body", "body": _frame(head, [choice]), "more_body": True})
         finally:
             for task in tasks:
                 task.cancel()
@@ -172,21 +182,10 @@ class Batch:
             tail = _frame(head, [], usage) if include_usage else b""
             await send({"type": "http.response.body", "body": tail + encoding.DONE_FRAME})
             return None
-        choices = [
-            self._choice(index, "".join(texts[index]), generation.finish_reason, shapes[index], final=True)
-            for index, generation in enumerate(self.generations)
-        ]
+        choices = [shape.whole(index, "".join(texts[index])) for index in range(count)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": _encode({**head, "choices": choices, "usage": usage})})
         return None
-
-    def _choice(
-        self, index: int, text: str, finish_reason: str | None, shape: CompletionLogprobs, *, final: bool
-    ) -> dict[str, Any]:
-        generation = self.generations[index]
-        logprobs = shape.shape(generation.take_logprobs()) if generation.logprobs is not None else None
-        reason = encoding.openai_finish_reason(finish_reason) if final else None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def tally(self) -> Generation:
         """``total``, its counts summed from the prompts' generations now."""
@@ -198,6 +197,52 @@ class Batch:
         return total
 
 
+class ChoiceShape(Protocol):
+    """The choices of an answer of several generations, as one kind of answer shapes them."""
+
+    id_prefix: str
+    chunk_object: str
+    whole_object: str
+
+    def piece(self, index: int, text: str) -> list[dict[str, Any]]:
+        """The stream choices (none, when all is held back) for a piece of choice ``index``'s text."""
+        ...
+
+    def end(self, index: int) -> list[dict[str, Any]]:
+        """The stream choices that end choice ``index``, the last with its finish reason."""
+        ...
+
+    def whole(self, index: int, text: str) -> dict[str, Any]:
+        """Choice ``index`` of a whole answer, whose text was ``text``."""
+        ...
+
+
+class CompletionChoices:
+    """The choices of a completion: text, and log probabilities in the completions' shape."""
+
+    id_prefix = "cmpl-"
+    chunk_object = whole_object = "text_completion"
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self._generations = generations
+        self._logprobs = [CompletionLogprobs() for _ in generations]
+
+    def piece(self, index: int, text: str) -> list[dict[str, Any]]:
+        return [self._choice(index, text, None)]
+
+    def end(self, index: int) -> list[dict[str, Any]]:
+        return [self._choice(index, "", encoding.openai_finish_reason(self._generations[index].finish_reason))]
+
+    def whole(self, index: int, text: str) -> dict[str, Any]:
+        return self._choice(index, text, encoding.openai_finish_reason(self._generations[index].finish_reason))
+
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        generation = self._generations[index]
+        entries = generation.take_logprobs()
+        logprobs = self._logprobs[index].shape(entries) if generation.logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Prompt], disagg: str | None) -> Batch:
     """The batch's generations, each prompt checked and tokenized as a request of its own; ``disagg`` is the
     client's x-flotilla-disagg. Raises the InvalidRequest of the first prompt that cannot be served,
@@ -207,7 +252,7 @@ async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Pr
     try:
         for index, prompt in enumerate(batch):
             # The choices of one prompt draw differently with one seed, as in vLLM: the j-th is seeded seed + j.
-            seed = None if request.seed is None else _wrapped(request.seed + index % n)
+            seed = choice_seed(request.seed, index % n)
             try:
                 generation = await model.prepare_completion(
                     msgspec.structs.replace(request, prompt=prompt, n=1, seed=seed)
@@ -225,9 +270,10 @@ async def prepare(model: ServedModel, request: CompletionRequest, batch: list[Pr
     return Batch(generations)
 
 
-def _wrapped(seed: int) -> int:
-    """``seed`` as a signed 64-bit integer (what travels to a worker), wrapping past the largest."""
-    return (seed + 2**63) % 2**64 - 2**63
+def choice_seed(seed: int | None, number: int) -> int | None:
+    """The seed of a prompt's ``number``-th choice: ``seed + number`` as a signed 64-bit integer (what
+    travels to a worker), wrapping past the largest; None without a seed."""
+    return None if seed is None else (seed + number + 2**63) % 2**64 - 2**63
 
 
 async def _pump(

@@ -86,8 +86,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     stop: StopStrings | None = None
-    # How many choices: each its own generation (completions: openai_api/completion_batch.py). Chat takes
-    # one (ChatCompletionRequest narrows it).
+    # How many choices: each its own generation (openai_api/completion_batch.py, chat_choices.py).
     n: Annotated[int, Meta(ge=1, le=128)] | None = None
     stop_token_ids: Annotated[list[NonNegativeInt], Meta(max_length=64)] | None = None
     include_stop_str_in_output: bool | None = None
@@ -138,7 +137,6 @@ class NamedToolChoice(msgspec.Struct):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    n: OnlyOne | None = None
     max_completion_tokens: PositiveInt | None = None
     tools: Annotated[list[Tool], Meta(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -42,3 +42,15 @@ def test_n_seeded_choices_differ_from_each_other_and_repeat_with_the_seed(client
     first = choices()
     assert len(set(first)) > 1  # the j-th choice is seeded seed + j, as in vLLM
     assert choices() == first
+
+
+def test_n_seeded_chat_choices_differ_and_repeat_with_the_seed(client: openai.OpenAI) -> None:
+    def choices() -> list[str | None]:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=STORY, n=3, temperature=1.0, seed=42, max_tokens=16
+        )
+        return [choice.message.content for choice in reply.choices]
+
+    first = choices()
+    assert len(set(first)) > 1
+    assert choices() == first

@@ -100,7 +100,7 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
         ({**GOOD_CHAT, "temperature": 5}, "temperature", "<= 2.0"),
         ({**GOOD_CHAT, "top_p": 0}, "top_p", "> 0.0"),
         ({**GOOD_CHAT, "stream": "yes"}, "stream", "Expected `bool`"),
-        ({**GOOD_CHAT, "n": 2}, "n", "<= 1"),
+        ({**GOOD_CHAT, "n": 129}, "n", "<= 128"),
         ({**GOOD_CHAT, "stop": [1, 2]}, "stop[0]", "Expected `str`"),
         ({**GOOD_CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens", "exceeds max_tokens"),
         ({**GOOD_CHAT, "logprobs": True}, "logprobs", "does not report log probabilities"),
@@ -205,7 +205,7 @@ def test_bad_token_id_prompts_are_400_with_what_is_wrong(
         ("top_k", 2**31, "<= 2147483647"),
         ("max_tokens", 2**40, "<= 2147483647"),
         ("min_tokens", 2**64, "<= 2147483647"),
-        ("n", 2**64, "<= 1"),
+        ("n", 2**64, "<= 128"),
     ],
 )
 def test_integers_beyond_their_wire_type_are_400(
