@@ -42,7 +42,7 @@ class ChatChoices:
         call that tool_choice asked for."""
         generation = self._generations[index]
         parser = generation.output
-        reason = generation.finish_reason
+        reason: str | None = generation.finish_reason
         choices = []
         if parser is not None:
             if (held := self._delta(index, parser.flush(), None)) is not None:
@@ -56,7 +56,7 @@ class ChatChoices:
     def whole(self, index: int, text: str) -> dict[str, Any]:
         generation = self._generations[index]
         parser = generation.output
-        reason = generation.finish_reason
+        reason: str | None = generation.finish_reason
         message = None
         if parser is not None:
             parsed = parser.feed(text).extend(parser.flush())
