@@ -69,7 +69,7 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         card, path = load_card(options)
         # Structured output by llama.cpp's grammars; log probabilities from its logits; embeddings from
         # a second context in embedding mode.
-        card = card.replace(structured_output=True, logprobs=True, embeddings=True)
+        card = card.replace(structured_output=True, logprobs=True, embeddings=True, logit_bias=True)
         llama = LlamaCppEngine(
             path, context_length=card.context_length, threads=options.threads, parallel=options.parallel
         )
@@ -160,9 +160,10 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         nodes=options.node_group,
         extra=extra,
     )
-    # Log probabilities come with vLLM's outputs; its KV block size goes on the card for KV routers (the
-    # engine refuses to start on another one).
-    card = card.replace(logprobs=True, kv_cache_block_size=extra.get("block_size") or card.kv_cache_block_size)
+    # Log probabilities come with vLLM's outputs, logit_bias is one of its SamplingParams; its KV block size
+    # goes on the card for KV routers (the engine refuses to start on another one).
+    block_size = extra.get("block_size") or card.kv_cache_block_size
+    card = card.replace(logprobs=True, logit_bias=True, kv_cache_block_size=block_size)
     engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id, card_block_size=card.kv_cache_block_size)
     return TokenModel(card, engine), engine
 

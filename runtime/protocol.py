@@ -30,6 +30,9 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    #: Added to these token ids' logits before sampling (OpenAI's ``logit_bias``, -100 to 100); only
+    #: engines whose card says ``logit_bias`` are sent one.
+    logit_bias: dict[int, float] | None = None
 
 
 class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -38,8 +38,8 @@ def sampling_kwargs(sampling: SamplingOptions) -> dict[str, Any]:
 
 
 class SequenceSampler:
-    """llama-cpp-python 0.3's sampler chain for one request: (EOS held back until min_tokens), penalties,
-    the grammar, then greedy or top-k/typical/top-p/min-p/temperature + a seeded draw.
+    """llama-cpp-python 0.3's sampler chain for one request: (EOS held back until min_tokens), (logit_bias),
+    penalties, the grammar, then greedy or top-k/typical/top-p/min-p/temperature + a seeded draw.
 
     The chain is the one ``Llama._init_sampler`` builds, with the request's own seed (``Llama`` keeps
     one seed for all requests). The migrated tokens of a request enter its penalty window. Call
@@ -60,6 +60,8 @@ class SequenceSampler:
         if stop.min_tokens > 0 and not stop.ignore_eos:
             eos_ids = sorted({*request.eos_token_ids, model.token_eos()})
             self._chain.add_custom(self._hold_back(eos_ids, stop.min_tokens))
+        if request.sampling.logit_bias:
+            self._chain.add_custom(_biased(request.sampling.logit_bias))
         n_vocab = model.n_vocab()
         self._chain.add_penalties(
             n_vocab=n_vocab,
@@ -108,6 +110,22 @@ class SequenceSampler:
 
     def close(self) -> None:
         self._chain.close()
+
+
+def _biased(biases: dict[int, float]) -> Callable[[Any], None]:
+    """A chain step that adds ``logit_bias`` to its tokens' logits (-100 bans a token, 100 all but forces it).
+
+    It runs before any step that sorts or trims the candidates, where they are the whole vocabulary in id
+    order; the gateway checked that every id is in the vocabulary.
+    """
+    items = list(biases.items())
+
+    def apply(candidates: Any) -> None:
+        data = candidates.contents.data
+        for token, bias in items:
+            data[token].logit += bias
+
+    return apply
 
 
 def token_logprob(logits_pointer: Any, n_vocab: int, token: int, top: int) -> TokenLogprob:

@@ -268,6 +268,8 @@ def sampling_params(request: PreprocessedRequest) -> Any:
         kwargs["presence_penalty"] = sampling.presence_penalty
     if sampling.repetition_penalty is not None:
         kwargs["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = sampling.logit_bias
     if request.logprobs is not None:
         kwargs["logprobs"] = request.logprobs
     return SamplingParams(**kwargs)

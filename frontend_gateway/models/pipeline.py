@@ -165,7 +165,7 @@ class TokenModel:
             request_id=request_id,
             model=self.name,
             token_ids=prompt_ids,
-            sampling=preprocessor.sampling_options(request),
+            sampling=preprocessor.sampling_options(request, biases=self._logit_bias(request)),
             stop_conditions=stop,
             eos_token_ids=self.card.eos_token_ids,
             json_schema=schema,
@@ -180,6 +180,10 @@ class TokenModel:
             generation.logprobs = []
         tokens = self._postprocess(generation, engine_request, skip_special)
         return generation.bind(_finish(generation, tokens))
+
+    def _logit_bias(self, request: SamplingFields) -> dict[int, float] | None:
+        vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True) if self.card.logit_bias else None
+        return preprocessor.logit_bias(request, model=self.name, vocab_size=vocab_size)
 
     async def _postprocess(
         self, generation: Generation, request: PreprocessedRequest, skip_special_tokens: bool
@@ -354,7 +358,8 @@ class TextModel:
                 "at; use stop strings, or leave stop_token_ids out",
                 param="stop_token_ids",
             )
-        # Text engines report neither: these refuse what the request asks of them.
+        # Text engines report neither, nor apply logit_bias: these refuse what the request asks of them.
+        preprocessor.logit_bias(request, model=self.name, vocab_size=None)
         preprocessor.output_schema(request, model=self.name, structured_output=False)
         preprocessor.logprob_count(request, model=self.name, supported=False)
         return TextRequest(

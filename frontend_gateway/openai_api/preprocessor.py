@@ -324,8 +324,6 @@ def refuse_unsupported(request: SamplingFields) -> None:
     A client that asks for one of these would otherwise get an answer that silently lacks it.
     Raises InvalidRequest naming the field.
     """
-    if request.logit_bias:
-        raise InvalidRequest("logit_bias is not supported yet; leave the field out", param="logit_bias")
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise InvalidRequest("echo is not supported yet; leave the field out or set it to false", param="echo")
@@ -421,9 +419,36 @@ def logprob_count(request: SamplingFields, *, model: str, supported: bool) -> in
     return count
 
 
-def sampling_options(request: SamplingFields) -> SamplingOptions:
+def logit_bias(request: SamplingFields, *, model: str, vocab_size: int | None) -> dict[int, float] | None:
+    """``logit_bias`` as token ids and biases, for a model whose engine applies it (``vocab_size``: its
+    vocabulary's; None: the engine cannot). Raises InvalidRequest naming the field for a key that is not
+    a token id of the vocabulary, or when the engine cannot apply it (the answer would ignore it)."""
+    given = request.logit_bias
+    if not given:
+        return None
+    if vocab_size is None:
+        raise InvalidRequest(
+            f"model {model!r} is served by an engine that does not apply logit_bias (out=llamacpp and out=vllm "
+            "do); leave logit_bias out",
+            param="logit_bias",
+        )
+    biases: dict[int, float] = {}
+    for key, bias in given.items():
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(
+                f"logit_bias keys are token ids of the vocabulary (0..{vocab_size - 1}); {key[:40]!r} is not one",
+                param="logit_bias",
+            )
+        biases[token] = bias
+    return biases
+
+
+def sampling_options(request: SamplingFields, *, biases: dict[int, float] | None = None) -> SamplingOptions:
+    """The request's sampling settings; ``biases``: its ``logit_bias`` as checked by ``logit_bias``."""
     refuse_unsupported(request)
     return SamplingOptions(
+        logit_bias=biases,
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=request.top_k,

@@ -94,11 +94,11 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool | None = None
     nvext: NvExt | None = None
     user: str | None = None
-    # Accepted so that they can be refused with a clear message (preprocessor.refuse_unsupported)
-    # instead of silently ignored.
+    # Refused with a clear message where the engine lacks them (preprocessor), instead of silently ignored.
     logprobs: bool | Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
-    logit_bias: dict[str, float] | None = None
+    # Token id (as a string) -> bias added to its logit, OpenAI's range (checked in preprocessor.logit_bias).
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
     response_format: dict[str, Any] | None = None
     # Known to be harmless to ignore (docs/openai-api.md): OpenAI's storage, billing and caching hints, and a
     # prediction that only speeds an answer up; none of them changes what the answer is.

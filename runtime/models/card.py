@@ -54,6 +54,8 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     structured_output: bool = False
     #: Whether the engine reports tokens' log probabilities (``logprobs``/``top_logprobs``; llama.cpp).
     logprobs: bool = False
+    #: Whether the engine adds ``logit_bias`` to its logits (llama.cpp, vLLM). False: such requests are refused.
+    logit_bias: bool = False
     #: Whether the model embeds text (``POST /v1/embeddings``; llama.cpp, mean-pooled and normalized).
     embeddings: bool = False
 

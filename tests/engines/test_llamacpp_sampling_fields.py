@@ -54,3 +54,35 @@ def test_n_seeded_chat_choices_differ_and_repeat_with_the_seed(client: openai.Op
     first = choices()
     assert len(set(first)) > 1
     assert choices() == first
+
+
+HELLO = 19556  # SmolLM2's token "Hello"
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def greedy(client: openai.OpenAI, bias: dict[str, int] | None = None) -> str | None:
+    reply = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0.0, max_tokens=3, logit_bias=bias)
+    return reply.choices[0].message.content
+
+
+def test_a_logit_bias_of_100_all_but_forces_its_token(client: openai.OpenAI) -> None:
+    assert greedy(client, {str(HELLO): 100}) == "HelloHelloHello"
+
+
+def test_a_logit_bias_of_minus_100_bans_the_token_the_model_would_choose(client: openai.OpenAI) -> None:
+    first = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0.0, max_tokens=1)
+    token = client.post(
+        "/tokenize", body={"model": MODEL, "prompt": first.choices[0].text, "add_special_tokens": False}, cast_to=object
+    )
+    (banned,) = token["tokens"]  # type: ignore[index]
+    again = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0.0, max_tokens=1, logit_bias={str(banned): -100}
+    )
+    assert again.choices[0].text != first.choices[0].text
+
+
+def test_a_logit_bias_key_that_is_not_a_token_id_is_refused_naming_the_field(client: openai.OpenAI) -> None:
+    for key in ("hello", "99999999"):
+        with pytest.raises(openai.BadRequestError, match="token ids of the vocabulary") as raised:
+            greedy(client, {key: 1})
+        assert raised.value.body["param"] == "logit_bias"  # type: ignore[index]

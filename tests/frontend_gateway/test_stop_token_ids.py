@@ -86,3 +86,9 @@ def test_include_stop_str_in_output_works_on_a_text_engine(echo_full_server: Ser
         model="echo", prompt="one two three", stop=["two"], extra_body={"include_stop_str_in_output": True}
     )
     assert reply.choices[0].text == "one two"
+
+
+def test_an_engine_without_logit_bias_refuses_it_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="does not apply logit_bias") as raised:
+        client.completions.create(model=MODEL, prompt=HELLO_WORLD, logit_bias={"17": -100})
+    assert raised.value.body["param"] == "logit_bias"  # type: ignore[index]
