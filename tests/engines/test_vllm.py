@@ -94,7 +94,7 @@ def test_a_requests_options_become_its_sampling_params() -> None:
     from engines.vllm.engine import sampling_params
 
     given = request([1, 2, 3], 7)
-    given.sampling = SamplingOptions(temperature=0.5, top_p=0.9, top_k=-1, seed=11)
+    given.sampling = SamplingOptions(temperature=0.5, top_p=0.9, top_k=-1, seed=11, logit_bias={7: -100.0})
     given.stop_conditions = StopConditions(max_tokens=7, min_tokens=2)
     given.eos_token_ids = [2, 5]
     given.logprobs = 3
@@ -102,6 +102,7 @@ def test_a_requests_options_become_its_sampling_params() -> None:
     assert (params.max_tokens, params.min_tokens, params.temperature, params.top_p) == (7, 2, 0.5, 0.9)
     assert params.seed == 11 and params.logprobs == 3 and params.output_kind == RequestOutputKind.DELTA
     assert params.top_k in (0, -1) and set(params.stop_token_ids) == {2, 5} and not params.ignore_eos
+    assert params.logit_bias == {7: -100.0}
     # ignore_eos ignores the chat template's end tokens too, as llama.cpp and the mocker do.
     ignoring = request([1, 2, 3], 7)
     ignoring.eos_token_ids = [2, 5]
