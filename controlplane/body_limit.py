@@ -9,7 +9,8 @@ in the event loop, where a waiting request costs nothing:
 * a Content-Length over the limit is a 413 at once, the body unread;
 * a body still incomplete ``timeout_s`` after the request arrived is a 408, the connection closed;
 * a body that grows past the limit as it arrives (chunked, or longer than declared) is a 413;
-* the rest reaches the app buffered, as one message, so the app never waits on the client.
+* the rest reaches the app buffered, as one message (an empty one when there is no body), so the app
+  never waits on the client, nor hears that it left before its request took a thread.
 
 A body sent with ``Transfer-Encoding: chunked`` has no Content-Length, and Django under WSGI (how the
 control plane runs its views: controlplane/asgi.py) reads only ``CONTENT_LENGTH`` bytes: none, so a
@@ -64,8 +65,12 @@ def limit_body(app: ASGIApp, max_bytes: int, *, timeout_s: float = DEFAULT_BODY_
             await send_refusal(send, 413, over_limit)
             return
         chunked = length is None and _chunked(scope)
-        if not length and not chunked:  # no body: nothing to wait for
-            await app(scope, receive, send)
+        if not length and not chunked:
+            # No body: nothing to wait for. The app is handed the empty body at once rather than the server's
+            # receive: a client that leaves while its request waits for a thread would otherwise make that
+            # receive answer http.disconnect, which Django's WSGI wrapper takes for a broken server
+            # ("WSGI wrapper received a non-HTTP-request message"). Its request is whole: it runs as sent.
+            await app(*_with_body(scope, receive, b"", chunked=False), send)
             return
         try:
             async with asyncio.timeout(timeout_s):

@@ -95,6 +95,37 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_app_is_not_r
     assert json.loads(sent[1]["body"]) == {"detail": "the request body did not arrive within 0.05 s"}
 
 
+async def test_a_request_without_a_body_whose_client_left_before_it_ran_reaches_django_whole() -> None:
+    """A fuzzer's client that gives up while its bodiless request waits for a request thread: by the time the
+    app asks for the body, the server's receive says ``http.disconnect``. Django's WSGI wrapper raised
+    "WSGI wrapper received a non-HTTP-request message" on it (an ASGI error per such request)."""
+    sent: list[dict[str, Any]] = []
+    ran: list[str] = []
+
+    def wsgi_app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        ran.append(environ["REQUEST_METHOD"])
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/api/v1/pipelines/1/stop/",
+        "headers": [],
+        "query_string": b"",
+    }
+    await limit_body(WsgiToAsgi(wsgi_app), 100)(scope, receive, send)
+    assert ran == ["POST"]
+    assert sent[0]["status"] == 200
+
+
 async def test_websockets_pass_untouched() -> None:
     _, received = await call([(b"content-length", b"1000")], scope_type="websocket")
     assert received == []
