@@ -5,6 +5,12 @@ nor fail when Redis is gone. ``publish`` only records the notice (a burst of not
 becomes one) and wakes the publisher's thread, which sends them with the channel layer on its own
 event loop. A failed send is logged (at most once per ``FAILURE_REPORT_S``) and its notices dropped:
 the next change sends a fresh one, and a page loaded later shows the truth anyway.
+
+Each send has its own deadline, and up to ``SEND_CONCURRENCY`` are in flight at once. The deadline tells a
+layer that does not answer from one that is merely busy: under a burst of API calls a batch holds hundreds of
+notices (audit entries are never merged), and one deadline for the whole batch, sent a round trip at a time
+on a process whose request threads hold the GIL, dropped whole batches of a layer that answered every send
+(issue 39: 268 notices in four minutes).
 """
 
 import asyncio
@@ -17,13 +23,16 @@ from collections.abc import Callable, Iterable
 
 from channels.layers import BaseChannelLayer, get_channel_layer
 
-from controlplane.live.groups import Kind, changed
+from controlplane.live.groups import Changed, Kind, changed
 from runtime.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-#: One send of a batch gives up after this (a Redis that accepts connections but does not answer).
+#: One send gives up after this (a Redis that accepts connections but does not answer); the rest of its batch
+#: is dropped with it.
 SEND_TIMEOUT_S = 5.0
+#: Sends in flight at once: their round trips overlap.
+SEND_CONCURRENCY = 16
 FAILURE_REPORT_S = 30.0
 #: At exit, how long the process waits for its last notices to leave.
 EXIT_FLUSH_S = 2.0
@@ -46,7 +55,8 @@ class Publisher:
         # Only the publisher's thread logs through it.
         self._failures = RateLimitedLog(log, period_s=FAILURE_REPORT_S, held_level=logging.DEBUG)
         self.sent = 0  # group sends made, for tests and logs
-        self.failed = 0
+        self.failed = 0  # batches that failed
+        self.dropped = 0  # group sends given up
 
     def publish(self, kind: Kind, row_id: int, groups: Iterable[str]) -> None:
         """Tell ``groups`` that row ``row_id`` of ``kind`` changed, soon, from the publisher's thread.
@@ -103,18 +113,28 @@ class Publisher:
         layer = self._layer()
         if layer is None:
             return
-        try:
-            async with asyncio.timeout(SEND_TIMEOUT_S):
-                for (kind, row_id), groups in batch.items():
-                    message = changed(kind, row_id)
-                    for group in sorted(groups):
-                        await layer.group_send(group, dict(message))
-                        self.sent += 1
-        except Exception as exc:  # the layer's errors are Redis's, OSError, timeouts: none may escape
-            self.failed += 1
-            self._report(exc, len(batch), layer)
+        sends = [(group, changed(kind, row_id)) for (kind, row_id), groups in batch.items() for group in sorted(groups)]
+        gate = asyncio.Semaphore(SEND_CONCURRENCY)
+        sent_before = self.sent
 
-    def _report(self, exc: Exception, notices: int, layer: BaseChannelLayer) -> None:
+        async def send(group: str, message: Changed) -> None:
+            async with gate:
+                async with asyncio.timeout(SEND_TIMEOUT_S):
+                    await layer.group_send(group, dict(message))
+                self.sent += 1
+
+        try:
+            # The first failure cancels the sends left: the layer is unreachable, not slow.
+            async with asyncio.TaskGroup() as sending:
+                for group, message in sends:
+                    sending.create_task(send(group, message))
+        except* Exception as failures:  # the layer's errors are Redis's, OSError, timeouts: none may escape
+            self.failed += 1
+            dropped = len(sends) - (self.sent - sent_before)
+            self.dropped += dropped
+            self._report(failures.exceptions[0], dropped, layer)
+
+    def _report(self, exc: BaseException, notices: int, layer: BaseChannelLayer) -> None:
         self._failures.warning(
             f"live updates: cannot reach the channel layer at {layer_address(layer)} ({describe(exc)}); {notices} "
             "change notice(s) dropped, dashboards show them on their next change or reload"

@@ -3,11 +3,12 @@ sockets; and a Redis that is gone costs a logged warning and a socket the browse
 
 import asyncio
 import logging
+from typing import Any
 
 import pytest
 import redis.exceptions
 from channels.db import database_sync_to_async
-from channels.layers import get_channel_layer
+from channels.layers import InMemoryChannelLayer, get_channel_layer
 from django.apps import apps
 from django.db import transaction
 
@@ -16,6 +17,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
+from controlplane.live import publisher as publisher_module
 from controlplane.live.consumers import SERVER_ERROR
 from controlplane.live.events import notices_of_entry
 from controlplane.live.groups import AUDIT, NODES, PIPELINES, pipeline_group
@@ -86,6 +88,45 @@ async def test_notices_of_one_row_in_a_burst_become_one_per_group(live_layer: Pu
     await asyncio.to_thread(publisher.flush, RECEIVE_S)
     assert 1 <= publisher.sent < 50  # the thread may wake between the first notice and the rest
     assert await layer.receive(channel) == {"type": "live.changed", "kind": "node", "id": 7}
+
+
+class SlowLayer(InMemoryChannelLayer):
+    """A layer that answers every send, each after ``delay_s``: a busy Redis, or a process whose other threads
+    hold the GIL."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        await asyncio.sleep(self.delay_s)
+
+
+def test_a_burst_that_takes_longer_to_send_than_one_sends_deadline_is_sent_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 39: a batch had one deadline for all its sends, so a burst of notices to a layer that answered each
+    # in milliseconds was dropped whole once the batch outgrew the deadline.
+    monkeypatch.setattr(publisher_module, "SEND_TIMEOUT_S", 0.5)
+    layer = SlowLayer(delay_s=0.02)
+    publisher = Publisher(layer=lambda: layer)
+    for entry in range(1, 201):  # audit entries: each a notice of its own (200 x 0.02 s = 4 s one at a time)
+        publisher.publish("audit", entry, {AUDIT})
+    assert publisher.flush(RECEIVE_S * 3)
+    assert publisher.sent == 200
+    assert (publisher.dropped, publisher.failed) == (0, 0)
+
+
+def test_a_layer_that_does_not_answer_one_send_in_time_costs_its_batch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(publisher_module, "SEND_TIMEOUT_S", 0.05)
+    publisher = Publisher(layer=lambda: SlowLayer(delay_s=RECEIVE_S))
+    with caplog.at_level(logging.WARNING, logger="controlplane.live.publisher"):
+        publisher.publish("node", 1, {NODES, PIPELINES})
+        assert publisher.flush(RECEIVE_S)
+    assert (publisher.sent, publisher.dropped, publisher.failed) == (0, 2, 1)
+    assert "TimeoutError" in caplog.text and "2 change notice(s) dropped" in caplog.text
 
 
 @pytest.mark.django_db(transaction=True)
