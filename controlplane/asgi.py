@@ -1,5 +1,5 @@
 """ASGI entry point of the control plane (served by uvicorn): HTTP for the API and pages, websockets for
-the dashboard's live updates (controlplane/live/)."""
+the dashboard's live updates (controlplane/live/), and uvicorn's lifespan messages."""
 
 import os
 
@@ -8,7 +8,7 @@ from channels.routing import ProtocolTypeRouter
 from django.conf import settings
 from django.core.wsgi import get_wsgi_application
 
-from controlplane.body_limit import ASGIApp, limit_body
+from controlplane.body_limit import ASGIApp, Receive, Scope, Send, limit_body
 from controlplane.request_threads import on_request_threads
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
@@ -37,4 +37,19 @@ def http_stack(app: ASGIApp) -> ASGIApp:
     return limit_body(on_threads, settings.API_MAX_BODY_BYTES, timeout_s=settings.API_BODY_TIMEOUT_S)
 
 
-application = ProtocolTypeRouter({"http": http_stack(http_application), "websocket": websocket_application()})
+async def lifespan(scope: Scope, receive: Receive, send: Send) -> None:
+    """uvicorn's start-up and shutdown messages, acknowledged: nothing is set up for them (Django is, on
+    import). Without it Channels' router raised ValueError at every start, which uvicorn logs as a protocol
+    the app does not support."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+application = ProtocolTypeRouter(
+    {"http": http_stack(http_application), "websocket": websocket_application(), "lifespan": lifespan}
+)
