@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from django.core.exceptions import ObjectDoesNotExist
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -42,6 +43,10 @@ def _translate(exc: Exception) -> Exception:
         return exceptions.NotFound(str(exc))
     if isinstance(exc, ControlPlaneError):
         return exceptions.ValidationError({"non_field_errors": [str(exc)]})
+    if isinstance(exc, ObjectDoesNotExist):
+        # An action reads its row again under a lock: a row deleted between the view's lookup and that read
+        # (a DELETE racing a PATCH) is gone, not a server error.
+        return exceptions.NotFound(f"{exc} (deleted meanwhile)")
     if isinstance(exc, DjangoValidationError):
         if hasattr(exc, "error_dict"):
             return exceptions.ValidationError(exc.message_dict)

@@ -6,6 +6,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from controlplane.catalog.api.views import ModelViewSet
+from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.models import Instance
 from controlplane.deployments.upkeep import place_pending_instances
 from tests.controlplane.factories import TEST_ACTOR, agent_token, deploy, make_model, make_node
@@ -88,6 +90,25 @@ def test_patching_a_model_checks_the_merged_result(operator: APIClient) -> None:
 def test_unknown_or_malformed_ids_are_404(operator: APIClient, path: str) -> None:
     assert operator.get(path).status_code == 404
     assert operator.patch(path, {}, format="json").status_code == 404
+
+
+def test_a_model_deleted_between_the_lookup_and_its_change_is_a_404(
+    operator: APIClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PATCH racing a DELETE (issue 39: a 500 under API automation): the change reads its row again under
+    a lock, and finds it gone."""
+    model = make_model("doomed")
+    lookup = ModelViewSet.get_object
+
+    def lookup_then_lose_it(view: ModelViewSet) -> LanguageModel:
+        found = lookup(view)
+        LanguageModel.objects.filter(pk=found.pk).delete()  # the other request's DELETE commits here
+        return found
+
+    monkeypatch.setattr(ModelViewSet, "get_object", lookup_then_lose_it)
+    response = operator.patch(f"/api/v1/models/{model.pk}/", {"default_engine_args": {}}, format="json")
+    assert response.status_code == 404
+    assert "deleted meanwhile" in response.json()["detail"]
 
 
 # Bodies that are not JSON objects, anywhere
