@@ -12,5 +12,8 @@ class DeploymentsConfig(AppConfig):
         from controlplane import celery_app, reconcile_requests
 
         reconcile_requests.set_sender(
-            reconcile_requests.SendingThread(lambda: celery_app.send_reconcile_request(celery_app.app))
+            reconcile_requests.SendingThread(
+                lambda: celery_app.send_reconcile_request(celery_app.app),
+                min_interval_s=reconcile_requests.MIN_INTERVAL_S,
+            )
         )

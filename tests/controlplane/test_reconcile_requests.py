@@ -2,6 +2,7 @@
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -118,3 +119,16 @@ def test_a_request_is_sent_from_a_thread_of_its_own_so_a_hung_broker_holds_no_ca
     # The three calls became one or two sends (one that had started, one for what came meanwhile), none
     # on the caller's thread.
     assert 1 <= len(sent) <= 2 and threading.current_thread().name not in sent
+
+
+def test_requests_within_the_interval_of_a_send_go_as_one_at_its_end() -> None:
+    """Issue 39: one reconcile task per API call made passes run back to back under automation."""
+    sent: list[float] = []
+    sender = reconcile_requests.SendingThread(lambda: sent.append(time.monotonic()), min_interval_s=0.3)
+    sender()
+    assert sender.settle(5.0)  # the first after a quiet spell: at once
+    for _ in range(5):
+        sender()  # within the interval: held, then sent as one
+    assert sender.settle(5.0)
+    assert len(sent) == 2
+    assert sent[1] - sent[0] >= 0.3
