@@ -131,6 +131,18 @@ SMOKES = [
         [rf"^CPU per request, keys \+ limits on / off, median of the rounds: {NUMBER}x", r"^on, 10 keys churned "],
     ),
     Smoke(
+        "api_automation",
+        "api_automation.py",
+        "--duration-s 4 --rate 5",
+        [
+            rf"^  latency of the well-formed calls: p50 {NUMBER} ms, p99 {NUMBER} ms",
+            r"^  change notices dropped: \d+",
+            r"^floor \(issue 39: .*\): met$",
+        ],
+        timeout=300,
+        marks=[SERIAL],
+    ),
+    Smoke(
         "burst_ttft",
         "burst_ttft.py",
         "--sizes 2 --tokens 64 --rounds 1 --stacks flotilla",
