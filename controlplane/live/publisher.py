@@ -6,7 +6,8 @@ becomes one) and wakes the publisher's thread, which sends them with the channel
 event loop. A failed send is logged (at most once per ``FAILURE_REPORT_S``) and its notices dropped:
 the next change sends a fresh one, and a page loaded later shows the truth anyway.
 
-Each send has its own deadline, and up to ``SEND_CONCURRENCY`` are in flight at once. The deadline tells a
+Each send has its own deadline, and up to ``SEND_CONCURRENCY`` groups are sent to at once (each group's
+notices in order, one after another). The deadline tells a
 layer that does not answer from one that is merely busy: under a burst of API calls a batch holds hundreds of
 notices (audit entries are never merged), and one deadline for the whole batch, sent a round trip at a time
 on a process whose request threads hold the GIL, dropped whole batches of a layer that answered every send
@@ -113,24 +114,31 @@ class Publisher:
         layer = self._layer()
         if layer is None:
             return
-        sends = [(group, changed(kind, row_id)) for (kind, row_id), groups in batch.items() for group in sorted(groups)]
+        # Each group's notices in the order they came (a page hears a list's change before a row's in it, as
+        # it did when every send went one after another); the groups' sends overlap.
+        by_group: dict[str, list[Changed]] = {}
+        for (kind, row_id), groups in batch.items():
+            for group in groups:
+                by_group.setdefault(group, []).append(changed(kind, row_id))
+        total = sum(len(messages) for messages in by_group.values())
         gate = asyncio.Semaphore(SEND_CONCURRENCY)
         sent_before = self.sent
 
-        async def send(group: str, message: Changed) -> None:
+        async def send(group: str, messages: list[Changed]) -> None:
             async with gate:
-                async with asyncio.timeout(SEND_TIMEOUT_S):
-                    await layer.group_send(group, dict(message))
-                self.sent += 1
+                for message in messages:
+                    async with asyncio.timeout(SEND_TIMEOUT_S):
+                        await layer.group_send(group, dict(message))
+                    self.sent += 1
 
         try:
             # The first failure cancels the sends left: the layer is unreachable, not slow.
             async with asyncio.TaskGroup() as sending:
-                for group, message in sends:
-                    sending.create_task(send(group, message))
+                for group in sorted(by_group):
+                    sending.create_task(send(group, by_group[group]))
         except* Exception as failures:  # the layer's errors are Redis's, OSError, timeouts: none may escape
             self.failed += 1
-            dropped = len(sends) - (self.sent - sent_before)
+            dropped = total - (self.sent - sent_before)
             self.dropped += dropped
             self._report(failures.exceptions[0], dropped, layer)
 
