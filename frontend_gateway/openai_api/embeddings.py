@@ -24,7 +24,7 @@ from runtime.errors import EngineError
 from runtime.models.card import ModelCard
 from runtime.protocol import EmbedInput, float32_bytes
 
-__all__ = ["EmbeddingRequest", "count_tokens", "create", "decoder", "embedder_of", "inputs"]
+__all__ = ["EmbeddingRequest", "count_tokens", "create", "decoder", "embedder_of", "fitting_total", "inputs", "vectors"]
 
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
@@ -100,14 +100,29 @@ async def count_tokens(card: ModelCard, request: EmbeddingRequest, inputs: list[
             counts.append(len(ids))
     else:
         counts = await preprocessor.token_counts(card, inputs, add_special_tokens=True, params=params)
+    return fitting_total(card, counts, params)
+
+
+def fitting_total(card: ModelCard, counts: list[int], params: list[str], what: str = "input") -> int:
+    """The sum of ``counts`` (each text's tokens). Raises ContextLengthExceeded naming the ``params`` entry of
+    the first text (an ``what``) over the model's context: an embedding is never of a text cut short."""
     for count, param in zip(counts, params, strict=True):
         if count > card.context_length:
             raise ContextLengthExceeded(
-                f"this model's maximum context length is {card.context_length} tokens, and this input has "
+                f"this model's maximum context length is {card.context_length} tokens, and this {what} has "
                 f"{count}; shorten it",
                 param=param,
             )
     return sum(counts)
+
+
+async def vectors(embedder: Embedder, inputs: list[EmbedInput]) -> tuple[list[list[float]], int]:
+    """``embedder``'s vectors of ``inputs`` and the prompt tokens it says they took. Raises the GatewayError
+    of the engine's failure (a 503 when no instance can embed now)."""
+    try:
+        return await embedder.embed(inputs)
+    except EngineError as exc:
+        raise from_engine_error(exc) from exc
 
 
 async def create(
@@ -116,14 +131,10 @@ async def create(
     """The embeddings response body of ``inputs`` (counted first: ``count_tokens``), and the prompt tokens
     the engine says they took. Raises the GatewayError of the engine's failure (a 503 when no instance can
     embed now)."""
-    given: list[EmbedInput] = list(inputs)
-    try:
-        vectors, tokens = await embedder.embed(given)
-    except EngineError as exc:
-        raise from_engine_error(exc) from exc
+    embedded, tokens = await vectors(embedder, list(inputs))
     data: list[dict[str, Any]] = [
         {"object": "embedding", "index": index, "embedding": _encoded(vector, request.encoding_format)}
-        for index, vector in enumerate(vectors)
+        for index, vector in enumerate(embedded)
     ]
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return msgspec.json.encode({"object": "list", "data": data, "model": card.name, "usage": usage}), tokens

@@ -22,12 +22,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from frontend_gateway.errors import ContextLengthExceeded, InvalidRequest, from_engine_error
+from frontend_gateway.errors import InvalidRequest
 from frontend_gateway.models.pipeline import ServedModel
 from frontend_gateway.openai_api import preprocessor
-from frontend_gateway.openai_api.embeddings import embedder_of
+from frontend_gateway.openai_api.embeddings import embedder_of, fitting_total, vectors
 from runtime.engine import Embedder
-from runtime.errors import EngineError
 from runtime.models.card import ModelCard
 
 __all__ = ["RerankRequest", "ScoreRequest", "Scoring", "pairs", "rerank_decoder", "score_decoder"]
@@ -111,21 +110,7 @@ async def _count_tokens(card: ModelCard, texts: list[str], params: list[str]) ->
     """The prompt tokens of ``texts`` (reserved against a key's limits before they are embedded). Raises
     ContextLengthExceeded naming the ``params`` entry of a text that does not fit the model's context."""
     counts = await preprocessor.token_counts(card, texts, add_special_tokens=True, params=params)
-    for count, name in zip(counts, params, strict=True):
-        if count > card.context_length:
-            raise ContextLengthExceeded(
-                f"this model's maximum context length is {card.context_length} tokens, and this text has "
-                f"{count}; shorten it",
-                param=name,
-            )
-    return sum(counts)
-
-
-async def _vectors(embedder: Embedder, texts: list[str]) -> tuple[list[list[float]], int]:
-    try:
-        return await embedder.embed(texts)
-    except EngineError as exc:
-        raise from_engine_error(exc) from exc
+    return fitting_total(card, counts, params, what="text")
 
 
 def _cosine(first: list[float], second: list[float]) -> float:
@@ -135,9 +120,9 @@ def _cosine(first: list[float], second: list[float]) -> float:
 async def _score(card: ModelCard, embedder: Embedder, request: ScoreRequest) -> tuple[bytes, int]:
     """vLLM's score response for ``request``, and the prompt tokens the engine says its texts took."""
     texts, matched = pairs(request)
-    vectors, tokens = await _vectors(embedder, texts)
+    embedded, tokens = await vectors(embedder, list(texts))
     data = [
-        {"index": index, "object": "score", "score": _cosine(vectors[left], vectors[right])}
+        {"index": index, "object": "score", "score": _cosine(embedded[left], embedded[right])}
         for index, (left, right) in enumerate(matched)
     ]
     body: dict[str, Any] = {
@@ -153,10 +138,10 @@ async def _score(card: ModelCard, embedder: Embedder, request: ScoreRequest) -> 
 
 async def _rerank(card: ModelCard, embedder: Embedder, request: RerankRequest) -> tuple[bytes, int]:
     """The rerank response (Jina's and Cohere's shape, as vLLM's) for ``request``, and its prompt tokens."""
-    vectors, tokens = await _vectors(embedder, [request.query, *request.documents])
-    query = vectors[0]
+    embedded, tokens = await vectors(embedder, [request.query, *request.documents])
+    query = embedded[0]
     scored = sorted(
-        ((_cosine(query, vector), index) for index, vector in enumerate(vectors[1:])), key=lambda item: -item[0]
+        ((_cosine(query, vector), index) for index, vector in enumerate(embedded[1:])), key=lambda item: -item[0]
     )
     if request.top_n:
         scored = scored[: request.top_n]
