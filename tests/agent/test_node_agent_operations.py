@@ -5,6 +5,7 @@ It shows the agent's decisions: idempotent starts by attempt, replacement by a n
 reported (never restarted by the agent), and, after the agent restarts, adoption and reconciliation."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -135,6 +136,26 @@ def make_agent(
         reconcile_s=reconcile_s,
         listing_lag_s=listing_lag_s,
     )
+
+
+@contextlib.asynccontextmanager
+async def started_agent(
+    tmp_path: Path, child: Path, readiness: SocketReadiness, control_plane: StandInControlPlane, **settings: float
+) -> AsyncIterator[NodeAgent]:
+    """``make_agent``'s agent, started; its workers stopped and the agent closed at the end."""
+    agent = make_agent(tmp_path, child, readiness, control_plane, **settings)
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        await agent.supervisor.stop_all()
+        await agent.close()
+
+
+async def ready_after_starting(control_plane: StandInControlPlane, instance_id: int) -> InstanceReport:
+    """The instance's next two reports, "starting" then "ready"; the latter."""
+    await control_plane.next_state(instance_id, "starting")
+    return await control_plane.next_state(instance_id, "ready")
 
 
 def start(instance_id: int, engine: str = "serve", attempt: int = 0, **fields: object) -> StartInstance:

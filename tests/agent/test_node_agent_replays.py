@@ -15,7 +15,14 @@ from agent.control_plane_client import AgentInstance, InstanceReport
 from agent.workers.processes import process_start_time
 from runtime.fleet_contract.tasks import StartInstance, StopInstance
 from tests.agent import test_node_agent_operations as operations
-from tests.agent.test_node_agent_operations import StandInControlPlane, launches, make_agent, start
+from tests.agent.test_node_agent_operations import (
+    StandInControlPlane,
+    launches,
+    make_agent,
+    ready_after_starting,
+    start,
+    started_agent,
+)
 from tests.agent.test_supervisor import SocketReadiness, pid_gone
 
 OLD, NEW = "0" * 31 + "a", "0" * 31 + "b"
@@ -34,15 +41,11 @@ async def test_a_stop_of_an_older_attempt_leaves_the_worker_that_replaced_it_run
     tmp_path: Path, child: Path, readiness: SocketReadiness
 ) -> None:
     control_plane = StandInControlPlane()
-    agent = make_agent(tmp_path, child, readiness, control_plane)
-    await agent.start()
-    try:
+    async with started_agent(tmp_path, child, readiness, control_plane) as agent:
         await agent.accept_start(start(2, attempt=1))
-        await control_plane.next_state(2, "starting")
-        await control_plane.next_state(2, "ready")
+        await ready_after_starting(control_plane, 2)
         await agent.accept_start(start(2, attempt=2))
-        await control_plane.next_state(2, "starting")
-        current = await control_plane.next_state(2, "ready")
+        current = await ready_after_starting(control_plane, 2)
 
         # The stop of attempt 1, sent before its restart and delivered (or re-sent) only now; then attempt 3.
         # An instance's operations run in order, so had the old stop stopped the worker, its "stopped" would
@@ -57,21 +60,15 @@ async def test_a_stop_of_an_older_attempt_leaves_the_worker_that_replaced_it_run
         await agent.accept_stop(StopInstance(instance_id=2, attempt=3))
         assert (await control_plane.next_state(2, "stopped")).attempt == 3
         assert launches(tmp_path, 2) == 3
-    finally:
-        await agent.supervisor.stop_all()
-        await agent.close()
 
 
 async def test_another_incarnation_of_the_id_replaces_the_worker_and_its_stop_leaves_the_worker_alone(
     tmp_path: Path, child: Path, readiness: SocketReadiness
 ) -> None:
     control_plane = StandInControlPlane()
-    agent = make_agent(tmp_path, child, readiness, control_plane)
-    await agent.start()
-    try:
+    async with started_agent(tmp_path, child, readiness, control_plane) as agent:
         await agent.accept_start(incarnation(start(5), OLD))
-        await control_plane.next_state(5, "starting")
-        old = await control_plane.next_state(5, "ready")
+        old = await ready_after_starting(control_plane, 5)
         assert old.incarnation == OLD
 
         # The restored control plane stops its own instance 5, which never ran here: the old worker stays,
@@ -88,9 +85,6 @@ async def test_another_incarnation_of_the_id_replaces_the_worker_and_its_stop_le
         ready = await control_plane.next_state(5, "ready")
         assert (ready.attempt, ready.incarnation) == (0, NEW)
         assert launches(tmp_path, 5) == 2
-    finally:
-        await agent.supervisor.stop_all()
-        await agent.close()
 
 
 async def test_a_restarted_agent_remembers_its_workers_incarnation(
@@ -100,32 +94,23 @@ async def test_a_restarted_agent_remembers_its_workers_incarnation(
     old = make_agent(tmp_path, child, readiness, before)
     await old.start()
     await old.accept_start(incarnation(start(6, attempt=1), OLD))
-    await before.next_state(6, "starting")
-    ready = await before.next_state(6, "ready")
+    ready = await ready_after_starting(before, 6)
     await old.close()  # the worker keeps running
 
     after = StandInControlPlane()
     after.instances = [AgentInstance(id=6, state="ready", attempt=1, incarnation=NEW)]  # a restored database
-    new = make_agent(tmp_path, child, readiness, after)
-    await new.start()
-    try:
+    async with started_agent(tmp_path, child, readiness, after):
         await pid_gone(ready.pid or 0)  # disowned: another instance has its id now
         assert [(i, r.state) for i, r in after.pending() if r.state == "stopped"] == []  # its "stopped" is not news
-    finally:
-        await new.supervisor.stop_all()
-        await new.close()
 
 
 async def test_the_periodic_comparison_reports_what_the_control_plane_has_running_here_and_nothing_runs(
     tmp_path: Path, child: Path, readiness: SocketReadiness
 ) -> None:
     control_plane = StandInControlPlane()
-    agent = make_agent(tmp_path, child, readiness, control_plane, reconcile_s=0.2, listing_lag_s=0.1)
-    await agent.start()
-    try:
+    async with started_agent(tmp_path, child, readiness, control_plane, reconcile_s=0.2, listing_lag_s=0.1) as agent:
         await agent.accept_start(incarnation(start(1), OLD))
-        await control_plane.next_state(1, "starting")
-        running = await control_plane.next_state(1, "ready")
+        running = await ready_after_starting(control_plane, 1)
         control_plane.instances = [
             AgentInstance(id=1, state="ready", attempt=0, incarnation=OLD),  # runs here: nothing to say
             AgentInstance(id=2, state="ready", attempt=3, incarnation=NEW),  # its worker was lost without a word
@@ -141,6 +126,3 @@ async def test_the_periodic_comparison_reports_what_the_control_plane_has_runnin
         assert "no worker of this instance runs on node node-a" in reports[2].reason
         assert reports[3] == InstanceReport(state="stopped", attempt=0, incarnation=NEW)
         assert alive(running.pid) and os.getpid() != running.pid
-    finally:
-        await agent.supervisor.stop_all()
-        await agent.close()
