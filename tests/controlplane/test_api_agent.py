@@ -138,14 +138,20 @@ def test_people_restart_scale_and_drain_through_the_api(
     assert agent.post("/api/v1/agent/heartbeat/", INVENTORY, format="json").json()["draining"] is True
 
 
-def test_a_report_about_an_older_attempt_is_answered_409_and_a_permanent_failure_gives_up(
-    agent_client: Callable[[str], APIClient], operator: APIClient
-) -> None:
+def two_replicas_placed_on_gpu_a(agent_client: Callable[[str], APIClient], operator: APIClient) -> APIClient:
+    """Node gpu-a registered, pipeline chat's two replicas placed on it; gpu-a's agent client."""
     agent = agent_client("gpu-a")
     agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
     make_model("smol")
     operator.post("/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 2}]}, format="json")
     place_pending_instances(TEST_ACTOR)
+    return agent
+
+
+def test_a_report_about_an_older_attempt_is_answered_409_and_a_permanent_failure_gives_up(
+    agent_client: Callable[[str], APIClient], operator: APIClient
+) -> None:
+    agent = two_replicas_placed_on_gpu_a(agent_client, operator)
     spec = agent.get("/api/v1/agent/instances/").json()[0]
     state_path = f"/api/v1/agent/instances/{spec['id']}/state/"
     assert agent.post(state_path, {"state": "ready", "attempt": 0}, format="json").status_code == 200
@@ -167,11 +173,7 @@ def test_a_report_about_another_incarnation_of_the_id_is_answered_409(
     agent_client: Callable[[str], APIClient], operator: APIClient
 ) -> None:
     """A worker of an instance a restored database no longer has, whose id a new instance got."""
-    agent = agent_client("gpu-a")
-    agent.post("/api/v1/agent/register/", {"name": "gpu-a", **INVENTORY}, format="json")
-    make_model("smol")
-    operator.post("/api/v1/pipelines/", {"name": "chat", "model": "smol", "groups": [{"replicas": 2}]}, format="json")
-    place_pending_instances(TEST_ACTOR)
+    agent = two_replicas_placed_on_gpu_a(agent_client, operator)
     first, second = agent.get("/api/v1/agent/instances/").json()
     assert len(first["incarnation"]) == 32 and first["incarnation"] != second["incarnation"]  # random, per row
     state_path = f"/api/v1/agent/instances/{first['id']}/state/"
