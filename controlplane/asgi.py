@@ -18,6 +18,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # (WhiteNoise is sync-only, the others run process_request/response through sync_to_async): 9.8 -> 5.0 ms
 # a small API call, one request at a time (docs/benchmarks.md).
 http_application = WsgiToAsgi(get_wsgi_application())
+#: Where files are uploaded (controlplane/batches/urls.py).
+UPLOAD_PATH = "/v1/files"
 
 from controlplane.deployments.log_tail import log_tail_timeout_s  # noqa: E402
 from controlplane.live.routing import websocket_application  # noqa: E402
@@ -34,7 +36,15 @@ def http_stack(app: ASGIApp) -> ASGIApp:
         log_tail_threads=settings.API_LOG_TAIL_THREADS,
         log_tail_retry_after_s=log_tail_timeout_s(),
     )
-    return limit_body(on_threads, settings.API_MAX_BODY_BYTES, timeout_s=settings.API_BODY_TIMEOUT_S)
+    api = limit_body(on_threads, settings.API_MAX_BODY_BYTES, timeout_s=settings.API_BODY_TIMEOUT_S)
+    # Uploads to /v1/files (batch input files, up to hundreds of MB) have a limit and a deadline of their own.
+    uploads = limit_body(on_threads, settings.FILES_MAX_BYTES, timeout_s=settings.FILES_UPLOAD_TIMEOUT_S)
+
+    async def by_path(scope: Scope, receive: Receive, send: Send) -> None:
+        upload = scope["type"] == "http" and scope["path"].rstrip("/") == UPLOAD_PATH
+        await (uploads if upload else api)(scope, receive, send)
+
+    return by_path
 
 
 async def lifespan(scope: Scope, receive: Receive, send: Send) -> None:

@@ -28,7 +28,7 @@ from controlplane.secret_key import default_data_dir
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError
 from runtime.fleet_contract.broker import celery_redis_settings
-from runtime.fleet_contract.tasks import CONTROL_PLANE_QUEUE
+from runtime.fleet_contract.tasks import BATCHES_QUEUE, CONTROL_PLANE_QUEUE
 
 # Celery's worker and beat import this module first: they need Django's settings to load the tasks.
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
@@ -41,6 +41,10 @@ RECONCILE_TASK = "flotilla.controlplane.reconcile"
 SYNC_API_KEYS_TASK = "flotilla.controlplane.sync_api_keys"
 DRAIN_USAGE_TASK = "flotilla.controlplane.drain_usage"
 SYNC_SERVED_NAMES_TASK = "flotilla.controlplane.sync_served_names"
+#: A slice of one batch's run (controlplane/batches/), and the upkeep that restarts orphaned batches.
+RUN_BATCH_TASK = "flotilla.controlplane.run_batch"
+BATCH_UPKEEP_TASK = "flotilla.controlplane.batch_upkeep"
+
 # Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
 PUBLISH_CONNECT_TIMEOUT_S = 2.0
 _BROKER_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "memory://")
@@ -69,6 +73,11 @@ def usage_drain_s() -> float:
     return env_float("FLOTILLA_USAGE_DRAIN_S", 10.0, minimum=1.0)
 
 
+def batch_upkeep_s() -> float:
+    """``FLOTILLA_BATCH_UPKEEP_S``: how often batches that no runner holds are looked for (default 10)."""
+    return env_float("FLOTILLA_BATCH_UPKEEP_S", 10.0, minimum=0.5)
+
+
 def quota_redis_url() -> str:
     """``FLOTILLA_QUOTA_REDIS_URL``: the Redis where the ingresses count API keys' use (default: the broker)."""
     return env_str("FLOTILLA_QUOTA_REDIS_URL") or broker_url()
@@ -93,6 +102,8 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
             SYNC_API_KEYS_TASK: {"queue": CONTROL_PLANE_QUEUE},
             DRAIN_USAGE_TASK: {"queue": CONTROL_PLANE_QUEUE},
             SYNC_SERVED_NAMES_TASK: {"queue": CONTROL_PLANE_QUEUE},
+            RUN_BATCH_TASK: {"queue": BATCHES_QUEUE},
+            BATCH_UPKEEP_TASK: {"queue": CONTROL_PLANE_QUEUE},
         },
         beat_schedule={
             "reconcile": {
@@ -112,6 +123,12 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
                 "task": SYNC_SERVED_NAMES_TASK,
                 "schedule": api_keys_sync_s(),
                 "options": {"queue": CONTROL_PLANE_QUEUE, "expires": api_keys_sync_s()},
+            },
+            # Batches whose runner is gone (a restart mid-batch) taken up again.
+            "batch-upkeep": {
+                "task": BATCH_UPKEEP_TASK,
+                "schedule": batch_upkeep_s(),
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": batch_upkeep_s()},
             },
             # The ingresses' usage counts, from Redis into the database.
             "drain-usage": {
@@ -135,7 +152,7 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         # pass anyway.
         **celery_redis_settings({"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}),
     )
-    celery.autodiscover_tasks(["controlplane.deployments", "controlplane.apikeys"])
+    celery.autodiscover_tasks(["controlplane.deployments", "controlplane.apikeys", "controlplane.batches"])
     return celery
 
 
@@ -158,5 +175,16 @@ def send_reconcile_request(celery: Celery) -> bool:
             maybe_sanitize_url(celery.conf.broker_url),
             exc,
         )
+        return False
+    return True
+
+
+def send_batch_slice(batch_id: str) -> bool:
+    """Queue a slice of ``batch_id``'s run; False (logged) when the broker does not take it: the batch
+    upkeep queues it again."""
+    try:
+        app.send_task(RUN_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE, retry=False, ignore_result=True)
+    except (OperationalError, OSError) as exc:
+        log.warning("batch %s not queued: the broker did not take it (%s); the batch upkeep will", batch_id, exc)
         return False
     return True

@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "controlplane.deployments",
     "controlplane.planning",
     "controlplane.apikeys",
+    "controlplane.batches",
     "controlplane.dashboard",
     "controlplane.live",
     "controlplane.health",
@@ -125,6 +126,17 @@ LOCAL_MODEL_ROOTS = local_model_roots(DATA_DIR)
 
 # The API reads request bodies itself (controlplane/api/parsers.py), so it has its own limit.
 API_MAX_BODY_BYTES = env_int("FLOTILLA_API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+# OpenAI's Batch API (controlplane/batches/): the largest file /v1/files takes and the time its upload may
+# take; the gateway a batch's requests are sent to (none: batches are refused, saying so); how many of a
+# batch's requests are in flight at once; how long a Celery task works on one batch before handing over;
+# how long a runner's hold on a batch lasts unrenewed (it renews it every second): a runner that died is
+# followed by another this long after.
+FILES_MAX_BYTES = env_int("FLOTILLA_FILES_MAX_BYTES", 200 * 1024 * 1024, minimum=1024)
+FILES_UPLOAD_TIMEOUT_S = env_float("FLOTILLA_FILES_UPLOAD_TIMEOUT_S", 600.0, minimum=1.0)
+BATCH_GATEWAY_URL = env_str("FLOTILLA_GATEWAY_URL")
+BATCH_CONCURRENCY = env_int("FLOTILLA_BATCH_CONCURRENCY", 16, minimum=1)
+BATCH_SLICE_S = env_float("FLOTILLA_BATCH_SLICE_S", 30.0, minimum=0.5)
+BATCH_LEASE_S = env_float("FLOTILLA_BATCH_LEASE_S", 30.0, minimum=2.0)
 # How many requests run Django code at once, in three lanes that cannot starve each other: people's requests,
 # agents' reports and log tails (controlplane/request_threads.py). People and agents beyond their threads
 # wait in the event loop; log tails beyond theirs get a 503 with Retry-After.

@@ -6,5 +6,6 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("controlplane.api.urls")),
+    path("", include("controlplane.batches.urls")),
     path("", include("controlplane.dashboard.urls")),
 ]

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from frontend_gateway import control_plane_proxy
 from frontend_gateway.access.api_keys import KeyTable, check_model
 from frontend_gateway.access.concurrency import KeyConcurrency
 from frontend_gateway.access.quotas import UNKNOWN_MODEL, Meter, Reservation
@@ -32,6 +33,7 @@ from frontend_gateway.answers import (
     response_headers,
     response_id,
 )
+from frontend_gateway.control_plane_proxy import ControlPlaneProxy
 from frontend_gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -93,6 +95,7 @@ _MODEL = "flotilla.model"
 _GENERATION = "flotilla.generation"
 _STATUS = "flotilla.status"
 _EMBEDDED_TOKENS = "flotilla.embedded_tokens"  # an embeddings request's prompt tokens, for its key's usage
+_UNMETERED = "flotilla.unmetered"  # a request passed on to the control plane: not the key's usage here
 _RESERVATION = "flotilla.reservation"  # the tokens set aside for it against its key's token limits
 
 
@@ -113,6 +116,7 @@ class GatewayApp:
         max_concurrent_per_key: int | None = None,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        control_plane: ControlPlaneProxy | None = None,
     ) -> None:
         self.models = models
         self.metrics = metrics or GatewayMetrics()
@@ -128,6 +132,8 @@ class GatewayApp:
         self.key_concurrency = KeyConcurrency(max_concurrent_per_key)
         #: The control plane's served names: a model with none of its replicas here is then a 503, not a 404.
         self.served_names = served_names
+        #: Where /v1/files and /v1/batches go (frontend_gateway/control_plane_proxy.py); None: a 404 saying so.
+        self.control_plane = control_plane
         self._routes: dict[str, tuple[str, Callable[[Scope, Receive, Send], Awaitable[None]]]] = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
@@ -173,6 +179,8 @@ class GatewayApp:
             route = self._routes.get(path)
             if route is None and path.startswith(_MODEL_PREFIX):
                 route = ("GET", self._retrieve_model)
+            if route is None and control_plane_proxy.handles(path):
+                route = (scope["method"], self._forward_to_control_plane)
             if route is None:
                 raise NotFound(f"no route for {scope['path']}; see /v1/models, /v1/chat/completions, /v1/completions")
             method, handler = route
@@ -253,6 +261,13 @@ class GatewayApp:
         """``GET /v1/models/{id}`` (the client's ``models.retrieve``); the id may hold slashes (``org/name``)."""
         model = await self._find_model(scope["path"].rstrip("/")[len(_MODEL_PREFIX) :], scope)
         await self._send_json(send, msgspec.json.encode(_model_object(model)))
+
+    async def _forward_to_control_plane(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``/v1/files`` and ``/v1/batches``: the control plane's (frontend_gateway/control_plane_proxy.py)."""
+        scope[_UNMETERED] = True  # not a generation: the batch's own requests are counted as they run
+        if self.control_plane is None:
+            raise control_plane_proxy.not_configured(scope["path"])
+        await self.control_plane.forward(scope, receive, send)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         """200 while the gateway can serve: a model, and (distributed) NATS to reach its instances. etcd
@@ -363,7 +378,9 @@ class GatewayApp:
         key: KeyRecord | None = scope.get(_API_KEY)
         generation: Generation | None = scope.get(_GENERATION)
         embedded: int | None = scope.get(_EMBEDDED_TOKENS)
-        if key is None or self.meter is None or (generation is None and embedded is None and not failed):
+        if key is None or self.meter is None or scope.get(_UNMETERED):
+            return
+        if generation is None and embedded is None and not failed:
             return  # a listing of models, say: usage counts generations, embeddings and failed requests
         reservation: Reservation | None = scope.get(_RESERVATION)
         if generation is None:

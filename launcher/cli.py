@@ -134,6 +134,11 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             "--api-keys-secret-file (FLOTILLA_API_KEYS_SECRET_FILE) is for the ingress (in=http out=dyn): API keys "
             f"come from the control plane through etcd, which out={output} does not watch"
         )
+    if namespace.control_plane is not None and output != "dyn":
+        parser.error(
+            "--control-plane (FLOTILLA_CONTROL_PLANE) is for the ingress (in=http out=dyn): it passes the Batch "
+            f"API on to the control plane, which out={output} has none of"
+        )
     if namespace.quota_redis is not None and namespace.api_keys_secret_file is None:
         parser.error("--quota-redis (FLOTILLA_QUOTA_REDIS_URL) counts API keys' use: give --api-keys-secret-file too")
     if namespace.max_concurrent_per_key is not None and namespace.api_keys_secret_file is None:
@@ -208,6 +213,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         reuse_port=namespace.reuse_port,
         api_keys_secret_file=namespace.api_keys_secret_file,
         quota_redis_url=namespace.quota_redis,
+        control_plane_url=namespace.control_plane,
         max_concurrent_per_key=namespace.max_concurrent_per_key,
         extra_engine_args=namespace.extra_engine_args,
         labels=namespace.labels or {},

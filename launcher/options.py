@@ -73,6 +73,8 @@ class RunOptions:
     quota_redis_url: str | None = None
     #: out=dyn with API keys: the cap on a key's concurrent requests per process, for keys that set none.
     max_concurrent_per_key: int | None = None
+    #: out=dyn: the control plane's base URL, where /v1/files and /v1/batches are passed on.
+    control_plane_url: str | None = None
     extra_engine_args: Path | str | None = None  # the engine's own settings (JSON), for EXTRA_ARGS_ENGINES
     labels: dict[str, str] = field(default_factory=dict)  # in=dyn: put into the worker's etcd registration
     disagg_role: DisaggRole = "aggregated"  # in=dyn: --disagg-role, the part of requests the worker serves

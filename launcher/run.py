@@ -304,6 +304,7 @@ async def run_ingress(options: RunOptions) -> int:
 
     Returns 0 after SIGINT/SIGTERM, 1 when a background task the ingress needs failed (logged).
     """
+    from frontend_gateway.control_plane_proxy import ControlPlaneProxy
     from frontend_gateway.metrics import GatewayMetrics
     from frontend_gateway.models.pipeline import ServingStatus
     from frontend_gateway.models.served_names import ServedNames
@@ -355,6 +356,7 @@ async def run_ingress(options: RunOptions) -> int:
         await watcher.close()
         await runtime.close()
         raise
+    control_plane = ControlPlaneProxy(options.control_plane_url) if options.control_plane_url else None
     # A runtime shut down by a failed task stops the HTTP server too, and the process exits non-zero.
     stop = asyncio.Event()
     stop_on_failure = asyncio.create_task(_set_when_shut_down(runtime, stop))
@@ -375,9 +377,12 @@ async def run_ingress(options: RunOptions) -> int:
             meter=meter,
             served_names=served_names,
             max_concurrent_per_key=options.max_concurrent_per_key,
+            control_plane=control_plane,
         )
     finally:
         stop_on_failure.cancel()
+        if control_plane is not None:
+            await control_plane.aclose()
         await watcher.close()
         if meter is not None:
             await meter.close()  # the counts of the last moments go to Redis: a clean stop loses none

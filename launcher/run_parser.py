@@ -9,6 +9,7 @@ container. What the flags mean together, and which combinations are refused, is 
 
 import argparse
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from engines.shared.node_group import LeaderAddress
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
@@ -594,9 +595,24 @@ def _add_api_key_flags(parser: EnvArgumentParser) -> None:
         "and records no usage",
     )
     parser.add_flag(
+        "--control-plane",
+        env="FLOTILLA_CONTROL_PLANE",
+        type=_http_url,
+        help="out=dyn: the control plane's base URL (http://host:port), to which /v1/files and /v1/batches (the "
+        "Batch API, which the control plane runs) are passed on; unset, they answer 404 saying so",
+    )
+    parser.add_flag(
         "--max-concurrent-per-key",
         env="FLOTILLA_MAX_CONCURRENT_PER_KEY",
         type=_positive_int,
         help="with --api-keys-secret-file: requests of one API key this process serves at once, for keys whose "
         "own max_concurrent_requests is unset; more are refused with 429 (default: no cap)",
     )
+
+
+def _http_url(text: str) -> str:
+    """An http(s) base URL with a host, without its trailing slash."""
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL with a host (e.g. http://127.0.0.1:8000)")
+    return text.rstrip("/")

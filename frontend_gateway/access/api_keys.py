@@ -28,6 +28,7 @@ from http import HTTPStatus
 
 from frontend_gateway.errors import GatewayError
 from runtime.cluster.discovery import Discovery, WatchEvent
+from runtime.fleet_contract import batch_credentials
 from runtime.fleet_contract.api_keys import API_KEYS_PREFIX, BadRecord, KeyRecord, key_hash, verify
 from runtime.rate_limited_log import RateLimitedLog
 
@@ -147,8 +148,20 @@ class KeyTable:
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise InvalidApiKey(_MISSING)
-        record = self._keys.get(key_hash(token))
-        shown = _shown(token)
+        if token.startswith(batch_credentials.PREFIX):
+            return self._check_batch_credential(token)
+        return self._check_record(self._keys.get(key_hash(token)), _shown(token))
+
+    def _check_batch_credential(self, token: str) -> KeyRecord:
+        """The key a batch's request runs for (``runtime/fleet_contract/batch_credentials.py``), checked as
+        the key itself would be: a key revoked or expired since the batch began stops it."""
+        try:
+            credential = batch_credentials.verify(token, self._secrets, self._clock())
+        except batch_credentials.BadCredential as exc:
+            raise InvalidApiKey(f"Incorrect API key provided: {exc}.") from None
+        return self._check_record(self._keys.get(credential.key_hash), f"of {credential.batch_id}")
+
+    def _check_record(self, record: KeyRecord | None, shown: str) -> KeyRecord:
         if record is None:
             raise InvalidApiKey(f"Incorrect API key provided: {shown}. Check it, or ask an operator for a new one.")
         if record.suspended:

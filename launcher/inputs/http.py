@@ -13,6 +13,7 @@ import uvicorn
 from frontend_gateway.access.api_keys import KeyTable
 from frontend_gateway.access.quotas import Meter
 from frontend_gateway.admission import AdmissionLimits
+from frontend_gateway.control_plane_proxy import ControlPlaneProxy
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
@@ -113,6 +114,7 @@ async def serve_http(
     meter: Meter | None = None,
     served_names: ServedNames | None = None,
     max_concurrent_per_key: int | None = None,
+    control_plane: ControlPlaneProxy | None = None,
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
@@ -132,6 +134,7 @@ async def serve_http(
         meter=meter,
         served_names=served_names,
         max_concurrent_per_key=max_concurrent_per_key,
+        control_plane=control_plane,
     )
     config = uvicorn.Config(
         app,

@@ -67,6 +67,7 @@ from launcher.stack.servers import ServerSpec, etcd_server, find_binaries, nats_
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError
 from runtime.fleet_contract.api_keys import secret_in
+from runtime.fleet_contract.tasks import BATCHES_QUEUE, CONTROL_PLANE_QUEUE
 from runtime.logging import configure_logging
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -467,9 +468,10 @@ class Stack:
         agent_env = {**served_env, "FLOTILLA_AGENT_TOKEN_FILE": str(layout.data_dir / AGENT_TOKEN_FILE)}
         self._agent = self._launch(self._child(f"the agent (node {LOCAL_NODE})", "agent", agent_argv, agent_env))
 
-        celery_argv = [sys.executable, "-m", "celery", "-A", "controlplane.celery_app", "worker", "-Q", "controlplane"]
+        celery_argv = [sys.executable, "-m", "celery", "-A", "controlplane.celery_app", "worker"]
+        celery_argv += ["-Q", f"{CONTROL_PLANE_QUEUE},{BATCHES_QUEUE}"]  # a batch slice leaves a slot for the rest
         celery_argv += ["--beat", "--schedule", str(layout.data_dir / "celerybeat-schedule")]
-        celery_argv += ["--concurrency", "2", "--hostname", "controlplane@%h", "--loglevel", "INFO"]
+        celery_argv += ["--concurrency", "3", "--hostname", "controlplane@%h", "--loglevel", "INFO"]
         # The reconciler (in it) fences the workers of a lost node in etcd.
         reconciler_env = {**control_plane_env, "ETCD_ENDPOINTS": etcd_url}
         self._launch(self._child("the Celery worker and beat", "celery", celery_argv, reconciler_env))
@@ -483,6 +485,7 @@ class Stack:
         gateway_url = f"http://127.0.0.1:{options.http_port}"
         gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]
         gateway_argv += ["--http-host", "127.0.0.1", "--http-port", str(options.http_port)]
+        gateway_argv += ["--control-plane", control_plane]  # /v1/files and /v1/batches are the control plane's
         if options.api_keys:
             gateway_argv += ["--api-keys-secret-file", control_plane_env["FLOTILLA_API_KEYS_SECRET_FILE"]]
             gateway_argv += ["--quota-redis", redis_url]  # keys' limits shared, usage recorded

@@ -50,6 +50,9 @@ TASK_STOP_INSTANCE = "flotilla.agent.stop_instance"
 TASK_LOG_TAIL = "flotilla.agent.log_tail"
 #: The queue of the control plane's own Celery worker (the reconciler's periodic task).
 CONTROL_PLANE_QUEUE = "controlplane"
+#: Slices of OpenAI batches' runs (controlplane/batches/): a queue of their own, so that a worker consuming
+#: both keeps slots for the reconciler while batches run.
+BATCHES_QUEUE = "controlplane.batches"
 
 T = TypeVar("T")
 

@@ -3,11 +3,13 @@ an older one than it has seen, skips (and counts) any other record while the res
 missing, wrong, revoked, suspended, expired and out-of-scope keys as OpenAI does."""
 
 import logging
+from collections.abc import Callable
 
 import pytest
 
 from frontend_gateway.access.api_keys import InvalidApiKey, KeyTable, ModelNotAllowed, check_model
 from runtime.cluster.discovery import WatchEvent
+from runtime.fleet_contract import batch_credentials
 from runtime.fleet_contract.api_keys import KeyRecord, etcd_key, key_hash, new_key, sign
 
 SECRET = b"s" * 64
@@ -160,3 +162,40 @@ async def test_a_record_skipped_for_a_secret_not_known_yet_applies_once_the_secr
     assert table.set_secrets([SECRET, new])
     assert table.check(bearer(key)).name == "chat-app"
     assert not table.set_secrets([SECRET, new])  # the same secrets: nothing to do
+
+
+def batch_credential(key: str, *, expires_at: float = NOW + 60, secret: bytes = SECRET) -> bytes:
+    return bearer(batch_credentials.sign(key_hash(key), "batch_abc123", int(expires_at), secret))
+
+
+def test_a_batchs_credential_is_its_keys_own_while_the_key_works() -> None:
+    """The control plane sends a batch's requests with a credential for the key that made it
+    (runtime/fleet_contract/batch_credentials.py): the key's record applies, and a revoked key stops it."""
+    table = KeyTable([b"o" * 64, SECRET], clock=lambda: NOW)  # any secret of a rotation signs it
+    key = new_key()
+    table.apply(published(key, record(models=["smol"])))
+    assert table.check(batch_credential(key)).models == ["smol"]
+
+    table.apply(published(key, record(version=2, revoked=True)))
+    with pytest.raises(InvalidApiKey, match=r"The API key of batch_abc123 .* was revoked"):
+        table.check(batch_credential(key))
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda key: batch_credential(key, secret=b"x" * 64), "signature does not match"),
+        (lambda key: batch_credential(key, expires_at=NOW - 1), "credential of batch_abc123 has expired"),
+        (lambda key: batch_credential(key)[:-1] + b"0", "signature does not match"),
+        (lambda key: batch_credential(key).replace(b"batch_abc123", b"batch_other1"), "signature does not match"),
+        (lambda key: b"Bearer flt-batch.not-one", "not in the control plane's form"),
+        (lambda key: batch_credential(new_key()), "Incorrect API key provided: of batch_abc123"),
+    ],
+)
+def test_a_forged_altered_or_expired_batch_credential_is_a_401(make: Callable[[str], bytes], why: str) -> None:
+    table = KeyTable(SECRET, clock=lambda: NOW)
+    key = new_key()
+    table.apply(published(key, record()))
+    with pytest.raises(InvalidApiKey, match=why) as refused:
+        table.check(make(key))
+    assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")

@@ -68,6 +68,12 @@ def test_a_worker_given_only_the_queued_prefill_weight_registers_router_settings
     assert given.worker_router == PipelineRouter(queued_prefill_weight=0.25)
 
 
+def test_the_ingress_takes_the_control_planes_url_from_its_flag_or_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert options("in=http", "out=dyn", "--control-plane", "http://cp:8000/").control_plane_url == "http://cp:8000"
+    monkeypatch.setenv("FLOTILLA_CONTROL_PLANE", "https://cp.example")
+    assert options("in=http", "out=dyn").control_plane_url == "https://cp.example"
+
+
 def test_defaults_are_text_llamacpp_and_the_default_model() -> None:
     parsed = options()
     assert (parsed.input, parsed.output, parsed.model, parsed.http_host) == ("text", "llamacpp", None, "127.0.0.1")
@@ -100,6 +106,11 @@ def test_parsers_are_named_by_flag_or_variable(monkeypatch: pytest.MonkeyPatch) 
         (["run", "--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
         (["run", "--tool-call-parser", "json"], "invalid choice: 'json'"),
         (["serve"], "unknown command 'serve'"),
+        (["run", "in=http", "out=dyn", "--control-plane", "cp:8000"], "'cp:8000' is not an http(s) URL with a host"),
+        (
+            ["run", "in=http", "out=echo_full", "--control-plane", "http://cp:8000"],
+            "is for the ingress (in=http out=dyn)",
+        ),
     ],
 )
 def test_misuse_exits_2_with_a_precise_message(args: list[str], message: str) -> None:

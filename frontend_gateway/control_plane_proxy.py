@@ -1,0 +1,116 @@
+"""OpenAI's file and batch endpoints (``/v1/files``, ``/v1/batches``), passed on to the control plane.
+
+Batches are the control plane's work (it keeps the files and the batches in its database and runs them
+over the fleet with Celery: controlplane/batches/), but clients send them where they send everything
+else: to the OpenAI endpoint. This gateway passes such a request on as it came (method, path, query,
+``Authorization``, body streamed both ways), and the control plane checks the key against its own
+database. Nothing here is on the serving path: generations never wait on the control plane, and while it
+is down only these endpoints answer 503, naming it.
+"""
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from http import HTTPStatus
+from typing import Any
+
+import httpx
+
+from frontend_gateway.errors import GatewayError, NotFound
+from frontend_gateway.http_io import ClientDisconnected
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+#: The paths passed on: each and everything below it.
+PATHS = ("/v1/files", "/v1/batches")
+# Request headers the control plane needs; hop-by-hop and the client's others stay here.
+_FORWARDED_REQUEST = (b"authorization", b"content-type", b"content-length", b"openai-beta")
+# Response headers passed back to the client.
+_FORWARDED_RESPONSE = ("content-type", "content-length", "content-disposition", "retry-after")
+# Connecting fails fast (the control plane is down: say so); an answer may take a while (a large upload is
+# read whole, then stored).
+_TIMEOUT = httpx.Timeout(300.0, connect=3.0)
+
+
+def handles(path: str) -> bool:
+    """Whether ``path`` (without a trailing slash) is one this module passes on."""
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in PATHS)
+
+
+class ControlPlaneUnavailable(GatewayError):
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    error_type = "service_unavailable"
+    code = "control_plane_unavailable"
+
+
+class ControlPlaneProxy:
+    """Passes requests on to the control plane at ``base_url`` (``--control-plane``)."""
+
+    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._client = httpx.AsyncClient(timeout=_TIMEOUT, transport=transport)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Send the request in ``scope`` on, and its answer back. Raises ControlPlaneUnavailable when the
+        control plane cannot be reached or fails mid-answer before a byte was sent back."""
+        url = self.base_url + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [(name, value) for name, value in scope["headers"] if name in _FORWARDED_REQUEST]
+        request = self._client.build_request(
+            scope["method"],
+            url,
+            headers=headers,
+            content=_body(receive) if scope["method"] in ("POST", "PUT", "PATCH") else None,
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(
+                f"the file and batch endpoints are the control plane's, and it does not answer at "
+                f"{self.base_url} ({type(exc).__name__}: {exc or 'no answer'}); try again once it is back"
+            ) from exc
+        try:
+            headers_out = [
+                (name.encode(), value.encode("latin-1"))
+                for name, value in response.headers.items()
+                if name in _FORWARDED_RESPONSE
+            ]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers_out})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except httpx.HTTPError as exc:
+            # The status is sent: all that can be done is to cut the answer short, and say why here.
+            log.warning("the control plane's answer to %s %s broke off: %s", scope["method"], scope["path"], exc)
+        finally:
+            await response.aclose()
+
+
+class NoControlPlane(NotFound):
+    """The gateway was started without ``--control-plane``."""
+
+
+def not_configured(path: str) -> NoControlPlane:
+    return NoControlPlane(
+        f"{path} is served by the control plane, and this gateway was started without one: start it with "
+        f"--control-plane URL (FLOTILLA_CONTROL_PLANE); `flotilla up` does"
+    )
+
+
+async def _body(receive: Receive) -> AsyncIterator[bytes]:
+    """The request body as it arrives (an upload is not buffered here). Raises ClientDisconnected."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        if chunk := message.get("body", b""):
+            yield chunk
+        if not message.get("more_body", False):
+            return
