@@ -125,12 +125,13 @@ class Stack:
 
 
 @contextlib.contextmanager
-def flotilla_up(data_dir: Path, database_url: str | None) -> Iterator[Stack]:
-    """``flotilla up --no-pipeline`` in ``data_dir`` on free ports; yields once its control plane answers and a
-    reconciler pass has been recorded. Raises RuntimeError with the log's tail when it does not come up."""
+def flotilla_up(data_dir: Path, database_url: str | None, *, http_port: int | None = None) -> Iterator[Stack]:
+    """``flotilla up --no-pipeline`` in ``data_dir`` on free ports (the gateway on ``http_port`` if given);
+    yields once its control plane answers and a reconciler pass has been recorded. Raises RuntimeError with
+    the log's tail when it does not come up."""
     control_plane_port = free_port()
     argv = [sys.executable, "-m", "launcher.cli", "up", "--no-pipeline", "--data-dir", str(data_dir)]
-    argv += ["--http-port", str(free_port()), "--control-plane-port", str(control_plane_port)]
+    argv += ["--http-port", str(http_port or free_port()), "--control-plane-port", str(control_plane_port)]
     argv += ["--etcd-port", "0", "--nats-port", "0", "--redis-port", "0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if database_url:

@@ -143,6 +143,16 @@ SMOKES = [
         marks=[SERIAL],
     ),
     Smoke(
+        "batch_api",
+        "batch_api.py",
+        "--requests 24 --rounds 1 --concurrency 4 --replicas 1",
+        [
+            rf"^round 1: direct {NUMBER} s, batch {NUMBER} s \(upload {NUMBER} ms\), batch / direct {NUMBER}x$",
+            rf"^24 requests at concurrency 4, batch / direct, median of the rounds: {NUMBER}x$",
+        ],
+        timeout=240,
+    ),
+    Smoke(
         "burst_ttft",
         "burst_ttft.py",
         "--sizes 2 --tokens 64 --rounds 1 --stacks flotilla",
