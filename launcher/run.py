@@ -65,11 +65,14 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         return TokenModel(card, core), core
     if output == "llamacpp":
         from engines.llamacpp.engine import LlamaCppEngine
+        from engines.llamacpp.guided import GUIDED_KINDS
 
         card, path = load_card(options)
-        # Structured output by llama.cpp's grammars; log probabilities from its logits; embeddings from
-        # a second context in embedding mode.
-        card = card.replace(structured_output=True, logprobs=True, embeddings=True, logit_bias=True)
+        # Structured output and guided decoding by llama.cpp's grammars; log probabilities from its logits;
+        # embeddings from a second context in embedding mode.
+        card = card.replace(
+            structured_output=True, guided_decoding=GUIDED_KINDS, logprobs=True, embeddings=True, logit_bias=True
+        )
         llama = LlamaCppEngine(
             path, context_length=card.context_length, threads=options.threads, parallel=options.parallel
         )
@@ -130,6 +133,7 @@ def build_mistralrs_model(options: RunOptions) -> tuple[ServedModel, Engine]:
 
 def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     """``out=vllm``: vLLM's async engine on a safetensors folder, fed token ids by Flotilla's preprocessor."""
+    from engines.vllm.engine import GUIDED_KINDS as VLLM_GUIDED_KINDS
     from engines.vllm.engine import VllmEngine
     from engines.vllm.settings import (
         MISSING_PACKAGE,
@@ -160,10 +164,12 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         nodes=options.node_group,
         extra=extra,
     )
-    # Log probabilities come with vLLM's outputs, logit_bias is one of its SamplingParams; its KV block size
-    # goes on the card for KV routers (the engine refuses to start on another one).
+    # Log probabilities come with vLLM's outputs, logit_bias and guided decoding (structured outputs) are among
+    # its SamplingParams; its KV block size goes on the card for KV routers (the engine refuses another one).
     block_size = extra.get("block_size") or card.kv_cache_block_size
-    card = card.replace(logprobs=True, logit_bias=True, kv_cache_block_size=block_size)
+    card = card.replace(
+        logprobs=True, logit_bias=True, guided_decoding=VLLM_GUIDED_KINDS, kv_cache_block_size=block_size
+    )
     engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id, card_block_size=card.kv_cache_block_size)
     return TokenModel(card, engine), engine
 

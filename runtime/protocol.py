@@ -17,6 +17,17 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 #: cache on), or the rest (it takes a prompt's KV cache from a prefill worker, and generates).
 DisaggRole = Literal["aggregated", "prefill", "decode"]
 DISAGG_ROLES: tuple[DisaggRole, ...] = ("aggregated", "prefill", "decode")
+#: What a model card may say its engine follows of guided decoding (``ModelCard.guided_decoding``): the
+#: constraints (a JSON schema, a regex, a choice, a grammar) and the JSON options of ``GuidedDecoding``.
+GUIDED_KINDS = (
+    "json",
+    "regex",
+    "choice",
+    "grammar",
+    "whitespace_pattern",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+)
 
 
 class SamplingOptions(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -52,6 +63,26 @@ class StopConditions(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     #: Show the stop string (or stop token's text) that ended the answer, as vLLM's field does.
     include_stop_str_in_output: bool = False
+
+
+class GuidedDecoding(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the answer besides a JSON schema (``PreprocessedRequest.json_schema`` carries those),
+    and the options of a JSON constraint: vLLM's guided decoding (``guided_regex``, ``guided_choice``,
+    ``guided_grammar``; ``structured_outputs``). At most one of ``regex``, ``choice`` and ``grammar``, and
+    none of them with a JSON schema; only engines whose card lists them in ``guided_decoding`` are sent one.
+    """
+
+    #: The answer matches this regular expression, whole.
+    regex: str | None = None
+    #: The answer is exactly one of these strings.
+    choice: list[str] | None = None
+    #: The answer is a sentence of this grammar (GBNF on llama.cpp; what vLLM's backend reads on vLLM).
+    grammar: str | None = None
+    #: JSON options (vLLM's): the whitespace allowed between JSON tokens, none at all, no properties
+    #: beyond the schema's.
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
 
 class KvHandoff(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -92,6 +123,9 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: A JSON schema (as JSON text) the output must follow (``response_format``); only engines whose
     #: card says ``structured_output`` are sent one. None: free text.
     json_schema: str | None = None
+    #: Guided decoding other than a JSON schema (a regex, a choice, a grammar) and JSON options; only
+    #: engines whose card lists them in ``guided_decoding`` are sent one. None: no such constraint.
+    guided: GuidedDecoding | None = None
     #: Report each token's log probability and this many most likely alternatives (0: none); None:
     #: no log probabilities. Only engines whose card says ``logprobs`` are sent one.
     logprobs: int | None = None

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from engines.llamacpp.batch import END, BatchScheduler, SequenceJob
 from engines.llamacpp.embedding import embed_token_ids
-from engines.llamacpp.sampling import json_schema_grammar
+from engines.llamacpp.guided import request_grammar
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
 from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest
@@ -199,9 +199,9 @@ class LlamaCppEngine:
         if len(request.token_ids) + request.stop_conditions.max_tokens > self.context_length:
             raise EngineError("the prompt plus max_tokens does not fit the llama.cpp context")
         loop = asyncio.get_running_loop()
-        grammar = (
-            await loop.run_in_executor(None, json_schema_grammar, request.json_schema) if request.json_schema else None
-        )
+        grammar = None
+        if request.json_schema is not None or request.guided is not None:
+            grammar = await loop.run_in_executor(None, request_grammar, self._model, request)
         if context.stopped:
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()

@@ -38,14 +38,17 @@ from engines.shared.kv_tiers import tier_loads
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
 from engines.vllm.settings import MISSING_PACKAGE, VllmSettings, offload_tiers
 from runtime.engine import RequestContext
-from runtime.errors import ConfigError, EngineError, ModelError
+from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
 from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
+from runtime.protocol import GUIDED_KINDS as ALL_GUIDED_KINDS
 from runtime.protocol import EngineOutput, FinishReason, KvHandoff, PreprocessedRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 #: The topic of the KV event publisher Flotilla gives vLLM.
 _KV_TOPIC = "flotilla-kv"
+#: What the card says vLLM follows of guided decoding: all of it, by its structured outputs (``structured_outputs``).
+GUIDED_KINDS = list(ALL_GUIDED_KINDS)
 #: ``KvHandoff.kind`` of a vLLM prefill: a vLLM decode worker takes it (through its KV connector).
 VLLM_HANDOFF = "vllm"
 
@@ -175,6 +178,10 @@ class VllmEngine:
             raise EngineError("the vLLM engine is not started")
         from vllm.inputs import TokensPrompt
 
+        try:
+            from vllm.exceptions import VLLMClientError as refusal
+        except ImportError:  # vLLM before its own error classes: its validation raised ValueError
+            refusal = ValueError
         if context.stopped:
             return
         params = sampling_params(request)
@@ -214,8 +221,10 @@ class VllmEngine:
                 if finish is not None or output.finished:
                     finished = True
                     return
-        except ValueError as exc:  # vLLM's validation of the request (too long a prompt, a bad parameter)
-            raise EngineError(f"vLLM refused the request: {exc}") from exc
+        except (ValueError, refusal) as exc:
+            # vLLM's validation of the request (a bad parameter, a regex or grammar its structured-outputs backend
+            # cannot compile): the client's error, a 400.
+            raise RequestRejected(f"vLLM refused the request: {exc}") from exc
         finally:
             context.stop()
             await stream.aclose()
@@ -272,7 +281,35 @@ def sampling_params(request: PreprocessedRequest) -> Any:
         kwargs["logit_bias"] = sampling.logit_bias
     if request.logprobs is not None:
         kwargs["logprobs"] = request.logprobs
+    if (constraint := structured_outputs(request)) is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(**constraint)
     return SamplingParams(**kwargs)
+
+
+def structured_outputs(request: PreprocessedRequest) -> dict[str, Any] | None:
+    """The fields of vLLM's ``StructuredOutputsParams`` that hold ``request``'s answer to its constraint (a JSON
+    schema, a regex, a choice or a grammar, with the JSON options); None: the answer is free.
+
+    The gateway sends one constraint at most (vLLM refuses two); the backend that follows it (xgrammar, guidance,
+    outlines) is the worker's (``--extra-engine-args '{"structured_outputs_config": {"backend": ...}}'``).
+    """
+    guided = request.guided
+    if request.json_schema is None and guided is None:
+        return None
+    fields: dict[str, Any] = {}
+    if request.json_schema is not None:
+        fields["json"] = request.json_schema
+    if guided is not None:
+        for name in ("regex", "choice", "grammar", "whitespace_pattern"):
+            if (value := getattr(guided, name)) is not None:
+                fields[name] = value
+        if guided.disable_any_whitespace:
+            fields["disable_any_whitespace"] = True
+        if guided.disable_additional_properties:
+            fields["disable_additional_properties"] = True
+    return fields
 
 
 def token_logprobs(token_ids: Any, logprobs: Any, top: int) -> list[TokenLogprob]:

@@ -22,6 +22,7 @@ from frontend_gateway.errors import (
 )
 from frontend_gateway.openai_api import preprocessor
 from frontend_gateway.openai_api.chat_output import ChatOutputParser, plan_chat_output
+from frontend_gateway.openai_api.guided import guided_constraint
 from frontend_gateway.openai_api.logprobs import LogprobEntry
 from frontend_gateway.openai_api.stop_strings import StopStringMatcher
 from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -154,10 +155,14 @@ class TokenModel:
         keep_special_tokens: bool = False,
         json_schema: str | None = None,
     ) -> Generation:
-        """The generation of a templated, tokenized request; ``json_schema``: a forced tool call's."""
+        """The generation of a templated, tokenized request; ``json_schema``: a forced tool call's (guided decoding
+        and response_format give the others)."""
         stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
-        schema = json_schema or preprocessor.output_schema(
-            request, model=self.name, structured_output=self.card.structured_output
+        constraint = guided_constraint(request, model=self.name, follows=self.card.guided_decoding)
+        schema = (
+            json_schema
+            or preprocessor.output_schema(request, model=self.name, structured_output=self.card.structured_output)
+            or constraint.json_schema
         )
         logprobs = preprocessor.logprob_count(request, model=self.name, supported=self.card.logprobs)
         request_id = _new_request_id()
@@ -169,6 +174,7 @@ class TokenModel:
             stop_conditions=stop,
             eos_token_ids=self.card.eos_token_ids,
             json_schema=schema,
+            guided=constraint.guided,
             logprobs=logprobs,
         )
         skip_special = request.skip_special_tokens
@@ -361,6 +367,7 @@ class TextModel:
         # Text engines report neither, nor apply logit_bias: these refuse what the request asks of them.
         preprocessor.logit_bias(request, model=self.name, vocab_size=None)
         preprocessor.output_schema(request, model=self.name, structured_output=False)
+        guided_constraint(request, model=self.name, follows=())
         preprocessor.logprob_count(request, model=self.name, supported=False)
         return TextRequest(
             request_id=_new_request_id(),

@@ -2,7 +2,7 @@
 
 Decoding validates types and ranges in one pass (msgspec's errors name the field, e.g. "Expected
 `int`, got `str` - at `$.max_tokens`"). A field the request structs do not declare is refused, naming it
-(``unknown_fields.py``): a client asking for what Flotilla does not do (vLLM's ``guided_json``, say) must not
+(``unknown_fields.py``): a client asking for what Flotilla does not do (vLLM's ``use_beam_search``, say) must not
 get an answer made without it. The few fields known to be harmless to ignore are declared, and ignored.
 Responses are built as plain dicts/bytes in ``encoding.py``: no per-token object validation.
 
@@ -69,6 +69,22 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     function_call: Any | None = None  # a deprecated call; refused unless null (preprocessor.check_chat)
 
 
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` (0.12 and later): one constraint, and options of a JSON one (guided.py).
+
+    ``structural_tag`` is not declared: it is refused, naming it, as an unknown field.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completion requests."""
 
@@ -100,6 +116,15 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Token id (as a string) -> bias added to its logit, OpenAI's range (checked in preprocessor.logit_bias).
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=1024)] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's guided decoding: its fields up to 0.11, and structured_outputs since. Checked and carried to the
+    # engines whose card says they follow them (openai_api/guided.py); refused, naming the field, elsewhere.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Known to be harmless to ignore (docs/openai-api.md): OpenAI's storage, billing and caching hints, and a
     # prediction that only speeds an answer up; none of them changes what the answer is.
     store: bool | None = None

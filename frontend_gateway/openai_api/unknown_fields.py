@@ -1,10 +1,10 @@
 """The 400 for a request field that Flotilla does not act on.
 
-vLLM's server accepts any field and logs the ones it ignores; a client that asks for a constraint this
-gateway does not have (``guided_json``, ``guided_choice``) would then get an unconstrained answer, and
-never know. Here the request structs forbid unknown fields (``types.py``): msgspec's error names the
-field, and this turns it into a message that says why it is refused and what to do instead. The fields
-known to be harmless to ignore are declared on the structs, so they pass (``HARMLESS``, documented in
+vLLM's server accepts any field and logs the ones it ignores; a client that asks for something this
+gateway does not do (``use_beam_search``, ``structured_outputs.structural_tag``) would then get an answer
+made without it, and never know. Here the request structs forbid unknown fields (``types.py``): msgspec's
+error names the field, and this turns it into a message that says why it is refused. The fields known to
+be harmless to ignore are declared on the structs, so they pass (``HARMLESS``, documented in
 docs/openai-api.md).
 """
 
@@ -33,17 +33,6 @@ HARMLESS = {
 
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`(?: - at `\$\.?(?P<path>[^`]*)`)?$")
 
-# What a client asking for these wants, and where Flotilla has it.
-_INSTEAD = {
-    "guided_json": "response_format json_schema (on an engine that constrains output, out=llamacpp)",
-    "guided_regex": None,
-    "guided_choice": "response_format json_schema with an enum (on out=llamacpp)",
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
-    "structured_outputs": "response_format json_schema (on out=llamacpp)",
-    "guided_whitespace_pattern": None,
-}
-
 
 def refusal(message: str) -> InvalidRequest | None:
     """The InvalidRequest for msgspec's "unknown field" ``message``, naming the field; None for another."""
@@ -57,9 +46,4 @@ def refusal(message: str) -> InvalidRequest | None:
         f"{shown} is not supported here, and is refused rather than ignored: the answer would be made "
         "without it; leave it out"
     )
-    if field in _INSTEAD:
-        instead = _INSTEAD[field]
-        text = f"{shown} (guided decoding) is not supported here: the answer would not follow it; " + (
-            f"use {instead}, or leave it out" if instead else "leave it out"
-        )
     return InvalidRequest(text, param=shown)

@@ -52,6 +52,10 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     #: Whether the engine can constrain its output to a JSON schema (``response_format``
     #: ``json_object``/``json_schema``; llama.cpp by grammars). False: such requests are refused.
     structured_output: bool = False
+    #: The guided decoding the engine follows (vLLM's ``guided_*`` fields and ``structured_outputs``), named
+    #: as in ``runtime.protocol.GUIDED_KINDS``: llama.cpp ``json``, ``choice`` and ``grammar``; vLLM all. A
+    #: request asking for another is refused. Empty (older workers too): none.
+    guided_decoding: list[str] = msgspec.field(default_factory=list)
     #: Whether the engine reports tokens' log probabilities (``logprobs``/``top_logprobs``; llama.cpp).
     logprobs: bool = False
     #: Whether the engine adds ``logit_bias`` to its logits (llama.cpp, vLLM). False: such requests are refused.
