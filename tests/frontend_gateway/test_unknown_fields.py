@@ -16,9 +16,6 @@ COMPLETION = {"model": "echo", "prompt": "hi"}
 @pytest.mark.parametrize(
     ("path", "body", "param", "contains"),
     [
-        (CHAT, {**GOOD_CHAT, "guided_json": {"type": "object"}}, "guided_json", "use response_format json_schema"),
-        (CHAT, {**GOOD_CHAT, "guided_choice": ["yes", "no"]}, "guided_choice", "would not follow it"),
-        (CHAT, {**GOOD_CHAT, "guided_regex": "[0-9]+"}, "guided_regex", "guided decoding"),
         (CHAT, {**GOOD_CHAT, "use_beam_search": True}, "use_beam_search", "refused rather than ignored"),
         (CHAT, {**GOOD_CHAT, "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", ""),
         (
@@ -40,8 +37,13 @@ COMPLETION = {"model": "echo", "prompt": "hi"}
             "messages[0].function_call",
             "deprecated",
         ),
-        ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object"}}, "guided_json", "guided decoding"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search", ""),
+        (
+            "/v1/completions",
+            {**COMPLETION, "structured_outputs": {"choice": ["a"], "structural_tag": "{}"}},
+            "structured_outputs.structural_tag",
+            "",
+        ),
         ("/v1/embeddings", {"model": "echo", "input": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens", ""),
         ("/v1/responses", {"model": "echo", "input": "hi", "reasoning": {"effort": "low"}}, "reasoning", ""),
     ],
@@ -56,9 +58,9 @@ def test_the_openai_client_sees_the_refused_field_named(echo_full_server: Server
     client = openai.OpenAI(base_url=echo_full_server.api_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "yes or no?"}], extra_body={"guided_choice": ["yes"]}
+            model="echo", messages=[{"role": "user", "content": "yes or no?"}], extra_body={"use_beam_search": True}
         )
-    assert refused.value.param == "guided_choice"
+    assert refused.value.param == "use_beam_search"
 
 
 def test_the_fields_known_to_be_harmless_are_accepted_and_ignored(echo_full_server: Server) -> None:
