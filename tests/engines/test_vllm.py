@@ -7,6 +7,7 @@ vLLM's CPU build is ~3.4 GB with its torch and Python 3.11-only, so it has a ven
 skips them."""
 
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest_asyncio
 from runtime.engine import RequestContext
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockStored, KvEvent
-from runtime.protocol import EngineOutput, PreprocessedRequest, SamplingOptions, StopConditions
+from runtime.protocol import EngineOutput, GuidedDecoding, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS
 from tests.process_trees import Leftovers, descendants, running, wait_ended
 from tests.servers import Server, launch_server, wait_until_live
@@ -107,6 +108,29 @@ def test_a_requests_options_become_its_sampling_params() -> None:
     ignoring = request([1, 2, 3], 7)
     ignoring.eos_token_ids = [2, 5]
     assert sampling_params(ignoring).stop_token_ids == []
+
+
+def test_a_requests_constraint_becomes_its_structured_outputs() -> None:
+    from engines.vllm.engine import sampling_params
+
+    guided = request([1, 2, 3], 7)
+    guided.guided = GuidedDecoding(choice=["yes", "no"])
+    constraint = sampling_params(guided).structured_outputs
+    assert constraint is not None and constraint.choice == ["yes", "no"]
+    assert sampling_params(request([1, 2, 3], 7)).structured_outputs is None
+
+
+def test_a_guided_choice_answer_is_one_of_the_choices(client: openai.OpenAI) -> None:
+    if importlib.util.find_spec("xgrammar") is None:
+        pytest.skip("this vLLM build has no xgrammar, its default structured-outputs backend: nothing to follow with")
+    for question in ("Is Paris in France?", "Write a poem about the sea."):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=4,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
+        assert reply.choices[0].message.content in ("yes", "no"), question
 
 
 def test_a_greedy_chat_answer_streams_through_flotilla_run(client: openai.OpenAI) -> None:
