@@ -272,6 +272,7 @@ def test_card_differences_name_every_field_that_would_change_the_answers(smollm2
         reasoning_parser="qwen3",
         tool_call_parser="hermes",
         structured_output=True,
+        guided_decoding=["json", "choice", "grammar"],
         logprobs=True,
     )
     other: Any = msgspec.structs.replace(first, card=other_card, tokenizer_sha256="bb" * 32)
@@ -285,6 +286,7 @@ def test_card_differences_name_every_field_that_would_change_the_answers(smollm2
         "reasoning_parser",
         "tool_call_parser",
         "structured_output",
+        "guided_decoding",
         "logprobs",
     }
     assert differences["tool_call_parser"] == "None vs hermes"
