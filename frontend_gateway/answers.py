@@ -22,7 +22,7 @@ class RichFrames:
     """The frames of a streamed answer that goes through its model's parsers (chat_output), or carries
     log probabilities: each frame a dict encoded whole, off the fast path of plain text pieces."""
 
-    __slots__ = ("_completion_logprobs", "_encoder", "_generation", "_kind", "_next_index", "_parser")
+    __slots__ = ("_completion_logprobs", "_encoder", "_generation", "_kind", "_parser")
 
     def __init__(self, kind: encoding.Kind, encoder: encoding.StreamEncoder, generation: Generation) -> None:
         self._kind = kind
@@ -30,7 +30,6 @@ class RichFrames:
         self._generation = generation
         self._parser = generation.output
         self._completion_logprobs = CompletionLogprobs()
-        self._next_index = 0  # of the next tool call: a stream numbers them
 
     async def send(self, send: Send, piece: str) -> None:
         await self._send(send, self._parser.feed(piece) if self._parser is not None else Delta(content=piece))
@@ -49,10 +48,7 @@ class RichFrames:
         entries = self._generation.take_logprobs()
         if not delta and not entries:
             return  # held back: part of a tag, or a call not yet complete
-        calls = []
-        for call in delta.tool_calls:
-            calls.append(call.as_openai(self._next_index))
-            self._next_index += 1
+        calls = [piece.as_openai() for piece in delta.tool_calls]
         logprobs = None
         if self._generation.logprobs is not None:
             chat = self._kind == "chat"
@@ -106,7 +102,8 @@ async def respond_responses(
     if stream:
         await send({"type": "http.response.body", "body": builder.finish(finish_reason=finish_reason, usage=usage)})
     else:
-        body = builder.whole(parsed, finish_reason=finish_reason, usage=usage)
+        calls = parser.calls if parser is not None else []
+        body = builder.whole(parsed, calls, finish_reason=finish_reason, usage=usage)
         headers = response_headers(JSON_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})

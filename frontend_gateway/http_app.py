@@ -654,7 +654,7 @@ class GatewayApp:
             parser.check_required(generation.finish_reason)
             text = parsed.content
             reasoning = parsed.reasoning if parser.has_reasoning else None
-            message = encoding.chat_message(text, reasoning=reasoning, tool_calls=parsed.tool_calls)
+            message = encoding.chat_message(text, reasoning=reasoning, tool_calls=parser.calls)
             finish_reason = parser.finish_reason(finish_reason)
         logprobs = None
         if generation.logprobs is not None:

@@ -29,7 +29,6 @@ class ChatChoices:
     def __init__(self, generations: list[Generation]) -> None:
         self._generations = generations
         self._announced = [False] * len(generations)  # whether the choice's role was sent
-        self._calls = [0] * len(generations)  # tool calls sent, per choice: a stream numbers them
 
     def piece(self, index: int, text: str) -> list[dict[str, Any]]:
         parser = self._generations[index].output
@@ -62,7 +61,7 @@ class ChatChoices:
             parsed = parser.feed(text).extend(parser.flush())
             parser.check_required(reason)
             reasoning = parsed.reasoning if parser.has_reasoning else None
-            message = encoding.chat_message(parsed.content, reasoning=reasoning, tool_calls=parsed.tool_calls)
+            message = encoding.chat_message(parsed.content, reasoning=reasoning, tool_calls=parser.calls)
             reason = parser.finish_reason(reason)
         entries = generation.take_logprobs()
         return {
@@ -88,9 +87,7 @@ class ChatChoices:
         if delta.content:
             body["content"] = delta.content
         if delta.tool_calls:
-            first = self._calls[index]
-            body["tool_calls"] = [call.as_openai(first + number) for number, call in enumerate(delta.tool_calls)]
-            self._calls[index] += len(delta.tool_calls)
+            body["tool_calls"] = [piece.as_openai() for piece in delta.tool_calls]
         logprobs = chat_logprobs(entries) if generation.logprobs is not None else None
         return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
 

@@ -21,6 +21,7 @@ import msgspec
 
 from frontend_gateway.errors import InvalidRequest, ToolCallMissing
 from frontend_gateway.openai_api.types import ChatCompletionRequest, NamedToolChoice, Tool
+from frontend_gateway.parsers.calls import CallPiece, ToolCall
 from frontend_gateway.parsers.forced_calls import (
     NamedCallParser,
     RequiredCallsParser,
@@ -28,18 +29,19 @@ from frontend_gateway.parsers.forced_calls import (
     required_calls_schema,
 )
 from frontend_gateway.parsers.reasoning import ReasoningParser, reasoning_parser
-from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallParser, tool_call_parser
+from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS, ToolCallParser, tool_call_parser
 
 __all__ = ["ChatOutputParser", "ChatPlan", "Delta", "plan_chat_output"]
 
 
 @dataclass(slots=True)
 class Delta:
-    """A step of a parsed answer; any part may be empty."""
+    """A step of a parsed answer; any part may be empty. ``tool_calls`` are the calls' pieces (a call's
+    first piece names it, the next add to its arguments); the parser's ``calls`` are the calls whole."""
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[CallPiece] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
@@ -58,7 +60,7 @@ class ChatOutputParser:
     function that must be called.
     """
 
-    __slots__ = ("_reasoning", "_tools", "calls", "has_reasoning", "max_calls", "required")
+    __slots__ = ("_calls", "_reasoning", "_tools", "has_reasoning", "max_calls", "required")
 
     def __init__(
         self,
@@ -74,8 +76,12 @@ class ChatOutputParser:
         self.required = required
         #: 1 with ``parallel_tool_calls: false``: calls past the first are dropped.
         self.max_calls = max_calls
-        #: The calls found so far, in order.
-        self.calls: list[ToolCall] = []
+        self._calls: list[list[str]] = []  # id, name, arguments so far, of each call found
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls found so far, in order, each with the arguments written so far."""
+        return [ToolCall(call_id, name, arguments) for call_id, name, arguments in self._calls]
 
     @property
     def needs_special_tokens(self) -> bool:
@@ -98,21 +104,25 @@ class ChatOutputParser:
     def _content(self, reasoning: str, content: str, *, final: bool) -> Delta:
         if self._tools is None:
             return Delta(reasoning, content)
-        shown, calls = self._tools.feed(content) if content else ("", [])
+        shown, pieces = self._tools.feed(content) if content else ("", [])
         if final:
             tail, last = self._tools.flush()
             shown += tail
-            calls = [*calls, *last]
+            pieces = [*pieces, *last]
         if self.max_calls is not None:
-            calls = calls[: max(0, self.max_calls - len(self.calls))]
-        self.calls += calls
-        return Delta(reasoning, shown, calls)
+            pieces = [piece for piece in pieces if piece.index < self.max_calls]
+        for piece in pieces:
+            if piece.id is not None:
+                self._calls.append([piece.id, piece.name or "", piece.arguments])
+            else:
+                self._calls[piece.index][2] += piece.arguments
+        return Delta(reasoning, shown, pieces)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's finish reason: ``tool_calls`` when the model chose to end by calling tools. A call that
         ``tool_choice`` forced (a named function, or ``required``) ends with ``stop``, as OpenAI's and vLLM's
         do: clients that loop until ``stop`` would otherwise never see one."""
-        chose = self.calls and self.required is None
+        chose = self._calls and self.required is None
         return "tool_calls" if chose and reason == "stop" else reason
 
     def check_required(self, finish_reason: str | None) -> None:
@@ -120,16 +130,16 @@ class ChatOutputParser:
         that ``tool_choice`` asked for."""
         if self.required is None:
             return
-        if not self.calls and finish_reason == "length":
+        if not self._calls and finish_reason == "length":
             raise ToolCallMissing(
                 "the answer reached max_tokens before the tool call asked for was complete; raise max_tokens"
             )
-        if not self.calls:
+        if not self._calls:
             raise ToolCallMissing(
                 "the model answered without calling a tool, although tool_choice required one; the answer "
                 "was not constrained to a call (see README: tool calling), try again or use tool_choice auto"
             )
-        if self.required and (other := next((c.name for c in self.calls if c.name != self.required), None)):
+        if self.required and (other := next((c[1] for c in self._calls if c[1] != self.required), None)):
             raise ToolCallMissing(
                 f"the model called {other!r}, although tool_choice named {self.required!r}; try again"
             )

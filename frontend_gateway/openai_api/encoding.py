@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from frontend_gateway.parsers.tool_calls import ToolCall
+from frontend_gateway.parsers.calls import ToolCall
 
 Kind = Literal["chat", "completion"]
 
@@ -138,7 +138,7 @@ class StreamEncoder:
         finish_reason: str | None = None,
     ) -> bytes:
         """A chunk of an answer that went through parsers or carries log probabilities: a chat delta
-        (reasoning, content, whole tool calls each with its index), or a completion's text."""
+        (reasoning, content, tool-call pieces each with its index), or a completion's text."""
         choice: dict[str, Any] = {"index": 0}
         if self._kind == "chat":
             delta: dict[str, Any] = {}

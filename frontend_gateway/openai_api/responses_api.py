@@ -25,7 +25,7 @@ from frontend_gateway.openai_api.types import (
     Temperature,
     chat_decoder,
 )
-from frontend_gateway.parsers.tool_calls import ToolCall
+from frontend_gateway.parsers.calls import CallPiece, ToolCall
 
 __all__ = ["ResponseBuilder", "ResponsesRequest", "decoder", "to_chat"]
 
@@ -251,7 +251,7 @@ class ResponseBuilder:
         self.created_at = int(time.time())
         self.output: list[dict[str, Any]] = []
         self._sequence = 0
-        self._open: dict[str, Any] | None = None  # the item receiving text (reasoning or message)
+        self._open: dict[str, Any] | None = None  # the item receiving text (reasoning, message) or arguments
 
     def body(
         self, status: str, *, incomplete: str | None = None, usage: dict[str, Any] | None = None
@@ -287,13 +287,13 @@ class ResponseBuilder:
 
     # --- whole -----------------------------------------------------------------------------------
 
-    def whole(self, parsed: Delta, *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
-        """The body of a non-streamed response holding ``parsed``."""
+    def whole(self, parsed: Delta, calls: list[ToolCall], *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
+        """The body of a non-streamed response holding ``parsed`` and the tool ``calls``."""
         if parsed.reasoning:
             self.output.append(self._reasoning_item(parsed.reasoning, "completed"))
         if parsed.content:
             self.output.append(self._message_item(parsed.content, "completed"))
-        self.output += [self._call_item(call) for call in parsed.tool_calls]
+        self.output += [self._call_item(call) for call in calls]
         status, incomplete = _status(finish_reason)
         return _encode(self.body(status, incomplete=incomplete, usage=usage))
 
@@ -319,23 +319,26 @@ class ResponseBuilder:
             frames += self._text("reasoning", delta.reasoning)
         if delta.content:
             frames += self._text("message", delta.content)
-        for call in delta.tool_calls:
-            frames += self._close()
-            item = self._call_item(call)
-            index = len(self.output)
-            self.output.append(item)
-            frames += self._event("response.output_item.added", output_index=index, item=item | {"arguments": ""})
-            frames += self._event(
-                "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=call.arguments
-            )
-            frames += self._event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=index,
-                arguments=call.arguments,
-            )
-            frames += self._event("response.output_item.done", output_index=index, item=item)
+        for piece in delta.tool_calls:
+            frames += self._call_piece(piece)
         return frames
+
+    def _call_piece(self, piece: CallPiece) -> bytes:
+        """A tool call's first piece opens its item; the next ones add to its arguments."""
+        frames = b""
+        if piece.id is not None:
+            frames += self._close()
+            item = self._call_item(ToolCall(piece.id, piece.name or "", ""))
+            item["status"] = "in_progress"
+            self._open = item
+            self.output.append(item)
+            frames += self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
+        current = self._open
+        if current is None or not piece.arguments:
+            return frames
+        current["arguments"] += piece.arguments
+        where = {"item_id": current["id"], "output_index": len(self.output) - 1}
+        return frames + self._event("response.function_call_arguments.delta", **where, delta=piece.arguments)
 
     def finish(self, *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
         status, incomplete = _status(finish_reason)
@@ -377,8 +380,16 @@ class ResponseBuilder:
         if item is None:
             return b""
         index = self.output.index(item)
-        part = item["content"][0]
         item["status"] = "completed"
+        if item["type"] == "function_call":
+            done = self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=item["arguments"],
+            )
+            return done + self._event("response.output_item.done", output_index=index, item=item)
+        part = item["content"][0]
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         if item["type"] == "message":
             done = self._event("response.output_text.done", **where, text=part["text"], logprobs=[])

@@ -7,15 +7,17 @@ When ``tool_choice`` is ``"required"`` or names a function and the engine can co
 * ``required``: the answer is a list of ``{"name": …, "parameters": {…}}``, one of the offered tools
   each (one at most with ``parallel_tool_calls: false``).
 
-These parsers hold the whole answer (a call is sent whole, as the other parsers do) and read it at
-the end; an answer that is not the JSON (cut off by ``max_tokens``) is given back as content.
+These parsers hold the whole answer and read it at the end, sending each call whole: an answer cut off
+by ``max_tokens`` is not the JSON, and is given back as content, which pieces already sent as a call's
+arguments could not be. (The grammar already makes the answer come quickly: it has nothing else in it.)
 """
 
 import abc
 import json
 from typing import Any
 
-from frontend_gateway.parsers.tool_calls import ToolCall, ToolCallParser, new_call_id
+from frontend_gateway.parsers.calls import CallPiece, ToolCall, new_call_id
+from frontend_gateway.parsers.tool_calls import ToolCallParser
 
 __all__ = ["NamedCallParser", "RequiredCallsParser", "named_call_schema", "required_calls_schema"]
 
@@ -42,17 +44,17 @@ def required_calls_schema(tools: list[tuple[str, dict[str, Any] | None]], *, par
 
 
 class _HoldAll(ToolCallParser):
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
         self._held += text
         return "", []
 
-    def flush(self) -> tuple[str, list[ToolCall]]:
+    def flush(self) -> tuple[str, list[CallPiece]]:
         held, self._held = self._held, ""
         try:
             calls = self._calls(json.loads(held))
         except ValueError:
             calls = None
-        return ("", calls) if calls else (held, [])
+        return ("", self._pieces(calls)) if calls else (held, [])
 
     @abc.abstractmethod
     def _calls(self, value: Any) -> list[ToolCall] | None:

@@ -118,4 +118,6 @@ def test_each_chat_choice_goes_through_its_own_parsers(parsing_server: Server) -
     for chunk in stream:
         for choice in chunk.choices:
             calls[choice.index] += choice.delta.tool_calls or []
-    assert [[call.index for call in calls[index]] for index in (0, 1)] == [[0], [0]]
+    # Each choice numbers its own calls: one call each, announced once, its arguments in later deltas.
+    assert [{call.index for call in calls[index]} for index in (0, 1)] == [{0}, {0}]
+    assert [sum(1 for call in calls[index] if call.id) for index in (0, 1)] == [1, 1]

@@ -134,12 +134,30 @@ def test_streamed_tool_calls_arrive_as_deltas_the_client_can_assemble(client: op
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_the_clients_stream_helper_assembles_the_calls_of_the_whole_answer(client: openai.OpenAI) -> None:
+    text = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>'
+    text += '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    messages: Any = [{"role": "user", "content": text}]
+    whole = client.chat.completions.create(model="qwen", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL])
+    with client.chat.completions.stream(model="qwen", messages=messages, tools=[WEATHER_TOOL, TIME_TOOL]) as stream:
+        fragments = [event.arguments_delta for event in stream if event.type == "tool_calls.function.arguments.delta"]
+        streamed = stream.get_final_completion()
+    expected = [(call.function.name, call.function.arguments) for call in whole.choices[0].message.tool_calls or ()]
+    got = [(call.function.name, call.function.arguments) for call in streamed.choices[0].message.tool_calls or ()]
+    assert got == expected == [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", "{}")]
+    assert streamed.choices[0].message.content == whole.choices[0].message.content == "Checking."
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    # echo_full writes a character at a time: the arguments came as the model wrote them, not whole.
+    assert len(fragments) > 10 and "".join(fragments) == expected[0][1] + expected[1][1]
+
+
 def test_parallel_tool_calls_false_returns_the_first_call_only(client: openai.OpenAI) -> None:
     text = HERMES_CALL + '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     for stream in (False, True):
         reply = ask(client, text, tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False, stream=stream)
         if stream:
-            names = [c.function.name for chunk in reply for c in chunk.choices[0].delta.tool_calls or ()]
+            calls = [c for chunk in reply for c in chunk.choices[0].delta.tool_calls or ()]
+            names = [c.function.name for c in calls if c.id]  # a call's first delta names it
         else:
             names = [call.function.name for call in reply.choices[0].message.tool_calls]
         assert names == ["get_weather"]
@@ -267,6 +285,6 @@ async def test_a_token_model_streams_tool_calls_from_detokenized_text(tools_clie
         async for chunk in stream
         if chunk.choices
         for call in chunk.choices[0].delta.tool_calls or ()
-        if call.function
+        if call.id
     ]
     assert names == ["get_weather"]

@@ -112,6 +112,9 @@ async def test_a_streamed_function_call_arrives_as_its_item_events(client: opena
     events = [event async for event in stream]
     done: Any = [event for event in events if event.type == "response.function_call_arguments.done"]
     assert [json.loads(event.arguments) for event in done] == [{"city": "Paris"}]
+    # The arguments arrive as the model writes them (a character at a time here), and add up to the call's.
+    deltas: Any = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == done[0].arguments
     completed: Any = events[-1]
     assert [item.type for item in completed.response.output] == ["message", "function_call"]
     assert completed.response.output[0].content[0].text == "Checking. "

@@ -6,19 +6,32 @@ import random
 
 import pytest
 
+from frontend_gateway.parsers.calls import CallPiece
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS, tool_call_parser
+
+
+def assemble(pieces: list[CallPiece]) -> list[tuple[str, str]]:
+    """The calls that ``pieces`` make, as a client puts them together: (name, arguments)."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.id is not None:
+            assert piece.index not in calls and piece.name is not None, "a call is announced once"
+            calls[piece.index] = [piece.name, piece.arguments]
+        else:
+            calls[piece.index][1] += piece.arguments
+    return [(name, arguments) for name, arguments in calls.values()]
 
 
 def parse(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, dict[str, object]]]]:
     parser = tool_call_parser(name)
-    content, calls = [], []
+    content, found = [], []
     for piece in pieces:
-        text, found = parser.feed(piece)
+        text, more = parser.feed(piece)
         content.append(text)
-        calls += found
-    text, found = parser.flush()
-    calls += found
-    return "".join([*content, text]), [(call.name, json.loads(call.arguments)) for call in calls]
+        found += more
+    text, more = parser.flush()
+    found += more
+    return "".join([*content, text]), [(call, json.loads(arguments)) for call, arguments in assemble(found)]
 
 
 def cuts(text: str) -> list[list[str]]:
@@ -91,27 +104,60 @@ def test_calls_are_found_however_the_text_arrives(
         assert parse(name, pieces) == (content, calls), pieces
 
 
-def test_hermes_streams_the_text_before_a_call_and_holds_the_call_until_it_closes() -> None:
+def test_hermes_streams_the_text_before_a_call_then_the_call_as_it_is_written() -> None:
     parser = tool_call_parser("hermes")
     assert parser.feed("Let me look.<tool") == ("Let me look.", [])
     assert parser.feed('_call>{"name": "get_weather", ') == ("", [])
-    text, calls = parser.feed('"arguments": {"city": "Paris"}}</tool_call>')
-    assert text == ""
-    assert [(call.name, call.arguments) for call in calls] == [("get_weather", '{"city": "Paris"}')]
-    assert calls[0].id.startswith("call_")
+    text, [first] = parser.feed('"arguments": {"ci')
+    assert text == "" and first.index == 0 and first.name == "get_weather" and first.arguments == '{"ci'
+    assert first.id is not None and first.id.startswith("call_")
+    assert parser.feed('ty": "Paris"}') == ("", [CallPiece(0, 'ty": "Paris"}')])
+    assert parser.feed("}</tool_call>") == ("", [])  # the object's end is not the arguments'
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}'),
+        ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}]'),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'),
+    ],
+)
+def test_every_format_streams_a_calls_arguments_in_the_pieces_the_model_writes(name: str, text: str) -> None:
+    parser = tool_call_parser(name)
+    pieces = [piece for char in text for piece in parser.feed(char)[1]] + parser.flush()[1]
+    assert assemble(pieces) == [("get_weather", '{"city": "Paris", "days": [1, 2]}')]
+    assert pieces[0].id is not None and len(pieces) > 10  # announced once, then a piece per character
+
+
+def test_a_call_written_arguments_first_comes_whole_when_its_object_closes() -> None:
+    parser = tool_call_parser("hermes")
+    text = '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"'
+    assert [piece for char in text for piece in parser.feed(char)[1]] == []
+    _, [piece] = parser.feed("}")
+    assert (piece.name, piece.arguments) == ("get_weather", '{"city": "Paris"}')
+
+
+def test_a_call_cut_off_keeps_the_arguments_written_so_far() -> None:
+    parser = tool_call_parser("hermes")
+    _, pieces = parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa')
+    assert parser.flush() == ("", [])
+    assert assemble(pieces) == [("get_weather", '{"city": "Pa')]
 
 
 def test_each_call_has_its_own_id_and_openais_shape() -> None:
     parser = tool_call_parser("llama3_json")
-    parser.feed('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}')
-    _, calls = parser.flush()
-    assert len({call.id for call in calls}) == 2
-    assert calls[1].as_openai(3) == {
-        "index": 3,
-        "id": calls[1].id,
+    _, pieces = parser.feed('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}')
+    pieces += parser.flush()[1]
+    assert len({piece.id for piece in pieces if piece.id is not None}) == 2
+    assert pieces[-1].as_openai() == {
+        "index": 1,
+        "id": pieces[-1].id,
         "type": "function",
         "function": {"name": "b", "arguments": '{"x": 1}'},
     }
+    assert CallPiece(1, "1}").as_openai() == {"index": 1, "function": {"arguments": "1}"}}
 
 
 def test_the_parsers_have_vllms_names() -> None:
