@@ -86,14 +86,15 @@ class EngineFailed(GatewayError):
 
 
 class ToolCallMissing(GatewayError):
-    """tool_choice required a call (any, or a named function) and the answer has none, or another (500).
+    """tool_choice required a call (any, or a named function) and the answer has none, or another (422).
 
-    A server error, not the client's: the request was valid and this server did not honour it. OpenAI
-    clients retry a 500, and another sample may well call the tool.
+    Not a 500: OpenAI clients retry a 5xx (and 408, 409, 429) on their own, so each retry would generate,
+    and charge, the answer again, where the caller may rather change the request (a larger ``max_tokens``,
+    ``tool_choice: auto``). A 422 is not retried; the tokens the answer used are charged once.
     """
 
-    status = HTTPStatus.INTERNAL_SERVER_ERROR
-    error_type = "internal_server_error"
+    status = HTTPStatus.UNPROCESSABLE_ENTITY
+    error_type = "model_output_error"
     code = "tool_call_missing"
 
 

@@ -187,7 +187,7 @@ def test_a_forced_call_and_a_response_format_are_refused_together(client: openai
 
 def test_a_forced_call_cut_off_by_max_tokens_says_so(client: openai.OpenAI) -> None:
     choice: Any = {"type": "function", "function": {"name": "get_weather"}}
-    with pytest.raises(openai.InternalServerError, match="raise max_tokens") as caught:
+    with pytest.raises(openai.UnprocessableEntityError, match="raise max_tokens") as caught:
         client.chat.completions.create(
             model=MODEL, messages=WEATHER, max_tokens=3, tools=[WEATHER_TOOL], tool_choice=choice
         )

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import httpx2
 import msgspec
 import openai
@@ -21,6 +22,7 @@ from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.models.pipeline import ModelRegistry, TokenModel
 from runtime.models.card import ModelCard
 from runtime.models.loading import load_model_card
+from tests.frontend_gateway.test_health_and_metrics import metric_value
 from tests.servers import Server, start_server
 
 WEATHER_TOOL: Any = {
@@ -189,14 +191,40 @@ def test_a_named_function_is_served_when_the_model_calls_it(client: openai.OpenA
 
 
 def test_required_without_a_call_is_an_error_not_a_plain_answer(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.InternalServerError) as caught:
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
         ask(client, "I will not call anything.", tools=[WEATHER_TOOL], tool_choice="required")
     assert caught.value.code == "tool_call_missing"
 
 
+def test_a_missing_forced_call_is_a_422_the_client_does_not_retry_and_is_charged_once(
+    parsing_server: Server, client: openai.OpenAI
+) -> None:
+    text = "I will not call anything."
+    plain = ask(client, text).usage
+    assert plain is not None
+    before = httpx.get(parsing_server.base_url + "/metrics").text
+    retrying = openai.OpenAI(base_url=parsing_server.api_url, api_key="unused")  # the default: 2 retries
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
+        ask(retrying, text, tools=[WEATHER_TOOL], tool_choice="required")
+    assert caught.value.status_code == 422 and caught.value.code == "tool_call_missing"
+    after = httpx.get(parsing_server.base_url + "/metrics").text
+    failed = {"model": "qwen", "endpoint": "chat_completions", "status": "error"}
+    # One generation, not three: the client did not retry, and its tokens count once.
+    assert (
+        metric_value(after, "flotilla_frontend_requests_total", **failed)
+        - metric_value(before, "flotilla_frontend_requests_total", **failed)
+        == 1
+    )
+    assert (
+        metric_value(after, "flotilla_frontend_output_tokens_total", model="qwen")
+        - metric_value(before, "flotilla_frontend_output_tokens_total", model="qwen")
+        == plain.completion_tokens
+    )
+
+
 def test_a_call_to_another_function_than_the_named_one_is_an_error(client: openai.OpenAI) -> None:
     choice = {"type": "function", "function": {"name": "get_time"}}
-    with pytest.raises(openai.InternalServerError) as caught:
+    with pytest.raises(openai.UnprocessableEntityError) as caught:
         ask(client, HERMES_CALL, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice)
     assert "get_weather" in str(caught.value) and caught.value.code == "tool_call_missing"
 
@@ -258,7 +286,7 @@ async def test_the_chat_template_is_given_the_tools(tools_client: openai.AsyncOp
 
 async def test_a_named_function_is_the_only_tool_the_template_shows(tools_client: openai.AsyncOpenAI) -> None:
     choice: Any = {"type": "function", "function": {"name": "get_time"}}
-    with pytest.raises(openai.InternalServerError):  # echo does not call it, but shows what it was offered
+    with pytest.raises(openai.UnprocessableEntityError):  # echo does not call it, but shows what it was offered
         await templated(tools_client, "hi", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice)
     reply = await templated(tools_client, "hi", tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="auto")
     assert "get_weather" in reply.choices[0].message.content
