@@ -98,7 +98,9 @@ async def respond_responses(
                 await send({"type": "http.response.body", "body": builder.error(failure.message, failure.code)})
                 return failure
     finish_reason = parser.finish_reason(generation.finish_reason) if parser else generation.finish_reason
-    usage = builder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
+    usage = builder.usage(
+        generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens, generation.reasoning_tokens
+    )
     if stream:
         await send({"type": "http.response.body", "body": builder.finish(finish_reason=finish_reason, usage=usage)})
     else:

@@ -672,6 +672,7 @@ class GatewayApp:
             prompt_tokens=generation.prompt_tokens,
             completion_tokens=generation.completion_tokens,
             cached_tokens=generation.cached_tokens,
+            reasoning_tokens=generation.reasoning_tokens,
             nvext=nvext(generation) if show_instance else None,
             message=message,
             logprobs=logprobs,
@@ -748,7 +749,12 @@ class GatewayApp:
             finish_reason = parsed.finish_reason(finish_reason)
         tail = encoder.finish(finish_reason, nvext(generation) if show_instance else None)
         if include_usage:
-            tail += encoder.usage(generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens)
+            tail += encoder.usage(
+                generation.prompt_tokens,
+                generation.completion_tokens,
+                generation.cached_tokens,
+                generation.reasoning_tokens,
+            )
         await send({"type": "http.response.body", "body": tail + encoding.DONE_FRAME})
         return None
 

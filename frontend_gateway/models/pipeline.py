@@ -26,7 +26,7 @@ from frontend_gateway.openai_api.guided import guided_constraint
 from frontend_gateway.openai_api.logprobs import LogprobEntry
 from frontend_gateway.openai_api.stop_strings import StopStringMatcher
 from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest, SamplingFields
-from frontend_gateway.parsers.reasoning import REASONING_PARSERS
+from frontend_gateway.parsers.reasoning import REASONING_PARSERS, ReasoningCounter, reasoning_parser
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from runtime.engine import RequestContext, TextEngine, TokenEngine
 from runtime.errors import (
@@ -50,6 +50,7 @@ class Generation:
         "logprobs",
         "output",
         "prompt_tokens",
+        "reasoning",
         "request_id",
         "token_bound",
     )
@@ -68,10 +69,17 @@ class Generation:
         self.context = RequestContext(request_id)
         #: How a chat answer's text splits into reasoning, content and tool calls (None: all content).
         self.output: ChatOutputParser | None = None
+        #: Counts the answer's reasoning tokens, when its model has a reasoning parser (None: it has none).
+        self.reasoning: ReasoningCounter | None = None
         #: Each generated token's log probability, in order, when the request asked for them.
         self.logprobs: list[LogprobEntry] | None = None
         self._logprobs_sent = 0
         self._source: AsyncIterator[str] | None = None
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """The answer's reasoning tokens so far; None when its model has no reasoning parser."""
+        return self.reasoning.tokens if self.reasoning is not None else None
 
     def take_logprobs(self) -> list[LogprobEntry]:
         """The log probabilities that arrived since the last call (a stream sends each once)."""
@@ -141,7 +149,7 @@ class TokenModel:
         prompt_ids = await preprocessor.chat_prompt_ids(self.card, request, plan.tools)
         keep_special = plan.parser is not None and plan.parser.needs_special_tokens
         generation = self._prepare(request, prompt_ids, keep_special_tokens=keep_special, json_schema=plan.json_schema)
-        generation.output = plan.parser
+        _count_reasoning(generation, plan.parser, self.reasoning_parser)
         return generation
 
     async def prepare_completion(self, request: CompletionRequest) -> Generation:
@@ -334,7 +342,7 @@ class TextModel:
         text_request = self._text_request(request, messages=messages, tools=plan.tools)
         text_request.chat_template_kwargs = preprocessor.template_variables(request) or None
         generation = self._prepare(text_request)
-        generation.output = plan.parser
+        _count_reasoning(generation, plan.parser, self.reasoning_parser)
         return generation
 
     async def prepare_completion(self, request: CompletionRequest) -> Generation:
@@ -465,6 +473,13 @@ def check_parsers(model: str, reasoning: str | None, tool_calls: str | None) -> 
     return reasoning, tool_calls
 
 
+def _count_reasoning(generation: Generation, parser: ChatOutputParser | None, reasoning: str | None) -> None:
+    """Give ``generation`` its answer's parser, and a counter of its reasoning tokens when it has reasoning."""
+    generation.output = parser
+    if parser is not None and parser.has_reasoning and reasoning is not None:
+        generation.reasoning = ReasoningCounter(reasoning_parser(reasoning))
+
+
 async def _finish(generation: Generation, pieces: AsyncIterator[str]) -> AsyncIterator[str]:
     """The tail every pipeline shares: the default finish reason, engine errors, cleanup (each
     pipeline's _postprocess applies stop strings, where it knows which tokens they leave out).
@@ -474,6 +489,8 @@ async def _finish(generation: Generation, pieces: AsyncIterator[str]) -> AsyncIt
     """
     try:
         async for piece in pieces:
+            if (reasoning := generation.reasoning) is not None:
+                reasoning.feed(piece, generation.completion_tokens)
             yield piece
         if generation.finish_reason == "error":
             raise EngineFailed("the engine failed while generating; see the server log")

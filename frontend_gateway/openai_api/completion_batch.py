@@ -175,7 +175,10 @@ class Batch:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.tally()
         total = self.total
-        usage = encoding.usage(total.prompt_tokens, total.completion_tokens, total.cached_tokens)
+        reasoning = [g.reasoning_tokens for g in self.generations if g.reasoning_tokens is not None]
+        usage = encoding.usage(
+            total.prompt_tokens, total.completion_tokens, total.cached_tokens, sum(reasoning) if reasoning else None
+        )
         if stream:
             if not started:  # every prompt answered nothing at all: the status line is still to be sent
                 await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -40,9 +40,12 @@ def chat_message(
     return message
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` when the engine reported cache hits
-    (as vLLM reports them, and benchmark clients such as AIPerf read them)."""
+    (as vLLM reports them, and benchmark clients such as AIPerf read them), and
+    ``completion_tokens_details.reasoning_tokens`` when the model has a reasoning parser."""
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -50,6 +53,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     }
     if cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return body
 
 
@@ -64,6 +69,7 @@ def full_response(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
     nvext: dict[str, Any] | None = None,
     message: dict[str, Any] | None = None,
     logprobs: dict[str, Any] | None = None,
@@ -95,7 +101,7 @@ def full_response(
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens),
     }
     if nvext is not None:
         body["nvext"] = nvext
@@ -164,8 +170,15 @@ class StreamEncoder:
             choice = b'{"index":0,"text":"","logprobs":null,"finish_reason":'
         return self._head + choice + reason + b"}]" + extra + b"}\n\n"
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
-        return self._head + b'],"usage":' + _encode(usage(prompt_tokens, completion_tokens, cached_tokens)) + b"}\n\n"
+    def usage(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
+    ) -> bytes:
+        counts = usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)
+        return self._head + b'],"usage":' + _encode(counts) + b"}\n\n"
 
 
 def error_body(message: str, error_type: str, code: str | None, param: str | None) -> bytes:

@@ -222,12 +222,14 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     return chat
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+def _usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, reasoning_tokens: int | None
+) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens or 0},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens or 0},
         "total_tokens": prompt_tokens + completion_tokens,
     }
 
@@ -298,8 +300,10 @@ class ResponseBuilder:
         return _encode(self.body(status, incomplete=incomplete, usage=usage))
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
-        return _usage(prompt_tokens, completion_tokens, cached_tokens)
+    def usage(
+        prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, reasoning_tokens: int | None = None
+    ) -> dict[str, Any]:
+        return _usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)
 
     # --- streamed --------------------------------------------------------------------------------
 

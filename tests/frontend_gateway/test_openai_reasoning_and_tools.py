@@ -83,6 +83,20 @@ def test_streamed_reasoning_arrives_as_reasoning_content_deltas(client: openai.O
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_reasoning_tokens_count_the_answer_up_to_the_end_of_its_reasoning(client: openai.OpenAI) -> None:
+    text = "<think>Step.</think>\n\nDone."
+    reasoning = len("<think>Step.</think>")  # echo_full: a token per character
+    whole: Any = ask(client, text).usage
+    assert (whole.completion_tokens, whole.completion_tokens_details.reasoning_tokens) == (len(text), reasoning)
+    chunks = list(ask(client, text, stream=True, stream_options={"include_usage": True}))
+    streamed: Any = chunks[-1].usage
+    assert streamed.completion_tokens_details.reasoning_tokens == reasoning
+    both: Any = ask(client, text, n=2).usage
+    assert both.completion_tokens_details.reasoning_tokens == 2 * reasoning
+    none: Any = ask(client, "No thinking.").usage
+    assert none.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_a_model_without_a_reasoning_parser_returns_the_tags_as_content(echo_full_server: Server) -> None:
     plain = openai.OpenAI(base_url=echo_full_server.api_url, api_key="unused", max_retries=0)
     reply = plain.chat.completions.create(model="echo", messages=[{"role": "user", "content": "<think>x</think>y"}])

@@ -101,6 +101,8 @@ async def test_reasoning_and_a_function_call_are_output_items(client: openai.Asy
         model="echo", input=f"<think>Need the weather.</think>{CALL}", tools=[WEATHER_TOOL]
     )
     reasoning, call = response.output
+    assert response.usage is not None  # echo: a token per character, the reasoning's up to its closing tag
+    assert response.usage.output_tokens_details.reasoning_tokens == len("<think>Need the weather.</think>")
     assert reasoning.type == "reasoning" and reasoning.content is not None
     assert reasoning.content[0].text == "Need the weather."
     assert call.type == "function_call" and call.name == "get_weather"
