@@ -38,15 +38,17 @@ class InputPart(msgspec.Struct):
 
 
 class InputItem(msgspec.Struct, kw_only=True):
-    """An input item: a message (the default type), or a function call and its output from a past turn."""
+    """An input item: a message (the default type), or from a past turn its reasoning, a function call and
+    the call's output. A response's own output items are input items too (``input += response.output``):
+    their ``id`` and ``status`` are not needed, and ignored."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "reasoning", "function_call", "function_call_output"] = "message"
     role: Role | None = None
     content: str | list[InputPart] | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | None = None
+    output: str | list[InputPart] | None = None
 
 
 class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -118,24 +120,45 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
         )
 
 
+_TEXT_PARTS = ("input_text", "output_text")
+
+
+def _text(parts: str | list[InputPart] | None, param: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str | None:
+    """The text of content given as a string or as text parts. Raises InvalidRequest for other parts."""
+    if not isinstance(parts, list):
+        return parts
+    texts = []
+    for part in parts:
+        if part.type not in kinds or part.text is None:
+            raise InvalidRequest(
+                f"content part of type {part.type!r} is not supported; only text parts are", param=param
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
 def _message(index: int, item: InputItem) -> dict[str, Any]:
     role = "system" if item.role == "developer" else item.role
     if role is None:
         raise InvalidRequest("a message input item needs a role", param=f"input[{index}].role")
-    content = item.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type not in ("input_text", "output_text") or part.text is None:
-                raise InvalidRequest(
-                    f"content part of type {part.type!r} is not supported; only text parts are",
-                    param=f"input[{index}].content",
-                )
-            texts.append(part.text)
-        content = "".join(texts)
+    content = _text(item.content, f"input[{index}].content")
     if content is None:
         raise InvalidRequest("a message input item needs content", param=f"input[{index}].content")
     return {"role": role, "content": content}
+
+
+def _assistant_turn(messages: list[dict[str, Any]], reasoning: str | None) -> dict[str, Any]:
+    """The assistant message that a function call joins: the last message if it is the assistant's (its text
+    or calls: a response's message and calls are one turn), else a new one (with the reasoning before it)."""
+    previous = messages[-1] if messages else None
+    if previous is not None and previous["role"] == "assistant":
+        previous.setdefault("tool_calls", [])
+        return previous
+    turn: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": []}
+    if reasoning is not None:
+        turn["reasoning_content"] = reasoning
+    messages.append(turn)
+    return turn
 
 
 def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -146,9 +169,18 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(request.input, str):
         messages.append({"role": "user", "content": request.input})
         return messages
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
     for index, item in enumerate(request.input):
+        if item.type == "reasoning":
+            # As vLLM takes it back: the reasoning of the assistant's next turn (its reasoning_content,
+            # which templates such as Qwen3's show within a tool loop); dropped if no such turn follows.
+            reasoning = _text(item.content, f"input[{index}].content", ("reasoning_text",)) or ""
+            continue
         if item.type == "message":
-            messages.append(_message(index, item))
+            message = _message(index, item)
+            if message["role"] == "assistant" and reasoning is not None:
+                message["reasoning_content"] = reasoning
+            messages.append(message)
         elif item.type == "function_call":
             if not item.call_id or not item.name or item.arguments is None:
                 raise InvalidRequest(
@@ -159,17 +191,15 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
             }
-            previous = messages[-1] if messages else None
-            if previous is not None and previous["role"] == "assistant" and previous.get("tool_calls"):
-                previous["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _assistant_turn(messages, reasoning)["tool_calls"].append(call)
         else:
-            if not item.call_id or item.output is None:
+            output = _text(item.output, f"input[{index}].output")
+            if not item.call_id or output is None:
                 raise InvalidRequest(
                     "a function_call_output input item needs call_id and output", param=f"input[{index}]"
                 )
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        reasoning = None
     return messages
 
 

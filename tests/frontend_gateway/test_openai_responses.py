@@ -7,15 +7,18 @@ the qwen3 reasoning parser and the hermes tool-call parser.
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx2
+import msgspec
 import openai
 import pytest
 
-from engines.echo import EchoFullEngine
+from engines.echo import EchoCoreEngine, EchoFullEngine
 from frontend_gateway.http_app import GatewayApp
-from frontend_gateway.models.pipeline import ModelRegistry, TextModel
+from frontend_gateway.models.pipeline import ModelRegistry, TextModel, TokenModel
+from runtime.models.loading import load_model_card
 
 WEATHER_TOOL: Any = {
     "type": "function",
@@ -159,3 +162,56 @@ async def test_what_cannot_be_honoured_is_a_bad_request(
 async def test_an_unknown_model_is_not_found(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         await client.responses.create(model="gpt-9", input="hi")
+
+
+# A template that shows each message's role, reasoning, text and calls: echo_core answers with it.
+TURNS_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content or '' }}|{{ m.content or '' }}|"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}]"
+    "{% endfor %}"
+)
+
+
+@pytest.fixture
+async def turns_client(smollm2: Path) -> AsyncIterator[openai.AsyncOpenAI]:
+    """``echo`` (qwen3 and hermes parsers) to make turn 1, and ``turns``, whose answer is how its chat
+    template saw the conversation."""
+    card = msgspec.structs.replace(load_model_card(smollm2), chat_template=TURNS_TEMPLATE, tool_call_parser="hermes")
+    registry = ModelRegistry()
+    registry.add(TextModel("echo", EchoFullEngine(0.0), reasoning_parser="qwen3", tool_call_parser="hermes"))
+    registry.add(TokenModel(msgspec.structs.replace(card, name="turns"), EchoCoreEngine(0.0)))
+    transport = httpx2.ASGITransport(app=GatewayApp(registry))
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        yield openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+async def test_a_tool_loop_sends_the_responses_own_output_back_as_input(turns_client: openai.AsyncOpenAI) -> None:
+    question: Any = [{"role": "user", "content": f"<think>Need the weather.</think>Checking.{CALL}"}]
+    first = await turns_client.responses.create(model="echo", input=question, tools=[WEATHER_TOOL])
+    assert [item.type for item in first.output] == ["reasoning", "message", "function_call"]
+    call: Any = first.output[-1]
+    result = {
+        "type": "function_call_output",
+        "call_id": call.call_id,
+        "output": [{"type": "input_text", "text": "Sunny, "}, {"type": "input_text", "text": "21 C"}],
+    }
+    second = await turns_client.responses.create(
+        model="turns", input=[*question, *first.output, result], tools=[WEATHER_TOOL]
+    )
+    # One assistant turn: its reasoning, its text and its call; then the tool's output, its parts joined.
+    assert second.output_text.endswith(
+        '[assistant|Need the weather.|Checking.|get_weather{"city": "Paris"}][tool||Sunny, 21 C|]'
+    )
+
+
+async def test_a_function_call_output_with_other_than_text_parts_is_refused(client: openai.AsyncOpenAI) -> None:
+    output: Any = [{"type": "input_image", "image_url": "https://example.com/x.png"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(
+            model="echo",
+            input=[
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": output},
+            ],
+        )
+    assert caught.value.param == "input[1].output"
