@@ -59,6 +59,7 @@ from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
 from frontend_gateway.openai_api import (
+    best_of,
     chat_choices,
     completion_batch,
     embeddings,
@@ -449,14 +450,17 @@ class GatewayApp:
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = decode_body(completion_decoder, await self._read_body(scope, receive))
         preprocessor.check_stream_options(request)
-        prompts = completion_batch.choices(request)
+        best = best_of.plan(request)
+        prompts = completion_batch.choices(best.candidates if best is not None else request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
         await self._charge(scope)
         await self._admit(receive)
         try:
             if len(prompts) > 1:
-                scope[_STATUS] = await self._completion_batch(scope, model, request, prompts, disagg, receive, send)
+                scope[_STATUS] = await self._completion_batch(
+                    scope, model, request, prompts, disagg, receive, send, best
+                )
                 return
             generation = await model.prepare_completion(request)
             self._reserve(scope, generation.token_bound)
@@ -475,9 +479,20 @@ class GatewayApp:
         disagg: str | None,
         receive: Receive,
         send: Send,
+        best: best_of.BestOf | None = None,
     ) -> str:
-        """A completion request with several prompts (openai_api/completion_batch.py); returns how it ended."""
-        batch = await completion_batch.prepare(model, request, prompts, disagg)
+        """A completion request with several prompts (openai_api/completion_batch.py), or ``best`` of several
+        candidates (openai_api/best_of.py); returns how it ended."""
+        if best is None:
+            batch = await completion_batch.prepare(model, request, prompts, disagg)
+        else:
+            try:
+                batch = await completion_batch.prepare(model, best.candidates, prompts, disagg)
+            except InvalidRequest as exc:
+                if exc.param == "logprobs" and not best.show_logprobs:
+                    raise best_of.unsupported(model.name, exc) from exc
+                raise
+            batch.best_of = best
         self._reserve(scope, batch.total.token_bound)
         scope[_GENERATION] = batch.total
         return await self._respond("completion", "completions", model, request, batch.total, receive, send, batch=batch)

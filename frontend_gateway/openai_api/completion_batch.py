@@ -24,6 +24,7 @@ import msgspec
 from frontend_gateway.errors import EngineFailed, GatewayError, InvalidRequest
 from frontend_gateway.models.pipeline import Generation, ServedModel
 from frontend_gateway.openai_api import encoding
+from frontend_gateway.openai_api.best_of import BestOf
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs
 from frontend_gateway.openai_api.types import CompletionRequest
 
@@ -101,6 +102,8 @@ class Batch:
         prompt_tokens = sum(generation.prompt_tokens for generation in generations)
         bound = sum(generation.token_bound for generation in generations)
         self.total = Generation(uuid.uuid4().hex, prompt_tokens, token_bound=bound)
+        #: Which of the generations are the answer, when they are best_of candidates (best_of.py).
+        self.best_of: BestOf | None = None
 
     async def respond(
         self,
@@ -186,6 +189,8 @@ class Batch:
             await send({"type": "http.response.body", "body": tail + encoding.DONE_FRAME})
             return None
         choices = [shape.whole(index, "".join(texts[index])) for index in range(count)]
+        if self.best_of is not None:
+            choices = self.best_of.pick(choices, self.generations)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": _encode({**head, "choices": choices, "usage": usage})})
         return None

@@ -25,7 +25,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
-OnlyOne = Annotated[int, Meta(ge=1, le=1)]
 StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
 
 
@@ -187,7 +186,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # msgspec cannot tell list[str] from list[int] inside one union); batches of prompts are refused.
     prompt: str | list[str | int | list[int]]
     echo: bool = False
-    best_of: OnlyOne | None = None
+    # Candidates per prompt, of which the n best are returned (openai_api/best_of.py); vLLM's bound is n's.
+    best_of: Annotated[int, Meta(ge=1, le=128)] | None = None
     suffix: str | None = None
 
 

@@ -104,3 +104,20 @@ def test_malformed_completion_logprobs_are_a_bad_request(
     with pytest.raises(openai.BadRequestError, match=contains) as caught:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=fields)
     assert caught.value.param == param
+
+
+def test_best_of_returns_the_likeliest_candidates_and_counts_them_all(client: openai.OpenAI) -> None:
+    # The candidates of best_of=3 are the three choices of n=3 with the same seed (the j-th seeded seed + j).
+    fields: Any = {"prompt": "Once upon a time", "temperature": 1.0, "seed": 7, "max_tokens": 6, "logprobs": 0}
+    every = client.completions.create(model=MODEL, n=3, **fields)
+    best = client.completions.create(model=MODEL, n=2, best_of=3, **fields)
+
+    def score(choice: Any) -> float:
+        return sum(choice.logprobs.token_logprobs)
+
+    ranked = sorted(every.choices, key=score, reverse=True)[:2]
+    assert [(choice.index, choice.text) for choice in best.choices] == [(0, ranked[0].text), (1, ranked[1].text)]
+    assert best.usage is not None and every.usage is not None
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all three candidates are charged
+    plain = client.completions.create(model=MODEL, best_of=3, **{**fields, "logprobs": None})
+    assert plain.choices[0].text == ranked[0].text and plain.choices[0].logprobs is None

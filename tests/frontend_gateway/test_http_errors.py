@@ -240,7 +240,9 @@ def test_tool_calls_holding_an_integer_beyond_64_bits_are_400(echo_full_server: 
         (CHAT, {"logprobs": 0}, "logprobs"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "tail"}, "suffix"),
-        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),  # echo reports no logprobs to pick by
+        ("/v1/completions", {"best_of": 2, "stream": True}, "best_of"),
+        ("/v1/completions", {"best_of": 1, "n": 2}, "best_of"),
     ],
 )
 def test_fields_that_would_not_be_honoured_are_refused(
