@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from frontend_gateway.parsers.reasoning import REASONING_PARSERS, reasoning_parser
+from frontend_gateway.parsers.reasoning import REASONING_PARSERS, ReasoningCounter, reasoning_parser
 
 
 def parse(name: str, pieces: list[str]) -> tuple[str, str]:
@@ -60,3 +60,19 @@ def test_reasoning_streams_before_the_closing_tag_arrives() -> None:
 
 def test_the_parsers_have_vllms_names() -> None:
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+
+
+@pytest.mark.parametrize(
+    ("name", "pieces", "tokens"),
+    [
+        ("qwen3", ["<think>", "Hm", ".</think>", "\n", "Hi"], 3),  # up to the piece that closes it
+        ("qwen3", ["Just", " text"], 0),
+        ("deepseek_r1", ["Hm", ".", "</think>", "Hi", "!"], 3),
+        ("deepseek_r1", ["Still", " thinking"], 2),  # cut off while reasoning: all of it
+    ],
+)
+def test_reasoning_tokens_are_those_up_to_the_end_of_the_reasoning(name: str, pieces: list[str], tokens: int) -> None:
+    counter = ReasoningCounter(reasoning_parser(name))
+    for count, piece in enumerate(pieces, start=1):  # a token per piece
+        counter.feed(piece, count)
+    assert counter.tokens == tokens

@@ -65,6 +65,12 @@ TIME = ("get_time", {"zone": "CET"})
             "AThe result is near.",
             [WEATHER],
         ),
+        (
+            "hermes",
+            '<tool_call>{"name": "search", "arguments": {"q": "a\\"}]{b"}}</tool_call>',
+            "",
+            [("search", {"q": 'a"}]{b'})],
+        ),  # brackets and an escaped quote inside a string do not end the arguments
         ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
         ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [WEATHER]),  # unclosed
         ("hermes", "<tool_ca", "<tool_ca", []),
