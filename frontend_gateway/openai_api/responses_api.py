@@ -349,11 +349,17 @@ class ResponseBuilder:
     def delta(self, delta: Delta) -> bytes:
         """The events of one parsed piece of the answer."""
         frames = b""
+        pieces = delta.tool_calls
+        # The arguments of a call open before this piece of text came first in it (text cannot come
+        # before a call's end): they go to the call's item before text closes it.
+        ending = next((number for number, piece in enumerate(pieces) if piece.id is not None), len(pieces))
+        for piece in pieces[:ending]:
+            frames += self._call_piece(piece)
         if delta.reasoning:
             frames += self._text("reasoning", delta.reasoning)
         if delta.content:
             frames += self._text("message", delta.content)
-        for piece in delta.tool_calls:
+        for piece in pieces[ending:]:
             frames += self._call_piece(piece)
         return frames
 
@@ -368,7 +374,7 @@ class ResponseBuilder:
             self.output.append(item)
             frames += self._event("response.output_item.added", output_index=len(self.output) - 1, item=item)
         current = self._open
-        if current is None or not piece.arguments:
+        if current is None or current["type"] != "function_call" or not piece.arguments:
             return frames
         current["arguments"] += piece.arguments
         where = {"item_id": current["id"], "output_index": len(self.output) - 1}

@@ -18,6 +18,9 @@ import pytest
 from engines.echo import EchoCoreEngine, EchoFullEngine
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.models.pipeline import ModelRegistry, TextModel, TokenModel
+from frontend_gateway.openai_api.chat_output import Delta
+from frontend_gateway.openai_api.responses_api import ResponseBuilder, decoder
+from frontend_gateway.parsers.tool_calls import tool_call_parser
 from runtime.models.loading import load_model_card
 
 WEATHER_TOOL: Any = {
@@ -215,3 +218,16 @@ async def test_a_function_call_output_with_other_than_text_parts_is_refused(clie
             ],
         )
     assert caught.value.param == "input[1].output"
+
+
+async def test_text_after_a_call_in_the_same_piece_keeps_the_calls_arguments_whole() -> None:
+    # One piece ends a call's arguments and then has text: the arguments go to the call, the text after it.
+    builder = ResponseBuilder(decoder.decode(b'{"model": "echo", "input": "hi"}'), response_id="r", model="echo")
+    parser = tool_call_parser("hermes")
+    frames = b""
+    for piece in ['<tool_call>{"name": "f", "arguments": {"a', '": 1}}</tool_call> After.']:
+        content, calls = parser.feed(piece)
+        frames += builder.delta(Delta(content=content, tool_calls=calls))
+    assert [item["type"] for item in builder.output] == ["function_call", "message"]
+    assert builder.output[0]["arguments"] == '{"a": 1}' and builder.output[1]["content"][0]["text"] == "After."
+    assert frames.index(b"function_call_arguments.done") < frames.index(b"output_text.delta")
