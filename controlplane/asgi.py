@@ -18,8 +18,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # (WhiteNoise is sync-only, the others run process_request/response through sync_to_async): 9.8 -> 5.0 ms
 # a small API call, one request at a time (docs/benchmarks.md).
 http_application = WsgiToAsgi(get_wsgi_application())
-#: Where files are uploaded (controlplane/batches/urls.py).
+#: Where files are uploaded (controlplane/batches/urls.py), and responses stored (stored_responses/urls.py).
 UPLOAD_PATH = "/v1/files"
+RESPONSES_PATH, STORE_SUFFIX = "/v1/responses/", "/store"
 
 from controlplane.deployments.log_tail import log_tail_timeout_s  # noqa: E402
 from controlplane.live.routing import websocket_application  # noqa: E402
@@ -37,12 +38,19 @@ def http_stack(app: ASGIApp) -> ASGIApp:
         log_tail_retry_after_s=log_tail_timeout_s(),
     )
     api = limit_body(on_threads, settings.API_MAX_BODY_BYTES, timeout_s=settings.API_BODY_TIMEOUT_S)
-    # Uploads to /v1/files (batch input files, up to hundreds of MB) have a limit and a deadline of their own.
+    # Uploads to /v1/files (batch input files, up to hundreds of MB) have a limit and a deadline of their own,
+    # and so do stored responses (a long conversation is stored whole).
     uploads = limit_body(on_threads, settings.FILES_MAX_BYTES, timeout_s=settings.FILES_UPLOAD_TIMEOUT_S)
+    stored = limit_body(on_threads, settings.RESPONSES_MAX_BYTES, timeout_s=settings.API_BODY_TIMEOUT_S)
 
     async def by_path(scope: Scope, receive: Receive, send: Send) -> None:
-        upload = scope["type"] == "http" and scope["path"].rstrip("/") == UPLOAD_PATH
-        await (uploads if upload else api)(scope, receive, send)
+        path = scope["path"].rstrip("/") if scope["type"] == "http" else ""
+        if path == UPLOAD_PATH:
+            await uploads(scope, receive, send)
+        elif path.startswith(RESPONSES_PATH) and path.endswith(STORE_SUFFIX):
+            await stored(scope, receive, send)
+        else:
+            await api(scope, receive, send)
 
     return by_path
 

@@ -44,6 +44,8 @@ SYNC_SERVED_NAMES_TASK = "flotilla.controlplane.sync_served_names"
 #: A slice of one batch's run (controlplane/batches/), and the upkeep that restarts orphaned batches.
 RUN_BATCH_TASK = "flotilla.controlplane.run_batch"
 BATCH_UPKEEP_TASK = "flotilla.controlplane.batch_upkeep"
+#: Stored responses past their keeping time deleted (controlplane/stored_responses/).
+EXPIRE_RESPONSES_TASK = "flotilla.controlplane.expire_responses"
 
 # Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
 PUBLISH_CONNECT_TIMEOUT_S = 2.0
@@ -104,6 +106,7 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
             SYNC_SERVED_NAMES_TASK: {"queue": CONTROL_PLANE_QUEUE},
             RUN_BATCH_TASK: {"queue": BATCHES_QUEUE},
             BATCH_UPKEEP_TASK: {"queue": CONTROL_PLANE_QUEUE},
+            EXPIRE_RESPONSES_TASK: {"queue": CONTROL_PLANE_QUEUE},
         },
         beat_schedule={
             "reconcile": {
@@ -130,6 +133,12 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
                 "schedule": batch_upkeep_s(),
                 "options": {"queue": CONTROL_PLANE_QUEUE, "expires": batch_upkeep_s()},
             },
+            # Stored responses past FLOTILLA_RESPONSES_KEEP_S, deleted hourly.
+            "expire-responses": {
+                "task": EXPIRE_RESPONSES_TASK,
+                "schedule": 3600.0,
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": 3600.0},
+            },
             # The ingresses' usage counts, from Redis into the database.
             "drain-usage": {
                 "task": DRAIN_USAGE_TASK,
@@ -152,7 +161,9 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         # pass anyway.
         **celery_redis_settings({"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}),
     )
-    celery.autodiscover_tasks(["controlplane.deployments", "controlplane.apikeys", "controlplane.batches"])
+    celery.autodiscover_tasks(
+        ["controlplane.deployments", "controlplane.apikeys", "controlplane.batches", "controlplane.stored_responses"]
+    )
     return celery
 
 

@@ -59,6 +59,7 @@ INSTALLED_APPS = [
     "controlplane.planning",
     "controlplane.apikeys",
     "controlplane.batches",
+    "controlplane.stored_responses",
     "controlplane.dashboard",
     "controlplane.live",
     "controlplane.health",
@@ -137,6 +138,10 @@ BATCH_GATEWAY_URL = env_str("FLOTILLA_GATEWAY_URL")
 BATCH_CONCURRENCY = env_int("FLOTILLA_BATCH_CONCURRENCY", 16, minimum=1)
 BATCH_SLICE_S = env_float("FLOTILLA_BATCH_SLICE_S", 30.0, minimum=0.5)
 BATCH_LEASE_S = env_float("FLOTILLA_BATCH_LEASE_S", 30.0, minimum=2.0)
+# Responses API answers stored for previous_response_id (controlplane/stored_responses/): how long they are
+# kept (OpenAI's 30 days), and the largest one the gateway may store (a long conversation is stored whole).
+RESPONSES_KEEP_S = env_float("FLOTILLA_RESPONSES_KEEP_S", 30 * 24 * 3600.0, minimum=1.0)
+RESPONSES_MAX_BYTES = env_int("FLOTILLA_RESPONSES_MAX_BYTES", 16 * 1024 * 1024, minimum=1024)
 # How many requests run Django code at once, in three lanes that cannot starve each other: people's requests,
 # agents' reports and log tails (controlplane/request_threads.py). People and agents beyond their threads
 # wait in the event loop; log tails beyond theirs get a 503 with Retry-After.

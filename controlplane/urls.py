@@ -7,5 +7,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("controlplane.api.urls")),
     path("", include("controlplane.batches.urls")),
+    path("", include("controlplane.stored_responses.urls")),
     path("", include("controlplane.dashboard.urls")),
 ]

@@ -5,7 +5,10 @@ what a failure mid-stream becomes."""
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import msgspec
 
 from frontend_gateway.errors import EngineFailed, GatewayError
 from frontend_gateway.http_io import JSON_HEADERS, SSE_HEADERS, Send
@@ -58,12 +61,20 @@ class RichFrames:
 
 
 async def respond_responses(
-    builder: ResponseBuilder, generation: Generation, stream: bool, send: Send, started: float, metrics: Any
+    builder: ResponseBuilder,
+    generation: Generation,
+    stream: bool,
+    send: Send,
+    started: float,
+    metrics: Any,
+    store: Callable[[dict[str, Any]], Awaitable[bool]] | None = None,
 ) -> GatewayError | None:
     """Send a Responses API answer, whole or as its events; returns the failure that ended a stream.
 
     As for chat, a failure before the first piece propagates (a proper error status) and one after
-    the status line ends the stream with an ``error`` event.
+    the status line ends the stream with an ``error`` event. ``store`` (when the response is kept) is
+    handed the final body before its last bytes go, so that the client's next turn finds it; when it
+    fails, the body says ``store: false``.
     """
     parser = generation.output
     parsed = Delta()
@@ -102,14 +113,22 @@ async def respond_responses(
         generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens, generation.reasoning_tokens
     )
     if stream:
-        await send({"type": "http.response.body", "body": builder.finish(finish_reason=finish_reason, usage=usage)})
+        closing, body = builder.finish(finish_reason=finish_reason, usage=usage)
+        await _store(store, body)
+        await send({"type": "http.response.body", "body": closing + builder.finished(body)})
     else:
         calls = parser.calls if parser is not None else []
         body = builder.whole(parsed, calls, finish_reason=finish_reason, usage=usage)
+        await _store(store, body)
         headers = response_headers(JSON_HEADERS, generation)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": msgspec.json.encode(body)})
     return None
+
+
+async def _store(store: Callable[[dict[str, Any]], Awaitable[bool]] | None, body: dict[str, Any]) -> None:
+    if store is not None and not await store(body):
+        body["store"] = False
 
 
 def as_gateway_error(exc: Exception, generation: Generation) -> GatewayError:

@@ -14,6 +14,7 @@ from http import HTTPStatus
 from typing import Any
 
 import httpx
+import msgspec
 
 from frontend_gateway.errors import GatewayError, NotFound
 from frontend_gateway.http_io import ClientDisconnected
@@ -24,8 +25,10 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-#: The paths passed on: each and everything below it.
+#: The paths passed on: each and everything below it; and below /v1/responses (stored responses: retrieve,
+#: delete, input items), whose own path is the gateway's.
 PATHS = ("/v1/files", "/v1/batches")
+_BELOW = ("/v1/responses/",)
 # Request headers the control plane needs; hop-by-hop and the client's others stay here.
 _FORWARDED_REQUEST = (b"authorization", b"content-type", b"content-length", b"openai-beta")
 # Response headers passed back to the client.
@@ -33,11 +36,13 @@ _FORWARDED_RESPONSE = ("content-type", "content-length", "content-disposition", 
 # Connecting fails fast (the control plane is down: say so); an answer may take a while (a large upload is
 # read whole, then stored).
 _TIMEOUT = httpx.Timeout(300.0, connect=3.0)
+# A stored response is read or written on the answer's path: a control plane slower than this is logged.
+_STORE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 
 def handles(path: str) -> bool:
     """Whether ``path`` (without a trailing slash) is one this module passes on."""
-    return any(path == prefix or path.startswith(prefix + "/") for prefix in PATHS)
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in PATHS) or path.startswith(_BELOW)
 
 
 class ControlPlaneUnavailable(GatewayError):
@@ -91,6 +96,62 @@ class ControlPlaneProxy:
             log.warning("the control plane's answer to %s %s broke off: %s", scope["method"], scope["path"], exc)
         finally:
             await response.aclose()
+
+    # --- stored responses (the Responses API's store and previous_response_id) ------------------------
+
+    async def store_response(
+        self, authorization: bytes, body: dict[str, Any], input_items: list[Any], conversation: list[Any]
+    ) -> bool:
+        """Hand the response ``body`` to the control plane to keep, for the key in ``authorization``;
+        False (logged) when it is not kept (the response then says ``store: false``)."""
+        url = f"{self.base_url}/v1/responses/{body['id']}/store"
+        payload = msgspec.json.encode({"response": body, "input_items": input_items, "conversation": conversation})
+        headers = {"authorization": authorization.decode("latin-1"), "content-type": "application/json"}
+        try:
+            answer = await self._client.post(url, content=payload, headers=headers, timeout=_STORE_TIMEOUT)
+        except httpx.HTTPError as exc:
+            log.warning(
+                "response %s not stored: the control plane at %s does not answer (%s)", body["id"], self.base_url, exc
+            )
+            return False
+        if answer.status_code != 200:
+            log.warning(
+                "response %s not stored: the control plane answered %d: %s",
+                body["id"],
+                answer.status_code,
+                answer.text[:300],
+            )
+            return False
+        return True
+
+    async def conversation(self, authorization: bytes, response_id: str) -> bytes:
+        """The items of the conversation that the stored response ``response_id`` ends (JSON). Raises
+        ResponseNotFound, or ControlPlaneUnavailable."""
+        url = f"{self.base_url}/v1/responses/{response_id}/conversation"
+        try:
+            answer = await self._client.get(
+                url, headers={"authorization": authorization.decode("latin-1")}, timeout=_STORE_TIMEOUT
+            )
+        except httpx.HTTPError as exc:
+            raise ControlPlaneUnavailable(
+                f"previous_response_id needs the stored responses, which the control plane keeps, and it does not "
+                f"answer at {self.base_url} ({type(exc).__name__}); try again once it is back"
+            ) from exc
+        if answer.status_code == 404:
+            shown = response_id[:100]
+            raise ResponseNotFound(f"Previous response with id '{shown}' not found.", param="previous_response_id")
+        if answer.status_code != 200:
+            raise ControlPlaneUnavailable(
+                f"the control plane answered {answer.status_code} for the stored response {response_id[:100]}"
+            )
+        try:
+            return msgspec.json.encode(msgspec.json.decode(answer.content)["items"])
+        except (msgspec.DecodeError, KeyError, TypeError) as exc:
+            raise ControlPlaneUnavailable("the control plane's answer for a stored response is not one") from exc
+
+
+class ResponseNotFound(NotFound):
+    """``previous_response_id`` names no stored response of the key (404, as OpenAI answers)."""
 
 
 class NoControlPlane(NotFound):

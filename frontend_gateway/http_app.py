@@ -558,7 +558,8 @@ class GatewayApp:
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``: the Responses API over the chat pipeline (openai_api/responses_api.py)."""
         request: ResponsesRequest = decode_body(responses_api.decoder, await self._read_body(scope, receive))
-        chat = responses_api.to_chat(request)
+        history = await self._history(scope, request)
+        chat = responses_api.to_chat(request, history)
         preprocessor.check_chat(chat)
         disagg = _disagg_override(scope)
         model = await self._find_model(chat.model, scope)
@@ -569,10 +570,50 @@ class GatewayApp:
             self._reserve(scope, generation.token_bound)
             scope[_GENERATION] = generation
             generation.context.disagg = disagg
-            builder = ResponseBuilder(request, response_id=generation.request_id, model=model.name)
-            scope[_STATUS] = await self._respond("chat", "responses", model, chat, generation, receive, send, builder)
+            keep = self._keeper(scope, request, history)
+            builder = ResponseBuilder(request, response_id=generation.request_id, model=model.name, store=bool(keep))
+            scope[_STATUS] = await self._respond(
+                "chat", "responses", model, chat, generation, receive, send, builder, keep=keep
+            )
         finally:
             self.admission.release()
+
+    async def _history(self, scope: Scope, request: ResponsesRequest) -> list[responses_api.InputItem]:
+        """The conversation that ``previous_response_id`` names, read from the control plane (the key's own).
+        Raises InvalidRequest where no responses are stored, ResponseNotFound, ControlPlaneUnavailable."""
+        if request.previous_response_id is None:
+            return []
+        authorization = header(scope, b"authorization")
+        if self.control_plane is None or scope.get(_API_KEY) is None or authorization is None:
+            raise InvalidRequest(
+                "previous_response_id needs stored responses, which a fleet's control plane keeps for API keys, and "
+                "this gateway has none (no --control-plane, or no API keys); send the whole conversation as input",
+                param="previous_response_id",
+            )
+        items = await self.control_plane.conversation(authorization, request.previous_response_id)
+        try:
+            return responses_api.history_decoder.decode(items)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(
+                f"the stored response cannot be continued: {exc}", param="previous_response_id"
+            ) from exc
+
+    def _keeper(
+        self, scope: Scope, request: ResponsesRequest, history: list[responses_api.InputItem]
+    ) -> Callable[[dict[str, Any]], Awaitable[bool]] | None:
+        """What stores the response (``store``, true unless the request says false, as OpenAI's default):
+        the control plane, for the request's key; None where there is none to store it with."""
+        authorization = header(scope, b"authorization")
+        control_plane = self.control_plane
+        if request.store is False or control_plane is None or scope.get(_API_KEY) is None or authorization is None:
+            return None
+        given = responses_api.input_items(request)
+
+        async def keep(body: dict[str, Any]) -> bool:
+            conversation = responses_api.conversation_items(history, request, body["output"])
+            return await control_plane.store_response(authorization, body, given, conversation)
+
+        return keep
 
     async def _respond(
         self,
@@ -585,6 +626,7 @@ class GatewayApp:
         send: Send,
         builder: ResponseBuilder | None = None,
         batch: completion_batch.Batch | None = None,
+        keep: Callable[[dict[str, Any]], Awaitable[bool]] | None = None,
     ) -> str:
         """Run the generation, streamed or whole, and stop it if the client goes away; returns how it ended
         ("success", "error" or "cancelled"). ``builder`` shapes it as a Responses API answer; a ``batch``
@@ -611,7 +653,7 @@ class GatewayApp:
                     first_piece=lambda: model_metrics.ttft.observe(time.perf_counter() - started),
                 )
             elif builder is not None:
-                failure = await respond_responses(builder, generation, stream, send, started, model_metrics)
+                failure = await respond_responses(builder, generation, stream, send, started, model_metrics, keep)
             elif stream:
                 include_usage = bool(stream_options is not None and stream_options.include_usage)
                 failure = await self._stream(

@@ -7,74 +7,25 @@ only its own files and batches: another key's id is a 404, as if it did not exis
 """
 
 import datetime
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
 import msgspec
 from django.conf import settings
 from django.db import transaction
-from django.db.models import ProtectedError, QuerySet
+from django.db.models import ProtectedError
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
-from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.apikeys.models import ApiKey
 from controlplane.batches import storage, validation
 from controlplane.batches.models import Batch, StoredFile
 from controlplane.celery_app import send_batch_slice
-from runtime.fleet_contract.api_keys import key_hash
-
-View = Callable[..., HttpResponse]
+from controlplane.openai_views import OpenAIError, openai_view, page
 
 _PURPOSES = ("batch",)
 _WINDOWS = {"24h": datetime.timedelta(hours=24)}
 _MAX_METADATA = 16
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-    def response(self) -> JsonResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-        return JsonResponse(body, status=self.status)
-
-
-def openai_view(methods: dict[str, View]) -> View:
-    """A view answering ``methods`` for a key's holder: the key checked first, errors in OpenAI's shape."""
-
-    @csrf_exempt
-    def view(request: HttpRequest, **kwargs: str) -> HttpResponse:
-        try:
-            handler = methods.get(request.method or "")
-            if handler is None:
-                allowed = ", ".join(methods)
-                raise OpenAIError(
-                    HTTPStatus.METHOD_NOT_ALLOWED, f"{request.path} takes {allowed}, not {request.method}"
-                )
-            return handler(request, _key(request), **kwargs)
-        except OpenAIError as exc:
-            return exc.response()
-
-    return view
-
-
-def _key(request: HttpRequest) -> ApiKey:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise OpenAIError(
-            HTTPStatus.UNAUTHORIZED,
-            "You didn't provide an API key (Authorization: Bearer sk-flt-...).",
-            code="invalid_api_key",
-        )
-    key = ApiKey.objects.select_related("owner").filter(key_hash=key_hash(token.strip())).first()
-    if key is None or key.revoked or key.suspended or (key.expires_at is not None and key.expires_at <= timezone.now()):
-        why = "unknown" if key is None else "revoked" if key.revoked else "suspended" if key.suspended else "expired"
-        raise OpenAIError(HTTPStatus.UNAUTHORIZED, f"Incorrect API key provided ({why}).", code="invalid_api_key")
-    return key
 
 
 # --- files -----------------------------------------------------------------------------------------
@@ -115,7 +66,7 @@ def _list_files(request: HttpRequest, key: ApiKey) -> HttpResponse:
     files = StoredFile.objects.filter(api_key=key)
     if purpose := request.GET.get("purpose"):
         files = files.filter(purpose=purpose)
-    return JsonResponse(_page(request, files, file_object))
+    return JsonResponse(page(request, files, file_object))
 
 
 def _own_file(key: ApiKey, file_id: str) -> StoredFile:
@@ -251,7 +202,7 @@ def _own_batch(key: ApiKey, batch_id: str) -> Batch:
 
 
 def _list_batches(request: HttpRequest, key: ApiKey) -> HttpResponse:
-    return JsonResponse(_page(request, Batch.objects.filter(api_key=key), batch_object))
+    return JsonResponse(page(request, Batch.objects.filter(api_key=key), batch_object))
 
 
 def _retrieve_batch(request: HttpRequest, key: ApiKey, batch_id: str) -> HttpResponse:
@@ -274,33 +225,6 @@ def _cancel_batch(request: HttpRequest, key: ApiKey, batch_id: str) -> HttpRespo
             )
     batch.refresh_from_db()
     return JsonResponse(batch_object(batch))
-
-
-def _page(request: HttpRequest, rows: "QuerySet[Any]", shape: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """One page of ``rows`` (newest first) as OpenAI lists them: ``limit`` (1-100, default 20) rows after
-    the row ``after``."""
-    try:
-        limit = int(request.GET.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise OpenAIError(HTTPStatus.BAD_REQUEST, "limit is a whole number from 1 to 100", param="limit")
-    if after := request.GET.get("after"):
-        anchor = rows.filter(pk=after).first()
-        if anchor is None:
-            raise OpenAIError(
-                HTTPStatus.BAD_REQUEST, f"after={after[:100]!r} names nothing in this list", param="after"
-            )
-        rows = rows.filter(created_at__lte=anchor.created_at).exclude(created_at=anchor.created_at, id__lte=anchor.pk)
-    page = list(rows.order_by("-created_at", "id")[: limit + 1])
-    data = [shape(row) for row in page[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(page) > limit,
-    }
 
 
 files = openai_view({"GET": _list_files, "POST": _upload})

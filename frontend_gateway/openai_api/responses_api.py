@@ -5,8 +5,12 @@ A Responses request becomes a chat request (``to_chat``: instructions a system m
 messages, function tools chat tools, ``text.format`` a ``response_format``), so that templates,
 parsers, structured output and the engines are the chat path's. The answer's parts become output
 items: ``reasoning`` (a model with a reasoning parser), ``message`` (its text) and ``function_call``
-(each tool call). Nothing is stored: ``previous_response_id``, ``conversation`` and ``background``
-are refused (400), and the response says ``store: false``.
+(each tool call).
+
+Stored responses (``store``, and ``previous_response_id`` naming one) are the control plane's
+(controlplane/stored_responses/): the gateway hands a response over as it answers, with the conversation it
+ends (``conversation_items``), and reads a conversation back for a request that continues one (``history``
+of ``to_chat``). ``conversation`` and ``background`` are refused (400).
 """
 
 import time
@@ -95,8 +99,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Accepted only to be refused: nothing is stored, nothing runs in the background.
-    previous_response_id: str | None = None
+    previous_response_id: Annotated[str, Meta(min_length=1, max_length=100)] | None = None
+    # Accepted only to be refused: no conversations objects, nothing runs in the background.
     conversation: Any | None = None
     background: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -106,11 +110,11 @@ decoder = msgspec.json.Decoder(ResponsesRequest)
 
 
 def _refuse_unsupported(request: ResponsesRequest) -> None:
-    if request.previous_response_id is not None or request.conversation is not None:
-        param = "previous_response_id" if request.previous_response_id is not None else "conversation"
+    if request.conversation is not None:
         raise InvalidRequest(
-            f"{param} needs stored responses, and this server stores none; send the whole conversation as input",
-            param=param,
+            "conversation objects are not supported; continue a conversation with previous_response_id, or send "
+            "it whole as input",
+            param="conversation",
         )
     if request.background:
         raise InvalidRequest("background responses are not supported; leave background out", param="background")
@@ -161,16 +165,16 @@ def _assistant_turn(messages: list[dict[str, Any]], reasoning: str | None) -> di
     return turn
 
 
-def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages the input stands for: function calls join the assistant turn they belong to."""
+def _messages(request: ResponsesRequest, history: list[InputItem]) -> list[dict[str, Any]]:
+    """The chat messages the input stands for (after the ``history`` it continues, if any): function calls
+    join the assistant turn they belong to. The instructions come first; a previous response's are not
+    carried over, as OpenAI does."""
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        return messages
+    items = [*history, *_as_items(request.input)]
     reasoning: str | None = None  # a reasoning item's text, for the assistant turn that follows it
-    for index, item in enumerate(request.input):
+    for index, item in enumerate(items):
         if item.type == "reasoning":
             # As vLLM takes it back: the reasoning of the assistant's next turn (its reasoning_content,
             # which templates such as Qwen3's show within a tool loop); dropped if no such turn follows.
@@ -225,13 +229,40 @@ def _response_format(request: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
 
 
-def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that ``request`` stands for. Raises InvalidRequest for what cannot be served."""
+def _as_items(given: str | list[InputItem]) -> list[InputItem]:
+    return [InputItem(role="user", content=given)] if isinstance(given, str) else given
+
+
+def _item_object(item: InputItem) -> dict[str, Any]:
+    """An input item as OpenAI lists it: without empty fields, a message's text as a content part."""
+    shown: dict[str, Any] = {k: v for k, v in msgspec.to_builtins(item).items() if v is not None}
+    if item.type == "message" and isinstance(item.content, str):
+        part = "output_text" if item.role == "assistant" else "input_text"
+        shown["content"] = [{"type": part, "text": item.content}]
+    return shown
+
+
+def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is a user message), for storing."""
+    return [_item_object(item) for item in _as_items(request.input)]
+
+
+def conversation_items(history: list[InputItem], request: ResponsesRequest, output: list[dict[str, Any]]) -> list[Any]:
+    """The conversation a response ends: what it continued, its input, its output (as a later request's input)."""
+    return [*(_item_object(item) for item in history), *input_items(request), *output]
+
+
+history_decoder = msgspec.json.Decoder(list[InputItem])
+
+
+def to_chat(request: ResponsesRequest, history: list[InputItem] | None = None) -> ChatCompletionRequest:
+    """The chat request that ``request`` stands for, continuing ``history`` (the items of the conversation
+    its ``previous_response_id`` names). Raises InvalidRequest for what cannot be served."""
     _refuse_unsupported(request)
     choice = request.tool_choice
     body: dict[str, Any] = {
         "model": request.model,
-        "messages": _messages(request),
+        "messages": _messages(request, history or []),
         "stream": request.stream,
         "max_tokens": request.max_output_tokens,
         "temperature": request.temperature,
@@ -276,8 +307,10 @@ class ResponseBuilder:
     answer ends, as OpenAI's own stream does.
     """
 
-    def __init__(self, request: ResponsesRequest, *, response_id: str, model: str) -> None:
+    def __init__(self, request: ResponsesRequest, *, response_id: str, model: str, store: bool = False) -> None:
         self.request = request
+        #: Whether the response is handed to the control plane to keep (its body says so).
+        self.store = store
         self.id = "resp_" + response_id
         self.model = model
         self.created_at = int(time.time())
@@ -302,8 +335,8 @@ class ResponseBuilder:
             "model": self.model,
             "output": self.output,
             "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": request.previous_response_id,
+            "store": self.store,
             "temperature": request.temperature,
             "text": {"format": msgspec.to_builtins(request.text.format)}
             if request.text is not None and request.text.format is not None
@@ -319,7 +352,9 @@ class ResponseBuilder:
 
     # --- whole -----------------------------------------------------------------------------------
 
-    def whole(self, parsed: Delta, calls: list[ToolCall], *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
+    def whole(
+        self, parsed: Delta, calls: list[ToolCall], *, finish_reason: str | None, usage: dict[str, Any]
+    ) -> dict[str, Any]:
         """The body of a non-streamed response holding ``parsed`` and the tool ``calls``."""
         if parsed.reasoning:
             self.output.append(self._reasoning_item(parsed.reasoning, "completed"))
@@ -327,7 +362,7 @@ class ResponseBuilder:
             self.output.append(self._message_item(parsed.content, "completed"))
         self.output += [self._call_item(call) for call in calls]
         status, incomplete = _status(finish_reason)
-        return _encode(self.body(status, incomplete=incomplete, usage=usage))
+        return self.body(status, incomplete=incomplete, usage=usage)
 
     @staticmethod
     def usage(
@@ -380,10 +415,14 @@ class ResponseBuilder:
         where = {"item_id": current["id"], "output_index": len(self.output) - 1}
         return frames + self._event("response.function_call_arguments.delta", **where, delta=piece.arguments)
 
-    def finish(self, *, finish_reason: str | None, usage: dict[str, Any]) -> bytes:
+    def finish(self, *, finish_reason: str | None, usage: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """The frames that close what is open, and the final body (which ``finished`` sends)."""
         status, incomplete = _status(finish_reason)
-        kind = "response.completed" if status == "completed" else "response.incomplete"
-        return self._close() + self._event(kind, response=self.body(status, incomplete=incomplete, usage=usage))
+        return self._close(), self.body(status, incomplete=incomplete, usage=usage)
+
+    def finished(self, body: dict[str, Any]) -> bytes:
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return self._event(kind, response=body)
 
     def error(self, message: str, code: str | None) -> bytes:
         """The end of a stream that failed after it started."""

@@ -144,7 +144,8 @@ async def test_function_call_outputs_are_sent_back_as_tool_messages(client: open
 @pytest.mark.parametrize(
     ("fields", "param", "contains"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores none"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "this gateway has none"),
+        ({"conversation": "conv_1"}, "conversation", "conversation objects are not supported"),
         ({"background": True}, "background", "background"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]", "only named functions"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content", "only text"),

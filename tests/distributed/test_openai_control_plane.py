@@ -1,8 +1,16 @@
-"""OpenAI's Batch API end to end, with the official ``openai`` client against the gateway: files uploaded and
+"""What the control plane keeps of the OpenAI API, end to end with the official ``openai`` client against the
+gateway: batches and files, and stored responses.
+
+The Batch API: files uploaded and
 batches created through the gateway (passed on to the control plane), run by the control plane's Celery
 worker over two echo workers, results read back as OpenAI's output and error files, each key seeing only
 its own, usage charged to the key; a cancelled batch keeps what finished; a batch survives its runner and
 the control plane being killed mid-run, each request answered exactly once.
+
+Stored responses: a Responses API answer is kept for its key (``store``, OpenAI's default), read back with
+``responses.retrieve`` and ``input_items.list``, continued with ``previous_response_id`` (the workers are
+echo_core: an answer echoes the whole prompt, so a continued turn shows the turns before it), deleted;
+another key sees none of it.
 
 One stack per module (etcd, NATS, Redis, the control plane and its Celery worker, a keyed gateway, two
 workers): starting it costs seconds, and each test makes its own keys, files and batches.
@@ -277,3 +285,36 @@ def test_a_batch_survives_its_runner_and_the_control_plane_killed_mid_run(stack:
     output = results(client, done.output_file_id)
     assert sorted(output) == sorted(f"s-{n}" for n in range(120))
     assert (done.request_counts.completed, done.request_counts.failed) == (120, 0)
+
+
+def test_a_stored_response_is_retrieved_continued_and_deleted_by_its_key_only(stack: BatchStack) -> None:
+    _, key = stack.new_key("chat-owner")
+    _, other_key = stack.new_key("someone-else")
+    client, other = stack.client(key), stack.client(other_key)
+
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=200)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    [item] = client.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.content[0].text == "My name is Ada."  # type: ignore[union-attr]
+
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=400
+    )
+    # echo_core answers the prompt it was given: the first turn, its answer, then the new question.
+    prompt = second.output_text
+    assert prompt.index("My name is Ada.") < prompt.index("What is my name?")
+    assert second.previous_response_id == first.id
+
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        other.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="Previous response with id"):
+        other.responses.create(model=MODEL, input="hi", previous_response_id=first.id)
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    unstored = client.responses.create(model=MODEL, input="forget me", store=False, max_output_tokens=8)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
