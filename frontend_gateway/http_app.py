@@ -457,7 +457,8 @@ class GatewayApp:
         await self._charge(scope)
         await self._admit(receive)
         try:
-            if len(prompts) > 1:
+            # Echo is shaped by the batch's choices (openai_api/echo.py), whatever the number of prompts.
+            if len(prompts) > 1 or request.echo:
                 scope[_STATUS] = await self._completion_batch(
                     scope, model, request, prompts, disagg, receive, send, best
                 )

@@ -49,7 +49,10 @@ def load_card(options: RunOptions) -> tuple[ModelCard, Path]:
         context_length=options.context_length,
     )
     # On the card, so that an ingress serving this worker's model parses its answers the same way.
-    card = card.replace(reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser)
+    # The engine too, named in the refusals of what it cannot do (echo with logprobs on the mocker, say).
+    card = card.replace(
+        reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser, engine=options.output
+    )
     return card, path
 
 
@@ -68,10 +71,15 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         from engines.llamacpp.guided import GUIDED_KINDS
 
         card, path = load_card(options)
-        # Structured output and guided decoding by llama.cpp's grammars; log probabilities from its logits;
-        # embeddings from a second context in embedding mode.
+        # Structured output and guided decoding by llama.cpp's grammars; log probabilities (of the prompt too)
+        # from its logits; embeddings from a second context in embedding mode.
         card = card.replace(
-            structured_output=True, guided_decoding=GUIDED_KINDS, logprobs=True, embeddings=True, logit_bias=True
+            structured_output=True,
+            guided_decoding=GUIDED_KINDS,
+            logprobs=True,
+            prompt_logprobs=True,
+            embeddings=True,
+            logit_bias=True,
         )
         llama = LlamaCppEngine(
             path, context_length=card.context_length, threads=options.threads, parallel=options.parallel
@@ -127,6 +135,7 @@ def build_mistralrs_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         card.context_length,
         reasoning_parser=options.reasoning_parser,
         tool_call_parser=options.tool_call_parser,
+        engine_name="mistralrs",
     )
     return model, engine
 
@@ -168,7 +177,11 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     # its SamplingParams; its KV block size goes on the card for KV routers (the engine refuses another one).
     block_size = extra.get("block_size") or card.kv_cache_block_size
     card = card.replace(
-        logprobs=True, logit_bias=True, guided_decoding=VLLM_GUIDED_KINDS, kv_cache_block_size=block_size
+        logprobs=True,
+        prompt_logprobs=True,
+        logit_bias=True,
+        guided_decoding=VLLM_GUIDED_KINDS,
+        kv_cache_block_size=block_size,
     )
     engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id, card_block_size=card.kv_cache_block_size)
     return TokenModel(card, engine), engine
@@ -291,6 +304,7 @@ def text_model(name: str, engine: TextEngine, options: RunOptions) -> TextModel:
         options.context_length,
         reasoning_parser=options.reasoning_parser,
         tool_call_parser=options.tool_call_parser,
+        engine_name=options.output,
     )
 
 
@@ -302,6 +316,7 @@ def text_card(model: ServedModel, options: RunOptions) -> ModelCard:
         context_length=model.context_length or options.context_length or 0,
         reasoning_parser=options.reasoning_parser,
         tool_call_parser=options.tool_call_parser,
+        engine=options.output,
     )
 
 

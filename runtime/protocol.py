@@ -129,6 +129,10 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: Report each token's log probability and this many most likely alternatives (0: none); None:
     #: no log probabilities. Only engines whose card says ``logprobs`` are sent one.
     logprobs: int | None = None
+    #: Report the log probability of each prompt token after the first, given the tokens before it, and
+    #: this many most likely alternatives at its place (vLLM's ``prompt_logprobs``; what ``echo`` with
+    #: ``logprobs`` shows); None: none. Only engines whose card says ``prompt_logprobs`` are sent one.
+    prompt_logprobs: int | None = None
     #: To a prefill worker: compute the prompt and hand its KV on; the last output carries the ``handoff``
     #: (its tokens are not the client's). Sent only to instances registered with the role "prefill".
     prefill_only: bool = False
@@ -155,6 +159,9 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     cached_tokens: int | None = None
     #: One per token of ``token_ids``, when the request asked for log probabilities.
     logprobs: list[TokenLogprob] | None = None
+    #: On the first output of a request that asked for ``prompt_logprobs``: one per prompt token after the
+    #: first, in order (the first token has none: nothing comes before it).
+    prompt_logprobs: list[TokenLogprob] | None = None
     #: On the last output of a ``prefill_only`` request: where its prompt's KV is, for a decode worker.
     handoff: KvHandoff | None = None
 

@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.llamacpp.sampling import SequenceSampler, token_logprob
+from engines.llamacpp.sampling import SequenceSampler, prompt_logprobs, token_logprob
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
-from runtime.protocol import EngineOutput, PreprocessedRequest
+from runtime.protocol import EngineOutput, PreprocessedRequest, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class _Running:
     prompt: list[int]  # the prompt tokens still to decode in chunks
     singles: list[int]  # then these, one a step (migrated tokens at temperature 0)
     cached_tokens: int | None  # told on the first output, then None
+    #: The prompt's log probabilities so far, when the request asks for them (told on the first output).
+    prompt_logprobs: list[TokenLogprob] | None = None
     generated: int = 0
     next_token: int | None = None  # sampled, to be decoded in the next step
 
@@ -234,7 +236,12 @@ class BatchScheduler:
             # Only greedy decoding can continue exactly; a sampled continuation gains nothing from the
             # slower one-a-step decoding of the migrated tokens.
             one_at_a_time = request.migrated_tokens if sampler.greedy else 0
-            plan = self._plan(slot.tokens, request.token_ids, one_at_a_time, self._n_batch)
+            cached = slot.tokens
+            if request.prompt_logprobs is not None:
+                # Every prompt position's logits are needed, and a cached prefix kept none: the whole prompt is
+                # decoded, in chunks (the gateway sends no migrated tokens with it).
+                one_at_a_time, cached = 0, []
+            plan = self._plan(cached, request.token_ids, one_at_a_time, self._n_batch)
             reuse = plan.reuse
             if not self._llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
                 # A context that cannot drop a suffix (recurrent models) starts the slot afresh.
@@ -254,6 +261,7 @@ class BatchScheduler:
             prompt=list(request.token_ids[reuse:split]),
             singles=list(request.token_ids[split:]),
             cached_tokens=reuse,
+            prompt_logprobs=[] if request.prompt_logprobs is not None else None,
         )
 
     def _decode_step(self) -> None:
@@ -261,7 +269,7 @@ class BatchScheduler:
         then one row for each other request (its last sampled token or its next migrated one), together."""
         reading = next((running for running in self._running if running.prompt), None)
         if reading is not None:
-            self._decode([(reading, take_chunk(reading.prompt, self._n_batch))])
+            self._decode([(reading, take_chunk(reading.prompt, self._n_batch))], every_row=reading.prompt_logprobs)
         rows = []
         for running in self._running:
             if running.next_token is not None:
@@ -272,21 +280,25 @@ class BatchScheduler:
         if rows:
             self._decode(rows)
 
-    def _decode(self, parts: list[tuple[_Running, list[int]]]) -> None:
+    def _decode(self, parts: list[tuple[_Running, list[int]]], *, every_row: list[TokenLogprob] | None = None) -> None:
         """Decode each request's tokens after what its slot holds, in one ``llama_decode``, and sample
-        each request whose tokens end what it had to read."""
+        each request whose tokens end what it had to read. ``every_row``: the one part is a prompt chunk
+        whose tokens' log probabilities are asked; the logits of every row are kept, and the log
+        probabilities of the prompt tokens they predict are added to it."""
         batch = self._batch
         rows = 0
         sampled = []
+        start = 0
         for running, tokens in parts:
             slot = running.slot
             done = not running.prompt and not running.singles
+            start = len(slot.tokens)
             for offset, token in enumerate(tokens):
                 batch.token[rows] = token
-                batch.pos[rows] = len(slot.tokens) + offset
+                batch.pos[rows] = start + offset
                 batch.n_seq_id[rows] = 1
                 batch.seq_id[rows][0] = slot.seq_id
-                batch.logits[rows] = done and offset == len(tokens) - 1
+                batch.logits[rows] = every_row is not None or (done and offset == len(tokens) - 1)
                 rows += 1
             slot.tokens.extend(tokens)
             if done:
@@ -296,16 +308,35 @@ class BatchScheduler:
         if status != 0:
             raise EngineError(f"llama_decode returned {status} (the KV cache is full, or the batch is bad)")
         self.decoded_rows += rows
+        if every_row is not None:
+            every_row.extend(self._prompt_logprobs(parts[0][0].job.request, start, rows))
         for running, row in sampled:
             self._sample(running, row)
+
+    def _prompt_logprobs(self, request: PreprocessedRequest, start: int, rows: int) -> list[TokenLogprob]:
+        """The log probabilities of the prompt tokens that the ``rows`` just decoded (the prompt's from
+        position ``start``) predict: row ``i`` the token at ``start + i + 1``, while it is in the prompt."""
+        import numpy as np
+
+        token_ids = request.token_ids
+        count = min(rows, len(token_ids) - start - 1)
+        if count <= 0:
+            return []
+        n_vocab = self._n_vocab
+        matrix = np.empty((count, n_vocab), dtype=np.float32)
+        for row in range(count):
+            matrix[row] = np.ctypeslib.as_array(self._ctx.get_logits_ith(row), shape=(n_vocab,))
+        targets = list(token_ids[start + 1 : start + 1 + count])
+        return prompt_logprobs(matrix, targets, request.prompt_logprobs or 0)
 
     def _sample(self, running: _Running, row: int) -> None:
         request = running.job.request
         stop = request.stop_conditions
         token = running.sampler.sample(self._ctx, row)
         cached, running.cached_tokens = running.cached_tokens, None
+        prompt, running.prompt_logprobs = running.prompt_logprobs, None
         if token in running.eos_ids and not stop.ignore_eos:
-            running.job.emit(EngineOutput([], "stop", cached))
+            running.job.emit(EngineOutput([], "stop", cached, prompt_logprobs=prompt))
             self._finish(running)
             return
         running.generated += 1
@@ -314,10 +345,10 @@ class BatchScheduler:
             logits = self._ctx.get_logits_ith(row)
             logprobs = [token_logprob(logits, self._n_vocab, token, request.logprobs)]
         if running.generated >= stop.max_tokens:
-            running.job.emit(EngineOutput([token], "length", cached, logprobs))
+            running.job.emit(EngineOutput([token], "length", cached, logprobs, prompt_logprobs=prompt))
             self._finish(running)
             return
-        running.job.emit(EngineOutput([token], None, cached, logprobs))
+        running.job.emit(EngineOutput([token], None, cached, logprobs, prompt_logprobs=prompt))
         running.next_token = token
 
     def _finish(self, running: _Running) -> None:

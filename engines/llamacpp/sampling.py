@@ -145,6 +145,24 @@ def token_logprob(logits_pointer: Any, n_vocab: int, token: int, top: int) -> To
     return TokenLogprob(float(logits[token]) - log_total, likeliest)
 
 
+def prompt_logprobs(rows: Any, targets: list[int], top: int) -> list[TokenLogprob]:
+    """The log probability of ``targets[i]`` under the logits of row ``i`` of ``rows`` (a float32 matrix, one
+    decoded prompt position a row: each predicts the prompt's next token), and the ``top`` likeliest tokens
+    there; the numbers ``token_logprob`` gives for one row, computed for a whole prompt chunk at once."""
+    import numpy as np
+
+    peak = rows.max(axis=1)
+    log_total = peak.astype(np.float64) + np.log(np.exp(rows - peak[:, None]).sum(axis=1)).astype(np.float64)
+    picked = rows[np.arange(len(targets)), targets].astype(np.float64) - log_total
+    likeliest: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if top > 0:
+        ids = np.argpartition(rows, -top, axis=1)[:, -top:]
+        for index, row_ids in enumerate(ids):
+            ordered = row_ids[np.argsort(-rows[index, row_ids], kind="stable")]
+            likeliest[index] = [(int(i), float(rows[index, i]) - float(log_total[index])) for i in ordered]
+    return [TokenLogprob(float(value), alternatives) for value, alternatives in zip(picked, likeliest, strict=True)]
+
+
 @functools.lru_cache(maxsize=64)
 def json_schema_grammar(schema: str) -> Any:
     """llama.cpp's grammar for a JSON schema (JSON text), kept for the next request with the same schema.

@@ -22,6 +22,7 @@ from frontend_gateway.errors import (
 )
 from frontend_gateway.openai_api import preprocessor
 from frontend_gateway.openai_api.chat_output import ChatOutputParser, plan_chat_output
+from frontend_gateway.openai_api.echo import echo_plan
 from frontend_gateway.openai_api.guided import guided_constraint
 from frontend_gateway.openai_api.logprobs import LogprobEntry
 from frontend_gateway.openai_api.stop_strings import StopStringMatcher
@@ -46,9 +47,12 @@ class Generation:
         "cached_tokens",
         "completion_tokens",
         "context",
+        "echo",
         "finish_reason",
+        "hidden",
         "logprobs",
         "output",
+        "prompt_logprobs",
         "prompt_tokens",
         "reasoning",
         "request_id",
@@ -73,6 +77,13 @@ class Generation:
         self.reasoning: ReasoningCounter | None = None
         #: Each generated token's log probability, in order, when the request asked for them.
         self.logprobs: list[LogprobEntry] | None = None
+        #: ``echo``: the prompt's text, shown before the answer (openai_api/echo.py); None: no echo.
+        self.echo: str | None = None
+        #: With echo and logprobs: each prompt token's entry (the first with no numbers), from the engine's
+        #: first output.
+        self.prompt_logprobs: list[LogprobEntry] | None = None
+        #: ``max_tokens: 0`` with echo: the generated token is computed, and not shown.
+        self.hidden = False
         self._logprobs_sent = 0
         self._source: AsyncIterator[str] | None = None
 
@@ -153,7 +164,17 @@ class TokenModel:
         return generation
 
     async def prepare_completion(self, request: CompletionRequest) -> Generation:
-        return self._prepare(request, await preprocessor.completion_prompt_ids(self.card, request))
+        prompt_ids = await preprocessor.completion_prompt_ids(self.card, request)
+        generation = self._prepare(request, prompt_ids)
+        if request.echo:
+            # The prompt as the client wrote it; token ids as their text (special tokens shown), as vLLM echoes.
+            prompt = request.prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            generation.echo = (
+                prompt if isinstance(prompt, str) else self._tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            )
+        return generation
 
     def _prepare(
         self,
@@ -172,7 +193,9 @@ class TokenModel:
             or preprocessor.output_schema(request, model=self.name, structured_output=self.card.structured_output)
             or constraint.json_schema
         )
-        logprobs = preprocessor.logprob_count(request, model=self.name, supported=self.card.logprobs)
+        card = self.card
+        logprobs = preprocessor.logprob_count(request, model=self.name, supported=card.logprobs, engine=card.engine)
+        echo = echo_plan(request, logprobs, model=self.name, engine=card.engine, prompt_logprobs=card.prompt_logprobs)
         request_id = _new_request_id()
         engine_request = PreprocessedRequest(
             request_id=request_id,
@@ -184,6 +207,7 @@ class TokenModel:
             json_schema=schema,
             guided=constraint.guided,
             logprobs=logprobs,
+            prompt_logprobs=echo.prompt_logprobs if echo is not None else None,
         )
         skip_special = request.skip_special_tokens
         if skip_special is None:
@@ -192,6 +216,7 @@ class TokenModel:
         generation = Generation(request_id, len(prompt_ids), token_bound=len(prompt_ids) + stop.max_tokens)
         if logprobs is not None:
             generation.logprobs = []
+        generation.hidden = echo is not None and echo.hidden
         tokens = self._postprocess(generation, engine_request, skip_special)
         return generation.bind(_finish(generation, tokens))
 
@@ -226,6 +251,8 @@ class TokenModel:
             async for output in outputs:
                 if output.cached_tokens is not None and generation.cached_tokens is None:
                     generation.cached_tokens = output.cached_tokens  # the first worker's, after a migration
+                if request.prompt_logprobs is not None and generation.prompt_logprobs is None:
+                    generation.prompt_logprobs = self._prompt_entries(request.token_ids, output.prompt_logprobs)
                 token_ids = output.token_ids
                 room = max_tokens - generation.completion_tokens
                 # The engine's finish reason is for its last token: kept only when none is cut off here.
@@ -293,6 +320,17 @@ class TokenModel:
                 return "".join(shown), index + 1, True
         return "".join(shown), len(token_ids), False
 
+    def _prompt_entries(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[LogprobEntry]:
+        """The entries of the prompt's tokens: the first with no numbers, each other with the engine's.
+        Raises EngineFailed when the engine did not report them (a worker that ignores the field)."""
+        if logprobs is None or len(logprobs) != len(token_ids) - 1:
+            raise EngineFailed(
+                f"the engine of {self.name!r} did not report the prompt's log probabilities it was asked for "
+                f"({0 if logprobs is None else len(logprobs)} of {len(token_ids) - 1}); is the worker up to date?"
+            )
+        first = LogprobEntry(self._tokenizer.decode(token_ids[:1], skip_special_tokens=False), None, None)
+        return [first, *map(self._logprob_entry, token_ids[1:], logprobs)]
+
     def _logprob_entry(self, token_id: int, logprob: TokenLogprob) -> LogprobEntry:
         # One token decoded alone: a character split over tokens shows as U+FFFD, as in vLLM.
         decode = self._tokenizer.decode
@@ -325,11 +363,14 @@ class TextModel:
         *,
         reasoning_parser: str | None = None,
         tool_call_parser: str | None = None,
+        engine_name: str | None = None,
     ) -> None:
         self.name = name
         self.created = int(time.time())
         self.context_length = context_length
         self.engine = engine
+        #: The engine's ``out=`` name, for the refusals of what it cannot do; None: not known.
+        self.engine_name = engine_name
         self.reasoning_parser, self.tool_call_parser = check_parsers(name, reasoning_parser, tool_call_parser)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
@@ -354,7 +395,11 @@ class TextModel:
                     param="prompt",
                 )
             prompt = prompt[0]
-        return self._prepare(self._text_request(request, prompt=prompt))
+        generation = self._prepare(self._text_request(request, prompt=prompt))
+        if request.echo:  # logprobs, the prompt's with them, were refused: a text engine reports none
+            generation.echo = prompt
+            generation.hidden = request.max_tokens == 0
+        return generation
 
     def _text_request(
         self,
@@ -376,7 +421,7 @@ class TextModel:
         preprocessor.logit_bias(request, model=self.name, vocab_size=None)
         preprocessor.output_schema(request, model=self.name, structured_output=False)
         guided_constraint(request, model=self.name, follows=())
-        preprocessor.logprob_count(request, model=self.name, supported=False)
+        preprocessor.logprob_count(request, model=self.name, supported=False, engine=self.engine_name)
         return TextRequest(
             request_id=_new_request_id(),
             model=self.name,

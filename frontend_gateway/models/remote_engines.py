@@ -185,7 +185,9 @@ class RemoteTokenEngine(_RemoteBase):
         busy_refusals = False
         # Where the prompt was computed, once decided: its handoff (remote), or False (local, or no prefill
         # workers); None until the first attempt is routed.
-        handoff: KvHandoff | Literal[False] | None = None if self._disaggregated(context) else False
+        # A prompt whose log probabilities are asked is computed where they are reported: on the decode worker.
+        local = request.prompt_logprobs is not None or not self._disaggregated(context)
+        handoff: KvHandoff | Literal[False] | None = False if local else None
         while True:
             if not client.connected:
                 raise EngineUnavailable("the request plane (NATS) is unreachable; retry shortly")
@@ -382,21 +384,22 @@ class RemoteTokenEngine(_RemoteBase):
 def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
     """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it.
 
-    The first reported ``cached_tokens`` is kept (engines report it on a request's first output), and
-    the tokens' log probabilities when the engine reported them.
+    The first reported ``cached_tokens`` is kept (engines report it on a request's first output), as are
+    the prompt's log probabilities (on the first output too), and the tokens' when the engine reported them.
     """
     if len(outputs) == 1:
         return outputs[0]
     token_ids: list[int] = []
     cached_tokens = next((output.cached_tokens for output in outputs if output.cached_tokens is not None), None)
     logprobs: list[TokenLogprob] | None = [] if any(output.logprobs is not None for output in outputs) else None
+    prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
     for output in outputs:
         token_ids += output.token_ids
         if logprobs is not None and output.logprobs is not None:
             logprobs += output.logprobs
         if output.finish_reason is not None:
-            return EngineOutput(token_ids, output.finish_reason, cached_tokens, logprobs)
-    return EngineOutput(token_ids, cached_tokens=cached_tokens, logprobs=logprobs)
+            return EngineOutput(token_ids, output.finish_reason, cached_tokens, logprobs, prompt_logprobs=prompt)
+    return EngineOutput(token_ids, cached_tokens=cached_tokens, logprobs=logprobs, prompt_logprobs=prompt)
 
 
 def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:
@@ -428,6 +431,7 @@ def _resume(request: PreprocessedRequest, generated: list[int]) -> PreprocessedR
         token_ids=request.token_ids + generated,
         migrated_tokens=request.migrated_tokens + len(generated),
         handoff=None,  # the new instance computes the prompt and tokens so far itself
+        prompt_logprobs=None,  # they came with the first output, which was received
         stop_conditions=StopConditions(
             max_tokens=stop.max_tokens - len(generated),
             min_tokens=max(0, stop.min_tokens - len(generated)),

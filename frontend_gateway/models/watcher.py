@@ -82,7 +82,7 @@ def card_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
         differences["kv_cache_block_size"] = f"{first.kv_cache_block_size} vs {card.kv_cache_block_size}"
     # The pool's card decides what its requests may ask (JSON output, logprobs) and how answers are
     # parsed: an instance that cannot honour them, or was started to be parsed otherwise, is not one of it.
-    capabilities = ("structured_output", "guided_decoding", "logprobs", "logit_bias")
+    capabilities = ("structured_output", "guided_decoding", "logprobs", "prompt_logprobs", "logit_bias")
     for name in ("reasoning_parser", "tool_call_parser", *capabilities):
         if (value := getattr(card, name)) != (pooled := getattr(first, name)):
             differences[name] = f"{pooled} vs {value}"
@@ -418,6 +418,7 @@ class ModelWatcher:
             card.context_length or None,
             reasoning_parser=card.reasoning_parser,
             tool_call_parser=card.tool_call_parser,
+            engine_name=card.engine,
         )
         return _Pool(served, text_engine, router, entry, key)
 

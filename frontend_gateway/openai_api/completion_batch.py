@@ -226,7 +226,11 @@ class ChoiceShape(Protocol):
 
 
 class CompletionChoices:
-    """The choices of a completion: text, and log probabilities in the completions' shape."""
+    """The choices of a completion: text, and log probabilities in the completions' shape.
+
+    With ``echo`` a choice's first piece (or its end, when it has none) starts with the prompt's text and
+    its tokens' log probabilities, as vLLM's does; with ``max_tokens: 0`` the generated token is not shown.
+    """
 
     id_prefix = "cmpl-"
     chunk_object = whole_object = "text_completion"
@@ -234,8 +238,11 @@ class CompletionChoices:
     def __init__(self, generations: list[Generation]) -> None:
         self._generations = generations
         self._logprobs = [CompletionLogprobs() for _ in generations]
+        self._echoed = [generation.echo is None for generation in generations]
 
     def piece(self, index: int, text: str) -> list[dict[str, Any]]:
+        if self._generations[index].hidden:
+            return []  # the prompt comes alone, with the choice's end
         return [self._choice(index, text, None)]
 
     def end(self, index: int) -> list[dict[str, Any]]:
@@ -247,6 +254,12 @@ class CompletionChoices:
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         generation = self._generations[index]
         entries = generation.take_logprobs()
+        if generation.hidden:
+            text, entries = "", []
+        if not self._echoed[index]:
+            self._echoed[index] = True
+            text = (generation.echo or "") + text
+            entries = (generation.prompt_logprobs or []) + entries
         logprobs = self._logprobs[index].shape(entries) if generation.logprobs is not None else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 

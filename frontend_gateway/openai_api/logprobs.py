@@ -13,11 +13,12 @@ __all__ = ["CompletionLogprobs", "LogprobEntry", "chat_logprobs"]
 
 @dataclass(frozen=True, slots=True)
 class LogprobEntry:
-    """A generated token's text and log probability, and its likeliest alternatives (text, logprob)."""
+    """A token's text and log probability, and its likeliest alternatives (text, logprob). A prompt's first
+    token (``echo``) has neither: None, shown as null, as in OpenAI's and vLLM's answers."""
 
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None
+    top: list[tuple[str, float]] | None
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
@@ -26,8 +27,10 @@ def _token(text: str, logprob: float) -> dict[str, Any]:
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``."""
+    # Chat has no echo: every entry is a generated token's, with its numbers.
     content = [
-        _token(entry.token, entry.logprob) | {"top_logprobs": [_token(text, value) for text, value in entry.top]}
+        _token(entry.token, entry.logprob or 0.0)
+        | {"top_logprobs": [_token(text, value) for text, value in entry.top or ()]}
         for entry in entries
     ]
     return {"content": content, "refusal": None}
@@ -50,6 +53,6 @@ class CompletionLogprobs:
         return {
             "tokens": [entry.token for entry in entries],
             "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [dict(entry.top) for entry in entries],
+            "top_logprobs": [None if entry.top is None else dict(entry.top) for entry in entries],
             "text_offset": offsets,
         }

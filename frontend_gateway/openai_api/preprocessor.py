@@ -324,11 +324,8 @@ def refuse_unsupported(request: SamplingFields) -> None:
     A client that asks for one of these would otherwise get an answer that silently lacks it.
     Raises InvalidRequest naming the field.
     """
-    if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise InvalidRequest("echo is not supported yet; leave the field out or set it to false", param="echo")
-        if request.suffix:
-            raise InvalidRequest("suffix (insertion) is not supported; leave the field out", param="suffix")
+    if isinstance(request, CompletionRequest) and request.suffix:
+        raise InvalidRequest("suffix (insertion) is not supported; leave the field out", param="suffix")
 
 
 class _JsonSchemaFormat(msgspec.Struct):
@@ -383,7 +380,7 @@ def output_schema(request: SamplingFields, *, model: str, structured_output: boo
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat (completions: 5; vLLM allows 20 there too)
 
 
-def logprob_count(request: SamplingFields, *, model: str, supported: bool) -> int | None:
+def logprob_count(request: SamplingFields, *, model: str, supported: bool, engine: str | None = None) -> int | None:
     """How many alternatives to report with each token's log probability (0: none); None: no logprobs.
 
     Chat takes ``logprobs: true`` and ``top_logprobs: N``; completions ``logprobs: N``. Raises
@@ -411,9 +408,10 @@ def logprob_count(request: SamplingFields, *, model: str, supported: bool) -> in
     if count > MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"{param} must be at most {MAX_TOP_LOGPROBS}", param=param)
     if not supported:
+        served_by = f"out={engine}" if engine else "its engine"
         raise InvalidRequest(
-            f"model {model!r} does not report log probabilities (its engine has none to give; out=llamacpp "
-            "has); leave logprobs out",
+            f"model {model!r} does not report log probabilities ({served_by} has none to give; out=llamacpp "
+            "and out=vllm have); leave logprobs out",
             param="logprobs",
         )
     return count
@@ -461,8 +459,17 @@ def sampling_options(request: SamplingFields, *, biases: dict[int, float] | None
 
 
 def requested_max_tokens(request: SamplingFields) -> int | None:
+    """The tokens the engine is asked to generate at most (None: as many as fit). Raises InvalidRequest for
+    ``max_tokens: 0`` without ``echo``, as vLLM does: it asks for nothing."""
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return request.max_completion_tokens
+    if request.max_tokens == 0:
+        if not (isinstance(request, CompletionRequest) and request.echo):
+            raise InvalidRequest(
+                "max_tokens must be at least 1; 0 (no generated token) is only for echo, which returns the prompt",
+                param="max_tokens",
+            )
+        return 1  # vLLM's echo without generation: one token is computed, and not shown (openai_api/echo.py)
     return request.max_tokens
 
 

@@ -185,6 +185,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # A string, a one-element list of strings, or a list of token ids (checked in the preprocessor:
     # msgspec cannot tell list[str] from list[int] inside one union); batches of prompts are refused.
     prompt: str | list[str | int | list[int]]
+    # 0 only with echo (openai_api/echo.py): the prompt comes back alone, as vLLM serves it.
+    max_tokens: NonNegativeInt | None = None
+    # The prompt before the answer, with its tokens' log probabilities when logprobs is asked (openai_api/echo.py).
     echo: bool = False
     # Candidates per prompt, of which the n best are returned (openai_api/best_of.py); vLLM's bound is n's.
     best_of: Annotated[int, Meta(ge=1, le=128)] | None = None

@@ -58,6 +58,12 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     guided_decoding: list[str] = msgspec.field(default_factory=list)
     #: Whether the engine reports tokens' log probabilities (``logprobs``/``top_logprobs``; llama.cpp).
     logprobs: bool = False
+    #: Whether the engine reports the prompt's tokens' log probabilities too (``echo`` with ``logprobs``, as
+    #: evaluation harnesses ask: llama.cpp, vLLM). False: such requests are refused.
+    prompt_logprobs: bool = False
+    #: The engine that serves the model (``out=``: llamacpp, vllm, mocker...), named in the refusals of what it
+    #: cannot do; None: not said (a worker of an older version).
+    engine: str | None = None
     #: Whether the engine adds ``logit_bias`` to its logits (llama.cpp, vLLM). False: such requests are refused.
     logit_bias: bool = False
     #: Whether the model embeds text (``POST /v1/embeddings``; llama.cpp, mean-pooled and normalized).
