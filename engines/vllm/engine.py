@@ -206,6 +206,11 @@ class VllmEngine:
                 if first:
                     item.cached_tokens = cached = output.num_cached_tokens
                     first = False
+                if request.prompt_logprobs is not None and output.prompt_logprobs:
+                    # vLLM gives them all at once, with the first output after the prompt (DELTA outputs).
+                    item.prompt_logprobs = prompt_token_logprobs(
+                        request.token_ids, output.prompt_logprobs, request.prompt_logprobs
+                    )
                 if request.prefill_only and finish is not None:
                     # The prompt's KV is with the connector now (stored, or held for a pull): say how to find it.
                     item.handoff = KvHandoff(
@@ -216,7 +221,7 @@ class VllmEngine:
                     )
                 if request.logprobs is not None and completion.logprobs:
                     item.logprobs = token_logprobs(completion.token_ids, completion.logprobs, request.logprobs)
-                if item.token_ids or finish is not None:
+                if item.token_ids or finish is not None or item.prompt_logprobs is not None:
                     yield item
                 if finish is not None or output.finished:
                     finished = True
@@ -285,6 +290,8 @@ def sampling_params(request: PreprocessedRequest) -> Any:
         from vllm.sampling_params import StructuredOutputsParams
 
         kwargs["structured_outputs"] = StructuredOutputsParams(**constraint)
+    if request.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = request.prompt_logprobs
     return SamplingParams(**kwargs)
 
 
@@ -320,6 +327,15 @@ def token_logprobs(token_ids: Any, logprobs: Any, top: int) -> list[TokenLogprob
         likeliest = sorted(ranked.items(), key=lambda item: item[1].rank)[:top] if top else []
         result.append(TokenLogprob(sampled, [(other, entry.logprob) for other, entry in likeliest]))
     return result
+
+
+def prompt_token_logprobs(token_ids: list[int], prompt_logprobs: Any, top: int) -> list[TokenLogprob]:
+    """vLLM's ``prompt_logprobs`` (None for the first token, then a dict per token: the prompt's token and the
+    likeliest, ranked) as Flotilla's: one per prompt token after the first."""
+    entries = list(prompt_logprobs)
+    if entries and entries[0] is None:
+        entries = entries[1:]
+    return token_logprobs(token_ids[1:], entries, top)
 
 
 def finish_reason(reason: str | None) -> FinishReason | None:

@@ -2,8 +2,11 @@
 and streamed, each token's own and its likeliest alternatives."""
 
 import math
+from operator import itemgetter
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -121,3 +124,100 @@ def test_best_of_returns_the_likeliest_candidates_and_counts_them_all(client: op
     assert best.usage.completion_tokens == every.usage.completion_tokens  # all three candidates are charged
     plain = client.completions.create(model=MODEL, best_of=3, **{**fields, "logprobs": None})
     assert plain.choices[0].text == ranked[0].text and plain.choices[0].logprobs is None
+
+
+# --- echo: the prompt's log probabilities, as evaluation harnesses read them -------------------------------
+
+CONTEXT = "The capital of France is"
+CONTINUATION = " Paris, a city on the Seine."
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path) -> Any:
+    """llama-cpp-python alone on the same GGUF file, keeping every position's logits."""
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(smollm2), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+
+
+def own_logprobs(llama: Any, token_ids: list[int]) -> list[float]:
+    """Each token's log probability after the ones before it (from the second), from llama-cpp-python's own
+    logits of the same tokens: a float64 log-softmax of each position's scores."""
+    import numpy as np
+
+    llama.reset()
+    llama.eval(token_ids)
+    scores = np.asarray(llama.scores[: len(token_ids)], dtype=np.float64)
+    peak = scores.max(axis=1, keepdims=True)
+    log_softmax = scores - peak - np.log(np.exp(scores - peak).sum(axis=1, keepdims=True))
+    return [float(log_softmax[i, token_ids[i + 1]]) for i in range(len(token_ids) - 1)]
+
+
+def tokens(llama: Any, text: str) -> list[int]:
+    return list(llama.tokenize(text.encode(), add_bos=False, special=False))
+
+
+def test_echoed_prompt_logprobs_equal_llama_cpp_pythons_own(client: openai.OpenAI, reference: Any) -> None:
+    ids = tokens(reference, CONTEXT + CONTINUATION)
+    reply = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    choice = reply.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.tokens is not None and logprobs.text_offset is not None
+    # The first token has nothing before it: null, as in OpenAI's and vLLM's answers.
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(own_logprobs(reference, ids), abs=1e-4)
+    assert choice.text == CONTEXT + CONTINUATION == "".join(logprobs.tokens)
+    assert logprobs.text_offset == [sum(len(token) for token in logprobs.tokens[:i]) for i in range(len(ids))]
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert reply.usage is not None and (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 1)
+
+
+def test_a_streamed_echo_carries_the_prompts_logprobs_then_the_answers(client: openai.OpenAI) -> None:
+    fields: Any = {"model": MODEL, "prompt": CONTEXT, "echo": True, "max_tokens": 2, "logprobs": 2, "temperature": 0}
+    whole = client.completions.create(**fields)
+    stream = client.completions.create(**fields, stream=True)
+    text, values = "", []
+    for chunk in stream:
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs is not None:
+            values += chunk.choices[0].logprobs.token_logprobs or []
+    assert whole.choices[0].logprobs is not None and whole.choices[0].text.startswith(CONTEXT)
+    assert text == whole.choices[0].text and values == whole.choices[0].logprobs.token_logprobs
+    assert whole.usage is not None and len(values) == whole.usage.prompt_tokens + 2
+
+
+def test_lm_eval_local_completions_loglikelihood_matches_llama_cpp_python(
+    llamacpp_server: Server, reference: Any
+) -> None:
+    """The request lm-evaluation-harness's ``local-completions`` model sends for loglikelihood tasks, and
+    how it reads the answer (lm_eval/models/openai_completions.py: ``_create_payload`` with
+    ``generate=False``, ``parse_logprobs``): token-id prompts, context + continuation, batched; the
+    continuation's log probabilities are ``token_logprobs[ctxlen:-1]``, the last being the generated token's."""
+    items = [(CONTEXT, " Paris"), (CONTEXT, " London"), ("Two plus two is", " four")]
+    contexts = [tokens(reference, context) for context, _ in items]
+    prompts = [ctx + tokens(reference, continuation) for ctx, (_, continuation) in zip(contexts, items, strict=True)]
+    payload = {
+        "model": MODEL,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    response = httpx.post(f"{llamacpp_server.api_url}/completions", json=payload, timeout=60)
+    assert response.status_code == 200, response.text
+    results = []
+    for choice, ctxlen in zip(
+        sorted(response.json()["choices"], key=itemgetter("index")), map(len, contexts), strict=True
+    ):
+        continuation = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        results.append(
+            (sum(continuation), all(value == max(top.values()) for value, top in zip(continuation, tops, strict=True)))
+        )
+    for (total, _), prompt, ctx in zip(results, prompts, contexts, strict=True):
+        assert total == pytest.approx(sum(own_logprobs(reference, prompt)[len(ctx) - 1 :]), abs=1e-4)
+    # Paris is the likelier capital, and greedy decoding would have written it.
+    assert results[0][0] > results[1][0] and results[0][1] and not results[1][1]

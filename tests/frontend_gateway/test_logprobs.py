@@ -35,3 +35,19 @@ def test_chat_entries_carry_the_tokens_bytes() -> None:
             {"token": "e", "logprob": -2.0, "bytes": [101]},
         ],
     }
+
+
+def test_the_prompts_logprobs_survive_a_frames_merge() -> None:
+    prompt = [TokenLogprob(-2.0, [(5, -1.0)]), TokenLogprob(-0.5, [(6, -0.5)])]
+    outputs = [EngineOutput([1], prompt_logprobs=prompt), EngineOutput([2], "length")]
+    assert merge_engine_outputs(outputs) == EngineOutput([1, 2], "length", prompt_logprobs=prompt)
+
+
+def test_an_echoed_prompts_first_token_has_null_numbers() -> None:
+    shaped = CompletionLogprobs().shape([LogprobEntry("The", None, None), LogprobEntry(" cat", -3.5, [(" dog", -1.0)])])
+    assert shaped == {
+        "tokens": ["The", " cat"],
+        "token_logprobs": [None, -3.5],
+        "top_logprobs": [None, {" dog": -1.0}],
+        "text_offset": [0, 3],
+    }
