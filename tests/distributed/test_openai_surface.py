@@ -1,5 +1,6 @@
 """What a worker's card says reaches every ingress: its parsers (reasoning, tool calls) and what its
-engine can do (structured output, logprobs) are honoured through an ingress as in one process."""
+engine can do (structured output, logprobs, the prompt's logprobs) are honoured through an ingress as in one
+process."""
 
 import json
 from typing import Any
@@ -69,3 +70,12 @@ def test_a_llamacpp_worker_holds_answers_to_a_schema_and_reports_logprobs(cluste
         for entry in chunk.choices[0].logprobs.content
     ]
     assert len(entries) == 4 and all(len(entry.top_logprobs) == 2 for entry in entries)
+    # The prompt's log probabilities (echo, as evaluation harnesses ask) travel from the worker too.
+    echoed = client.completions.create(
+        model="smol", prompt="The capital of France is", echo=True, max_tokens=0, logprobs=1, temperature=0
+    )
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and echoed.usage is not None
+    assert echoed.choices[0].text == "The capital of France is"
+    assert len(logprobs.token_logprobs) == echoed.usage.prompt_tokens and logprobs.token_logprobs[0] is None
+    assert all(value is not None and value < 0 for value in logprobs.token_logprobs[1:])

@@ -99,11 +99,12 @@ def test_a_requests_options_become_its_sampling_params() -> None:
     given.stop_conditions = StopConditions(max_tokens=7, min_tokens=2)
     given.eos_token_ids = [2, 5]
     given.logprobs = 3
+    given.prompt_logprobs = 1
     params = sampling_params(given)
     assert (params.max_tokens, params.min_tokens, params.temperature, params.top_p) == (7, 2, 0.5, 0.9)
     assert params.seed == 11 and params.logprobs == 3 and params.output_kind == RequestOutputKind.DELTA
     assert params.top_k in (0, -1) and set(params.stop_token_ids) == {2, 5} and not params.ignore_eos
-    assert params.logit_bias == {7: -100.0}
+    assert params.logit_bias == {7: -100.0} and params.prompt_logprobs == 1
     # ignore_eos ignores the chat template's end tokens too, as llama.cpp and the mocker do.
     ignoring = request([1, 2, 3], 7)
     ignoring.eos_token_ids = [2, 5]
@@ -168,6 +169,32 @@ def test_log_probabilities_come_from_vllm_one_per_token(client: openai.OpenAI) -
         len(top) == 2 and max(top.values()) == chosen
         for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True)
     )
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_echoed_prompt_logprobs_are_vllms_own_prompt_logprobs(
+    client: openai.OpenAI, engine: object, vllm_model_folder: Path
+) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    ids = prompt_ids(vllm_model_folder, PROMPT + " Paris.")
+    served = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    logprobs = served.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    own = None
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    async for output in engine._engine.generate(TokensPrompt(prompt_token_ids=ids), params, "own-prompt-logprobs"):
+        own = output.prompt_logprobs
+    assert own is not None and own[0] is None and logprobs.token_logprobs[0] is None
+    expected = [own[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert served.choices[0].text.startswith(PROMPT) and served.choices[0].finish_reason == "length"
+    assert served.usage is not None and (served.usage.prompt_tokens, served.usage.completion_tokens) == (len(ids), 1)
 
 
 @pytest.mark.asyncio(loop_scope="module")
