@@ -238,7 +238,7 @@ def test_tool_calls_holding_an_integer_beyond_64_bits_are_400(echo_full_server: 
         ),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"logprobs": 0}, "logprobs"),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "logprobs"),  # the prompt's: a text engine has none
         ("/v1/completions", {"suffix": "tail"}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),  # echo reports no logprobs to pick by
         ("/v1/completions", {"best_of": 2, "stream": True}, "best_of"),
