@@ -251,7 +251,8 @@ class TokenModel:
             async for output in outputs:
                 if output.cached_tokens is not None and generation.cached_tokens is None:
                     generation.cached_tokens = output.cached_tokens  # the first worker's, after a migration
-                if request.prompt_logprobs is not None and generation.prompt_logprobs is None:
+                wants_prompt = request.prompt_logprobs is not None and generation.prompt_logprobs is None
+                if wants_prompt and output.finish_reason != "error":  # a failure says why itself, next
                     generation.prompt_logprobs = self._prompt_entries(request.token_ids, output.prompt_logprobs)
                 token_ids = output.token_ids
                 room = max_tokens - generation.completion_tokens

@@ -2,12 +2,18 @@
 streamed, ``max_tokens: 0`` for the prompt alone, and the prompt's log probabilities refused, naming the
 engine, where the engine cannot compute them (llama.cpp's and vLLM's are in tests/engines/)."""
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from engines.echo import EchoCoreEngine
+from frontend_gateway.errors import EngineFailed
+from frontend_gateway.models.pipeline import TokenModel
+from frontend_gateway.openai_api.types import CompletionRequest
+from runtime.models.loading import load_model_card
 from tests.servers import Server
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # out=echo_core: it answers with the prompt's tokens
@@ -84,3 +90,14 @@ def test_echo_with_logprobs_is_refused_naming_the_engine(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "logprobs" and engine in error["message"]
+
+
+async def test_an_engine_that_ignores_the_prompts_logprobs_fails_the_request_saying_so(smollm2: Path) -> None:
+    # A worker of an older version whose card claimed them would answer without them: never shown as if whole.
+    card = load_model_card(smollm2).replace(logprobs=True, prompt_logprobs=True)
+    generation = await TokenModel(card, EchoCoreEngine(0.0)).prepare_completion(
+        CompletionRequest(model=MODEL, prompt="Hi there", echo=True, max_tokens=1, logprobs=1)
+    )
+    with pytest.raises(EngineFailed, match="did not report the prompt's log probabilities"):
+        async for _ in generation.pieces():
+            pass
