@@ -46,7 +46,8 @@ class BestOf:
 
 
 def _cumulative_logprob(generation: Generation) -> float:
-    return sum(entry.logprob for entry in generation.logprobs or ())
+    # A prompt's first token has no log probability (None, with echo): the same for every candidate.
+    return sum(entry.logprob for entry in generation.logprobs or () if entry.logprob is not None)
 
 
 def plan(request: CompletionRequest) -> BestOf | None:
