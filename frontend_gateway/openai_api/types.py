@@ -28,6 +28,10 @@ Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 StopStrings = str | Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16)]
 
 
+#: The efforts a template may be given (gpt-oss's reads ``reasoning_effort``).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     # vLLM's: usage so far in every chunk too (needs include_usage, as there).
@@ -178,7 +182,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # Given to the chat template as ``reasoning_effort``, as vLLM gives it (gpt-oss's template reads it); a
     # template that does not read it ignores it, as there.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -153,6 +153,12 @@ SMOKES = [
         timeout=240,
     ),
     Smoke(
+        "tokenize_latency",
+        "tokenize_latency.py",
+        "--requests 20 --tokens 100",
+        [rf"^  tokenize   p50 {NUMBER} ms, p99 {NUMBER} ms \(less the baseline's p50: {NUMBER} / {NUMBER} ms\)$"],
+    ),
+    Smoke(
         "burst_ttft",
         "burst_ttft.py",
         "--sizes 2 --tokens 64 --rounds 1 --stacks flotilla",

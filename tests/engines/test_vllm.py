@@ -8,6 +8,7 @@ skips them."""
 
 import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -195,6 +196,75 @@ async def test_echoed_prompt_logprobs_are_vllms_own_prompt_logprobs(
     assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
     assert served.choices[0].text.startswith(PROMPT) and served.choices[0].finish_reason == "length"
     assert served.usage is not None and (served.usage.prompt_tokens, served.usage.completion_tokens) == (len(ids), 1)
+
+
+TINY_TASK = """\
+task: flotilla_tiny
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_lm_evaluation_harness_loglikelihoods_through_flotilla_are_vllms_own(
+    server: Server, engine: object, vllm_model_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-evaluation-harness itself (``local-completions``, the model evaluation harnesses point at an OpenAI
+    server) runs a small multiple-choice task through Flotilla; each answer's log-likelihood is the sum that
+    vLLM's own ``prompt_logprobs`` give for the same tokens."""
+    from lm_eval import simple_evaluate
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(variable, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    questions = [
+        {"question": "The capital of France is", "choices": [" Paris", " London", " Rome"], "answer": 0},
+        {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
+    ]
+    data = tmp_path / "tiny.jsonl"
+    data.write_text("".join(json.dumps(question) + "\n" for question in questions))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny.yaml").write_text(TINY_TASK.format(data=data))
+    arguments = f"model={MODEL},base_url={server.api_url}/completions,tokenizer_backend=huggingface,"
+    arguments += f"tokenizer={vllm_model_folder},tokenized_requests=True,num_concurrent=1,max_retries=1"
+    harness = get_model("local-completions").create_from_arg_string(arguments)
+    tasks = TaskManager(include_path=str(tmp_path / "tasks"))
+    results = await asyncio.to_thread(
+        simple_evaluate, model=harness, tasks=["flotilla_tiny"], task_manager=tasks, log_samples=True
+    )
+
+    samples = results["samples"]["flotilla_tiny"]
+    assert sum(len(sample["arguments"]) for sample in samples) == 5
+    for sample in samples:
+        for (context, continuation), [(likelihood, _)] in zip(sample["arguments"], sample["resps"], strict=True):
+            context_ids, continuation_ids = harness._encode_pair(context, continuation)
+            ids = list(context_ids) + list(continuation_ids)
+            own = None
+            params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+            async for output in engine._engine.generate(
+                TokensPrompt(prompt_token_ids=ids), params, os.urandom(4).hex()
+            ):
+                own = output.prompt_logprobs
+            assert own is not None
+            expected = sum(own[i][ids[i]].logprob for i in range(len(context_ids), len(ids)))
+            assert likelihood == pytest.approx(expected, abs=1e-3), (context, continuation)
+    assert "acc,none" in results["results"]["flotilla_tiny"]
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -80,3 +80,24 @@ async def test_kwargs_that_are_not_an_object_are_refused_naming_the_field(client
     with pytest.raises(openai.BadRequestError) as raised:
         await ask(client, extra_body={"chat_template_kwargs": ["enable_thinking"]})
     assert raised.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+
+
+async def test_tokenize_counts_messages_as_chat_renders_them_with_the_same_variables(
+    client: openai.AsyncOpenAI,
+) -> None:
+    """/tokenize with messages takes chat's template variables, so its count is what that chat request is
+    charged (vLLM's TokenizeChatRequest takes them too)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}
+    fields = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}
+    plain = await client.post("/tokenize", cast_to=httpx2.Response, body=body)
+    varied = await client.post("/tokenize", cast_to=httpx2.Response, body=body | fields)
+    shown = "".join(varied.json()["token_strs"]).replace("Ġ", " ")
+    assert shown.startswith("<no-think><effort=low>") and varied.json()["count"] > plain.json()["count"]
+    reply = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1,
+        reasoning_effort="low",
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens == varied.json()["count"]
