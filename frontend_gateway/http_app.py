@@ -56,7 +56,7 @@ from frontend_gateway.http_io import (
     wait_for_disconnect,
 )
 from frontend_gateway.metrics import GatewayMetrics
-from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel
+from frontend_gateway.models.pipeline import Generation, ModelRegistry, ServedModel, TokenModel
 from frontend_gateway.models.served_names import ServedNames, not_ready
 from frontend_gateway.openai_api import (
     best_of,
@@ -71,6 +71,8 @@ from frontend_gateway.openai_api import (
 from frontend_gateway.openai_api import tokenize as tokenization
 from frontend_gateway.openai_api.continuous_usage import with_usage_in_every_chunk
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
+from frontend_gateway.openai_api.image_limits import ImageLimits
+from frontend_gateway.openai_api.images import ImageLoader, image_parts, refuse_images
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs, chat_logprobs
 from frontend_gateway.openai_api.responses_api import ResponseBuilder, ResponsesRequest
 from frontend_gateway.openai_api.types import (
@@ -118,8 +120,11 @@ class GatewayApp:
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         control_plane: ControlPlaneProxy | None = None,
+        image_limits: ImageLimits | None = None,
     ) -> None:
         self.models = models
+        #: Loads chat requests' images (data URIs, http(s) URLs); its client is closed with the app.
+        self.images = ImageLoader(image_limits)
         self.metrics = metrics or GatewayMetrics()
         self.max_body_bytes = max_body_bytes
         self.slow_clients = SlowClients(self.metrics, body_timeout_s=body_timeout_s, send_timeout_s=send_timeout_s)
@@ -230,6 +235,7 @@ class GatewayApp:
         message = await receive()
         assert message["type"] == "lifespan.startup"
         stack = contextlib.AsyncExitStack()
+        stack.push_async_callback(self.images.aclose)
         try:
             if self._lifespan is not None:
                 await stack.enter_async_context(self._lifespan())
@@ -426,20 +432,25 @@ class GatewayApp:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = decode_body(chat_decoder, await self._read_body(scope, receive))
         preprocessor.check_chat(request)
+        parts = image_parts(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
+        card = model.card if isinstance(model, TokenModel) else None
+        refuse_images(parts, model=model.name, vision=card is not None and card.vision)
         await self._charge(scope)
+        # Before a slot is taken: an image URL slow to answer holds no generation slot.
+        images = await self.images.load(parts)
         await self._admit(receive)
         try:
             if (request.n or 1) > 1:
-                batch = await chat_choices.prepare(model, request, disagg)
+                batch = await chat_choices.prepare(model, request, disagg, images)
                 self._reserve(scope, batch.total.token_bound)
                 scope[_GENERATION] = batch.total
                 scope[_STATUS] = await self._respond(
                     "chat", "chat_completions", model, request, batch.total, receive, send, batch=batch
                 )
                 return
-            generation = await model.prepare_chat(request)
+            generation = await model.prepare_chat(request, images)
             self._reserve(scope, generation.token_bound)
             scope[_GENERATION] = generation
             generation.context.disagg = disagg

@@ -12,6 +12,7 @@ from typing import TypeVar
 from engines.echo import echo_delay_seconds
 from engines.python_file import python_engine_file
 from engines.shared.node_group import MULTINODE_ENGINES, NodeGroup
+from frontend_gateway.openai_api.image_limits import ImageLimits
 from frontend_gateway.routing.disagg_policy import DisaggMode, DisaggPolicy
 from launcher.env_flags import EnvArgumentParser
 from launcher.options import ENGINES, EXTRA_ARGS_ENGINES, RunOptions
@@ -178,6 +179,11 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         max_body_bytes=namespace.max_body_bytes,
         body_timeout_s=namespace.body_timeout,
         send_timeout_s=namespace.send_timeout,
+        image_limits=ImageLimits(
+            max_bytes=namespace.max_image_bytes,
+            fetch_timeout_s=namespace.image_fetch_timeout,
+            domains=namespace.image_domains,
+        ),
         threads=namespace.threads,
         parallel=namespace.parallel,
         batch_concurrency=namespace.batch_concurrency,

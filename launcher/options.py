@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.shared.node_group import LeaderAddress, NodeGroup
+from frontend_gateway.openai_api.image_limits import ImageLimits
 from frontend_gateway.routing.disagg_policy import DisaggPolicy
 from runtime.fleet_contract.engine_names import IMPLEMENTED_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.fleet_contract.router_settings import (
@@ -37,6 +38,7 @@ class RunOptions:
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout_s: float = 60.0  # in=http: a request body arrives whole within this, else 408
     send_timeout_s: float = 60.0  # in=http: a client that takes none of its response this long is dropped
+    image_limits: ImageLimits = field(default_factory=ImageLimits)  # in=http: chat requests' images
     threads: int | None = None
     parallel: int = 1  # out=llamacpp: slots decoded together (engines/llamacpp/batch.py)
     batch_concurrency: int = 4

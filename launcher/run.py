@@ -272,6 +272,7 @@ async def run(options: RunOptions) -> int:
                 max_body_bytes=options.max_body_bytes,
                 body_timeout_s=options.body_timeout_s,
                 send_timeout_s=options.send_timeout_s,
+                image_limits=options.image_limits,
                 limits=admission_limits(options),
                 reuse_port=options.reuse_port,
             )
@@ -390,6 +391,7 @@ async def run_ingress(options: RunOptions) -> int:
             max_body_bytes=options.max_body_bytes,
             body_timeout_s=options.body_timeout_s,
             send_timeout_s=options.send_timeout_s,
+            image_limits=options.image_limits,
             limits=admission_limits(options),
             metrics=metrics,
             stop=stop,

@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from engines.shared.node_group import LeaderAddress
+from frontend_gateway.openai_api.image_limits import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
 from frontend_gateway.routing.disagg_policy import (
@@ -103,6 +104,11 @@ _non_negative_number = number(0.0)
 _share = number(0.0, 1.0)
 _leader_address = checked_by(LeaderAddress.parse)
 _positive_share_of_step = number(0.0, above_minimum=True)
+
+
+def _domain_list(text: str) -> tuple[str, ...]:
+    """Host names, comma-separated (``--image-domains``), lower-cased."""
+    return tuple(name.strip().lower().rstrip(".") for name in text.split(",") if name.strip())
 
 
 def _busy_share(text: str) -> float:
@@ -233,6 +239,28 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
         default=60.0,
         help="seconds a client may take none of its response (a stream it stopped reading) before it is "
         "dropped: its connection aborted, its generation stopped, its slot freed (default 60)",
+    )
+    parser.add_flag(
+        "--max-image-bytes",
+        env="FLOTILLA_MAX_IMAGE_BYTES",
+        type=_positive_int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="largest image a chat request may give (a data URI's, or one fetched from a URL), else 400 "
+        "(default 8 MiB)",
+    )
+    parser.add_flag(
+        "--image-fetch-timeout",
+        env="FLOTILLA_IMAGE_FETCH_TIMEOUT_S",
+        type=_positive_seconds,
+        default=DEFAULT_FETCH_TIMEOUT_S,
+        help="seconds an image URL of a chat request may take to arrive whole, else 400 (default 10)",
+    )
+    parser.add_flag(
+        "--image-domains",
+        env="FLOTILLA_IMAGE_DOMAINS",
+        type=_domain_list,
+        default=(),
+        help="comma-separated host names image URLs may name (and their subdomains; default: any host)",
     )
 
 

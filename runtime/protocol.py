@@ -106,6 +106,24 @@ class KvHandoff(msgspec.Struct, omit_defaults=True, kw_only=True):
     params: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class ImageInput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One image of a chat request, as the gateway checked it (a decodable image within its size limits).
+
+    The prompt holds one placeholder token for it (the card's ``image_token_id``) at ``position``; the engine
+    widens it to ``tokens`` placeholders (0: as many as the engine's processor makes of this image).
+    """
+
+    #: The image file's bytes (PNG, JPEG, WebP, GIF...), as the client sent them or the gateway fetched them.
+    data: bytes
+    #: The SHA-256 of ``data``, hex: the image's name in block hashes (runtime/kv/image_blocks.py) and, given
+    #: to vLLM as the item's uuid, in vLLM's own (its KV events' ``extra_keys``).
+    digest: str
+    #: Where its placeholder token is in ``PreprocessedRequest.token_ids``.
+    position: int
+    #: How many placeholder tokens the engine makes of it (0: unknown to the gateway).
+    tokens: int = 0
+
+
 class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A token-level request: the prompt already templated and tokenized by the gateway."""
 
@@ -139,6 +157,8 @@ class PreprocessedRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: To a decode worker: the prompt's KV computed by a prefill worker, to take instead of computing it.
     #: None: the worker computes the prompt itself (an aggregated request, a fallback, a migration).
     handoff: KvHandoff | None = None
+    #: The images of a chat request, in prompt order; only engines whose card says ``vision`` are sent any.
+    images: list[ImageInput] | None = None
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -164,6 +184,9 @@ class EngineOutput(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob] | None = None
     #: On the last output of a ``prefill_only`` request: where its prompt's KV is, for a decode worker.
     handoff: KvHandoff | None = None
+    #: On the first output of a request with images: its prompt's tokens as the engine counts them (each
+    #: image's placeholders widened), when that is not ``len(token_ids)``.
+    prompt_tokens: int | None = None
 
 
 class TextRequest(msgspec.Struct, kw_only=True):

@@ -8,7 +8,7 @@ the same ``Generation``.
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +24,8 @@ from frontend_gateway.openai_api import preprocessor
 from frontend_gateway.openai_api.chat_output import ChatOutputParser, plan_chat_output
 from frontend_gateway.openai_api.echo import echo_plan
 from frontend_gateway.openai_api.guided import guided_constraint
+from frontend_gateway.openai_api.images import LoadedImage, image_parts, place_images, refuse_images
+from frontend_gateway.openai_api.images import prompt_tokens as count_prompt_tokens
 from frontend_gateway.openai_api.logprobs import LogprobEntry
 from frontend_gateway.openai_api.stop_strings import StopStringMatcher
 from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -35,7 +37,7 @@ from runtime.errors import (
     ModelError,
 )
 from runtime.models.card import ModelCard
-from runtime.protocol import FinishReason, PreprocessedRequest, TextOutput, TextRequest, TokenLogprob
+from runtime.protocol import FinishReason, ImageInput, PreprocessedRequest, TextOutput, TextRequest, TokenLogprob
 
 
 class Generation:
@@ -126,7 +128,9 @@ class ServedModel(Protocol):
     reasoning_parser: str | None
     tool_call_parser: str | None
 
-    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation: ...
+    async def prepare_chat(self, request: ChatCompletionRequest, images: Sequence[LoadedImage] = ()) -> Generation:
+        """``images``: the request's image parts, loaded (openai_api/images.py), for a model that takes them."""
+        ...
 
     async def prepare_completion(self, request: CompletionRequest) -> Generation: ...
 
@@ -149,7 +153,12 @@ class TokenModel:
             card.name, card.reasoning_parser, card.tool_call_parser
         )
 
-    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+    async def prepare_chat(self, request: ChatCompletionRequest, images: Sequence[LoadedImage] = ()) -> Generation:
+        parts = image_parts(request)
+        refuse_images(parts, model=self.name, vision=self.card.vision)
+        if len(parts) != len(images):
+            # Only the HTTP front end loads images (it owns the fetching client): not a batch file, say.
+            raise InvalidRequest("image inputs are taken over HTTP only", param=parts[0].param)
         plan = plan_chat_output(
             request,
             model=self.name,
@@ -159,7 +168,13 @@ class TokenModel:
         )
         prompt_ids = await preprocessor.chat_prompt_ids(self.card, request, plan.tools)
         keep_special = plan.parser is not None and plan.parser.needs_special_tokens
-        generation = self._prepare(request, prompt_ids, keep_special_tokens=keep_special, json_schema=plan.json_schema)
+        generation = self._prepare(
+            request,
+            prompt_ids,
+            keep_special_tokens=keep_special,
+            json_schema=plan.json_schema,
+            images=place_images(self.card, prompt_ids, images) if images else None,
+        )
         _count_reasoning(generation, plan.parser, self.reasoning_parser)
         return generation
 
@@ -183,10 +198,12 @@ class TokenModel:
         *,
         keep_special_tokens: bool = False,
         json_schema: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> Generation:
         """The generation of a templated, tokenized request; ``json_schema``: a forced tool call's (guided decoding
-        and response_format give the others)."""
-        stop = preprocessor.stop_conditions(request, len(prompt_ids), self.card.context_length)
+        and response_format give the others); ``images``: a chat request's, placed in ``prompt_ids``."""
+        prompt_tokens = count_prompt_tokens(prompt_ids, images) if images else len(prompt_ids)
+        stop = preprocessor.stop_conditions(request, prompt_tokens, self.card.context_length)
         constraint = guided_constraint(request, model=self.name, follows=self.card.guided_decoding)
         schema = (
             json_schema
@@ -208,12 +225,13 @@ class TokenModel:
             guided=constraint.guided,
             logprobs=logprobs,
             prompt_logprobs=echo.prompt_logprobs if echo is not None else None,
+            images=images,
         )
         skip_special = request.skip_special_tokens
         if skip_special is None:
             # A tool-call format marked by special tokens ([TOOL_CALLS]) needs them in the text it parses.
             skip_special = self.engine.skip_special_tokens and not keep_special_tokens
-        generation = Generation(request_id, len(prompt_ids), token_bound=len(prompt_ids) + stop.max_tokens)
+        generation = Generation(request_id, prompt_tokens, token_bound=prompt_tokens + stop.max_tokens)
         if logprobs is not None:
             generation.logprobs = []
         generation.hidden = echo is not None and echo.hidden
@@ -254,6 +272,8 @@ class TokenModel:
                 wants_prompt = request.prompt_logprobs is not None and generation.prompt_logprobs is None
                 if wants_prompt and output.finish_reason != "error":  # a failure says why itself, next
                     generation.prompt_logprobs = self._prompt_entries(request.token_ids, output.prompt_logprobs)
+                if output.prompt_tokens is not None:
+                    generation.prompt_tokens = output.prompt_tokens  # images widened as the engine widened them
                 token_ids = output.token_ids
                 room = max_tokens - generation.completion_tokens
                 # The engine's finish reason is for its last token: kept only when none is cut off here.
@@ -374,7 +394,9 @@ class TextModel:
         self.engine_name = engine_name
         self.reasoning_parser, self.tool_call_parser = check_parsers(name, reasoning_parser, tool_call_parser)
 
-    async def prepare_chat(self, request: ChatCompletionRequest) -> Generation:
+    async def prepare_chat(self, request: ChatCompletionRequest, images: Sequence[LoadedImage] = ()) -> Generation:
+        # Text engines are given text: their models are text only here.
+        refuse_images(image_parts(request), model=self.name, vision=False)
         plan = plan_chat_output(
             request, model=self.name, reasoning=self.reasoning_parser, tool_calls=self.tool_call_parser
         )

@@ -384,13 +384,15 @@ class RemoteTokenEngine(_RemoteBase):
 def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
     """One output standing for ``outputs`` in order: their tokens up to the first finish reason, and it.
 
-    The first reported ``cached_tokens`` is kept (engines report it on a request's first output), as are
-    the prompt's log probabilities (on the first output too), and the tokens' when the engine reported them.
+    The first reported ``cached_tokens`` and ``prompt_tokens`` are kept (engines report them on a request's first
+    output), as are the prompt's log probabilities (on the first output too), and the tokens' when the engine
+    reported them.
     """
     if len(outputs) == 1:
         return outputs[0]
     token_ids: list[int] = []
     cached_tokens = next((output.cached_tokens for output in outputs if output.cached_tokens is not None), None)
+    prompt_tokens = next((output.prompt_tokens for output in outputs if output.prompt_tokens is not None), None)
     logprobs: list[TokenLogprob] | None = [] if any(output.logprobs is not None for output in outputs) else None
     prompt = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs is not None), None)
     for output in outputs:
@@ -398,8 +400,17 @@ def merge_engine_outputs(outputs: list[EngineOutput]) -> EngineOutput:
         if logprobs is not None and output.logprobs is not None:
             logprobs += output.logprobs
         if output.finish_reason is not None:
-            return EngineOutput(token_ids, output.finish_reason, cached_tokens, logprobs, prompt_logprobs=prompt)
-    return EngineOutput(token_ids, cached_tokens=cached_tokens, logprobs=logprobs, prompt_logprobs=prompt)
+            return EngineOutput(
+                token_ids,
+                output.finish_reason,
+                cached_tokens,
+                logprobs,
+                prompt_logprobs=prompt,
+                prompt_tokens=prompt_tokens,
+            )
+    return EngineOutput(
+        token_ids, cached_tokens=cached_tokens, logprobs=logprobs, prompt_logprobs=prompt, prompt_tokens=prompt_tokens
+    )
 
 
 def merge_text_outputs(outputs: list[TextOutput]) -> TextOutput:

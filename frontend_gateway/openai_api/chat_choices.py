@@ -5,6 +5,7 @@ Each choice goes through its own parsers (reasoning, tool calls) and numbers its
 announces each choice's role in its first chunk, as vLLM does, and ends it with its finish reason.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -13,6 +14,7 @@ from frontend_gateway.models.pipeline import Generation, ServedModel
 from frontend_gateway.openai_api import encoding
 from frontend_gateway.openai_api.chat_output import Delta
 from frontend_gateway.openai_api.completion_batch import Batch, choice_seed
+from frontend_gateway.openai_api.images import LoadedImage
 from frontend_gateway.openai_api.logprobs import chat_logprobs
 from frontend_gateway.openai_api.types import ChatCompletionRequest
 
@@ -92,14 +94,17 @@ class ChatChoices:
         return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-async def prepare(model: ServedModel, request: ChatCompletionRequest, disagg: str | None) -> Batch:
+async def prepare(
+    model: ServedModel, request: ChatCompletionRequest, disagg: str | None, images: Sequence[LoadedImage] = ()
+) -> Batch:
     """The ``n`` generations of a chat request, the j-th seeded ``seed + j`` (as vLLM seeds them); ``disagg``
-    is the client's x-flotilla-disagg. Raises what preparing the request raises."""
+    is the client's x-flotilla-disagg; ``images``: its image parts, loaded. Raises what preparing the request
+    raises."""
     generations: list[Generation] = []
     try:
         for number in range(request.n or 1):
             one = msgspec.structs.replace(request, n=1, seed=choice_seed(request.seed, number))
-            generation = await model.prepare_chat(one)
+            generation = await model.prepare_chat(one, images)
             generation.context.disagg = disagg
             generations.append(generation)
     except BaseException:

@@ -121,23 +121,34 @@ def check_stream_options(request: SamplingFields) -> None:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts chat templates expect; text parts are joined into one string."""
+def message_dicts(messages: list[ChatMessage], *, images: bool = False) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect.
+
+    Text parts are joined into one string; with ``images`` (a vision model's template) a message with parts
+    keeps them, as Hugging Face processors' templates read them: ``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}``, where the template writes the image's placeholder token. Without ``images``, an
+    image part is refused naming it.
+    """
     result: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
+        content: str | list[dict[str, str]] | None
+        if isinstance(message.content, list):
+            parts: list[dict[str, str]] = []
+            for number, part in enumerate(message.content):
+                param = f"messages[{index}].content[{number}]"
+                if part.type == "image_url" and images:
+                    parts.append({"type": "image"})
+                    continue
                 if part.type != "text":
                     raise InvalidRequest(
-                        f"content part of type {part.type!r} is not supported by this model; only text parts are",
-                        param=f"messages[{index}].content",
+                        f"content part of type {part.type!r} is not supported here; only text parts are", param=param
                     )
                 if part.text is None:
                     raise InvalidRequest("a text content part needs its text", param=f"messages[{index}].content")
-                texts.append(part.text)
-            content = "".join(texts)
+                parts.append({"type": "text", "text": part.text})
+            content = parts if images else "".join(part["text"] for part in parts)
+        else:
+            content = message.content
         entry: dict[str, Any] = {"role": message.role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
@@ -236,7 +247,10 @@ async def chat_prompt_ids(
         )
     try:
         text = template.render(
-            message_dicts(request.messages), add_generation_prompt=True, tools=tools, **template_variables(request)
+            message_dicts(request.messages, images=card.vision),
+            add_generation_prompt=True,
+            tools=tools,
+            **template_variables(request),
         )
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc

@@ -46,9 +46,19 @@ class NvExt(msgspec.Struct, forbid_unknown_fields=True):
     annotations: list[str] | None = None
 
 
+class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
+    """An ``image_url`` part's image: an http(s) URL the gateway fetches, or a ``data:image/...;base64,`` URI."""
+
+    url: Annotated[str, Meta(min_length=1)]
+    # OpenAI's resolution hint; vLLM accepts and ignores it, and so does Flotilla (the model's processor decides).
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    # ``type: "image_url"`` (openai_api/images.py): for models whose card says ``vision``.
+    image_url: ImageUrl | None = None
 
 
 # The roles OpenAI's API accepts ("function" is the deprecated predecessor of "tool"); anything else

@@ -18,6 +18,7 @@ from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
 from frontend_gateway.models.served_names import ServedNames
+from frontend_gateway.openai_api.image_limits import ImageLimits
 from frontend_gateway.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
@@ -105,6 +106,7 @@ async def serve_http(
     max_body_bytes: int,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+    image_limits: ImageLimits | None = None,
     limits: AdmissionLimits | None = None,
     metrics: GatewayMetrics | None = None,
     stop: asyncio.Event | None = None,
@@ -128,6 +130,7 @@ async def serve_http(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         send_timeout_s=send_timeout_s,
+        image_limits=image_limits,
         limits=limits,
         metrics=metrics,
         api_keys=api_keys,

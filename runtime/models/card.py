@@ -68,6 +68,14 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     logit_bias: bool = False
     #: Whether the model embeds text (``POST /v1/embeddings``; llama.cpp, mean-pooled and normalized).
     embeddings: bool = False
+    #: Whether the model takes images (``image_url`` content parts): a vision model on an engine that feeds
+    #: them to it (vLLM). False (every other engine, older workers): text only, and images are refused.
+    vision: bool = False
+    #: The placeholder token the chat template writes for each image (LLaVA's ``<image>``); set when ``vision``.
+    image_token_id: int | None = None
+    #: How many placeholder tokens the engine widens each image to, when that is the same for every image
+    #: (LLaVA's, from its vision tower's image and patch sizes); None: it depends on the image (Qwen2-VL).
+    image_tokens: int | None = None
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -112,8 +112,8 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
         ({**GOOD_CHAT, "response_format": {"type": "yaml"}}, "response_format.type", "Invalid enum value 'yaml'"),
         (
             {"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content",
-            "not supported",
+            "messages[0].content[0]",
+            "takes text only",
         ),
     ],
 )
