@@ -152,6 +152,7 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         engine_arg_names,
         read_extra_args,
     )
+    from engines.vllm.vision import vision_fields
 
     # Looked up, not imported (importing vLLM takes seconds): one line, not a traceback.
     if importlib.util.find_spec("vllm") is None:
@@ -176,12 +177,14 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     # Log probabilities come with vLLM's outputs, logit_bias and guided decoding (structured outputs) are among
     # its SamplingParams; its KV block size goes on the card for KV routers (the engine refuses another one).
     block_size = extra.get("block_size") or card.kv_cache_block_size
+    # A vision model (its config's vision tower and image token) takes images, which vLLM is given with the prompt.
     card = card.replace(
         logprobs=True,
         prompt_logprobs=True,
         logit_bias=True,
         guided_decoding=VLLM_GUIDED_KINDS,
         kv_cache_block_size=block_size,
+        **vision_fields(path),
     )
     engine = VllmEngine(settings, base_gpu_id=options.base_gpu_id, card_block_size=card.kv_cache_block_size)
     return TokenModel(card, engine), engine
