@@ -18,8 +18,8 @@ Blocks whose parent this map never heard of (events lost before the worker subsc
 
 from collections.abc import Sequence
 
-from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import LOWER_TIERS, AllCleared, BlockRemoved, BlockStored, KvEvent, Medium
+from runtime.kv.image_blocks import BlockKeys, keyed_sequence_hashes
 
 #: A tier as kept here: None for the device (an event's "gpu" is the same tier).
 Tier = Medium | None
@@ -59,10 +59,11 @@ class EngineBlockNames:
         *,
         lora_id: int | None = None,
         medium: Medium | None = None,
+        extra_keys: Sequence[BlockKeys | None] | None = None,
     ) -> BlockStored | None:
         """Flotilla's event for blocks the engine stored on ``medium``'s tier (``token_ids``: theirs, block after
-        block); None when they cannot be named: a parent no tier holds, or tokens that are not ``block_size``
-        per block."""
+        block; ``extra_keys``: each block's, as vLLM sends them, images' among them: runtime/kv/image_blocks.py);
+        None when they cannot be named: a parent no tier holds, or tokens that are not ``block_size`` per block."""
         if not engine_hashes or len(token_ids) != len(engine_hashes) * self.block_size:
             return None
         if engine_parent is None:
@@ -72,7 +73,7 @@ class EngineBlockNames:
         else:
             return None
         tier = _tier(medium)
-        names = sequence_block_hashes(token_ids, self.block_size, parent)
+        names = keyed_sequence_hashes(token_ids, self.block_size, extra_keys, parent)
         held = self._tiers[tier]
         previous = parent
         for engine_hash, name in zip(engine_hashes, names, strict=True):

@@ -52,7 +52,11 @@ def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
     """Flotilla's event for one decoded event (a tagged list as SGLang sends it, or a map with its ``type`` as
     vLLM 0.32 sends it), or None for one that names nothing Flotilla can route on (unknown parent, another
     block size, an unknown tag)."""
+    extra_keys = None
     if isinstance(event, dict):
+        # vLLM's per-block extra keys: its images' (identifier, offset) pairs among them (image_blocks.py).
+        if isinstance(keys := event.get("extra_keys"), list):
+            extra_keys = keys
         fields_of = _FIELDS.get(event.get("type"))  # type: ignore[arg-type]
         if fields_of is None:
             return None
@@ -65,7 +69,7 @@ def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
         if block_size != names.block_size:
             return None
         medium = tier_of_name(fields[5]) if len(fields) > 5 else None
-        return names.stored(block_hashes, parent, token_ids, lora_id=lora_id, medium=medium)
+        return names.stored(block_hashes, parent, token_ids, lora_id=lora_id, medium=medium, extra_keys=extra_keys)
     if tag == "BlockRemoved" and len(fields) >= 1:
         medium = tier_of_name(fields[1]) if len(fields) > 1 else None
         return names.removed(fields[0], medium=medium)

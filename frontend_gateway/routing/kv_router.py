@@ -36,8 +36,8 @@ from frontend_gateway.routing.kv_subscriber import KvEventSubscriber
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterSettings
 from frontend_gateway.routing.replica_sync import ReplicaSync
 from runtime.cluster.addressing import EndpointAddress
-from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import KvEvent, WorkerLoad
+from runtime.kv.image_blocks import request_block_hashes
 from runtime.protocol import PreprocessedRequest, TextRequest
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,12 @@ class KvRouter:
         if not candidates:
             return None
         if isinstance(request, PreprocessedRequest):
-            prompt_tokens = len(request.token_ids)
-            hashes = sequence_block_hashes(request.token_ids, self.block_size)
+            # Each image is as many tokens as the engine widens it to (where the gateway knows).
+            prompt_tokens = len(request.token_ids) + sum(
+                image.tokens - 1 for image in request.images or () if image.tokens
+            )
+            # A prompt's images are named in the blocks that hold them, as the engine names them.
+            hashes = request_block_hashes(request.token_ids, request.images, self.block_size)
             matches = self._matches(hashes)
             # Its last partial block and its answer's blocks are its own wherever it goes.
             answer = min(request.stop_conditions.max_tokens, EXPECTED_ANSWER_CAP_TOKENS)
