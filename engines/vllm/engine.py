@@ -28,6 +28,7 @@ the host tier's size.
 """
 
 import asyncio
+import io
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -191,6 +192,11 @@ class VllmEngine:
             # A connector that finds the KV by the prompt alone (ExampleConnector, LMCache) needs none.
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": handoff.params}
         prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        if request.images:
+            # Decoded on a thread (milliseconds per image). Each image's uuid is the gateway's digest: vLLM names
+            # its blocks with it (extra keys), and so does the router (runtime/kv/image_blocks.py).
+            prompt["multi_modal_data"] = {"image": await asyncio.to_thread(decode_images, request)}
+            prompt["multi_modal_uuids"] = {"image": [image.digest for image in request.images]}
         request_id = request.request_id
         first = True
         finished = False
@@ -205,6 +211,8 @@ class VllmEngine:
                 item = EngineOutput(token_ids=list(completion.token_ids), finish_reason=finish)
                 if first:
                     item.cached_tokens = cached = output.num_cached_tokens
+                    if request.images and output.prompt_token_ids is not None:
+                        item.prompt_tokens = len(output.prompt_token_ids)  # each image widened to its features
                     first = False
                 if request.prompt_logprobs is not None and output.prompt_logprobs:
                     # vLLM gives them all at once, with the first output after the prompt (DELTA outputs).
@@ -244,6 +252,21 @@ class VllmEngine:
             rate = self._stats.connector_hit_rate()
             load.tiers = tier_loads(self._names, offloads_to=tiers, hit_rates=dict.fromkeys(tiers, rate))
         return [load]
+
+
+def decode_images(request: PreprocessedRequest) -> list[Any]:
+    """The request's images as RGB PIL images, as vLLM's processors take them. Raises RequestRejected for one that
+    cannot be decoded (the gateway checked it; a worker of another Pillow version might still disagree)."""
+    from PIL import Image
+
+    images = []
+    for number, image in enumerate(request.images or ()):
+        try:
+            with Image.open(io.BytesIO(image.data)) as opened:
+                images.append(opened.convert("RGB"))
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise RequestRejected(f"image {number} of the request cannot be decoded: {exc}") from exc
+    return images
 
 
 def sampling_params(request: PreprocessedRequest) -> Any:
