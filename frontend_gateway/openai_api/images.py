@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from frontend_gateway.errors import InvalidRequest
 from frontend_gateway.openai_api.image_limits import ImageLimits
@@ -273,7 +273,11 @@ def _checked(data: bytes, param: str) -> LoadedImage:
             image.load()
     except InvalidRequest:
         raise
+    except UnidentifiedImageError as exc:
+        raise InvalidRequest(
+            "the data is not an image that can be read: no image format (PNG, JPEG, WebP, GIF...) knows it", param=param
+        ) from exc
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        # Pillow raises UnidentifiedImageError (an OSError) for what it does not know, OSError for truncated data.
+        # OSError for truncated or corrupt data; SyntaxError and ValueError from some format readers.
         raise InvalidRequest(f"the data is not an image that can be read: {exc}", param=param) from exc
     return LoadedImage(data, hashlib.sha256(data).hexdigest())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from frontend_gateway.openai_api.image_limits import ImageLimits
 from launcher.cli import exit_code, parse_run_options
 from launcher.options import RunOptions
 from launcher.run_parser import build_run_parser
@@ -234,3 +235,10 @@ def test_help_teaches_inputs_engines_and_environment_variables() -> None:
     assert result.returncode == 0
     for text in ("in=batch:FILE", "out=echo_core", "FLOTILLA_HTTP_PORT", "FLOTILLA_LOG", "examples:"):
         assert text in result.stdout
+
+
+def test_image_limits_come_from_their_flags_or_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_IMAGE_FETCH_TIMEOUT_S", "2.5")
+    parsed = options("in=http", "--max-image-bytes", "1000", "--image-domains", "Images.Example.com, cdn.org.")
+    domains = ("images.example.com", "cdn.org")
+    assert parsed.image_limits == ImageLimits(max_bytes=1000, fetch_timeout_s=2.5, domains=domains)
