@@ -260,7 +260,8 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
         env="FLOTILLA_IMAGE_DOMAINS",
         type=_domain_list,
         default=(),
-        help="comma-separated host names image URLs may name (and their subdomains; default: any host)",
+        help="comma-separated host names image URLs may name (and their subdomains, whatever their addresses); "
+        "default: any host whose addresses are all public (not loopback, private or link-local)",
     )
 
 

@@ -7,6 +7,11 @@ own files) is refused. Every image is opened with Pillow before it goes further,
 is the client's 400 naming it (``messages[1].content[0]``), not an engine's failure after routing. Decoding and
 checking run on a thread: a large image costs tens of milliseconds that every stream of the process would wait.
 
+Without ``--image-domains`` an image URL must name a public host: one that resolves to a loopback, private,
+link-local or otherwise reserved address (the gateway's own machine, etcd, the control plane, a cloud's
+metadata service) is refused, redirects included, so that a client cannot make the gateway probe the
+fleet's network. Naming hosts in ``--image-domains`` allows those, whatever their addresses.
+
 Models whose card does not say ``vision`` take text only: a request with an image part is refused naming the
 part before any image is fetched (``refuse_images``).
 """
@@ -16,8 +21,10 @@ import base64
 import binascii
 import hashlib
 import io
+import ipaddress
 import logging
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -160,6 +167,11 @@ class ImageLoader:
         limits = self.limits
         shown = _shown(url)
         _check_url(url, param, limits.domains)
+        if not limits.domains:
+            try:
+                await _check_public(httpx.URL(url))
+            except _NotAllowed as exc:
+                raise InvalidRequest(str(exc), param=param) from None
         client = self._client
         if client is None:
             # Redirects are followed, each checked as the URL was (an allowed host may send elsewhere).
@@ -201,6 +213,24 @@ class ImageLoader:
             raise _NotAllowed(f"an image URL may not lead to a {request.url.scheme}: URL")
         if self.limits.domains and not _allowed_host(request.url.host, self.limits.domains):
             raise _NotAllowed(f"an image URL may not lead to {request.url.host!r}: images come from {_domains(self)}")
+        if not self.limits.domains:
+            await _check_public(request.url)
+
+
+async def _check_public(url: httpx.URL) -> None:
+    """Raises _NotAllowed unless every address ``url``'s host resolves to is a public one."""
+    host = url.host
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(host, url.port or 443, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise _NotAllowed(f"the image host {host!r} cannot be resolved ({exc.strerror or exc})") from None
+    for *_, address in found:
+        ip = ipaddress.ip_address(address[0])
+        if not ip.is_global or ip.is_multicast:
+            raise _NotAllowed(
+                f"the image host {host!r} is at {ip}, not a public address: the gateway fetches images only from "
+                "public hosts unless --image-domains (FLOTILLA_IMAGE_DOMAINS) names the host"
+            )
 
 
 class _NotAllowed(Exception):

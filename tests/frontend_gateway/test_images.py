@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from PIL import Image
@@ -80,6 +81,10 @@ def pages() -> Iterator[str]:
     server.server_close()
 
 
+#: The test server is on loopback, which the gateway fetches from only when --image-domains names it.
+LOCAL = ImageLimits(domains=("127.0.0.1",))
+
+
 async def load(url: str, limits: ImageLimits | None = None) -> LoadedImage:
     loader = ImageLoader(limits)
     try:
@@ -122,18 +127,43 @@ async def test_an_image_over_the_size_limit_is_refused() -> None:
 
 
 async def test_an_http_url_is_fetched(pages: str) -> None:
-    assert (await load(f"{pages}/red.png")).data == RED
+    assert (await load(f"{pages}/red.png", LOCAL)).data == RED
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:2379/v3/kv/range",
+        "http://localhost/a.png",
+        "http://10.0.0.7/a.png",
+        "http://[::1]/a.png",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://0.0.0.0/a.png",
+    ],
+)
+async def test_without_image_domains_a_host_at_a_private_address_is_refused_unfetched(url: str) -> None:
+    """No probing of the fleet's own network (etcd, the control plane, a cloud's metadata service) by URL."""
+    error = await refused(url)
+    assert "not a public address" in error.message and "--image-domains" in error.message
+
+
+async def test_a_redirect_to_a_private_address_is_refused(pages: str) -> None:
+    loader = ImageLoader()
+    request = httpx.Request("GET", f"{pages}/red.png")
+    with pytest.raises(Exception, match="not a public address"):
+        await loader._check_redirect(request)
 
 
 async def test_a_failed_fetch_is_a_400_saying_how_it_failed(pages: str) -> None:
-    assert "answered HTTP 404" in (await refused(f"{pages}/missing.png")).message
-    assert "over the limit of 1000 bytes" in (await refused(f"{pages}/big.png", ImageLimits(max_bytes=1000))).message
+    assert "answered HTTP 404" in (await refused(f"{pages}/missing.png", LOCAL)).message
+    too_big = ImageLimits(max_bytes=1000, domains=LOCAL.domains)
+    assert "over the limit of 1000 bytes" in (await refused(f"{pages}/big.png", too_big)).message
     closed = "http://127.0.0.1:9/red.png"  # the discard port: nothing listens on loopback
-    assert "fetching the image at http://127.0.0.1:9/red.png failed" in (await refused(closed)).message
+    assert "fetching the image at http://127.0.0.1:9/red.png failed" in (await refused(closed, LOCAL)).message
 
 
 async def test_an_image_url_that_does_not_answer_in_time_is_a_400(pages: str) -> None:
-    error = await refused(f"{pages}/slow.png", ImageLimits(fetch_timeout_s=0.2))
+    error = await refused(f"{pages}/slow.png", ImageLimits(fetch_timeout_s=0.2, domains=LOCAL.domains))
     assert "did not arrive within 0.2 s" in error.message
 
 
