@@ -164,6 +164,11 @@ async def test_a_record_skipped_for_a_secret_not_known_yet_applies_once_the_secr
     assert not table.set_secrets([SECRET, new])  # the same secrets: nothing to do
 
 
+def altered_last_digit(header: bytes) -> bytes:
+    """The header with the signature's last hex digit changed (to another one, whatever it was)."""
+    return header[:-1] + (b"1" if header.endswith(b"0") else b"0")
+
+
 def batch_credential(key: str, *, expires_at: float = NOW + 60, secret: bytes = SECRET) -> bytes:
     return bearer(batch_credentials.sign(key_hash(key), "batch_abc123", int(expires_at), secret))
 
@@ -186,7 +191,7 @@ def test_a_batchs_credential_is_its_keys_own_while_the_key_works() -> None:
     [
         (lambda key: batch_credential(key, secret=b"x" * 64), "signature does not match"),
         (lambda key: batch_credential(key, expires_at=NOW - 1), "credential of batch_abc123 has expired"),
-        (lambda key: batch_credential(key)[:-1] + b"0", "signature does not match"),
+        (lambda key: altered_last_digit(batch_credential(key)), "signature does not match"),
         (lambda key: batch_credential(key).replace(b"batch_abc123", b"batch_other1"), "signature does not match"),
         (lambda key: b"Bearer flt-batch.not-one", "not in the control plane's form"),
         (lambda key: batch_credential(new_key()), "Incorrect API key provided: of batch_abc123"),
