@@ -159,7 +159,8 @@ $(VLLM_VENV)/.installed:
 	find $(dir $(VLLM_VENV)) -maxdepth 1 -name 'vllm-venv-*' ! -name 'vllm-venv-$(VLLM_KEY)' -exec rm -rf {} +
 
 # The tests marked vllm with that venv's interpreter (the main venv skips them: it has no vLLM); only their
-# files are collected, a file per worker on two workers (engine start-ups overlap: 313 s against ~370 s). The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
+# files are collected, a file per worker on two workers (engine start-ups overlap: 313 s against ~370 s).
+# The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
 VLLM_TESTS := $(wildcard tests/engines/test_vllm*.py)
 test-vllm: $(VLLM_VENV)/.installed system-deps
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -m vllm -n 2 --dist loadfile --durations=20 $(VLLM_TESTS)
