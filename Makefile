@@ -161,6 +161,9 @@ $(VLLM_VENV)/.installed:
 # The tests marked vllm with that venv's interpreter (the main venv skips them: it has no vLLM); only their
 # files are collected, a file per worker on two workers (engine start-ups overlap: 313 s against ~370 s).
 # The first run converts the SmolLM2 GGUF to safetensors into ~/.cache/flotilla-tests/.
-VLLM_TESTS := $(wildcard tests/engines/test_vllm*.py)
+# The longest files first, in the order xdist hands them out (two each to start with), so that the two workers
+# end together: multi-node and images on one, the fleet and the server's own tests on the other.
+VLLM_FIRST := $(addprefix tests/engines/,test_vllm_multinode.py test_vllm_distributed.py test_vllm_images.py test_vllm.py)
+VLLM_TESTS := $(VLLM_FIRST) $(filter-out $(VLLM_FIRST),$(wildcard tests/engines/test_vllm*.py))
 test-vllm: $(VLLM_VENV)/.installed system-deps
 	PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -m vllm -n 2 --dist loadfile --durations=20 $(VLLM_TESTS)
