@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -127,7 +128,8 @@ class ControlPlaneProxy:
     async def conversation(self, authorization: bytes, response_id: str) -> bytes:
         """The items of the conversation that the stored response ``response_id`` ends (JSON). Raises
         ResponseNotFound, or ControlPlaneUnavailable."""
-        url = f"{self.base_url}/v1/responses/{response_id}/conversation"
+        # The id is the client's: quoted whole, so that no "/", "..", "?" or "#" in it reaches another path.
+        url = f"{self.base_url}/v1/responses/{quote(response_id, safe='')}/conversation"
         try:
             answer = await self._client.get(
                 url, headers={"authorization": authorization.decode("latin-1")}, timeout=_STORE_TIMEOUT

@@ -1,6 +1,7 @@
 """How `make test` splits the suite: the parts it runs must together hold every test."""
 
 import re
+import subprocess
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -20,5 +21,15 @@ def test_every_test_marked_vllm_is_in_a_file_the_vllm_step_collects() -> None:
 
 def test_the_makefile_collects_the_vllm_files_and_runs_the_serial_part_alone() -> None:
     makefile = (TESTS.parent / "Makefile").read_text()
-    assert "VLLM_TESTS := $(wildcard tests/engines/test_vllm*.py)" in makefile
+    # What `make test-vllm` would run (-n: printed, not run), its pytest line naming every vLLM file once.
+    printed = subprocess.run(
+        ["make", "-n", "--no-print-directory", "test-vllm"],
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    [command] = [line for line in printed.splitlines() if "pytest" in line and "-m vllm" in line]
+    named = [word for word in command.split() if word.startswith("tests/")]
+    assert sorted(named) == [str(path.relative_to(TESTS.parent)) for path in VLLM_FILES]
     assert '-m "not serial"' in makefile and "pytest -q -m serial" in makefile

@@ -310,6 +310,9 @@ def test_a_stored_response_is_retrieved_continued_and_deleted_by_its_key_only(st
         other.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError, match="Previous response with id"):
         other.responses.create(model=MODEL, input="hi", previous_response_id=first.id)
+    for forged in (f"../batches?x={first.id}", f"{first.id}/../{first.id}", "a#b"):  # no other path is reached
+        with pytest.raises(openai.NotFoundError, match="Previous response with id"):
+            client.responses.create(model=MODEL, input="hi", previous_response_id=forged)
 
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
