@@ -16,6 +16,7 @@ One stack per module (etcd, NATS, Redis, the control plane and its Celery worker
 workers): starting it costs seconds, and each test makes its own keys, files and batches.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -55,13 +56,20 @@ class BatchStack:
         command += ["-Q", "controlplane,controlplane.batches", "--pool", "solo", "--loglevel", "info"]
         command += ["-s", str(self.directory / "celerybeat-schedule")]
         with (self.directory / "celery.log").open("ab") as log_file:
+            # A session of its own: its beat runs in a child process, which a kill of the worker alone would orphan.
             self.celery = subprocess.Popen(
-                command, cwd=REPOSITORY, env=self.control_plane.env, stdout=log_file, stderr=subprocess.STDOUT
+                command,
+                cwd=REPOSITORY,
+                env=self.control_plane.env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def kill_celery(self) -> None:
+        """SIGKILL the worker and its beat child, as a crash of the machine's service would."""
         assert self.celery is not None
-        os.kill(self.celery.pid, signal.SIGKILL)
+        os.killpg(self.celery.pid, signal.SIGKILL)
         self.celery.wait()
         self.celery = None
 
@@ -123,7 +131,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatchStack]:
     stack.start_celery()
     yield stack
     if stack.celery is not None:
-        stop_process(stack.celery, signal.SIGTERM, timeout=20)
+        stop_process(stack.celery, signal.SIGTERM, timeout=20)  # a warm shutdown stops its beat too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(stack.celery.pid, signal.SIGKILL)  # whatever of its group is left
     operator.close()
     control_plane.stop()
     cluster.stop()
