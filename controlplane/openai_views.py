@@ -65,15 +65,21 @@ def key_of(request: HttpRequest) -> ApiKey:
     return key
 
 
-def page(request: HttpRequest, rows: "QuerySet[Any]", shape: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """One page of ``rows`` (newest first) as OpenAI lists them: ``limit`` (1-100, default 20) rows after
-    the row ``after``."""
+def page_limit(request: HttpRequest) -> int:
+    """A list's ``limit`` (1-100, default 20), as OpenAI takes it. Raises OpenAIError (400) for another."""
     try:
         limit = int(request.GET.get("limit", "20"))
     except ValueError:
         limit = 0
     if not 1 <= limit <= 100:
         raise OpenAIError(HTTPStatus.BAD_REQUEST, "limit is a whole number from 1 to 100", param="limit")
+    return limit
+
+
+def page(request: HttpRequest, rows: "QuerySet[Any]", shape: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """One page of ``rows`` (newest first) as OpenAI lists them: ``limit`` (1-100, default 20) rows after
+    the row ``after``."""
+    limit = page_limit(request)
     if after := request.GET.get("after"):
         anchor = rows.filter(pk=after).first()
         if anchor is None:

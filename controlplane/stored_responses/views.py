@@ -18,7 +18,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 
 from controlplane.apikeys.models import ApiKey
-from controlplane.openai_views import OpenAIError, openai_view
+from controlplane.openai_views import OpenAIError, openai_view, page_limit
 from controlplane.stored_responses.models import StoredResponse
 
 _MAX_ID = 100
@@ -85,12 +85,7 @@ def _input_items(request: HttpRequest, key: ApiKey, response_id: str) -> HttpRes
         raise OpenAIError(HTTPStatus.BAD_REQUEST, "order is asc or desc", param="order")
     if order == "desc":
         items.reverse()
-    try:
-        limit = int(request.GET.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise OpenAIError(HTTPStatus.BAD_REQUEST, "limit is a whole number from 1 to 100", param="limit")
+    limit = page_limit(request)
     if after := request.GET.get("after"):
         ids = [item.get("id") for item in items]
         if after not in ids:
