@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LLAMA_CPP_VERSION := 0.3.36
 # Portable CPU flags: the default -march=native build uses AMX, which faults inside these VMs.
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAVA_BUILD=OFF
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 # The built wheel is kept outside the checkout, in a folder named by the version and the flags it was built
 # with, so that a fresh clone on this machine (CI) reuses it and a change of flags builds anew. pip's own
 # wheel cache cannot be used: it ignores CMAKE_ARGS once it holds a wheel.
@@ -57,7 +57,8 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# llama-cpp-python ships only as source: build the wheel once (about 5 minutes on 2 cores) and keep it.
+# llama-cpp-python ships only as source: build the wheel once (5 minutes on 2 cores, more with other work running; it
+# includes llama.cpp's multimodal library, mtmd, for --mmproj) and keep it.
 $(LLAMA_WHEEL): | $(VENV)/bin/python
 	mkdir -p $(WHEEL_CACHE)/$(LLAMA_BUILD).partial
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
@@ -66,7 +67,8 @@ $(LLAMA_WHEEL): | $(VENV)/bin/python
 	rm -rf $(WHEEL_CACHE)/$(LLAMA_BUILD) && mv $(WHEEL_CACHE)/$(LLAMA_BUILD).partial $(WHEEL_CACHE)/$(LLAMA_BUILD)
 
 $(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
-	$(BIN)/pip install --quiet $(LLAMA_WHEEL)
+	# Forced: a wheel built with other flags has the same version, which pip would keep.
+	$(BIN)/pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEEL)
 	# deploy/install.sh takes the wheel from the checkout's .wheels/.
 	mkdir -p .wheels && ln -sf $(LLAMA_WHEEL) .wheels/
 	$(BIN)/pip install --quiet -e '.[dev,mistralrs,frameworks]'

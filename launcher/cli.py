@@ -127,6 +127,11 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             parser.error(f"out={output!r} needs a file: out={kind}:FILE.py")
     elif output not in ENGINES:
         parser.error(f"out={output!r} is not an engine; use one of {', '.join(ENGINES)}, pystr:FILE.py, pytok:FILE.py")
+    if namespace.mmproj is not None and output != "llamacpp":
+        parser.error(
+            f"--mmproj (FLOTILLA_MMPROJ) gives llama.cpp a projector for images; out={output} does not take one "
+            "(out=vllm reads a vision model's own folder)"
+        )
     if namespace.extra_engine_args is not None and output not in EXTRA_ARGS_ENGINES:
         engines = " or ".join(f"out={engine}" for engine in EXTRA_ARGS_ENGINES)
         parser.error(f"--extra-engine-args (FLOTILLA_EXTRA_ENGINE_ARGS) configures {engines}, not out={output}")
@@ -186,6 +191,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         ),
         threads=namespace.threads,
         parallel=namespace.parallel,
+        mmproj=namespace.mmproj,
         batch_concurrency=namespace.batch_concurrency,
         max_tokens=namespace.max_tokens,
         temperature=namespace.temperature,

@@ -41,6 +41,7 @@ class RunOptions:
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # in=http: chat requests' images
     threads: int | None = None
     parallel: int = 1  # out=llamacpp: slots decoded together (engines/llamacpp/batch.py)
+    mmproj: Path | None = None  # out=llamacpp: a multimodal projector, for images (engines/llamacpp/vision.py)
     batch_concurrency: int = 4
     max_tokens: int | None = None
     temperature: float | None = None

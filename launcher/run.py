@@ -71,6 +71,12 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         from engines.llamacpp.guided import GUIDED_KINDS
 
         card, path = load_card(options)
+        # With a projector, images: the template is given them as text, the gateway tokenizes around them.
+        if options.mmproj is not None:
+            from engines.llamacpp.vision import projector_card_fields
+
+            vocabulary = card.tokenizer.get_vocab_size(with_added_tokens=True)
+            card = card.replace(**projector_card_fields(options.mmproj, n_vocab=vocabulary))
         # Structured output and guided decoding by llama.cpp's grammars; log probabilities (of the prompt too)
         # from its logits; embeddings from a second context in embedding mode.
         card = card.replace(
@@ -82,7 +88,12 @@ def build_model(options: RunOptions) -> tuple[ServedModel, Engine]:
             logit_bias=True,
         )
         llama = LlamaCppEngine(
-            path, context_length=card.context_length, threads=options.threads, parallel=options.parallel
+            path,
+            context_length=card.context_length,
+            threads=options.threads,
+            parallel=options.parallel,
+            mmproj=options.mmproj,
+            image_tokens=card.image_tokens,
         )
         return TokenModel(card, llama), llama
     if output == "mistralrs":

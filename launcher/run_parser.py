@@ -132,6 +132,13 @@ def _labels(text: str) -> dict[str, str]:
     return checked_by(parse_labels)(text)
 
 
+def _file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    return path
+
+
 def _folder(text: str) -> Path:
     path = Path(text)
     if not path.is_dir():
@@ -282,6 +289,13 @@ def add_engine_flags(parser: EnvArgumentParser) -> None:
         help="out=llamacpp: requests decoded together in one context (slots, as llama-server's -np); "
         "more wait for a free slot. Each slot holds up to --context-length tokens (default 1: one request "
         "at a time; 4 batches, but through HTTP it is not yet faster on a 2-core machine, see docs/benchmarks.md)",
+    )
+    parser.add_flag(
+        "--mmproj",
+        env="FLOTILLA_MMPROJ",
+        type=_file,
+        help="out=llamacpp: a multimodal projector GGUF for the model (llama.cpp's mmproj file, published beside "
+        "a vision model's GGUF, as llama-server's --mmproj takes): the model then takes images (image_url parts)",
     )
     parser.add_flag(
         "--extra-engine-args",

@@ -26,6 +26,7 @@ a single prompt token for the next one (``take_chunk``, ``plan_prefill``).
 
 import collections
 import concurrent.futures
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.llamacpp.sampling import SequenceSampler, prompt_logprobs, token_logprob
+from engines.llamacpp.vision import PlacedImage, WidenedPrompt
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
 from runtime.protocol import EngineOutput, PreprocessedRequest, TokenLogprob
@@ -52,6 +54,13 @@ class SequenceJob:
     context: RequestContext
     emit: Callable[[object], None]
     grammar: Any = None
+    #: The prompt with its images' placeholders widened to their rows (engines/llamacpp/vision.py); None: no images.
+    widened: WidenedPrompt | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt's rows as the context holds them: token ids, and each image row as its image's key."""
+        return self.widened.tokens if self.widened is not None else self.request.token_ids
 
 
 @dataclass
@@ -75,6 +84,9 @@ class _Running:
     prompt: list[int]  # the prompt tokens still to decode in chunks
     singles: list[int]  # then these, one a step (migrated tokens at temperature 0)
     cached_tokens: int | None  # told on the first output, then None
+    #: The prompt's rows, told on the first output when images made them more than its token ids; then None.
+    prompt_rows: int | None = None
+    images: Sequence[PlacedImage] = ()
     #: The prompt's log probabilities so far, when the request asks for them (told on the first output).
     prompt_logprobs: list[TokenLogprob] | None = None
     generated: int = 0
@@ -109,6 +121,18 @@ def take_chunk(prompt: list[int], most: int) -> list[int]:
     return chunk
 
 
+def take_run(prompt: list[int], most: int) -> list[int]:
+    """``take_chunk``, cut where text meets an image's rows or one image's rows meet another's: a ``llama_decode``
+    takes token ids or embeddings, not both, and an image's rows come from that image."""
+    chunk = take_chunk(prompt, most)
+    first = chunk[0]
+    for index, row in enumerate(chunk):
+        if (row < 0) != (first < 0) or (first < 0 and row != first):
+            prompt[:0] = chunk[index:]
+            return chunk[:index]
+    return chunk
+
+
 def choose_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> Slot | None:
     """The free slot sharing the longest prefix with ``prompt``; among equals the least recently used.
     None when every slot is busy."""
@@ -133,6 +157,9 @@ class BatchScheduler:
         self._n_vocab = model.n_vocab()
         self.slots = [Slot(seq_id) for seq_id in range(n_seq)]
         self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq), 0, 1)
+        #: A batch of embeddings for images' rows, made by the first image (its width is the model's).
+        self._embd_batch: Any = None
+        self._embd_width = 0
         self._running: list[_Running] = []
         self._waiting: collections.deque[SequenceJob] = collections.deque()
         self._inbox: list[SequenceJob] = []
@@ -174,6 +201,8 @@ class BatchScheduler:
             self._wake.notify()
         self._thread.join()
         self._llama_cpp.llama_batch_free(self._batch)
+        if self._embd_batch is not None:
+            self._llama_cpp.llama_batch_free(self._embd_batch)
 
     # --- the engine thread ---------------------------------------------------------------------
 
@@ -217,7 +246,7 @@ class BatchScheduler:
     def _admit(self) -> None:
         while self._waiting:
             job = self._waiting[0]
-            slot = choose_slot(self.slots, job.request.token_ids)
+            slot = choose_slot(self.slots, job.prompt)
             if slot is None:
                 return
             self._waiting.popleft()
@@ -241,7 +270,7 @@ class BatchScheduler:
                 # Every prompt position's logits are needed, and a cached prefix kept none: the whole prompt is
                 # decoded, in chunks (the gateway sends no migrated tokens with it).
                 one_at_a_time, cached = 0, []
-            plan = self._plan(cached, request.token_ids, one_at_a_time, self._n_batch)
+            plan = self._plan(cached, job.prompt, one_at_a_time, self._n_batch)
             reuse = plan.reuse
             if not self._llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, reuse, -1):
                 # A context that cannot drop a suffix (recurrent models) starts the slot afresh.
@@ -252,15 +281,18 @@ class BatchScheduler:
             sampler.close()
             raise
         slot.busy = True
-        split = len(request.token_ids) - one_at_a_time
+        prompt = job.prompt
+        split = len(prompt) - one_at_a_time
         return _Running(
             job=job,
             slot=slot,
             sampler=sampler,
             eos_ids=frozenset(request.eos_token_ids) | {self._model.token_eos()},
-            prompt=list(request.token_ids[reuse:split]),
-            singles=list(request.token_ids[split:]),
+            prompt=list(prompt[reuse:split]),
+            singles=list(prompt[split:]),
             cached_tokens=reuse,
+            prompt_rows=len(prompt) if job.widened is not None else None,
+            images=job.widened.images if job.widened is not None else (),
             prompt_logprobs=[] if request.prompt_logprobs is not None else None,
         )
 
@@ -269,7 +301,11 @@ class BatchScheduler:
         then one row for each other request (its last sampled token or its next migrated one), together."""
         reading = next((running for running in self._running if running.prompt), None)
         if reading is not None:
-            self._decode([(reading, take_chunk(reading.prompt, self._n_batch))], every_row=reading.prompt_logprobs)
+            chunk = take_run(reading.prompt, self._n_batch)
+            if chunk[0] < 0:
+                self._decode_image_rows(reading, chunk)
+            else:
+                self._decode([(reading, chunk)], every_row=reading.prompt_logprobs)
         rows = []
         for running in self._running:
             if running.next_token is not None:
@@ -313,6 +349,41 @@ class BatchScheduler:
         for running, row in sampled:
             self._sample(running, row)
 
+    def _decode_image_rows(self, running: _Running, chunk: list[int]) -> None:
+        """Decode the next rows of one image (its embeddings; ``chunk`` their keys) after what the request's slot
+        holds, in a ``llama_decode`` of their own."""
+        import numpy as np
+
+        count = len(chunk)
+        slot = running.slot
+        start = len(slot.tokens)
+        image = next((image for image in running.images if image.first <= start < image.end), None)
+        if image is None or start + count > image.end:
+            raise EngineError(f"no image rows are known at prompt position {start}")
+        rows = np.ascontiguousarray(image.rows[start - image.first : start - image.first + count], dtype=np.float32)
+        width = rows.shape[1]
+        if self._embd_batch is None or self._embd_width != width:
+            if self._embd_batch is not None:
+                self._llama_cpp.llama_batch_free(self._embd_batch)
+            self._embd_batch = self._llama_cpp.llama_batch_init(self._n_batch, width, 1)
+            self._embd_width = width
+        batch = self._embd_batch
+        ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+        done = not running.prompt and not running.singles
+        for offset in range(count):
+            batch.pos[offset] = start + offset
+            batch.n_seq_id[offset] = 1
+            batch.seq_id[offset][0] = slot.seq_id
+            batch.logits[offset] = done and offset == count - 1
+        batch.n_tokens = count
+        slot.tokens.extend(chunk)
+        status = self._llama_cpp.llama_decode(self._ctx.ctx, batch)
+        if status != 0:
+            raise EngineError(f"llama_decode returned {status} for an image's rows (the KV cache is full?)")
+        self.decoded_rows += count
+        if done:
+            self._sample(running, count - 1)
+
     def _prompt_logprobs(self, request: PreprocessedRequest, start: int, rows: int) -> list[TokenLogprob]:
         """The log probabilities of the prompt tokens that the ``rows`` just decoded (the prompt's from
         position ``start``) predict: row ``i`` the token at ``start + i + 1``, while it is in the prompt."""
@@ -335,8 +406,9 @@ class BatchScheduler:
         token = running.sampler.sample(self._ctx, row)
         cached, running.cached_tokens = running.cached_tokens, None
         prompt, running.prompt_logprobs = running.prompt_logprobs, None
+        rows, running.prompt_rows = running.prompt_rows, None
         if token in running.eos_ids and not stop.ignore_eos:
-            running.job.emit(EngineOutput([], "stop", cached, prompt_logprobs=prompt))
+            running.job.emit(EngineOutput([], "stop", cached, prompt_logprobs=prompt, prompt_tokens=rows))
             self._finish(running)
             return
         running.generated += 1
@@ -345,10 +417,12 @@ class BatchScheduler:
             logits = self._ctx.get_logits_ith(row)
             logprobs = [token_logprob(logits, self._n_vocab, token, request.logprobs)]
         if running.generated >= stop.max_tokens:
-            running.job.emit(EngineOutput([token], "length", cached, logprobs, prompt_logprobs=prompt))
+            running.job.emit(
+                EngineOutput([token], "length", cached, logprobs, prompt_logprobs=prompt, prompt_tokens=rows)
+            )
             self._finish(running)
             return
-        running.job.emit(EngineOutput([token], None, cached, logprobs, prompt_logprobs=prompt))
+        running.job.emit(EngineOutput([token], None, cached, logprobs, prompt_logprobs=prompt, prompt_tokens=rows))
         running.next_token = token
 
     def _finish(self, running: _Running) -> None:

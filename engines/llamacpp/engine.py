@@ -41,6 +41,7 @@ from typing import Any, Literal
 from engines.llamacpp.batch import END, BatchScheduler, SequenceJob
 from engines.llamacpp.embedding import embed_token_ids
 from engines.llamacpp.guided import request_grammar
+from engines.llamacpp.vision import ImageEncoder, WidenedPrompt
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
 from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest
@@ -63,14 +64,23 @@ def default_threads() -> int:
 class LlamaCppEngine:
     """Token engine backed by llama-cpp-python. ``start()`` loads the model.
 
-    ``parallel`` requests are decoded together (slots), each up to ``context_length`` tokens.
+    ``parallel`` requests are decoded together (slots), each up to ``context_length`` tokens. With ``mmproj`` (a
+    multimodal projector GGUF) the model takes images, each ``image_tokens`` rows when the card says how many
+    (checked at start: the gateway names KV blocks by that count).
     """
 
     kind: Literal["token"] = "token"
     skip_special_tokens = True
 
     def __init__(
-        self, model_path: Path, *, context_length: int, threads: int | None = None, parallel: int = DEFAULT_PARALLEL
+        self,
+        model_path: Path,
+        *,
+        context_length: int,
+        threads: int | None = None,
+        parallel: int = DEFAULT_PARALLEL,
+        mmproj: Path | None = None,
+        image_tokens: int | None = None,
     ) -> None:
         if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
             raise ModelError(
@@ -83,6 +93,9 @@ class LlamaCppEngine:
         self.context_length = context_length
         self.threads = threads or default_threads()
         self.parallel = parallel
+        self.mmproj = mmproj
+        self._image_tokens = image_tokens
+        self._encoder: ImageEncoder | None = None  # images to embeddings, with mmproj
         self._model: Any = None  # llama_cpp._internals.LlamaModel
         self._ctx: Any = None  # its context, one sequence per slot
         self._scheduler: BatchScheduler | None = None
@@ -100,6 +113,12 @@ class LlamaCppEngine:
             self._model, self._ctx = await asyncio.to_thread(self._load, llama_cpp)
         except (ValueError, RuntimeError) as exc:
             raise ModelError(f"llama.cpp could not load {self.model_path}: {exc}") from exc
+        if self.mmproj is not None:
+            try:
+                self._encoder = await asyncio.to_thread(self._load_projector, self.mmproj)
+            except BaseException:
+                await self.close()
+                raise
         self._scheduler = BatchScheduler(
             self._model, self._ctx, n_seq=self.parallel, n_batch=PROMPT_CHUNK, plan=plan_prefill
         )
@@ -116,6 +135,9 @@ class LlamaCppEngine:
         _internals: Any = importlib.import_module("llama_cpp._internals")
 
         llama_cpp.llama_backend_init()
+        # llama.cpp's log goes through llama-cpp-python's logger, which prints every line (about a thousand at
+        # load) until it is told its level: errors only, as llama_cpp.Llama(verbose=False) has it.
+        importlib.import_module("llama_cpp._logger").set_verbose(False)
         model = _internals.LlamaModel(
             path_model=str(self.model_path), params=llama_cpp.llama_model_default_params(), verbose=False
         )
@@ -134,6 +156,23 @@ class LlamaCppEngine:
             raise
         return model, ctx
 
+    def _load_projector(self, path: Path) -> ImageEncoder:
+        encoder = ImageEncoder(path, self._model, threads=self.threads)
+        try:
+            # Two sizes: a projector whose images are not all one size of tokens would be named wrongly by a
+            # gateway that took the card's count for each.
+            counts = {encoder.image_tokens(64, 48), encoder.image_tokens(300, 500)}
+            if self._image_tokens is not None and counts != {self._image_tokens}:
+                raise ModelError(
+                    f"the projector {path} makes {sorted(counts)} tokens of an image, where its metadata says "
+                    f"{self._image_tokens}: its file is inconsistent"
+                )
+        except BaseException:
+            encoder.close()
+            raise
+        log.info("llama.cpp loaded the projector %s (%s tokens an image)", path.name, "/".join(map(str, counts)))
+        return encoder
+
     async def close(self) -> None:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
@@ -141,6 +180,9 @@ class LlamaCppEngine:
             if embedder is not None:
                 await asyncio.wrap_future(scheduler.call(embedder.close))
             await asyncio.to_thread(scheduler.close)
+        encoder, self._encoder = self._encoder, None
+        if encoder is not None:
+            encoder.close()
         ctx, self._ctx = self._ctx, None
         model, self._model = self._model, None
         if ctx is not None:
@@ -196,7 +238,9 @@ class LlamaCppEngine:
         scheduler = self._scheduler
         if scheduler is None:
             raise EngineError("the llama.cpp engine is not started")
-        if len(request.token_ids) + request.stop_conditions.max_tokens > self.context_length:
+        widened = await self._widen(scheduler, request) if request.images else None
+        prompt_rows = len(widened.tokens) if widened is not None else len(request.token_ids)
+        if prompt_rows + request.stop_conditions.max_tokens > self.context_length:
             raise EngineError("the prompt plus max_tokens does not fit the llama.cpp context")
         loop = asyncio.get_running_loop()
         grammar = None
@@ -209,7 +253,7 @@ class LlamaCppEngine:
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        scheduler.submit(SequenceJob(request, context, emit, grammar))
+        scheduler.submit(SequenceJob(request, context, emit, grammar, widened))
         try:
             while True:
                 item = await queue.get()
@@ -223,6 +267,14 @@ class LlamaCppEngine:
             # engine thread drops the request at its next step, and its slot is free at once.
             context.stop()
             scheduler.wake()
+
+    async def _widen(self, scheduler: BatchScheduler, request: PreprocessedRequest) -> WidenedPrompt:
+        """The request's prompt with its images encoded in their placeholders' places (on the engine thread,
+        between two steps, as llama-server encodes them in its loop)."""
+        encoder, images = self._encoder, request.images or []
+        if encoder is None:
+            raise EngineError("this model takes no images: serve it with --mmproj (a projector GGUF) to give it some")
+        return await asyncio.wrap_future(scheduler.call(lambda: encoder.widen(request.token_ids, images)))
 
     @property
     def decoded_rows(self) -> int:

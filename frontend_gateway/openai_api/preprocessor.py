@@ -5,6 +5,7 @@ ContextLengthExceeded with the offending parameter named, before any response ha
 """
 
 import asyncio
+import secrets
 from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
@@ -121,13 +122,16 @@ def check_stream_options(request: SamplingFields) -> None:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
 
-def message_dicts(messages: list[ChatMessage], *, images: bool = False) -> list[dict[str, Any]]:
+def message_dicts(
+    messages: list[ChatMessage], *, images: bool = False, image_marker: str | None = None
+) -> list[dict[str, Any]]:
     """Messages as the plain dicts chat templates expect.
 
     Text parts are joined into one string; with ``images`` (a vision model's template) a message with parts
     keeps them, as Hugging Face processors' templates read them: ``{"type": "text", "text": ...}`` and
-    ``{"type": "image"}``, where the template writes the image's placeholder token. Without ``images``, an
-    image part is refused naming it.
+    ``{"type": "image"}``, where the template writes the image's placeholder token. With ``image_marker``
+    instead, each image part is that text in the joined string (llama-server's way, for templates that know
+    no image parts). Without either, an image part is refused naming it.
     """
     result: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
@@ -136,6 +140,9 @@ def message_dicts(messages: list[ChatMessage], *, images: bool = False) -> list[
             parts: list[dict[str, str]] = []
             for number, part in enumerate(message.content):
                 param = f"messages[{index}].content[{number}]"
+                if part.type == "image_url" and image_marker is not None:
+                    parts.append({"type": "text", "text": image_marker})
+                    continue
                 if part.type == "image_url" and images:
                     parts.append({"type": "image"})
                     continue
@@ -245,9 +252,11 @@ async def chat_prompt_ids(
             "or pass --model-config with a tokenizer_config.json that has one",
             param="messages",
         )
+    # A marker no text of the request can hold (a fresh random one), where the template is given images as text.
+    marker = f"<flotilla-image-{secrets.token_hex(8)}>" if card.vision and card.images_in_text else None
     try:
         text = template.render(
-            message_dicts(request.messages, images=card.vision),
+            message_dicts(request.messages, images=card.vision and marker is None, image_marker=marker),
             add_generation_prompt=True,
             tools=tools,
             **template_variables(request),
@@ -255,7 +264,16 @@ async def chat_prompt_ids(
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
     # The template already placed BOS and special tokens; HF encodes it without adding more.
-    return await tokenize(card, text, add_special_tokens=False, param="messages")
+    if marker is None or card.image_token_id is None:
+        return await tokenize(card, text, add_special_tokens=False, param="messages")
+    # The text between images is tokenized piece by piece (as llama.cpp's mtmd_tokenize does), each image a
+    # placeholder between them.
+    ids: list[int] = []
+    for index, piece in enumerate(text.split(marker)):
+        if index:
+            ids.append(card.image_token_id)
+        ids += await tokenize(card, piece, add_special_tokens=False, param="messages")
+    return ids
 
 
 _SET_BY_THE_REQUEST = frozenset({"messages", "tools", "add_generation_prompt"})

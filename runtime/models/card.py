@@ -69,10 +69,18 @@ class ModelCard(msgspec.Struct, kw_only=True, dict=True):
     #: Whether the model embeds text (``POST /v1/embeddings``; llama.cpp, mean-pooled and normalized).
     embeddings: bool = False
     #: Whether the model takes images (``image_url`` content parts): a vision model on an engine that feeds
-    #: them to it (vLLM). False (every other engine, older workers): text only, and images are refused.
+    #: them to it (vLLM; llama.cpp with a projector). False (every other engine, older workers): text only, and
+    #: images are refused.
     vision: bool = False
-    #: The placeholder token the chat template writes for each image (LLaVA's ``<image>``); set when ``vision``.
+    #: The placeholder token the prompt holds for each image; set when ``vision``. With Hugging Face templates
+    #: (vLLM) the template writes it (LLaVA's ``<image>``) for each ``{"type": "image"}`` part; with
+    #: ``images_in_text`` the gateway puts it where the image stands.
     image_token_id: int | None = None
+    #: Whether the chat template is given each image as a place in its message's text rather than an image part
+    #: (llama.cpp: a GGUF's template knows no image parts, and llama-server puts a text marker there). The
+    #: gateway then tokenizes the text around each image and puts ``image_token_id`` between, an id outside the
+    #: vocabulary, so that no text can stand for an image.
+    images_in_text: bool = False
     #: How many placeholder tokens the engine widens each image to, when that is the same for every image
     #: (LLaVA's, from its vision tower's image and patch sizes); None: it depends on the image (Qwen2-VL).
     image_tokens: int | None = None

@@ -3,12 +3,15 @@
 import json
 import signal
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.distributed.cluster import Cluster, Worker, served_models, wait_until
 from tests.distributed.load_watch import LoadWatcher
+from tests.engines.image_requests import data_uri
+from tests.engines.tiny_projector import IMAGE_TOKENS, write_projector
 from tests.servers import Server, llama_cpp_available, smollm2_path
 
 pytestmark = [
@@ -140,3 +143,26 @@ def test_a_client_that_disconnects_frees_the_llamacpp_worker(cluster: Cluster) -
     )
     assert reply.status_code == 200
     assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_worker_with_a_projector_answers_an_image_through_the_ingress(cluster: Cluster, tmp_path: Path) -> None:
+    """The card crosses etcd saying how the template takes images, the image crosses NATS with the request, and
+    the worker's count of the widened prompt comes back in the usage."""
+    projector = write_projector(tmp_path / "mmproj-tiny.gguf")
+    ingress = cluster.start_ingress("--router-mode", "kv")
+    cluster.start_worker(
+        "dyn://vision", "out=llamacpp", str(smollm2_path()), "--model-name", "vision", "--threads", "1",
+        "--mmproj", str(projector),
+    )  # fmt: skip
+    wait_until(lambda: served_models(ingress) == ["vision"], 30, "the model did not appear")
+    image = {"url": data_uri((255, 0, 0))}
+    content = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": image}]
+    body = {"model": "vision", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    with_image = httpx.post(ingress.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert with_image.status_code == 200, with_image.text
+    text_only = {**body, "messages": [{"role": "user", "content": "What is it?"}]}
+    without = httpx.post(ingress.base_url + "/v1/chat/completions", json=text_only, timeout=60)
+    assert without.status_code == 200, without.text
+    # The same text with the image: one placeholder more in the gateway's prompt, widened to the image's tokens.
+    grown = with_image.json()["usage"]["prompt_tokens"] - without.json()["usage"]["prompt_tokens"]
+    assert grown == IMAGE_TOKENS

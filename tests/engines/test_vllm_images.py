@@ -5,54 +5,26 @@ KV events name the blocks holding an image by the image (the router's names befo
 One engine start (~30 s on two cores), in this module only."""
 
 import asyncio
-import base64
-import io
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import pytest
 import pytest_asyncio
-from PIL import Image
 
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.models.pipeline import ModelRegistry, TokenModel
 from launcher.options import RunOptions
-from runtime.engine import RequestContext
 from runtime.kv.events import BlockStored, KvEvent
 from runtime.kv.image_blocks import request_block_hashes
-from runtime.protocol import EngineOutput, PreprocessedRequest
+from tests.engines.image_requests import Recorded, answer, data_uri
 from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS, tiny_vision_model
-from tests.frontend_gateway.asgi import call
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(600)]
 
 MODEL = "tiny-vision"
 # Over one KV block (32 tokens) of text before the image: that block is named as text, the next by the image too.
 LEAD = "Describe the picture below in a few plain words, please, as a careful observer would describe it. " * 2
-
-
-def data_uri(color: tuple[int, int, int]) -> str:
-    buffer = io.BytesIO()
-    Image.new("RGB", (40, 30), color).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-class Recorded:
-    """The vLLM engine, keeping the requests the gateway sends it."""
-
-    kind = "token"
-    skip_special_tokens = True
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.requests: list[PreprocessedRequest] = []
-
-    def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
-        self.requests.append(request)
-        result: AsyncIterator[EngineOutput] = self.engine.generate(request, context)
-        return result
 
 
 class Sink:
@@ -109,13 +81,6 @@ def chat(*colors: tuple[int, int, int]) -> dict[str, Any]:
     images = [{"type": "image_url", "image_url": {"url": data_uri(color)}} for color in colors]
     content = [{"type": "text", "text": LEAD}, *images, {"type": "text", "text": "What is it?"}]
     return {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": content}]}
-
-
-async def answer(app: GatewayApp, body: dict[str, Any]) -> dict[str, Any]:
-    client = await call(app, "/v1/chat/completions", body)
-    assert client.status == 200, client.content
-    result: dict[str, Any] = msgspec.json.decode(client.content)
-    return result
 
 
 @pytest.mark.asyncio(loop_scope="module")

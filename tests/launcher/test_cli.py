@@ -106,6 +106,8 @@ def test_parsers_are_named_by_flag_or_variable(monkeypatch: pytest.MonkeyPatch) 
         (["run", "--model-config", "/nonexistent"], "is not a folder"),
         (["run", "--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
         (["run", "--tool-call-parser", "json"], "invalid choice: 'json'"),
+        (["run", "--mmproj", "/nonexistent.gguf"], "/nonexistent.gguf is not a file"),
+        (["run", "out=mocker", "--mmproj", __file__], "out=mocker does not take one"),
         (["serve"], "unknown command 'serve'"),
         (["run", "in=http", "out=dyn", "--control-plane", "cp:8000"], "'cp:8000' is not an http(s) URL with a host"),
         (

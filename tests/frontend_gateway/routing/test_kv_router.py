@@ -19,7 +19,7 @@ from runtime.cluster.addressing import EndpointAddress
 from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvStateRequest, WorkerLoad
-from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+from runtime.protocol import ImageInput, PreprocessedRequest, SamplingOptions, StopConditions
 from tests.frontend_gateway.routing.waiting import QUICK_STATE_RETRIES, until
 from tests.infra import NatsServer
 
@@ -367,3 +367,30 @@ async def test_a_prefix_in_host_memory_draws_a_request_before_a_bare_worker_but_
     await publish(publisher, B, 1, BlockStored(HASHES[:6]))  # the same prefix on B's device wins
     await until(router, lambda: blocks_of(router, B) == 6)
     assert choose(router).instance == B
+
+
+async def test_without_kv_events_a_request_with_an_image_follows_that_image_not_another(
+    make_router: Any, publisher: NATS
+) -> None:
+    """llama.cpp's workers publish no KV events: the router predicts their caches from its own decisions, naming the
+    blocks that hold an image by the image (runtime/kv/image_blocks.py), so the same text with another image
+    matches only the blocks before the image."""
+    router = await make_router(RouterSettings(mode=RouterMode.KV, use_kv_events=False, seed=3))
+    at = 3 * BLOCK + 2  # the image's placeholder, in the fourth block
+
+    def with_image(digest: str, request_id: str) -> PreprocessedRequest:
+        tokens = [*PROMPT[:at], 99_999, *PROMPT[at:]]
+        image = ImageInput(data=b"", digest=digest, position=at, tokens=2 * BLOCK)
+        return msgspec.structs.replace(request(tokens, request_id), images=[image])
+
+    first = router.choose(with_image("aa" * 32, "red"), [A, B])
+    assert first is not None
+    router.finished("red")
+    again = router.choose(with_image("aa" * 32, "red-again"), [A, B])
+    router.finished("red-again")
+    other = router.choose(with_image("bb" * 32, "blue"), [A, B])
+    assert again is not None and other is not None
+    # The whole widened prompt (133 tokens and the image's 32: 10 full blocks) is where the red image went.
+    assert (again.instance, again.overlap_blocks) == (first.instance, 10)
+    # Blue's blocks are named by blue from the fourth block on: only the three before it are a hit anywhere.
+    assert other.overlap_blocks <= 3
