@@ -9,6 +9,7 @@ from typing import ClassVar
 from django.core.validators import RegexValidator
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q
+from django.db.models.functions import Lower
 
 from controlplane.catalog.engines import Engine
 from controlplane.deployments.instance_states import InstanceState
@@ -103,6 +104,10 @@ class Pipeline(models.Model):
 
     class Meta:
         ordering: ClassVar = ["name"]
+        constraints: ClassVar = [
+            # Served names that differ only in letter case are one name to a person typing it.
+            models.UniqueConstraint(Lower("name"), name="pipeline_name_unique_ignoring_case"),
+        ]
 
     def __str__(self) -> str:
         return self.name

@@ -113,6 +113,8 @@ def deploy_pipeline(
     that (catalog/remote_code.py).
     """
     _check_served_name(name)
+    if (taken := served_name_taken(name)) is not None:
+        raise Conflict(served_name_taken_message(name, taken))
     _check_settings(settings)
     _check_groups(model, groups, settings.get("pinned_gpus") or [])
     remote_code = {
@@ -127,9 +129,10 @@ def deploy_pipeline(
         raise Conflict(f"namespace {namespace!r} belongs to another pipeline")
     pipeline = Pipeline(name=name, namespace=namespace, model=model, **settings)
     try:
-        pipeline.save()
+        with transaction.atomic():  # a savepoint, so that what clashed can be read after a concurrent deploy
+            pipeline.save()
     except IntegrityError as exc:
-        raise Conflict(f"a pipeline named {name!r} (or namespace {namespace!r}) already exists") from exc
+        raise Conflict(_clash_after_race(name, namespace)) from exc
     for spec in groups:
         group = WorkerGroup.objects.create(
             pipeline=pipeline,
@@ -335,6 +338,28 @@ def _to_stop(live: list[Instance], count: int) -> list[Instance]:
         return []
     ranked = sorted(live, key=lambda i: (_STOP_ORDER[i.state], i.node_id is not None, -i.replica))
     return ranked[:count]
+
+
+def served_name_taken(name: str) -> str | None:
+    """The served name of the pipeline that ``name`` collides with: the same name, letter case aside (clients
+    would not tell "Chat" from "chat"); None when no pipeline has it."""
+    return Pipeline.objects.filter(name__iexact=name).values_list("name", flat=True).first()
+
+
+def served_name_taken_message(name: str, taken: str) -> str:
+    """Why ``name`` is refused, naming the pipeline whose name ``taken`` it collides with."""
+    if taken == name:
+        return f"a pipeline named {name!r} already exists"
+    return f"a pipeline named {taken!r} already exists (served names may not differ only in letter case)"
+
+
+def _clash_after_race(name: str, namespace: str) -> str:
+    """What a concurrent deploy took between the checks and the insert: its name or its namespace."""
+    if (taken := served_name_taken(name)) is not None:
+        return served_name_taken_message(name, taken)
+    if Pipeline.objects.filter(namespace=namespace).exists():
+        return f"namespace {namespace!r} belongs to another pipeline"
+    return f"a pipeline named {name!r} or with namespace {namespace!r} was deployed at the same time; try again"
 
 
 def _free_namespace(name: str) -> str:

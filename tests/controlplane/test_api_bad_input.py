@@ -212,6 +212,16 @@ def test_a_taken_pipeline_name_or_namespace_is_a_400(operator: APIClient) -> Non
     assert "namespace" in body
 
 
+def test_a_pipeline_name_that_differs_only_in_case_is_a_400_naming_the_pipeline_that_has_it(
+    operator: APIClient,
+) -> None:
+    deploy("chat", make_model("smol"))
+    body = errors(operator.post("/api/v1/pipelines/", pipeline_body(name="Chat"), format="json"))
+    assert body["name"] == [
+        "A pipeline named 'chat' already exists (served names may not differ only in letter case)."
+    ], body
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [

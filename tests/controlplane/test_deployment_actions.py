@@ -1,6 +1,7 @@
 """Pipeline actions: deploy, update, scale, stop, start, delete, placing pending instances; their audit."""
 
 import pytest
+from django.db import IntegrityError, transaction
 
 from controlplane.audit.models import AuditEntry
 from controlplane.deployments import pipelines as pipeline_actions
@@ -51,10 +52,24 @@ def test_the_namespace_is_derived_from_the_served_name_and_kept_unique() -> None
 def test_a_taken_name_or_namespace_is_a_conflict() -> None:
     model = make_model("smol")
     deploy("chat", model)
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict, match=r"^a pipeline named 'chat' already exists$"):  # no namespace nobody has
         deploy("chat", model)
     with pytest.raises(Conflict, match="namespace 'chat' belongs to another pipeline"):
         deploy("other", model, namespace="chat")
+
+
+def test_a_served_name_that_differs_only_in_case_is_a_conflict_naming_the_pipeline_that_has_it() -> None:
+    model = make_model("smol")
+    deploy("Qwen/Chat", model)
+    with pytest.raises(Conflict, match=r"a pipeline named 'Qwen/Chat' already exists \(served names may not differ"):
+        deploy("qwen/chat", model)
+    assert list(Pipeline.objects.values_list("name", flat=True)) == ["Qwen/Chat"]
+
+
+def test_the_database_refuses_served_names_that_differ_only_in_case_from_a_concurrent_deploy() -> None:
+    deploy("chat")
+    with pytest.raises(IntegrityError), transaction.atomic():  # the checks are passed by a concurrent deploy
+        Pipeline.objects.create(name="CHAT", namespace="other", model=make_model("other"))
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ from controlplane.deployments.pipelines import (
     MAX_ROUTER_TEMPERATURE,
     MAX_ROUTER_WEIGHT,
     GroupSpec,
+    served_name_taken,
+    served_name_taken_message,
 )
 from controlplane.fleet.models import NODE_NAME_PATTERN, Node
 from planner.errors import SettingsError
@@ -245,8 +247,9 @@ class PipelineSerializer(serializers.ModelSerializer):
         read_only_fields: ClassVar = ["id", "state", "created_at", "updated_at"]
 
     def validate_name(self, name: str) -> str:
-        if Pipeline.objects.filter(name=name).exists():
-            raise serializers.ValidationError(f"A pipeline named {name!r} exists already.")
+        if (taken := served_name_taken(name)) is not None:
+            message = served_name_taken_message(name, taken)
+            raise serializers.ValidationError(f"{message[:1].upper()}{message[1:]}.")
         return name
 
     def validate_namespace(self, namespace: str) -> str:
