@@ -21,7 +21,10 @@ _GONE = (InstanceState.STOPPED, InstanceState.STOPPING)
 
 @dataclass(frozen=True)
 class PipelineRow:
-    """A pipeline with what its table row shows: replicas ready over desired, and what holds the rest."""
+    """A pipeline with what its table row shows: replicas ready over desired, and what holds the rest.
+
+    ``desired`` is the groups' replica count, kept while the pipeline is stopped (start brings them back).
+    """
 
     pipeline: Pipeline
     engines: list[str]
@@ -33,8 +36,13 @@ class PipelineRow:
     live: int = 0
 
     @property
+    def stopped(self) -> bool:
+        return self.pipeline.state == Pipeline.State.STOPPED
+
+    @property
     def short(self) -> bool:
-        return self.ready < self.desired
+        """Fewer replicas ready than wanted, while the pipeline runs (a stopped one wants none running)."""
+        return not self.stopped and self.ready < self.desired
 
 
 def nodes_with_gpus() -> QuerySet[Node]:
@@ -61,7 +69,7 @@ def pipeline_rows(pipelines: Iterable[Pipeline]) -> list[PipelineRow]:
         ready = states.pop(InstanceState.READY, 0)
         reasons = sorted({instance.reason for instance in instances if instance.reason})
         groups = list(pipeline.groups.all())
-        desired = sum(group.replicas for group in groups) if pipeline.state == Pipeline.State.RUNNING else 0
+        desired = sum(group.replicas for group in groups)
         engines = sorted({group.engine for group in groups})
         generations = {group.pk: group.generation for group in groups}
         running = [i for i in instances if i.state in LIVE_STATES]

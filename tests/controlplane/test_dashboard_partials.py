@@ -68,7 +68,12 @@ def test_a_stopped_pipeline_row_offers_start_instead_of_scale_and_stop() -> None
     pipeline = stop_pipeline(TEST_ACTOR, deploy("chat"))
     html = partials.render_pipeline_row(pipeline.pk)
     assert "/start/" in html and "/stop/" not in html and "/scale/" not in html
-    assert "0 / 0" in html
+
+
+def test_a_stopped_pipeline_row_shows_its_kept_replica_count_and_that_it_is_stopped() -> None:
+    pipeline = stop_pipeline(TEST_ACTOR, deploy("chat", replicas=2))
+    html = partials.render_pipeline_row(pipeline.pk)
+    assert '<div class="td full" role="cell">0 / 2 <span class="hint">stopped</span></div>' in html, html
 
 
 def test_an_instance_renders_state_node_gpus_restarts_and_its_buttons() -> None:
