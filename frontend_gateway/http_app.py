@@ -95,6 +95,8 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # the model it named (when served), its generation, and how the generation ended.
 _API_KEY = "flotilla.api_key"
 _MODEL = "flotilla.model"
+# The name the request asked for, as sent: a refused request for a model the fleet knows is charged to it.
+_ASKED = "flotilla.asked_model"
 _GENERATION = "flotilla.generation"
 _STATUS = "flotilla.status"
 _EMBEDDED_TOKENS = "flotilla.embedded_tokens"  # an embeddings request's prompt tokens, for its key's usage
@@ -331,6 +333,7 @@ class GatewayApp:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _find_model(self, name: str, scope: Scope) -> ServedModel:
+        scope[_ASKED] = name
         key: KeyRecord | None = scope.get(_API_KEY)
         if key is not None:
             check_model(key, name)  # first: a key learns nothing of the models outside its list
@@ -391,7 +394,7 @@ class GatewayApp:
             return  # a listing of models, say: usage counts generations, embeddings and failed requests
         reservation: Reservation | None = scope.get(_RESERVATION)
         if generation is None:
-            model = scope.get(_MODEL, UNKNOWN_MODEL)
+            model = scope.get(_MODEL) or self._known_name(scope.get(_ASKED))
             self.meter.finished(key, model, prompt_tokens=embedded or 0, error=failed, reservation=reservation)
             return
         self.meter.finished(
@@ -403,6 +406,18 @@ class GatewayApp:
             error=failed,
             reservation=reservation,
         )
+
+    def _known_name(self, name: str | None) -> str:
+        """``name`` when a model has it or a pipeline serves it (a request refused before or while its model
+        was looked up: out of its key's models, not ready, bad parameters), else UNKNOWN_MODEL: names that
+        nothing serves are not kept apart, or a client could fill the usage tables with made-up names."""
+        if name is None:
+            return UNKNOWN_MODEL
+        if self.models.get(name) is not None:
+            return name
+        if self.served_names is not None and self.served_names.state(name) is not None:
+            return name
+        return UNKNOWN_MODEL
 
     # The slot is taken after the body is read and validated (bad requests never wait behind good
     # ones) and before preprocessing, so the limit also bounds how many prompts are tokenized at once.
@@ -431,6 +446,7 @@ class GatewayApp:
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: ChatCompletionRequest = decode_body(chat_decoder, await self._read_body(scope, receive))
+        scope[_ASKED] = request.model  # before the checks, whose refusals are charged to it
         preprocessor.check_chat(request)
         parts = image_parts(request)
         disagg = _disagg_override(scope)
@@ -460,6 +476,7 @@ class GatewayApp:
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request: CompletionRequest = decode_body(completion_decoder, await self._read_body(scope, receive))
+        scope[_ASKED] = request.model  # before the checks, whose refusals are charged to it
         preprocessor.check_stream_options(request)
         best = best_of.plan(request)
         prompts = completion_batch.choices(best.candidates if best is not None else request)
@@ -512,6 +529,7 @@ class GatewayApp:
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/embeddings``, for models whose engine embeds (openai_api/embeddings.py)."""
         request: EmbeddingRequest = decode_body(embeddings.decoder, await self._read_body(scope, receive))
+        scope[_ASKED] = request.model  # before the checks, whose refusals are charged to it
         inputs = embeddings.inputs(request)
         model = await self._find_model(request.model, scope)
         card, embedder = embeddings.embedder_of(model)
@@ -570,6 +588,7 @@ class GatewayApp:
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``: the Responses API over the chat pipeline (openai_api/responses_api.py)."""
         request: ResponsesRequest = decode_body(responses_api.decoder, await self._read_body(scope, receive))
+        scope[_ASKED] = request.model  # before the checks, whose refusals are charged to it
         history = await self._history(scope, request)
         chat = responses_api.to_chat(request, history)
         preprocessor.check_chat(chat)
