@@ -251,17 +251,17 @@ class Meter:
         if rpm is not None and requests + 1 > rpm:
             wait = _wait_s(rpm - 1, requests_now, window.previous_requests, fraction)
             message = f"Rate limit reached for API key {key.name!r}: {rpm} requests per minute."
-            raise _limited(RateLimited(message), wait, _headers(key, requests, tokens, fraction))
+            raise _limited(RateLimited(message), wait, _headers(key, window, fraction))
         if tpm is not None and tokens >= tpm:
             wait = _wait_s(tpm - 1, tokens_now, window.previous_tokens, fraction)
             message = f"Rate limit reached for API key {key.name!r}: {tpm} tokens per minute."
-            raise _limited(RateLimited(message), wait, _headers(key, requests, tokens, fraction))
+            raise _limited(RateLimited(message), wait, _headers(key, window, fraction))
         if budget is not None and state.month.used() >= budget:
             message = (
                 f"API key {key.name!r} used its monthly budget of {budget} tokens; it renews on the 1st (UTC), "
                 "or an operator raises it."
             )
-            headers = _headers(key, requests, tokens, fraction)
+            headers = _headers(key, window, fraction)
             raise _limited(QuotaExhausted(message), _seconds_to_next_month(now), headers)
         window.requests += 1
 
@@ -273,10 +273,7 @@ class Meter:
         now = self._clock()
         window = self._state(key.key_id, now).minute
         _, fraction = _minute_of(now)
-        requests_now, tokens_now = window.counts()
-        requests = requests_now + window.previous_requests * (1.0 - fraction)
-        tokens = tokens_now + window.previous_tokens * (1.0 - fraction)
-        return _headers(key, requests, tokens, fraction)
+        return _headers(key, window, fraction)
 
     def reserve(
         self, key: KeyRecord, tokens: int, *, what: str = GENERATION_TOKENS, shrink: str = "lower max_tokens"
@@ -292,24 +289,23 @@ class Meter:
         state = self._state(key.key_id, now)
         _, fraction = _minute_of(now)
         window, month = state.minute, state.month
-        requests_now, tokens_now = window.counts()
-        requests = requests_now + window.previous_requests * (1.0 - fraction)
+        _, tokens_now = window.counts()
         counted = tokens_now + window.previous_tokens * (1.0 - fraction)
         if tpm is not None and counted + tokens > tpm:
-            headers = _headers(key, requests, counted, fraction)
             if tokens > tpm:  # no wait makes it fit: no Retry-After
                 error = RateLimited(
                     f"Request too large for API key {key.name!r}: it may use {tokens} tokens ({what}), over the "
                     f"limit of {tpm} tokens per minute; {shrink}."
                 )
-                error.headers = headers
+                error.headers = _headers(key, window, fraction)
                 raise error
             wait = _wait_s(tpm - tokens, tokens_now, window.previous_tokens, fraction)
             message = (
                 f"Rate limit reached for API key {key.name!r}: {tpm} tokens per minute, of which "
                 f"{math.ceil(counted)} are used or reserved; this request may use {tokens} ({what})."
             )
-            raise _limited(RateLimited(message), wait, headers)
+            # Its reset is when this request's tokens fit, as its Retry-After says, not when one token would.
+            raise _limited(RateLimited(message), wait, _headers(key, window, fraction, tokens_wait_s=wait))
         if budget is not None and month.used() + tokens > budget:
             left = max(0, budget - month.used())
             message = (
@@ -317,7 +313,7 @@ class Meter:
                 f"request may use {tokens} ({what}): {shrink}, or wait for the 1st (UTC), or ask an operator "
                 "to raise it."
             )
-            headers = _headers(key, requests, counted, fraction)
+            headers = _headers(key, window, fraction)
             raise _limited(QuotaExhausted(message), _seconds_to_next_month(now), headers)
         window.tokens += tokens
         month.tokens += tokens
@@ -582,23 +578,33 @@ def _wait_s(allowed: float, current: float, previous: float, fraction: float) ->
     return ((1.0 - fraction) + fades) * _WINDOW_S
 
 
-def _headers(key: KeyRecord, requests: float, tokens: float, fraction: float) -> list[tuple[bytes, bytes]]:
-    """OpenAI's ``x-ratelimit-*`` headers for ``key`` at these counts."""
-    reset = f"{math.ceil((1.0 - fraction) * _WINDOW_S)}s".encode()
+def _headers(
+    key: KeyRecord, window: _Window, fraction: float, *, tokens_wait_s: float | None = None
+) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-*`` headers for ``key`` at ``window``'s counts, ``fraction`` into its minute.
+
+    A reset is read off the same sliding minute as a 429's Retry-After: the seconds until one more request
+    (one more token) fits, "0s" while some are left, so that a refusal's Retry-After and its reset header
+    agree. ``tokens_wait_s``: a refused reservation's own wait (until its tokens fit), which its reset says.
+    """
+    requests_now, tokens_now = window.counts()
     headers = []
-    if key.requests_per_minute is not None:
-        left = max(0, key.requests_per_minute - math.ceil(requests))
+    if (rpm := key.requests_per_minute) is not None:
+        requests = requests_now + window.previous_requests * (1.0 - fraction)
+        wait = _wait_s(rpm - 1, requests_now, window.previous_requests, fraction)
         headers += [
-            (b"x-ratelimit-limit-requests", str(key.requests_per_minute).encode()),
-            (b"x-ratelimit-remaining-requests", str(left).encode()),
-            (b"x-ratelimit-reset-requests", reset),
+            (b"x-ratelimit-limit-requests", str(rpm).encode()),
+            (b"x-ratelimit-remaining-requests", str(max(0, rpm - math.ceil(requests))).encode()),
+            (b"x-ratelimit-reset-requests", f"{math.ceil(wait)}s".encode()),
         ]
-    if key.tokens_per_minute is not None:
-        left = max(0, key.tokens_per_minute - math.ceil(tokens))
+    if (tpm := key.tokens_per_minute) is not None:
+        tokens = tokens_now + window.previous_tokens * (1.0 - fraction)
+        if tokens_wait_s is None:
+            tokens_wait_s = _wait_s(tpm - 1, tokens_now, window.previous_tokens, fraction)
         headers += [
-            (b"x-ratelimit-limit-tokens", str(key.tokens_per_minute).encode()),
-            (b"x-ratelimit-remaining-tokens", str(left).encode()),
-            (b"x-ratelimit-reset-tokens", reset),
+            (b"x-ratelimit-limit-tokens", str(tpm).encode()),
+            (b"x-ratelimit-remaining-tokens", str(max(0, tpm - math.ceil(tokens))).encode()),
+            (b"x-ratelimit-reset-tokens", f"{math.ceil(tokens_wait_s)}s".encode()),
         ]
     return headers
 

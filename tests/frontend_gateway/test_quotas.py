@@ -72,7 +72,7 @@ async def test_two_processes_share_one_requests_per_minute_limit(redis: aioredis
     assert (error.status, error.code, error.retry_after) == (429, "rate_limit_exceeded", 66)
     headers = dict(error.headers)
     assert headers[b"x-ratelimit-limit-requests"] == b"10" and headers[b"x-ratelimit-remaining-requests"] == b"0"
-    assert headers[b"x-ratelimit-reset-requests"] == b"60s"
+    assert headers[b"x-ratelimit-reset-requests"] == b"66s"  # the same reading as Retry-After
 
 
 async def test_the_minute_slides_the_previous_one_counting_for_the_part_still_in_the_last_60_s(
@@ -168,6 +168,38 @@ def test_without_redis_each_process_enforces_its_limits_alone(clock: Clock) -> N
     unlimited: Callable[[], None] = lambda: meter.charge(key())  # noqa: E731
     for _ in range(100):
         unlimited()
+
+
+def test_a_429s_retry_after_and_its_reset_headers_are_one_reading_of_the_sliding_minute(clock: Clock) -> None:
+    """Once they were 5 s against 47 s (the fixed minute's end): a client that waited for the reset was
+    refused again, or one that read it waited ten times too long."""
+    meter = Meter(None, clock=clock)
+    limited = key(requests_per_minute=10, tokens_per_minute=1000)
+    assert admitted(meter, limited, 10) == 10
+    clock.now = START + 60 + 13.5  # 13.5 s into the next minute: the 10 count as 7.75
+    assert admitted(meter, limited, 3) == 2
+    with pytest.raises(RateLimited, match="10 requests per minute") as refused:
+        meter.charge(limited)
+    # 2 of this minute and 10 x (1 - 0.3) of the last fit under 10 at 18 s into it: in 4.5 s.
+    assert refused.value.retry_after == 5
+    assert dict(refused.value.headers)[b"x-ratelimit-reset-requests"] == b"5s"
+    assert dict(meter.limit_headers(limited))[b"x-ratelimit-reset-requests"] == b"5s"
+
+
+def test_a_refused_reservations_reset_header_says_when_its_own_tokens_fit(clock: Clock) -> None:
+    meter = Meter(None, clock=clock)
+    limited = key(tokens_per_minute=1000)
+    meter.charge(limited)
+    meter.finished(limited, "smol", prompt_tokens=900)
+    clock.now = START + 60 + 30  # half-way into the next minute: the 900 count as 450
+    meter.charge(limited)
+    with pytest.raises(RateLimited, match="this request may use 600") as refused:
+        meter.reserve(limited, 600)
+    # 600 fit once the 900 count for at most 400: at 33.3 s into the minute, in 3.3 s.
+    assert refused.value.retry_after == 4
+    headers = dict(refused.value.headers)
+    assert headers[b"x-ratelimit-reset-tokens"] == b"4s" and headers[b"x-ratelimit-remaining-tokens"] == b"550"
+    assert dict(meter.limit_headers(limited))[b"x-ratelimit-reset-tokens"] == b"0s"  # one more token fits now
 
 
 async def test_a_reservation_reaches_the_other_processes_at_the_next_flush_and_its_end_corrects_its_minute(
