@@ -42,7 +42,7 @@ MODEL_FIELDS = frozenset(
 # Where a model's files come from: trusting its remote code trusts these (catalog/remote_code.py).
 _SOURCE_FIELDS = ("source_kind", "source", "revision", "filename")
 # What an estimate is made of: a change to any of them makes a new one.
-_ESTIMATE_INPUTS = frozenset({"size_bytes", "config", "context_length", "source", "source_kind"})
+_ESTIMATE_INPUTS = frozenset({"size_bytes", "config", "context_length", "source", "source_kind", "engine"})
 # huggingface_hub's own rule for a repo id: "name" or "owner/name".
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
@@ -194,6 +194,9 @@ def _check_local_root(model: LanguageModel) -> None:
 
 
 def _estimate(model: LanguageModel) -> None:
+    if not model.loads_weights:  # its replicas hold no weights: the files' size says nothing of their need
+        model.memory_bytes, model.memory_estimated = None, False
+        return
     model.memory_bytes = estimate_memory_bytes(model.size_bytes, model.config or {}, model.context_length)
     model.memory_estimated = model.memory_bytes is not None
 

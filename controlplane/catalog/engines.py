@@ -12,10 +12,14 @@ from runtime.fleet_contract.engine_names import DISAGG_ENGINES, ENGINE_LABELS, G
 # Members named as the values in capitals (Engine.MOCKER == "mocker"), labelled as the dashboard shows them.
 Engine = models.TextChoices("Engine", [(name.upper(), (name, label)) for name, label in ENGINE_LABELS.items()])
 
+#: Engines that load no weights (the mocker simulates an engine; echo returns the prompt): a model served by one
+#: gets no memory estimate from its weights' size, which its replicas do not hold.
+WEIGHTLESS_ENGINES = frozenset({"mocker", "echo_core", "echo_full"})
+
 #: The engines every install of Flotilla runs (no optional package): an agent of this version reports them all.
 ENGINES_IN_EVERY_INSTALL = frozenset({"mocker", "echo_core", "echo_full"})
 
-__all__ = ["DISAGG_ENGINES", "GGUF_ONLY_ENGINES", "GPU_ONLY_ENGINES", "Engine", "install_hint"]
+__all__ = ["DISAGG_ENGINES", "GGUF_ONLY_ENGINES", "GPU_ONLY_ENGINES", "WEIGHTLESS_ENGINES", "Engine", "install_hint"]
 
 
 def install_hint(engine: str) -> str:

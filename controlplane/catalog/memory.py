@@ -14,7 +14,9 @@ The estimate (``estimate_memory_bytes``) is
   config's ``max_position_embeddings``. One full-context sequence is the least an engine must hold to
   serve its context at all; more concurrent sequences are the engine's own business within the GPU.
 * Without a known weights size there is no estimate (None), and placement gives each GPU replica whole
-  GPUs. Without a config (a GGUF file, a repo the control plane cannot read) the KV part is left out.
+  GPUs. A model served by an engine that loads no weights (the mocker, echo: ``WEIGHTLESS_ENGINES``) gets
+  none either (catalog/actions.py): its files' size says nothing of what its replicas hold. Without a
+  config (a GGUF file, a repo the control plane cannot read) the KV part is left out.
 
 ``read_local_model`` finds the size and config of a local source when this machine can see it (the
 one-machine setup); otherwise the operator gives ``size_bytes`` and ``config``, or agents' downloads

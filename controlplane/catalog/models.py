@@ -6,7 +6,7 @@ from typing import ClassVar
 from django.core.validators import RegexValidator
 from django.db import models
 
-from controlplane.catalog.engines import Engine
+from controlplane.catalog.engines import WEIGHTLESS_ENGINES, Engine
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 validate_model_name = RegexValidator(
@@ -61,6 +61,11 @@ class LanguageModel(models.Model):
         if self.source_kind == self.SourceKind.GGUF:
             return True
         return self.source_kind == self.SourceKind.HUGGING_FACE and self.filename.lower().endswith(".gguf")
+
+    @property
+    def loads_weights(self) -> bool:
+        """Whether its engine loads the weights (the mocker and echo do not: they need no memory for them)."""
+        return self.engine not in WEIGHTLESS_ENGINES
 
     @property
     def source_display(self) -> str:

@@ -45,6 +45,9 @@ from runtime.fleet_contract.router_settings import (
 )
 
 MAX_ENGINE_ARGS_BYTES = 16 * 1024
+#: What the Add-model form offers first, where a node runs it: an engine that serves the model's weights (the
+#: first in the list, the mocker, only simulates one).
+DEFAULT_MODEL_ENGINE = "llamacpp"
 #: The deploy form's two ways of serving (PipelineForm.serving).
 AGGREGATED, DISAGGREGATED = "aggregated", "disaggregated"
 
@@ -114,7 +117,10 @@ class ModelForm(ActionForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["engine"].choices = engine_choices()  # read per form: agents report theirs as they come
+        choices = engine_choices()  # read per form: agents report theirs as they come
+        self.fields["engine"].choices = choices
+        if any(engine == DEFAULT_MODEL_ENGINE for engine, _ in choices):
+            self.fields["engine"].initial = DEFAULT_MODEL_ENGINE
 
     def submit(self, actor: Actor) -> LanguageModel | None:
         """Create the model; None when the input or the action refused (the errors are on the form)."""

@@ -53,6 +53,19 @@ def test_an_operator_adds_a_model_and_the_audit_log_says_who() -> None:
     assert (entry.actor_name, entry.target_name) == ("olga", "smol")
 
 
+def test_the_add_model_form_chooses_llamacpp_first_not_the_simulated_engine() -> None:
+    html = logged_in(Role.OPERATOR).get("/models/").content.decode()
+    engine = html.split('name="engine"', 1)[1].split("</select>", 1)[0]
+    assert '<option value="llamacpp" selected>' in engine and '<option value="mocker">' in engine, engine
+
+
+def test_a_mocker_model_shows_no_memory_estimate_as_it_loads_no_weights() -> None:
+    make_model("simulated", size_bytes=10 * 1024**3)  # the factory's engine is the mocker
+    html = logged_in(Role.OPERATOR).get("/models/").content.decode()
+    row = html.split('id="model-', 1)[1].split("</tr>", 1)[0]
+    assert "none: mocker loads no weights" in row and "estimated" not in row, row
+
+
 def test_a_gguf_file_and_a_local_folder_are_sources_too() -> None:
     browser = logged_in(Role.ADMIN)
     gguf = {**A_MODEL, "name": "tiny", "source_kind": "gguf", "source": "/models/tiny.gguf", "revision": ""}

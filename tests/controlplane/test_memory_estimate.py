@@ -99,14 +99,24 @@ def test_files_that_lead_out_of_the_roots_are_not_read(tmp_path: Path) -> None:
 
 @pytest.mark.django_db
 def test_a_model_without_a_memory_figure_gets_an_estimate() -> None:
-    model = make_model("llama", size_bytes=10 * GiB, config=LLAMA_8B, context_length=8192)
+    model = make_model("llama", engine="vllm", size_bytes=10 * GiB, config=LLAMA_8B, context_length=8192)
     assert model.memory_bytes == 12 * GiB + GiB
     assert model.memory_estimated
 
 
 @pytest.mark.django_db
+def test_a_model_of_an_engine_that_loads_no_weights_gets_no_estimate_and_one_when_its_engine_does() -> None:
+    model = make_model("sim", engine="mocker", size_bytes=10 * GiB, config=LLAMA_8B, context_length=8192)
+    assert (model.memory_bytes, model.memory_estimated) == (None, False)
+    model = actions.update_model(TEST_ACTOR, model, engine="vllm")
+    assert (model.memory_bytes, model.memory_estimated) == (13 * GiB, True)
+    model = actions.update_model(TEST_ACTOR, model, engine="mocker")
+    assert (model.memory_bytes, model.memory_estimated) == (None, False)
+
+
+@pytest.mark.django_db
 def test_the_operators_figure_wins_and_forgetting_it_estimates_again() -> None:
-    model = make_model("llama", size_bytes=10 * GiB, memory_bytes=20 * GiB)
+    model = make_model("llama", engine="vllm", size_bytes=10 * GiB, memory_bytes=20 * GiB)
     assert (model.memory_bytes, model.memory_estimated) == (20 * GiB, False)
     model = actions.update_model(TEST_ACTOR, model, size_bytes=20 * GiB)
     assert model.memory_bytes == 20 * GiB  # an operator's figure is not estimated over
@@ -116,7 +126,7 @@ def test_the_operators_figure_wins_and_forgetting_it_estimates_again() -> None:
 
 @pytest.mark.django_db
 def test_an_estimate_follows_what_it_is_made_of() -> None:
-    model = make_model("llama", size_bytes=10 * GiB, config=LLAMA_8B, context_length=8192)
+    model = make_model("llama", engine="vllm", size_bytes=10 * GiB, config=LLAMA_8B, context_length=8192)
     model = actions.update_model(TEST_ACTOR, model, context_length=16384)
     assert model.memory_bytes == 12 * GiB + 2 * GiB
 
@@ -132,7 +142,7 @@ def test_a_local_source_is_measured_when_this_machine_sees_it(tmp_path: Path) ->
 @pytest.mark.django_db
 def test_a_finished_download_tells_the_catalog_the_size_nobody_gave() -> None:
     make_node("gpu-a", (80,))
-    model = make_model("llama", config=LLAMA_8B, context_length=8192)
+    model = make_model("llama", engine="vllm", config=LLAMA_8B, context_length=8192)
     assert model.memory_bytes is None
     agent = Actor.agent("gpu-a")
     report_download(agent, "gpu-a", model.pk, DownloadReport(state="downloading", bytes_done=1, bytes_total=10 * GiB))
@@ -149,7 +159,7 @@ def test_a_finished_download_tells_the_catalog_the_size_nobody_gave() -> None:
 def test_the_api_takes_context_and_config_and_names_bad_ones(
     operator: APIClient, fields: dict[str, object], field: str | None
 ) -> None:
-    body = {"name": "llama", "source_kind": "hf", "source": "meta/llama", "engine": "mocker", "size_bytes": GiB}
+    body = {"name": "llama", "source_kind": "hf", "source": "meta/llama", "engine": "vllm", "size_bytes": GiB}
     response = operator.post("/api/v1/models/", body | fields, format="json")
     if field is None:  # read-only: ignored, and the estimate says itself
         assert response.status_code == 201
