@@ -1,10 +1,12 @@
 """The People page (admins: add people, change their role and details, deactivate, reactivate, reset a
-password) and the Account page (everyone: change one's password, see and revoke one's own tokens).
+password) and the Account page (everyone: change one's password, see and revoke one's own tokens; admins, who
+may make tokens in the API, also make their own there).
 
 Each change calls an accounts action (controlplane/accounts/actions.py) and so has its audit entry. The row
 buttons are htmx POSTs answered with the fresh row and a note, as the other pages' buttons are
 (controlplane/dashboard/controls.py); a refusal (400, 409) answers the same way with the reason. A password
-made here (for a new person, or by a reset) is shown once, in the answer, and never stored in the session.
+made here (for a new person, or by a reset) is shown once, in the answer, and never stored in the session; so
+is a new token's key.
 """
 
 from collections.abc import Callable
@@ -23,11 +25,13 @@ from controlplane.accounts import actions, throttle
 from controlplane.accounts.models import ApiToken, Role, User
 from controlplane.audit.records import Actor
 from controlplane.dashboard.access import role_required
-from controlplane.dashboard.people_forms import NewPersonForm, PasswordChange, PersonDetails
+from controlplane.dashboard.people_forms import NewPersonForm, OwnTokenForm, PasswordChange, PersonDetails
 from controlplane.dashboard.views import render_page
 from controlplane.errors import Conflict, Forbidden, Invalid
 
 PEOPLE_ROLE = Role.ADMIN
+# As in the REST API (``POST /api/v1/tokens/``): only admins make tokens, their own included.
+TOKENS_ROLE = Role.ADMIN
 
 
 def people_rows() -> QuerySet[User]:
@@ -117,8 +121,37 @@ def account_page(request: HttpRequest) -> HttpResponseBase:
             messages.success(request, "Your password is changed; your other sessions have ended.")
             return redirect("dashboard:account")
         status = 400
-    tokens = ApiToken.objects.filter(kind=ApiToken.Kind.PERSON, user=person)
-    return render_page(request, "dashboard/account.html", {"form": form, "tokens": tokens}, status=status)
+    return render_page(request, "dashboard/account.html", {"form": form, **_own_tokens(person)}, status=status)
+
+
+@role_required(TOKENS_ROLE)
+@require_POST
+def own_token_create(request: HttpRequest) -> HttpResponseBase:
+    """Make a token for oneself. htmx: answered with the tokens section, the new key in it (shown once); else
+    the whole Account page. A refusal comes back in the form, with a 400."""
+    person = request.user
+    assert isinstance(person, User)  # role_required let only people through
+    form = OwnTokenForm(request.POST)
+    made = form.submit(Actor.person(person), person)
+    context = _own_tokens(person, form=form if made is None else None, created=made)
+    status = 400 if made is None else 200
+    if request.headers.get("HX-Request"):
+        html = render_to_string("dashboard/partials/own_tokens.html", context, request=request)
+        return HttpResponse(html, status=status)
+    return render_page(request, "dashboard/account.html", {"form": PasswordChange(), **context}, status=status)
+
+
+def _own_tokens(
+    person: User, *, form: OwnTokenForm | None = None, created: tuple[ApiToken, str] | None = None
+) -> dict[str, Any]:
+    """What the Account page's tokens section shows: the person's tokens, the new-token form (to those who may
+    make one; left out for the others, not hidden), and a token just made with its key."""
+    can_make = person.has_role(TOKENS_ROLE)
+    return {
+        "tokens": ApiToken.objects.filter(kind=ApiToken.Kind.PERSON, user=person).order_by("created_at", "id"),
+        "token_form": (form or OwnTokenForm()) if can_make else None,
+        "created": created,
+    }
 
 
 @login_required

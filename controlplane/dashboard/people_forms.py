@@ -1,11 +1,14 @@
 """The People and Account pages' forms: they check the input's shape; the accounts actions check the rest
 (the password validators, the last admin) and their refusals land on the field they name."""
 
+import datetime
+
 from django import forms
 from django.contrib.auth.validators import UnicodeUsernameValidator
+from django.utils import timezone
 
 from controlplane.accounts import actions
-from controlplane.accounts.models import Role, User
+from controlplane.accounts.models import ApiToken, Role, User
 from controlplane.audit.records import Actor
 from controlplane.dashboard.forms import ActionForm
 from controlplane.errors import Conflict, Invalid
@@ -51,6 +54,35 @@ class NewPersonForm(PersonDetails, ActionForm):
             self.refuse(error)
             return None
         return person, password
+
+
+class OwnTokenForm(ActionForm):
+    """A REST API token for oneself (what ``POST /api/v1/tokens/`` makes for a person): acting as oneself, with
+    one's role, or only reading; its key is shown once, in the answer."""
+
+    description = forms.CharField(max_length=200, required=False, help_text="What uses it: a script, a host.")
+    scope = forms.ChoiceField(choices=ApiToken.Scope.choices, initial=ApiToken.Scope.FULL)
+    expires_in_days = forms.IntegerField(
+        min_value=1, max_value=3650, required=False, label="Expires in (days)", help_text="Empty: never."
+    )
+
+    def submit(self, actor: Actor, person: User) -> tuple[ApiToken, str] | None:
+        """Make the token; returns it and its key, or None when refused (the errors are on the form)."""
+        if not self.is_valid():
+            return None
+        days = self.cleaned_data["expires_in_days"]
+        expires_at = None if days is None else timezone.now() + datetime.timedelta(days=days)
+        try:
+            return actions.create_person_token(
+                actor,
+                person,
+                self.cleaned_data["description"],
+                scope=ApiToken.Scope(self.cleaned_data["scope"]),
+                expires_at=expires_at,
+            )
+        except Invalid as error:
+            self.refuse(error)
+            return None
 
 
 class PasswordChange(ActionForm):

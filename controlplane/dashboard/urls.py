@@ -48,6 +48,7 @@ urlpatterns = [
     path("people/<row_id:pk>/reactivate/", people.person_reactivate, name="person-reactivate"),
     path("people/<row_id:pk>/reset-password/", people.person_reset_password, name="person-reset-password"),
     path("account/", people.account_page, name="account"),
+    path("account/tokens/", people.own_token_create, name="own-token-create"),
     path("account/tokens/<row_id:pk>/revoke/", people.own_token_revoke, name="own-token-revoke"),
     path("api-keys/", api_keys.api_keys_page, name="api-keys"),
     path("api-keys/<row_id:pk>/revoke/", api_keys.api_key_revoke, name="api-key-revoke"),

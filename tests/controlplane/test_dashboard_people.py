@@ -166,3 +166,39 @@ def test_a_person_sees_and_revokes_only_their_own_tokens() -> None:
     assert response.status_code == 200 and f"Token {mine.key_start}… is revoked" in response.content.decode()
     assert list(ApiToken.objects.values_list("pk", flat=True)) == [theirs.pk]
     assert AuditEntry.objects.get(action="token.revoke").actor_name == "rita"
+
+
+def test_an_admin_makes_a_token_on_the_account_page_and_sees_its_key_once() -> None:
+    browser = logged_in(Role.ADMIN, username="boss")
+    page = browser.get("/account/").content.decode()
+    assert 'hx-post="/account/tokens/"' in page
+    form = {"description": "grafana", "scope": "read", "expires_in_days": "30"}
+    response = browser.post("/account/tokens/", form, **HTMX)
+    answer = response.content.decode()
+    assert response.status_code == 200 and answer.startswith('<section id="own-tokens">'), answer
+    key = re.search(r'<code id="new-token">([^<]+)</code>', answer)
+    assert key is not None and "shown this once" in answer
+    token = ApiToken.objects.get(user__username="boss")
+    assert (token.description, token.scope, token.kind) == ("grafana", "read", ApiToken.Kind.PERSON)
+    assert token.expires_at is not None and f'id="token-{token.pk}"' in answer
+    # The key works on the API, read-only, and the page shows it no more.
+    api = Client(HTTP_AUTHORIZATION=f"Bearer {key.group(1)}")
+    assert api.get("/api/v1/me/").json()["username"] == "boss"
+    assert api.post("/api/v1/tokens/", {}).status_code == 403
+    assert key.group(1) not in browser.get("/account/").content.decode()
+    assert AuditEntry.objects.get(action="token.create").actor_name == "boss"
+
+
+def test_a_bad_new_token_comes_back_with_the_error_by_its_field() -> None:
+    browser = logged_in(Role.ADMIN, username="boss")
+    response = browser.post("/account/tokens/", {"scope": "read", "expires_in_days": "0"}, **HTMX)
+    assert response.status_code == 400 and "errorlist" in response.content.decode()
+    assert not ApiToken.objects.exists()
+
+
+def test_only_those_who_may_make_tokens_in_the_api_get_the_form_or_may_post_it() -> None:
+    browser = logged_in(Role.OPERATOR, username="olga")
+    page = browser.get("/account/").content.decode()
+    assert 'action="/account/tokens/"' not in page and "An admin makes them" in page  # left out, not hidden
+    assert browser.post("/account/tokens/", {"scope": "full"}, **HTMX).status_code == 403
+    assert not ApiToken.objects.exists()
