@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db.models import Count, Prefetch, QuerySet
+from django.db.models import Count, OuterRef, Prefetch, Q, QuerySet, Subquery
 
 from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
@@ -45,9 +45,18 @@ class PipelineRow:
         return not self.stopped and self.ready < self.desired
 
 
+# Instances that hold a share of their node's CPUs: live ones of groups with no GPU (dashboard/capacity.py).
+_CPU_INSTANCES = Q(state__in=LIVE_STATES, group__gpus_per_replica=0)
+
+
 def nodes_with_gpus() -> QuerySet[Node]:
-    """Nodes with their GPUs in index order (two queries, however many nodes)."""
-    return Node.objects.prefetch_related(Prefetch("gpus", queryset=Gpu.objects.order_by("index"))).order_by("name")
+    """Nodes with their GPUs in index order and ``cpu_instances``, the CPU instances placed on each (two
+    queries, however many nodes)."""
+    # _CPU_INSTANCES, seen from the nodes.
+    on_cpu = Q(instances__state__in=LIVE_STATES, instances__group__gpus_per_replica=0)
+    cpu_instances = Count("instances", filter=on_cpu)
+    gpus = Prefetch("gpus", queryset=Gpu.objects.order_by("index"))
+    return Node.objects.prefetch_related(gpus).annotate(cpu_instances=cpu_instances).order_by("name")
 
 
 def pipelines_with_groups() -> QuerySet[Pipeline]:
@@ -83,8 +92,11 @@ def pipeline_rows(pipelines: Iterable[Pipeline]) -> list[PipelineRow]:
 
 
 def instances_with_places() -> QuerySet[Instance]:
-    """Instances with what their name and row need (pipeline, group, node) in the same query."""
-    return Instance.objects.select_related("pipeline", "group", "node")
+    """Instances with what their name and row need (pipeline, group, node, and ``node_cpu_instances``: the CPU
+    instances on their node) in the same query."""
+    on_node = Instance.objects.filter(_CPU_INSTANCES, node=OuterRef("node")).order_by().values("node")
+    count = Subquery(on_node.annotate(count=Count("pk")).values("count"))
+    return Instance.objects.select_related("pipeline", "group", "node").annotate(node_cpu_instances=count)
 
 
 def pipeline_instances(pipeline: Pipeline) -> list[Instance]:

@@ -4,6 +4,7 @@ and a deleted record raises that model's DoesNotExist (the contract with the liv
 import re
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from django.db import connection
 from django.db.models import Model
@@ -14,12 +15,12 @@ from controlplane.audit.records import Actor
 from controlplane.dashboard import partials
 from controlplane.deployments.evacuation import drain_node
 from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
-from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline, stop_pipeline
+from controlplane.deployments.pipelines import GroupSpec, deploy_pipeline, scale_pipeline, stop_pipeline
 from controlplane.deployments.upkeep import place_pending_instances
-from controlplane.fleet.actions import report_download
+from controlplane.fleet.actions import register_node, report_download
 from controlplane.fleet.models import Download, Node
 from runtime.fleet_contract.reports import DownloadReport
-from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, run_instance
+from tests.controlplane.factories import TEST_ACTOR, deploy, make_model, make_node, node_report, run_instance
 
 pytestmark = pytest.mark.django_db
 
@@ -393,3 +394,24 @@ def test_the_model_table_is_a_whole_table_inside_its_element() -> None:
     html = partials.render_model_table()
     inside = re.fullmatch(r'\s*<div id="models-table">\s*<table>(.*)</table>\s*</div>\s*', html, re.DOTALL)
     assert inside and "<table" not in inside.group(1) and "</div>" not in inside.group(1)
+
+
+def test_a_pending_gpu_instance_on_a_fleet_without_gpus_shows_what_it_asked_for_and_why_it_waits() -> None:
+    make_node("cpu-a", ())
+    pipeline = deploy("chat", gpus_per_replica=2)
+    place_pending_instances(TEST_ACTOR)
+    html = partials.render_instance(pipeline.instances.get().pk)
+    assert "2 GPUs asked" in html and ">CPU<" not in html, html
+    assert "needs 2 unused GPUs" in html and "no node that can take new instances has a GPU" in html, html
+
+
+def test_more_cpu_instances_than_a_nodes_cpus_are_placed_with_a_warning_on_the_node_and_the_instances() -> None:
+    node = register_node(Actor.agent("cpu-a"), "cpu-a", msgspec.structs.replace(node_report(()), cpu_count=2))
+    pipeline = deploy("chat", replicas=4)
+    place_pending_instances(TEST_ACTOR)
+    assert pipeline.instances.filter(node=node).count() == 4  # a warning, not a refusal
+    warning = "4 CPU instances on 2 CPUs"
+    assert warning in partials.render_node(node.pk)
+    assert warning in partials.render_instance(pipeline.instances.first().pk)  # type: ignore[union-attr]
+    scale_pipeline(TEST_ACTOR, pipeline, 2)
+    assert "CPU instances on" not in partials.render_node(node.pk)  # the 2 stopping ones no longer count
