@@ -67,7 +67,9 @@ $(LLAMA_WHEEL): | $(VENV)/bin/python
 	rm -rf $(WHEEL_CACHE)/$(LLAMA_BUILD) && mv $(WHEEL_CACHE)/$(LLAMA_BUILD).partial $(WHEEL_CACHE)/$(LLAMA_BUILD)
 
 $(VENV)/.installed: pyproject.toml $(LLAMA_WHEEL) | $(VENV)/bin/python
-	# Forced: a wheel built with other flags has the same version, which pip would keep.
+	# Its dependencies, then the wheel itself forced: one built with other flags has the same version, which
+	# pip would keep.
+	$(BIN)/pip install --quiet $(LLAMA_WHEEL)
 	$(BIN)/pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEEL)
 	# deploy/install.sh takes the wheel from the checkout's .wheels/.
 	mkdir -p .wheels && ln -sf $(LLAMA_WHEEL) .wheels/

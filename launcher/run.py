@@ -185,14 +185,16 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         nodes=options.node_group,
         extra=extra,
     )
-    # Log probabilities come with vLLM's outputs, logit_bias and guided decoding (structured outputs) are among
-    # its SamplingParams; its KV block size goes on the card for KV routers (the engine refuses another one).
+    # Log probabilities come with vLLM's outputs, logit_bias and guided decoding (structured outputs, which also
+    # follow response_format's JSON schema) are among its SamplingParams; its KV block size goes on the card for
+    # KV routers (the engine refuses another one).
     block_size = extra.get("block_size") or card.kv_cache_block_size
     # A vision model (its config's vision tower and image token) takes images, which vLLM is given with the prompt.
     card = card.replace(
         logprobs=True,
         prompt_logprobs=True,
         logit_bias=True,
+        structured_output=True,
         guided_decoding=VLLM_GUIDED_KINDS,
         kv_cache_block_size=block_size,
         **vision_fields(path),

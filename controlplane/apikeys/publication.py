@@ -58,8 +58,10 @@ def sync() -> SyncReport:
     if not etcd_endpoints():
         return SyncReport()
     secret = read_secret(secret_file())
-    wanted = {
-        etcd_key(key.key_hash): sign(key.record(), key.key_hash, secret)
-        for key in ApiKey.objects.select_related("owner")
-    }
-    return sync_prefix(API_KEYS_PREFIX, wanted)
+    return sync_prefix(
+        API_KEYS_PREFIX,
+        lambda: {
+            etcd_key(key.key_hash): sign(key.record(), key.key_hash, secret)
+            for key in ApiKey.objects.select_related("owner")
+        },
+    )

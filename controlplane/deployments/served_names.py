@@ -29,5 +29,5 @@ def withdraw_after_commit(name: str) -> None:
 def sync() -> SyncReport:
     """Make etcd's records exactly the pipelines'. Raises DiscoveryUnavailable when etcd does not answer."""
     return sync_prefix(
-        SERVED_NAMES_PREFIX, {etcd_key(pipeline.name): _value(pipeline) for pipeline in Pipeline.objects.all()}
+        SERVED_NAMES_PREFIX, lambda: {etcd_key(pipeline.name): _value(pipeline) for pipeline in Pipeline.objects.all()}
     )

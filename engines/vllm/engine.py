@@ -9,11 +9,15 @@ dead worker would have produced (as far as vLLM's own batching is deterministic)
 Cancellation: when the consumer stops (a stop string, a client gone, a cancelled task) the request is
 aborted in vLLM (``AsyncLLM.abort``), which frees its KV blocks at once.
 
-KV events: vLLM is started with a ZMQ KV event publisher on a free loopback port (``kv_events_config``,
-unless ``--extra-engine-args`` gives one), which this process subscribes to. Its stored blocks are renamed
-with Flotilla's chained hash of their token ids (engines/shared/engine_block_names.py), so that a KV router's
-names for a request's blocks are the engine's; the map answers removals and the routers' state asks. The
-engine is thus a ``KvEventSource``: its events, cache state and load reach KV routers.
+KV events: vLLM is started with a ZMQ KV event publisher on free loopback ports (``kv_events_config``), which
+this process subscribes to. With data parallelism each rank's engine core publishes on the port after the
+previous rank's (vLLM's ``ZmqEventPublisher.offset_endpoint_port``): every rank this node runs is subscribed
+to, and its events, cache state and load are reported as that rank's. A ``kv_events_config`` given in
+``--extra-engine-args`` is subscribed to in the same way when its publisher binds a TCP port here (else the
+worker says that its router will hear nothing). Stored blocks are renamed with Flotilla's chained hash of their
+token ids (engines/shared/engine_block_names.py), one map per rank, so that a KV router's names for a
+request's blocks are the engine's; the maps answer removals and the routers' state asks. The engine is thus a
+``KvEventSource``. A request goes to the rank the router chose (``dp_rank``, vLLM's ``data_parallel_rank``).
 
 Disaggregated serving (docs/disaggregation.md): a ``prefill_only`` request runs with ``max_tokens`` 1 and ends
 with a ``KvHandoff`` of what vLLM's KV connector returned (``kv_transfer_params``); a request with a vLLM handoff
@@ -87,9 +91,10 @@ class VllmEngine:
         self.card_block_size = card_block_size
         self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = _SchedulerStats()
-        self._names: EngineBlockNames | None = None  # vLLM's block hashes -> Flotilla's, once started
+        #: vLLM's block hashes -> Flotilla's, per dp rank this node runs, once started and subscribed.
+        self._names: dict[int, EngineBlockNames] = {}
         self._sink: KvEventSink | None = None
-        self._subscriber: ZmqSubscriber | None = None
+        self._subscribers: list[ZmqSubscriber] = []
 
     async def start(self) -> None:
         if self.base_gpu_id is not None:
@@ -102,14 +107,14 @@ class VllmEngine:
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
         kwargs = self.settings.engine_kwargs()
-        endpoint = None
         if "kv_events_config" not in kwargs:
             from vllm.config import KVEventsConfig
 
-            # A wildcard endpoint: vLLM's publisher binds it, and this process connects.
-            endpoint = f"tcp://*:{free_tcp_ports(1)}"
+            # A wildcard endpoint: vLLM's publishers bind it (rank r on its port + r), and this process connects.
+            first_rank, ranks = local_dp_ranks(kwargs)
+            base = free_tcp_ports(ranks) - first_rank  # this node's ranks publish on the free ports found
             kwargs["kv_events_config"] = KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=_KV_TOPIC
+                enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{base}", topic=_KV_TOPIC
             )
         args = AsyncEngineArgs(**kwargs)
         try:
@@ -123,15 +128,37 @@ class VllmEngine:
                 f"vLLM settled on KV blocks of {settled} tokens, and routers would name them by "
                 f"{self.card_block_size}: give vLLM its block size, --extra-engine-args '{{\"block_size\": {settled}}}'"
             )
-        if endpoint is not None:
-            self._names = EngineBlockNames(self.block_size)
-            loop = asyncio.get_running_loop()
-
-            def on_batch(batch: Any) -> None:  # in the subscriber's thread
-                loop.call_soon_threadsafe(self._publish_batch, batch)
-
-            self._subscriber = ZmqSubscriber(endpoint, _KV_TOPIC, on_batch)
+        self._subscribe(kwargs["kv_events_config"])
         log.info("vLLM loaded %s (KV block size %d)", self.settings.model, self.block_size)
+
+    def _subscribe(self, config: Any) -> None:
+        """Subscribe to the KV events of every dp rank this node runs, as ``config`` (vLLM's KVEventsConfig, or
+        its fields as a dict) makes vLLM publish them."""
+        fields = config if isinstance(config, dict) else vars(config)
+        endpoints = rank_endpoints(fields, *self._settled_ranks())
+        if not endpoints:
+            log.warning(
+                "vLLM's kv_events_config %s publishes no KV events this worker can subscribe to (a zmq publisher on "
+                "a tcp:// port here is needed): KV routers will not hear this worker's cache",
+                fields,
+            )
+            return
+        loop = asyncio.get_running_loop()
+        topic = str(fields.get("topic") or "")
+        for rank, endpoint in endpoints.items():
+            self._names[rank] = EngineBlockNames(self.block_size)
+
+            def on_batch(batch: Any, rank: int = rank) -> None:  # in the subscriber's thread
+                loop.call_soon_threadsafe(self._publish_batch, rank, batch)
+
+            self._subscribers.append(ZmqSubscriber(endpoint, topic, on_batch))
+
+    def _settled_ranks(self) -> tuple[int, int]:
+        """The first dp rank this node runs and how many, as vLLM settled them."""
+        config = self._engine.vllm_config.parallel_config
+        local = int(getattr(config, "data_parallel_size_local", 1) or 1)
+        first = int(getattr(config, "data_parallel_rank", 0) or 0) if local < int(config.data_parallel_size) else 0
+        return first, local
 
     @property
     def block_size(self) -> int:
@@ -150,24 +177,25 @@ class VllmEngine:
         config = self._engine.vllm_config
         return int(config.scheduler_config.max_num_batched_tokens) * int(config.parallel_config.data_parallel_size)
 
-    def _publish_batch(self, batch: Any) -> None:
-        if self._names is None or self._sink is None:
+    def _publish_batch(self, rank: int, batch: Any) -> None:
+        """One batch of rank ``rank``'s events (the rank whose port it came on), renamed by that rank's map."""
+        names = self._names.get(rank)
+        if names is None or self._sink is None:
             return
-        if events := translate_batch(batch, self._names):
-            self._sink.publish(0, events)
+        if events := translate_batch(batch, names):
+            self._sink.publish(rank, events)
 
     def attach_kv_events(self, sink: KvEventSink) -> None:
         self._sink = sink
 
     def cache_state(self, dp_rank: int | None) -> dict[int, list[BlockStored]]:
-        """The blocks vLLM reported and did not evict since this process subscribed (rank 0)."""
-        if self._names is None or dp_rank not in (None, 0):
-            return {}
-        return {0: self._names.state()}
+        """The blocks vLLM reported and did not evict since this process subscribed: of rank ``dp_rank``, or of
+        every rank this node runs (None)."""
+        return {rank: names.state() for rank, names in self._names.items() if dp_rank in (None, rank)}
 
     async def close(self) -> None:
-        subscriber, self._subscriber = self._subscriber, None
-        if subscriber is not None:
+        subscribers, self._subscribers = self._subscribers, []
+        for subscriber in subscribers:
             subscriber.close()
         engine, self._engine = self._engine, None
         if engine is not None:
@@ -201,7 +229,8 @@ class VllmEngine:
         first = True
         finished = False
         cached: int | None = None
-        stream = engine.generate(prompt, params, request_id)
+        # The rank the router chose (its cache holds the prefix); None: vLLM's own balancing.
+        stream = engine.generate(prompt, params, request_id, data_parallel_rank=request.dp_rank)
         try:
             async for output in stream:
                 if context.stopped:
@@ -246,12 +275,44 @@ class VllmEngine:
                 await engine.abort(request_id)
 
     def load(self) -> list[WorkerLoad]:
-        """vLLM's scheduler stats at its last step (``instance_id`` 0): one rank, with its offload tier's."""
-        load = self._stats.load()
-        if self._names is not None and (tiers := offload_tiers(self.settings.extra)):
-            rate = self._stats.connector_hit_rate()
-            load.tiers = tier_loads(self._names, offloads_to=tiers, hit_rates=dict.fromkeys(tiers, rate))
-        return [load]
+        """vLLM's scheduler stats at its last step (``instance_id`` 0), one report per dp rank (each engine core's
+        stat logger), with its offload tier's."""
+        loads = []
+        tiers = offload_tiers(self.settings.extra)
+        for rank in sorted({0, *self._stats.ranks, *self._names}):
+            stats = self._stats.rank(rank)
+            load = stats.load(rank)
+            if tiers and (names := self._names.get(rank)) is not None:
+                rate = stats.connector_hit_rate()
+                load.tiers = tier_loads(names, offloads_to=tiers, hit_rates=dict.fromkeys(tiers, rate))
+            loads.append(load)
+        return loads
+
+
+def local_dp_ranks(kwargs: dict[str, Any]) -> tuple[int, int]:
+    """The first dp rank this node runs and how many, from vLLM's engine arguments (before vLLM settles them:
+    enough to choose their publishers' ports)."""
+    size = int(kwargs.get("data_parallel_size") or 1)
+    local = int(kwargs.get("data_parallel_size_local") or size)
+    if local >= size:
+        return 0, size
+    return int(kwargs.get("data_parallel_start_rank") or kwargs.get("data_parallel_rank") or 0), local
+
+
+def rank_endpoints(fields: dict[str, Any], first_rank: int, ranks: int) -> dict[int, str]:
+    """Where this process connects to hear each of its node's dp ranks' KV events, as vLLM's ``KVEventsConfig``
+    fields make them publish: a zmq publisher binding a tcp port on every address (``tcp://*:PORT``), rank r on PORT + r
+    (``ZmqEventPublisher.offset_endpoint_port``). Empty when none can be heard here: events off, another
+    publisher, an ipc/inproc endpoint, one that connects out to a subscriber elsewhere, or port 0 (the OS's)."""
+    endpoint = str(fields.get("endpoint") or "")
+    if not fields.get("enable_kv_cache_events") or fields.get("publisher") != "zmq":
+        return {}
+    if not endpoint.startswith("tcp://*:"):
+        return {}
+    port = endpoint.removeprefix("tcp://*:")
+    if not port.isdigit() or int(port) == 0:
+        return {}
+    return {rank: f"tcp://127.0.0.1:{int(port) + rank}" for rank in range(first_rank, first_rank + ranks)}
 
 
 def decode_images(request: PreprocessedRequest) -> list[Any]:
@@ -372,8 +433,8 @@ def finish_reason(reason: str | None) -> FinishReason | None:
     return "stop"
 
 
-class _SchedulerStats:
-    """The last scheduler stats vLLM recorded, kept by a stat logger it calls after each step."""
+class _RankStats:
+    """The last scheduler stats one engine core (a dp rank) recorded."""
 
     def __init__(self) -> None:
         self.running = 0
@@ -386,10 +447,11 @@ class _SchedulerStats:
         self.generated_tokens = 0
         self.preemptions = 0
 
-    def load(self) -> WorkerLoad:
+    def load(self, rank: int) -> WorkerLoad:
         hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else None
         return WorkerLoad(
             instance_id=0,
+            dp_rank=rank,
             active_requests=self.running + self.waiting,
             running=self.running,
             waiting=self.waiting,
@@ -404,17 +466,29 @@ class _SchedulerStats:
         the GPU's; None before any prompt."""
         return min(self.connector_hits / self.prefix_queries, 1.0) if self.prefix_queries else None
 
+
+class _SchedulerStats:
+    """The last scheduler stats of each engine core (dp rank), kept by the stat loggers vLLM calls after each step
+    (one per engine index, which is the core's dp rank)."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, _RankStats] = {}
+
+    def rank(self, index: int) -> _RankStats:
+        return self.ranks.setdefault(index, _RankStats())
+
     def factory(self) -> Any:
         """A vLLM stat logger factory (called with the VllmConfig and the engine index) feeding this."""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        stats = self
+        every = self
 
         class FlotillaStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM's class is untyped here
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+                self.stats = every.rank(engine_index)
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                stats = self.stats
                 if scheduler_stats is not None:
                     stats.running = scheduler_stats.num_running_reqs
                     stats.waiting = scheduler_stats.num_waiting_reqs

@@ -101,9 +101,10 @@ def test_the_forms_offer_only_the_engines_some_node_runs_with_their_nodes_and_th
     make_node_running("cpu-b", "llamacpp")
     make_model("smol")
     browser = logged_in(Role.OPERATOR)
-    for page in ("/models/", "/pipelines/"):
+    for page, chosen_first in (("/models/", " selected"), ("/pipelines/", "")):
         html = browser.get(page).content.decode()
-        assert '<option value="llamacpp">llama.cpp (GGUF) — nodes cpu-a, cpu-b</option>' in html, page
+        # The Add-model form starts on llama.cpp, not on the simulated engine.
+        assert f'<option value="llamacpp"{chosen_first}>llama.cpp (GGUF) — nodes cpu-a, cpu-b</option>' in html, page
         assert '<option value="mocker">mocker (simulated vLLM, no weights) — node cpu-a</option>' in html, page
         assert 'value="vllm"' not in html and 'value="mistralrs"' not in html, page
 

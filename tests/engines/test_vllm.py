@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 
 from runtime.engine import RequestContext
+from runtime.errors import RequestRejected
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockStored, KvEvent
 from runtime.protocol import EngineOutput, GuidedDecoding, PreprocessedRequest, SamplingOptions, StopConditions
@@ -133,6 +134,27 @@ def test_a_guided_choice_answer_is_one_of_the_choices(client: openai.OpenAI) -> 
             extra_body={"guided_choice": ["yes", "no"]},
         )
         assert reply.choices[0].message.content in ("yes", "no"), question
+
+
+def test_a_response_format_json_schema_answer_is_json_valid_against_it(client: openai.OpenAI) -> None:
+    if importlib.util.find_spec("xgrammar") is None:
+        pytest.skip("this vLLM build has no xgrammar, its default structured-outputs backend: nothing to follow with")
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is Paris in France? Answer in JSON."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+    answer = json.loads(reply.choices[0].message.content or "")
+    assert set(answer) == {"answer"} and answer["answer"] in ("yes", "no")
 
 
 def test_a_greedy_chat_answer_streams_through_flotilla_run(client: openai.OpenAI) -> None:
@@ -303,6 +325,21 @@ async def test_a_stream_closed_early_is_aborted_in_vllm(engine: object, vllm_mod
     # What the gateway does when the client goes away or a stop string matches.
     await stream.aclose()
     assert core.output_processor.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_routers_dp_rank_reaches_vllm(engine: object, vllm_model_folder: Path) -> None:
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    ranked = request(prompt_ids(vllm_model_folder, "Hello"), 2)
+    ranked.dp_rank = 0
+    assert [output async for output in engine.generate(ranked, RequestContext("rank-0"))]
+    # vLLM checks the rank against its data-parallel size (vllm/v1/engine/input_processor.py): it was given it.
+    ranked.dp_rank = 3
+    with pytest.raises(RequestRejected, match="data_parallel_rank 3"):
+        [output async for output in engine.generate(ranked, RequestContext("rank-3"))]
+    assert [load.dp_rank for load in engine.load()] == [0]
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -73,16 +73,16 @@ def test_a_connector_that_does_not_offload_is_left_as_given() -> None:
 
 def engine_with(extra: dict[str, Any]) -> VllmEngine:
     engine = VllmEngine(VllmSettings(model="m", extra=extra))
-    engine._names = EngineBlockNames(32)
+    engine._names = {0: EngineBlockNames(32)}
     return engine
 
 
 def test_an_offloading_worker_reports_its_host_tiers_blocks_and_hits() -> None:
     engine = engine_with({"kv_offloading_size": 4})
     assert engine.load()[0].tiers == [TierLoad(medium="cpu", used_blocks=0)]  # nothing offloaded, no prompt yet
-    assert engine._names is not None
-    engine._names.stored([1, 2], None, list(range(64)), medium="cpu")
-    engine._stats.prefix_queries, engine._stats.prefix_hits, engine._stats.connector_hits = 400, 100, 200
+    engine._names[0].stored([1, 2], None, list(range(64)), medium="cpu")
+    stats = engine._stats.rank(0)
+    stats.prefix_queries, stats.prefix_hits, stats.connector_hits = 400, 100, 200
     [load] = engine.load()
     assert load.prefix_hit_rate == 0.25
     assert load.tiers == [TierLoad(medium="cpu", used_blocks=2, hit_rate=0.5)]
