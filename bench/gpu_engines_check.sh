@@ -27,6 +27,12 @@
 #      cache_state() lists them with their medium. TensorRT-LLM moves a block to its host pool only when the GPU
 #      pool evicts it, which a short check on a large GPU does not reach: it is not checked here (OFFLOAD=0
 #      skips this part for every engine).
+#   4. sglang only, in the worker process: what the fakes of tests/engines/test_sglang*.py cannot show of SGLang
+#      itself: min_tokens is refused with a 400 naming it and the engine serves on; a request cancelled before
+#      its first token (a long prompt, still prefilling) is let go of by SGLang (its rid_to_state empties); a
+#      SIGTERM after SGLang served requests reaches the worker's handler, not SGLang's; an answer constrained
+#      by a JSON schema parses and has the schema's fields; log probabilities come with each token; the KV
+#      block size is the page size SGLang settled on.
 # It measures nothing: timings of real engines belong in a benchmark of their own.
 set -u -o pipefail
 
@@ -259,5 +265,109 @@ PY
     status=$?
     rm -f "$check"
     [ $status -eq 0 ] || report FAIL "$engine" offload "the offload check above stopped early (see its output)"
+done
+
+# 4. SGLang's own behaviour, where the fakes stand in for it in the test suite.
+for engine in "${ENGINES[@]}"; do
+    [ "$engine" = sglang ] || continue
+    "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)" || continue
+    check=$(mktemp --suffix=.py)
+    cat >"$check" <<'PY'
+import asyncio, json, os, signal, sys
+
+from launcher.options import RunOptions
+from launcher.run import build_model, settled_card
+from runtime.engine import RequestContext
+from runtime.errors import RequestRejected
+from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+
+
+def report(status: str, check: str, detail: str) -> None:
+    print(f"{status} sglang {check}: {detail}", flush=True)
+
+
+def request(tokens, request_id, max_tokens=32, **fields):
+    stop = StopConditions(max_tokens=max_tokens, min_tokens=fields.pop("min_tokens", 0))
+    return PreprocessedRequest(
+        request_id=request_id, model="m", token_ids=tokens, sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=stop, eos_token_ids=[], **fields,
+    )
+
+
+async def run(engine, given):
+    outputs = []
+    async for output in engine.generate(given, RequestContext(given.request_id)):
+        outputs.append(output)
+    return outputs
+
+
+async def main() -> int:
+    options = RunOptions(
+        output="sglang", model=os.environ["MODEL_DIR"], gpu_memory_utilization=float(os.environ["SHARE"]),
+        extra_engine_args=os.environ["EXTRA_ENGINE_ARGS"] or None,
+    )
+    model, engine = build_model(options)
+    await engine.start()
+    card = settled_card(model.card, engine)
+    tokenizer = card.tokenizer
+    prompt = tokenizer.encode("Write one sentence about lighthouses.").ids
+    manager = engine._engine.tokenizer_manager
+    try:
+        page = engine._engine.server_args.page_size
+        ok = engine.block_size == page == card.kv_cache_block_size
+        report("PASS" if ok else "FAIL", "page size", f"engine {engine.block_size}, SGLang {page}, card {card.kv_cache_block_size}")
+        try:
+            await run(engine, request(prompt, "m1", min_tokens=2))
+            report("FAIL", "min_tokens", "was not refused")
+        except RequestRejected as exc:
+            served = await run(engine, request(prompt, "m2", max_tokens=4))
+            report("PASS" if "min_tokens" in str(exc) and served else "FAIL", "min_tokens", f"refused: {exc}; next served")
+        long_prompt = tokenizer.encode("The keeper climbed the stairs at dusk. " * 600).ids
+        task = asyncio.create_task(run(engine, request(long_prompt, "c1", max_tokens=2000)))
+        while not manager.rid_to_state:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(100):
+            if not manager.rid_to_state:
+                break
+            await asyncio.sleep(0.1)
+        report("PASS" if not manager.rid_to_state else "FAIL", "cancel before first token", f"SGLang holds {list(manager.rid_to_state)}")
+        schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}
+        asked = tokenizer.encode("Describe a lighthouse keeper as JSON with a name and an age: ").ids
+        outputs = await run(engine, request(asked, "g1", max_tokens=64, json_schema=json.dumps(schema)))
+        text = tokenizer.decode([t for o in outputs for t in o.token_ids])
+        try:
+            value = json.loads(text)
+            ok = isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("age"), int) and set(value) == {"name", "age"}
+        except ValueError:
+            ok = False
+        report("PASS" if ok else "FAIL", "guided json", text[:120])
+        outputs = await run(engine, request(prompt, "l1", max_tokens=4, logprobs=2))
+        ok = all(o.logprobs is not None and len(o.logprobs) == len(o.token_ids) and len(o.logprobs[0].top) == 2 for o in outputs if o.token_ids)
+        report("PASS" if ok else "FAIL", "logprobs", str([o.logprobs for o in outputs][:2]))
+        loop = asyncio.get_running_loop()
+        drain = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, drain.set)  # as the worker's serve_worker does, after start
+        await run(engine, request(prompt, "s1", max_tokens=4))
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            await asyncio.wait_for(drain.wait(), 10)
+            report("PASS", "sigterm drain", "the worker's handler ran; SGLang's did not take over")
+        except TimeoutError:
+            report("FAIL", "sigterm drain", "the worker's SIGTERM handler did not run")
+        loop.remove_signal_handler(signal.SIGTERM)
+    finally:
+        await engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
+PY
+    MODEL_DIR=$MODEL_DIR SHARE=$SHARE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" "$check"
+    status=$?
+    rm -f "$check"
+    [ $status -eq 0 ] || report FAIL sglang behaviour "the SGLang check above stopped early (see its output)"
 done
 exit $failed

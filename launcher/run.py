@@ -230,12 +230,26 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
     engine: sglang.SglangEngine | trtllm.TrtLlmEngine
     if output == "sglang":
+        from engines.sglang.requests import GUIDED_KINDS as SGLANG_GUIDED_KINDS
+
         engine = sglang.SglangEngine(path, placement, extra, options.node_group, role=options.disagg_role)
+        # SGLang reports the output's log probabilities and follows JSON schemas, regexes, choices and grammars
+        # by its grammar backend (engines/sglang/requests.py).
+        card = card.replace(logprobs=True, structured_output=True, guided_decoding=SGLANG_GUIDED_KINDS)
     else:
         engine = trtllm.TrtLlmEngine(path, placement, extra, role=options.disagg_role)
     # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.
     card = card.replace(kv_cache_block_size=engine.block_size)
     return TokenModel(card, engine), engine
+
+
+def settled_card(card: ModelCard, engine: Engine) -> ModelCard:
+    """``card`` with the KV block size ``engine`` settled on once started (SGLang rewrites its page size for some
+    attention backends), so that KV routers name blocks as its events do."""
+    settled = getattr(engine, "block_size", None)
+    if not isinstance(settled, int) or settled == card.kv_cache_block_size:
+        return card
+    return card.replace(kv_cache_block_size=settled)
 
 
 def build_python_model(options: RunOptions, kind: str, file: str) -> tuple[ServedModel, Engine]:
@@ -259,6 +273,8 @@ async def run(options: RunOptions) -> int:
         return await run_ingress(options)
     model, engine = build_model(options)
     await engine.start()
+    if isinstance(model, TokenModel):
+        model.card = settled_card(model.card, engine)
     heap.settle()  # the model, the tokenizer and the engine are loaded: see launcher/heap.py
     try:
         if (address := options.worker_address) is not None:

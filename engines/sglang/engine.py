@@ -5,11 +5,16 @@ request goes in as ``input_ids`` and the stream comes back as ``output_ids``, so
 stop strings and usage behave as for every token engine. ``async_generate(..., stream=True)`` yields
 dicts ``{"output_ids": [...], "meta_info": {"id", "finish_reason", "completion_tokens",
 "cached_tokens", ...}}``; whether ``output_ids`` holds the whole output so far or only the new tokens
-depends on SGLang's ``incremental_streaming_output``, so the new tokens are the last
-``completion_tokens - already sent`` of them, which is right either way.
+depends on SGLang's ``incremental_streaming_output`` (Flotilla sets it: the whole list in every chunk is
+quadratic in the answer), so the new tokens are the last ``completion_tokens - already sent`` of them, which
+is right either way. What SGLang's checks refuse (its ``ValueError``) is RequestRejected, a 400 with its words;
+what it cannot follow with ``skip_tokenizer_init`` (``min_tokens``) is refused before it (engines/sglang/requests.py,
+which maps sampling, guided decoding and log probabilities).
 
-Cancellation: when the consumer stops (a stop string, a client gone, ``context.stop()``), the request
-is aborted in SGLang (``abort_request(rid)``), which frees its KV cache.
+Cancellation: each request goes in with its own ``rid``; when the consumer stops (a stop string, a client gone,
+``context.stop()``), whether SGLang has answered yet or not (queued, prefilling), the request is aborted by it,
+which frees its KV cache, and aborted again while SGLang still holds it (engines/sglang/aborts.py). SGLang's own
+SIGTERM handler is kept from replacing the worker's drain (engines/sglang/signals.py).
 
 The GPU share: SGLang's ``mem_fraction_static`` (weights and KV pool) is the memory share the control
 plane placed the worker by (``--gpu-memory-utilization``); ``--tensor-parallel-size`` is ``tp_size``,
@@ -21,8 +26,10 @@ engines/sglang/follower.py, not this engine). Other ServerArgs come from
 KV events: SGLang publishes them over ZMQ (``kv_events_config``); the worker subscribes and renames the
 blocks as Flotilla's router does (engines/shared/zmq_kv_events.py, engines/shared/engine_block_names.py). The block
 size is SGLang's ``page_size``: Flotilla sets 16 where the extra arguments do not say (SGLang's own
-default, 1, would name every token as a block). With attention DP each rank has its own cache and
-publisher (on the port after the previous rank's), subscribed to one by one and reported as that dp rank.
+default, 1, would name every token as a block), and takes the one SGLang settled on once started (it rewrites
+it for some attention backends), which the model card then advertises. With data parallelism (``dp_size``,
+attention DP or plain replicas) each rank has its own cache and publisher (on the base port plus its rank):
+each of this node's ranks is subscribed to and reported as that dp rank, and routed to by it.
 
 Load: each SGLang scheduler publishes a load snapshot per dp rank (running and waiting requests, KV
 tokens used of the pool, token usage, prefix cache hit rate) to shared memory, which its tokenizer
@@ -37,10 +44,12 @@ import json
 import logging
 import math
 import random
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from engines.sglang.aborts import Aborts
 from engines.sglang.disagg import (
     SGLANG_HANDOFF,
     bootstrap_address,
@@ -49,6 +58,8 @@ from engines.sglang.disagg import (
     new_room,
 )
 from engines.sglang.hicache import hicache_tiers, host_total_blocks
+from engines.sglang.requests import generate_arguments, sampling_params, token_logprobs
+from engines.sglang.signals import start_handle_loop
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
@@ -56,7 +67,7 @@ from engines.shared.kv_tiers import tier_loads
 from engines.shared.node_group import NodeGroup
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback_ports_free, translate_batch
 from runtime.engine import RequestContext
-from runtime.errors import ConfigError, EngineError, ModelError
+from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
 from runtime.kv.events import BlockStored, KvEventSink, Medium, WorkerLoad
 from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
 
@@ -174,6 +185,9 @@ def engine_kwargs(
         "tp_size": placement.tensor_parallel_size,
         "base_gpu_id": placement.base_gpu_id,
         "page_size": DEFAULT_PAGE_SIZE,
+        # Each chunk holds only its new tokens: SGLang's default copies the whole output list into every chunk,
+        # quadratic in the answer's length (new_tokens reads either).
+        "incremental_streaming_output": True,
         **engine_args,
     }
     if placement.context_length is not None:
@@ -190,33 +204,6 @@ def engine_kwargs(
             {"publisher": "zmq", "endpoint": kv_events_endpoint, "topic": _KV_TOPIC}
         )
     return kwargs
-
-
-def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` dict for ``request`` (SGLang's SamplingParams names); None options are
-    left out, so that SGLang's defaults (the model's generation config) apply."""
-    sampling, stop = request.sampling, request.stop_conditions
-    params: dict[str, Any] = {
-        # A prefill worker computes the prompt and the token its pass gives; the decode worker the rest.
-        "max_new_tokens": 1 if request.prefill_only else stop.max_tokens,
-        "min_new_tokens": 0 if request.prefill_only else stop.min_tokens,
-        "ignore_eos": stop.ignore_eos,
-        # Stop strings are the gateway's (they need text); SGLang stops on the model's EOS ids and these.
-        "stop_token_ids": list(request.eos_token_ids),
-    }
-    optional = {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        # OpenAI-style 0 means "no top-k"; SGLang spells that -1.
-        "top_k": (sampling.top_k if sampling.top_k > 0 else -1) if sampling.top_k is not None else None,
-        "min_p": sampling.min_p,
-        "frequency_penalty": sampling.frequency_penalty,
-        "presence_penalty": sampling.presence_penalty,
-        "repetition_penalty": sampling.repetition_penalty,
-        "sampling_seed": sampling.seed,
-    }
-    params.update({name: value for name, value in optional.items() if value is not None})
-    return params
 
 
 def finish_reason(meta_info: dict[str, Any]) -> FinishReason | None:
@@ -287,16 +274,33 @@ def _share(value: float) -> float | None:
     return min(max(value, 0.0), 1.0) if math.isfinite(value) else None
 
 
-def attention_dp_ranks(engine_args: dict[str, Any]) -> int:
-    """How many KV caches (and event publishers) SGLang runs: one per attention-DP rank with
-    ``enable_dp_attention``, else one."""
-    return int(engine_args.get("dp_size", 1)) if engine_args.get("enable_dp_attention") else 1
+def local_dp_ranks(engine_args: dict[str, Any], nodes: NodeGroup | None = None) -> range:
+    """The dp ranks whose KV cache (and event publisher) runs on this node: every ``dp_size`` replica, with
+    attention DP (``enable_dp_attention``, one cache per rank) and without (plain DP: each replica a whole
+    engine with its cache); across nodes, this node's share of them, as SGLang lays ranks out (Dynamo's
+    ``DynamoSglangPublisher.init_kv_event_publish``: ``dp_size // nnodes`` per node, in node order)."""
+    dp_size = max(int(engine_args.get("dp_size", 1) or 1), 1)
+    if nodes is None or not nodes.spans_nodes or dp_size < nodes.num_nodes:
+        return range(dp_size)
+    local = dp_size // nodes.num_nodes
+    return range(nodes.node_rank * local, (nodes.node_rank + 1) * local)
 
 
-def rank_endpoints(port: int, ranks: int) -> list[str]:
+def rank_endpoints(port: int, ranks: Sequence[int]) -> dict[int, str]:
     """Where each rank's publisher binds: SGLang adds the rank to the port of a tcp endpoint
-    (``ZmqEventPublisher.offset_endpoint_port``)."""
-    return [f"tcp://*:{port + rank}" for rank in range(ranks)]
+    (``ZmqEventPublisher.offset_endpoint_port``; the replica's dp rank with plain DP, its attention-DP rank
+    with attention DP: ``select_kv_publisher_dp_rank``)."""
+    return {rank: f"tcp://*:{port + rank}" for rank in ranks}
+
+
+def settled_page_size(engine: Any) -> int | None:
+    """The page size SGLang settled on (``Engine.server_args.page_size``, after ``ServerArgs.__post_init__``
+    rewrote it for the attention backend: 64 for FlashMLA, 128 for cutlass MLA...); None where it says none."""
+    server_args = getattr(engine, "server_args", None) or getattr(
+        getattr(engine, "tokenizer_manager", None), "server_args", None
+    )
+    page_size = getattr(server_args, "page_size", None)
+    return int(page_size) if isinstance(page_size, int) and page_size > 0 else None
 
 
 class SglangEngine:
@@ -326,9 +330,12 @@ class SglangEngine:
         self.nodes = nodes or NodeGroup()
         self.block_size = int(engine_args.get("page_size", DEFAULT_PAGE_SIZE))
         self._engine: Any = None
-        self._names = {rank: EngineBlockNames(self.block_size) for rank in range(attention_dp_ranks(engine_args))}
+        #: The dp ranks of this node, each a KV cache with its own event publisher (local_dp_ranks).
+        self.dp_ranks = local_dp_ranks(engine_args, self.nodes)
+        self._names = {rank: EngineBlockNames(self.block_size) for rank in self.dp_ranks}
         self._sink: KvEventSink | None = None
         self._subscribers: list[ZmqSubscriber] = []
+        self._aborts: Aborts | None = None
         self._active = 0
 
     async def start(self) -> None:
@@ -336,9 +343,11 @@ class SglangEngine:
             import sglang
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
-        endpoints = rank_endpoints(free_tcp_ports(len(self._names)), len(self._names))
+        # Rank r publishes on base + r (its global rank): the ports up to this node's last rank are kept free.
+        base = free_tcp_ports(self.dp_ranks.stop)
+        endpoints = rank_endpoints(base, self.dp_ranks)
         kwargs = engine_kwargs(
-            self.model_path, self.placement, self.engine_args, kv_events_endpoint=endpoints[0], nodes=self.nodes,
+            self.model_path, self.placement, self.engine_args, kv_events_endpoint=f"tcp://*:{base}", nodes=self.nodes,
             port=dp_attention_port(self.engine_args, self.nodes),
         )  # fmt: skip
         try:
@@ -347,18 +356,37 @@ class SglangEngine:
         except Exception as exc:  # SGLang raises what its model loader, CUDA or its arguments raise
             raise ModelError(f"SGLang could not load {self.model_path}: {exc}") from exc
         loop = asyncio.get_running_loop()
-        for rank, endpoint in enumerate(endpoints):
+        self._settle_page_size()
+        start_handle_loop(self._engine, loop)
+        self._aborts = Aborts(self._engine)
+        for rank, endpoint in endpoints.items():
 
             def on_batch(batch: Any, rank: int = rank) -> None:  # in the subscriber's thread
                 loop.call_soon_threadsafe(self._publish_batch, rank, batch)
 
             self._subscribers.append(ZmqSubscriber(endpoint, _KV_TOPIC, on_batch))
-        log.info("SGLang loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
+        log.info(
+            "SGLang loaded %s (tp %d, KV pages of %d tokens)",
+            self.model_path.name, self.placement.tensor_parallel_size, self.block_size,
+        )  # fmt: skip
+
+    def _settle_page_size(self) -> None:
+        """Take the page size SGLang settled on as the KV block size (the card's, the events' names), where it
+        rewrote the one it was given."""
+        settled = settled_page_size(self._engine)
+        if settled is None or settled == self.block_size:
+            return
+        log.info("SGLang settled on KV pages of %d tokens (it was given %d): blocks are named by %d", settled,
+                 self.block_size, settled)  # fmt: skip
+        self.block_size = settled
+        self._names = {rank: EngineBlockNames(settled) for rank in self.dp_ranks}
 
     async def close(self) -> None:
         for task in list(self._prefills):
             task.cancel()
         await asyncio.gather(*self._prefills, return_exceptions=True)
+        if self._aborts is not None:
+            await self._aborts.close()
         for subscriber in self._subscribers:
             subscriber.close()
         if self._engine is not None:
@@ -383,7 +411,9 @@ class SglangEngine:
                 snapshots = list(reader.read_all())
             except Exception as exc:  # a torn or missing shared-memory file: the next report reads again
                 log.debug("SGLang's load snapshots could not be read: %r", exc)
-        reports = load_reports(snapshots, page_size=self.block_size, active=self._active, per_rank=len(self._names) > 1)
+        reports = load_reports(
+            snapshots, page_size=self.block_size, active=self._active, per_rank=len(self.dp_ranks) > 1
+        )
         if offloads_to := hicache_tiers(self.engine_args):
             for report in reports:
                 self._add_tiers(report, offloads_to)
@@ -416,17 +446,21 @@ class SglangEngine:
                 extra |= bootstrap_arguments(handoff.params)
             except ConfigError as exc:
                 raise EngineError(str(exc)) from exc
-        rid: str | None = None
+        params = sampling_params(request)  # RequestRejected before SGLang sees it
+        # SGLang's id for it: what an abort names, known before SGLang has sent anything (a client may leave while
+        # the request waits in SGLang's queue). Unique per attempt: a migrated request may come back here while
+        # SGLang still holds the first (SGLang refuses a duplicate rid).
+        rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         finished = False
         sent = 0
         self._active += 1
         try:
             stream = await self._engine.async_generate(
-                input_ids=request.token_ids, sampling_params=sampling_params(request), stream=True, **extra
-            )
+                input_ids=request.token_ids, sampling_params=params, stream=True,
+                **generate_arguments(request, rid), **extra,
+            )  # fmt: skip
             async for chunk in stream:
                 meta = chunk.get("meta_info", {})
-                rid = meta.get("id", rid)
                 if context.stopped:
                     return
                 tokens = new_tokens(chunk, sent)
@@ -437,16 +471,25 @@ class SglangEngine:
                 output = EngineOutput(token_ids=tokens, finish_reason=reason)
                 if sent == 0 and (cached := meta.get("cached_tokens")) is not None:
                     output.cached_tokens = cached
+                if request.logprobs is not None:
+                    output.logprobs = token_logprobs(meta, len(tokens), request.logprobs)
                 sent += len(tokens)
                 if tokens or reason is not None:
                     yield output
                 if reason is not None:
                     finished = True
                     return
+        except ValueError as exc:
+            # SGLang's checks of the request (TokenizerManager._validate_one_request, SamplingParams.verify: a
+            # prompt over the context length, a bad sampling value, a grammar it cannot compile): the client's
+            # error, a 400 with SGLang's words. Nothing runs in SGLang after it.
+            finished = True
+            raise RequestRejected(f"SGLang refused the request: {exc}") from exc
         finally:
             self._active -= 1
-            if not finished and rid is not None:
-                abort_request(self._engine, rid)
+            if not finished and self._aborts is not None:
+                # The client left, or the consumer stopped: queued, prefilling or decoding, SGLang frees it.
+                self._aborts.abort(rid)
 
     async def _prefill(self, request: PreprocessedRequest, extra: dict[str, Any]) -> EngineOutput:
         """Start ``request``'s prefill in SGLang with a new room and answer its handoff at once; SGLang's stream
@@ -454,9 +497,11 @@ class SglangEngine:
         assert self.bootstrap is not None
         host, port = self.bootstrap
         params = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room()}
+        rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         stream = await self._engine.async_generate(
-            input_ids=request.token_ids, sampling_params=sampling_params(request), stream=True, **extra, **params
-        )
+            input_ids=request.token_ids, sampling_params=sampling_params(request), stream=True,
+            **generate_arguments(request, rid), **extra, **params,
+        )  # fmt: skip
         task = asyncio.create_task(
             self._finish_prefill(stream, request.request_id), name=f"prefill {request.request_id}"
         )
@@ -475,10 +520,3 @@ class SglangEngine:
                     log.warning("SGLang failed the prefill of request %s: %s", request_id, abort_message(meta))
         except Exception:
             log.exception("the prefill of request %s failed in SGLang", request_id)
-
-
-def abort_request(engine: Any, rid: str) -> None:
-    """Abort ``rid`` in SGLang (its KV cache is freed): ``Engine.abort_request`` where the version has it,
-    else its tokenizer manager's."""
-    abort = getattr(engine, "abort_request", None) or engine.tokenizer_manager.abort_request
-    abort(rid)

@@ -5,8 +5,13 @@ as SGLang declares them (python/sglang/srt/disaggregation/kv_events.py, sgl-proj
 and its Engine is a stand-in with the documented ``async_generate``/``abort_request``.
 """
 
+import asyncio
 import json
+import signal
 import socket
+import sys
+import threading
+import types
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,20 +20,21 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from engines.sglang.aborts import Aborts
 from engines.sglang.engine import (
     DEFAULT_PAGE_SIZE,
     DP_ATTENTION_PORT_OFFSETS,
     SglangEngine,
-    attention_dp_ranks,
     dp_attention_port,
     engine_kwargs,
     finish_reason,
     load_reports,
+    local_dp_ranks,
     new_tokens,
     parse_engine_args,
     rank_endpoints,
-    sampling_params,
 )
+from engines.sglang.requests import sampling_params
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.gpu_engine_args import GpuPlacement
 from engines.shared.node_group import LeaderAddress, NodeGroup
@@ -201,7 +207,7 @@ def test_sampling_options_map_to_sglangs_sampling_params() -> None:
     params = sampling_params(request(sampling, min_tokens=2, ignore_eos=True))
     assert params == {
         "max_new_tokens": 8,
-        "min_new_tokens": 2,
+        "min_new_tokens": 0,  # min_tokens asks nothing with ignore_eos
         "ignore_eos": True,
         "stop_token_ids": [2, 7],
         "temperature": 0.7,
@@ -234,34 +240,131 @@ def test_new_tokens_are_taken_from_cumulative_and_incremental_output_ids_alike()
     assert new_tokens({"output_ids": [5], "meta_info": {"completion_tokens": 1}}, 0) == [5]
 
 
-class FakeSglang:
-    """sglang.Engine's async_generate(stream=True) and abort_request, as documented."""
+class FakeTokenizerManager:
+    """The parts of SGLang's ``TokenizerManager`` (python/sglang/srt/managers/tokenizer_manager.py) the worker
+    touches: ``rid_to_state`` (a request's state from its send to the scheduler until it ends),
+    ``abort_request`` (an ``AbortReq`` to the scheduler, sent only for a rid it holds; the scheduler aborts what
+    it has queued or running, after which SGLang drops the state) and ``auto_create_handle_loop`` (on its first
+    call, in the main thread, ``loop.add_signal_handler`` for SIGTERM and SIGQUIT, as ``SignalHandler`` does).
 
-    def __init__(self, chunks: list[dict[str, Any]]) -> None:
-        self.chunks = chunks
-        self.calls: list[dict[str, Any]] = []
+    ``lost_aborts``: how many aborts reach the scheduler before the request does (pipeline parallel, attention
+    DP) and are lost, as Dynamo's ``_retry_abort`` (cancellation.py) allows for."""
+
+    def __init__(self, server_args: Any) -> None:
+        self.server_args = server_args
+        self.rid_to_state: dict[str, asyncio.Event] = {}
         self.aborted: list[str] = []
+        self.lost_aborts = 0
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+        self.sigterm = asyncio.Event()  # SGLang's SignalHandler.sigterm_handler ran
+
+    def auto_create_handle_loop(self) -> None:
+        if self.event_loop is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.event_loop = loop
+        if threading.current_thread() is threading.main_thread():
+            loop.add_signal_handler(signal.SIGTERM, self.sigterm.set)
+            loop.add_signal_handler(signal.SIGQUIT, self.sigterm.set)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if not abort_all and rid not in self.rid_to_state:
+            return
+        self.aborted.append(rid)
+        if self.lost_aborts:
+            self.lost_aborts -= 1
+            return
+        self.rid_to_state.pop(rid).set()  # the scheduler's abort came back: the state is dropped
+
+
+class FakeSglang:
+    """sglang.Engine (python/sglang/srt/entrypoints/engine.py): ``async_generate(stream=True, rid=...)`` returns
+    ``TokenizerManager.generate_request``'s generator, which starts the manager's loop, registers the request in
+    ``rid_to_state`` as it sends it to the scheduler, and yields its chunks; ``server_args`` as settled by
+    ``ServerArgs.__post_init__``. ``queued``: the request waits in the scheduler's queue (no chunk) until aborted.
+    A ValueError in ``refuse`` is raised where SGLang's request checks raise theirs, at the first chunk."""
+
+    def __init__(
+        self, chunks: list[dict[str, Any]], *, queued: bool = False, page_size: int = 16, refuse: str | None = None
+    ) -> None:
+        self.chunks = chunks
+        self.queued = queued
+        self.refuse = refuse
+        self.calls: list[dict[str, Any]] = []
+        self.server_args = SimpleNamespace(page_size=page_size)
+        self.tokenizer_manager = FakeTokenizerManager(self.server_args)
+        self.shut_down = False
+        self.sent = asyncio.Event()  # a request reached the scheduler (rid_to_state holds it)
+
+    @property
+    def aborted(self) -> list[str]:
+        return self.tokenizer_manager.aborted
 
     async def async_generate(self, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         self.calls.append(kwargs)
+        manager = self.tokenizer_manager
+        rid = kwargs.get("rid") or "sg-1"
 
         async def stream() -> AsyncIterator[dict[str, Any]]:
-            for chunk in self.chunks:
-                yield chunk
+            manager.auto_create_handle_loop()
+            if self.refuse is not None:
+                raise ValueError(self.refuse)
+            state = manager.rid_to_state[rid] = asyncio.Event()
+            self.sent.set()
+            if self.queued:
+                await state.wait()
+                yield chunk([], 0, {"type": "abort", "message": "Abort in waiting queue"})
+                return
+            for item in self.chunks:
+                if item["meta_info"].get("finish_reason"):
+                    manager.rid_to_state.pop(rid, None)
+                yield item
 
         return stream()
 
-    def abort_request(self, rid: str) -> None:
-        self.aborted.append(rid)
+    def shutdown(self) -> None:
+        self.shut_down = True
 
 
 def chunk(ids: list[int], total: int, reason: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
     return {"output_ids": ids, "meta_info": {"id": "sg-1", "completion_tokens": total, "finish_reason": reason, **meta}}
 
 
+async def start_on_fake(
+    monkeypatch: pytest.MonkeyPatch,
+    fake: FakeSglang,
+    engine_args: dict[str, Any] | None = None,
+    nodes: NodeGroup | None = None,
+) -> tuple[SglangEngine, list[str]]:
+    """An SglangEngine started on ``fake`` (``sglang.Engine(**kwargs)`` returns it, the kwargs kept in
+    ``fake.kwargs``), and the endpoints its KV event subscribers connect to, recorded instead of connected."""
+    module = types.ModuleType("sglang")
+
+    def engine_of(**kwargs: Any) -> FakeSglang:
+        fake.kwargs = kwargs  # type: ignore[attr-defined]
+        return fake
+
+    module.Engine = engine_of  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    endpoints: list[str] = []
+
+    class Subscriber:
+        def __init__(self, endpoint: str, topic: str, on_batch: Any) -> None:
+            endpoints.append(endpoint)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("engines.sglang.engine.ZmqSubscriber", Subscriber)
+    engine = SglangEngine(Path("/m"), GpuPlacement(), engine_args or {}, nodes)
+    await engine.start()
+    return engine, endpoints
+
+
 def started_engine(fake: FakeSglang) -> SglangEngine:
     engine = SglangEngine(Path("/m"), GpuPlacement(), {})
     engine._engine = fake
+    engine._aborts = Aborts(fake, first_wait_s=0)
     return engine
 
 
@@ -282,7 +385,7 @@ async def test_a_consumer_that_stops_early_aborts_the_request_in_sglang() -> Non
     stream = cast(AsyncGenerator[EngineOutput], started_engine(fake).generate(request(), RequestContext("r1")))
     assert (await anext(stream)).token_ids == [5]
     await stream.aclose()
-    assert fake.aborted == ["sg-1"]
+    assert fake.aborted == [fake.calls[0]["rid"]]
 
 
 async def test_a_stopped_context_aborts_the_request_at_the_next_chunk() -> None:
@@ -292,7 +395,7 @@ async def test_a_stopped_context_aborts_the_request_at_the_next_chunk() -> None:
     async for out in started_engine(fake).generate(request(), context):
         outputs.append(out)
         context.stop()
-    assert len(outputs) == 1 and fake.aborted == ["sg-1"]
+    assert len(outputs) == 1 and fake.aborted == [fake.calls[0]["rid"]]
 
 
 class LoadSnapshot(msgspec.Struct, kw_only=True):
@@ -479,10 +582,39 @@ def test_a_subscribed_batch_is_published_renamed_and_kept_for_a_state_request() 
     assert engine.cache_state(1) == {}
 
 
-def test_each_attention_dp_rank_publishes_on_the_port_after_the_previous_ranks() -> None:
-    assert attention_dp_ranks({"dp_size": 4}) == 1  # data parallelism without attention DP: one cache
-    assert attention_dp_ranks({"dp_size": 4, "enable_dp_attention": True}) == 4
-    assert rank_endpoints(6000, 3) == ["tcp://*:6000", "tcp://*:6001", "tcp://*:6002"]
+def test_every_dp_rank_of_this_node_is_a_cache_of_its_own_with_attention_dp_or_without() -> None:
+    assert local_dp_ranks({}) == range(1)
+    # Plain DP: each replica a whole engine with its cache, publishing on its own port (SGLang's
+    # select_kv_publisher_dp_rank: the replica's dp rank); attention DP: each attention rank.
+    assert local_dp_ranks({"dp_size": 4}) == range(4)
+    assert local_dp_ranks({"dp_size": 4, "enable_dp_attention": True}) == range(4)
+    # Across nodes, this node's share, as SGLang lays the ranks out (dp_size // nnodes per node, in node order).
+    leader = LeaderAddress("10.0.0.1", 29500)
+    dp = {"dp_size": 4, "enable_dp_attention": True}
+    assert local_dp_ranks(dp, NodeGroup(num_nodes=2, leader=leader)) == range(2)
+    second = NodeGroup(num_nodes=2, node_rank=1, leader=leader)
+    assert local_dp_ranks(dp, second) == range(2, 4)
+
+
+async def test_each_local_dp_rank_is_subscribed_to_and_reported_as_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's scheduler of each plain-DP replica publishes on the configured port plus its dp rank
+    (python/sglang/srt/disaggregation/kv_events.py, ``ZmqEventPublisher.offset_endpoint_port``)."""
+    fake = FakeSglang([])
+    engine, endpoints = await start_on_fake(monkeypatch, fake, {"dp_size": 2})
+    base = int(json.loads(fake.kwargs["kv_events_config"])["endpoint"].rpartition(":")[2])  # type: ignore[attr-defined]
+    assert endpoints == [f"tcp://*:{base}", f"tcp://*:{base + 1}"]
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    stored = BlockStoredSg(block_hashes=[7], parent_block_hash=None, token_ids=TOKENS[:16], block_size=16, lora_id=None)
+    engine._publish_batch(1, decode_message(zmq_frames(stored)))
+    assert sink.published == [(1, [BlockStored(block_hashes=sequence_block_hashes(TOKENS[:16], 16))])]
+    fake.tokenizer_manager.load_snapshot_reader = SnapshotReader([RANK0, RANK1])  # type: ignore[attr-defined]
+    assert [report.dp_rank for report in engine.load()] == [0, 1]
+    await engine.close()
+
+
+def test_each_dp_rank_publishes_on_the_port_after_the_previous_ranks() -> None:
+    assert rank_endpoints(6000, range(3)) == {0: "tcp://*:6000", 1: "tcp://*:6001", 2: "tcp://*:6002"}
     assert 0 < free_tcp_ports(3) < 65534
 
 

@@ -17,10 +17,10 @@ from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest, Sampl
 from tests.engines.test_sglang import FakeSglang, chunk
 
 
-def request(**fields: Any) -> PreprocessedRequest:
+def request(min_tokens: int = 0, **fields: Any) -> PreprocessedRequest:
     return PreprocessedRequest(
         request_id="r1", model="m", token_ids=[1, 2, 3], sampling=SamplingOptions(),
-        stop_conditions=StopConditions(max_tokens=8, min_tokens=2), **fields,
+        stop_conditions=StopConditions(max_tokens=8, min_tokens=min_tokens), **fields,
     )  # fmt: skip
 
 
@@ -54,7 +54,7 @@ async def test_a_prefill_is_answered_with_its_bootstrap_room_at_once_while_sglan
     fake = SlowPrefill([])
     prefill = engine("prefill", fake)
     assert prefill.engine_args["disaggregation_mode"] == "prefill"
-    [answer] = await outputs(prefill, request(prefill_only=True))
+    [answer] = await outputs(prefill, request(min_tokens=2, prefill_only=True))
     assert not consumed.is_set()  # answered before SGLang's stream ended
     assert answer.token_ids == [] and answer.finish_reason == "length" and answer.handoff is not None
     params = answer.handoff.params
