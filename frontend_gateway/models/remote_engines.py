@@ -35,7 +35,7 @@ from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import Decision, InstanceInfo, Router
 from runtime.distributed import DistributedRuntime
 from runtime.engine import RequestContext
-from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge
+from runtime.errors import EngineBusy, EngineError, EngineStalled, EngineUnavailable, PayloadTooLarge, RequestRejected
 from runtime.protocol import (
     EmbedInput,
     EngineOutput,
@@ -49,6 +49,7 @@ from runtime.protocol import (
 from runtime.request_plane import (
     RemoteError,
     RequestClient,
+    RequestRefused,
     RequestTooLarge,
     StreamBroken,
     StreamStalled,
@@ -247,6 +248,9 @@ class RemoteTokenEngine(_RemoteBase):
                 )  # fmt: skip
             except RequestTooLarge as exc:
                 raise PayloadTooLarge(f"instance {instance.name} of {self.name!r} refused the request: {exc}") from exc
+            except RequestRefused as exc:
+                # The engine's own words on what is wrong with the request: the client's error, a 400.
+                raise RequestRejected(str(exc)) from exc
             except RemoteError as exc:
                 raise EngineError(f"instance {instance.name} of {self.name!r} failed: {exc}") from exc
             finally:

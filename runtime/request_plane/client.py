@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from runtime.cluster.nats_connection import flush
 from runtime.request_plane.errors import (
     RemoteError,
+    RequestRefused,
     RequestTooLarge,
     StreamBroken,
     StreamStalled,
@@ -40,6 +41,7 @@ from runtime.request_plane.wire import (
     END,
     HEARTBEAT,
     NO_RESPONDERS,
+    REJECTED,
     TOO_LARGE,
     UNAVAILABLE,
     Envelope,
@@ -337,6 +339,8 @@ class RequestClient:
                     raise WorkerBusy(frame.error)
                 if frame.code == UNAVAILABLE:
                     raise WorkerUnavailable(frame.error)
+                if frame.code == REJECTED:
+                    raise RequestRefused(frame.error)
                 raise RemoteError(frame.error)
         finally:
             inbox.close()

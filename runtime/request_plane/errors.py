@@ -38,5 +38,9 @@ class RemoteError(RequestPlaneError):
     """The worker reported an error for this request."""
 
 
+class RequestRefused(RemoteError):
+    """The worker's engine refused the request as the client's error (RequestRejected there), with its reason."""
+
+
 class RequestTooLarge(RemoteError):
     """The request is over the worker's (or NATS's) size limit; nothing was generated."""

@@ -15,7 +15,7 @@ from nats.aio.subscription import Subscription
 
 from runtime.cluster.nats_connection import flush
 from runtime.engine import RequestContext
-from runtime.errors import FlotillaError
+from runtime.errors import FlotillaError, RequestRejected
 from runtime.rate_limited_log import RateLimitedLog
 from runtime.request_plane.flow import FRAME_OVERHEAD, batches, fitting
 from runtime.request_plane.loop_bound import Wakeup
@@ -29,6 +29,7 @@ from runtime.request_plane.wire import (
     END,
     ERROR,
     HEARTBEAT,
+    REJECTED,
     TOO_LARGE,
     UNAVAILABLE,
     UNLIMITED,
@@ -435,7 +436,9 @@ class EndpointServer:
                         log.warning(
                             "request %s failed: %s", stream.request_id, exc, exc_info=not isinstance(exc, FlotillaError)
                         )
-                        await self._publish(stream, Frame(ERROR, stream.seq, last, error))
+                        # A refusal of the client's request is coded, so that its ingress answers 400.
+                        code = REJECTED if isinstance(exc, RequestRejected) else ""
+                        await self._publish(stream, Frame(ERROR, stream.seq, last, error, code))
                     else:
                         await self._publish(stream, Frame(END, stream.seq, last))
                     self._ended.append((time.monotonic(), stream))

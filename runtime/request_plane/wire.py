@@ -17,6 +17,9 @@ UNLIMITED = 1 << 62
 TOO_LARGE = "too_large"
 UNAVAILABLE = "unavailable"
 BUSY = "busy"  # its own queue is full (FLOTILLA_MAX_WAITING_REQUESTS): another instance may take it
+# Why a request failed: its engine refused it as the client's error (runtime.errors.RequestRejected: a bad
+# parameter, a prompt over the context length), which its ingress answers with a 400, not a 500.
+REJECTED = "rejected"
 # Why a worker stopped a stream: its window stayed full with no word from the client past the ack deadline.
 ABANDONED = "abandoned"
 

@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 
 from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.engine import RequestContext
+from runtime.errors import RequestRejected
 from runtime.request_plane import (
     CUT,
     DATA,
@@ -21,6 +22,7 @@ from runtime.request_plane import (
     Probe,
     RemoteError,
     RequestClient,
+    RequestRefused,
     RequestTooLarge,
     StreamBroken,
     WorkerUnavailable,
@@ -122,6 +124,25 @@ async def test_a_handler_error_reaches_the_client(connections: tuple[NATS, NATS]
     with pytest.raises(RemoteError, match="the engine broke"):
         await collect()
     assert received == ["first"]
+    await server.close()
+
+
+async def test_an_engines_refusal_of_the_request_reaches_the_client_as_a_refusal(
+    connections: tuple[NATS, NATS],
+) -> None:
+    """An engine's RequestRejected (SGLang's ValueError for a prompt over its context length, say) is the client's
+    error: its ingress answers 400, so the worker codes it, unlike an engine that broke."""
+    worker, nc = connections
+
+    async def refusing(payload: msgspec.Raw, context: RequestContext) -> AsyncIterator[bytes]:
+        raise RequestRejected("SGLang refused the request: the input is longer than the context length")
+        yield b""  # an async generator, as every handler is
+
+    server = await serve(worker, refusing)
+    client = RequestClient(nc)
+    await client.start()
+    with pytest.raises(RequestRefused, match="longer than the context length"):
+        await items(client.call(SUBJECT, "d", encode(None)))
     await server.close()
 
 
