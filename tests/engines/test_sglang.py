@@ -546,6 +546,17 @@ def test_the_hierarchical_caches_backups_evictions_and_storage_writes_are_tracke
     assert names.state() == [BlockStored(block_hashes=name, medium="disk")]
 
 
+@pytest.mark.parametrize(
+    ("medium", "tier"), [("GPU", None), ("CPU_PINNED", "cpu"), ("DISK", "disk"), ("EXTERNAL", "external")]
+)
+def test_each_of_sglangs_storage_media_is_its_own_tier(medium: str, tier: str | None) -> None:
+    """SGLang's storage media (``StorageMedium``: GPU, CPU_PINNED, DISK, EXTERNAL, as its KV event sources name
+    them), each on Flotilla's tier of the same place; none is read as the GPU but the GPU."""
+    names = EngineBlockNames(16)
+    events = translate_batch([0.0, [["BlockStored", [7], None, TOKENS[:16], 16, None, medium]]], names)
+    assert events == [BlockStored(block_hashes=sequence_block_hashes(TOKENS[:16], 16), medium=tier)]  # type: ignore[arg-type]
+
+
 def test_a_tier_name_sglang_may_add_later_is_external_not_the_gpu() -> None:
     names = EngineBlockNames(16)
     events = translate_batch([0.0, [["BlockStored", [7], None, TOKENS[:16], 16, None, "CPU_TIER3"]]], names)
