@@ -69,3 +69,15 @@ def test_mistralrs_finish_reasons_become_flotillas() -> None:
         "cancelled",
         "stop",
     ]
+
+
+def test_every_runner_setting_is_an_argument_of_the_pinned_mistralrs_runner() -> None:
+    """The keys of --extra-engine-args that go to mistral.rs's Runner (all but those of its Which) are arguments of
+    the installed (pinned) version's Runner: memory_goal among them, which later versions replaced."""
+    mistralrs = pytest.importorskip("mistralrs", reason="mistralrs is not installed (`make install` installs it)")
+    import inspect
+
+    runner_arguments = set(inspect.signature(mistralrs.Runner).parameters)
+    which_arguments = {"dtype", "tok_model_id", "topology"}  # given to Which.GGUF / Which.Plain instead
+    assert set(MistralRsSettings.__struct_fields__) - which_arguments <= runner_arguments
+    assert "memory_goal" in runner_arguments
