@@ -18,15 +18,26 @@ library loads. Other LLM arguments come from ``--extra-engine-args``
 
 KV events: ``KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=...)`` keeps them, and a task reads
 ``get_kv_cache_events_async`` and renames the blocks as Flotilla's router does
-(engines/trtllm/kv_events.py, engines/shared/engine_block_names.py). The block size is the KV cache's
-``tokens_per_block`` (32 unless the extra arguments' ``kv_cache_config`` says).
+(engines/trtllm/kv_events.py, engines/shared/engine_block_names.py), one names map per attention-DP rank. The
+block size is the KV cache's ``tokens_per_block`` (32 unless the extra arguments' ``kv_cache_config`` says).
 
 Load: another task reads ``get_stats_async`` (``enable_iter_perf_stats``) for each rank's running and waiting
 requests, KV usage and prefix hit rate (engines/trtllm/stats.py).
+
+Both tasks start after the first ``generate_async``, which creates the queues they read, and read for the
+worker's life whatever TensorRT-LLM raises (engines/trtllm/readers.py).
+
+Attention DP (``enable_attention_dp``): each of the ``tensor_parallel_size`` ranks has its own KV cache; a request
+goes to the rank the router chose (``SchedulingParams(attention_dp_rank=..., attention_dp_relax=False)``, as
+Dynamo's TensorRT-LLM worker passes it).
+
+Refusals: ``generate_async`` checks a request before it queues it (``LLM._check_arguments``: a prompt over
+``max_num_tokens`` without chunked prefill; ``LLM._prepare_sampling_params``: no end id and no tokenizer) and
+raises ``ValueError``; the executor raises ``RequestError`` for a request it cannot take. Both are the client's
+request, answered 400 with TensorRT-LLM's reason (RequestRejected).
 """
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -38,12 +49,15 @@ from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
 from engines.shared.kv_tiers import tier_loads
 from engines.trtllm.disagg import TRTLLM_HANDOFF, check_disagg_role, encode_params, generation_params
-from engines.trtllm.kv_events import host_pool_blocks, translate_events
+from engines.trtllm.gpu_memory import first_gpu_memory
+from engines.trtllm.kv_events import FullAttentionPool, host_pool_blocks, translate_events
+from engines.trtllm.readers import read_for_good
 from engines.trtllm.stats import StatsToLoad
 from runtime.engine import RequestContext
-from runtime.errors import ConfigError, EngineError, ModelError
+from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
 from runtime.kv.events import BlockStored, KvEventSink, WorkerLoad
 from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
+from runtime.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +66,35 @@ MISSING_PACKAGE = "out=trtllm needs the tensorrt_llm package (and a CUDA GPU): p
 
 #: Where LLM_ARGS were read, since TensorRT-LLM does not import where the arguments are checked.
 LLM_ARGS_READ_FROM = (
-    "TensorRT-LLM's LLM arguments (tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM commit fcd3f316)"
+    "TensorRT-LLM 1.0's LLM arguments (TorchLlmArgs, as its API-stability references list them: "
+    "tests/unittest/api_stability/references*/llm.yaml, NVIDIA/TensorRT-LLM 1.0.0rc4, commit 000a01de)"
 )
-#: The arguments of ``LLM`` (TorchLlmArgs and its base) a worker may set in --extra-engine-args.
+#: The arguments of the PyTorch backend's ``LLM`` (TorchLlmArgs) a worker may set in --extra-engine-args: the
+#: names TensorRT-LLM's own API-stability test holds ``LLM.__init__`` to, less those that take Python objects
+#: (``batched_logits_processor``, ``checkpoint_loader``), the TensorRT-engine backend's ``build_config``, and
+#: what Flotilla sets (SET_BY_FLOTILLA).
 LLM_ARGS = frozenset(
     {
         # model and tokenizer
         "tokenizer", "tokenizer_mode", "trust_remote_code", "dtype", "revision", "tokenizer_revision",
-        "load_format", "served_model_name",
+        "load_format", "checkpoint_format", "reasoning_parser",
         # parallelism
         "pipeline_parallel_size", "context_parallel_size", "gpus_per_node", "moe_cluster_parallel_size",
         "moe_tensor_parallel_size", "moe_expert_parallel_size", "enable_attention_dp", "cp_config",
         # caches and scheduling
-        "kv_cache_config", "enable_chunked_prefill", "scheduler_config", "peft_cache_config",
-        "cache_transceiver_config", "max_batch_size", "max_num_tokens", "max_input_len", "max_beam_width",
-        "disable_overlap_scheduler", "batch_wait_timeout_ms",
+        "kv_cache_config", "kv_cache_dtype", "enable_chunked_prefill", "scheduler_config", "peft_cache_config",
+        "cache_transceiver_config", "batching_type", "max_batch_size", "max_num_tokens", "max_input_len",
+        "max_beam_width", "disable_overlap_scheduler",
         # LoRA, speculative decoding, structured output
-        "enable_lora", "lora_config", "speculative_config", "guided_decoding_backend", "reasoning_parser",
+        "enable_lora", "lora_config", "speculative_config", "guided_decoding_backend",
         # kernels and runtime
         "attn_backend", "moe_config", "cuda_graph_config", "torch_compile_config", "enable_autotuner",
-        "sampler_type", "checkpoint_format", "garbage_collection_gen0_threshold", "num_postprocess_workers",
-        "postprocess_tokenizer_dir", "iter_stats_max_iterations", "request_stats_max_iterations",
-        "enable_iter_perf_stats", "enable_iter_req_stats", "print_iter_log", "return_perf_metrics",
-        "enable_layerwise_nvtx_marker", "stream_interval",
+        "enable_mixed_sampler", "enable_trtllm_sampler", "enable_min_latency", "force_dynamic_quantization",
+        "allreduce_strategy", "garbage_collection_gen0_threshold", "num_postprocess_workers",
+        "postprocess_tokenizer_dir", "normalize_log_probs", "gather_generation_logits", "stream_interval",
+        # statistics
+        "iter_stats_max_iterations", "request_stats_max_iterations", "enable_iter_perf_stats",
+        "enable_iter_req_stats", "print_iter_log", "enable_layerwise_nvtx_marker",
     }
 )  # fmt: skip
 #: LLM arguments Flotilla sets itself, and from what.
@@ -94,6 +114,8 @@ KV_CACHE_SET_BY_FLOTILLA = {
 DEFAULT_TOKENS_PER_BLOCK = 32
 #: KV events kept between two reads (TensorRT-LLM drops the oldest beyond it).
 EVENT_BUFFER_MAX_SIZE = 16384
+#: How long a read of the KV events or stats waits for the next item before its iterator ends.
+READ_TIMEOUT_S = 1.0
 
 
 def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
@@ -112,6 +134,12 @@ def parse_engine_args(raw: Path | str | None) -> dict[str, Any]:
                 f"({KV_CACHE_SET_BY_FLOTILLA[key]})"
             )
     return values
+
+
+def attention_dp_ranks(placement: GpuPlacement, engine_args: dict[str, Any]) -> int:
+    """How many KV caches TensorRT-LLM runs: with ``enable_attention_dp`` each tensor-parallel rank is an
+    attention-DP rank with its own (Dynamo's ``TensorRTLLMEngine.get_attention_dp_size``), else one."""
+    return placement.tensor_parallel_size if engine_args.get("enable_attention_dp") else 1
 
 
 def tokens_per_block(engine_args: dict[str, Any]) -> int:
@@ -190,12 +218,17 @@ def sampling_kwargs(request: PreprocessedRequest) -> dict[str, Any]:
         "max_tokens": 1 if request.prefill_only else stop.max_tokens,
         "min_tokens": 0 if request.prefill_only else stop.min_tokens,
         "ignore_eos": stop.ignore_eos,
-        # Stop strings are the gateway's (they need text); the engine stops on the model's EOS ids.
-        "stop_token_ids": list(request.eos_token_ids),
         "detokenize": False,
     }
+    if not stop.ignore_eos:
+        # Stop strings are the gateway's (they need text); the engine stops on the model's EOS ids.
+        kwargs["stop_token_ids"] = list(request.eos_token_ids)
     if request.eos_token_ids:
         kwargs["end_id"] = request.eos_token_ids[0]
+    elif stop.ignore_eos:
+        # Without its tokenizer TensorRT-LLM refuses a request without an end id (LLM._prepare_sampling_params),
+        # and with ignore_eos it sends -1 in its place (BaseWorker._enqueue_request): say so at once.
+        kwargs["end_id"] = -1
     optional = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -243,7 +276,15 @@ class TrtLlmEngine:
         self.block_size = tokens_per_block(engine_args)
         self._llm: Any = None
         self._sampling_params: Any = None
-        self._names = {0: EngineBlockNames(self.block_size)}
+        self._scheduling_params: Any = None  # TensorRT-LLM's SchedulingParams, once started
+        # What TensorRT-LLM raises for a request it refuses: ValueError from generate_async's checks, and its
+        # executor's RequestError (tensorrt_llm/executor/utils.py, once started), then or while streaming.
+        self._request_errors: tuple[type[Exception], ...] = ()
+        self._names = {
+            rank: EngineBlockNames(self.block_size) for rank in range(attention_dp_ranks(placement, engine_args))
+        }
+        self._pool = FullAttentionPool()
+        self._odd_ranks = RateLimitedLog(log, period_s=60.0)
         self._sink: KvEventSink | None = None
         self._events_task: asyncio.Task[None] | None = None
         self._stats_task: asyncio.Task[None] | None = None
@@ -261,14 +302,15 @@ class TrtLlmEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before the library sees CUDA
         try:
             from tensorrt_llm import LLM, SamplingParams
+            from tensorrt_llm.executor.utils import RequestError
             from tensorrt_llm.llmapi import KvCacheConfig
+            from tensorrt_llm.scheduling_params import SchedulingParams
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
         kwargs = llm_kwargs(self.model_path, self.placement, self.engine_args)
         if (share := self.placement.gpu_memory_fraction) is not None:
-            import torch  # TensorRT-LLM's own dependency
-
-            free_bytes, total_bytes = torch.cuda.mem_get_info(0)
+            # From NVML, not torch.cuda: a CUDA context here would hold GPU memory outside the share.
+            free_bytes, total_bytes = first_gpu_memory(os.environ.get("CUDA_VISIBLE_DEVICES"))
             kwargs["kv_cache_config"]["free_gpu_memory_fraction"] = kv_cache_fraction(
                 share,
                 total_bytes=total_bytes,
@@ -283,43 +325,80 @@ class TrtLlmEngine:
         except Exception as exc:  # TensorRT-LLM raises what its loader, CUDA or pydantic raise
             raise ModelError(f"TensorRT-LLM could not load {self.model_path}: {exc}") from exc
         self._sampling_params = SamplingParams
+        self._scheduling_params = SchedulingParams
+        self._request_errors = (RequestError,)
         if self.role != "aggregated":
             from tensorrt_llm.llmapi import DisaggregatedParams
 
             self._disaggregated_params = DisaggregatedParams
-        self._events_task = asyncio.create_task(self._read_kv_events(), name="trtllm kv events")
-        self._stats_task = asyncio.create_task(self._read_stats(), name="trtllm stats")
         log.info("TensorRT-LLM loaded %s (tp %d)", self.model_path.name, self.placement.tensor_parallel_size)
 
     async def close(self) -> None:
-        for task in (self._events_task, self._stats_task):
-            if task is not None:
+        """Stop the readers and shut the LLM down (its MPI workers hold the GPUs' memory until then), whatever
+        the readers did: a reader's error is logged here, not raised."""
+        try:
+            for task in (self._events_task, self._stats_task):
+                if task is None:
+                    continue
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await task
-        if self._llm is not None:
-            llm, self._llm = self._llm, None
-            await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+                except asyncio.CancelledError:
+                    pass
+                except Exception:
+                    log.exception("TensorRT-LLM's %s reader had failed", task.get_name())
+        finally:
+            self._events_task = self._stats_task = None
+            if self._llm is not None:
+                llm, self._llm = self._llm, None
+                await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
 
-    async def _read_kv_events(self) -> None:
-        """Publish the LLM's KV events as they come. Its event stream may end (after ``timeout`` seconds without
-        an event, in some versions) or run for good (others): it is asked again whenever it ends."""
-        while (llm := self._llm) is not None:
-            async for event in llm.get_kv_cache_events_async(timeout=1):
-                if (host := host_pool_blocks(event)) is not None:
-                    self._host_blocks[event.get("attention_dp_rank") or 0] = host
-                # Translated even before a sink is attached: the names map must hear every stored block.
-                for rank, translated in translate_events([event], self._names).items():
-                    if self._sink is not None:
-                        self._sink.publish(rank, translated)
-            await asyncio.sleep(0.05)
+    def _start_readers(self) -> None:
+        """Start the KV-event and stats readers, once: after the first generate_async, which creates the
+        executor's queues they read (engines/trtllm/readers.py)."""
+        if self._events_task is not None or self._llm is None:
+            return
+        llm = self._llm
 
-    async def _read_stats(self) -> None:
-        """Keep each rank's latest load from the LLM's iteration stats (asked again whenever the stream ends)."""
-        while (llm := self._llm) is not None:
-            async for stat in llm.get_stats_async(timeout=1):
-                self._stats.update(stat)
-            await asyncio.sleep(0.05)
+        def reading() -> bool:
+            return self._llm is llm
+
+        self._events_task = asyncio.create_task(
+            read_for_good(
+                "KV events",
+                lambda: llm.get_kv_cache_events_async(timeout=READ_TIMEOUT_S),
+                self._on_kv_event,
+                reading=reading,
+            ),
+            name="trtllm kv events",
+        )
+        self._stats_task = asyncio.create_task(
+            read_for_good(
+                "iteration stats", lambda: llm.get_stats_async(timeout=READ_TIMEOUT_S), self._on_stats, reading=reading
+            ),
+            name="trtllm stats",
+        )
+
+    def _on_kv_event(self, event: dict[str, Any]) -> None:
+        """Rename one of TensorRT-LLM's KV events and publish it (even before a sink is attached, the names map
+        must hear every stored block)."""
+        if not self._pool.keeps(event):
+            return  # a sliding-window pool's: it says nothing of what the whole model has cached
+        rank = event.get("attention_dp_rank") or 0
+        if rank not in self._names:
+            self._odd_ranks.warning(
+                f"TensorRT-LLM sent a KV event of attention-DP rank {rank}, and the worker runs ranks "
+                f"0..{len(self._names) - 1}: left out"
+            )
+            return
+        if (host := host_pool_blocks(event)) is not None:
+            self._host_blocks[rank] = host
+        for each_rank, translated in translate_events([event], self._names).items():
+            if self._sink is not None:
+                self._sink.publish(each_rank, translated)
+
+    def _on_stats(self, stat: dict[str, Any]) -> None:
+        self._stats.update(stat)
 
     def attach_kv_events(self, sink: KvEventSink) -> None:
         self._sink = sink
@@ -355,7 +434,14 @@ class TrtLlmEngine:
                 extra["disaggregated_params"] = self._disaggregated_params(**generation_params(handoff.params))
             except ConfigError as exc:
                 raise EngineError(str(exc)) from exc
-        result = self._llm.generate_async({"prompt_token_ids": request.token_ids}, params, streaming=True, **extra)
+        if (rank := self._scheduling_rank(request.dp_rank)) is not None:
+            # Strict: the rank the router chose, whose cache it scored (relaxed, TensorRT-LLM may move it).
+            extra["scheduling_params"] = self._scheduling_params(attention_dp_rank=rank, attention_dp_relax=False)
+        try:
+            result = self._llm.generate_async({"prompt_token_ids": request.token_ids}, params, streaming=True, **extra)
+        except (ValueError, *self._request_errors) as exc:
+            raise RequestRejected(f"TensorRT-LLM refused the request: {exc}") from exc
+        self._start_readers()
         finished = False
         sent = 0
         self._active += 1
@@ -379,7 +465,24 @@ class TrtLlmEngine:
                 if reason is not None:
                     finished = True
                     return
+        except self._request_errors as exc:
+            # The executor's per-request error, raised while the result is read.
+            raise RequestRejected(f"TensorRT-LLM refused the request: {exc}") from exc
         finally:
             self._active -= 1
             if not finished:
                 result.abort()  # frees the request's KV blocks in TensorRT-LLM
+
+    def _scheduling_rank(self, dp_rank: int | None) -> int | None:
+        """The attention-DP rank to pin the request to: the router's choice, when this worker runs several."""
+        if dp_rank is None or len(self._names) == 1:
+            if dp_rank not in (None, 0):
+                self._odd_ranks.warning(f"a request for dp rank {dp_rank} reached a worker without attention DP")
+            return None
+        if dp_rank not in self._names:
+            self._odd_ranks.warning(
+                f"a request for dp rank {dp_rank} reached a worker of ranks 0..{len(self._names) - 1}: "
+                "TensorRT-LLM places it"
+            )
+            return None
+        return dp_rank

@@ -21,6 +21,16 @@ copying it: an ``updated`` event whose cache level changes (0 to 1 when it offlo
 brings one back) is the block's removal from the old tier and its store on the new one. ``created`` says
 nothing about blocks: it is read only for the host pool's size (``host_pool_blocks``), which the load report's
 ``cpu`` tier gives.
+
+Partial blocks: with partial reuse (``KvCacheConfig.enable_partial_reuse``, on by default) a stored event's last
+block may hold fewer than ``tokens_per_block`` tokens. The router names full blocks only, so the run stops there
+and its full blocks keep their names, as Dynamo's TensorRT-LLM publisher does (``Publisher._handle_kv_event``);
+a later removal of the partial block names nothing and says nothing.
+
+Sliding-window models (Gemma, gpt-oss): TensorRT-LLM keeps one block pool per attention window, and every event
+carries its pool's ``window_size``. Only the full-attention pool (the largest window) says which prefixes are
+cached for the whole model; the others' blocks (and their removals, which may name the same hashes) are left out
+(``FullAttentionPool``), as Dynamo's publisher does (``Publisher.should_drop_event``).
 """
 
 from typing import Any
@@ -40,6 +50,32 @@ def host_pool_blocks(event: dict[str, Any]) -> int | None:
     if not isinstance(levels, list) or len(levels) < 2 or not isinstance(levels[1], int):
         return None
     return levels[1] or None
+
+
+class FullAttentionPool:
+    """Which of TensorRT-LLM's KV events are the full-attention pool's: the pool of the largest ``window_size``
+    its first ``created`` events announce (one per pool, before any other event)."""
+
+    def __init__(self) -> None:
+        #: The full-attention pool's window; None until a ``created`` event names one.
+        self.window_size: int | None = None
+        self._settled = False
+
+    def keeps(self, event: dict[str, Any]) -> bool:
+        """Whether ``event`` is the full-attention pool's. A ``created`` event among the first is kept when its
+        window is the largest yet (its host pool is the one the load report gives); an event without a
+        ``window_size`` (TensorRT-LLM before it had one) or before any window is known is kept."""
+        size = event.get("window_size")
+        if not isinstance(size, int):
+            return True
+        data = event.get("data")
+        if isinstance(data, dict) and data.get("type") == "created" and not self._settled:
+            if self.window_size is None or size >= self.window_size:
+                self.window_size = size
+                return True
+            return False
+        self._settled = True
+        return self.window_size is None or size == self.window_size
 
 
 def translate_event(event: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
@@ -80,6 +116,9 @@ def _stored(data: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
         return True
 
     for block in data.get("blocks") or []:
+        tokens = [token["token_id"] for token in block.get("tokens") or []]
+        if len(tokens) != names.block_size:
+            break  # a partial block ends the event's chain; the full blocks before it stand
         key = (block.get("lora_id"), tier_of_level(block.get("cache_level")))
         if run_key is not None and key != run_key:
             if not flush():
@@ -88,7 +127,7 @@ def _stored(data: dict[str, Any], names: EngineBlockNames) -> list[KvEvent]:
             run_hashes, run_tokens = [], []
         run_key = key
         run_hashes.append(block["block_hash"])
-        run_tokens.extend(token["token_id"] for token in block.get("tokens") or [])
+        run_tokens.extend(tokens)
     flush()
     return events
 

@@ -2,8 +2,8 @@
 KV event translation.
 
 TensorRT-LLM needs CUDA and does not install here; its KV events are dicts shaped as its
-KVCacheEventSerializer writes them (tensorrt_llm/_utils.py, NVIDIA/TensorRT-LLM commit fcd3f316), and its
-LLM is a stand-in with the documented ``generate_async(streaming=True)`` and ``RequestOutput.abort()``.
+KVCacheEventSerializer writes them (tensorrt_llm/_utils.py), and its LLM is the stand-in of
+tests/engines/trtllm_fake.py.
 """
 
 import importlib.util
@@ -34,6 +34,7 @@ from runtime.errors import ConfigError, EngineError
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockRemoved, BlockStored, TierLoad
 from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest, SamplingOptions, StopConditions
+from tests.engines.trtllm_fake import FakeLlm, FakeResult
 
 GiB = 2**30
 
@@ -82,6 +83,26 @@ def test_extra_args_in_json_form_are_yaml_too(tmp_path: Path) -> None:
 def test_an_unknown_llm_argument_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"unknown key 'max_batch' for out=trtllm.*LLM arguments"):
         parse_engine_args('{"max_batch": 4}')
+
+
+@pytest.mark.parametrize("name", ["enable_trtllm_sampler", "kv_cache_dtype", "allreduce_strategy", "batching_type"])
+def test_torchllmargs_of_trtllm_1_0_are_accepted(name: str) -> None:
+    """TensorRT-LLM 1.0's TorchLlmArgs, as tests/unittest/api_stability/references/llm.yaml (1.0.0rc4) lists them."""
+    assert parse_engine_args(f'{{"{name}": null}}') == {name: None}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sampler_type",  # replaced enable_trtllm_sampler after 1.0
+        "batch_wait_timeout_ms",  # after 1.0
+        "served_model_name",  # trtllm-serve's flag, not an LLM argument
+        "build_config",  # the TensorRT-engine backend's; Flotilla runs the PyTorch backend
+    ],
+)
+def test_names_that_are_not_trtllm_1_0_torchllmargs_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"unknown key '{name}' for out=trtllm.*TensorRT-LLM 1.0's LLM arguments"):
+        parse_engine_args(f'{{"{name}": null}}')
 
 
 @pytest.mark.parametrize(
@@ -162,42 +183,29 @@ def test_finish_reasons_map_to_flotillas() -> None:
     assert [finish_reason(r) for r in reasons] == [None, "stop", "length", "cancelled", "error"]
 
 
-class FakeResult:
-    """A RequestOutput of generate_async(streaming=True): each step's outputs[0] holds the output so far."""
-
-    def __init__(self, steps: list[tuple[list[int], str | None]]) -> None:
-        self.steps = steps
-        self.aborted = False
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        for token_ids, reason in self.steps:
-            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, finish_reason=reason)])
-
-    def abort(self) -> None:
-        self.aborted = True
+@pytest.fixture
+async def closing() -> AsyncIterator[list[TrtLlmEngine]]:
+    """Engines to close after the test (a request starts their KV-event and stats readers)."""
+    engines: list[TrtLlmEngine] = []
+    yield engines
+    for engine in engines:
+        await engine.close()
 
 
-class FakeLlm:
-    def __init__(self, result: FakeResult) -> None:
-        self.result = result
-        self.calls: list[tuple[Any, ...]] = []
-
-    def generate_async(self, inputs: Any, sampling_params: Any, *, streaming: bool) -> FakeResult:
-        self.calls.append((inputs, sampling_params, streaming))
-        return self.result
-
-
-def started_engine(result: FakeResult) -> tuple[TrtLlmEngine, FakeLlm]:
+def started_engine(result: FakeResult, closing: list[TrtLlmEngine]) -> tuple[TrtLlmEngine, FakeLlm]:
     engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
     llm = FakeLlm(result)
     engine._llm = llm
     engine._sampling_params = dict  # SamplingParams(**kwargs), as a dict
+    closing.append(engine)
     return engine, llm
 
 
-async def test_a_stream_yields_the_new_tokens_of_each_step_and_the_finish_reason() -> None:
+async def test_a_stream_yields_the_new_tokens_of_each_step_and_the_finish_reason(
+    closing: list[TrtLlmEngine],
+) -> None:
     result = FakeResult([([5], None), ([5, 6, 7], None), ([5, 6, 7, 2], "stop")])
-    engine, llm = started_engine(result)
+    engine, llm = started_engine(result, closing)
     outputs = [out async for out in engine.generate(request(), RequestContext("r1"))]
     assert [out.token_ids for out in outputs] == [[5], [6, 7], [2]]
     assert outputs[-1].finish_reason == "stop"
@@ -206,9 +214,9 @@ async def test_a_stream_yields_the_new_tokens_of_each_step_and_the_finish_reason
     assert not result.aborted
 
 
-async def test_a_consumer_that_stops_early_aborts_the_request_in_trtllm() -> None:
+async def test_a_consumer_that_stops_early_aborts_the_request_in_trtllm(closing: list[TrtLlmEngine]) -> None:
     result = FakeResult([([5], None), ([5, 6], None), ([5, 6, 7], "length")])
-    engine, _ = started_engine(result)
+    engine, _ = started_engine(result, closing)
     stream = cast(AsyncGenerator[EngineOutput], engine.generate(request(), RequestContext("r1")))
     await anext(stream)
     await stream.aclose()
@@ -311,6 +319,45 @@ def test_a_cache_level_flotilla_does_not_know_is_the_external_tier() -> None:
     ]
 
 
+def test_a_trailing_partial_block_ends_the_stored_event_and_the_full_blocks_before_it_stand() -> None:
+    """With partial reuse (KvCacheConfig.enable_partial_reuse, on by default) TensorRT-LLM stores a prompt's last,
+    unfilled block too; Dynamo's Publisher._handle_kv_event stops at it and publishes the full blocks before."""
+    names = EngineBlockNames(32)
+    tail = list(range(900, 905))
+    blocks = [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:]), stored_block(12, tail)]
+    flotilla = sequence_block_hashes(TOKENS, 32)
+    assert translate_event(event({"type": "stored", "parent_hash": None, "blocks": blocks}), names) == [
+        BlockStored(block_hashes=flotilla, parent_hash=None)
+    ]
+    assert translate_event(event({"type": "removed", "block_hashes": [12]}), names) == []
+    more = list(range(400, 432))
+    later = event({"type": "stored", "parent_hash": 11, "blocks": [stored_block(13, more)]})
+    assert translate_event(later, names) == [
+        BlockStored(block_hashes=sequence_block_hashes(TOKENS + more, 32)[2:], parent_hash=flotilla[1])
+    ]
+
+
+def test_a_sliding_window_models_events_are_the_full_attention_pools_only() -> None:
+    """TensorRT-LLM keeps a pool per attention window and each event carries its window_size
+    (KVCacheEventSerializer, tensorrt_llm/_utils.py); its created events come first, one per pool. Dynamo's
+    Publisher.should_drop_event keeps the largest window's; a sliding-window pool's removal of a block the full
+    pool holds too (same tokens, same hash) must not take it from the router."""
+    engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
+    sink = ListSink()
+    engine.attach_kv_events(sink)
+    full, sliding = 32768, 4096
+    engine._on_kv_event(event({"type": "created", "num_blocks_per_cache_level": [50, 0]}, window_size=sliding))
+    engine._on_kv_event(event({"type": "created", "num_blocks_per_cache_level": [100, 400]}, window_size=full))
+    block = {"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]}
+    engine._on_kv_event(event(block, window_size=sliding))
+    engine._on_kv_event(event(block, window_size=full))
+    engine._on_kv_event(event({"type": "removed", "block_hashes": [10]}, window_size=sliding))
+    named = BlockStored(block_hashes=sequence_block_hashes(TOKENS[:32], 32))
+    assert sink.published == [(0, [named])]
+    assert engine.cache_state(0) == {0: [named]}
+    assert engine._host_blocks == {0: 400}
+
+
 def test_created_events_and_unknown_removals_say_nothing() -> None:
     names = EngineBlockNames(32)
     assert translate_event(event({"type": "created", "num_blocks_per_cache_level": [100, 0]}), names) == []
@@ -337,30 +384,21 @@ class ListSink:
         self.published.append((dp_rank, events))
 
 
-async def test_the_llms_kv_events_are_published_as_they_come_and_answer_a_state_request() -> None:
+def test_the_llms_kv_events_are_published_as_they_come_and_answer_a_state_request() -> None:
     engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
     stored = event({"type": "stored", "parent_hash": None, "blocks": [stored_block(10, TOKENS[:32])]})
     created = event({"type": "created", "num_blocks_per_cache_level": [100, 0]})
 
-    class EventsLlm:
-        def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
-            async def events() -> AsyncIterator[dict[str, Any]]:
-                yield created
-                yield stored
-                engine._llm = None  # the LLM is closed: the reader stops when this stream ends
-
-            return events()
-
-    engine._llm = EventsLlm()
     sink = ListSink()
     engine.attach_kv_events(sink)
-    await engine._read_kv_events()
+    for each in (created, stored):
+        engine._on_kv_event(each)
     named = sequence_block_hashes(TOKENS[:32], 32)
     assert sink.published == [(0, [BlockStored(block_hashes=named)])]
     assert engine.cache_state(None) == {0: [BlockStored(block_hashes=named)]}
 
 
-async def test_the_host_pool_the_cache_announces_is_the_load_reports_cpu_tier() -> None:
+def test_the_host_pool_the_cache_announces_is_the_load_reports_cpu_tier() -> None:
     engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
     created = event({"type": "created", "num_blocks_per_cache_level": [100, 400]})
     blocks = [stored_block(10, TOKENS[:32]), stored_block(11, TOKENS[32:])]
@@ -369,17 +407,8 @@ async def test_the_host_pool_the_cache_announces_is_the_load_reports_cpu_tier() 
         {"type": "updated", "block_hash": 11, "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1}}
     )
 
-    class EventsLlm:
-        def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
-            async def events() -> AsyncIterator[dict[str, Any]]:
-                for each in (created, stored, offloaded):
-                    yield each
-                engine._llm = None
-
-            return events()
-
-    engine._llm = EventsLlm()
-    await engine._read_kv_events()
+    for each in (created, stored, offloaded):
+        engine._on_kv_event(each)
     engine._stats.update({"numActiveRequests": 0, "kvCacheStats": {"maxNumBlocks": 100, "usedNumBlocks": 1}})
     [load] = engine.load()
     assert load.tiers == [TierLoad(medium="cpu", total_blocks=400, used_blocks=1, usage=1 / 400)]
@@ -401,29 +430,26 @@ class FakeDisaggregatedParams:
         self.fields = fields
 
 
-class FakeDisaggLlm(FakeLlm):
-    def generate_async(self, inputs: Any, sampling_params: Any, *, streaming: bool, **extra: Any) -> FakeResult:
-        self.calls.append((inputs, sampling_params, streaming, extra))
-        return self.result
-
-
 def disagg_request(**fields: Any) -> PreprocessedRequest:
     return PreprocessedRequest(
         request_id="r1", model="m", token_ids=[1, 2, 3], sampling=SamplingOptions(),
-        stop_conditions=StopConditions(max_tokens=8), **fields,
+        stop_conditions=StopConditions(max_tokens=8), eos_token_ids=[2], **fields,
     )  # fmt: skip
 
 
-def disagg_engine(role: str, steps: list[Any]) -> tuple[TrtLlmEngine, FakeDisaggLlm]:
+def disagg_engine(role: str, steps: list[Any], closing: list[TrtLlmEngine]) -> tuple[TrtLlmEngine, FakeLlm]:
     engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {"cache_transceiver_config": {"backend": "DEFAULT"}}, role=role)  # type: ignore[arg-type]
     result = FakeResult([])
     result.steps = steps
-    llm = FakeDisaggLlm(result)
+    llm = FakeLlm(result)
     engine._llm, engine._sampling_params, engine._disaggregated_params = llm, dict, FakeDisaggregatedParams
+    closing.append(engine)
     return engine, llm
 
 
-async def test_a_prefill_runs_context_only_and_hands_on_its_disaggregated_params() -> None:
+async def test_a_prefill_runs_context_only_and_hands_on_its_disaggregated_params(
+    closing: list[TrtLlmEngine],
+) -> None:
     class Steps(FakeResult):
         async def __aiter__(self) -> AsyncIterator[Any]:
             state = SimpleNamespace(ctx_request_id=77, opaque_state=b"\x00\xffstate", first_gen_tokens=[9])
@@ -431,7 +457,7 @@ async def test_a_prefill_runs_context_only_and_hands_on_its_disaggregated_params
                 outputs=[SimpleNamespace(token_ids=[9], finish_reason="length", disaggregated_params=state)]
             )
 
-    engine, llm = disagg_engine("prefill", [])
+    engine, llm = disagg_engine("prefill", [], closing)
     llm.result = Steps([])
     outputs = [out async for out in engine.generate(disagg_request(prefill_only=True), RequestContext("r1"))]
     [(_, params, _, extra)] = llm.calls
@@ -441,8 +467,8 @@ async def test_a_prefill_runs_context_only_and_hands_on_its_disaggregated_params
     assert handoff.params == {"first_gen_tokens": [9], "ctx_request_id": 77, "opaque_state": {"base64": "AP9zdGF0ZQ=="}}
 
 
-async def test_a_decode_runs_generation_only_with_the_prefills_params_decoded() -> None:
-    engine, llm = disagg_engine("decode", [([5], None), ([5, 6], "length")])
+async def test_a_decode_runs_generation_only_with_the_prefills_params_decoded(closing: list[TrtLlmEngine]) -> None:
+    engine, llm = disagg_engine("decode", [([5], None), ([5, 6], "length")], closing)
     params = {"ctx_request_id": 77, "opaque_state": {"base64": "AP9zdGF0ZQ=="}, "first_gen_tokens": [9]}
     handoff = KvHandoff(kind="trtllm", prompt_tokens=3, params=params)
     outputs = [out async for out in engine.generate(disagg_request(handoff=handoff), RequestContext("r1"))]
@@ -452,8 +478,8 @@ async def test_a_decode_runs_generation_only_with_the_prefills_params_decoded() 
                       "first_gen_tokens": [9]}  # fmt: skip
 
 
-async def test_a_handoff_without_its_context_request_id_is_an_engine_error() -> None:
-    engine, _ = disagg_engine("decode", [])
+async def test_a_handoff_without_its_context_request_id_is_an_engine_error(closing: list[TrtLlmEngine]) -> None:
+    engine, _ = disagg_engine("decode", [], closing)
     handoff = KvHandoff(kind="trtllm", prompt_tokens=3, params={"opaque_state": {"base64": ""}})
     with pytest.raises(EngineError, match="without ctx_request_id"):
         [out async for out in engine.generate(disagg_request(handoff=handoff), RequestContext("r1"))]

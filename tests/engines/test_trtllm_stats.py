@@ -1,7 +1,6 @@
 """TensorRT-LLM's iteration stats as Flotilla's load reports (engines/trtllm/stats.py), on dicts shaped as
 ``LLM.get_stats_async`` yields them (the fields Dynamo's TensorRT-LLM publisher reads)."""
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -72,20 +71,10 @@ def test_iteration_stats_are_on_unless_the_extra_arguments_turn_them_off() -> No
     assert llm_kwargs(Path("/m"), GpuPlacement(), {"enable_iter_perf_stats": False})["enable_iter_perf_stats"] is False
 
 
-async def test_the_engines_load_comes_from_the_latest_stats_and_before_them_from_its_requests() -> None:
+def test_the_engines_load_comes_from_the_latest_stats_and_before_them_from_its_requests() -> None:
     engine = TrtLlmEngine(Path("/m"), GpuPlacement(), {})
     assert engine.load() == [WorkerLoad(instance_id=0, active_requests=0)]
-
-    class StatsLlm:
-        def get_stats_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
-            async def stats() -> AsyncIterator[dict[str, Any]]:
-                yield stat(used=5)
-                yield stat(used=6)
-                engine._llm = None  # closed: the reader stops when this stream ends
-
-            return stats()
-
-    engine._llm = StatsLlm()
-    await engine._read_stats()
+    engine._on_stats(stat(used=5))
+    engine._on_stats(stat(used=6))
     (load,) = engine.load()
     assert (load.kv_active_blocks, load.running, load.waiting) == (6, 3, 3)
