@@ -437,9 +437,10 @@ class TrtLlmEngine:
         if (rank := self._scheduling_rank(request.dp_rank)) is not None:
             # Strict: the rank the router chose, whose cache it scored (relaxed, TensorRT-LLM may move it).
             extra["scheduling_params"] = self._scheduling_params(attention_dp_rank=rank, attention_dp_relax=False)
+        refusals: tuple[type[Exception], ...] = (ValueError, *self._request_errors)
         try:
             result = self._llm.generate_async({"prompt_token_ids": request.token_ids}, params, streaming=True, **extra)
-        except (ValueError, *self._request_errors) as exc:
+        except refusals as exc:
             raise RequestRejected(f"TensorRT-LLM refused the request: {exc}") from exc
         self._start_readers()
         finished = False
