@@ -21,6 +21,9 @@ report (a non-KV engine knows only its active requests) are left out rather than
   acknowledging (``FLOTILLA_STREAM_ACK_DEADLINE_S``: the ingress died or was cut off).
 * ``flotilla_worker_busy_refusals_total``: requests refused because the worker's own queue was full
   (``FLOTILLA_MAX_WAITING_REQUESTS``).
+
+After them come the engine's own metrics, where it keeps some (``EngineMetricsSource``: vLLM's ``vllm:*``, as
+its own OpenAI server's /metrics shows them, with the Python process's), so one scrape of the worker has both.
 """
 
 from collections.abc import Iterator
@@ -31,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from runtime.engine import EngineMetricsSource
 from runtime.kv.load_metrics import LoadReports
 from runtime.kv.publisher import KvEventPublisher
 from runtime.request_plane import EndpointServer
@@ -44,22 +48,34 @@ _PREFIX = "flotilla_worker"
 class WorkerMetrics(Collector):
     """The metrics of one served endpoint, read at each scrape; ``exposition()`` is the /metrics body."""
 
-    def __init__(self, *, server: EndpointServer, load: LoadReports, publisher: KvEventPublisher | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        server: EndpointServer,
+        load: LoadReports,
+        publisher: KvEventPublisher | None = None,
+        engine: EngineMetricsSource | None = None,
+    ) -> None:
         self._server = server
         self._load = load
         self._publisher = publisher
+        self._engine = engine
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
     @classmethod
-    def of(cls, endpoint: "Endpoint") -> "WorkerMetrics":
-        """The metrics of ``endpoint``, which serves already. Raises RuntimeError if it does not."""
+    def of(cls, endpoint: "Endpoint", engine: object = None) -> "WorkerMetrics":
+        """The metrics of ``endpoint``, which serves already, and of ``engine`` where it keeps its own. Raises
+        RuntimeError if the endpoint does not serve."""
         if endpoint.server is None or endpoint.load_reports is None:
             raise RuntimeError(f"{endpoint.address} is not served yet: call serve_bytes() first")
-        return cls(server=endpoint.server, load=endpoint.load_reports, publisher=endpoint.kv_publisher)
+        source = engine if isinstance(engine, EngineMetricsSource) else None
+        return cls(server=endpoint.server, load=endpoint.load_reports, publisher=endpoint.kv_publisher, engine=source)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        own = generate_latest(self.registry)
+        registry = self._engine.prometheus_registry() if self._engine is not None else None
+        return own if registry is None else own + generate_latest(registry)
 
     def collect(self) -> Iterator[Metric]:
         gauges = {

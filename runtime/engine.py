@@ -7,7 +7,7 @@ engine object runs inside ``flotilla run`` or, later, behind a networked worker.
 """
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest, TextOutput, TextRequest
 
@@ -78,4 +78,14 @@ class Embedder(Protocol):
     async def embed(self, inputs: Sequence[EmbedInput]) -> tuple[list[list[float]], int]:
         """One unit-length vector per input (a text, or the model's token ids as given), and the tokens they
         took. Raises EngineError."""
+        ...
+
+
+@runtime_checkable
+class EngineMetricsSource(Protocol):
+    """An engine that keeps Prometheus metrics of its own (vLLM's ``vllm:*``): a worker's ``--metrics-port``
+    serves them after its own ``flotilla_worker_*``."""
+
+    def prometheus_registry(self) -> Any:
+        """The ``prometheus_client`` registry holding the engine's metrics; None: none (not started, or off)."""
         ...

@@ -153,6 +153,15 @@ class VllmEngine:
 
             self._subscribers.append(ZmqSubscriber(endpoint, topic, on_batch))
 
+    def prometheus_registry(self) -> Any:
+        """The registry of vLLM's own metrics (``vllm:*``, its ``PrometheusStatLogger``'s, in this process, where
+        ``AsyncLLM`` runs), as its OpenAI server's /metrics reads it; None before start."""
+        if self._engine is None:
+            return None
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return get_prometheus_registry()
+
     def _settled_ranks(self) -> tuple[int, int]:
         """The first dp rank this node runs and how many, as vLLM settled them."""
         config = self._engine.vllm_config.parallel_config

@@ -139,7 +139,7 @@ async def serve_worker(
             # every worker start ~20 ms of CPU before it registers, and only --metrics-port uses it.
             from launcher.worker_metrics import WorkerMetrics
 
-            metrics = WorkerMetrics.of(endpoint)
+            metrics = WorkerMetrics.of(endpoint, engine)
             metrics_server = await serve_metrics(metrics_host, metrics_port, metrics.exposition)
         if engine.kind == "token":
             # An engine that embeds answers POST /v1/embeddings of its ingresses on a second subject.

@@ -343,6 +343,18 @@ async def test_the_routers_dp_rank_reaches_vllm(engine: object, vllm_model_folde
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_vllms_own_prometheus_metrics_are_there_for_the_workers_metrics_port(engine: object) -> None:
+    from prometheus_client.exposition import generate_latest
+
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    exposition = generate_latest(engine.prometheus_registry()).decode()
+    # vLLM's own names, as its OpenAI server's /metrics shows them (the worker serves them after its own).
+    assert "vllm:num_requests_running" in exposition and "vllm:kv_cache_usage_perc" in exposition
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_the_memory_share_and_context_length_reach_vllms_config(engine: object) -> None:
     from engines.vllm.engine import VllmEngine
 

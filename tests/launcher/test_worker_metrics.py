@@ -84,6 +84,29 @@ async def test_the_engines_queues_kv_usage_and_preemptions_are_served_per_dp_ran
     assert samples[("flotilla_worker_ack_deadline_expiries_total", ())] == 0
 
 
+class EngineWithMetrics:
+    """An engine that keeps Prometheus metrics of its own, in a registry, as vLLM does."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Gauge
+
+        self.registry = CollectorRegistry()
+        Gauge("engine:num_requests_running", "Requests running.", registry=self.registry).set(7)
+
+    def prometheus_registry(self) -> object:
+        return self.registry
+
+
+async def test_the_engines_own_metrics_follow_the_workers(nc: NATS) -> None:
+    server = await serve(nc, Engine())
+    try:
+        samples = await scrape(WorkerMetrics(server=server, load=lambda: [], engine=EngineWithMetrics()))
+    finally:
+        await server.close()
+    assert samples[("engine:num_requests_running", ())] == 7
+    assert samples[("flotilla_worker_ack_deadline_expiries_total", ())] == 0
+
+
 async def test_kv_event_batches_nats_would_not_take_are_counted_as_lost(nats_server: NatsServer, nc: NATS) -> None:
     server = await serve(nc, Engine())
     doomed = await connect_nats(nats_server.url, name="publisher")
