@@ -230,14 +230,18 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
     engine: sglang.SglangEngine | trtllm.TrtLlmEngine
     if output == "sglang":
-        from engines.sglang.requests import GUIDED_KINDS as SGLANG_GUIDED_KINDS
+        from engines.shared.grammar_constraints import GUIDED_KINDS as SGLANG_GUIDED_KINDS
 
         engine = sglang.SglangEngine(path, placement, extra, options.node_group, role=options.disagg_role)
         # SGLang reports the output's log probabilities and follows JSON schemas, regexes, choices and grammars
         # by its grammar backend (engines/sglang/requests.py).
         card = card.replace(logprobs=True, structured_output=True, guided_decoding=SGLANG_GUIDED_KINDS)
     else:
+        from engines.shared.grammar_constraints import GUIDED_KINDS as TRTLLM_GUIDED_KINDS
+
         engine = trtllm.TrtLlmEngine(path, placement, extra, role=options.disagg_role)
+        # TensorRT-LLM follows JSON schemas, regexes, choices and grammars by its grammar backend (xgrammar).
+        card = card.replace(structured_output=True, guided_decoding=TRTLLM_GUIDED_KINDS)
     # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.
     card = card.replace(kv_cache_block_size=engine.block_size)
     return TokenModel(card, engine), engine

@@ -13,15 +13,9 @@ as the gateway sends them.
 
 from typing import Any
 
+from engines.shared.grammar_constraints import grammar_constraint
 from runtime.errors import RequestRejected
 from runtime.protocol import PreprocessedRequest, TokenLogprob
-
-#: What the card says SGLang follows of guided decoding (``ModelCard.guided_decoding``): the four constraints,
-#: not vLLM's JSON options (SGLang's sampling params have no field for them).
-GUIDED_KINDS = ["json", "regex", "choice", "grammar"]
-
-# The characters a regex reads as operators: escaped in a choice's strings, so that each matches as written.
-_REGEX_OPERATORS = frozenset(".^$*+?{}[]\\|()/")
 
 
 def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
@@ -70,23 +64,11 @@ def sampling_params(request: PreprocessedRequest) -> dict[str, Any]:
 def grammar_params(request: PreprocessedRequest) -> dict[str, str]:
     """SGLang's sampling params that hold ``request``'s answer to its constraint: ``json_schema``, ``regex`` or
     ``ebnf``; empty for a free answer."""
-    if request.json_schema is not None:
-        return {"json_schema": request.json_schema}
-    guided = request.guided
-    if guided is None:
+    constraint = grammar_constraint(request)
+    if constraint is None:
         return {}
-    if guided.regex is not None:
-        return {"regex": guided.regex}
-    if guided.choice is not None:
-        return {"regex": choice_regex(guided.choice)}
-    if guided.grammar is not None:
-        return {"ebnf": guided.grammar}
-    return {}
-
-
-def choice_regex(choices: list[str]) -> str:
-    """A regex whose matches are exactly ``choices`` (vLLM's ``guided_choice``)."""
-    return "(" + "|".join("".join("\\" + c if c in _REGEX_OPERATORS else c for c in text) for text in choices) + ")"
+    kind, text = constraint
+    return {{"json": "json_schema", "regex": "regex", "grammar": "ebnf"}[kind]: text}
 
 
 def generate_arguments(request: PreprocessedRequest, rid: str) -> dict[str, Any]:

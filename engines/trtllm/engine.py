@@ -47,6 +47,7 @@ from typing import Any, Literal
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
+from engines.shared.grammar_constraints import grammar_constraint
 from engines.shared.kv_tiers import tier_loads
 from engines.trtllm.disagg import TRTLLM_HANDOFF, check_disagg_role, encode_params, generation_params
 from engines.trtllm.gpu_memory import first_gpu_memory
@@ -158,6 +159,8 @@ def llm_kwargs(model_path: Path, placement: GpuPlacement, engine_args: dict[str,
     kwargs: dict[str, Any] = {
         # The iteration stats the worker's load reports come from (engines/trtllm/stats.py).
         "enable_iter_perf_stats": True,
+        # Guided decoding (JSON schemas, regexes, grammars) needs a grammar backend chosen when the LLM is built.
+        "guided_decoding_backend": "xgrammar",
         **engine_args,
         "model": str(model_path),
         "tensor_parallel_size": placement.tensor_parallel_size,
@@ -209,9 +212,11 @@ def visible_devices(current: str | None, base_gpu_id: int, count: int) -> str | 
     return ",".join(visible[base_gpu_id : base_gpu_id + count])
 
 
-def sampling_kwargs(request: PreprocessedRequest) -> dict[str, Any]:
+def sampling_kwargs(request: PreprocessedRequest, guided_params: Any = None) -> dict[str, Any]:
     """TensorRT-LLM's ``SamplingParams`` arguments for ``request``; None options are left out (the
-    library's defaults apply)."""
+    library's defaults apply). A constraint becomes ``guided_decoding``, a ``guided_params``
+    (``GuidedDecodingParams``: ``json``, ``regex`` or ``grammar``, a choice as its regex), followed by the LLM's
+    grammar backend (xgrammar unless ``guided_decoding_backend`` says otherwise)."""
     sampling, stop = request.sampling, request.stop_conditions
     kwargs: dict[str, Any] = {
         # A prefill worker computes the prompt and the token its pass gives; the decode worker the rest.
@@ -241,6 +246,12 @@ def sampling_kwargs(request: PreprocessedRequest) -> dict[str, Any]:
         "seed": sampling.seed,
     }
     kwargs.update({name: value for name, value in optional.items() if value is not None})
+    constraint = grammar_constraint(request) if not request.prefill_only else None
+    if constraint is not None:
+        if guided_params is None:
+            raise EngineError("the TensorRT-LLM engine is not started")
+        kind, text = constraint
+        kwargs["guided_decoding"] = guided_params(**{kind: text})
     return kwargs
 
 
@@ -276,6 +287,7 @@ class TrtLlmEngine:
         self.block_size = tokens_per_block(engine_args)
         self._llm: Any = None
         self._sampling_params: Any = None
+        self._guided_params: Any = None  # tensorrt_llm.llmapi.GuidedDecodingParams, once started
         self._scheduling_params: Any = None  # TensorRT-LLM's SchedulingParams, once started
         # What TensorRT-LLM raises for a request it refuses: ValueError from generate_async's checks, and its
         # executor's RequestError (tensorrt_llm/executor/utils.py, once started), then or while streaming.
@@ -303,7 +315,7 @@ class TrtLlmEngine:
         try:
             from tensorrt_llm import LLM, SamplingParams
             from tensorrt_llm.executor.utils import RequestError
-            from tensorrt_llm.llmapi import KvCacheConfig
+            from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheConfig
             from tensorrt_llm.scheduling_params import SchedulingParams
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
@@ -325,6 +337,7 @@ class TrtLlmEngine:
         except Exception as exc:  # TensorRT-LLM raises what its loader, CUDA or pydantic raise
             raise ModelError(f"TensorRT-LLM could not load {self.model_path}: {exc}") from exc
         self._sampling_params = SamplingParams
+        self._guided_params = GuidedDecodingParams
         self._scheduling_params = SchedulingParams
         self._request_errors = (RequestError,)
         if self.role != "aggregated":
@@ -422,7 +435,7 @@ class TrtLlmEngine:
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise EngineError("the TensorRT-LLM engine is not started")
-        params = self._sampling_params(**sampling_kwargs(request))
+        params = self._sampling_params(**sampling_kwargs(request, self._guided_params))
         extra: dict[str, Any] = {}
         prefilling = request.prefill_only and self._disaggregated_params is not None
         if prefilling:

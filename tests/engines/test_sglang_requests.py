@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from engines.sglang.engine import engine_kwargs
-from engines.sglang.requests import GUIDED_KINDS, choice_regex, token_logprobs
+from engines.sglang.requests import token_logprobs
 from engines.shared.gpu_engine_args import GpuPlacement
+from engines.shared.grammar_constraints import GUIDED_KINDS, choice_regex
 from runtime.engine import RequestContext
 from runtime.errors import RequestRejected
 from runtime.protocol import GuidedDecoding, StopConditions, TokenLogprob

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
 import pytest
 
 from engines.shared.engine_block_names import EngineBlockNames
@@ -33,8 +34,15 @@ from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockRemoved, BlockStored, TierLoad
-from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest, SamplingOptions, StopConditions
-from tests.engines.trtllm_fake import FakeLlm, FakeResult
+from runtime.protocol import (
+    EngineOutput,
+    GuidedDecoding,
+    KvHandoff,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from tests.engines.trtllm_fake import FakeGuidedDecodingParams, FakeLlm, FakeResult
 
 GiB = 2**30
 
@@ -176,6 +184,27 @@ def test_sampling_options_map_to_trtllms_sampling_params() -> None:
         "frequency_penalty": 0.5,
         "seed": 9,
     }
+
+
+@pytest.mark.parametrize(
+    ("constraint", "guide"),
+    [
+        ({"json_schema": '{"type": "object"}'}, {"json": '{"type": "object"}'}),
+        ({"guided": GuidedDecoding(regex="[0-9]+")}, {"regex": "[0-9]+"}),
+        ({"guided": GuidedDecoding(choice=["yes", "no"])}, {"regex": "(yes|no)"}),
+        ({"guided": GuidedDecoding(grammar='root ::= "x"')}, {"grammar": 'root ::= "x"'}),
+    ],
+)
+def test_a_constraint_becomes_trtllms_guided_decoding_params(constraint: dict[str, Any], guide: dict[str, str]) -> None:
+    """TensorRT-LLM follows one guide at a time (tensorrt_llm/sampling_params.py, GuidedDecodingParams), by the
+    grammar backend the LLM was built with (``guided_decoding_backend``, xgrammar unless the arguments say)."""
+    constrained = msgspec.structs.replace(request(), **constraint)
+    params = sampling_kwargs(constrained, FakeGuidedDecodingParams)
+    assert params["guided_decoding"] == FakeGuidedDecodingParams(**guide)
+    assert "guided_decoding" not in sampling_kwargs(request(), FakeGuidedDecodingParams)
+    assert llm_kwargs(Path("/models/m"), GpuPlacement(), {})["guided_decoding_backend"] == "xgrammar"
+    chosen = {"guided_decoding_backend": "llguidance"}
+    assert llm_kwargs(Path("/models/m"), GpuPlacement(), chosen)["guided_decoding_backend"] == "llguidance"
 
 
 def test_finish_reasons_map_to_flotillas() -> None:

@@ -45,6 +45,22 @@ class FakeSamplingParams(SimpleNamespace):
     """tensorrt_llm.SamplingParams: its keyword arguments, as attributes."""
 
 
+@dataclass(kw_only=True)
+class FakeGuidedDecodingParams:
+    """tensorrt_llm/sampling_params.py GuidedDecodingParams: one of its fields at a time (``_validate``)."""
+
+    json: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = sum(value is not None for value in (self.json, self.regex, self.grammar, self.structural_tag))
+        if given + self.json_object > 1:
+            raise ValueError("Only one guide can be used.")
+
+
 @dataclass
 class FakeSchedulingParams:
     """tensorrt_llm/scheduling_params.py SchedulingParams."""
@@ -283,6 +299,7 @@ def install(monkeypatch: pytest.MonkeyPatch, llm: FakeLlm, *, nvml: FakeNvml | N
         "tensorrt_llm.llmapi": {
             "KvCacheConfig": lambda **kwargs: SimpleNamespace(**kwargs),
             "DisaggregatedParams": lambda **fields: SimpleNamespace(fields=fields),
+            "GuidedDecodingParams": FakeGuidedDecodingParams,
         },
         "tensorrt_llm.executor": {},
         "tensorrt_llm.executor.utils": {"RequestError": FakeRequestError},
