@@ -592,12 +592,16 @@ class GatewayApp:
         history = await self._history(scope, request)
         chat = responses_api.to_chat(request, history)
         preprocessor.check_chat(chat)
+        parts = image_parts(chat)  # input_image parts, as chat's image_url parts
         disagg = _disagg_override(scope)
         model = await self._find_model(chat.model, scope)
+        card = model.card if isinstance(model, TokenModel) else None
+        refuse_images(parts, model=model.name, vision=card is not None and card.vision)
         await self._charge(scope)
+        images = await self.images.load(parts)  # before a slot is taken, as for chat
         await self._admit(receive)
         try:
-            generation = await model.prepare_chat(chat)
+            generation = await model.prepare_chat(chat, images)
             self._reserve(scope, generation.token_bound)
             scope[_GENERATION] = generation
             generation.context.disagg = disagg

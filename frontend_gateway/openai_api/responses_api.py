@@ -36,9 +36,15 @@ __all__ = ["ResponseBuilder", "ResponsesRequest", "decoder", "to_chat"]
 _encode = msgspec.json.encode
 
 
-class InputPart(msgspec.Struct):
+class InputPart(msgspec.Struct, omit_defaults=True):
+    """A content part: text (``input_text``, ``output_text``, ``reasoning_text``) or an ``input_image`` (its
+    ``image_url``: an http(s) URL or a data URI, as chat's ``image_url`` parts take them)."""
+
     type: str
     text: str | None = None
+    image_url: str | None = None
+    detail: str | None = None
+    file_id: str | None = None
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -145,10 +151,38 @@ def _message(index: int, item: InputItem) -> dict[str, Any]:
     role = "system" if item.role == "developer" else item.role
     if role is None:
         raise InvalidRequest("a message input item needs a role", param=f"input[{index}].role")
+    if isinstance(item.content, list) and any(part.type not in _TEXT_PARTS for part in item.content):
+        return {"role": role, "content": _parts_with_images(item.content, f"input[{index}].content")}
     content = _text(item.content, f"input[{index}].content")
     if content is None:
         raise InvalidRequest("a message input item needs content", param=f"input[{index}].content")
     return {"role": role, "content": content}
+
+
+def _parts_with_images(parts: list[InputPart], param: str) -> list[dict[str, Any]]:
+    """Content with images as chat's content parts: the gateway loads and checks the images as it does chat's
+    (``image_url`` parts), and a model that takes none refuses them. Raises InvalidRequest for other parts."""
+    converted: list[dict[str, Any]] = []
+    for number, part in enumerate(parts):
+        if part.type in _TEXT_PARTS and part.text is not None:
+            converted.append({"type": "text", "text": part.text})
+        elif part.type == "input_image" and part.image_url:
+            image: dict[str, Any] = {"url": part.image_url}
+            if part.detail is not None:
+                image["detail"] = part.detail
+            converted.append({"type": "image_url", "image_url": image})
+        elif part.type == "input_image":
+            raise InvalidRequest(
+                "an input_image needs its image_url (an http(s) URL or a data URI); images by file_id are not "
+                "supported",
+                param=f"{param}[{number}]",
+            )
+        else:
+            raise InvalidRequest(
+                f"content part of type {part.type!r} is not supported; text and input_image parts are",
+                param=f"{param}[{number}]",
+            )
+    return converted
 
 
 def _assistant_turn(messages: list[dict[str, Any]], reasoning: str | None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 
@@ -19,6 +20,7 @@ from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.image_blocks import request_block_hashes
 from tests.engines.image_requests import Recorded, answer, data_uri
 from tests.engines.tiny_projector import IMAGE_TOKENS, write_projector
+from tests.frontend_gateway.asgi import call
 from tests.servers import llama_cpp_available
 
 pytestmark = [
@@ -107,6 +109,33 @@ async def test_two_images_are_two_answers_and_a_slot_keeps_only_its_own_image(
     # After red, red's rows are reused too (all but the last two rows, which are decoded again for logits).
     prompt = red_once_more["usage"]["prompt_tokens"]
     assert red_once_more["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 2
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_responses_api_takes_an_input_image_as_chat_takes_an_image_url(
+    served: tuple[GatewayApp, Recorded, TokenModel],
+) -> None:
+    app, recorded, _ = served
+    chatted = await answer(app, chat(data_uri(BLUE)))
+    content = [
+        {"type": "input_text", "text": "What is in this picture?"},
+        {"type": "input_image", "image_url": data_uri(BLUE), "detail": "auto"},
+    ]
+    body = {
+        "model": MODEL,
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "store": False,
+        "input": [{"role": "user", "content": content}],
+    }
+    client = await call(app, "/v1/responses", body)
+    assert client.status == 200, client.content
+    response = msgspec.json.decode(client.content)
+    request = recorded.requests[-1]
+    assert request.images is not None and len(request.images) == 1
+    # The same prompt and image as the chat request: the same greedy answer, the same widened prompt.
+    assert response["output"][-1]["content"][0]["text"] == chatted["choices"][0]["message"]["content"]
+    assert response["usage"]["input_tokens"] == chatted["usage"]["prompt_tokens"]
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -234,6 +234,28 @@ async def test_a_text_only_model_refuses_an_image_naming_the_part_before_fetchin
     assert engine.requests == []
 
 
+@pytest.mark.parametrize(
+    ("part", "status", "message"),
+    [
+        ({"type": "input_image", "image_url": "http://127.0.0.1:9/a.png"}, 400, "takes text only"),
+        ({"type": "input_image", "file_id": "file-abc"}, 400, "images by file_id are not supported"),
+        ({"type": "input_file", "file_id": "file-abc"}, 400, "text and input_image parts are"),
+    ],
+)
+async def test_the_responses_apis_input_image_is_refused_by_a_text_only_model_as_chats_image_is(
+    text_card: ModelCard, part: dict[str, Any], status: int, message: str
+) -> None:
+    registry = ModelRegistry()
+    engine = RecordingScript()
+    registry.add(TokenModel(text_card, engine))
+    content = [{"type": "input_text", "text": "Compare"}, part]
+    body = {"model": text_card.name, "max_output_tokens": 2, "input": [{"role": "user", "content": content}]}
+    client = await call(GatewayApp(registry), "/v1/responses", body)
+    error = msgspec.json.decode(client.content)["error"]
+    assert client.status == status and message in error["message"], error
+    assert engine.requests == []
+
+
 async def test_a_vision_models_engine_gets_each_image_at_its_placeholder(text_card: ModelCard) -> None:
     registry = ModelRegistry()
     engine = RecordingScript()
