@@ -58,7 +58,7 @@ def pipeline_planner(request: HttpRequest, pk: int) -> HttpResponseBase:
     page = reverse("dashboard:pipeline", args=[pk])
 
     def answer(note: str, status: int = 200) -> HttpResponseBase:
-        return _answer(request, partials.render_pipeline_planner(pk), note, status=status, page=page)
+        return _answer(request, partials.render_pipeline_planner(pk, can_act=True), note, status=status, page=page)
 
     form = PlannerForm(request.POST)
     if not form.is_valid():
@@ -104,7 +104,7 @@ def instance_restart(request: HttpRequest, pk: int) -> HttpResponseBase:
     page = reverse("dashboard:pipeline", args=[instance.pipeline_id])
 
     def answer(note: str, status: int = 200) -> HttpResponseBase:
-        return _answer(request, partials.render_instance(instance.pk), note, status=status, page=page)
+        return _answer(request, partials.render_instance(instance.pk, can_act=True), note, status=status, page=page)
 
     return _act(
         request,
@@ -182,10 +182,10 @@ def _act(
 def _pipeline_answer(request: HttpRequest, pipeline: Pipeline, note: str, *, status: int = 200) -> HttpResponseBase:
     """The pipeline's row; from its own page also its instances, which scale, stop and start change."""
     page = reverse("dashboard:pipeline", args=[pipeline.pk])
-    html = partials.render_pipeline_row(pipeline.pk)
+    html = partials.render_pipeline_row(pipeline.pk, can_act=True)
     extra = ""
     if _current_path(request) == page:
-        context = partials.instances_context(pipeline) | {"out_of_band": True}
+        context = partials.instances_context(pipeline) | {"out_of_band": True, "can_act": True}
         extra = render_to_string("dashboard/partials/pipeline_instances.html", context)
     return _answer(request, html, note, status=status, page=page, out_of_band=extra)
 
@@ -193,7 +193,7 @@ def _pipeline_answer(request: HttpRequest, pipeline: Pipeline, note: str, *, sta
 def _node_answer(
     request: HttpRequest, node: Node, note: str, *, status: int = 200, offer_forced_drain: bool = False
 ) -> HttpResponseBase:
-    html = partials.render_node(node.pk, offer_forced_drain=offer_forced_drain)
+    html = partials.render_node(node.pk, can_act=True, offer_forced_drain=offer_forced_drain)
     return _answer(request, html, note, status=status, page=reverse("dashboard:nodes"))
 
 

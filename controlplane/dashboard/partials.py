@@ -4,8 +4,9 @@ Each function renders one top-level element with a stable id (``node-<pk>``, ``p
 that htmx's websocket extension can swap it in place, out of band, wherever a page shows that record.
 Pages include the same templates, so a first render and a live push look the same. The functions take
 ids, do their own (few, indexed) queries and need no request: there is no CSRF token or user in them.
-Buttons in them carry the ``act`` class; the page hides those from people whose role may not act, and
-the views refuse their POSTs anyway.
+The functions that render controls (buttons, forms) take ``can_act``, whether the person who sees the HTML may
+act (controlplane/dashboard/access.py): without it the controls are left out of the HTML, not hidden, and the
+views refuse such POSTs anyway. Pages pass their ``can_act``, sockets their person's, controls' answers True.
 
 Rows are pushed alone when they change. A row that joins or leaves a list has no element to swap (or
 keeps the one it had), so each list also renders as one element with a fixed id (``nodes-table``,
@@ -45,25 +46,27 @@ DOWNLOAD_TABLE_ID = "downloads-table"
 MODEL_TABLE_ID = "models-table"
 
 
-def render_node(node_id: int, *, offer_forced_drain: bool = False) -> str:
+def render_node(node_id: int, *, can_act: bool, offer_forced_drain: bool = False) -> str:
     """``<div id="node-<pk>" class="tr">`` (a table row): state, last heartbeat, CPUs and memory, GPUs
     with memory and utilisation bars, and the cordon and drain buttons (with "Drain anyway" after a drain
     was refused for stranding a pipeline). Raises ``Node.DoesNotExist``."""
     node = queries.nodes_with_gpus().get(pk=node_id)
-    return render_to_string("dashboard/partials/node.html", {"node": node, "offer_forced_drain": offer_forced_drain})
+    context = {"node": node, "offer_forced_drain": offer_forced_drain, "can_act": can_act}
+    return render_to_string("dashboard/partials/node.html", context)
 
 
-def render_node_table() -> str:
+def render_node_table(*, can_act: bool) -> str:
     """``<div id="nodes-table">``: every node as ``render_node`` renders it, or how to add the first one
     (two queries)."""
-    return render_to_string("dashboard/partials/node_table.html", {"nodes": list(queries.nodes_with_gpus())})
+    context = {"nodes": list(queries.nodes_with_gpus()), "can_act": can_act}
+    return render_to_string("dashboard/partials/node_table.html", context)
 
 
-def render_pipeline_table() -> str:
+def render_pipeline_table(*, can_act: bool) -> str:
     """``<div id="pipelines-table">``: every pipeline's row as ``render_pipeline_row`` renders it, or how
     to deploy the first one (three queries)."""
     rows = queries.pipeline_rows(queries.pipelines_with_groups())
-    return render_to_string("dashboard/partials/pipeline_table.html", {"rows": rows})
+    return render_to_string("dashboard/partials/pipeline_table.html", {"rows": rows, "can_act": can_act})
 
 
 def render_download_table() -> str:
@@ -79,27 +82,28 @@ def render_model_table() -> str:
     return render_to_string("dashboard/partials/model_table.html", {"models": queries.models_with_pipeline_counts()})
 
 
-def render_pipeline_row(pipeline_id: int) -> str:
+def render_pipeline_row(pipeline_id: int, *, can_act: bool) -> str:
     """``<div id="pipeline-<pk>" class="tr">``: name, model, engine, state, ready/desired with what holds
     the rest, router mode, and the scale/stop/start controls. Raises ``Pipeline.DoesNotExist``."""
     pipeline = queries.pipelines_with_groups().get(pk=pipeline_id)
     (row,) = queries.pipeline_rows([pipeline])
-    return render_to_string("dashboard/partials/pipeline_row.html", {"row": row})
+    return render_to_string("dashboard/partials/pipeline_row.html", {"row": row, "can_act": can_act})
 
 
-def render_pipeline_instances(pipeline_id: int) -> str:
+def render_pipeline_instances(pipeline_id: int, *, can_act: bool) -> str:
     """``<div id="instances-<pk>">``: the pipeline's instances (each as ``render_instance`` renders it)
     and a chart panel per instance. Push it when instances are added or removed, since a new instance
     has no element of its own on the page yet. Raises ``Pipeline.DoesNotExist``."""
     pipeline = Pipeline.objects.get(pk=pipeline_id)
-    return render_to_string("dashboard/partials/pipeline_instances.html", instances_context(pipeline))
+    context = instances_context(pipeline) | {"can_act": can_act}
+    return render_to_string("dashboard/partials/pipeline_instances.html", context)
 
 
-def render_instance(instance_id: int) -> str:
+def render_instance(instance_id: int, *, can_act: bool) -> str:
     """``<div id="instance-<pk>" class="tr">``: state, node, GPUs, uptime, restarts, reason, download
     progress, and the restart and log buttons. Raises ``Instance.DoesNotExist``."""
     instance = queries.instances_with_places().get(pk=instance_id)
-    return render_to_string("dashboard/partials/instance.html", {"instance": instance})
+    return render_to_string("dashboard/partials/instance.html", {"instance": instance, "can_act": can_act})
 
 
 def render_instance_load(instance_id: int, load: Mapping[str, Any]) -> str:
@@ -141,12 +145,13 @@ def render_download(download_id: int) -> str:
     return render_to_string("dashboard/partials/download.html", {"download": download})
 
 
-def render_pipeline_planner(pipeline_id: int) -> str:
+def render_pipeline_planner(pipeline_id: int, *, can_act: bool) -> str:
     """``<div id="planner-<pk>">``: the planner's targets, the latest measurement and prediction against
     them, the recent decisions with their reasons, and the form that sets the mode and targets. Raises
     ``Pipeline.DoesNotExist``."""
     pipeline = Pipeline.objects.select_related("model").get(pk=pipeline_id)
-    return render_to_string("dashboard/partials/pipeline_planner.html", {"panel": planner_panel.panel(pipeline)})
+    context = {"panel": planner_panel.panel(pipeline), "can_act": can_act}
+    return render_to_string("dashboard/partials/pipeline_planner.html", context)
 
 
 def instances_context(pipeline: Pipeline) -> dict[str, Any]:

@@ -12,6 +12,7 @@ audited: every node sends such news all the time. Changes of state are.
 """
 
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import transaction
@@ -167,15 +168,28 @@ def _restarts_beside_itself(instance: Instance) -> bool:
 
 
 def add_instances(
-    actor: Actor, group: WorkerGroup, count: int, *, reason: str = "", replaces: Instance | None = None
+    actor: Actor,
+    group: WorkerGroup,
+    count: int,
+    *,
+    reason: str = "",
+    replaces: Instance | None = None,
+    succeeds: Sequence[Instance] = (),
 ) -> list[Instance]:
     """Add ``count`` pending, unplaced instances to a worker group, with new replica ordinals (each
-    replacing ``replaces``, when given)."""
+    replacing ``replaces``, when given).
+
+    A new row that takes another's place runs the same replica again, so it carries that replica's restarts
+    plus one (``prior_restarts``): the row it replaces, or the n-th of ``succeeds`` for the n-th new row
+    (a stopped pipeline's instances, when it starts again).
+    """
     if count <= 0:
         return []
     WorkerGroup.objects.filter(pk=group.pk).update(next_replica=F("next_replica") + count)
     group.refresh_from_db(fields=["next_replica"])
     first = group.next_replica - count
+    predecessors = [replaces] * count if replaces is not None else list(succeeds)[:count]
+    prior = [instance.replica_restarts + 1 for instance in predecessors]
     instances = [
         Instance(
             pipeline_id=group.pipeline_id,
@@ -184,6 +198,7 @@ def add_instances(
             reason=reason,
             replaces=replaces,
             generation=group.generation,
+            prior_restarts=prior[offset] if offset < len(prior) else 0,
         )
         for offset in range(count)
     ]

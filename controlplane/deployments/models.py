@@ -212,6 +212,10 @@ class Instance(models.Model):
     # instance that got an old one's id is never taken for it (runtime/fleet_contract/tasks.py).
     incarnation = models.CharField(max_length=32, default=new_incarnation, editable=False)
     restarts = models.PositiveIntegerField(default=0)
+    # Starts of the same replica before this row took its place: a replacement (a restart beside itself, a
+    # drain, a rolling update) or the start of a stopped pipeline makes a new row, but the replica has
+    # restarted. The dashboard's Restarts column is ``replica_restarts``; ``restarts`` stays the agent's attempt.
+    prior_restarts = models.PositiveIntegerField(default=0)
     restart_requested = models.BooleanField(default=False)
     failure_streak = models.PositiveIntegerField(default=0)
     # Failed for good: past max_restarts, or a failure retrying cannot fix. Only a person's restart revives it.
@@ -247,6 +251,11 @@ class Instance(models.Model):
     def name(self) -> str:
         """``<pipeline namespace>-<role>-<replica>``: stable, readable, unique."""
         return f"{self.pipeline.namespace}-{self.group.role}-{self.replica}"
+
+    @property
+    def replica_restarts(self) -> int:
+        """The restarts of the replica this instance runs: its own, and those of the rows it took over from."""
+        return self.prior_restarts + self.restarts
 
 
 class Lease(models.Model):

@@ -292,7 +292,11 @@ def start_pipeline(actor: Actor, pipeline: Pipeline) -> Pipeline:
     pipeline.state = Pipeline.State.RUNNING
     pipeline.save(update_fields=["state", "updated_at"])
     for group in pipeline.groups.all():
-        add_instances(actor, group, group.replicas - len(_live_instances(group)))
+        # The replicas it ran when it was stopped start again (the newest rows, some maybe still stopping):
+        # their restarts go on counting.
+        gone = group.instances.filter(state__in=(InstanceState.STOPPED, InstanceState.STOPPING))
+        missing = group.replicas - len(_live_instances(group))
+        add_instances(actor, group, missing, succeeds=list(gone.order_by("-replica")[: max(missing, 0)]))
     record(actor, "pipeline.start", pipeline, before=before, after=pipeline_snapshot(pipeline))
     served_names.publish_after_commit(pipeline)
     request_reconcile()

@@ -16,7 +16,9 @@ A socket outlives the request that opened it, so it is authorised again as it go
 Its session is read again as Django reads it for a page (a logout or a password change ends it: 4401);
 a person deactivated, or demoted below what the socket's groups need (the audit topic needs the audit
 log's role), is closed with 4403. Read-only people watch like everyone else: the socket changes nothing, and a
-message sent to it gets a short explanation (as an HTML comment, which htmx ignores) and no action.
+message sent to it gets a short explanation (as an HTML comment, which htmx ignores) and no action. What it
+pushes has the controls of the person's role: none for people who may not act (a demotion counts from the
+socket's next check).
 """
 
 import asyncio
@@ -34,7 +36,7 @@ from django.conf import settings
 from django.contrib.auth import get_user
 
 from controlplane.accounts.models import Role, User
-from controlplane.dashboard.access import AUDIT_ROLE
+from controlplane.dashboard.access import ACT_ROLE, AUDIT_ROLE
 from controlplane.deployments.models import Pipeline
 from controlplane.live.debounce import PendingRenders
 from controlplane.live.groups import (
@@ -79,6 +81,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
         self._tasks: list[asyncio.Task[None]] = []
         self._authorised_at = 0.0
         self._closed = False
+        self.can_act = False  # whether pushes carry the controls: the person's role, checked again as it goes
 
     async def groups_to_join(self) -> list[str] | None:
         """The groups this socket joins; None when it was closed instead (with its code)."""
@@ -116,6 +119,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
             await self.close(code=SERVER_ERROR, reason="live updates are unavailable; retrying")
             return
         self.groups = groups  # left again on disconnect
+        self.can_act = isinstance(user, User) and user.has_role(ACT_ROLE)
         await self.accept()
         now = asyncio.get_running_loop().time()
         self._authorised_at = now
@@ -176,7 +180,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
                 continue
             wanted = self.pending.take_due(loop.time())
             try:
-                html = await self.renders.render(wanted)
+                html = await self.renders.render(wanted, can_act=self.can_act)
             except Exception:
                 log.exception("live updates: rendering %d change(s) failed", len(wanted))
                 continue
@@ -240,6 +244,7 @@ class LiveConsumer(AsyncWebsocketConsumer):
         if not user.has_role(needed):
             return FORBIDDEN, f"this page's updates need the {needed.label} role"
         self.scope["user"] = user
+        self.can_act = user.has_role(ACT_ROLE)
         return None
 
 

@@ -1,5 +1,6 @@
 """A change notice, rendered: the partial of the row (or list) that changed, or, for a deleted row, its
-removal.
+removal. Each is rendered for one of two audiences, people who may act (with the controls) and people who may
+not (without them: they are left out of the HTML, not hidden).
 
 Renderers come from controlplane/dashboard/partials.py, the same partials the pages include. They run
 Django's ORM and templates: ``render_each`` belongs in a thread; ``SharedRenders`` puts it there.
@@ -19,18 +20,19 @@ from controlplane.live.groups import Kind
 
 log = logging.getLogger(__name__)
 
-_RENDERERS: dict[Kind, Callable[[int], str]] = {
-    "node": partials.render_node,
-    "nodes": lambda _: partials.render_node_table(),
-    "pipeline": partials.render_pipeline_row,
-    "pipelines": lambda _: partials.render_pipeline_table(),
-    "instances": partials.render_pipeline_instances,
-    "instance": partials.render_instance,
-    "download": partials.render_download,
-    "downloads": lambda _: partials.render_download_table(),
-    "models": lambda _: partials.render_model_table(),
-    "audit": partials.render_audit_entry,
-    "planner": partials.render_pipeline_planner,
+# Each takes the row's id and whether the audience may act.
+_RENDERERS: dict[Kind, Callable[[int, bool], str]] = {
+    "node": lambda pk, can_act: partials.render_node(pk, can_act=can_act),
+    "nodes": lambda _, can_act: partials.render_node_table(can_act=can_act),
+    "pipeline": lambda pk, can_act: partials.render_pipeline_row(pk, can_act=can_act),
+    "pipelines": lambda _, can_act: partials.render_pipeline_table(can_act=can_act),
+    "instances": lambda pk, can_act: partials.render_pipeline_instances(pk, can_act=can_act),
+    "instance": lambda pk, can_act: partials.render_instance(pk, can_act=can_act),
+    "download": lambda pk, _: partials.render_download(pk),
+    "downloads": lambda _, __: partials.render_download_table(),
+    "models": lambda _, __: partials.render_model_table(),
+    "audit": lambda pk, _: partials.render_audit_entry(pk),
+    "planner": lambda pk, can_act: partials.render_pipeline_planner(pk, can_act=can_act),
 }
 # The id of the element each kind's partial renders (controlplane/dashboard/partials.py): a prefix and
 # the row's id, or the one id of a fleet list.
@@ -63,13 +65,13 @@ def removal(kind: Kind, row_id: int) -> str:
     return str(format_html('<div id="{}" hx-swap-oob="delete"></div>', element_id(kind, row_id)))
 
 
-def render_each(changes: Iterable[tuple[Kind, int]]) -> list[str]:
-    """The partial of each change (a removal for a deleted row; "" for a partial that failed, which is
-    logged: the page keeps the element it has)."""
+def render_each(changes: Iterable[tuple[Kind, int]], *, can_act: bool) -> list[str]:
+    """The partial of each change, for people who may act or not (a removal for a deleted row; "" for a
+    partial that failed, which is logged: the page keeps the element it has)."""
     parts = []
     for kind, row_id in changes:
         try:
-            parts.append(_RENDERERS[kind](row_id))
+            parts.append(_RENDERERS[kind](row_id, can_act))
         except ObjectDoesNotExist:
             parts.append(removal(kind, row_id))
         except Exception:
@@ -92,31 +94,33 @@ class SharedRenders:
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._latest: dict[tuple[Kind, int], tuple[float, asyncio.Future[str]]] = {}
+        # By row and audience (whether it may act).
+        self._latest: dict[tuple[Kind, int, bool], tuple[float, asyncio.Future[str]]] = {}
         self.started = 0  # renders started, for tests
 
-    async def render(self, wanted: Sequence[tuple[tuple[Kind, int], float]]) -> str:
-        """The elements of ``wanted`` (each a row and when this socket heard it changed), as one message."""
+    async def render(self, wanted: Sequence[tuple[tuple[Kind, int], float]], *, can_act: bool) -> str:
+        """The elements of ``wanted`` (each a row and when this socket heard it changed), as one message, for a
+        person who may act (``can_act``) or not."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # tests run a loop each; futures belong to one
             self._loop, self._latest = loop, {}
         now = loop.time()
         futures: list[asyncio.Future[str]] = []
         missing: list[tuple[Kind, int]] = []
-        for key, heard_at in wanted:
-            entry = self._latest.get(key)
+        for (kind, row_id), heard_at in wanted:
+            entry = self._latest.get((kind, row_id, can_act))
             if entry is not None and entry[0] >= heard_at:
                 futures.append(entry[1])
             else:
-                missing.append(key)
+                missing.append((kind, row_id))
         if missing:
-            batch = asyncio.ensure_future(database_sync_to_async(render_each)(missing))
+            batch = asyncio.ensure_future(database_sync_to_async(render_each)(missing, can_act=can_act))
             self.started += len(missing)
-            for index, key in enumerate(missing):
+            for index, (kind, row_id) in enumerate(missing):
                 part: asyncio.Future[str] = loop.create_future()
                 part.add_done_callback(_retrieve)  # a failure nobody waits for any more is no warning
                 batch.add_done_callback(functools.partial(_settle, part, index))
-                self._latest[key] = (now, part)
+                self._latest[(kind, row_id, can_act)] = (now, part)
                 futures.append(part)
             self._forget_old(now)
         parts = []

@@ -1,6 +1,7 @@
 """controlplane.dashboard.partials: each renders one element with its record's id (a list, its list's id),
 and a deleted record raises that model's DoesNotExist (the contract with the live updates)."""
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -41,7 +42,7 @@ def ready_instance() -> Instance:
 
 def test_a_node_renders_as_its_row_with_gpu_bars_and_a_drain_button() -> None:
     node = make_node("gpu-a", gpus_gib=(24, 80))
-    html = partials.render_node(node.pk)
+    html = partials.render_node(node.pk, can_act=True)
     assert top_level_tag(html) == f'<div id="node-{node.pk}" class="tr" role="row">'
     assert html.count("<meter") == 4  # memory and utilisation of each GPU
     assert "#1 Simulated GPU" in html and "80 GiB" in html
@@ -51,13 +52,13 @@ def test_a_node_renders_as_its_row_with_gpu_bars_and_a_drain_button() -> None:
 
 def test_a_draining_node_offers_undrain() -> None:
     node = drain_node(TEST_ACTOR, make_node("gpu-a"))
-    html = partials.render_node(node.pk)
+    html = partials.render_node(node.pk, can_act=True)
     assert "draining" in html and f'hx-post="/nodes/{node.pk}/undrain/"' in html and "/drain/" not in html
 
 
 def test_a_pipeline_row_shows_ready_over_desired_engine_router_and_its_controls() -> None:
     instance = ready_instance()
-    html = partials.render_pipeline_row(instance.pipeline_id)
+    html = partials.render_pipeline_row(instance.pipeline_id, can_act=True)
     assert top_level_tag(html) == f'<div id="pipeline-{instance.pipeline_id}" class="tr" role="row">'
     assert '<div class="td full" role="cell">1 / 1</div>' in html and "round-robin" in html
     assert '<div class="td" role="cell">mocker</div>' in html
@@ -67,19 +68,19 @@ def test_a_pipeline_row_shows_ready_over_desired_engine_router_and_its_controls(
 
 def test_a_stopped_pipeline_row_offers_start_instead_of_scale_and_stop() -> None:
     pipeline = stop_pipeline(TEST_ACTOR, deploy("chat"))
-    html = partials.render_pipeline_row(pipeline.pk)
+    html = partials.render_pipeline_row(pipeline.pk, can_act=True)
     assert "/start/" in html and "/stop/" not in html and "/scale/" not in html
 
 
 def test_a_stopped_pipeline_row_shows_its_kept_replica_count_and_that_it_is_stopped() -> None:
     pipeline = stop_pipeline(TEST_ACTOR, deploy("chat", replicas=2))
-    html = partials.render_pipeline_row(pipeline.pk)
+    html = partials.render_pipeline_row(pipeline.pk, can_act=True)
     assert '<div class="td full" role="cell">0 / 2 <span class="hint">stopped</span></div>' in html, html
 
 
 def test_an_instance_renders_state_node_gpus_restarts_and_its_buttons() -> None:
     instance = ready_instance()
-    html = partials.render_instance(instance.pk)
+    html = partials.render_instance(instance.pk, can_act=True)
     assert top_level_tag(html) == f'<div id="instance-{instance.pk}" class="tr" role="row">'
     assert "state-ready" in html and "gpu-a" in html and "#0, #1" in html
     assert f'hx-post="/instances/{instance.pk}/restart/"' in html and f'hx-get="/instances/{instance.pk}/log/"' in html
@@ -91,7 +92,7 @@ def test_a_downloading_instance_shows_its_progress() -> None:
     place_pending_instances(TEST_ACTOR)
     instance = Instance.objects.get()
     Instance.objects.filter(pk=instance.pk).update(state="downloading", download_progress=0.25)
-    html = partials.render_instance(instance.pk)
+    html = partials.render_instance(instance.pk, can_act=True)
     assert '<progress max="1" value="0.25">' in html and "25%" in html
 
 
@@ -220,7 +221,7 @@ def test_a_download_renders_its_progress_and_state() -> None:
 
 def test_the_instances_of_a_pipeline_come_with_a_chart_panel_each() -> None:
     instance = ready_instance()
-    html = partials.render_pipeline_instances(instance.pipeline_id)
+    html = partials.render_pipeline_instances(instance.pipeline_id, can_act=True)
     assert top_level_tag(html) == f'<div id="instances-{instance.pipeline_id}">'
     assert f'<div id="instance-{instance.pk}" class="tr"' in html and f'<div id="load-{instance.pk}"' in html
     assert html.count(f'data-instance="{instance.pk}" data-chart=') == 3
@@ -228,19 +229,19 @@ def test_the_instances_of_a_pipeline_come_with_a_chart_panel_each() -> None:
 
 def test_the_node_table_holds_each_nodes_row_as_pushed_alone() -> None:
     a, b = make_node("gpu-a", gpus_gib=(24,)), make_node("gpu-b", gpus_gib=())
-    html = partials.render_node_table()
+    html = partials.render_node_table(can_act=True)
     assert top_level_tag(html) == '<div id="nodes-table">'
-    assert partials.render_node(a.pk) in html and partials.render_node(b.pk) in html
+    assert partials.render_node(a.pk, can_act=True) in html and partials.render_node(b.pk, can_act=True) in html
     assert html.index("gpu-a") < html.index("gpu-b")
 
 
 def test_the_pipeline_table_holds_each_pipelines_row_as_pushed_alone() -> None:
     instance = ready_instance()
     other = deploy("another")
-    html = partials.render_pipeline_table()
+    html = partials.render_pipeline_table(can_act=True)
     assert top_level_tag(html) == '<div id="pipelines-table">'
     for pipeline_id in (instance.pipeline_id, other.pk):
-        assert partials.render_pipeline_row(pipeline_id) in html
+        assert partials.render_pipeline_row(pipeline_id, can_act=True) in html
 
 
 def test_the_download_table_holds_each_downloads_row_as_pushed_alone() -> None:
@@ -268,8 +269,8 @@ def test_the_model_table_lists_the_catalog_with_each_models_pipeline_count() -> 
 @pytest.mark.parametrize(
     ("render", "empty"),
     [
-        (partials.render_node_table, "No nodes yet: start an agent with"),
-        (partials.render_pipeline_table, "No pipelines yet: deploy a model with the form on the"),
+        (functools.partial(partials.render_node_table, can_act=True), "No nodes yet: start an agent with"),
+        (functools.partial(partials.render_pipeline_table, can_act=True), "No pipelines yet: deploy a model with the form on the"),
         (partials.render_download_table, "No downloads yet"),
         (partials.render_model_table, "No models yet."),  # the hint about the form is for pages that have it
     ],
@@ -287,10 +288,10 @@ def test_no_list_id_starts_like_a_rows_so_that_a_selector_of_rows_finds_rows_onl
 
 
 DELETIONS: list[tuple[str, Callable[[int], str]]] = [
-    ("node", partials.render_node),
-    ("pipeline", partials.render_pipeline_row),
-    ("pipeline", partials.render_pipeline_instances),
-    ("instance", partials.render_instance),
+    ("node", functools.partial(partials.render_node, can_act=True)),
+    ("pipeline", functools.partial(partials.render_pipeline_row, can_act=True)),
+    ("pipeline", functools.partial(partials.render_pipeline_instances, can_act=True)),
+    ("instance", functools.partial(partials.render_instance, can_act=True)),
     ("instance", lambda pk: partials.render_instance_load(pk, {"kv_usage": 0.1})),
     ("group", lambda pk: partials.render_group_phases(pk, {"prefills": 1})),
     ("entry", partials.render_audit_entry),
@@ -348,13 +349,13 @@ def test_no_partial_has_table_markup_so_that_any_of_them_can_share_a_websocket_m
     report_download(Actor.agent("gpu-a"), "gpu-a", instance.pipeline.model_id, DownloadReport(state="done"))
     html = "".join(
         [
-            partials.render_node_table(),
-            partials.render_pipeline_table(),
+            partials.render_node_table(can_act=True),
+            partials.render_pipeline_table(can_act=True),
             partials.render_download_table(),
-            partials.render_node(instance.node_id),
-            partials.render_pipeline_row(instance.pipeline_id),
-            partials.render_pipeline_instances(instance.pipeline_id),
-            partials.render_instance(instance.pk),
+            partials.render_node(instance.node_id, can_act=True),
+            partials.render_pipeline_row(instance.pipeline_id, can_act=True),
+            partials.render_pipeline_instances(instance.pipeline_id, can_act=True),
+            partials.render_instance(instance.pk, can_act=True),
             partials.render_instance_load(instance.pk, {"kv_usage": 0.5}),
             partials.render_audit_entry(AuditEntry.objects.latest("id").pk),
             partials.render_download(Download.objects.get().pk),
@@ -411,7 +412,7 @@ def test_more_cpu_instances_than_a_nodes_cpus_are_placed_with_a_warning_on_the_n
     place_pending_instances(TEST_ACTOR)
     assert pipeline.instances.filter(node=node).count() == 4  # a warning, not a refusal
     warning = "4 CPU instances on 2 CPUs"
-    assert warning in partials.render_node(node.pk)
+    assert warning in partials.render_node(node.pk, can_act=True)
     assert warning in partials.render_instance(pipeline.instances.first().pk)  # type: ignore[union-attr]
     scale_pipeline(TEST_ACTOR, pipeline, 2)
-    assert "CPU instances on" not in partials.render_node(node.pk)  # the 2 stopping ones no longer count
+    assert "CPU instances on" not in partials.render_node(node.pk, can_act=True)  # the 2 stopping ones no longer count

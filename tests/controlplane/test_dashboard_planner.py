@@ -36,7 +36,7 @@ def test_the_panel_shows_targets_the_latest_measurement_and_the_decisions_with_t
 
 def test_the_live_push_renders_the_same_panel() -> None:
     pipeline = deploy("chat", planner={})
-    (html,) = render_each([("planner", pipeline.pk)])
+    (html,) = render_each([("planner", pipeline.pk)], can_act=True)
     assert html.startswith(f'<div id="planner-{pipeline.pk}"')
 
 

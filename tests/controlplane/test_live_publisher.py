@@ -135,19 +135,19 @@ async def test_sockets_that_heard_of_a_change_share_one_render_of_it() -> None:
     renders = SharedRenders()
     heard_at = asyncio.get_running_loop().time()
     first, second = await asyncio.gather(
-        renders.render([(("node", node.pk), heard_at)]), renders.render([(("node", node.pk), heard_at)])
+        renders.render([(("node", node.pk), heard_at)], can_act=True), renders.render([(("node", node.pk), heard_at)], can_act=True)
     )
     assert first == second
     assert f'id="node-{node.pk}"' in first
     assert renders.started == 1
     # A change heard after that render began needs a render of its own.
-    await renders.render([(("node", node.pk), asyncio.get_running_loop().time() + 1)])
+    await renders.render([(("node", node.pk), asyncio.get_running_loop().time() + 1)], can_act=True)
     assert renders.started == 2
 
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_deleted_row_renders_as_its_removal() -> None:
-    html = await SharedRenders().render([(("instance", 424242), 0.0)])
+    html = await SharedRenders().render([(("instance", 424242), 0.0)], can_act=True)
     assert html == removal("instance", 424242) == '<div id="instance-424242" hx-swap-oob="delete"></div>'
 
 
