@@ -129,6 +129,25 @@ def render_group_phases(group_id: int, phases: Mapping[str, Any] | None) -> str:
     return render_to_string("dashboard/partials/group_phases.html", {"group": group, "phases": phase_figures(phases)})
 
 
+def render_fleet_load(summary: Mapping[int, Mapping[str, float]]) -> str:
+    """``<div id="fleet-kv">``: per pipeline (by name; ids of deleted pipelines are left out), its instances'
+    KV cache use and prefix hit rate (means), requests and tokens/s (sums), as controlplane/live/fleet_load.py
+    ``summarise`` gives them; what to start when nothing has reported. One query."""
+    names = dict(Pipeline.objects.filter(pk__in=list(summary)).values_list("pk", "name"))
+    rows = [
+        {"pipeline_id": pk, "name": names[pk], "figures": _FigureDefaults(summary[pk])}
+        for pk in sorted(names, key=lambda pk: names[pk])
+    ]
+    return render_to_string("dashboard/partials/fleet_load.html", {"rows": rows})
+
+
+class _FigureDefaults(dict[str, float | None]):
+    """A summary's figures where a missing one reads None in a template (not the empty string)."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
 def render_audit_entry(entry_id: int) -> str:
     """``<ul hx-swap-oob="afterbegin:#audit-feed"><li id="audit-<pk>">…</li></ul>``: one audit entry to
     put at the top of the recent events. The ``<li>`` comes wrapped because htmx inserts the *children*

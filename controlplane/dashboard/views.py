@@ -13,6 +13,7 @@ from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_http_methods
 
 from controlplane.accounts.models import Role
@@ -21,6 +22,7 @@ from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
 from controlplane.dashboard import audit_log, gateway, logs, partials, planner_panel, queries
 from controlplane.dashboard.access import AUDIT_ROLE, can_act, has_role, role_required
+from controlplane.dashboard.fleet_health import fleet_health
 from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
 from controlplane.dashboard.overview import overview
 from controlplane.errors import InvalidDocument
@@ -28,6 +30,8 @@ from runtime.errors import ConfigError
 
 # The previous gateway reading, for rates between two looks at the overview (see gateway.py).
 GATEWAY_READING_KEY = "dashboard:gateway-reading"
+#: How often an open overview reads the gateway's traffic (and the fleet's health) again.
+GATEWAY_EVERY_S = 5
 
 
 def render_page(request: HttpRequest, template: str, context: dict[str, Any], *, status: int = 200) -> HttpResponse:
@@ -46,19 +50,20 @@ def render_page(request: HttpRequest, template: str, context: dict[str, Any], *,
 def overview_page(request: HttpRequest) -> HttpResponse:
     """Nodes and GPUs, pipelines with ready/desired replicas, gateway traffic and the latest audit events."""
     summary = overview(with_events=has_role(request, AUDIT_ROLE))
-    return render_page(request, "dashboard/overview.html", {"overview": summary})
+    return render_page(request, "dashboard/overview.html", {"overview": summary, "gateway_every_s": GATEWAY_EVERY_S})
 
 
 @login_required
 @require_GET
 def gateway_section(request: HttpRequest) -> HttpResponse:
-    """The overview's gateway traffic (loaded after the page, so a slow gateway does not hold it up)."""
-    context: dict[str, Any] = {"url": None, "traffic": None, "problem": None}
+    """The overview's gateway traffic (loaded after the page, so a slow gateway does not hold it up, then every
+    ``GATEWAY_EVERY_S``), and the fleet's health out of band."""
+    context: dict[str, Any] = {"url": None, "traffic": None, "problem": None, "every_s": GATEWAY_EVERY_S}
     try:
         url = gateway.gateway_url()
     except ConfigError as exc:
         context["problem"] = str(exc)
-        return render(request, "dashboard/partials/gateway.html", context)
+        return _gateway_answer(request, context)
     context["url"] = url
     if url is not None:
         try:
@@ -69,7 +74,13 @@ def gateway_section(request: HttpRequest) -> HttpResponse:
             previous = cache.get(GATEWAY_READING_KEY)
             cache.set(GATEWAY_READING_KEY, reading, timeout=int(gateway.MAX_RATE_WINDOW_S))
             context["traffic"] = gateway.traffic(reading, previous if isinstance(previous, gateway.Reading) else None)
-    return render(request, "dashboard/partials/gateway.html", context)
+    return _gateway_answer(request, context)
+
+
+def _gateway_answer(request: HttpRequest, context: dict[str, Any]) -> HttpResponse:
+    section = render_to_string("dashboard/partials/gateway.html", context, request=request)
+    health = render_to_string("dashboard/partials/fleet_health.html", {"health": fleet_health(), "out_of_band": True})
+    return HttpResponse(section + health)
 
 
 @login_required

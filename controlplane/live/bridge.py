@@ -8,7 +8,9 @@ second (``InstanceFigures``), renders the load partial once and sends it to ``pi
 the channel layer, at most once per ``interval`` per instance: the first report after a quiet interval
 goes at once, later ones wait for the interval's end and go together. The instances of a disaggregated
 pipeline's prefill and decode groups also have their phases summed per group (controlplane/live/group_phases.py),
-pushed as the group's phases partial on the same schedule, per group.
+pushed as the group's phases partial on the same schedule, per group. And every instance's latest load
+is summed per pipeline (controlplane/live/fleet_load.py) for the overview's KV figures, pushed to
+``fleet.load`` at most once per ``interval``.
 
 Failures are logged and survived: an undecodable message, an unknown instance (a worker that is not the
 control plane's), a Redis that does not answer (at most one warning per ``FAILURE_REPORT_S``). A
@@ -32,11 +34,12 @@ from django.db import DatabaseError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from controlplane.dashboard.partials import render_group_phases, render_instance_load
+from controlplane.dashboard.partials import render_fleet_load, render_group_phases, render_instance_load
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.deployments.models import Instance, WorkerGroup
+from controlplane.live import fleet_load
 from controlplane.live.group_phases import PhaseCounts, summarise
-from controlplane.live.groups import html, pipeline_group
+from controlplane.live.groups import LOAD, html, pipeline_group
 from controlplane.live.publisher import describe, layer_address
 from runtime.errors import FlotillaError
 from runtime.kv.events import (
@@ -303,6 +306,7 @@ class LiveBridge:
         interval: float = DEFAULT_INTERVAL_S,
         render: Callable[[Watched, dict[str, Any]], Awaitable[str]] | None = None,
         render_group: Callable[[int, dict[str, Any]], Awaitable[str]] | None = None,
+        render_fleet: Callable[[dict[int, dict[str, float]]], Awaitable[str]] | None = None,
     ) -> None:
         self._nc = nc
         self._layer = layer
@@ -311,6 +315,10 @@ class LiveBridge:
         self.interval = interval
         self._render = render or database_sync_to_async(render_load)
         self._render_group = render_group or database_sync_to_async(render_phases)
+        self._render_fleet = render_fleet or database_sync_to_async(render_fleet_load)
+        # Each instance's latest load (by row id: its pipeline's id and the load), and the overview's schedule.
+        self._fleet_loads: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._fleet = _Pushes()
         self._instances: dict[int, _Pushes] = {}  # by endpoint instance id
         self._groups: dict[int, _GroupPushes] = {}  # by worker group id
         self._push_tasks: set[asyncio.Task[None]] = set()
@@ -319,6 +327,7 @@ class LiveBridge:
         #: Counters, for tests and logs.
         self.pushed = 0
         self.pushed_groups = 0
+        self.pushed_fleet = 0
         self.unknown = 0
 
     def start(self) -> None:
@@ -330,7 +339,7 @@ class LiveBridge:
 
     async def close(self) -> None:
         """Stop the timers and wait for the pushes under way (the supervisor stops the subscriptions)."""
-        for pushes in [*self._instances.values(), *self._groups.values()]:
+        for pushes in [*self._instances.values(), *self._groups.values(), self._fleet]:
             if pushes.timer is not None:
                 pushes.timer.cancel()
         for task in list(self._push_tasks):
@@ -462,6 +471,29 @@ class LiveBridge:
             self._report_layer_failure(exc)
             return
         self.pushed += 1
+        self._fleet_loads[watched.instance_id] = (watched.pipeline_id, load)
+        self._schedule(0, self._fleet, self._push_fleet_now)
+
+    def _push_fleet_now(self, _: int) -> None:
+        self._fleet.timer = None
+        self._fleet.pushed_at = asyncio.get_running_loop().time()
+        # Stopped instances leave the figures (the directory lists the running ones).
+        running = self._directory.instances()
+        self._fleet_loads = {pk: entry for pk, entry in self._fleet_loads.items() if pk in running}
+        self._start(self._push_fleet(fleet_load.summarise(self._fleet_loads.values())))
+
+    async def _push_fleet(self, summary: dict[int, dict[str, float]]) -> None:
+        try:
+            text = await self._render_fleet(summary)
+        except Exception:
+            log.exception("live bridge: rendering the fleet's KV figures failed")
+            return
+        try:
+            await self._layer.group_send(LOAD, dict(html(text)))
+        except Exception as exc:  # as for an instance's load
+            self._report_layer_failure(exc)
+            return
+        self.pushed_fleet += 1
 
     async def _push_group(self, group_id: int, pipeline_id: int, phases: dict[str, Any]) -> None:
         try:

@@ -2,8 +2,9 @@
 
 * ``fleet.<topic>``: the fleet pages (overview, nodes, models, pipelines), one group per topic:
   ``nodes`` (nodes and their GPUs), ``pipelines`` (pipelines' rows), ``downloads``, ``models`` (the
-  catalog) and ``audit`` (audit entries). A page joins the topics it shows (all, unless it names some;
-  each page names them), so that a page without nodes renders no node.
+  catalog), ``audit`` (audit entries) and ``load`` (the bridge's KV figures per pipeline, for the
+  overview). A page joins the topics it shows (all, unless it names some; each page names them), so that a
+  page without nodes renders no node.
 * ``pipeline.<pk>``: the detail page of one pipeline; it hears about that pipeline's row, its list of
   instances and each instance, and the bridge's load figures of its instances and phases of its groups.
 
@@ -16,8 +17,8 @@ from typing import Literal, NotRequired, TypedDict
 
 #: The fleet's topics and their groups.
 AUDIT_TOPIC = "audit"  # audit entries: only for people who may read the audit log
-FLEET_TOPICS = ("nodes", "pipelines", "downloads", "models", AUDIT_TOPIC)
-NODES, PIPELINES, DOWNLOADS, MODELS, AUDIT = (f"fleet.{topic}" for topic in FLEET_TOPICS)
+FLEET_TOPICS = ("nodes", "pipelines", "downloads", "models", AUDIT_TOPIC, "load")
+NODES, PIPELINES, DOWNLOADS, MODELS, AUDIT, LOAD = (f"fleet.{topic}" for topic in FLEET_TOPICS)
 
 
 def fleet_group(topic: str) -> str:

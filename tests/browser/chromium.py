@@ -44,6 +44,17 @@ def create_person(control_plane: ControlPlaneServer, username: str, role: str, p
     control_plane.manage("shell", "--no-imports", "--command", code)
 
 
+def deactivate_person(control_plane: ControlPlaneServer, username: str) -> None:
+    """Deactivate ``username`` as the People page does (``deactivate_user``)."""
+    code = (
+        "from controlplane.accounts.actions import deactivate_user\n"
+        "from controlplane.accounts.models import User\n"
+        "from controlplane.audit.records import Actor\n"
+        f"deactivate_user(Actor.system('browser tests'), User.objects.get(username={username!r}))\n"
+    )
+    control_plane.manage("shell", "--no-imports", "--command", code)
+
+
 def log_in(page: Page, base_url: str, username: str, password: str) -> None:
     """Log in through the login form and land on the overview (asserted)."""
     page.goto(base_url + "/login/")

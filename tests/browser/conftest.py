@@ -81,11 +81,13 @@ def anonymous(browser: Browser) -> Iterator[BrowserContext]:
 
 def logged_in_page(browser: Browser, live_fleet: LiveFleet, username: str) -> Iterator[Page]:
     """A page of a fresh profile, logged in as ``username`` through the login form; the test fails if the
-    page raised an uncaught script error."""
+    page raised an uncaught script error or htmx logged one (htmx:oobErrorNoTarget: a push for an element the
+    page does not show)."""
     context = new_context(browser)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: errors.append(message.text) if "htmx:" in message.text else None)
     page.on("dialog", lambda dialog: dialog.accept())  # htmx's hx-confirm asks before a stop
     log_in(page, live_fleet.url, username, PASSWORD)
     yield page

@@ -15,7 +15,8 @@ import pytest
 from playwright.sync_api import BrowserContext, Locator, Page, expect
 
 from tests.agent.control_plane_server import wait_for
-from tests.browser.conftest import LiveFleet
+from tests.browser.chromium import deactivate_person
+from tests.browser.conftest import READER, LiveFleet
 from tests.browser.traffic import Traffic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -111,6 +112,10 @@ def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
     expect(instance_states(page, pipeline)).to_have_text(["ready", "ready"], timeout=READY_TIMEOUT_MS)
     row = page.locator(f"#pipeline-{pipeline}")
     expect(row).to_contain_text("2 / 2")
+    # Uptimes tick in the page, without a push or a reload.
+    uptime = page.locator(f"#instances-{pipeline} [id^='instance-'] time.age").first
+    shown = uptime.text_content()
+    expect(uptime).not_to_have_text(shown or "")
 
     # Scale to 3: the third instance joins the list and becomes ready.
     row.get_by_label("replicas").fill("3")
@@ -135,10 +140,13 @@ def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
         page.get_by_role("heading", name="Instances").evaluate("(heading) => heading.scrollIntoView()")
         screenshot(page, "pipeline")
 
-        # A second look: the gateway's rates over the seconds since the first.
-        overview.locator("#gateway").get_by_role("button", name="Refresh").click()
-        expect(overview.locator("#gateway")).to_contain_text("since the previous look")
+        # The table reads the gateway again by itself: the rates over the seconds since the first look.
+        expect(overview.locator("#gateway")).to_contain_text("since the previous look", timeout=15_000)
         expect(overview.locator(f"#pipeline-{pipeline}")).to_contain_text("3 / 3")
+        expect(overview.locator("#fleet-health")).to_contain_text("2 of 2 nodes online")
+        expect(overview.locator("#fleet-health")).to_contain_text("3 of 3 instances ready")
+        expect(overview.locator("#fleet-kv")).to_contain_text(SERVED)  # pushed by the live bridge
+        expect(overview.locator("#fleet-kv [role='row'][data-pipeline] [role='cell']").nth(2)).to_contain_text("%")
         screenshot(overview, "overview")
         overview.goto(base + "/nodes/")
         expect(overview.locator("[id^='node-']")).to_have_count(2)
@@ -167,9 +175,9 @@ def test_a_read_only_person_sees_a_pipeline_without_any_control(live_fleet: Live
     expect(page.locator("header")).to_contain_text("(read-only)")
 
     main = page.locator("main")
-    expect(main.locator("form:visible")).to_have_count(0)
-    # The one button left reads: the instance's log tail.
-    expect(main.locator("button:visible")).to_have_text(["Log"])
+    # No control at all in the page, hidden or not; the one button left reads: the instance's log tail.
+    expect(main.locator("form")).to_have_count(0)
+    expect(main.locator("button")).to_have_text(["Log"])
     # The server refuses the controls anyway, CSRF token and all.
     status = page.evaluate(
         """async (url) => {
@@ -182,6 +190,19 @@ def test_a_read_only_person_sees_a_pipeline_without_any_control(live_fleet: Live
     )
     assert status == 403
     assert stack.pipeline(pipeline)["groups"][0]["replicas"] == 1
+
+    # An operator restarts the only replica: its replacement starts beside it under a new name, the old one
+    # stops and leaves the list (no push for it may fail to find its element), and the restart counts.
+    (first,) = stack.instances(pipeline)
+    stack.operator.post(f"/api/v1/instances/{first['id']}/restart/").raise_for_status()
+    replaced = page.locator(f"#instance-{first['id']}")
+    expect(replaced).to_have_count(0, timeout=READY_TIMEOUT_MS)
+    expect(instance_states(page, pipeline)).to_have_text(["ready"], timeout=READY_TIMEOUT_MS)
+    expect(page.locator(f"#instances-{pipeline} [id^='instance-'] [role='cell']").nth(5)).to_have_text("1")
+
+    # Deactivated meanwhile: the page stops saying "live" and says why.
+    deactivate_person(stack.control_plane, READER)
+    expect(page.locator("#live")).to_contain_text("deactivated", timeout=20_000)
 
 
 def test_an_anonymous_visit_is_sent_to_the_login_page(live_fleet: LiveFleet, anonymous: BrowserContext) -> None:

@@ -119,6 +119,6 @@ def test_an_unreachable_or_malformed_gateway_url_is_a_sentence(monkeypatch: pyte
     )
 
 
-def test_the_overview_loads_the_gateway_section_after_the_page() -> None:
+def test_the_overview_loads_the_gateway_section_after_the_page_and_again_every_few_seconds() -> None:
     html = logged_in(Role.READ_ONLY).get("/").content.decode()
-    assert '<section id="gateway" hx-get="/gateway/" hx-trigger="load">' in html
+    assert '<section id="gateway" hx-get="/gateway/" hx-trigger="load, every 5s">' in html

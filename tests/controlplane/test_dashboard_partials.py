@@ -270,7 +270,10 @@ def test_the_model_table_lists_the_catalog_with_each_models_pipeline_count() -> 
     ("render", "empty"),
     [
         (functools.partial(partials.render_node_table, can_act=True), "No nodes yet: start an agent with"),
-        (functools.partial(partials.render_pipeline_table, can_act=True), "No pipelines yet: deploy a model with the form on the"),
+        (
+            functools.partial(partials.render_pipeline_table, can_act=True),
+            "No pipelines yet: deploy a model with the form on the",
+        ),
         (partials.render_download_table, "No downloads yet"),
         (partials.render_model_table, "No models yet."),  # the hint about the form is for pages that have it
     ],
@@ -416,3 +419,11 @@ def test_more_cpu_instances_than_a_nodes_cpus_are_placed_with_a_warning_on_the_n
     assert warning in partials.render_instance(pipeline.instances.first().pk)  # type: ignore[union-attr]
     scale_pipeline(TEST_ACTOR, pipeline, 2)
     assert "CPU instances on" not in partials.render_node(node.pk, can_act=True)  # the 2 stopping ones no longer count
+
+
+def test_an_engine_that_reports_no_kv_figures_says_so_instead_of_leaving_the_charts_unexplained() -> None:
+    instance = ready_instance()
+    llama_cpp = partials.render_instance_load(instance.pk, {"at": 1700000000.0, "active_requests": 2})
+    assert "the engine reports no KV cache figures" in llama_cpp and "<strong>2</strong> active" in llama_cpp
+    mocker = partials.render_instance_load(instance.pk, {"kv_usage": 0.5, "prefix_hit_rate": 0.25})
+    assert "reports no KV" not in mocker

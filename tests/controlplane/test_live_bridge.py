@@ -30,7 +30,8 @@ from controlplane.live.bridge import (
     Watched,
     read_directory,
 )
-from controlplane.live.groups import pipeline_group
+from controlplane.live.fleet_load import summarise as summarise_fleet
+from controlplane.live.groups import LOAD, pipeline_group
 from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.kv.events import BlockRemoved, BlockStored, KvEventBatch, TierLoad, WorkerLoad
 from runtime.supervision import Supervisor
@@ -146,6 +147,42 @@ async def test_a_worker_load_on_nats_reaches_its_pipelines_group_as_the_load_par
     await publish_load(running_bridge.worker, rows.b.namespace, WorkerLoad(instance_id=ENDPOINT_B, active_requests=9))
     first_on_b = await receive_load(layer, on_b)
     assert first_on_b["instance"] == rows.b_instance.pk
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_workers_loads_reach_the_overview_as_each_pipelines_kv_figures(running_bridge: Running) -> None:
+    rows = await database_sync_to_async(give_endpoint_ids)()
+    layer = running_bridge.layer
+    overview = await layer.new_channel()
+    await layer.group_add(LOAD, overview)
+    await _until_bridge_subscribed(running_bridge)
+
+    await publish_load(running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, kv_usage=0.37))
+    # llama.cpp's workers report requests only: the overview says the engine reports no KV figures.
+    await publish_load(running_bridge.worker, rows.b.namespace, WorkerLoad(instance_id=ENDPOINT_B, active_requests=2))
+    while True:
+        pushed = await receive_load(layer, overview)
+        if "beta" in pushed["html"] and "alpha" in pushed["html"]:
+            break
+    assert 'id="fleet-kv"' in pushed["html"]
+    alpha, beta = (
+        re.search(rf'data-pipeline="{pk}">(.*?)</div>\s*</div>', pushed["html"], re.S) for pk in (rows.a.pk, rows.b.pk)
+    )
+    assert alpha and "<strong>37%</strong>" in alpha.group(0)
+    assert beta and "the engine reports none" in beta.group(0) and "2 active" in beta.group(0)
+
+
+def test_the_overviews_figures_are_means_of_the_kv_use_and_sums_of_the_requests() -> None:
+    loads = [
+        (1, {"kv_usage": 0.2, "prefix_hit_rate": 0.5, "running": 2, "waiting": 1, "tokens_per_s": 100.0}),
+        (1, {"kv_usage": 0.4, "running": 3, "waiting": 0, "tokens_per_s": 50.0}),
+        (2, {"active_requests": 4, "kv_usage": float("nan")}),
+    ]
+    summary = summarise_fleet(loads)
+    assert summary[1] == pytest.approx(
+        {"instances": 2, "kv_usage": 0.3, "prefix_hit_rate": 0.5, "running": 5, "waiting": 1, "tokens_per_s": 150}
+    )
+    assert summary[2] == {"instances": 1, "active_requests": 4}
 
 
 @pytest.mark.django_db(transaction=True)

@@ -135,7 +135,8 @@ async def test_sockets_that_heard_of_a_change_share_one_render_of_it() -> None:
     renders = SharedRenders()
     heard_at = asyncio.get_running_loop().time()
     first, second = await asyncio.gather(
-        renders.render([(("node", node.pk), heard_at)], can_act=True), renders.render([(("node", node.pk), heard_at)], can_act=True)
+        renders.render([(("node", node.pk), heard_at)], can_act=True),
+        renders.render([(("node", node.pk), heard_at)], can_act=True),
     )
     assert first == second
     assert f'id="node-{node.pk}"' in first

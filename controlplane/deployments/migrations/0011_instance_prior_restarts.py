@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('deployments', '0010_pipeline_name_unique_ignoring_case'),
+        ("deployments", "0010_pipeline_name_unique_ignoring_case"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='instance',
-            name='prior_restarts',
+            model_name="instance",
+            name="prior_restarts",
             field=models.PositiveIntegerField(default=0),
         ),
     ]
