@@ -125,9 +125,9 @@ def test_pages_that_show_live_data_connect_to_their_websocket_naming_only_what_t
     for page, shown in topics.items():
         assert f'hx-ext="ws" ws-connect="/ws/fleet/?topics={shown}"' in browser.get(page).content.decode()
     # The overview's recent events are for those who may read the audit log.
-    assert 'ws-connect="/ws/fleet/?topics=nodes,pipelines"' in browser.get("/").content.decode()
+    assert 'ws-connect="/ws/fleet/?topics=nodes,pipelines,load"' in browser.get("/").content.decode()
     operator = logged_in(Role.OPERATOR).get("/").content.decode()
-    assert 'ws-connect="/ws/fleet/?topics=nodes,pipelines,audit"' in operator
+    assert 'ws-connect="/ws/fleet/?topics=nodes,pipelines,load,audit"' in operator
     detail = browser.get(f"/pipelines/{fleet['pipeline']}/").content.decode()
     assert f'hx-ext="ws" ws-connect="/ws/pipelines/{fleet["pipeline"]}/"' in detail
 

@@ -45,8 +45,8 @@ async def _first_push(path: str, role: Role, username: str) -> str:
 async def test_a_read_only_persons_socket_pushes_rows_without_controls_and_an_operators_with_them() -> None:
     rows = await database_sync_to_async(two_placed_pipelines)()
     await database_sync_to_async(make_node)("gpu-b")
-    for path in (f"/ws/pipelines/{rows.a.pk}/", "/ws/fleet/?topics=nodes,pipelines"):
-        reader = await _first_push(path, Role.READ_ONLY, "rita")
-        operator = await _first_push(path, Role.OPERATOR, "olive")
+    for number, path in enumerate((f"/ws/pipelines/{rows.a.pk}/", "/ws/fleet/?topics=nodes,pipelines")):
+        reader = await _first_push(path, Role.READ_ONLY, f"rita-{number}")
+        operator = await _first_push(path, Role.OPERATOR, f"olive-{number}")
         assert CONTROL.search(operator), f"an operator's {path} push has no control"
         assert not CONTROL.search(reader), f"a read-only person's {path} push has {CONTROL.findall(reader)}"

@@ -157,7 +157,9 @@ async def test_workers_loads_reach_the_overview_as_each_pipelines_kv_figures(run
     await layer.group_add(LOAD, overview)
     await _until_bridge_subscribed(running_bridge)
 
-    await publish_load(running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, kv_usage=0.37))
+    await publish_load(
+        running_bridge.worker, rows.a.namespace, WorkerLoad(instance_id=ENDPOINT_A, active_requests=1, kv_usage=0.37)
+    )
     # llama.cpp's workers report requests only: the overview says the engine reports no KV figures.
     await publish_load(running_bridge.worker, rows.b.namespace, WorkerLoad(instance_id=ENDPOINT_B, active_requests=2))
     while True:

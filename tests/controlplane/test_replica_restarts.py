@@ -8,7 +8,7 @@ from controlplane.deployments import evacuation
 from controlplane.deployments import instances as instance_actions
 from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.instance_states import InstanceState
-from controlplane.deployments.models import Instance
+from controlplane.deployments.models import Instance, Pipeline
 from controlplane.deployments.upkeep import place_pending_instances
 from tests.controlplane.factories import TEST_ACTOR, deploy, make_node, run_instance
 
@@ -23,9 +23,16 @@ def restarts_cell(instance: Instance) -> str:
 
 
 def place_and_run_all() -> list[Instance]:
+    """Place the pending instances and bring them to ready, as their agents would report them."""
     place_pending_instances(TEST_ACTOR)
-    pending = Instance.objects.select_related("node", "pipeline", "group").filter(state=S.PENDING)
-    return [run_instance(instance) for instance in pending]
+    placed = Instance.objects.select_related("node", "pipeline", "group").filter(state=S.PENDING, node__isnull=False)
+    return [run_instance(instance) for instance in placed.order_by("replica")]
+
+
+def stop(pipeline: Pipeline) -> None:
+    """Stop the pipeline, its agents confirming each instance stopped."""
+    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    Instance.objects.filter(state=S.STOPPING).update(state=S.STOPPED, node=None, gpu_indexes=[])
 
 
 def test_the_replacement_of_a_restarted_only_replica_counts_the_restart() -> None:
@@ -47,12 +54,12 @@ def test_a_stop_and_start_of_the_pipeline_counts_a_restart_of_each_replica() -> 
     pipeline = deploy("chat", replicas=2, gpus_per_replica=1)
     place_and_run_all()
 
-    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    stop(pipeline)
     pipeline_actions.start_pipeline(TEST_ACTOR, pipeline)
     started = place_and_run_all()
     assert [instance.replica_restarts for instance in started] == [1, 1]
 
-    pipeline_actions.stop_pipeline(TEST_ACTOR, pipeline)
+    stop(pipeline)
     pipeline_actions.start_pipeline(TEST_ACTOR, pipeline)
     again = place_and_run_all()
     assert sorted(restarts_cell(instance) for instance in again) == ["2", "2"]
