@@ -8,15 +8,28 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db.models import Count, OuterRef, Prefetch, Q, QuerySet, Subquery
+from django.db.models import Count, Exists, OuterRef, Prefetch, Q, QuerySet, Subquery
 
 from controlplane.catalog.models import LanguageModel
 from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
-from controlplane.deployments.models import Instance, Pipeline
+from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
 from controlplane.fleet.models import Download, Gpu, Node
 
 # Instances that no longer count: the page lists them only on the pipeline's own page.
 _GONE = (InstanceState.STOPPED, InstanceState.STOPPING)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A worker group's rolling update under way (docs/controlplane.md): its live instances still on the
+    settings before ``generation`` (old) and those started with them (new), and how many of each serve."""
+
+    role: str
+    generation: int
+    old: int
+    old_ready: int
+    new: int
+    new_ready: int
 
 
 @dataclass(frozen=True)
@@ -32,8 +45,7 @@ class PipelineRow:
     ready: int
     states: dict[str, int]  # live instances by state, for the ones not ready yet
     reasons: list[str] = field(default_factory=list)  # why instances are pending or failed
-    outdated: int = 0  # live instances of an older configuration, which a rolling update replaces
-    live: int = 0
+    rollouts: list[Rollout] = field(default_factory=list)  # one per group with a rolling update under way
 
     @property
     def stopped(self) -> bool:
@@ -80,23 +92,38 @@ def pipeline_rows(pipelines: Iterable[Pipeline]) -> list[PipelineRow]:
         groups = list(pipeline.groups.all())
         desired = sum(group.replicas for group in groups)
         engines = sorted({group.engine for group in groups})
-        generations = {group.pk: group.generation for group in groups}
         running = [i for i in instances if i.state in LIVE_STATES]
-        outdated = sum(1 for i in running if i.generation < generations.get(i.group_id, 0))
-        rows.append(
-            PipelineRow(
-                pipeline, engines, desired, ready, dict(sorted(states.items())), reasons, outdated, len(running)
-            )
-        )
+        rollouts = [rollout for group in groups if (rollout := _rollout(group, running)) is not None]
+        rows.append(PipelineRow(pipeline, engines, desired, ready, dict(sorted(states.items())), reasons, rollouts))
     return rows
 
 
+def _rollout(group: WorkerGroup, running: list[Instance]) -> Rollout | None:
+    """``group``'s rolling update, from its pipeline's live instances; None when none of them is outdated."""
+    mine = [i for i in running if i.group_id == group.pk]
+    old = [i for i in mine if i.generation < group.generation]
+    if not old:
+        return None
+    new = [i for i in mine if i.generation >= group.generation]
+
+    def ready(instances: list[Instance]) -> int:
+        return sum(1 for i in instances if i.state == InstanceState.READY)
+
+    return Rollout(group.role, group.generation, len(old), ready(old), len(new), ready(new))
+
+
 def instances_with_places() -> QuerySet[Instance]:
-    """Instances with what their name and row need (pipeline, group, node, and ``node_cpu_instances``: the CPU
-    instances on their node) in the same query."""
+    """Instances with what their name and row need (pipeline, group, node, ``node_cpu_instances``: the CPU
+    instances on their node, and ``group_rolling``: whether their group has a rolling update under way, a live
+    instance older than its settings) in the same query."""
     on_node = Instance.objects.filter(_CPU_INSTANCES, node=OuterRef("node")).order_by().values("node")
     count = Subquery(on_node.annotate(count=Count("pk")).values("count"))
-    return Instance.objects.select_related("pipeline", "group", "node").annotate(node_cpu_instances=count)
+    outdated = Instance.objects.filter(
+        group=OuterRef("group"), state__in=LIVE_STATES, generation__lt=OuterRef("group__generation")
+    )
+    return Instance.objects.select_related("pipeline", "group", "node").annotate(
+        node_cpu_instances=count, group_rolling=Exists(outdated)
+    )
 
 
 def pipeline_instances(pipeline: Pipeline) -> list[Instance]:

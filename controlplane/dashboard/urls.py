@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
-from controlplane.dashboard import api_keys, batches, controls, health_banner, people, views
+from controlplane.dashboard import api_keys, batches, controls, edits, health_banner, people, views
 from controlplane.dashboard.login import LoginView
 
 
@@ -27,8 +27,11 @@ urlpatterns = [
     path("gateway/", views.gateway_section, name="gateway"),
     path("models/", views.models_page, name="models"),
     path("models/<row_id:pk>/", views.model_page, name="model"),
+    path("models/<row_id:pk>/delete/", edits.model_delete, name="model-delete"),
     path("pipelines/", views.pipelines_page, name="pipelines"),
     path("pipelines/<row_id:pk>/", views.pipeline_page, name="pipeline"),
+    path("pipelines/<row_id:pk>/edit/", edits.pipeline_edit, name="pipeline-edit"),
+    path("pipelines/<row_id:pk>/delete/", edits.pipeline_delete, name="pipeline-delete"),
     path("pipelines/<row_id:pk>/scale/", controls.pipeline_scale, name="pipeline-scale"),
     path("pipelines/<row_id:pk>/planner/", controls.pipeline_planner, name="pipeline-planner"),
     path("pipelines/<row_id:pk>/stop/", controls.pipeline_stop, name="pipeline-stop"),

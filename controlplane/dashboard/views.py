@@ -128,7 +128,8 @@ def model_page(request: HttpRequest, pk: int) -> HttpResponseBase:
                 return redirect("dashboard:model", pk=model.pk)
         status = 400
     document = json.dumps(model.profile, indent=2) if model.profile is not None else ""
-    context = {"model": model, "form": form, "document": document}
+    pipelines = list(model.pipelines.order_by("name").only("pk", "name"))
+    context = {"model": model, "form": form, "document": document, "pipelines": pipelines}
     return render_page(request, "dashboard/model.html", context, status=status)
 
 

@@ -41,6 +41,8 @@ from controlplane.live.publisher import Publisher
 log = logging.getLogger(__name__)
 
 Notice = tuple[Kind, int, frozenset[str]]
+# The actions that may start a rolling update (their instances' rows then read "old settings").
+_ROLLOUT_ACTIONS = frozenset({"pipeline.update", "pipeline.update_group"})
 _WATCHED: tuple[type[models.Model], ...] = (LanguageModel, Node, Gpu, Pipeline, WorkerGroup, Instance, Download)
 
 
@@ -129,6 +131,9 @@ def notices_of_entry(entry: AuditEntry) -> Iterator[Notice]:
         yield from _pipeline(target, joined_or_left=created_or_deleted)
         if entry.action == "pipeline.update":  # the planner's targets may have changed
             yield from _planner(target)
+        if entry.action in _ROLLOUT_ACTIONS:
+            # A new generation makes the running instances old ones at once (a bulk update, no row saved).
+            yield "instances", target, frozenset({pipeline_group(target)})
     elif kind == "download":
         yield from _download(target, joined_or_left=created_or_deleted)
     elif kind == "instance":

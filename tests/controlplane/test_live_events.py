@@ -6,7 +6,7 @@ import pytest
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
-from controlplane.deployments.pipelines import delete_pipeline, scale_pipeline, stop_pipeline
+from controlplane.deployments.pipelines import delete_pipeline, scale_pipeline, stop_pipeline, update_group
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Download
 from controlplane.live.events import Notice, notices_of_entry, notices_of_row
@@ -43,6 +43,15 @@ def test_a_scaled_pipeline_tells_its_row_alone() -> None:
     notices = entry_notices("pipeline.scale")
     assert notices[("pipeline", pipeline.pk)] == {PIPELINES, pipeline_group(pipeline.pk)}
     assert ("pipelines", FLEET_LIST) not in notices and ("models", FLEET_LIST) not in notices
+
+
+def test_an_update_its_workers_restart_for_tells_its_page_the_instance_list() -> None:
+    pipeline = deploy("alpha")
+    update_group(TEST_ACTOR, pipeline, engine_args={"speedup_ratio": 2})
+    # Every running instance is an old one now: their rows say so without waiting for a row of their own.
+    notices = entry_notices("pipeline.update_group")
+    assert notices[("instances", pipeline.pk)] == {pipeline_group(pipeline.pk)}
+    assert notices[("pipeline", pipeline.pk)] == {PIPELINES, pipeline_group(pipeline.pk)}
 
 
 def test_a_deleted_pipeline_tells_the_fleet_its_list() -> None:
