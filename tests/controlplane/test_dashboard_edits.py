@@ -243,6 +243,8 @@ def test_read_only_people_get_no_edit_or_delete_controls_in_the_html() -> None:
     operator = logged_in(Role.OPERATOR)
     assert f"/pipelines/{pipeline.pk}/edit/" in operator.get(f"/pipelines/{pipeline.pk}/").content.decode()
     assert f"/models/{model.pk}/delete/" in operator.get(f"/models/{model.pk}/").content.decode()
+    edit_page = operator.get(f"/pipelines/{pipeline.pk}/edit/")
+    assert edit_page.status_code == 200 and 'name="aggregated-engine_args"' in edit_page.content.decode()
 
 
 def test_read_only_people_get_403_from_edit_and_delete_and_nothing_changes() -> None:
