@@ -169,14 +169,14 @@ def test_the_rollout_shows_which_instances_are_old_and_new_and_which_are_ready()
     assert "Rolling update: 2 old (2 ready), 1 new (0 ready)" in page
     run_instance(new)
     # What a live push sends: each instance's row and the pipeline's row, rendered again.
-    assert "new settings" in partials.render_instance(new.pk)
-    assert "old settings" in partials.render_instance(old[1].pk)
-    assert "2 old (2 ready), 1 new (1 ready)" in partials.render_pipeline_row(pipeline.pk)
+    assert "new settings" in partials.render_instance(new.pk, can_act=True)
+    assert "old settings" in partials.render_instance(old[1].pk, can_act=True)
+    assert "2 old (2 ready), 1 new (1 ready)" in partials.render_pipeline_row(pipeline.pk, can_act=True)
 
     # Once no old instance is left, the labels and the summary go.
     Instance.objects.filter(generation=1).update(state=InstanceState.STOPPED)
-    assert "settings" not in partials.render_instance(new.pk)
-    assert "Rolling update" not in partials.render_pipeline_row(pipeline.pk)
+    assert "settings" not in partials.render_instance(new.pk, can_act=True)
+    assert "Rolling update" not in partials.render_pipeline_row(pipeline.pk, can_act=True)
 
 
 def test_a_running_pipeline_is_not_deleted_and_the_note_says_stop_it_first() -> None:
