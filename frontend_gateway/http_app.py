@@ -34,6 +34,7 @@ from frontend_gateway.answers import (
     response_id,
 )
 from frontend_gateway.control_plane_proxy import ControlPlaneProxy
+from frontend_gateway.cors import CorsPolicy, is_preflight
 from frontend_gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -123,8 +124,11 @@ class GatewayApp:
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
         control_plane: ControlPlaneProxy | None = None,
         image_limits: ImageLimits | None = None,
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         self.models = models
+        #: The origins whose pages may call the gateway from a browser (frontend_gateway/cors.py); none by default.
+        self.cors = CorsPolicy(allowed_origins)
         #: Loads chat requests' images (data URIs, http(s) URLs); its client is closed with the app.
         self.images = ImageLoader(image_limits)
         self.metrics = metrics or GatewayMetrics()
@@ -170,6 +174,12 @@ class GatewayApp:
             await self._run_lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        origin = header(scope, b"origin") if self.cors else None
+        if origin is not None:
+            if is_preflight(scope):
+                await self.cors.preflight(scope, send, origin.decode("latin-1"))
+                return
+            send = self.cors.answering(send, origin.decode("latin-1"))
         deadline = self.slow_clients.watch_sends(scope, send)
         try:
             await self._serve(scope, receive, deadline.send)

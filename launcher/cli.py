@@ -145,6 +145,10 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             "--control-plane (FLOTILLA_CONTROL_PLANE) is for the ingress (in=http out=dyn): it passes the Batch "
             f"API on to the control plane, which out={output} has none of"
         )
+    if namespace.allowed_origins and input_ != "http":
+        parser.error(
+            f"--allowed-origins (FLOTILLA_ALLOWED_ORIGINS) lets web pages call the HTTP API; in={input_} serves none"
+        )
     if namespace.quota_redis is not None and namespace.api_keys_secret_file is None:
         parser.error("--quota-redis (FLOTILLA_QUOTA_REDIS_URL) counts API keys' use: give --api-keys-secret-file too")
     if namespace.max_concurrent_per_key is not None and namespace.api_keys_secret_file is None:
@@ -182,6 +186,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         http_host=namespace.http_host,
         http_port=namespace.http_port,
         max_body_bytes=namespace.max_body_bytes,
+        allowed_origins=namespace.allowed_origins,
         body_timeout_s=namespace.body_timeout,
         send_timeout_s=namespace.send_timeout,
         image_limits=ImageLimits(

@@ -36,6 +36,7 @@ class RunOptions:
     http_host: str = "127.0.0.1"
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    allowed_origins: tuple[str, ...] = ()  # in=http: web origins whose pages may call the API (CORS)
     body_timeout_s: float = 60.0  # in=http: a request body arrives whole within this, else 408
     send_timeout_s: float = 60.0  # in=http: a client that takes none of its response this long is dropped
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # in=http: chat requests' images

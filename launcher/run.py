@@ -311,6 +311,7 @@ async def run(options: RunOptions) -> int:
                 image_limits=options.image_limits,
                 limits=admission_limits(options),
                 reuse_port=options.reuse_port,
+                allowed_origins=options.allowed_origins,
             )
             return exit_code_after(stopped_by)
         if options.input == "text":
@@ -429,6 +430,7 @@ async def run_ingress(options: RunOptions) -> int:
             send_timeout_s=options.send_timeout_s,
             image_limits=options.image_limits,
             limits=admission_limits(options),
+            allowed_origins=options.allowed_origins,
             metrics=metrics,
             stop=stop,
             reuse_port=options.reuse_port,

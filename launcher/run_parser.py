@@ -106,6 +106,18 @@ _leader_address = checked_by(LeaderAddress.parse)
 _positive_share_of_step = number(0.0, above_minimum=True)
 
 
+def _origin_list(text: str) -> tuple[str, ...]:
+    """Web origins (``--allowed-origins``), comma-separated: each ``*`` or scheme://host[:port]."""
+    origins = tuple(part.strip().rstrip("/") for part in text.split(",") if part.strip())
+    for origin in origins:
+        scheme, separator, rest = origin.partition("://")
+        if origin != "*" and (scheme not in ("http", "https") or not separator or not rest or "/" in rest):
+            raise argparse.ArgumentTypeError(
+                f"{origin!r} is not an origin: give scheme://host[:port] (e.g. http://127.0.0.1:8000), or *"
+            )
+    return origins
+
+
 def _domain_list(text: str) -> tuple[str, ...]:
     """Host names, comma-separated (``--image-domains``), lower-cased."""
     return tuple(name.strip().lower().rstrip(".") for name in text.split(",") if name.strip())
@@ -230,6 +242,14 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
         type=_positive_int,
         default=8 * 1024 * 1024,
         help="largest request body accepted, else 413 (default 8 MiB)",
+    )
+    parser.add_flag(
+        "--allowed-origins",
+        env="FLOTILLA_ALLOWED_ORIGINS",
+        type=_origin_list,
+        default=(),
+        help="in=http: the origins (scheme://host:port, comma-separated; * for any) whose web pages may call the "
+        "API from a browser (CORS), e.g. the dashboard's for its playground; none by default",
     )
     parser.add_flag(
         "--body-timeout",

@@ -117,6 +117,7 @@ async def serve_http(
     served_names: ServedNames | None = None,
     max_concurrent_per_key: int | None = None,
     control_plane: ControlPlaneProxy | None = None,
+    allowed_origins: tuple[str, ...] = (),
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
@@ -138,6 +139,7 @@ async def serve_http(
         served_names=served_names,
         max_concurrent_per_key=max_concurrent_per_key,
         control_plane=control_plane,
+        allowed_origins=allowed_origins,
     )
     config = uvicorn.Config(
         app,

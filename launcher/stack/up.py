@@ -486,6 +486,9 @@ class Stack:
         gateway_argv = [sys.executable, "-m", "launcher.cli", "run", "in=http", "out=dyn"]
         gateway_argv += ["--http-host", "127.0.0.1", "--http-port", str(options.http_port)]
         gateway_argv += ["--control-plane", control_plane]  # /v1/files and /v1/batches are the control plane's
+        # The dashboard's pages (its playground) call the API from the browser: its origin, as people open it.
+        dashboard = f"http://127.0.0.1:{options.control_plane_port},http://localhost:{options.control_plane_port}"
+        gateway_argv += ["--allowed-origins", dashboard]
         if options.api_keys:
             gateway_argv += ["--api-keys-secret-file", control_plane_env["FLOTILLA_API_KEYS_SECRET_FILE"]]
             gateway_argv += ["--quota-redis", redis_url]  # keys' limits shared, usage recorded

@@ -92,7 +92,9 @@ class FleetStack:
     def start(self) -> None:
         """The gateway, control plane, reconciler and both agents (registered)."""
         # The gateway first (it needs only etcd and NATS), so that the dashboard's overview knows where it is.
-        self.gateway = start_server(["out=dyn"], self.directory / "gateway.log", env=self.serving_env())
+        # The dashboard's playground calls the gateway from the browser: the control plane's origin may (CORS).
+        allowed = {"FLOTILLA_ALLOWED_ORIGINS": self.control_plane.url}
+        self.gateway = start_server(["out=dyn"], self.directory / "gateway.log", env=self.serving_env() | allowed)
         self.control_plane.env["FLOTILLA_GATEWAY_URL"] = self.gateway.base_url
         self.start_control_plane()
         for node in NODES:

@@ -107,6 +107,8 @@ def test_parsers_are_named_by_flag_or_variable(monkeypatch: pytest.MonkeyPatch) 
         (["run", "--reasoning-parser", "deepseek"], "invalid choice: 'deepseek'"),
         (["run", "--tool-call-parser", "json"], "invalid choice: 'json'"),
         (["run", "--mmproj", "/nonexistent.gguf"], "/nonexistent.gguf is not a file"),
+        (["run", "in=http", "--allowed-origins", "127.0.0.1:8000"], "'127.0.0.1:8000' is not an origin"),
+        (["run", "--allowed-origins", "http://127.0.0.1:8000"], "in=text serves none"),
         (["run", "out=mocker", "--mmproj", __file__], "out=mocker does not take one"),
         (["serve"], "unknown command 'serve'"),
         (["run", "in=http", "out=dyn", "--control-plane", "cp:8000"], "'cp:8000' is not an http(s) URL with a host"),
