@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
-from controlplane.dashboard import api_keys, batches, controls, edits, health_banner, people, views
+from controlplane.dashboard import api_keys, batches, controls, edits, health_banner, people, playground, views
 from controlplane.dashboard.login import LoginView
 
 
@@ -57,4 +57,5 @@ urlpatterns = [
     path("api-keys/<row_id:pk>/revoke/", api_keys.api_key_revoke, name="api-key-revoke"),
     path("usage/", api_keys.usage_page, name="usage"),
     path("batches/", batches.batches_page, name="batches"),
+    path("playground/", playground.playground_page, name="playground"),
 ]
