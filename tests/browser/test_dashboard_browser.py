@@ -152,6 +152,19 @@ def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
         expect(overview.locator("[id^='node-']")).to_have_count(2)
         screenshot(overview, "nodes")
         overview.close()
+
+        # The playground, in another tab: a message sent from the browser to the gateway streams back.
+        playground = page.context.new_page()
+        playground.goto(base + "/playground/")
+        playground.locator("#pg-model").select_option(SERVED)
+        playground.locator("#pg-key").fill("sk-flt-any")  # this fleet's gateway asks for no key
+        playground.locator("#pg-message").fill("Hello from the playground")
+        playground.get_by_role("button", name="Send").click()
+        expect(playground.locator("#pg-send")).to_be_enabled()  # the answer has ended
+        expect(playground.locator("#pg-error")).to_be_empty()
+        expect(playground.locator("#pg-answer")).not_to_be_empty()
+        expect(playground.locator("#pg-stats")).to_contain_text("completion tokens")
+        playground.close()
     assert traffic.answered > 0 and not traffic.failures, (traffic.answered, traffic.failures)
 
     # Stop the pipeline: its instances stop and leave the page's list.
