@@ -73,7 +73,7 @@ from frontend_gateway.openai_api import tokenize as tokenization
 from frontend_gateway.openai_api.continuous_usage import with_usage_in_every_chunk
 from frontend_gateway.openai_api.embeddings import EmbeddingRequest
 from frontend_gateway.openai_api.image_limits import ImageLimits
-from frontend_gateway.openai_api.images import ImageLoader, image_parts, refuse_images
+from frontend_gateway.openai_api.images import ImageLoader, ImagePart, LoadedImage, image_parts, refuse_images
 from frontend_gateway.openai_api.logprobs import CompletionLogprobs, chat_logprobs
 from frontend_gateway.openai_api.responses_api import ResponseBuilder, ResponsesRequest
 from frontend_gateway.openai_api.types import (
@@ -461,11 +461,7 @@ class GatewayApp:
         parts = image_parts(request)
         disagg = _disagg_override(scope)
         model = await self._find_model(request.model, scope)
-        card = model.card if isinstance(model, TokenModel) else None
-        refuse_images(parts, model=model.name, vision=card is not None and card.vision)
-        await self._charge(scope)
-        # Before a slot is taken: an image URL slow to answer holds no generation slot.
-        images = await self.images.load(parts)
+        images = await self._load_images(scope, model, parts)
         await self._admit(receive)
         try:
             if (request.n or 1) > 1:
@@ -595,6 +591,14 @@ class GatewayApp:
         await self._charge(scope)
         await self._send_json(send, msgspec.json.encode(tokenization.detokenize(model, request)))
 
+    async def _load_images(self, scope: Scope, model: ServedModel, parts: list[ImagePart]) -> list[LoadedImage]:
+        """A chat request's images for ``model``: refused for a model that takes none (before the request is
+        charged), else loaded before a generation slot is taken, so that an image URL slow to answer holds none."""
+        card = model.card if isinstance(model, TokenModel) else None
+        refuse_images(parts, model=model.name, vision=card is not None and card.vision)
+        await self._charge(scope)
+        return await self.images.load(parts)
+
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /v1/responses``: the Responses API over the chat pipeline (openai_api/responses_api.py)."""
         request: ResponsesRequest = decode_body(responses_api.decoder, await self._read_body(scope, receive))
@@ -605,10 +609,7 @@ class GatewayApp:
         parts = image_parts(chat)  # input_image parts, as chat's image_url parts
         disagg = _disagg_override(scope)
         model = await self._find_model(chat.model, scope)
-        card = model.card if isinstance(model, TokenModel) else None
-        refuse_images(parts, model=model.name, vision=card is not None and card.vision)
-        await self._charge(scope)
-        images = await self.images.load(parts)  # before a slot is taken, as for chat
+        images = await self._load_images(scope, model, parts)
         await self._admit(receive)
         try:
             generation = await model.prepare_chat(chat, images)

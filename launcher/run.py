@@ -208,6 +208,7 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
     ids by Flotilla's preprocessor, placed on the GPUs and memory share the flags give."""
     from engines.sglang import engine as sglang
     from engines.shared.gpu_engine_args import GpuPlacement
+    from engines.shared.grammar_constraints import GUIDED_KINDS
     from engines.trtllm import engine as trtllm
 
     output = options.output
@@ -230,18 +231,13 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
     engine: sglang.SglangEngine | trtllm.TrtLlmEngine
     if output == "sglang":
-        from engines.shared.grammar_constraints import GUIDED_KINDS as SGLANG_GUIDED_KINDS
-
         engine = sglang.SglangEngine(path, placement, extra, options.node_group, role=options.disagg_role)
-        # SGLang reports the output's log probabilities and follows JSON schemas, regexes, choices and grammars
-        # by its grammar backend (engines/sglang/requests.py).
-        card = card.replace(logprobs=True, structured_output=True, guided_decoding=SGLANG_GUIDED_KINDS)
+        card = card.replace(logprobs=True)  # SGLang reports the output's log probabilities
     else:
-        from engines.shared.grammar_constraints import GUIDED_KINDS as TRTLLM_GUIDED_KINDS
-
         engine = trtllm.TrtLlmEngine(path, placement, extra, role=options.disagg_role)
-        # TensorRT-LLM follows JSON schemas, regexes, choices and grammars by its grammar backend (xgrammar).
-        card = card.replace(structured_output=True, guided_decoding=TRTLLM_GUIDED_KINDS)
+    # Both follow JSON schemas, regexes, choices and grammars by their grammar backends
+    # (engines/shared/grammar_constraints.py).
+    card = card.replace(structured_output=True, guided_decoding=GUIDED_KINDS)
     # The engine's KV block size goes on the card, so that KV routers name blocks as its events do.
     card = card.replace(kv_cache_block_size=engine.block_size)
     return TokenModel(card, engine), engine
