@@ -36,6 +36,7 @@ from runtime.kv.load_metrics import (
 )
 from runtime.kv.phases import PhaseCounters
 from runtime.kv.publisher import KvEventPublisher, start_kv_publishing
+from runtime.lora import LoraInfo
 from runtime.models.card import ModelCard, ModelType
 from runtime.protocol import DisaggRole
 from runtime.request_plane import EndpointServer, Handler
@@ -118,6 +119,9 @@ class ModelEntry(msgspec.Struct, kw_only=True):
     #: if it says: what a prefill worker's in-flight prompt tokens are measured against (``--disagg-policy
     #: load``). None: unknown, and such a worker never counts as busy with prefills.
     prefill_token_capacity: int | None = None
+    #: Set on the entry of a LoRA adapter the instance serves beside its base model (runtime/lora.py): its
+    #: card is the base model's under the adapter's name. None: the base model.
+    lora: LoraInfo | None = None
 
 
 class Namespace:
