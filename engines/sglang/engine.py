@@ -47,7 +47,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engines.sglang.aborts import Aborts
 from engines.sglang.disagg import (
@@ -70,6 +70,9 @@ from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
 from runtime.kv.events import BlockStored, KvEventSink, Medium, WorkerLoad
 from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +191,9 @@ def engine_kwargs(
         # Each chunk holds only its new tokens: SGLang's default copies the whole output list into every chunk,
         # quadratic in the answer's length (new_tokens reads either).
         "incremental_streaming_output": True,
+        # SGLang's own metrics (sglang:*), which the worker's /metrics serves after its own (metrics.py); a
+        # worker may turn them off with the engine argument.
+        "enable_metrics": True,
         **engine_args,
     }
     if placement.context_length is not None:
@@ -337,6 +343,8 @@ class SglangEngine:
         self._subscribers: list[ZmqSubscriber] = []
         self._aborts: Aborts | None = None
         self._active = 0
+        self._metrics_enabled = False
+        self._metrics: CollectorRegistry | None = None
 
     async def start(self) -> None:
         try:
@@ -355,6 +363,7 @@ class SglangEngine:
             self._engine = sglang.Engine(**kwargs)
         except Exception as exc:  # SGLang raises what its model loader, CUDA or its arguments raise
             raise ModelError(f"SGLang could not load {self.model_path}: {exc}") from exc
+        self._metrics_enabled = bool(kwargs.get("enable_metrics"))
         loop = asyncio.get_running_loop()
         self._settle_page_size()
         start_handle_loop(self._engine, loop)
@@ -392,6 +401,17 @@ class SglangEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+    def prometheus_registry(self) -> "CollectorRegistry | None":
+        """The registry of SGLang's own metrics (``sglang:*``, engines/sglang/metrics.py), as its server's /metrics
+        shows them; None before start, or with ``enable_metrics`` off."""
+        if self._engine is None:
+            return None
+        if self._metrics is None:
+            from engines.sglang.metrics import sglang_registry  # prometheus_client: only for a worker that serves it
+
+            self._metrics = sglang_registry(self._metrics_enabled)
+        return self._metrics
 
     def _publish_batch(self, rank: int, batch: Any) -> None:
         events = translate_batch(batch, self._names[rank])
