@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "controlplane.dashboard",
     "controlplane.live",
     "controlplane.health",
+    "controlplane.traffic",
 ]
 
 MIDDLEWARE = [
