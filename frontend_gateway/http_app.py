@@ -83,6 +83,7 @@ from frontend_gateway.openai_api.types import (
     chat_decoder,
     completion_decoder,
 )
+from frontend_gateway.request_log import CLIENT_CLOSED, LOGGED_ENDPOINTS, TimedMetrics, request_record
 from frontend_gateway.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S, SlowClients
 from runtime.fleet_contract.api_keys import KeyRecord
 
@@ -192,6 +193,8 @@ class GatewayApp:
             deadline.close()
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived, started = time.time(), time.perf_counter()
+        status, error = 200, ""  # what the request log records
         try:
             path = scope["path"].rstrip("/") or "/"
             route = self._routes.get(path)
@@ -218,18 +221,23 @@ class GatewayApp:
                 if counted is not None:
                     self.key_concurrency.leave(counted)
             self._count_usage(scope, failed=scope.get(_STATUS) == "error")
+            error = _ended_by(scope)
         except GatewayError as exc:
+            status, error = int(exc.status), exc.error_type
             self._count_usage(scope, failed=True)
             if exc.status >= 500 and exc.retry_after is None:  # refusals under load are counted, not logged
                 log.warning("%s %s failed: %s (HTTP %d)", scope["method"], scope["path"], exc.message, exc.status)
             await self._send_error(send, exc)
         except ClientDisconnected:
-            pass
+            status, error = CLIENT_CLOSED, "cancelled"
         except Exception:
+            status, error = 500, "internal_error"
             log.exception("unexpected error serving %s", scope.get("path"))
             await self._send_error(send, GatewayError("internal error; see the server log"))
         finally:
             self._release(scope)
+            if self.models.request_log is not None and (endpoint := LOGGED_ENDPOINTS.get(scope["path"])) is not None:
+                self._log_request(scope, endpoint, arrived, time.perf_counter() - started, status, error)
 
     async def _send_error(self, send: Send, exc: GatewayError) -> None:
         self.metrics.error(exc.error_type, int(exc.status))
@@ -415,6 +423,28 @@ class GatewayApp:
             completion_tokens=generation.completion_tokens,
             error=failed,
             reservation=reservation,
+        )
+
+    def _log_request(
+        self, scope: Scope, endpoint: str, arrived: float, duration: float, status: int, error: str
+    ) -> None:
+        """Hand the finished request's record to the request log (frontend_gateway/request_log.py)."""
+        assert self.models.request_log is not None
+        key: KeyRecord | None = scope.get(_API_KEY)
+        generation: Generation | None = scope.get(_GENERATION)
+        model = scope.get(_MODEL) or scope.get(_ASKED)
+        self.models.request_log.add(
+            request_record(
+                arrived,
+                endpoint,
+                status,
+                error,
+                model=model if isinstance(model, str) else "",
+                api_key_id=None if key is None else key.key_id,
+                generation=generation,
+                embedded_tokens=scope.get(_EMBEDDED_TOKENS),
+                duration=duration,
+            )
         )
 
     def _known_name(self, name: str | None) -> str:
@@ -678,7 +708,9 @@ class GatewayApp:
         ("success", "error" or "cancelled"). ``builder`` shapes it as a Responses API answer; a ``batch``
         (whose ``total`` is ``generation``) runs its prompts' generations instead."""
         stream, stream_options = request.stream, request.stream_options
-        model_metrics = self.metrics.for_model(model.name)
+        model_metrics: Any = self.metrics.for_model(model.name)
+        if self.models.request_log is not None:  # its record carries the TTFT and ITL observed
+            model_metrics = TimedMetrics(model_metrics, generation)
         model_metrics.inflight.inc()
         started = time.perf_counter()
         status = "error"
@@ -710,6 +742,7 @@ class GatewayApp:
             if failure is None:
                 status = "success"
             else:
+                generation.error_type = failure.error_type
                 self.metrics.error(failure.error_type, int(failure.status))
         except asyncio.CancelledError:
             if not watcher.disconnected:
@@ -904,3 +937,15 @@ def _disagg_override(scope: Scope) -> str | None:
         shown = value[:40].decode("latin-1")
         raise InvalidRequest(f"x-flotilla-disagg must be local or remote, not {shown!r}")
     return override
+
+
+def _ended_by(scope: Scope) -> str:
+    """The request log's error kind of a request answered without a GatewayError: "" (a success), the error
+    type of a failure after its answer began, or "cancelled" (its client left)."""
+    ended = scope.get(_STATUS)
+    if ended == "cancelled":
+        return "cancelled"
+    if ended == "error":
+        generation: Generation | None = scope.get(_GENERATION)
+        return (generation.error_type if generation is not None else None) or "error"
+    return ""

@@ -157,6 +157,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.request_records_dropped = Counter(
+            f"{prefix}_request_records_dropped",
+            "Request log records not sent to the control plane, by reason: nats_unavailable, publish_failed or "
+            "buffer_full (the requests themselves were served).",
+            ["reason"],
+            registry=r,
+        )
         self._models: dict[str, ModelMetrics] = {}
         self.routing = RoutingCollectors(r)
         self._routing: dict[str, ModelRoutingMetrics] = {}
@@ -191,6 +198,10 @@ class GatewayMetrics:
     def slow_client_dropped(self, reason: str) -> None:
         """Count a client dropped for slowness; ``reason`` is "body" or "send"."""
         self.slow_clients_dropped.labels(reason=reason).inc()
+
+    def request_records_dropped_count(self, reason: str, count: int) -> None:
+        """Count ``count`` request log records dropped for ``reason`` (frontend_gateway/request_log.py)."""
+        self.request_records_dropped.labels(reason=reason).inc(count)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

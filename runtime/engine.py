@@ -9,6 +9,7 @@ engine object runs inside ``flotilla run`` or, later, behind a networked worker.
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from runtime.fleet_contract.request_records import RouteChoice
 from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest, TextOutput, TextRequest
 
 
@@ -19,7 +20,7 @@ class RequestContext:
     plain attribute so that engine threads can read it without touching the event loop).
     """
 
-    __slots__ = ("disagg", "prefilled_by", "request_id", "served_by", "stopped")
+    __slots__ = ("disagg", "prefilled_by", "request_id", "route", "served_by", "stopped")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -30,6 +31,8 @@ class RequestContext:
         self.prefilled_by: str | None = None
         #: The client's x-flotilla-disagg: "local" or "remote" overrides where the prompt is computed; None.
         self.disagg: str | None = None
+        #: The router's decision for the attempt that answered (remote engines), for the request log.
+        self.route: RouteChoice | None = None
 
     def stop(self) -> None:
         """Ask the engine to stop producing outputs for this request."""

@@ -31,6 +31,7 @@ from frontend_gateway.openai_api.stop_strings import StopStringMatcher
 from frontend_gateway.openai_api.types import ChatCompletionRequest, CompletionRequest, SamplingFields
 from frontend_gateway.parsers.reasoning import REASONING_PARSERS, ReasoningCounter, reasoning_parser
 from frontend_gateway.parsers.tool_calls import TOOL_CALL_PARSERS
+from frontend_gateway.request_log import RecordPublisher
 from runtime.engine import RequestContext, TextEngine, TokenEngine
 from runtime.errors import (
     EngineError,
@@ -50,8 +51,10 @@ class Generation:
         "completion_tokens",
         "context",
         "echo",
+        "error_type",
         "finish_reason",
         "hidden",
+        "itl_s",
         "logprobs",
         "output",
         "prompt_logprobs",
@@ -59,6 +62,7 @@ class Generation:
         "reasoning",
         "request_id",
         "token_bound",
+        "ttft_s",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, *, token_bound: int | None = None) -> None:
@@ -73,6 +77,11 @@ class Generation:
         self.cached_tokens: int | None = None
         self.finish_reason: FinishReason | None = None
         self.context = RequestContext(request_id)
+        #: For the request log (frontend_gateway/request_log.py): its TTFT and mean ITL in seconds, as the app
+        #: observed them, and the error type of a failure after the answer began (None: none).
+        self.ttft_s: float | None = None
+        self.itl_s: float | None = None
+        self.error_type: str | None = None
         #: How a chat answer's text splits into reasoning, content and tool calls (None: all content).
         self.output: ChatOutputParser | None = None
         #: Counts the answer's reasoning tokens, when its model has a reasoning parser (None: it has none).
@@ -597,6 +606,7 @@ class ModelRegistry:
     """The models a gateway serves, by name. Models may come and go while it runs.
 
     ``status``, when set (the ingress sets it), says how the gateway's connections and instances are.
+    ``request_log``, when set (the model watcher sets it), takes a record of each finished request.
     ``arrival``, when set (the ingress sets it), returns once a model of that name that is being taken in
     (its first instance registered, its pool still being built) is served, or at once when none is.
     """
@@ -605,6 +615,9 @@ class ModelRegistry:
         self._models: dict[str, ServedModel] = {}
         self.status: Callable[[], ServingStatus] | None = None
         self.arrival: Callable[[str], Awaitable[None]] | None = None
+        #: Where finished requests' records go (frontend_gateway/request_log.py); the model watcher sets it
+        #: (None: no request log, as in ``flotilla run`` without a control plane).
+        self.request_log: RecordPublisher | None = None
 
     def add(self, model: ServedModel) -> None:
         self._models[model.name] = model

@@ -199,6 +199,7 @@ class RemoteTokenEngine(_RemoteBase):
             instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
+            context.route = decision.choice()
             if decision.dp_rank != attempt.dp_rank:
                 attempt = msgspec.structs.replace(attempt, dp_rank=decision.dp_rank)
             prefilling = True
@@ -474,6 +475,7 @@ class RemoteTextEngine(_RemoteBase):
             instance = decision.instance
             tried.add(instance.instance_id)
             context.served_by = instance.name
+            context.route = decision.choice()
             prefilling = True
             try:
                 async with aclosing(client.call(instance.subject, request.request_id, _encode(request))) as frames:

@@ -41,6 +41,7 @@ from tokenizers import Tokenizer
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry, ServedModel, TextModel, TokenModel
 from frontend_gateway.models.remote_engines import InstanceSet, RemoteTextEngine, RemoteTokenEngine
+from frontend_gateway.request_log import RecordPublisher
 from frontend_gateway.routing.disagg_policy import DisaggMode, DisaggPolicy
 from frontend_gateway.routing.factory import build_router
 from frontend_gateway.routing.health import RoutingHealth
@@ -174,6 +175,11 @@ class ModelWatcher:
         self.changed = asyncio.Event()  # set after every event handled (tests await it)
         self._arrivals: dict[str, asyncio.Event] = {}  # model name -> set once its first instance is taken in
         self._closed = False
+        # The gateway's finished requests, to the control plane's request log over this runtime's NATS.
+        self.request_log = RecordPublisher(
+            runtime.nc, on_dropped=None if metrics is None else metrics.request_records_dropped_count
+        )
+        registry.request_log = self.request_log
 
     async def run(self) -> None:
         """Apply registrations and removals until cancelled."""
@@ -192,11 +198,12 @@ class ModelWatcher:
         return {name: len(pool.instances) for name, pool in self._pools.items()}
 
     async def close(self) -> None:
-        """Close every pool's router (the ingress is stopping); the registry keeps its models.
+        """Close every pool's router and the request log (the ingress is stopping); the registry keeps its models.
 
         Registrations that arrive afterwards build no pool (their router would never be closed).
         """
         self._closed = True
+        await self.request_log.close()
         pools = [*self._pools.values(), *self._prefill_pools.values()]
         self._pools, self._prefill_pools = {}, {}
         for pool in pools:

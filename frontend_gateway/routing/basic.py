@@ -6,7 +6,7 @@ They keep no per-request state, so the notices of the router seam are no-ops for
 import random
 from collections.abc import Sequence
 
-from frontend_gateway.routing.protocol import Decision, InstanceInfo
+from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterMode
 from runtime.protocol import PreprocessedRequest, TextRequest
 
 
@@ -38,10 +38,10 @@ class _Stateless:
         return None
 
 
-def _decision(instance: InstanceInfo, request: PreprocessedRequest | TextRequest) -> Decision:
+def _decision(instance: InstanceInfo, request: PreprocessedRequest | TextRequest, mode: RouterMode) -> Decision:
     """A decision that expects no cache hit: the whole prompt is to compute."""
     prompt_tokens = len(request.token_ids) if isinstance(request, PreprocessedRequest) else 0
-    return Decision(instance, prefill_tokens=prompt_tokens)
+    return Decision(instance, prefill_tokens=prompt_tokens, mode=mode)
 
 
 class RandomRouter(_Stateless):
@@ -53,7 +53,7 @@ class RandomRouter(_Stateless):
     def choose(self, request: PreprocessedRequest | TextRequest, candidates: Sequence[InstanceInfo]) -> Decision | None:
         if not candidates:
             return None
-        return _decision(self._rng.choice(candidates), request)
+        return _decision(self._rng.choice(candidates), request, RouterMode.RANDOM)
 
 
 class RoundRobinRouter(_Stateless):
@@ -66,4 +66,4 @@ class RoundRobinRouter(_Stateless):
         if not candidates:
             return None
         self._turn += 1
-        return _decision(candidates[self._turn % len(candidates)], request)
+        return _decision(candidates[self._turn % len(candidates)], request, RouterMode.ROUND_ROBIN)

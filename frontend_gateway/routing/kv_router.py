@@ -33,7 +33,7 @@ from frontend_gateway.routing.kv_indexer import KvIndexer, PredictedKvIndexer, T
 from frontend_gateway.routing.kv_load import ActiveLoad
 from frontend_gateway.routing.kv_scoring import WorkerSnapshot, pick, worker_costs
 from frontend_gateway.routing.kv_subscriber import KvEventSubscriber
-from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterSettings
+from frontend_gateway.routing.protocol import Decision, InstanceInfo, RouterMode, RouterSettings
 from frontend_gateway.routing.replica_sync import ReplicaSync
 from runtime.cluster.addressing import EndpointAddress
 from runtime.kv.events import KvEvent, WorkerLoad
@@ -174,7 +174,16 @@ class KvRouter:
         self.replica_sync.routed(
             request.request_id, worker, prefill_tokens=chosen.prefill_tokens, hashes=hashes, own_blocks=own_blocks
         )
-        return Decision(by_id[worker[0]], worker[1], chosen.overlap_blocks, chosen.prefill_tokens)
+        return Decision(
+            by_id[worker[0]],
+            worker[1],
+            chosen.overlap_blocks,
+            chosen.prefill_tokens,
+            mode=RouterMode.KV,
+            prompt_blocks=len(hashes),
+            cost=chosen.cost,
+            candidates=len(scored),
+        )
 
     def _matches(self, hashes: Sequence[int]) -> dict[Worker, TieredMatch]:
         """Each worker's leading run of ``hashes``, on each tier of its cache (predicted caches: all on the

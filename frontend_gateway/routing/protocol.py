@@ -19,6 +19,7 @@ from typing import Protocol
 
 from frontend_gateway.routing.disagg_policy import DisaggPolicy
 from runtime.cluster.addressing import EndpointAddress
+from runtime.fleet_contract.request_records import RouteChoice
 from runtime.fleet_contract.router_settings import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_HOST_HIT_WEIGHT,
@@ -73,6 +74,25 @@ class Decision:
     dp_rank: int | None = None
     overlap_blocks: int = 0
     prefill_tokens: int = 0
+    #: For the request log: the router's mode, and (the KV router) the prompt's blocks, the chosen worker's cost
+    #: and how many workers were weighed; None where the router does not weigh.
+    mode: str = ""
+    prompt_blocks: int | None = None
+    cost: float | None = None
+    candidates: int | None = None
+
+    def choice(self) -> RouteChoice:
+        """The decision as a request record tells it (runtime/fleet_contract/request_records.py)."""
+        weighed = self.cost is not None
+        return RouteChoice(
+            mode=self.mode,
+            instance_id=self.instance.instance_id,
+            dp_rank=self.dp_rank,
+            overlap_blocks=self.overlap_blocks if weighed else None,
+            prompt_blocks=self.prompt_blocks,
+            cost=self.cost,
+            candidates=self.candidates,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,13 +23,17 @@ REQUEST_RECORDS_SUBJECT = "flotilla.gateway.request_records"
 #: The most records one batch carries; a gateway sends more as further batches.
 MAX_BATCH_RECORDS = 500
 
+#: The longest text, and seconds, a record may hold.
+MAX_NAME = 256
+MAX_SHORT = 64
+MAX_SECONDS = 86_400.0 * 365
 _MAX_INT = 2**63 - 1
 _Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_INT)]
-_Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86_400.0 * 365)]
+_Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 #: Unix times from 2000 to 9999: a record's arrival.
 _Time = Annotated[float, msgspec.Meta(ge=946_684_800.0, le=253_402_300_799.0)]
-_Short = Annotated[str, msgspec.Meta(max_length=64)]
-_Name = Annotated[str, msgspec.Meta(max_length=256)]
+_Short = Annotated[str, msgspec.Meta(max_length=MAX_SHORT)]
+_Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 
 
 class RouteChoice(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
