@@ -75,11 +75,12 @@ class Decision:
     overlap_blocks: int = 0
     prefill_tokens: int = 0
     #: For the request log: the router's mode, and (the KV router) the prompt's blocks, the chosen worker's cost
-    #: and how many workers were weighed; None where the router does not weigh.
-    mode: str = ""
-    prompt_blocks: int | None = None
-    cost: float | None = None
-    candidates: int | None = None
+    #: and how many workers were weighed; None where the router does not weigh. An account of the decision, not
+    #: the decision: left out of comparisons.
+    mode: str = field(default="", compare=False)
+    prompt_blocks: int | None = field(default=None, compare=False)
+    cost: float | None = field(default=None, compare=False)
+    candidates: int | None = field(default=None, compare=False)
 
     def choice(self) -> RouteChoice:
         """The decision as a request record tells it (runtime/fleet_contract/request_records.py)."""
