@@ -337,6 +337,11 @@ class LiveBridge:
             lambda: self._consume(KV_EVENTS_SUBJECT, self._on_kv_events), name="KV events", restart=True
         )
 
+    def latest_loads(self) -> list[tuple[int, dict[str, Any]]]:
+        """Each running instance's latest load pushed, as ``(pipeline id, load)`` (for the metric samples)."""
+        running = self._directory.instances()
+        return [entry for pk, entry in self._fleet_loads.items() if pk in running]
+
     async def close(self) -> None:
         """Stop the timers and wait for the pushes under way (the supervisor stops the subscriptions)."""
         for pushes in [*self._instances.values(), *self._groups.values(), self._fleet]:

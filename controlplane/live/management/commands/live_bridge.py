@@ -1,4 +1,5 @@
-"""``manage.py live_bridge``: the workers' load on NATS, pushed live to the dashboard's pipeline pages.
+"""``manage.py live_bridge``: the workers' load on NATS, pushed live to the dashboard's pipeline pages; and the
+gateways' request records, stored as the request log with the metric samples (controlplane/traffic/recorder.py).
 
     manage.py live_bridge                                  # NATS at $NATS_SERVER (default nats://127.0.0.1:4222)
     manage.py live_bridge --nats nats://10.0.0.1:4222 --nats-timeout 120
@@ -29,6 +30,7 @@ from controlplane.live.bridge import (
     read_directory,
 )
 from controlplane.live.publisher import layer_address
+from controlplane.traffic.recorder import Retention, TrafficRecorder
 from runtime.cluster.nats_connection import close_nats, connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError, RequestPlaneUnavailable
@@ -83,15 +85,16 @@ class Command(BaseCommand):
                 "FLOTILLA_LIVE_NATS_TIMEOUT_S", DEFAULT_NATS_TIMEOUT_S, minimum=0.01
             )
             interval = options["interval"] or env_float("FLOTILLA_LIVE_INTERVAL_S", DEFAULT_INTERVAL_S, minimum=0.01)
+            retention = Retention.from_environment()
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         try:
-            asyncio.run(run_bridge(servers, timeout, interval))
+            asyncio.run(run_bridge(servers, timeout, interval, retention))
         except (RequestPlaneUnavailable, BridgeError) as exc:
             raise CommandError(str(exc)) from exc
 
 
-async def run_bridge(servers: list[str], nats_timeout: float, interval: float) -> None:
+async def run_bridge(servers: list[str], nats_timeout: float, interval: float, retention: Retention) -> None:
     """Run the bridge until SIGTERM/SIGINT. Raises RequestPlaneUnavailable when NATS does not answer within
     ``nats_timeout`` at start, BridgeError when it is lost that long later."""
     stopping = asyncio.Event()
@@ -104,13 +107,15 @@ async def run_bridge(servers: list[str], nats_timeout: float, interval: float) -
     watch = NatsWatch(", ".join(servers), nats_timeout)
     nc = await connect_nats(servers, name="flotilla-live-bridge", on_event=watch.on_event, wait=nats_timeout)
     supervisor = Supervisor(on_fatal=stopping.set)
-    bridge = LiveBridge(
-        nc, layer, InstanceDirectory(database_sync_to_async(read_directory)), supervisor, interval=interval
-    )
+    directory = InstanceDirectory(database_sync_to_async(read_directory))
+    bridge = LiveBridge(nc, layer, directory, supervisor, interval=interval)
+    # The request log and the metric samples share the bridge's NATS connection and directory.
+    recorder = TrafficRecorder(nc, directory, supervisor, loads=bridge.latest_loads, retention=retention)
     watching = asyncio.create_task(watch.watch(), name="NATS watch")
     stop = asyncio.create_task(stopping.wait(), name="stop")
     try:
         bridge.start()
+        recorder.start()
         log.info("live bridge: NATS at %s -> channel layer at %s", watch.address, layer_address(layer))
         await asyncio.wait({watching, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
