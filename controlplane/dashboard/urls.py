@@ -2,7 +2,17 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
-from controlplane.dashboard import api_keys, batches, controls, edits, health_banner, people, playground, views
+from controlplane.dashboard import (
+    api_keys,
+    batches,
+    controls,
+    edits,
+    health_banner,
+    people,
+    playground,
+    request_log,
+    views,
+)
 from controlplane.dashboard.login import LoginView
 
 
@@ -44,6 +54,9 @@ urlpatterns = [
     path("nodes/<row_id:pk>/cordon/", controls.node_cordon, name="node-cordon"),
     path("nodes/<row_id:pk>/uncordon/", controls.node_uncordon, name="node-uncordon"),
     path("audit/", views.audit_page, name="audit"),
+    path("requests/", request_log.requests_page, name="requests"),
+    path("requests/rows/", request_log.request_rows, name="request-rows"),
+    path("requests/<row_id:pk>/", request_log.request_detail, name="request"),
     path("health-banner/", health_banner.health_banner, name="health-banner"),
     path("people/", people.people_page, name="people"),
     path("people/<row_id:pk>/edit/", people.person_edit, name="person-edit"),

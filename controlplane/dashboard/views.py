@@ -26,6 +26,7 @@ from controlplane.dashboard.fleet_health import fleet_health
 from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
 from controlplane.dashboard.overview import overview
 from controlplane.errors import InvalidDocument
+from controlplane.traffic import queries as traffic_queries
 from runtime.errors import ConfigError
 
 # The previous gateway reading, for rates between two looks at the overview (see gateway.py).
@@ -163,6 +164,7 @@ def pipeline_page(request: HttpRequest, pk: int) -> HttpResponse:
     context = {"rows": [row], "pipeline": pipeline, "groups": list(pipeline.groups.all())}
     context |= partials.instances_context(pipeline)
     context["planner"] = planner_panel.panel(pipeline)
+    context["routed"] = traffic_queries.router_view(pipeline.pk)
     return render_page(request, "dashboard/pipeline.html", context)
 
 
