@@ -46,6 +46,8 @@ RUN_BATCH_TASK = "flotilla.controlplane.run_batch"
 BATCH_UPKEEP_TASK = "flotilla.controlplane.batch_upkeep"
 #: Stored responses past their keeping time deleted (controlplane/stored_responses/).
 EXPIRE_RESPONSES_TASK = "flotilla.controlplane.expire_responses"
+#: The alert rules evaluated and their notifications sent (controlplane/alerts/).
+EVALUATE_ALERTS_TASK = "flotilla.controlplane.evaluate_alerts"
 
 # Seconds a publish may wait for the broker's connection: an action's commit must not hang on a dead broker.
 PUBLISH_CONNECT_TIMEOUT_S = 2.0
@@ -80,6 +82,11 @@ def batch_upkeep_s() -> float:
     return env_float("FLOTILLA_BATCH_UPKEEP_S", 10.0, minimum=0.5)
 
 
+def alerts_every_s() -> float:
+    """``FLOTILLA_ALERT_EVERY_S``: how often the alert rules are evaluated (default 15)."""
+    return env_float("FLOTILLA_ALERT_EVERY_S", 15.0, minimum=1.0)
+
+
 def quota_redis_url() -> str:
     """``FLOTILLA_QUOTA_REDIS_URL``: the Redis where the ingresses count API keys' use (default: the broker)."""
     return env_str("FLOTILLA_QUOTA_REDIS_URL") or broker_url()
@@ -107,6 +114,7 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
             RUN_BATCH_TASK: {"queue": BATCHES_QUEUE},
             BATCH_UPKEEP_TASK: {"queue": CONTROL_PLANE_QUEUE},
             EXPIRE_RESPONSES_TASK: {"queue": CONTROL_PLANE_QUEUE},
+            EVALUATE_ALERTS_TASK: {"queue": CONTROL_PLANE_QUEUE},
         },
         beat_schedule={
             "reconcile": {
@@ -139,6 +147,12 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
                 "schedule": 3600.0,
                 "options": {"queue": CONTROL_PLANE_QUEUE, "expires": 3600.0},
             },
+            # The alert rules, and their webhook and email notifications.
+            "evaluate-alerts": {
+                "task": EVALUATE_ALERTS_TASK,
+                "schedule": alerts_every_s(),
+                "options": {"queue": CONTROL_PLANE_QUEUE, "expires": alerts_every_s()},
+            },
             # The ingresses' usage counts, from Redis into the database.
             "drain-usage": {
                 "task": DRAIN_USAGE_TASK,
@@ -162,7 +176,13 @@ def create_app(broker: str | None = None, *, interval_s: float | None = None) ->
         **celery_redis_settings({"max_retries": 1, "interval_start": 0, "interval_step": 0.1, "interval_max": 0.1}),
     )
     celery.autodiscover_tasks(
-        ["controlplane.deployments", "controlplane.apikeys", "controlplane.batches", "controlplane.stored_responses"]
+        [
+            "controlplane.deployments",
+            "controlplane.apikeys",
+            "controlplane.batches",
+            "controlplane.stored_responses",
+            "controlplane.alerts",
+        ]
     )
     return celery
 

@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "controlplane.live",
     "controlplane.health",
     "controlplane.traffic",
+    "controlplane.alerts",
 ]
 
 MIDDLEWARE = [
@@ -190,3 +191,13 @@ SPECTACULAR_SETTINGS = {
         "WorkerRoleEnum": "controlplane.deployments.models.WorkerGroup.Role",
     },
 }
+
+# Email, for the alerts (controlplane/alerts/notify.py): sent to FLOTILLA_ALERT_EMAILS only when
+# FLOTILLA_EMAIL_HOST names an SMTP server. The password may come from FLOTILLA_EMAIL_PASSWORD_FILE.
+EMAIL_HOST = env_str("FLOTILLA_EMAIL_HOST") or ""
+EMAIL_PORT = env_int("FLOTILLA_EMAIL_PORT", 25, minimum=1, maximum=65535)
+EMAIL_HOST_USER = env_str("FLOTILLA_EMAIL_USER") or ""
+EMAIL_HOST_PASSWORD = env_str("FLOTILLA_EMAIL_PASSWORD") or ""
+EMAIL_USE_TLS = env_bool("FLOTILLA_EMAIL_STARTTLS", False)
+EMAIL_TIMEOUT = 10
+DEFAULT_FROM_EMAIL = env_str("FLOTILLA_EMAIL_FROM") or "flotilla@localhost"

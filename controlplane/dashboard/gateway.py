@@ -140,8 +140,8 @@ def traffic(current: Reading, previous: Reading | None) -> Traffic:
     return Traffic(rows, int(current.queued), window)
 
 
-def read_gateway(url: str, *, timeout_s: float = READ_TIMEOUT_S) -> Reading:
-    """Read ``<url>/metrics`` once. Raises GatewayUnreachable with the reason."""
+def read_metrics_text(url: str, *, timeout_s: float = READ_TIMEOUT_S) -> str:
+    """The text of ``<url>/metrics``, read once. Raises GatewayUnreachable with the reason."""
     try:
         response = httpx.get(f"{url}/metrics", timeout=timeout_s)
     except httpx.HTTPError as exc:
@@ -150,7 +150,13 @@ def read_gateway(url: str, *, timeout_s: float = READ_TIMEOUT_S) -> Reading:
         raise GatewayUnreachable(f"{url}/metrics answered HTTP {response.status_code}")
     if len(response.content) > MAX_METRICS_BYTES:
         raise GatewayUnreachable(f"{url}/metrics answered more than {MAX_METRICS_BYTES} bytes")
+    return response.text
+
+
+def read_gateway(url: str, *, timeout_s: float = READ_TIMEOUT_S) -> Reading:
+    """Read ``<url>/metrics`` once. Raises GatewayUnreachable with the reason."""
+    text = read_metrics_text(url, timeout_s=timeout_s)
     try:
-        return parse_metrics(response.text, time.time())
+        return parse_metrics(text, time.time())
     except ValueError as exc:
         raise GatewayUnreachable(f"{url}/metrics is not in the Prometheus text format: {exc}") from exc

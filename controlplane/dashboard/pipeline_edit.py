@@ -21,7 +21,7 @@ from controlplane.audit.records import Actor
 from controlplane.dashboard.forms import ActionForm, JsonObjectField, PipelineForm
 from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.models import DisaggPolicy, Pipeline, WorkerGroup
-from controlplane.deployments.pipelines import MAX_GPUS_PER_REPLICA, MAX_REPLICAS
+from controlplane.deployments.pipelines import MAX_GPUS_PER_REPLICA, MAX_REPLICAS, MAX_TTFT_TARGET_MS
 from controlplane.errors import Conflict, Forbidden, Invalid
 from controlplane.fleet.models import validate_node_name
 from runtime.fleet_contract.router_settings import (
@@ -135,6 +135,15 @@ class PipelineEditForm(ActionForm):
         for name in self.setting_defaults:
             self.fields[name] = copy.deepcopy(PipelineForm.base_fields[name])
             self.initial[name] = getattr(pipeline, name)
+        self.fields["ttft_target_ms"] = forms.IntegerField(
+            required=False,
+            min_value=1,
+            max_value=MAX_TTFT_TARGET_MS,
+            label="TTFT target (ms)",
+            help_text="An alert fires while the time to first token (p95) is above it; empty: no target.",
+        )
+        self.initial["ttft_target_ms"] = pipeline.ttft_target_ms
+        self.setting_defaults = self.setting_defaults | {"ttft_target_ms": None}
         self.fields["pinned_nodes"] = PinnedNodesField(
             required=False, label="Pinned nodes", help_text="Node names, comma-separated; empty: any node."
         )

@@ -96,6 +96,9 @@ class Pipeline(models.Model):
     pinned_gpus = models.JSONField(default=list, blank=True)  # GPU indexes; empty: any GPU
     # The planner's targets (planner/targets_json.py's document); None: the planner leaves this pipeline alone.
     planner = models.JSONField(null=True, blank=True)
+    # The time to first token (p95, milliseconds) the pipeline should keep; above it an alert fires
+    # (controlplane/alerts/). None: no target.
+    ttft_target_ms = models.PositiveIntegerField(null=True, blank=True)
     # Counts changes of the router settings: workers register it with them, and a gateway takes a pool's
     # settings from the instance with the highest, so that an update reaches it without a restart.
     router_generation = models.PositiveIntegerField(default=1)

@@ -59,7 +59,12 @@ ROUTER_FIELDS = frozenset(
 # Settings the pipeline's engines are started with: a change restarts every group's workers (rolling update).
 ENGINE_FIELDS = frozenset({"kv_host_cache_gib"})
 # The planner's targets: read by the planner's loop each interval, nothing restarts for them.
-SETTING_FIELDS = ROUTER_FIELDS | ENGINE_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus", "planner"}
+# The TTFT target: read by the alerts' rule, nothing restarts for it either.
+SETTING_FIELDS = (
+    ROUTER_FIELDS | ENGINE_FIELDS | {"placement_policy", "pinned_nodes", "pinned_gpus", "planner", "ttft_target_ms"}
+)
+#: The largest TTFT target a pipeline may set (milliseconds): ten minutes is a typo, not a target.
+MAX_TTFT_TARGET_MS = 600_000
 #: The largest --disagg-isl-threshold a pipeline may set (tokens), and --disagg-prefill-busy (engine steps).
 MAX_ISL_THRESHOLD = 10_000_000
 MAX_PREFILL_BUSY = 1000.0
@@ -414,6 +419,12 @@ def _check_settings(settings: dict[str, Any]) -> None:
         raise Invalid("must be between 0 and 1, or null for no gate", field="disagg_decode_busy")
     if settings.get("planner") is not None:
         check_planner_settings(settings["planner"])
+    target = settings.get("ttft_target_ms")
+    if target is not None and not (isinstance(target, int) and 1 <= target <= MAX_TTFT_TARGET_MS):
+        raise Invalid(
+            f"must be a whole number of milliseconds from 1 to {MAX_TTFT_TARGET_MS}, or null for no target",
+            field="ttft_target_ms",
+        )
     pinned_nodes = settings.get("pinned_nodes")
     if pinned_nodes:
         known = set(Node.objects.filter(name__in=pinned_nodes).values_list("name", flat=True))

@@ -23,6 +23,7 @@ from controlplane.deployments.pipelines import (
     MAX_REPLICAS,
     MAX_ROUTER_TEMPERATURE,
     MAX_ROUTER_WEIGHT,
+    MAX_TTFT_TARGET_MS,
     GroupSpec,
     served_name_taken,
     served_name_taken_message,
@@ -197,6 +198,19 @@ class WorkerGroupSerializer(serializers.ModelSerializer):
         return group.instances.filter(state__in=LIVE_STATES, generation__lt=group.generation).count()
 
 
+class TtftTargetField(serializers.IntegerField):
+    """``ttft_target_ms``: the TTFT p95 (ms) above which an alert fires; null: no target."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(
+            min_value=1,
+            max_value=MAX_TTFT_TARGET_MS,
+            allow_null=True,
+            help_text="The time to first token (p95, milliseconds) above which an alert fires; null: no target.",
+            **kwargs,
+        )
+
+
 class GroupUpdateSerializer(serializers.Serializer):
     """What an update of a worker group may change; its instances are then replaced one at a time."""
 
@@ -226,6 +240,7 @@ class PipelineSerializer(serializers.ModelSerializer):
     kv_host_cache_gib = HostCacheField(default=0.0)
     placement = PlacementSerializer(source="*", required=False)
     planner = PlannerSettingsField(required=False, default=None)
+    ttft_target_ms = TtftTargetField(required=False, default=None)
     groups = WorkerGroupSerializer(many=True, min_length=1, max_length=2)
 
     class Meta:
@@ -240,6 +255,7 @@ class PipelineSerializer(serializers.ModelSerializer):
             "kv_host_cache_gib",
             "placement",
             "planner",
+            "ttft_target_ms",
             "groups",
             "created_at",
             "updated_at",
@@ -278,6 +294,7 @@ class PipelineUpdateSerializer(serializers.Serializer):
     kv_host_cache_gib = HostCacheField(required=False)
     placement = PlacementSerializer(source="*", required=False)
     planner = PlannerSettingsField(required=False)
+    ttft_target_ms = TtftTargetField(required=False)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         fixed = sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
