@@ -13,6 +13,7 @@ urlpatterns = [
     path("", include("controlplane.accounts.api.urls")),
     path("", include("controlplane.health.api.urls")),
     path("", include("controlplane.apikeys.api.urls")),
+    path("", include("controlplane.alerts.api.urls")),
     # The API's shape is no secret; what it returns needs a token.
     path("schema/", SpectacularAPIView.as_view(permission_classes=[AllowAny]), name="schema"),
     path(
