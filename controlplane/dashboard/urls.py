@@ -3,6 +3,7 @@ from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
 from controlplane.dashboard import (
+    alerts,
     api_keys,
     batches,
     controls,
@@ -73,4 +74,8 @@ urlpatterns = [
     path("usage/", api_keys.usage_page, name="usage"),
     path("batches/", batches.batches_page, name="batches"),
     path("playground/", playground.playground_page, name="playground"),
+    path("alerts/", alerts.alerts_page, name="alerts"),
+    path("alerts/badge/", alerts.alerts_badge, name="alerts-badge"),
+    path("alerts/silences/", alerts.silence_create, name="silence-create"),
+    path("alerts/silences/<row_id:pk>/expire/", alerts.silence_expire, name="silence-expire"),
 ]

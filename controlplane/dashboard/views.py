@@ -17,6 +17,7 @@ from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_http_methods
 
 from controlplane.accounts.models import Role
+from controlplane.alerts.models import Alert
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
@@ -51,7 +52,9 @@ def render_page(request: HttpRequest, template: str, context: dict[str, Any], *,
 def overview_page(request: HttpRequest) -> HttpResponse:
     """Nodes and GPUs, pipelines with ready/desired replicas, gateway traffic and the latest audit events."""
     summary = overview(with_events=has_role(request, AUDIT_ROLE))
-    return render_page(request, "dashboard/overview.html", {"overview": summary, "gateway_every_s": GATEWAY_EVERY_S})
+    firing_alerts = Alert.objects.filter(resolved_at=None).count()
+    context = {"overview": summary, "gateway_every_s": GATEWAY_EVERY_S, "firing_alerts": firing_alerts}
+    return render_page(request, "dashboard/overview.html", context)
 
 
 @login_required
