@@ -1,55 +1,51 @@
-"""The TTFT figure the alert rule reads: the p95 of the gateway's TTFT histogram for the pipeline's served
-name, over the requests since the previous reading, from a real HTTP server answering the gateway's own
-exposition; and the beat task that runs the rules."""
+"""The TTFT figure the alert rule reads: the pipeline's p95 over the last minute of its metric samples (the
+bridge's, controlplane/traffic); and the beat task that runs the rules."""
+
+import datetime
 
 import pytest
-from django.core.cache import cache
 
 from controlplane.alerts.models import Alert
 from controlplane.alerts.tasks import evaluate_alerts
-from controlplane.alerts.ttft import p95_ms, recent_ttft_p95
+from controlplane.alerts.ttft import recent_ttft_p95
 from controlplane.celery_app import EVALUATE_ALERTS_TASK, create_app
+from controlplane.deployments.models import Pipeline
 from controlplane.fleet.models import Node
-from frontend_gateway.metrics import GatewayMetrics
+from controlplane.traffic.models import MetricSample
 from tests.controlplane.factories import deploy, make_node
-from tests.controlplane.test_dashboard_gateway import gateway as gateway  # a fixture, used by name
 
 pytestmark = pytest.mark.django_db
 
 
-def observe(metrics: GatewayMetrics, model: str, ttft_s: float, times: int) -> None:
-    for _ in range(times):
-        metrics.for_model(model).ttft.observe(ttft_s)
+NOW = datetime.datetime(2026, 11, 28, 12, 0, tzinfo=datetime.UTC)
 
 
-def test_the_p95_is_over_the_requests_since_the_previous_reading(gateway: GatewayMetrics) -> None:
+def sample(pipeline: Pipeline, seconds_ago: float, requests: int, ttft_p95_s: float | None) -> None:
+    MetricSample.objects.create(
+        at=NOW - datetime.timedelta(seconds=seconds_ago), window_s=10, scope=MetricSample.Scope.PIPELINE,
+        pipeline=pipeline, requests=requests, ttft_p95_s=ttft_p95_s,
+    )  # fmt: skip
+
+
+def test_the_p95_is_the_request_weighted_p95_of_the_pipeline_s_samples_of_the_last_minute() -> None:
+    pipeline, other = deploy("chat", ttft_target_ms=500), deploy("other")
+    sample(pipeline, 5, requests=30, ttft_p95_s=0.1)
+    sample(pipeline, 15, requests=10, ttft_p95_s=0.9)
+    sample(pipeline, 25, requests=0, ttft_p95_s=None)  # a quiet window: no figure, no weight
+    sample(pipeline, 120, requests=100, ttft_p95_s=9.0)  # older than the window
+    sample(other, 5, requests=100, ttft_p95_s=5.0)  # another pipeline's
+    p95 = recent_ttft_p95(pipeline, NOW)
+    assert p95 is not None and abs(p95 - (30 * 100 + 10 * 900) / 40) < 1e-6
+
+
+def test_no_request_in_the_window_gives_no_figure(monkeypatch: pytest.MonkeyPatch) -> None:
     pipeline = deploy("chat", ttft_target_ms=500)
-    observe(gateway, "chat", 5.0, 50)  # slow, but before the first reading
-    assert recent_ttft_p95(pipeline) is None  # nothing to compare with yet
-    observe(gateway, "chat", 0.04, 100)
-    observe(gateway, "other", 9.0, 100)  # another model's requests do not count
-    fast = recent_ttft_p95(pipeline)
-    assert fast is not None and fast <= 50
-    observe(gateway, "chat", 2.0, 100)
-    slow = recent_ttft_p95(pipeline)
-    assert slow is not None and slow >= 2000
-    assert recent_ttft_p95(pipeline) is None  # no request since
-
-
-def test_without_a_gateway_url_or_with_a_dead_gateway_there_is_no_figure(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    pipeline = deploy("chat", ttft_target_ms=500)
-    monkeypatch.delenv("FLOTILLA_GATEWAY_URL", raising=False)
-    assert recent_ttft_p95(pipeline) is None
-    monkeypatch.setenv("FLOTILLA_GATEWAY_URL", "http://127.0.0.1:9")
-    cache.clear()
-    assert recent_ttft_p95(pipeline) is None
-    assert "TTFT not read for the alert of chat" in caplog.text
-
-
-def test_a_gateway_restart_between_readings_gives_no_figure() -> None:
-    assert p95_ms({0.1: 1.0, float("inf"): 1.0}, {0.1: 10.0, float("inf"): 10.0}) is None
+    assert recent_ttft_p95(pipeline, NOW) is None  # no samples: no bridge, or nothing yet
+    sample(pipeline, 30, requests=0, ttft_p95_s=None)
+    assert recent_ttft_p95(pipeline, NOW) is None
+    sample(pipeline, 30, requests=5, ttft_p95_s=2.0)
+    monkeypatch.setenv("FLOTILLA_ALERT_TTFT_WINDOW_S", "20")  # a shorter window leaves it out
+    assert recent_ttft_p95(pipeline, NOW) is None
 
 
 def test_the_beat_runs_the_rules_every_interval_and_its_task_records_alerts(monkeypatch: pytest.MonkeyPatch) -> None:
