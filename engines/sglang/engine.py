@@ -58,6 +58,7 @@ from engines.sglang.disagg import (
     new_room,
 )
 from engines.sglang.hicache import hicache_tiers, host_total_blocks
+from engines.sglang.lora import SglangAdapters, lora_server_args
 from engines.sglang.requests import generate_arguments, sampling_params, token_logprobs
 from engines.sglang.signals import start_handle_loop
 from engines.shared.engine_block_names import EngineBlockNames
@@ -111,7 +112,7 @@ SERVER_ARGS = frozenset(
         "enable_deterministic_inference", "triton_attention_reduce_in_fp32",
         "watchdog_timeout", "device",
         # LoRA
-        "enable_lora", "lora_paths", "max_lora_rank", "max_loras_per_batch", "lora_backend",
+        "enable_lora", "lora_paths", "max_lora_rank", "max_loras_per_batch", "max_loaded_loras", "lora_backend",
         "lora_target_modules",
         # speculative decoding
         "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
@@ -180,8 +181,10 @@ def engine_kwargs(
     kv_events_endpoint: str | None,
     nodes: NodeGroup | None = None,
     port: int | None = None,
+    max_loras: int | None = None,
 ) -> dict[str, Any]:
-    """The keyword arguments of ``sglang.Engine`` for this worker (rank ``nodes.node_rank`` of the nodes it spans)."""
+    """The keyword arguments of ``sglang.Engine`` for this worker (rank ``nodes.node_rank`` of the nodes it spans);
+    with ``max_loras``, LoRA enabled for that many adapters (engines/sglang/lora.py)."""
     kwargs: dict[str, Any] = {
         "model_path": str(model_path),
         "skip_tokenizer_init": True,
@@ -196,6 +199,8 @@ def engine_kwargs(
         "enable_metrics": True,
         **engine_args,
     }
+    if max_loras is not None:
+        kwargs |= lora_server_args(engine_args, max_loras)
     if placement.context_length is not None:
         kwargs["context_length"] = placement.context_length
     if placement.gpu_memory_fraction is not None:
@@ -322,8 +327,13 @@ class SglangEngine:
         engine_args: dict[str, Any],
         nodes: NodeGroup | None = None,
         role: DisaggRole = "aggregated",
+        *,
+        lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
-        """Raises ConfigError when ``engine_args`` set a disaggregation mode other than ``role``'s."""
+        """``lora``: enable LoRA adapters (``load_lora``), as ``enable_lora`` in ``engine_args`` does;
+        ``max_loras``: how many at once (SGLang's ``max_loaded_loras``; engines/sglang/lora.py). Raises ConfigError
+        when ``engine_args`` set a disaggregation mode other than ``role``'s."""
         self.model_path = model_path
         self.placement = placement
         self.role = role
@@ -345,6 +355,22 @@ class SglangEngine:
         self._active = 0
         self._metrics_enabled = False
         self._metrics: CollectorRegistry | None = None
+        #: The adapters loaded (None: LoRA not enabled).
+        self.adapters = SglangAdapters.enabled(engine_args, lora=lora, max_loras=max_loras)
+
+    @property
+    def max_loras(self) -> int:
+        """How many adapters it holds at once (0: LoRA not enabled)."""
+        return self.adapters.book.max_loras if self.adapters is not None else 0
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        if self.adapters is None:
+            raise EngineError(f"cannot load adapter {name!r}: this SGLang worker was started without LoRA")
+        await self.adapters.load(self._engine, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        if self.adapters is not None:
+            await self.adapters.unload(self._engine, name)
 
     async def start(self) -> None:
         try:
@@ -357,6 +383,7 @@ class SglangEngine:
         kwargs = engine_kwargs(
             self.model_path, self.placement, self.engine_args, kv_events_endpoint=f"tcp://*:{base}", nodes=self.nodes,
             port=dp_attention_port(self.engine_args, self.nodes),
+            max_loras=self.max_loras or None,
         )  # fmt: skip
         try:
             # In this thread: SGLang's tokenizer manager binds to the running event loop.
@@ -467,6 +494,8 @@ class SglangEngine:
             except ConfigError as exc:
                 raise EngineError(str(exc)) from exc
         params = sampling_params(request)  # RequestRejected before SGLang sees it
+        if request.lora_name is not None:
+            extra |= self._lora_arguments(request.lora_name)
         # SGLang's id for it: what an abort names, known before SGLang has sent anything (a client may leave while
         # the request waits in SGLang's queue). Unique per attempt: a migrated request may come back here while
         # SGLang still holds the first (SGLang refuses a duplicate rid).
@@ -511,6 +540,15 @@ class SglangEngine:
                 # The client left, or the consumer stopped: queued, prefilling or decoding, SGLang frees it.
                 self._aborts.abort(rid)
 
+    def _lora_arguments(self, name: str) -> dict[str, Any]:
+        """``async_generate``'s argument that runs a request with adapter ``name``: ``lora_path``, which SGLang
+        resolves by the adapter's name (``TokenizerManager``'s ``lora_registry.acquire``). Raises EngineError
+        where it is not loaded."""
+        if self.adapters is None:
+            raise EngineError(f"adapter {name!r} is not loaded: this SGLang worker was started without LoRA")
+        self.adapters.book.require(name)
+        return {"lora_path": name}
+
     async def _prefill(self, request: PreprocessedRequest, extra: dict[str, Any]) -> EngineOutput:
         """Start ``request``'s prefill in SGLang with a new room and answer its handoff at once; SGLang's stream
         runs on in a task of its own (the KV moves once the decode engine connects to the room)."""
@@ -518,6 +556,8 @@ class SglangEngine:
         host, port = self.bootstrap
         params = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": new_room()}
         rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        if request.lora_name is not None:
+            extra = extra | self._lora_arguments(request.lora_name)
         stream = await self._engine.async_generate(
             input_ids=request.token_ids, sampling_params=sampling_params(request), stream=True,
             **generate_arguments(request, rid), **extra, **params,
