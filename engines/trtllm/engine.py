@@ -52,6 +52,7 @@ from engines.shared.kv_tiers import tier_loads
 from engines.trtllm.disagg import TRTLLM_HANDOFF, check_disagg_role, encode_params, generation_params
 from engines.trtllm.gpu_memory import first_gpu_memory
 from engines.trtllm.kv_events import FullAttentionPool, host_pool_blocks, translate_events
+from engines.trtllm.lora import TrtLlmAdapters, lora_config, lora_config_class
 from engines.trtllm.readers import read_for_good
 from engines.trtllm.stats import StatsToLoad
 from runtime.engine import RequestContext
@@ -147,10 +148,13 @@ def tokens_per_block(engine_args: dict[str, Any]) -> int:
     return int(engine_args.get("kv_cache_config", {}).get("tokens_per_block", DEFAULT_TOKENS_PER_BLOCK))
 
 
-def llm_kwargs(model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any]) -> dict[str, Any]:
+def llm_kwargs(
+    model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], *, max_loras: int | None = None
+) -> dict[str, Any]:
     """The keyword arguments of ``tensorrt_llm.LLM`` for this worker, with ``kv_cache_config`` as a dict of
     KvCacheConfig's fields (``start`` adds the memory share, measured on the GPU, and builds the
-    KvCacheConfig)."""
+    KvCacheConfig); with ``max_loras``, ``lora_config`` as a dict of LoraConfig's for that many adapters
+    (engines/trtllm/lora.py)."""
     kv_cache: dict[str, Any] = {
         "enable_block_reuse": True,
         **engine_args.get("kv_cache_config", {}),
@@ -169,6 +173,8 @@ def llm_kwargs(model_path: Path, placement: GpuPlacement, engine_args: dict[str,
     }
     if placement.context_length is not None:
         kwargs["max_seq_len"] = placement.context_length
+    if max_loras is not None:
+        kwargs["lora_config"] = lora_config(engine_args, max_loras)
     return kwargs
 
 
@@ -275,9 +281,18 @@ class TrtLlmEngine:
     skip_special_tokens = True
 
     def __init__(
-        self, model_path: Path, placement: GpuPlacement, engine_args: dict[str, Any], role: DisaggRole = "aggregated"
+        self,
+        model_path: Path,
+        placement: GpuPlacement,
+        engine_args: dict[str, Any],
+        role: DisaggRole = "aggregated",
+        *,
+        lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
-        """Raises ConfigError for a prefill or decode worker without a cache transceiver."""
+        """``lora``: enable LoRA adapters (``load_lora``), as ``enable_lora`` or ``lora_config`` in ``engine_args``
+        do; ``max_loras``: how many at once (``LoraConfig.max_loras``; engines/trtllm/lora.py). Raises ConfigError
+        for a prefill or decode worker without a cache transceiver."""
         check_disagg_role(role, engine_args)
         self.model_path = model_path
         self.placement = placement
@@ -305,6 +320,22 @@ class TrtLlmEngine:
         # host_cache_size); absent: no host pool.
         self._host_blocks: dict[int, int] = {}
         self._active = 0
+        #: The adapters requests may name (None: LoRA not enabled).
+        self.adapters = TrtLlmAdapters.enabled(engine_args, lora=lora, max_loras=max_loras)
+
+    @property
+    def max_loras(self) -> int:
+        """How many adapters it holds at once (0: LoRA not enabled)."""
+        return self.adapters.book.max_loras if self.adapters is not None else 0
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        if self.adapters is None:
+            raise EngineError(f"cannot load adapter {name!r}: this TensorRT-LLM worker was started without LoRA")
+        self.adapters.load(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        if self.adapters is not None:
+            self.adapters.unload(name)
 
     async def start(self) -> None:
         devices = visible_devices(
@@ -319,7 +350,7 @@ class TrtLlmEngine:
             from tensorrt_llm.scheduling_params import SchedulingParams
         except ImportError as exc:
             raise ModelError(MISSING_PACKAGE) from exc
-        kwargs = llm_kwargs(self.model_path, self.placement, self.engine_args)
+        kwargs = llm_kwargs(self.model_path, self.placement, self.engine_args, max_loras=self.max_loras or None)
         if (share := self.placement.gpu_memory_fraction) is not None:
             # From NVML, not torch.cuda: a CUDA context here would hold GPU memory outside the share.
             free_bytes, total_bytes = first_gpu_memory(os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -330,6 +361,9 @@ class TrtLlmEngine:
                 weight_bytes=weight_bytes_per_gpu(self.model_path, self.placement.tensor_parallel_size),
             )
         kwargs["kv_cache_config"] = KvCacheConfig(**kwargs["kv_cache_config"])
+        if self.adapters is not None:
+            kwargs["lora_config"] = lora_config_class()(**kwargs["lora_config"])
+            self.adapters.start()
         try:
             # In this thread, as Dynamo's TensorRT-LLM worker does: the LLM starts its executor workers and
             # may install signal handlers, which only the main thread can.
@@ -447,6 +481,10 @@ class TrtLlmEngine:
                 extra["disaggregated_params"] = self._disaggregated_params(**generation_params(handoff.params))
             except ConfigError as exc:
                 raise EngineError(str(exc)) from exc
+        if request.lora_name is not None:
+            if self.adapters is None:
+                raise EngineError(f"adapter {request.lora_name!r} is not loaded: this worker was started without LoRA")
+            extra["lora_request"] = self.adapters.request(request.lora_name)
         if (rank := self._scheduling_rank(request.dp_rank)) is not None:
             # Strict: the rank the router chose, whose cache it scored (relaxed, TensorRT-LLM may move it).
             extra["scheduling_params"] = self._scheduling_params(attention_dp_rank=rank, attention_dp_relax=False)

@@ -14,6 +14,10 @@ What each piece follows, in NVIDIA/TensorRT-LLM (1.x):
   iterable until then.
 * ``FakeIterationResult``: ``IterationResult`` (tensorrt_llm/executor/result.py): items from a queue; after
   ``timeout`` seconds without one it is done, and stays done until ``mark_undone``.
+* ``FakeLoRARequest`` / ``FakeLoraConfig``: ``LoRARequest`` (tensorrt_llm/executor/request.py: ``lora_name``,
+  ``lora_int_id``, ``lora_path``; ``generate_async(..., lora_request=...)`` takes one per request) and ``LoraConfig``
+  (tensorrt_llm/lora_helper.py: a dataclass of ``lora_dir``, ``max_lora_rank``, ``lora_target_modules``,
+  ``max_loras``, ``max_cpu_loras``...).
 * ``FakeResult``: a streaming ``RequestOutput``: each step's ``outputs[0]`` holds the whole output so far;
   ``abort()``. Built from a model's token stream, it stops as ``BaseWorker._enqueue_request``
   (tensorrt_llm/executor/base_worker.py) sets the request up: ``end_id=-1`` and no stop words with
@@ -67,6 +71,27 @@ class FakeSchedulingParams:
 
     attention_dp_rank: int | None = None
     attention_dp_relax: bool | None = None
+
+
+@dataclass
+class FakeLoRARequest:
+    """tensorrt_llm/executor/request.py LoRARequest."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    lora_ckpt_source: str = "hf"
+
+
+@dataclass(kw_only=True)
+class FakeLoraConfig:
+    """tensorrt_llm/lora_helper.py LoraConfig (the fields the worker sets)."""
+
+    lora_dir: list[str] | None = None
+    max_lora_rank: int = 64
+    lora_target_modules: list[str] | None = None
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
 
 
 class FakeRequestError(RuntimeError):
@@ -176,6 +201,7 @@ class FakeLlm:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.calls: list[tuple[Any, ...]] = []
         self.scheduling: list[Any] = []
+        self.lora_requests: list[Any] = []
         self.results: list[FakeResult] = []
         self.events: FakeIterationResult | None = None
         self.stats: FakeIterationResult | None = None
@@ -190,6 +216,7 @@ class FakeLlm:
         streaming: bool,
         disaggregated_params: Any = None,
         scheduling_params: Any = None,
+        lora_request: Any = None,
     ) -> FakeResult:
         if field(sampling_params, "end_id") is None:
             raise ValueError(NO_TOKENIZER_MESSAGE)
@@ -212,6 +239,7 @@ class FakeLlm:
         else:
             self.calls.append((inputs, sampling_params, streaming, {"disaggregated_params": disaggregated_params}))
         self.scheduling.append(scheduling_params)
+        self.lora_requests.append(lora_request)
         if self.model_tokens is not None:
             result = FakeResult(decode(self.model_tokens, sampling_params))
         else:
@@ -302,6 +330,8 @@ def install(monkeypatch: pytest.MonkeyPatch, llm: FakeLlm, *, nvml: FakeNvml | N
             "GuidedDecodingParams": FakeGuidedDecodingParams,
         },
         "tensorrt_llm.executor": {},
+        "tensorrt_llm.executor.request": {"LoRARequest": FakeLoRARequest},
+        "tensorrt_llm.lora_helper": {"LoraConfig": FakeLoraConfig},
         "tensorrt_llm.executor.utils": {"RequestError": FakeRequestError},
         "tensorrt_llm.scheduling_params": {"SchedulingParams": FakeSchedulingParams},
         "torch": {"cuda": SimpleNamespace(mem_get_info=mem_get_info)},
