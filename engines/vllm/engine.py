@@ -36,11 +36,13 @@ import io
 import logging
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Literal
 
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.kv_tiers import tier_loads
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
+from engines.vllm.lora import VllmAdapters, lora_engine_args
 from engines.vllm.settings import MISSING_PACKAGE, VllmSettings, offload_tiers
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
@@ -95,6 +97,23 @@ class VllmEngine:
         self._names: dict[int, EngineBlockNames] = {}
         self._sink: KvEventSink | None = None
         self._subscribers: list[ZmqSubscriber] = []
+        lora = lora_engine_args(settings.extra, lora=settings.lora, max_loras=settings.max_loras)
+        #: The adapters loaded (None: LoRA not enabled).
+        self.adapters = VllmAdapters(lora["max_loras"]) if lora else None
+
+    @property
+    def max_loras(self) -> int:
+        """How many adapters it holds at once, as vLLM's config says once started (0: LoRA not enabled)."""
+        return self.adapters.book.max_loras if self.adapters is not None else 0
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        if self.adapters is None:
+            raise EngineError(f"cannot load adapter {name!r}: this vLLM worker was started without LoRA")
+        await self.adapters.load(self._engine, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        if self.adapters is not None:
+            await self.adapters.unload(self._engine, name)
 
     async def start(self) -> None:
         if self.base_gpu_id is not None:
@@ -128,6 +147,8 @@ class VllmEngine:
                 f"vLLM settled on KV blocks of {settled} tokens, and routers would name them by "
                 f"{self.card_block_size}: give vLLM its block size, --extra-engine-args '{{\"block_size\": {settled}}}'"
             )
+        if self.adapters is not None:
+            self.adapters.settle(self._engine)
         self._subscribe(kwargs["kv_events_config"])
         log.info("vLLM loaded %s (KV block size %d)", self.settings.model, self.block_size)
 
@@ -223,6 +244,11 @@ class VllmEngine:
         if context.stopped:
             return
         params = sampling_params(request)
+        lora_request = None
+        if request.lora_name is not None:
+            if self.adapters is None:
+                raise EngineError(f"adapter {request.lora_name!r} is not loaded: this worker was started without LoRA")
+            lora_request = self.adapters.request(request.lora_name)
         handoff = request.handoff
         if handoff is not None and handoff.kind == VLLM_HANDOFF and handoff.params:
             # What the prefill worker's connector returned (NIXL: its blocks and where to pull them from).
@@ -239,7 +265,9 @@ class VllmEngine:
         finished = False
         cached: int | None = None
         # The rank the router chose (its cache holds the prefix); None: vLLM's own balancing.
-        stream = engine.generate(prompt, params, request_id, data_parallel_rank=request.dp_rank)
+        stream = engine.generate(
+            prompt, params, request_id, data_parallel_rank=request.dp_rank, lora_request=lora_request
+        )
         try:
             async for output in stream:
                 if context.stopped:

@@ -21,6 +21,7 @@ from typing import Any
 
 from engines.shared.extra_engine_args import read_engine_args
 from engines.shared.node_group import NodeGroup
+from engines.vllm.lora import lora_engine_args
 from runtime.errors import ConfigError
 from runtime.kv.events import Medium
 
@@ -57,6 +58,10 @@ class VllmSettings:
     nodes: NodeGroup = field(default_factory=NodeGroup)
     #: Extra AsyncEngineArgs fields, checked against the dataclass.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: LoRA adapters enabled (``--lora`` / ``--lora-file``; engines/vllm/lora.py), as ``enable_lora`` in ``extra`` does.
+    lora: bool = False
+    #: How many adapters at once (``--max-loras``, vLLM's ``max_loras``); given, it enables LoRA too.
+    max_loras: int | None = None
 
     @property
     def local_gpus(self) -> int:
@@ -77,6 +82,7 @@ class VllmSettings:
             # The numbers behind load(): without them vLLM keeps no scheduler stats.
             "disable_log_stats": False,
             **self.extra,
+            **lora_engine_args(self.extra, lora=self.lora, max_loras=self.max_loras),
         }
         if offload_tiers(self.extra) and _offloading_connector(self.extra):
             # Host copies can be named for routers only when their events carry their tokens.
