@@ -22,6 +22,12 @@ with one stream each, started together or staggered). A prompt chunk is decoded 
 llama.cpp splits a batch of several streams into micro-batches with as many tokens of each, so a chunk
 mixed with generating rows would have its first token split off and decoded alone. And no chunk leaves
 a single prompt token for the next one (``take_chunk``, ``plan_prefill``).
+
+LoRA adapters. llama.cpp applies an adapter to the whole context (``llama_set_adapters_lora``), not to one
+sequence, so a step decodes the requests of one adapter only (or of the base model): the running requests are
+grouped by adapter, and the steps go to the groups in turn (``next_group``), the context's adapter set before
+each. With requests of k adapters running, each advances once every k steps: a batch split by adapters. A slot's
+cached tokens are reused only by a request of the adapter they were computed with.
 """
 
 import collections
@@ -58,6 +64,11 @@ class SequenceJob:
     widened: WidenedPrompt | None = None
 
     @property
+    def lora(self) -> str | None:
+        """The adapter the request runs with (None: the base model)."""
+        return self.request.lora_name
+
+    @property
     def prompt(self) -> list[int]:
         """The prompt's rows as the context holds them: token ids, and each image row as its image's key."""
         return self.widened.tokens if self.widened is not None else self.request.token_ids
@@ -71,6 +82,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     last_used: int = 0  # the step that last ended a request here (least recently used goes first)
     busy: bool = False
+    lora: str | None = None  # the adapter its tokens' KV cells were computed with (None: the base model)
 
 
 @dataclass
@@ -133,13 +145,33 @@ def take_run(prompt: list[int], most: int) -> list[int]:
     return chunk
 
 
-def choose_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> Slot | None:
-    """The free slot sharing the longest prefix with ``prompt``; among equals the least recently used.
-    None when every slot is busy."""
+def choose_slot(slots: Sequence[Slot], prompt: Sequence[int], lora: str | None = None) -> Slot | None:
+    """The free slot sharing the longest prefix with ``prompt`` computed with adapter ``lora`` (None: the base
+    model); among equals the least recently used. None when every slot is busy."""
     free = [slot for slot in slots if not slot.busy]
     if not free:
         return None
-    return max(free, key=lambda slot: (common_prefix(slot.tokens, prompt), -slot.last_used))
+    return max(free, key=lambda slot: (reusable(slot, prompt, lora), -slot.last_used))
+
+
+def reusable(slot: Slot, prompt: Sequence[int], lora: str | None) -> int:
+    """How many of ``slot``'s cached tokens a prompt of adapter ``lora`` may keep: none of another adapter's."""
+    return common_prefix(slot.tokens, prompt) if slot.lora == lora else 0
+
+
+def next_group(groups: Sequence[str | None], last: str | None, started: bool) -> str | None:
+    """The adapter whose requests the next step decodes: among ``groups`` (the adapters of the running requests,
+    the base model as None) in a fixed order (the base model first, then by name), the first after ``last``, round
+    the end to the first; the first when no step ran yet (``started`` false)."""
+    order = sorted(set(groups), key=_group_order)
+    if not started:
+        return order[0]
+    later = [name for name in order if _group_order(name) > _group_order(last)]
+    return later[0] if later else order[0]
+
+
+def _group_order(name: str | None) -> tuple[bool, str]:
+    return (name is not None, name or "")
 
 
 class BatchScheduler:
@@ -169,6 +201,14 @@ class BatchScheduler:
         self._step = 0
         #: Token rows decoded (for tests: how much of a prompt was evaluated).
         self.decoded_rows = 0
+        #: The adapters loaded (engines/llamacpp/lora.py: name -> llama.cpp's adapter), and the one the context
+        #: has set (None: none); the group of requests the last step decoded, and whether a step ran.
+        self.adapters: dict[str, Any] = {}
+        self._context_adapter: str | None = None
+        self._last_group: str | None = None
+        self._stepped = False
+        #: Steps per adapter group (for tests: how the steps were shared).
+        self.group_steps: collections.Counter[str | None] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="llamacpp-steps", daemon=True)
         self._thread.start()
 
@@ -246,7 +286,12 @@ class BatchScheduler:
     def _admit(self) -> None:
         while self._waiting:
             job = self._waiting[0]
-            slot = choose_slot(self.slots, job.prompt)
+            if job.lora is not None and job.lora not in self.adapters:
+                # Unloaded while the request waited for a slot.
+                self._waiting.popleft()
+                self._refuse(job, EngineError(f"adapter {job.lora!r} is not loaded on this llama.cpp worker"))
+                continue
+            slot = choose_slot(self.slots, job.prompt, job.lora)
             if slot is None:
                 return
             self._waiting.popleft()
@@ -265,7 +310,8 @@ class BatchScheduler:
             # Only greedy decoding can continue exactly; a sampled continuation gains nothing from the
             # slower one-a-step decoding of the migrated tokens.
             one_at_a_time = request.migrated_tokens if sampler.greedy else 0
-            cached = slot.tokens
+            # Cells computed with another adapter (or without one) are no prefix of this request's.
+            cached = slot.tokens if slot.lora == job.lora else []
             if request.prompt_logprobs is not None:
                 # Every prompt position's logits are needed, and a cached prefix kept none: the whole prompt is
                 # decoded, in chunks (the gateway sends no migrated tokens with it).
@@ -277,6 +323,7 @@ class BatchScheduler:
                 self._llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
                 reuse = 0
             del slot.tokens[reuse:]
+            slot.lora = job.lora
         except BaseException:
             sampler.close()
             raise
@@ -297,9 +344,15 @@ class BatchScheduler:
         )
 
     def _decode_step(self) -> None:
-        """One step: a prompt chunk of the oldest request still reading its prompt, in a call of its own;
-        then one row for each other request (its last sampled token or its next migrated one), together."""
-        reading = next((running for running in self._running if running.prompt), None)
+        """One step for the requests of one adapter (``next_group``), with the context's adapter set to it: a
+        prompt chunk of the oldest of them still reading its prompt, in a call of its own; then one row for each
+        other (its last sampled token or its next migrated one), together."""
+        group = next_group([running.job.lora for running in self._running], self._last_group, self._stepped)
+        self._last_group, self._stepped = group, True
+        self.group_steps[group] += 1
+        self._use_adapter(group)
+        members = [running for running in self._running if running.job.lora == group]
+        reading = next((running for running in members if running.prompt), None)
         if reading is not None:
             chunk = take_run(reading.prompt, self._n_batch)
             if chunk[0] < 0:
@@ -307,7 +360,7 @@ class BatchScheduler:
             else:
                 self._decode([(reading, chunk)], every_row=reading.prompt_logprobs)
         rows = []
-        for running in self._running:
+        for running in members:
             if running.next_token is not None:
                 rows.append((running, [running.next_token]))
                 running.next_token = None
@@ -432,6 +485,47 @@ class BatchScheduler:
         running.slot.busy = False
         running.slot.last_used = self._step = self._step + 1
         running.job.emit(END)
+
+    def _use_adapter(self, name: str | None) -> None:
+        """Set the context's adapter to ``name`` (None: none), where it is not already."""
+        if name == self._context_adapter:
+            return
+        llama_cpp = self._llama_cpp
+        if name is None:
+            status = llama_cpp.llama_set_adapters_lora(self._ctx.ctx, None, 0, None)
+        else:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(self.adapters[name])
+            scales = (ctypes.c_float * 1)(1.0)
+            status = llama_cpp.llama_set_adapters_lora(self._ctx.ctx, adapters, 1, scales)
+        if status != 0:
+            raise EngineError(f"llama.cpp could not set adapter {name!r} on its context ({status})")
+        self._context_adapter = name
+
+    def drop_adapter(self, name: str) -> Any:
+        """On the engine thread: end the requests of adapter ``name`` with an error, forget the slots' cells it
+        computed, take it off the context, and return llama.cpp's adapter (for the caller to free), or None."""
+        error = EngineError(f"adapter {name!r} was unloaded from this llama.cpp worker")
+        for running in [running for running in self._running if running.job.lora == name]:
+            running.job.emit(EngineOutput([], "error"))
+            running.job.emit(error)
+            self._finish(running)
+        for job in [job for job in self._waiting if job.lora == name]:
+            self._waiting.remove(job)
+            self._refuse(job, error)
+        for slot in self.slots:
+            if slot.lora == name:
+                self._llama_cpp.llama_memory_seq_rm(self._memory, slot.seq_id, -1, -1)
+                slot.tokens.clear()
+                slot.lora = None
+        if self._context_adapter == name:
+            self._use_adapter(None)
+        return self.adapters.pop(name, None)
+
+    @staticmethod
+    def _refuse(job: SequenceJob, error: EngineError) -> None:
+        job.emit(EngineOutput([], "error"))
+        job.emit(error)
+        job.emit(END)
 
     def _fail_all(self, error: EngineError) -> None:
         for running in list(self._running):

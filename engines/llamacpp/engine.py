@@ -41,7 +41,9 @@ from typing import Any, Literal
 from engines.llamacpp.batch import END, BatchScheduler, SequenceJob
 from engines.llamacpp.embedding import embed_token_ids
 from engines.llamacpp.guided import request_grammar
+from engines.llamacpp.lora import DEFAULT_MAX_LORAS, load_adapter, unload_adapter
 from engines.llamacpp.vision import ImageEncoder, WidenedPrompt
+from engines.shared.lora_adapters import LoadedAdapters
 from runtime.engine import RequestContext
 from runtime.errors import EngineError, ModelError
 from runtime.protocol import EmbedInput, EngineOutput, PreprocessedRequest
@@ -81,7 +83,11 @@ class LlamaCppEngine:
         parallel: int = DEFAULT_PARALLEL,
         mmproj: Path | None = None,
         image_tokens: int | None = None,
+        lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: how many LoRA adapters (GGUF) it holds at once (engines/llamacpp/lora.py); llama.cpp
+        takes adapters without being told at start, so ``lora`` changes nothing (the other engines' argument)."""
         if model_path.suffix.lower() != ".gguf" or not model_path.is_file():
             raise ModelError(
                 f"out=llamacpp needs a GGUF file, and {model_path} is not one; "
@@ -100,6 +106,28 @@ class LlamaCppEngine:
         self._ctx: Any = None  # its context, one sequence per slot
         self._scheduler: BatchScheduler | None = None
         self._embedder: Any = None  # an embedding-mode context, made by the first embed()
+        self.adapters = LoadedAdapters("llama.cpp", max_loras or DEFAULT_MAX_LORAS)
+
+    @property
+    def max_loras(self) -> int:
+        return self.adapters.max_loras
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        """Load the LoRA GGUF ``path`` as ``name``. Raises EngineError."""
+        if self.adapters.plan(name, path, kind="file") == "loaded":
+            return
+        scheduler = self._scheduler
+        if scheduler is None:
+            raise EngineError(f"cannot load adapter {name!r}: the llama.cpp engine is not started")
+        model = self._model
+        await asyncio.wrap_future(scheduler.call(lambda: load_adapter(scheduler, model, name, path)))
+        self.adapters.add(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload ``name``: its requests still running end with an error."""
+        if self.adapters.pop(name) is None or (scheduler := self._scheduler) is None:
+            return
+        await asyncio.wrap_future(scheduler.call(lambda: unload_adapter(scheduler, name)))
 
     async def start(self) -> None:
         try:
@@ -238,6 +266,7 @@ class LlamaCppEngine:
         scheduler = self._scheduler
         if scheduler is None:
             raise EngineError("the llama.cpp engine is not started")
+        self.adapters.require(request.lora_name)
         widened = await self._widen(scheduler, request) if request.images else None
         prompt_rows = len(widened.tokens) if widened is not None else len(request.token_ids)
         if prompt_rows + request.stop_conditions.max_tokens > self.context_length:
