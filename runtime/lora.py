@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import msgspec
+import xxhash
+
+from runtime.kv.blocks import HASH_SEED
 
 #: Names an adapter may have: a served model name (letters, digits, ``._-:/``), at most this long.
 MAX_NAME_LENGTH = 128
@@ -81,3 +84,14 @@ class LoraEngine(Protocol):
         """Unload adapter ``name``; requests of it still running finish first or end with an error. Unloading a
         name not loaded does nothing."""
         ...
+
+
+def lora_root_hash(lora: int | None) -> int | None:
+    """The parent hash an adapter's block chains start from: its number hashed (runtime/kv/blocks.py's hash), so
+    that a block computed with adapter ``lora`` (a ``lora_id``) has another sequence hash than the base model's
+    block of the same tokens, and than any other adapter's, as vLLM mixes the adapter into its block hashes. Every
+    engine names its adapter blocks so (``sequence_block_hashes(tokens, size, parent=lora_root_hash(id))``) and
+    every router names an adapter's requests so; None (the base model) for None."""
+    if lora is None:
+        return None
+    return xxhash.xxh3_64_intdigest(b"flotilla-lora:" + lora.to_bytes(8, "little"), seed=HASH_SEED)

@@ -66,6 +66,10 @@ class MockerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     #: Host-to-device copy bandwidth per dp rank in decimal GB/s (``--host-offload-h2d-bandwidth-gbps``).
     #: None: 32, Dynamo's default; 0: copies take no time.
     host_offload_h2d_bandwidth_gbps: NonNegativeFloat | None = None
+    #: LoRA adapters it holds at once (vLLM's ``max_loras``): a load past it is refused.
+    max_loras: PositiveInt = 4
+    #: Seconds loading an adapter takes (real time, as a real engine reads the adapter's weights).
+    lora_load_time: NonNegativeFloat = 0.05
 
 
 KNOWN_KEYS: tuple[str, ...] = MockerConfig.__struct_fields__

@@ -24,6 +24,11 @@ With ``num_host_blocks`` each rank also has a host-memory KV tier (host_tier.py)
 simulated time (``Scheduler.schedule(now)``), a step with nothing to compute waits for the next copy to end,
 its events (``medium="cpu"``) go out with the device's, and ``load()`` reports it in ``WorkerLoad.tiers``.
 
+LoRA adapters (runtime/lora.py): it is a ``LoraEngine`` holding ``max_loras`` adapters, each "loaded" in
+``lora_load_time`` seconds from a path that must exist (nothing is read from it). A request with ``lora_name``
+runs as any other, but its blocks chain from the adapter's root hash (``lora_root_hash``), so that its prefix
+is reused by requests of the same adapter only, and its KV events carry the adapter's ``lora_id``.
+
 A step loop that fails is logged, every request it held fails with an EngineError, and the rank
 starts again with an empty cache (routers are told: all cleared); nothing waits forever.
 """
@@ -33,6 +38,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 from typing import Literal
 
 from engines.mocker.config import MockerConfig
@@ -42,6 +48,7 @@ from engines.mocker.timing import StepTimer
 from runtime.engine import RequestContext
 from runtime.errors import EngineError
 from runtime.kv.events import AllCleared, BlockStored, KvEventSink, TierLoad, WorkerLoad
+from runtime.lora import lora_id
 from runtime.protocol import EngineOutput, KvHandoff, PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,37 @@ class MockerEngine:
         self._running = False
         #: Prompt tokens it computes in a step, over its ranks (registered: ``--disagg-policy load`` reads it).
         self.prefill_token_capacity = config.max_num_batched_tokens * config.dp_size
+        #: LoRA adapters it holds at once; those loaded, by name -> (their path, their lora_id).
+        self.max_loras = config.max_loras
+        self._loras: dict[str, tuple[Path, int]] = {}
+
+    # -- LoRA adapters (LoraEngine) -------------------------------------------------------------------
+
+    @property
+    def loras(self) -> dict[str, Path]:
+        """The adapters loaded, by name: their paths."""
+        return {name: path for name, (path, _) in self._loras.items()}
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        """Load adapter ``name`` from ``path`` (a folder or a file that must exist); the same name and path again
+        does nothing, a new path replaces the old. Raises EngineError for a missing path or one adapter too many."""
+        loaded = self._loras.get(name)
+        if loaded is not None and loaded[0] == path:
+            return
+        if not path.exists():
+            raise EngineError(f"adapter {name!r}: {path} does not exist (give a PEFT folder or an adapter file)")
+        if loaded is None and len(self._loras) >= self.max_loras:
+            raise EngineError(
+                f"adapter {name!r} not loaded: the mocker holds {self.max_loras} adapters at most (max_loras), and "
+                f"has {', '.join(sorted(self._loras))}; unload one first, or raise max_loras"
+            )
+        if self.config.lora_load_time:
+            await asyncio.sleep(self.config.lora_load_time)
+        self._loras[name] = (path, lora_id(name))
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name``: its requests still running finish (their blocks stay cached until evicted)."""
+        self._loras.pop(name, None)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -130,6 +168,12 @@ class MockerEngine:
         """
         if not self._running:
             raise EngineError("the mocker engine is not running")
+        adapter: int | None = None
+        if request.lora_name is not None:
+            loaded = self._loras.get(request.lora_name)
+            if loaded is None:
+                raise EngineError(f"LoRA adapter {request.lora_name!r} is not loaded on this worker")
+            adapter = loaded[1]
         max_tokens = request.stop_conditions.max_tokens
         if request.prefill_only:
             max_tokens = 1  # the prompt and the token its pass gives: the rest is the decode worker's
@@ -151,6 +195,7 @@ class MockerEngine:
             vocab_size=self.vocab_size,
             stop=context,
             eos_token_ids=request.eos_token_ids,
+            lora_id=adapter,
         )
         sequence.transferred = transferred
         rank = self._pick_rank(request.dp_rank)

@@ -56,7 +56,8 @@ from engines.mocker.kv_cache_v0 import KvCacheV0
 from engines.mocker.kv_cache_v1 import KvCacheV1
 from runtime.errors import EngineError
 from runtime.kv.blocks import sequence_block_hashes
-from runtime.kv.events import BlockStored, KvEvent
+from runtime.kv.events import BlockRemoved, BlockStored, KvEvent
+from runtime.lora import lora_root_hash
 from runtime.protocol import FinishReason
 
 _MASK64 = (1 << 64) - 1
@@ -87,6 +88,8 @@ class Sequence:
         "finish_reason",
         "host_load",
         "host_offered",
+        "lora_id",
+        "lora_root",
         "max_tokens",
         "num_computed",
         "num_tokens",
@@ -112,8 +115,13 @@ class Sequence:
         vocab_size: int,
         stop: StopFlag,
         eos_token_ids: Tokens[int] = (),
+        lora_id: int | None = None,
     ) -> None:
         self.request_id = request_id
+        #: The LoRA adapter it runs with (``lora_id(name)``), and where its block chain starts
+        #: (runtime/lora.py ``lora_root_hash``): its blocks are never those of another adapter or the base model.
+        self.lora_id = lora_id
+        self.lora_root = lora_root_hash(lora_id)
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.output: list[int] = []
@@ -284,6 +292,9 @@ class Scheduler:
         self.generated_tokens = 0  # output tokens produced since start, for the load reports
         self.preemptions = 0
         self._lifo = config.preemption_mode == "lifo"
+        # Block hash -> the adapter (lora_id) it was computed with, oldest first: what the KV events say of it.
+        self._lora_blocks: dict[int, int] = {}
+        self._lora_blocks_kept = 2 * (config.num_gpu_blocks + (config.num_host_blocks or 0))
 
     @property
     def has_work(self) -> bool:
@@ -300,7 +311,7 @@ class Scheduler:
         events = self.cache.take_events()
         if self.host is not None and (host_events := self.host.take_events()):
             events = [*events, *host_events]
-        return events
+        return self._tag_lora(events)
 
     def set_record_events(self, on: bool) -> None:
         """Record KV events (for a sink) in the device cache and the host tier."""
@@ -313,6 +324,9 @@ class Scheduler:
         state = self.cache.cache_state()
         if self.host is not None:
             state.extend(self.host.cache_state())
+        if self._lora_blocks:
+            for event in state:
+                event.lora_id = self._lora_blocks.get(event.block_hashes[0])
         return state
 
     def add(self, sequence: Sequence) -> None:
@@ -334,7 +348,8 @@ class Scheduler:
                 f"({config.max_num_batched_tokens}) and enable_chunked_prefill is off"
             )
         if config.enable_prefix_caching:
-            sequence.block_hashes = sequence_block_hashes(sequence.prompt, config.block_size)
+            sequence.block_hashes = sequence_block_hashes(sequence.prompt, config.block_size, sequence.lora_root)
+            self._note_lora(sequence, sequence.block_hashes)
         sequence.blocks = self.cache.new_table()
         self.waiting.append(sequence)
 
@@ -631,8 +646,36 @@ class Scheduler:
         block_size = self.config.block_size
         while len(hashes) < full:
             start = len(hashes) * block_size
-            parent = hashes[-1] if hashes else None
-            hashes.extend(sequence_block_hashes(sequence.tokens(start, start + block_size), block_size, parent))
+            parent = hashes[-1] if hashes else sequence.lora_root
+            named = sequence_block_hashes(sequence.tokens(start, start + block_size), block_size, parent)
+            self._note_lora(sequence, named)
+            hashes.extend(named)
+
+    def _note_lora(self, sequence: Sequence, hashes: list[int]) -> None:
+        """Remember that ``hashes`` are blocks of ``sequence``'s adapter, for its KV events' ``lora_id``."""
+        if sequence.lora_id is None or not self.cache.record_events:
+            return
+        lora_blocks = self._lora_blocks
+        for block_hash in hashes:
+            lora_blocks[block_hash] = sequence.lora_id
+        # Bounded: blocks named and never cached (a request cancelled first) must not pile up. The oldest go
+        # first; a cached block that lost its entry is announced without its lora_id (its hash is the adapter's
+        # still: no base request can match it).
+        while len(lora_blocks) > self._lora_blocks_kept:
+            del lora_blocks[next(iter(lora_blocks))]
+
+    def _tag_lora(self, events: list[KvEvent]) -> list[KvEvent]:
+        """``events`` with each stored adapter block's ``lora_id`` set; the removed ones forgotten."""
+        lora_blocks = self._lora_blocks
+        if not lora_blocks:
+            return events
+        for event in events:
+            if isinstance(event, BlockStored) and event.block_hashes:
+                event.lora_id = lora_blocks.get(event.block_hashes[0])
+            elif isinstance(event, BlockRemoved) and event.medium is None and self.host is None:
+                for block_hash in event.block_hashes:
+                    lora_blocks.pop(block_hash, None)
+        return events
 
     def _preempt(self, sequence: Sequence) -> None:
         self.cache.free(sequence.blocks)
