@@ -12,6 +12,9 @@ one name on every tier: the name is kept once, with the set of tiers that hold t
 from the host tier drops the host copy only, a block stored on the host may chain from a parent that only the
 GPU holds (and the other way round), and the name is forgotten when no tier holds the block any more.
 
+A block computed with a LoRA adapter (``lora_id``) is named in a chain that starts from the adapter's root hash
+(runtime/lora.py ``lora_root_hash``), so that it is never taken for the base model's block of the same tokens.
+
 Blocks whose parent this map never heard of (events lost before the worker subscribed) cannot be named
 (their Flotilla hash chains the parent's): they are skipped, and so are their descendants.
 """
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 
 from runtime.kv.events import LOWER_TIERS, AllCleared, BlockRemoved, BlockStored, KvEvent, Medium
 from runtime.kv.image_blocks import BlockKeys, keyed_sequence_hashes
+from runtime.lora import lora_root_hash
 
 #: A tier as kept here: None for the device (an event's "gpu" is the same tier).
 Tier = Medium | None
@@ -67,7 +71,8 @@ class EngineBlockNames:
         if not engine_hashes or len(token_ids) != len(engine_hashes) * self.block_size:
             return None
         if engine_parent is None:
-            parent = None
+            # An adapter's chain starts from its root hash, as its routers name its requests (runtime/lora.py).
+            parent = lora_root_hash(lora_id)
         elif (known := self._names.get(engine_parent)) is not None:
             parent = known[0]
         else:

@@ -16,11 +16,13 @@ def build_router(
     nc: NATS,
     address: EndpointAddress | None,
     health: RoutingHealth | None = None,
+    lora_id: int | None = None,
 ) -> Router:
     """A new, not yet started router for one pool whose instances serve ``address``.
 
     ``block_size`` is the card's ``kv_cache_block_size``; ``health`` hears the KV router's repairs and
-    decisions (the basic routers have none to tell). Raises ValueError in KV mode for a block size below 1
+    decisions (the basic routers have none to tell); ``lora_id`` makes a LoRA adapter's pool's KV router
+    (runtime/lora.py). Raises ValueError in KV mode for a block size below 1
     or an unknown address (the KV router listens on its component's subjects).
     """
     if settings.mode is RouterMode.RANDOM:
@@ -29,4 +31,4 @@ def build_router(
         return RoundRobinRouter()
     if address is None:
         raise ValueError("the KV router needs the endpoint the instances serve, to hear their KV events")
-    return KvRouter(settings, block_size=block_size, nc=nc, address=address, health=health)
+    return KvRouter(settings, block_size=block_size, nc=nc, address=address, health=health, lora_id=lora_id)

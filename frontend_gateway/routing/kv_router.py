@@ -38,6 +38,7 @@ from frontend_gateway.routing.replica_sync import ReplicaSync
 from runtime.cluster.addressing import EndpointAddress
 from runtime.kv.events import KvEvent, WorkerLoad
 from runtime.kv.image_blocks import request_block_hashes
+from runtime.lora import lora_root_hash
 from runtime.protocol import PreprocessedRequest, TextRequest
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,18 @@ class KvRouter:
         address: EndpointAddress,
         clock: Callable[[], float] = time.monotonic,
         health: RoutingHealth | None = None,
+        lora_id: int | None = None,
     ) -> None:
-        """Raises ValueError for a block size below 1."""
+        """``lora_id``: the pool is a LoRA adapter's (runtime/lora.py): its requests' blocks chain from the
+        adapter's root hash, and only its workers' blocks of that adapter are indexed. Raises ValueError for a
+        block size below 1."""
         if block_size < 1:
             raise ValueError(f"the KV block size must be at least 1, not {block_size}")
         self.settings = settings
         self.block_size = block_size
         self.address = address
+        self.lora_id = lora_id
+        self._lora_root = lora_root_hash(lora_id)
         self._rng = random.Random(settings.seed)
         # The caches predicted from this router's decisions: every worker's with use_kv_events off, else
         # those of the instances whose engines publish no events (their registrations say so).
@@ -76,7 +82,9 @@ class KvRouter:
         self.indexer: KvIndexer | PredictedKvIndexer = KvIndexer() if settings.use_kv_events else self.predicted
         self._predicting: set[int] = set()  # instances without events, in a pool routed on events
         self.load = ActiveLoad(clock=clock)
-        self.subscriber = KvEventSubscriber(nc, address, self, use_kv_events=settings.use_kv_events, health=health)
+        self.subscriber = KvEventSubscriber(
+            nc, address, self, use_kv_events=settings.use_kv_events, health=health, lora_id=lora_id
+        )
         self._health = health
         # The dp ranks of each instance in the pool, as the subscriber saw them (0 until others show up).
         self._ranks: Mapping[int, tuple[int, ...]] = self.subscriber.ranks
@@ -125,7 +133,7 @@ class KvRouter:
                 image.tokens - 1 for image in request.images or () if image.tokens
             )
             # A prompt's images are named in the blocks that hold them, as the engine names them.
-            hashes = request_block_hashes(request.token_ids, request.images, self.block_size)
+            hashes = request_block_hashes(request.token_ids, request.images, self.block_size, self._lora_root)
             matches = self._matches(hashes)
             # Its last partial block and its answer's blocks are its own wherever it goes.
             answer = min(request.stop_conditions.max_tokens, EXPECTED_ANSWER_CAP_TOKENS)

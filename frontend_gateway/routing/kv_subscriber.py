@@ -17,8 +17,10 @@ load). It is the part of the router that deals with the network being what it is
   batches heard while it was on its way (on another subject, so possibly before it) are held, and those
   it does not cover are applied on top of it, so that neither a block stored nor one removed meanwhile
   is lost. An answer larger than a NATS message comes in parts, put together before it is applied.
-* **What the index cannot use yet.** Blocks of a LoRA adapter or salted are set aside (``routable``);
-  blocks on a tier below the device (host memory, a disk) are indexed on that tier.
+* **Whose blocks.** A pool's index takes the blocks of the pool's model only (``routable``): a LoRA adapter's
+  pool those its workers computed with that adapter (``BlockStored.lora_id``), the base model's pool those
+  computed without one; salted blocks are set aside. Blocks on a tier below the device (host memory, a disk)
+  are indexed on that tier.
 * **Malformed messages** are dropped and reported, at most one log line per ``MALFORMED_REPORT_S``.
 
 One subscriber listens per component rather than pool only like endpoints: a pool is the instances that
@@ -77,22 +79,23 @@ MAX_HELD_BATCHES = 1024
 MAX_STATE_PARTS = 1024
 
 
-def routable(events: list[KvEvent]) -> list[KvEvent]:
-    """The events a router's index takes: blocks of the base model, unsalted (on any tier: the index keeps
-    each tier apart, and a removal from one leaves the others' blocks alone).
+def routable(events: list[KvEvent], lora_id: int | None = None) -> list[KvEvent]:
+    """The events the index of a pool of adapter ``lora_id`` (None: the base model) takes: blocks computed
+    with that adapter (None: with none), unsalted (on any tier: the index keeps each tier apart, and a removal
+    from one leaves the others' blocks alone).
 
-    The router names a request's blocks from its tokens alone, so a block computed with a LoRA adapter or a
-    cache salt could never match one of its requests. Such events are heard (the wire carries them for the
-    routers that will use them) and set aside.
+    Each pool is one model, base or adapter (runtime/lora.py): another's blocks could never match one of its
+    requests, and a router names a request's blocks from its tokens alone, so a block computed with a cache
+    salt could not either. Such events are heard (workers publish all their blocks on one subject) and set aside.
     """
-    if all(_plain(event) for event in events):
+    if all(_ours(event, lora_id) for event in events):
         return events
-    return [event for event in events if _plain(event)]
+    return [event for event in events if _ours(event, lora_id)]
 
 
-def _plain(event: KvEvent) -> bool:
+def _ours(event: KvEvent, lora_id: int | None) -> bool:
     if isinstance(event, BlockStored):
-        return event.lora_id is None and event.salt is None
+        return event.lora_id == lora_id and event.salt is None
     return True
 
 
@@ -139,8 +142,11 @@ class KvEventSubscriber:
         *,
         use_kv_events: bool = True,
         health: KvSubscriberHealth | None = None,
+        lora_id: int | None = None,
     ) -> None:
+        """``lora_id``: the pool's LoRA adapter (None: the base model), whose blocks alone are indexed."""
         self.address = address
+        self.lora_id = lora_id
         self.use_kv_events = use_kv_events
         self._nc = nc
         self._target = target
@@ -273,7 +279,7 @@ class KvEventSubscriber:
             if self._health is not None:
                 self._health.stale_batch()
             return
-        self._target.apply_events(worker, routable(batch.events))
+        self._target.apply_events(worker, routable(batch.events, self.lora_id))
         self._last_event[worker] = batch.event_id
         expected = 1 if last is None else last + 1
         if last != _BASELINE and batch.event_id != expected:
@@ -310,7 +316,7 @@ class KvEventSubscriber:
     def _apply_state(self, worker: Worker, batch: KvEventBatch) -> None:
         """Replace what is known of ``worker`` with its state answer, then apply the batches held meanwhile
         that the answer does not cover."""
-        self._target.replace_state(worker, routable(batch.events))
+        self._target.replace_state(worker, routable(batch.events, self.lora_id))
         self.state_syncs += 1
         if self._health is not None:
             self._health.state_sync()

@@ -82,17 +82,20 @@ def image_keys(spans: Sequence[tuple[str, int, int]], blocks: int, block_size: i
     return keys
 
 
-def request_block_hashes(token_ids: Sequence[int], images: Sequence[ImageInput] | None, block_size: int) -> list[int]:
-    """The sequence hashes a router looks a request's prompt up by, as the engine will name its blocks.
+def request_block_hashes(
+    token_ids: Sequence[int], images: Sequence[ImageInput] | None, block_size: int, parent: int | None = None
+) -> list[int]:
+    """The sequence hashes a router looks a request's prompt up by, as the engine will name its blocks; chained
+    from ``parent`` (a LoRA adapter's root hash, runtime/lora.py; None: the base model's blocks).
 
     Each image's placeholder is widened to the tokens the engine makes of it, and the blocks holding them carry
     the image's pair. When the gateway does not know how many tokens an image becomes (``tokens`` 0), only the
     blocks before the first image are named: those after it are where the engine puts them, unknown here.
     """
     if not images:
-        return sequence_block_hashes(token_ids, block_size)
+        return sequence_block_hashes(token_ids, block_size, parent)
     if any(image.tokens < 1 for image in images):
-        return sequence_block_hashes(token_ids[: min(image.position for image in images)], block_size)
+        return sequence_block_hashes(token_ids[: min(image.position for image in images)], block_size, parent)
     widened: list[int] = []
     spans: list[tuple[str, int, int]] = []
     start = 0
@@ -103,4 +106,4 @@ def request_block_hashes(token_ids: Sequence[int], images: Sequence[ImageInput] 
         start = image.position + 1
     widened += token_ids[start:]
     blocks = len(widened) // block_size
-    return keyed_sequence_hashes(widened, block_size, image_keys(spans, blocks, block_size))
+    return keyed_sequence_hashes(widened, block_size, image_keys(spans, blocks, block_size), parent)
