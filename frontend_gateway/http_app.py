@@ -901,10 +901,13 @@ _KEYED_WITHOUT_V1 = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", 
 
 
 def _model_object(model: ServedModel) -> dict[str, Any]:
-    """OpenAI's model object, with vLLM's ``max_model_len`` where the context is known."""
+    """OpenAI's model object, with vLLM's ``max_model_len`` where the context is known and its ``parent`` (the
+    base model) for a LoRA adapter."""
     body: dict[str, Any] = {"id": model.name, "object": "model", "created": model.created, "owned_by": "flotilla"}
     if model.context_length:
         body["max_model_len"] = model.context_length
+    if (parent := getattr(model, "parent", None)) is not None:
+        body["parent"] = parent
     return body
 
 

@@ -151,6 +151,9 @@ def _new_request_id() -> str:
 class TokenModel:
     """A model whose engine takes token ids: Flotilla templates, tokenizes and detokenizes."""
 
+    #: The base model's name when this is a LoRA adapter of it (runtime/lora.py; ``/v1/models`` says so).
+    parent: str | None = None
+
     def __init__(self, card: ModelCard, engine: TokenEngine) -> None:
         self.card = card
         self.name = card.name
@@ -384,6 +387,8 @@ class TextModel:
     """A model whose engine takes OpenAI-level requests and does its own processing."""
 
     card = None
+    #: The base model's name when this is a LoRA adapter of it (runtime/lora.py; ``/v1/models`` says so).
+    parent: str | None = None
 
     def __init__(
         self,

@@ -89,6 +89,8 @@ class InstanceSet:
 class _RemoteBase:
     #: Told of busy refusals, migrations and deadlines passed (the gateway's metrics); None: nobody is.
     health: RoutingHealth | None = None
+    #: The LoRA adapter this pool serves (runtime/lora.py), named in every request it sends; None: a base model.
+    lora_name: str | None = None
 
     def __init__(
         self, name: str, instances: InstanceSet, router: Router, runtime: DistributedRuntime, migration_limit: int
@@ -179,6 +181,8 @@ class RemoteTokenEngine(_RemoteBase):
         return await self._embedder.embed(client, self.instances.snapshot(), f"embed-{uuid.uuid4().hex}", texts)
 
     async def generate(self, request: PreprocessedRequest, context: RequestContext) -> AsyncIterator[EngineOutput]:
+        if self.lora_name is not None:
+            request.lora_name = self.lora_name
         client = await self.runtime.client()
         generated: list[int] = []
         tried: set[int] = set()
@@ -463,6 +467,8 @@ class RemoteTextEngine(_RemoteBase):
     kind: Literal["text"] = "text"
 
     async def generate(self, request: TextRequest, context: RequestContext) -> AsyncIterator[TextOutput]:
+        if self.lora_name is not None:
+            request.lora_name = self.lora_name
         client = await self.runtime.client()
         tried: set[int] = set()
         busy_refusals = False

@@ -20,6 +20,11 @@ between settings of one generation the first instance's. A registration that can
 malformed entry, a tokenizer missing or broken, a NATS timeout) is logged with its key and skipped: it
 never stops the watch.
 
+A LoRA adapter a worker serves beside its base model (runtime/lora.py) is registered as a model of its own
+(``ModelEntry.lora``, under ``.../{id}/lora/{adapter}``): it is pooled by its name like any model, with its own
+router (whose KV index takes that adapter's blocks only), its requests carry ``lora_name``, and ``/v1/models``
+lists it with its base model as ``parent``.
+
 Prefill workers (registered with the role "prefill", ``flotilla run --disagg-role prefill``) make a pool of
 their own per model, with its own router on their component, which serves nothing by itself: the model's
 (aggregated or decode) pool sends each request's prompt there first, as its ``DisaggPolicy`` decides
@@ -47,7 +52,7 @@ from frontend_gateway.routing.factory import build_router
 from frontend_gateway.routing.health import RoutingHealth
 from frontend_gateway.routing.protocol import InstanceInfo, Router, RouterMode, RouterSettings
 from runtime.cluster.addressing import EndpointAddress
-from runtime.cluster.discovery import MODELS_PREFIX, WatchEvent
+from runtime.cluster.discovery import ADAPTER_KEY_PART, MODELS_PREFIX, WatchEvent
 from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry
 from runtime.errors import EngineError, FlotillaError
@@ -71,6 +76,9 @@ def card_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
     """
     first, card = pool.card, new.card
     differences: dict[str, str] = {}
+    # A LoRA adapter's name answers with that adapter of that base model, wherever it is loaded.
+    if (pool.lora and (pool.lora.base, pool.lora.id)) != (new.lora and (new.lora.base, new.lora.id)):
+        differences["lora"] = f"{_adapter(pool)} vs {_adapter(new)}"
     if card.model_type is not first.model_type:
         differences["model_type"] = f"{first.model_type.value} vs {card.model_type.value}"
     if new.tokenizer_sha256 != pool.tokenizer_sha256:
@@ -113,6 +121,10 @@ def router_differences(pool: ModelEntry, new: ModelEntry) -> dict[str, str]:
     if differences and theirs.generation != ours.generation:
         differences["generation"] = f"{ours.generation} vs {theirs.generation}"
     return differences
+
+
+def _adapter(entry: ModelEntry) -> str:
+    return "a base model" if entry.lora is None else f"an adapter of {entry.lora.base!r}"
 
 
 def _short(digest: str | None) -> str:
@@ -409,6 +421,7 @@ class ModelWatcher:
                 card.name, instances, router, self.runtime, self.migration_limit,
                 skip_special_tokens=entry.skip_special_tokens,
             )  # fmt: skip
+            engine.lora_name = entry.lora.name if entry.lora is not None else None
             if entry.role == "prefill":
                 engine.health = self._health(f"{card.name}/prefill")
             else:
@@ -416,8 +429,11 @@ class ModelWatcher:
                 engine.health = self._health(name)
                 engine.prefill_pool = lambda: self._prefill_engine(name)
                 engine.disagg = self.settings_for(entry).disagg
-            return _Pool(TokenModel(card, engine), engine, router, entry, key)
+            token_model = TokenModel(card, engine)
+            token_model.parent = entry.lora.base if entry.lora is not None else None
+            return _Pool(token_model, engine, router, entry, key)
         text_engine = RemoteTextEngine(card.name, instances, router, self.runtime, self.migration_limit)
+        text_engine.lora_name = entry.lora.name if entry.lora is not None else None
         text_engine.health = self._health(card.name)
         served = TextModel(
             card.name,
@@ -427,6 +443,7 @@ class ModelWatcher:
             tool_call_parser=card.tool_call_parser,
             engine_name=card.engine,
         )
+        served.parent = entry.lora.base if entry.lora is not None else None
         return _Pool(served, text_engine, router, entry, key)
 
     def settings_for(self, entry: ModelEntry) -> RouterSettings:
@@ -460,7 +477,10 @@ class ModelWatcher:
             settings = self.settings_for(entry)
             block_size = entry.card.kv_cache_block_size
             health = self._health(entry.card.name)
-            return build_router(settings, block_size=block_size, nc=self.runtime.nc, address=address, health=health)
+            lora = entry.lora.id if entry.lora is not None else None
+            return build_router(
+                settings, block_size=block_size, nc=self.runtime.nc, address=address, health=health, lora_id=lora
+            )
         except ValueError as exc:
             raise EngineError(f"model {entry.card.name!r} cannot be routed: {exc}") from exc
 
@@ -486,9 +506,11 @@ class ModelWatcher:
 
 
 def endpoint_of_model_key(key: str) -> EndpointAddress | None:
-    """The endpoint of ``flotilla/models/{ns}/{comp}/{ep}/{id}``, or None for a key not of that shape."""
+    """The endpoint of ``flotilla/models/{ns}/{comp}/{ep}/{id}`` (or ``.../{id}/lora/{adapter}``, an adapter the
+    instance serves: runtime/cluster/discovery.py), or None for a key not of that shape."""
     parts = key.removeprefix(MODELS_PREFIX).split("/")
-    if not key.startswith(MODELS_PREFIX) or len(parts) != 4:
+    adapter = len(parts) >= 6 and parts[4] == ADAPTER_KEY_PART
+    if not key.startswith(MODELS_PREFIX) or not (len(parts) == 4 or adapter):
         return None
     try:
         return EndpointAddress(*parts[:3])

@@ -58,6 +58,16 @@ def model_key(address: EndpointAddress, instance_id: int) -> str:
     return f"{MODELS_PREFIX}{address.path}/{instance_id:x}"
 
 
+def adapter_model_key(address: EndpointAddress, instance_id: int, adapter: str) -> str:
+    """``flotilla/models/{ns}/{comp}/{ep}/{id:x}/lora/{adapter}``: a LoRA adapter an instance serves beside its
+    base model (runtime/lora.py), under the models' prefix so that gateways pool it as a model of its own."""
+    return f"{model_key(address, instance_id)}/{ADAPTER_KEY_PART}/{adapter}"
+
+
+#: The part of a model key between the instance and an adapter's name.
+ADAPTER_KEY_PART = "lora"
+
+
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
     """A key under a watched prefix was put (``value`` is its new value) or deleted (``value`` is None)."""
