@@ -22,7 +22,7 @@ from launcher.worker_tree import mark_own_tree, start_guard
 from runtime.cluster.addressing import EndpointAddress
 from runtime.config import env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
-from runtime.fleet_contract.engine_names import DISAGG_ENGINES, GPU_ONLY_ENGINES
+from runtime.fleet_contract.engine_names import DISAGG_ENGINES, GPU_ONLY_ENGINES, LORA_ENGINES
 from runtime.fleet_contract.router_settings import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_HOST_HIT_WEIGHT,
@@ -170,6 +170,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
                 f"--disagg-role (FLOTILLA_DISAGG_ROLE) {namespace.disagg_role}: out={output} cannot hand a prompt's "
                 f"KV cache to another worker yet; engines that can: {', '.join(DISAGG_ENGINES)}"
             )
+    _check_loras(parser, namespace, input_, output)
     if namespace.labels and not input_.startswith("dyn://"):
         parser.error(
             f"--labels (FLOTILLA_LABELS) labels a worker's registration: use it with in=dyn://..., not in={input_}"
@@ -236,10 +237,28 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         labels=namespace.labels or {},
         disagg_role=namespace.disagg_role or "aggregated",
         metrics_port=namespace.metrics_port,
+        loras=tuple(namespace.lora or ()),
+        lora_file=namespace.lora_file,
         num_nodes=nodes.num_nodes,
         node_rank=nodes.node_rank,
         leader_addr=nodes.leader,
     )
+
+
+def _check_loras(parser: EnvArgumentParser, namespace: argparse.Namespace, input_: str, output: str) -> None:
+    """parser.error() for adapters given to an engine that takes none, outside a worker, or one name twice."""
+    adapters = namespace.lora or []
+    if not adapters and namespace.lora_file is None:
+        return
+    flag = "--lora (FLOTILLA_LORA)" if adapters else "--lora-file (FLOTILLA_LORA_FILE)"
+    if output not in LORA_ENGINES:
+        engines = ", ".join(f"out={engine}" for engine in LORA_ENGINES)
+        parser.error(f"{flag}: out={output} does not load LoRA adapters; engines that do: {engines}")
+    if not input_.startswith("dyn://"):
+        parser.error(f"{flag}: adapters are served by a worker (in=dyn://...) behind an ingress, not in={input_}")
+    names = [adapter.name for adapter in adapters]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        parser.error(f"--lora (FLOTILLA_LORA): adapter {twice[0]!r} is given twice")
 
 
 def _node_group(parser: EnvArgumentParser, namespace: argparse.Namespace, output: str) -> NodeGroup:

@@ -35,11 +35,13 @@ class EnvArgumentParser(argparse.ArgumentParser):
         choices: Sequence[str] | None = None,
         default: Any = None,
         switch: bool = False,
+        repeat: bool = False,
     ) -> None:
         """Add ``flag``, taking its default from ``$env`` (or ``${env}_FILE``) when set.
 
         A ``switch`` takes no value on the command line (``--reuse-port``); its variable is a boolean
-        (1/0, true/false, yes/no, on/off). The help text gets `` [ENV]`` appended. A value the flag
+        (1/0, true/false, yes/no, on/off). A ``repeat`` flag may be given several times (a list of values; None
+        when never given); its variable holds values separated by commas, to which the command line's are added. The help text gets `` [ENV]`` appended. A value the flag
         would refuse is recorded, and raised by ``check_environment()``; it is an error even when the
         flag is also given, since it would break the next run that leaves the flag out.
         """
@@ -48,12 +50,18 @@ class EnvArgumentParser(argparse.ArgumentParser):
             raw = env_str(env)
             # Blank counts as unset, as in the other readers (runtime/config.py): EnvironmentFile
             # templates often list every variable with an empty value.
-            if raw is not None and raw.strip():
+            if raw is not None and raw.strip() and repeat:
+                default = [_convert(env, part.strip(), type, choices) for part in raw.split(",") if part.strip()]
+            elif raw is not None and raw.strip():
                 default = _convert(env, raw, parse_boolean if switch else type, choices)
         except ConfigError as exc:
             self._environment_errors.append(exc)
         if switch:
             self.add_argument(flag, action="store_const", const=True, default=bool(default), help=f"{help} [{env}]")
+            return
+        if repeat:
+            # The command line's values are added to the variable's (argparse appends to a copy of the default).
+            self.add_argument(flag, type=type, choices=choices, default=default, action="append", help=f"{help} [{env}]")
             return
         self.add_argument(flag, type=type, choices=choices, default=default, help=f"{help} [{env}]")
 

@@ -13,6 +13,7 @@ from runtime.fleet_contract.router_settings import (
     DEFAULT_QUEUED_PREFILL_WEIGHT,
     PipelineRouter,
 )
+from runtime.lora import LoraAdapter
 from runtime.protocol import DisaggRole
 
 # The engines (runtime/fleet_contract/engine_names.py), and the ingress.
@@ -85,6 +86,9 @@ class RunOptions:
     metrics_port: int | None = None  # in=dyn: serve the worker's own /metrics on http_host:metrics_port
     #: in=dyn: the --router-* flags given to a worker, registered with its model (None: none was given).
     worker_router: PipelineRouter | None = None
+    #: LoRA adapters to serve beside the model (--lora NAME=PATH), and the watched file of more (--lora-file).
+    loras: tuple[LoraAdapter, ...] = ()
+    lora_file: Path | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -290,6 +290,8 @@ async def run(options: RunOptions) -> int:
                 role=options.disagg_role,
                 metrics_host=options.http_host,
                 metrics_port=options.metrics_port,
+                loras=options.loras,
+                lora_file=options.lora_file,
             )
             return 0
         if options.input == "http":

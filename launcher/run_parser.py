@@ -9,6 +9,7 @@ container. What the flags mean together, and which combinations are refused, is 
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from engines.shared.node_group import LeaderAddress
@@ -28,7 +29,11 @@ from runtime.fleet_contract.router_settings import (
     DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_QUEUED_PREFILL_WEIGHT,
 )
+from runtime.fleet_contract.engine_names import LORA_ENGINES
 from runtime.protocol import DISAGG_ROLES
+
+if TYPE_CHECKING:
+    from runtime.lora import LoraAdapter
 
 RUN_DESCRIPTION = """\
 Run a model and talk to it, in one process.
@@ -174,6 +179,7 @@ def build_run_parser() -> EnvArgumentParser:
     add_engine_flags(run)
     add_gpu_placement_flags(run)
     _add_multinode_flags(run)
+    _add_lora_flags(run)
     _add_worker_flags(run)
     _add_text_and_batch_flags(run)
     _add_router_choice_flags(run)
@@ -381,6 +387,34 @@ def _add_multinode_flags(parser: EnvArgumentParser) -> None:
         type=_leader_address,
         help="with --num-nodes: HOST:PORT of rank 0's machine and a free port on it, where every rank meets "
         "(vLLM's master_addr:master_port, SGLang's dist_init_addr)",
+    )
+
+
+def _lora(text: str) -> "LoraAdapter":
+    # Imported here: in=text without adapters never needs them.
+    from launcher.adapters import parse_lora_flag
+
+    return checked_by(parse_lora_flag)(text)
+
+
+def _add_lora_flags(parser: EnvArgumentParser) -> None:
+    """LoRA adapters served beside the base model (runtime/lora.py), at start and at run time."""
+    parser.add_flag(
+        "--lora",
+        env="FLOTILLA_LORA",
+        type=_lora,
+        repeat=True,
+        help="NAME=PATH: load the LoRA adapter in PATH (a PEFT folder; a GGUF file for llama.cpp) and serve it as "
+        "model NAME beside the base model; repeat for more (the variable: NAME=PATH,NAME=PATH). Engines: "
+        + ", ".join(f"out={engine}" for engine in LORA_ENGINES),
+    )
+    parser.add_flag(
+        "--lora-file",
+        env="FLOTILLA_LORA_FILE",
+        type=Path,
+        help='a JSON file of adapters, {"adapters": [{"name": NAME, "path": PATH}, ...], "generation": N}, '
+        "watched: adapters added to it are loaded and those removed unloaded, without a restart (the node agent "
+        "writes it); a malformed file is logged and ignored, keeping what is loaded",
     )
 
 

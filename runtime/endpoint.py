@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from runtime.cluster.addressing import EndpointAddress
-from runtime.cluster.discovery import instance_key, model_key
+from runtime.cluster.discovery import adapter_model_key, instance_key, model_key
 from runtime.cluster.object_store import publish_tokenizer
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, ModelError
@@ -291,6 +291,7 @@ async def register_model(
     embed_subject: str | None = None,
     role: DisaggRole = "aggregated",
     prefill_token_capacity: int | None = None,
+    lora: LoraInfo | None = None,
 ) -> ModelCard:
     """Announce the model ``endpoint`` serves, so that gateways add it to ``/v1/models``.
 
@@ -300,6 +301,8 @@ async def register_model(
     ``embed_subject`` is where the instance embeds text (``Endpoint.serve_embeddings``), if it does.
     ``role`` is the part of requests it serves when prefill and decode run on separate workers, and
     ``prefill_token_capacity`` the prompt tokens its engine computes in a step, if known.
+    With ``lora``, the entry is of a LoRA adapter the instance serves beside its base model (``card``, renamed to
+    the adapter's name), under its own key (``deregister_adapter`` withdraws it).
     Returns the card as registered. Raises ModelError / ConfigError on a bad model.
     """
     kind = ModelType(model_type)
@@ -318,6 +321,8 @@ async def register_model(
     card = card.replace(model_type=kind)
     if kv_cache_block_size is not None:
         card = card.replace(kv_cache_block_size=kv_cache_block_size)
+    if lora is not None:
+        card = card.replace(name=lora.name)
     runtime = endpoint.runtime
     digest = await publish_tokenizer(runtime.nc, card.tokenizer_json) if card.tokenizer_json else None
     entry = ModelEntry(
@@ -333,7 +338,18 @@ async def register_model(
         kv_events=endpoint.publishes_kv_events is not False,
         role=role,
         prefill_token_capacity=prefill_token_capacity,
+        lora=lora,
     )
-    await endpoint.announce(model_key(endpoint.address, runtime.instance_id), msgspec.json.encode(entry))
+    key = model_key(endpoint.address, runtime.instance_id)
+    if lora is not None:
+        key = adapter_model_key(endpoint.address, runtime.instance_id, lora.name)
+    await endpoint.announce(key, msgspec.json.encode(entry))
     log.info("registered model %r (%s) on %s", card.name, kind.value, endpoint.address)
     return card
+
+
+async def deregister_adapter(endpoint: Endpoint, name: str) -> None:
+    """Withdraw LoRA adapter ``name``'s registration (``register_model(lora=...)``): gateways stop sending it
+    requests. Raises DiscoveryUnavailable if etcd cannot be reached (the key is forgotten all the same: it goes
+    with the lease)."""
+    await endpoint.runtime.discovery.deregister(adapter_model_key(endpoint.address, endpoint.runtime.instance_id, name))

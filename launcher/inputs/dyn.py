@@ -7,23 +7,30 @@ instance's embed subject and answers ``EmbedOutput`` items.
 """
 
 import asyncio
+import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from launcher.adapters import AdapterManager
 from launcher.metrics_server import serve_metrics
 from launcher.startup import connect_runtime
 from runtime.cluster.addressing import EndpointAddress
-from runtime.endpoint import drain_grace_seconds, register_model
+from runtime.distributed import DistributedRuntime
+from runtime.endpoint import Endpoint, deregister_adapter, drain_grace_seconds, register_model
 from runtime.engine import Embedder, Engine, RequestContext
+from runtime.errors import ConfigError
+from runtime.fleet_contract.engine_names import LORA_ENGINES
 from runtime.fleet_contract.router_settings import PipelineRouter
 from runtime.kv.events import KvEventSource
 from runtime.kv.phases import PhaseCounters
 from runtime.kv.phases import now as phase_clock
+from runtime.lora import LoraAdapter, LoraEngine, LoraInfo, lora_id
 from runtime.models.card import ModelCard, ModelType
 from runtime.protocol import (
     DisaggRole,
@@ -98,6 +105,36 @@ def embed_handler(embedder: Embedder) -> Handler:
     return handler
 
 
+async def _serve_adapters(
+    runtime: DistributedRuntime,
+    endpoint: Endpoint,
+    engine: Engine,
+    base: str,
+    registration: Callable[..., Awaitable[ModelCard]],
+    loras: tuple[LoraAdapter, ...],
+    lora_file: Path | None,
+) -> None:
+    """Load the adapters and register each beside ``base``; watch ``lora_file`` in a task the runtime owns (its
+    death stops the worker). Raises ConfigError for an engine that takes no adapters, or a ``--lora`` one that
+    cannot be served."""
+    if not isinstance(engine, LoraEngine):
+        raise ConfigError(f"this engine does not load LoRA adapters; engines that do: {', '.join(LORA_ENGINES)}")
+    for adapter in loras:
+        if adapter.name == base:
+            raise ConfigError(f"--lora {adapter.name}=...: the adapter needs a name of its own, not the base model's")
+
+    async def publish(adapter: LoraAdapter) -> None:
+        await registration(lora=LoraInfo(name=adapter.name, id=lora_id(adapter.name), base=base))
+
+    async def withdraw(name: str) -> None:
+        await deregister_adapter(endpoint, name)
+
+    manager = AdapterManager(engine, fixed=loras, file=lora_file, publish=publish, withdraw=withdraw)
+    await manager.start()
+    if lora_file is not None:
+        runtime.own(manager.watch, name=f"LoRA adapter file {lora_file}")
+
+
 async def serve_worker(
     address: EndpointAddress,
     engine: Engine,
@@ -108,6 +145,8 @@ async def serve_worker(
     role: DisaggRole = "aggregated",
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
+    loras: tuple[LoraAdapter, ...] = (),
+    lora_file: Path | None = None,
 ) -> None:
     """Register ``card`` on ``address`` and answer requests with ``engine`` until SIGINT/SIGTERM.
 
@@ -116,6 +155,10 @@ async def serve_worker(
     that gateways send it only its part of requests. With ``metrics_port``, the worker's
     own metrics (launcher/worker_metrics.py) are served at ``http://metrics_host:metrics_port/metrics``.
     Raises ConfigError when that port cannot be listened on.
+
+    ``loras`` (``--lora``) and the adapters of ``lora_file`` (``--lora-file``, watched) are loaded on the engine
+    and registered as models of their own (launcher/adapters.py). Raises ConfigError for adapters given to an
+    engine that takes none, or ``--lora`` adapters it cannot load.
 
     Raises BackgroundTaskFailed when a task the worker needs failed and stopped it.
     On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
@@ -146,13 +189,16 @@ async def serve_worker(
             embed_subject = None
             if card.embeddings and isinstance(engine, Embedder):
                 embed_subject = await endpoint.serve_embeddings(embed_handler(engine))
-            await register_model(
-                ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens, router=router,
-                embed_subject=embed_subject, role=role,
+            registration = functools.partial(
+                register_model, ModelType.TOKENS, endpoint, card=card, skip_special_tokens=engine.skip_special_tokens,
+                router=router, embed_subject=embed_subject, role=role,
                 prefill_token_capacity=getattr(engine, "prefill_token_capacity", None),
             )  # fmt: skip
         else:
-            await register_model(ModelType.CHAT, endpoint, card=card, router=router)
+            registration = functools.partial(register_model, ModelType.CHAT, endpoint, card=card, router=router)
+        await registration()
+        if loras or lora_file is not None:
+            await _serve_adapters(runtime, endpoint, engine, card.name, registration, loras, lora_file)
         print(
             f"Flotilla worker {runtime.instance_id:x} (pid {os.getpid()}) serves {card.name!r} on {address}", flush=True
         )

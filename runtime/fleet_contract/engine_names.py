@@ -45,6 +45,9 @@ SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "sglang", "trtllm", "v
 #: role prefill or decode must run one of them.
 DISAGG_ENGINES = ("mocker", "sglang", "trtllm", "vllm")
 
+#: Engines that load LoRA adapters at run time (runtime/lora.py ``LoraEngine``; ``flotilla run --lora``).
+LORA_ENGINES = ("llamacpp", "mocker", "sglang", "trtllm", "vllm")
+
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
 _ENGINE_PACKAGES = {
     "llamacpp": "llama_cpp",
