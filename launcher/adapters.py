@@ -163,7 +163,7 @@ class AdapterManager:
 
     async def _read_and_apply(self, path: Path) -> None:
         try:
-            content = path.read_bytes()
+            content = await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
             content = b""
         except OSError as exc:
@@ -216,7 +216,8 @@ class AdapterManager:
         try:
             await self._withdraw(name)
         except FlotillaError as exc:
-            log.warning("LoRA adapter %r: its registration could not be withdrawn (%s); it goes with the lease", name, exc)
+            log.warning("LoRA adapter %r: its registration could not be withdrawn (%s); it goes with the lease",
+                        name, exc)  # fmt: skip
         del self.loaded[name]
         try:
             await self.engine.unload_lora(name)
@@ -232,6 +233,7 @@ class AdapterManager:
             try:
                 await self._publish(adapter)
             except FlotillaError as exc:
-                log.warning("LoRA adapter %r is loaded but not registered yet (%s); tried again in %g s", name, exc, POLL_S)
+                log.warning("LoRA adapter %r is loaded but not registered yet (%s); tried again in %g s",
+                            name, exc, POLL_S)  # fmt: skip
                 continue
             self.published.add(name)

@@ -40,10 +40,11 @@ class EnvArgumentParser(argparse.ArgumentParser):
         """Add ``flag``, taking its default from ``$env`` (or ``${env}_FILE``) when set.
 
         A ``switch`` takes no value on the command line (``--reuse-port``); its variable is a boolean
-        (1/0, true/false, yes/no, on/off). A ``repeat`` flag may be given several times (a list of values; None
-        when never given); its variable holds values separated by commas, to which the command line's are added. The help text gets `` [ENV]`` appended. A value the flag
-        would refuse is recorded, and raised by ``check_environment()``; it is an error even when the
-        flag is also given, since it would break the next run that leaves the flag out.
+        (1/0, true/false, yes/no, on/off). A ``repeat`` flag may be given several times (a list of values;
+        None when never given); its variable holds values separated by commas, to which the command line's
+        are added. The help text gets `` [ENV]`` appended. A value the flag would refuse is recorded, and
+        raised by ``check_environment()``; it is an error even when the flag is also given, since it would
+        break the next run that leaves the flag out.
         """
         self.variables[flag] = env
         try:
@@ -61,7 +62,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
             return
         if repeat:
             # The command line's values are added to the variable's (argparse appends to a copy of the default).
-            self.add_argument(flag, type=type, choices=choices, default=default, action="append", help=f"{help} [{env}]")
+            self.add_argument(
+                flag, type=type, choices=choices, default=default, action="append", help=f"{help} [{env}]"
+            )
             return
         self.add_argument(flag, type=type, choices=choices, default=default, help=f"{help} [{env}]")
 

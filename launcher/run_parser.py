@@ -24,12 +24,12 @@ from frontend_gateway.routing.disagg_policy import (
 )
 from launcher.arg_types import checked_by, integer, number, tcp_port
 from launcher.env_flags import EnvArgumentParser, parse_boolean
+from runtime.fleet_contract.engine_names import LORA_ENGINES
 from runtime.fleet_contract.router_settings import (
     DEFAULT_DISK_HIT_WEIGHT,
     DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_QUEUED_PREFILL_WEIGHT,
 )
-from runtime.fleet_contract.engine_names import LORA_ENGINES
 from runtime.protocol import DISAGG_ROLES
 
 if TYPE_CHECKING:

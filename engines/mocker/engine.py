@@ -119,7 +119,7 @@ class MockerEngine:
         loaded = self._loras.get(name)
         if loaded is not None and loaded[0] == path:
             return
-        if not path.exists():
+        if not await asyncio.to_thread(path.exists):  # a network file system may take its time
             raise EngineError(f"adapter {name!r}: {path} does not exist (give a PEFT folder or an adapter file)")
         if loaded is None and len(self._loras) >= self.max_loras:
             raise EngineError(

@@ -136,4 +136,5 @@ def test_a_repeated_adapter_prompt_goes_to_the_worker_holding_its_blocks(cluster
             again = completion(ingress, "sql", prompt)
             assert again.status_code == 200, again.text
             assert again.headers["x-flotilla-instance"] == holder
-            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK  # all but the last block: one token is computed
+            # All but the last block: one token is computed.
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
