@@ -170,6 +170,8 @@ class AdapterManager:
             log.warning("--lora-file %s cannot be read (%s): the adapters loaded stay", path, exc)
             return
         if content == self._content:
+            # Touched, not changed (written again as it was): a chance to retry the adapters that failed to load.
+            await self.apply()
             return
         self._content = content
         try:
