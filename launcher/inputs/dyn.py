@@ -105,6 +105,21 @@ def embed_handler(embedder: Embedder) -> Handler:
     return handler
 
 
+def _check_adapters(engine: Engine, base: str, loras: tuple[LoraAdapter, ...]) -> None:
+    """Raise ConfigError for adapters given to an engine that takes none, more ``--lora`` ones than it holds, or
+    one named as the base model: before the worker waits for etcd and NATS, so that a misconfiguration exits 2
+    at once."""
+    if not isinstance(engine, LoraEngine):
+        raise ConfigError(f"this engine does not load LoRA adapters; engines that do: {', '.join(LORA_ENGINES)}")
+    if len(loras) > engine.max_loras:
+        raise ConfigError(
+            f"--lora gives {len(loras)} adapters; the engine holds {engine.max_loras} at most (max_loras)"
+        )
+    for adapter in loras:
+        if adapter.name == base:
+            raise ConfigError(f"--lora {adapter.name}=...: the adapter needs a name of its own, not the base model's")
+
+
 async def _serve_adapters(
     runtime: DistributedRuntime,
     endpoint: Endpoint,
@@ -117,11 +132,7 @@ async def _serve_adapters(
     """Load the adapters and register each beside ``base``; watch ``lora_file`` in a task the runtime owns (its
     death stops the worker). Raises ConfigError for an engine that takes no adapters, or a ``--lora`` one that
     cannot be served."""
-    if not isinstance(engine, LoraEngine):
-        raise ConfigError(f"this engine does not load LoRA adapters; engines that do: {', '.join(LORA_ENGINES)}")
-    for adapter in loras:
-        if adapter.name == base:
-            raise ConfigError(f"--lora {adapter.name}=...: the adapter needs a name of its own, not the base model's")
+    assert isinstance(engine, LoraEngine)  # _check_adapters() said so, before the worker connected
 
     async def publish(adapter: LoraAdapter) -> None:
         await registration(lora=LoraInfo(name=adapter.name, id=lora_id(adapter.name), base=base))
@@ -164,6 +175,8 @@ async def serve_worker(
     On the signal the worker drains: it deregisters and refuses new requests at once, lets those in
     flight finish for ``FLOTILLA_DRAIN_S`` seconds, and cuts the rest so that their ingress migrates them.
     """
+    if loras or lora_file is not None:
+        _check_adapters(engine, card.name, loras)
     runtime = await connect_runtime()
     if runtime is None:
         return  # stopped by SIGTERM before etcd and NATS answered
