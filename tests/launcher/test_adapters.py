@@ -122,7 +122,7 @@ async def test_lora_flags_past_max_loras_or_that_fail_to_load_stop_the_start(
     with pytest.raises(ConfigError, match="--lora gives 3 adapters; the engine holds 2 at most"):
         await manager(engine, Registrations(engine), fixed=three).start()
     gone = LoraAdapter(name="gone", path=str(tmp_path / "gone"))
-    with pytest.raises(ConfigError, match="--lora gone=.*does not exist"):
+    with pytest.raises(ConfigError, match=r"--lora gone=.*does not exist"):
         await manager(engine, Registrations(engine), fixed=[gone]).start()
 
 

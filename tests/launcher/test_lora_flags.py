@@ -44,7 +44,7 @@ def test_lora_flags_repeat_and_add_to_the_variables(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("out=echo_full", "--lora", "{a}"), "out=echo_full does not load LoRA adapters; engines that do: out=llamacpp"),
+        (("out=echo_full", "--lora", "{a}"), "out=echo_full does not load LoRA adapters; engines that do"),
         (("out=mocker", "--lora", "bad name={folder}"), "is not an adapter name"),
         (("out=mocker", "--lora", "sql={folder}/missing"), "does not exist"),
         (("out=mocker", "--lora", "sql"), "give NAME=PATH"),
