@@ -138,3 +138,17 @@ def test_a_repeated_adapter_prompt_goes_to_the_worker_holding_its_blocks(cluster
             assert again.headers["x-flotilla-instance"] == holder
             # All but the last block: one token is computed.
             assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+
+
+def test_the_adapters_of_a_worker_that_dies_vanish_with_its_lease(cluster: Cluster, tmp_path: Path) -> None:
+    sql = adapter_folder(tmp_path, "sql")
+    ingress = cluster.start_ingress()
+    worker = cluster.start_worker(
+        f"dyn://{MODEL}", *mocker_settings(tmp_path, **SETTINGS), "--model-name", MODEL, "--lora", f"sql={sql}"
+    )
+    wait_until(lambda: set(models(ingress)) == {MODEL, "sql"}, 30, "the adapter did not appear")
+    worker.kill()
+    # The lease (2 s here) expires: the base model's entry and the adapter's go together.
+    wait_until(lambda: models(ingress) == {}, 30, "the dead worker's adapter stayed listed")
+    gone = completion(ingress, "sql", prefix_tokens(1, BLOCK))
+    assert gone.status_code == 404, gone.text

@@ -5,6 +5,7 @@ import pytest
 from engines.shared.engine_block_names import EngineBlockNames
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
+from runtime.lora import lora_root_hash
 
 TOKENS = list(range(100, 112))  # three blocks of 4
 
@@ -13,6 +14,16 @@ def test_stored_blocks_get_the_names_the_router_computes_from_their_tokens() -> 
     names = EngineBlockNames(block_size=4)
     stored = names.stored([11, 12], None, TOKENS[:8], lora_id=None)
     assert stored == BlockStored(block_hashes=sequence_block_hashes(TOKENS[:8], 4), parent_hash=None)
+
+
+def test_an_adapters_blocks_are_named_from_its_root_hash_as_its_router_names_them() -> None:
+    names = EngineBlockNames(block_size=4)
+    stored = names.stored([21, 22], None, TOKENS[:8], lora_id=7)
+    root = lora_root_hash(7)
+    assert stored == BlockStored(block_hashes=sequence_block_hashes(TOKENS[:8], 4, root), parent_hash=root, lora_id=7)
+    child = names.stored([23], 22, TOKENS[8:], lora_id=7)
+    assert child is not None and child.block_hashes == sequence_block_hashes(TOKENS, 4, root)[2:]
+    assert set(child.block_hashes).isdisjoint(sequence_block_hashes(TOKENS, 4))
 
 
 def test_a_child_block_chains_from_its_parents_flotilla_name() -> None:
