@@ -130,6 +130,7 @@ class AdapterManager:
             except FlotillaError as exc:
                 raise ConfigError(f"--lora {adapter.name}={adapter.path}: {exc}") from exc
             self.loaded[adapter.name] = adapter
+            log.info("LoRA adapter %r loaded from %s", adapter.name, adapter.path)
         await self.poll()
         await self._publish_pending()
 
