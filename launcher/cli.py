@@ -254,8 +254,8 @@ def _check_loras(parser: EnvArgumentParser, namespace: argparse.Namespace, input
     if output not in LORA_ENGINES:
         engines = ", ".join(f"out={engine}" for engine in LORA_ENGINES)
         parser.error(f"{flag}: out={output} does not load LoRA adapters; engines that do: {engines}")
-    if not input_.startswith("dyn://"):
-        parser.error(f"{flag}: adapters are served by a worker (in=dyn://...) behind an ingress, not in={input_}")
+    if not (input_.startswith("dyn://") or input_ == "http"):
+        parser.error(f"{flag}: adapters are served by a worker (in=dyn://...) or in=http, not in={input_}")
     names = [adapter.name for adapter in adapters]
     if twice := sorted({name for name in names if names.count(name) > 1}):
         parser.error(f"--lora (FLOTILLA_LORA): adapter {twice[0]!r} is given twice")

@@ -299,18 +299,27 @@ async def run(options: RunOptions) -> int:
 
             registry = ModelRegistry()
             registry.add(model)
-            stopped_by = await serve_http(
-                registry,
-                host=options.http_host,
-                port=options.http_port,
-                max_body_bytes=options.max_body_bytes,
-                body_timeout_s=options.body_timeout_s,
-                send_timeout_s=options.send_timeout_s,
-                image_limits=options.image_limits,
-                limits=admission_limits(options),
-                reuse_port=options.reuse_port,
-                allowed_origins=options.allowed_origins,
-            )
+            watching = None
+            if options.loras or options.lora_file is not None:
+                from launcher.local_adapters import serve_local_adapters
+
+                watching = await serve_local_adapters(registry, model, engine, options.loras, options.lora_file)
+            try:
+                stopped_by = await serve_http(
+                    registry,
+                    host=options.http_host,
+                    port=options.http_port,
+                    max_body_bytes=options.max_body_bytes,
+                    body_timeout_s=options.body_timeout_s,
+                    send_timeout_s=options.send_timeout_s,
+                    image_limits=options.image_limits,
+                    limits=admission_limits(options),
+                    reuse_port=options.reuse_port,
+                    allowed_origins=options.allowed_origins,
+                )
+            finally:
+                if watching is not None:
+                    watching.cancel()
             return exit_code_after(stopped_by)
         if options.input == "text":
             from launcher.inputs.text import run_text

@@ -405,7 +405,8 @@ def _add_lora_flags(parser: EnvArgumentParser) -> None:
         type=_lora,
         repeat=True,
         help="NAME=PATH: load the LoRA adapter in PATH (a PEFT folder; a GGUF file for llama.cpp) and serve it as "
-        "model NAME beside the base model; repeat for more (the variable: NAME=PATH,NAME=PATH). Engines: "
+        "model NAME beside the base model (in=dyn://... or in=http); repeat for more (the variable: "
+        "NAME=PATH,NAME=PATH). Engines: "
         + ", ".join(f"out={engine}" for engine in LORA_ENGINES),
     )
     parser.add_flag(

@@ -59,10 +59,10 @@ def test_a_bad_lora_flag_exits_2_saying_what_is_wrong(tmp_path: Path, args: tupl
     assert "Traceback" not in result.stderr
 
 
-def test_adapters_outside_a_worker_exit_2(tmp_path: Path) -> None:
-    result = flotilla_run("in=http", "out=mocker", "--lora", f"sql={tmp_path}")
+def test_adapters_outside_a_worker_or_in_http_exit_2(tmp_path: Path) -> None:
+    result = flotilla_run("in=text", "out=mocker", "--lora", f"sql={tmp_path}")
     assert result.returncode == 2
-    assert "adapters are served by a worker (in=dyn://...)" in result.stderr
+    assert "adapters are served by a worker (in=dyn://...) or in=http, not in=text" in result.stderr
 
 
 def test_more_lora_flags_than_the_engine_holds_exit_2(tmp_path: Path) -> None:
