@@ -406,8 +406,7 @@ def _add_lora_flags(parser: EnvArgumentParser) -> None:
         repeat=True,
         help="NAME=PATH: load the LoRA adapter in PATH (a PEFT folder; a GGUF file for llama.cpp) and serve it as "
         "model NAME beside the base model (in=dyn://... or in=http); repeat for more (the variable: "
-        "NAME=PATH,NAME=PATH). Engines: "
-        + ", ".join(f"out={engine}" for engine in LORA_ENGINES),
+        "NAME=PATH,NAME=PATH). Engines: " + ", ".join(f"out={engine}" for engine in LORA_ENGINES),
     )
     parser.add_flag(
         "--lora-file",
