@@ -22,6 +22,7 @@ from runtime.distributed import DistributedRuntime
 from runtime.endpoint import ModelEntry, register_model
 from runtime.engine import RequestContext
 from runtime.fleet_contract.router_settings import PipelineRouter
+from runtime.lora import LoraInfo, lora_id
 from runtime.models.card import ModelCard, ModelType
 from runtime.models.loading import load_model_card
 from tests.infra import EtcdServer, NatsServer
@@ -258,6 +259,15 @@ async def test_a_restarted_watch_resumes_from_what_it_had_applied(
         await until(watcher, lambda: registry.names() == ["beta", "gamma"])
     finally:
         watch.cancel()
+
+
+def test_an_adapter_never_pools_with_a_base_model_or_another_bases_adapter(smollm2_card: ModelCard) -> None:
+    base = ModelEntry(instance_id=1, subject="s.1", card=smollm2_card, tokenizer_sha256="aa" * 32)
+    adapter = msgspec.structs.replace(base, lora=LoraInfo(name=smollm2_card.name, id=lora_id("x"), base="llm"))
+    assert card_differences(base, adapter) == {"lora": "a base model vs an adapter of 'llm'"}
+    assert card_differences(adapter, msgspec.structs.replace(adapter, instance_id=2)) == {}
+    elsewhere = msgspec.structs.replace(adapter, lora=LoraInfo(name=smollm2_card.name, id=lora_id("x"), base="other"))
+    assert set(card_differences(adapter, elsewhere)) == {"lora"}
 
 
 def test_card_differences_name_every_field_that_would_change_the_answers(smollm2_card: ModelCard) -> None:

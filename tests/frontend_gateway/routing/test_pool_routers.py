@@ -191,6 +191,9 @@ async def test_a_card_whose_block_size_cannot_be_routed_by_kv_is_skipped_with_a_
         (f"{MODELS_PREFIX}ns/comp/1f", None),
         (f"{MODELS_PREFIX}ns/c.mp/ep/1f", None),
         ("elsewhere/ns/comp/ep/1f", None),
+        # A LoRA adapter the instance serves (runtime/cluster/discovery.py adapter_model_key); names may hold "/".
+        (f"{MODELS_PREFIX}ns/comp/ep/1f/lora/org/sql-expert", EndpointAddress("ns", "comp", "ep")),
+        (f"{MODELS_PREFIX}ns/comp/ep/1f/other/sql-expert", None),
     ],
 )
 def test_the_endpoint_of_a_model_key_is_read_from_its_path(model_key: str, address: EndpointAddress | None) -> None:
