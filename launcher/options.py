@@ -92,6 +92,12 @@ class RunOptions:
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
+    def serves_adapters(self) -> bool:
+        """Whether LoRA adapters are given (``--lora`` or ``--lora-file``): the GPU engines then start with LoRA
+        enabled (vLLM, SGLang and TensorRT-LLM reserve room for adapters only when asked)."""
+        return bool(self.loras) or self.lora_file is not None
+
+    @property
     def worker_address(self) -> str | None:
         """The dyn:// address to serve, for ``in=dyn://...``."""
         return self.input if self.input.startswith("dyn://") else None

@@ -184,6 +184,7 @@ def build_vllm_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         gpu_memory_utilization=options.gpu_memory_utilization,
         nodes=options.node_group,
         extra=extra,
+        lora=options.serves_adapters,
     )
     # Log probabilities come with vLLM's outputs, logit_bias and guided decoding (structured outputs, which also
     # follow response_format's JSON schema) are among its SamplingParams; its KV block size goes on the card for
@@ -231,10 +232,12 @@ def build_gpu_model(options: RunOptions) -> tuple[ServedModel, Engine]:
         raise ConfigError(f"out={output} loads a Hugging Face folder (safetensors); {str(path)!r} is not one")
     engine: sglang.SglangEngine | trtllm.TrtLlmEngine
     if output == "sglang":
-        engine = sglang.SglangEngine(path, placement, extra, options.node_group, role=options.disagg_role)
+        engine = sglang.SglangEngine(
+            path, placement, extra, options.node_group, role=options.disagg_role, lora=options.serves_adapters
+        )
         card = card.replace(logprobs=True)  # SGLang reports the output's log probabilities
     else:
-        engine = trtllm.TrtLlmEngine(path, placement, extra, role=options.disagg_role)
+        engine = trtllm.TrtLlmEngine(path, placement, extra, role=options.disagg_role, lora=options.serves_adapters)
     # Both follow JSON schemas, regexes, choices and grammars by their grammar backends
     # (engines/shared/grammar_constraints.py).
     card = card.replace(structured_output=True, guided_decoding=GUIDED_KINDS)
