@@ -160,27 +160,32 @@ def delete_model(actor: Actor, model: LanguageModel) -> None:
 
 def check_model(model: LanguageModel) -> None:
     """Raise Invalid (naming the field) unless the source suits its kind and the engine can load it."""
-    kind = model.source_kind
-    if kind == LanguageModel.SourceKind.HUGGING_FACE:
-        if not _REPO_ID.match(model.source):
-            raise Invalid(f"{model.source!r} is not a Hugging Face repo id (owner/name)", field="source")
-        if model.revision and (not _REVISION.match(model.revision) or ".." in model.revision):
-            raise Invalid(f"{model.revision!r} is not a branch, tag or commit", field="revision")
-        if model.filename and (not _FILENAME.match(model.filename) or ".." in model.filename.split("/")):
-            raise Invalid(f"{model.filename!r} is not a file name inside the repo", field="filename")
-    else:
-        if not model.source.startswith("/") or "\x00" in model.source:
-            raise Invalid(f"a {kind} source is an absolute path on the nodes, not {model.source!r}", field="source")
-        if kind == LanguageModel.SourceKind.GGUF and not model.source.lower().endswith(".gguf"):
-            raise Invalid(f"a GGUF source is a path ending in .gguf, not {model.source!r}", field="source")
-        for field_name in ("revision", "filename"):
-            if getattr(model, field_name):
-                raise Invalid(f"only a Hugging Face source has a {field_name}", field=field_name)
+    check_source(model.source_kind, model.source, model.revision, model.filename)
     if model.engine in GGUF_ONLY_ENGINES and not model.is_gguf:
         raise Invalid(
             f"{model.engine} loads GGUF files: use a gguf source, or a Hugging Face filename ending in .gguf",
             field="engine",
         )
+
+
+def check_source(kind: str, source: str, revision: str, filename: str) -> None:
+    """Raise Invalid (naming the field) unless ``source`` (with ``revision`` and ``filename``) suits its ``kind``
+    (a model's or an adapter's: ``LanguageModel.SourceKind``)."""
+    if kind == LanguageModel.SourceKind.HUGGING_FACE:
+        if not _REPO_ID.match(source):
+            raise Invalid(f"{source!r} is not a Hugging Face repo id (owner/name)", field="source")
+        if revision and (not _REVISION.match(revision) or ".." in revision):
+            raise Invalid(f"{revision!r} is not a branch, tag or commit", field="revision")
+        if filename and (not _FILENAME.match(filename) or ".." in filename.split("/")):
+            raise Invalid(f"{filename!r} is not a file name inside the repo", field="filename")
+    else:
+        if not source.startswith("/") or "\x00" in source:
+            raise Invalid(f"a {kind} source is an absolute path on the nodes, not {source!r}", field="source")
+        if kind == LanguageModel.SourceKind.GGUF and not source.lower().endswith(".gguf"):
+            raise Invalid(f"a GGUF source is a path ending in .gguf, not {source!r}", field="source")
+        for field_name, value in (("revision", revision), ("filename", filename)):
+            if value:
+                raise Invalid(f"only a Hugging Face source has a {field_name}", field=field_name)
 
 
 def _check_local_root(model: LanguageModel) -> None:

@@ -5,8 +5,10 @@ from typing import ClassVar
 
 from django.core.validators import RegexValidator
 from django.db import models
+from django.db.models.functions import Lower
 
 from controlplane.catalog.engines import WEIGHTLESS_ENGINES, Engine
+from runtime.lora import MAX_NAME_LENGTH as MAX_ADAPTER_NAME_LENGTH
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 validate_model_name = RegexValidator(
@@ -71,6 +73,42 @@ class LanguageModel(models.Model):
     def source_display(self) -> str:
         """``repo@revision[/filename]`` or the path, as a person would write it."""
         if self.source_kind == self.SourceKind.HUGGING_FACE:
+            text = f"{self.source}@{self.revision or 'main'}"
+            return f"{text}/{self.filename}" if self.filename else text
+        return self.source
+
+
+class Adapter(models.Model):
+    """A LoRA adapter of a catalog model (runtime/lora.py): served under its own ``name`` (a served model name,
+    unique with the pipelines' names, letter case aside) while a pipeline of its model has it loaded.
+
+    ``source`` depends on ``source_kind`` as a model's does: a Hugging Face repo id (with ``revision`` and, for
+    a GGUF adapter of llama.cpp, the ``filename``), or an absolute path on the nodes (a PEFT folder, or a GGUF
+    file).
+    """
+
+    model = models.ForeignKey(LanguageModel, on_delete=models.CASCADE, related_name="adapters")
+    name = models.CharField(max_length=MAX_ADAPTER_NAME_LENGTH)
+    source_kind = models.CharField(max_length=8, choices=LanguageModel.SourceKind.choices)
+    source = models.CharField(max_length=1024)
+    revision = models.CharField(max_length=255, blank=True)
+    filename = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering: ClassVar = ["name"]
+        constraints: ClassVar = [
+            # Served names that differ only in letter case are one name to a person typing it.
+            models.UniqueConstraint(Lower("name"), name="adapter_name_unique_ignoring_case"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def source_display(self) -> str:
+        """``repo@revision[/filename]`` or the path, as a person would write it."""
+        if self.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
             text = f"{self.source}@{self.revision or 'main'}"
             return f"{text}/{self.filename}" if self.filename else text
         return self.source

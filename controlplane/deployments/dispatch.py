@@ -22,9 +22,11 @@ from controlplane.errors import ControlPlaneError
 from runtime.fleet_contract.signing import sign_payload
 from runtime.fleet_contract.tasks import (
     TASK_LOG_TAIL,
+    TASK_SET_ADAPTERS,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
     LogTailRequest,
+    SetAdapters,
     StartInstance,
     StopInstance,
     TaskStamp,
@@ -54,6 +56,8 @@ class Dispatcher(Protocol):
 
     def stop_instance(self, node: str, message: StopInstance, *, expires_s: float) -> None: ...
 
+    def set_adapters(self, node: str, message: SetAdapters, *, expires_s: float) -> None: ...
+
     def log_tail(self, node: str, request: LogTailRequest, *, timeout_s: float) -> str:
         """The text the node's agent answers. Raises NodeDidNotAnswer after ``timeout_s``, AgentFailed
         when the agent reports an error, DispatchError when the broker is unreachable."""
@@ -71,6 +75,9 @@ class CeleryDispatcher:
 
     def stop_instance(self, node: str, message: StopInstance, *, expires_s: float) -> None:
         self._send(TASK_STOP_INSTANCE, node, message, expires_s=expires_s, wants_answer=False)
+
+    def set_adapters(self, node: str, message: SetAdapters, *, expires_s: float) -> None:
+        self._send(TASK_SET_ADAPTERS, node, message, expires_s=expires_s, wants_answer=False)
 
     def log_tail(self, node: str, request: LogTailRequest, *, timeout_s: float) -> str:
         result = self._send(TASK_LOG_TAIL, node, request, expires_s=timeout_s, wants_answer=True)

@@ -102,6 +102,11 @@ class Pipeline(models.Model):
     # Counts changes of the router settings: workers register it with them, and a gateway takes a pool's
     # settings from the instance with the highest, so that an update reaches it without a restart.
     router_generation = models.PositiveIntegerField(default=1)
+    # The LoRA adapters (of its model) its workers have loaded, each served under its own name
+    # (deployments/adapters.py); ``adapter_generation`` counts the changes of that set, 0 while it never had
+    # one (its workers then get no adapter file: runtime/fleet_contract/tasks.py's WorkerSpec).
+    adapters = models.ManyToManyField("catalog.Adapter", blank=True, related_name="pipelines")
+    adapter_generation = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

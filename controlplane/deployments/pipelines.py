@@ -20,7 +20,7 @@ from django.db.models import F
 
 from controlplane.audit.records import JSON, Actor, record, snapshot
 from controlplane.catalog.engines import DISAGG_ENGINES, GGUF_ONLY_ENGINES, GPU_ONLY_ENGINES
-from controlplane.catalog.models import LanguageModel
+from controlplane.catalog.models import Adapter, LanguageModel
 from controlplane.catalog.remote_code import RemoteCodeChange, check_group_change, record_change
 from controlplane.deployments import served_names
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState
@@ -98,6 +98,7 @@ def pipeline_snapshot(pipeline: Pipeline) -> JSON:
     """The pipeline's fields and its groups, for audit entries."""
     values = snapshot(pipeline, exclude=("updated_at",))
     values["groups"] = [snapshot(group) for group in pipeline.groups.order_by("role")]
+    values["adapters"] = list(pipeline.adapters.order_by("name").values_list("name", flat=True))
     return values
 
 
@@ -322,6 +323,8 @@ def delete_pipeline(actor: Actor, pipeline: Pipeline) -> None:
         raise Conflict(f"pipeline {pipeline.name} still has {stopping} instance(s) stopping; wait for them")
     record(actor, "pipeline.delete", pipeline, before=pipeline_snapshot(pipeline), after=None)
     served_names.withdraw_after_commit(pipeline.name)
+    for adapter in pipeline.adapters.values_list("name", flat=True):
+        served_names.withdraw_after_commit(adapter)
     pipeline.delete()
 
 
@@ -350,13 +353,18 @@ def _to_stop(live: list[Instance], count: int) -> list[Instance]:
 
 
 def served_name_taken(name: str) -> str | None:
-    """The served name of the pipeline that ``name`` collides with: the same name, letter case aside (clients
-    would not tell "Chat" from "chat"); None when no pipeline has it."""
-    return Pipeline.objects.filter(name__iexact=name).values_list("name", flat=True).first()
+    """The served name of the pipeline or LoRA adapter that ``name`` collides with: the same name, letter case
+    aside (clients would not tell "Chat" from "chat"); None when none has it."""
+    taken = Pipeline.objects.filter(name__iexact=name).values_list("name", flat=True).first()
+    if taken is None:
+        taken = Adapter.objects.filter(name__iexact=name).values_list("name", flat=True).first()
+    return taken
 
 
 def served_name_taken_message(name: str, taken: str) -> str:
-    """Why ``name`` is refused, naming the pipeline whose name ``taken`` it collides with."""
+    """Why ``name`` is refused, naming the pipeline or adapter whose name ``taken`` it collides with."""
+    if Adapter.objects.filter(name=taken).exists():
+        return f"an adapter in the catalog is served as {taken!r} (served names may not differ only in letter case)"
     if taken == name:
         return f"a pipeline named {name!r} already exists"
     return f"a pipeline named {taken!r} already exists (served names may not differ only in letter case)"

@@ -67,7 +67,7 @@ from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
 from controlplane.deployments.kv_tiers import HostTierRefused
 from controlplane.deployments.models import Instance, Lease, Pipeline
 from controlplane.deployments.placement import Placement
-from controlplane.deployments.worker_specs import start_message, stop_message
+from controlplane.deployments.worker_specs import adapters_message, start_message, stop_message
 from controlplane.errors import Conflict
 from controlplane.fleet import actions as fleet_actions
 from controlplane.fleet.models import Node
@@ -77,7 +77,7 @@ from runtime.config import env_float, env_int, env_str
 from runtime.errors import ConfigError, FlotillaError
 from runtime.fleet_contract.fences import FenceTarget, put_fences
 from runtime.fleet_contract.liveness import WINDOW_S, BadClaim, ask_for_claims, check_claim, read_claims
-from runtime.fleet_contract.tasks import TASK_START_INSTANCE, TASK_STOP_INSTANCE
+from runtime.fleet_contract.tasks import TASK_SET_ADAPTERS, TASK_START_INSTANCE, TASK_STOP_INSTANCE
 from runtime.fleet_contract.worker_keys import worker_keys
 from runtime.rate_limited_log import RateLimitedLog
 
@@ -189,6 +189,7 @@ class PassReport:
     unplaceable: int = 0
     started: int = 0
     stopped: int = 0
+    adapter_sets: int = 0  # SetAdapters tasks sent (a changed set, or the periodic re-send)
     dispatch_error: str = ""
 
     @property
@@ -224,6 +225,7 @@ class PassReport:
             "unplaceable": self.unplaceable,
             "started": self.started,
             "stopped": self.stopped,
+            "adapter sets sent": self.adapter_sets,
         }
         parts += [f"{name}: {count}" for name, count in counts.items() if count]
         if self.evictions_held:
@@ -256,6 +258,8 @@ class Reconciler:
         self.settings = settings or ReconcilerSettings.from_env()
         self.clock = clock
         self._holder = ""
+        # (pipeline id, node name) -> the adapter generation last sent there, and when (``send_adapter_sets``).
+        self._adapter_sets_sent: dict[tuple[int, str], tuple[int, datetime]] = {}
 
     def run_once(self) -> PassReport | None:
         """One pass under the lease, and more while others asked for one meanwhile.
@@ -303,6 +307,8 @@ class Reconciler:
         self.place(report)
         self._renew()
         self.dispatch(report)
+        self._renew()
+        self.send_adapter_sets(report)
         return report
 
     def fail_lost_nodes(self, report: PassReport) -> None:
@@ -596,6 +602,47 @@ class Reconciler:
             # The broker is one for all nodes: the rest would fail alike. The next pass tries again.
             report.dispatch_error = str(exc)
             log.warning("reconciler: %s; the next pass sends what is left", exc)
+
+    def send_adapter_sets(self, report: PassReport) -> None:
+        """Step 5: each pipeline that has had LoRA adapters, its set to every online node running its instances:
+        at once when the set changed since it was last sent there, and again every ``resend_after_s``.
+
+        Sent again and again rather than until each worker reports the generation it applied: the task is
+        idempotent (an agent that has the set does nothing), so a node that was down, or an agent that lost
+        the task, or failed a download, gets it on the next round without the workers reporting anything.
+        Kept in this process's memory: a restarted reconciler sends every set once more, which is harmless."""
+        now = self.clock()
+        resend = timedelta(seconds=self.settings.resend_s(TASK_SET_ADAPTERS))
+        on_nodes = (
+            Instance.objects.filter(
+                pipeline__adapter_generation__gt=0,
+                pipeline__state=Pipeline.State.RUNNING,
+                state__in=[InstanceState.DOWNLOADING, InstanceState.STARTING, InstanceState.READY],
+                node__state=Node.State.ONLINE,
+            )
+            .values_list("pipeline_id", "node__name")
+            .distinct()
+        )
+        wanted = set(on_nodes)
+        if not wanted:
+            self._adapter_sets_sent.clear()
+            return
+        pipelines = {p.pk: p for p in Pipeline.objects.filter(pk__in={pk for pk, _ in wanted})}
+        try:
+            for pipeline_id, node in sorted(wanted):
+                pipeline = pipelines[pipeline_id]
+                sent = self._adapter_sets_sent.get((pipeline_id, node))
+                if sent is not None and sent[0] == pipeline.adapter_generation and now - sent[1] < resend:
+                    continue
+                message = adapters_message(pipeline, node)
+                self.dispatcher.set_adapters(node, message, expires_s=resend.total_seconds())
+                self._adapter_sets_sent[(pipeline_id, node)] = (pipeline.adapter_generation, now)
+                report.adapter_sets += 1
+        except DispatchError as exc:
+            report.dispatch_error = str(exc)
+            log.warning("reconciler: %s; the next pass sends the adapter sets left", exc)
+        for gone in set(self._adapter_sets_sent) - wanted:
+            del self._adapter_sets_sent[gone]
 
     def _dispatch(self, instance: Instance, task: str, now: datetime) -> bool:
         node = instance.node

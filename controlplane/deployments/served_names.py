@@ -1,5 +1,6 @@
 """Served model names to the ingress processes (``runtime/fleet_contract/served_names.py``): one record per pipeline,
-put after each change commits and checked against the database by a Celery beat task."""
+and one per LoRA adapter loaded on it (with the pipeline's state), put after each change commits and checked
+against the database by a Celery beat task."""
 
 import msgspec
 from django.db import transaction
@@ -15,10 +16,17 @@ def _value(pipeline: Pipeline) -> bytes:
     return msgspec.json.encode(ServedName(state=pipeline.state))
 
 
+def _records(pipeline: Pipeline) -> dict[str, bytes]:
+    """The pipeline's records: its name's and each loaded adapter's, all with its state."""
+    value = _value(pipeline)
+    names = [pipeline.name, *(adapter.name for adapter in pipeline.adapters.all())]
+    return {etcd_key(name): value for name in names}
+
+
 def publish_after_commit(pipeline: Pipeline) -> None:
-    """Tell the ingresses the pipeline's name and state once the current transaction commits."""
-    key, value = etcd_key(pipeline.name), _value(pipeline)
-    transaction.on_commit(lambda: put_now(_WHAT, {key: value}), robust=True)
+    """Tell the ingresses the pipeline's name, its loaded adapters' and its state once the transaction commits."""
+    records = _records(pipeline)
+    transaction.on_commit(lambda: put_now(_WHAT, records), robust=True)
 
 
 def withdraw_after_commit(name: str) -> None:
@@ -29,5 +37,9 @@ def withdraw_after_commit(name: str) -> None:
 def sync() -> SyncReport:
     """Make etcd's records exactly the pipelines'. Raises DiscoveryUnavailable when etcd does not answer."""
     return sync_prefix(
-        SERVED_NAMES_PREFIX, lambda: {etcd_key(pipeline.name): _value(pipeline) for pipeline in Pipeline.objects.all()}
+        SERVED_NAMES_PREFIX, lambda: {
+            key: value
+            for pipeline in Pipeline.objects.prefetch_related("adapters")
+            for key, value in _records(pipeline).items()
+        },
     )

@@ -14,17 +14,19 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from controlplane.catalog.models import LanguageModel
+from controlplane.catalog.models import Adapter, LanguageModel
 from controlplane.deployments.kv_tiers import host_tier_args
-from controlplane.deployments.models import Instance
+from controlplane.deployments.models import Instance, Pipeline
 from controlplane.fleet.models import Gpu
 from runtime.cluster.addressing import DEFAULT_ENDPOINT
 from runtime.fleet_contract.engine_names import ENGINES_WITHOUT_FILES, GPU_ONLY_ENGINES, SETTINGS_FILE_ENGINES
 from runtime.fleet_contract.router_settings import PipelineRouter
 from runtime.fleet_contract.tasks import (
+    AdapterSource,
     HubSource,
     LocalSource,
     ModelSource,
+    SetAdapters,
     StartInstance,
     StopInstance,
     WorkerSpec,
@@ -87,6 +89,8 @@ def start_message(instance: Instance) -> StartInstance:
             disagg_decode_busy=pipeline.disagg_decode_busy,
             generation=pipeline.router_generation,
         ),
+        adapters=adapter_sources(pipeline),
+        adapter_generation=pipeline.adapter_generation,
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)
     return StartInstance(
@@ -132,6 +136,28 @@ def stop_message(instance: Instance, *, grace_s: float) -> StopInstance:
         attempt=instance.restarts,
         incarnation=instance.incarnation,
     )
+
+
+def adapter_sources(pipeline: Pipeline) -> list[AdapterSource]:
+    """The LoRA adapters loaded on ``pipeline``, each with where a node gets its files, by name."""
+    return [AdapterSource(name=adapter.name, source=adapter_source(adapter)) for adapter in pipeline.adapters.all()]
+
+
+def adapters_message(pipeline: Pipeline, node: str) -> SetAdapters:
+    """The SetAdapters task telling node ``node``'s agent the pipeline's adapter set now."""
+    return SetAdapters(
+        pipeline=pipeline.namespace,
+        adapters=adapter_sources(pipeline),
+        generation=pipeline.adapter_generation,
+        node=node,
+    )
+
+
+def adapter_source(adapter: Adapter) -> ModelSource:
+    """Where a node gets an adapter's files: as a model's (``model_source``)."""
+    if adapter.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
+        return HubSource(repo_id=adapter.source, revision=adapter.revision or "main", file=adapter.filename or None)
+    return LocalSource(path=adapter.source)
 
 
 def model_source(model: LanguageModel) -> ModelSource:

@@ -45,7 +45,8 @@ SETTINGS_FILE_ENGINES = frozenset({"mistralrs", "mocker", "sglang", "trtllm", "v
 #: role prefill or decode must run one of them.
 DISAGG_ENGINES = ("mocker", "sglang", "trtllm", "vllm")
 
-#: Engines that load LoRA adapters at run time (runtime/lora.py ``LoraEngine``; ``flotilla run --lora``).
+#: Engines that load LoRA adapters at run time (runtime/lora.py's ``LoraEngine``; ``flotilla run --lora``): a
+#: pipeline of another engine cannot load one, and its workers get no ``--lora-file``.
 LORA_ENGINES = ("llamacpp", "mocker", "sglang", "trtllm", "vllm")
 
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).

@@ -44,6 +44,9 @@ from runtime.fleet_contract.router_settings import PipelineRouter
 TASK_START_INSTANCE = "flotilla.agent.start_instance"
 #: Stop one instance's worker gracefully (drain, terminate, kill): one StopInstance argument.
 TASK_STOP_INSTANCE = "flotilla.agent.stop_instance"
+#: Make the LoRA adapters of one pipeline's workers on the node these (download, then write their --lora-file):
+#: one SetAdapters argument. Idempotent: the control plane re-sends it on every reconciler pass.
+TASK_SET_ADAPTERS = "flotilla.agent.set_adapters"
 #: The last lines of one instance's worker log: one LogTailRequest argument; returns the text (a str). The
 #: control plane waits for the result (Redis result backend) with a timeout: a node that does not answer
 #: in time is reported as such, never waited on forever.
@@ -97,6 +100,14 @@ class LocalSource(msgspec.Struct, frozen=True, tag="local", forbid_unknown_field
 ModelSource = HubSource | LocalSource
 
 
+class AdapterSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A LoRA adapter a pipeline's workers load (runtime/lora.py): served as ``name``, its files from ``source``
+    (fetched and checked as a model's are)."""
+
+    name: str
+    source: ModelSource
+
+
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine worker of an instance, as the control plane dispatches it."""
 
@@ -120,6 +131,11 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     labels: dict[str, str] = {}
     #: The pipeline's router settings, passed to the worker as ``--router-*`` flags; None: the gateway's own.
     router: PipelineRouter | None = None
+    #: The pipeline's LoRA adapters when the worker starts; later changes come as SetAdapters tasks.
+    adapters: list[AdapterSource] = []
+    #: The pipeline's adapter-set generation ``adapters`` is; 0: the pipeline never loaded an adapter, and its
+    #: workers get no ``--lora-file`` (an engine such as vLLM reserves memory for adapters only when given one).
+    adapter_generation: int = 0
 
     @property
     def address(self) -> EndpointAddress:
@@ -165,6 +181,19 @@ class StopInstance(TaskStamp, frozen=True, kw_only=True):
     attempt: int | None = None
     incarnation: str = ""
     #: The node the stop is for ("" from a control plane that does not say: refused).
+    node: str = ""
+    signatures: dict[str, str] = {}
+
+
+class SetAdapters(TaskStamp, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The LoRA adapters the workers of pipeline ``pipeline`` (its dyn:// namespace) on node ``node`` should have
+    loaded now, as of the pipeline's ``generation`` of its set. The agent downloads each and writes the pipeline's
+    adapter file (an ``AdapterSet``, runtime/lora.py), which its workers watch; a set older than the one the file
+    holds is ignored."""
+
+    pipeline: str
+    adapters: list[AdapterSource] = []
+    generation: int
     node: str = ""
     signatures: dict[str, str] = {}
 

@@ -14,9 +14,11 @@ from controlplane.deployments.reconciler import Reconciler, ReconcilerSettings
 from runtime.fleet_contract.reports import InstanceReport
 from runtime.fleet_contract.tasks import (
     TASK_LOG_TAIL,
+    TASK_SET_ADAPTERS,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
     LogTailRequest,
+    SetAdapters,
     StartInstance,
     StopInstance,
     node_queue,
@@ -27,7 +29,7 @@ from runtime.fleet_contract.tasks import (
 class Sent:
     queue: str
     task: str
-    message: StartInstance | StopInstance | LogTailRequest
+    message: StartInstance | StopInstance | LogTailRequest | SetAdapters
     expires_s: float
 
 
@@ -45,6 +47,9 @@ class RecordingDispatcher:
 
     def stop_instance(self, node: str, message: StopInstance, *, expires_s: float) -> None:
         self._record(Sent(node_queue(node), TASK_STOP_INSTANCE, message, expires_s))
+
+    def set_adapters(self, node: str, message: SetAdapters, *, expires_s: float) -> None:
+        self._record(Sent(node_queue(node), TASK_SET_ADAPTERS, message, expires_s))
 
     def log_tail(self, node: str, request: LogTailRequest, *, timeout_s: float) -> str:
         self._record(Sent(node_queue(node), TASK_LOG_TAIL, request, timeout_s))
@@ -97,5 +102,8 @@ def agent_reports(instance: Instance, state: str, reason: str = "", *, worker_id
     return instance_actions.report_instance_state(Actor.agent(node), node, instance.pk, report)
 
 
-def _instance_id(message: StartInstance | StopInstance | LogTailRequest) -> int:
+def _instance_id(message: StartInstance | StopInstance | LogTailRequest | SetAdapters) -> int:
+    """The instance a task is about; 0 for a SetAdapters (about a pipeline's workers on the node)."""
+    if isinstance(message, SetAdapters):
+        return 0
     return message.spec.instance_id if isinstance(message, StartInstance) else message.instance_id

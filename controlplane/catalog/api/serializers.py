@@ -3,7 +3,8 @@ from typing import ClassVar
 from rest_framework import serializers
 
 from controlplane.api.fields import JsonObjectField
-from controlplane.catalog.models import LanguageModel
+from controlplane.catalog.models import Adapter, LanguageModel
+from runtime.lora import MAX_NAME_LENGTH as MAX_ADAPTER_NAME_LENGTH
 
 MAX_BYTES = 2**53  # a petabyte-scale ceiling that JSON numbers still hold exactly
 MAX_CONTEXT = 1 << 24
@@ -48,3 +49,33 @@ class ModelSerializer(serializers.ModelSerializer):
             "updated_at",
         ]
         read_only_fields: ClassVar = ["id", "memory_estimated", "created_at", "updated_at"]
+
+
+class AdapterSerializer(serializers.ModelSerializer):
+    """A LoRA adapter of a model (catalog/adapters.py checks the name and the source)."""
+
+    name = serializers.CharField(max_length=MAX_ADAPTER_NAME_LENGTH, help_text="The model name it is served as")
+    source_kind = serializers.ChoiceField(
+        choices=[LanguageModel.SourceKind.HUGGING_FACE, LanguageModel.SourceKind.FOLDER, LanguageModel.SourceKind.GGUF]
+    )
+    source_display = serializers.CharField(read_only=True)
+    pipelines = serializers.SlugRelatedField(
+        many=True, read_only=True, slug_field="name", help_text="The pipelines it is loaded on"
+    )
+
+    class Meta:
+        model = Adapter
+        fields: ClassVar = [
+            "id",
+            "name",
+            "source_kind",
+            "source",
+            "revision",
+            "filename",
+            "source_display",
+            "pipelines",
+            "created_at",
+        ]
+        read_only_fields: ClassVar = ["id", "created_at"]
+        # The name's uniqueness (letter case aside, and against the pipelines' names) is the action's check.
+        validators: ClassVar = []

@@ -7,10 +7,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from controlplane.api.base import FlotillaViewSet
-from controlplane.catalog import actions
+from controlplane.catalog import actions, adapters
 from controlplane.catalog.api.filters import ModelFilter
-from controlplane.catalog.api.serializers import ModelSerializer
-from controlplane.catalog.models import LanguageModel
+from controlplane.catalog.api.serializers import AdapterSerializer, ModelSerializer
+from controlplane.catalog.models import Adapter, LanguageModel
 
 _PROFILE = serializers.JSONField(help_text="A profile document (docs/planner.md)")
 
@@ -72,3 +72,37 @@ class ModelViewSet(
             return Response(status=status.HTTP_204_NO_CONTENT)
         model = actions.set_profile(self.actor, model, request.data)
         return Response(model.profile)
+
+    @extend_schema(methods=["GET"], responses=AdapterSerializer(many=True))
+    @extend_schema(
+        methods=["POST"],
+        request=AdapterSerializer,
+        responses={201: AdapterSerializer, 400: OpenApiResponse(description="a bad name or source; a name served")},
+    )
+    @action(detail=True, methods=["get", "post"], url_path="adapters")
+    def adapters(self, request: Request, pk: str) -> Response:
+        """The model's LoRA adapters (docs/controlplane.md, "LoRA adapters"); POST adds one: its served name and
+        its source (a Hugging Face repo, or a folder or GGUF file on the nodes)."""
+        model = self.get_object()
+        if request.method == "GET":
+            rows = model.adapters.prefetch_related("pipelines")
+            return Response(AdapterSerializer(rows, many=True).data)
+        serializer = AdapterSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        adapter = adapters.create_adapter(self.actor, model, **serializer.validated_data)
+        return Response(AdapterSerializer(adapter).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(
+        request=None, responses={204: None, 404: OpenApiResponse(description="no such adapter of this model")}
+    )
+    @action(detail=True, methods=["delete"], url_path=r"adapters/(?P<adapter>[^?#]+?)")
+    def delete_adapter(self, request: Request, pk: str, adapter: str) -> Response:
+        """Remove an adapter from the catalog (409 while a pipeline has it loaded)."""
+        model = self.get_object()
+        row = Adapter.objects.filter(model=model, name=adapter).first()
+        if row is None:
+            return Response(
+                {"detail": f"model {model.name} has no adapter named {adapter!r}"}, status=status.HTTP_404_NOT_FOUND
+            )
+        adapters.delete_adapter(self.actor, row)
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -15,6 +15,7 @@ from controlplane.deployments.models import (
     RouterMode,
     WorkerGroup,
 )
+from controlplane.deployments.adapters import pipeline_max_loras
 from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
     MAX_HOST_CACHE_GIB,
@@ -28,6 +29,7 @@ from controlplane.deployments.pipelines import (
     served_name_taken,
     served_name_taken_message,
 )
+from controlplane.errors import Invalid
 from controlplane.fleet.models import NODE_NAME_PATTERN, Node
 from planner.errors import SettingsError
 from planner.targets_json import targets_from_dict
@@ -322,3 +324,28 @@ class ScaleSerializer(serializers.Serializer):
     role = serializers.ChoiceField(
         choices=WorkerGroup.Role.choices, required=False, help_text="Which group; needed when there are several."
     )
+
+
+class AdapterLoadSerializer(serializers.Serializer):
+    adapter = serializers.CharField(max_length=200, help_text="The name of one of the pipeline's model's adapters")
+
+
+class PipelineAdaptersSerializer(serializers.Serializer):
+    """A pipeline's loaded LoRA adapters, the generation of that set, and how many its engine holds."""
+
+    pipeline = serializers.CharField(source="name", read_only=True)
+    generation = serializers.IntegerField(source="adapter_generation", read_only=True)
+    loaded = serializers.SerializerMethodField()
+    max_loras = serializers.SerializerMethodField()
+
+    def get_loaded(self, pipeline: Pipeline) -> list[dict[str, str]]:
+        return [
+            {"name": adapter.name, "source": adapter.source_display} for adapter in pipeline.adapters.order_by("name")
+        ]
+
+    def get_max_loras(self, pipeline: Pipeline) -> int | None:
+        """None when its engine takes no adapters (or its engine args' limit is not a number)."""
+        try:
+            return pipeline_max_loras(pipeline)
+        except Invalid:
+            return None

@@ -8,9 +8,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from controlplane.api.base import FlotillaViewSet
+from controlplane.deployments import adapters as adapter_actions
 from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.api.filters import PipelineFilter
 from controlplane.deployments.api.serializers import (
+    AdapterLoadSerializer,
+    PipelineAdaptersSerializer,
     GroupUpdateSerializer,
     PipelineSerializer,
     PipelineUpdateSerializer,
@@ -106,6 +109,38 @@ class PipelineViewSet(
         """Run a stopped pipeline again with its replica counts."""
         pipeline = pipeline_actions.start_pipeline(self.actor, self.get_object())
         return Response(self._fresh(pipeline))
+
+    @extend_schema(methods=["GET"], responses=PipelineAdaptersSerializer)
+    @extend_schema(
+        methods=["POST"],
+        request=AdapterLoadSerializer,
+        responses={
+            200: PipelineAdaptersSerializer,
+            400: OpenApiResponse(description="not an adapter of its model, an engine without LoRA, too many"),
+            409: OpenApiResponse(description="loaded already, here or on another pipeline"),
+        },
+    )
+    @action(detail=True, methods=["get", "post"])
+    def adapters(self, request: Request, pk: str) -> Response:
+        """The LoRA adapters loaded on the pipeline; POST loads one of its model's (``{"adapter": name}``), at run
+        time: its workers' agents download it and the workers load it, no restart (but for the first ever)."""
+        pipeline = self.get_object()
+        if request.method == "POST":
+            serializer = AdapterLoadSerializer(data=request.data)
+            serializer.is_valid(raise_exception=True)
+            adapter_actions.load_adapter(self.actor, pipeline, serializer.validated_data["adapter"])
+        return Response(PipelineAdaptersSerializer(Pipeline.objects.get(pk=pipeline.pk)).data)
+
+    @extend_schema(
+        request=None,
+        responses={200: PipelineAdaptersSerializer, 400: OpenApiResponse(description="no such adapter loaded")},
+    )
+    @action(detail=True, methods=["delete"], url_path=r"adapters/(?P<adapter>[^?#]+?)")
+    def unload_adapter(self, request: Request, pk: str, adapter: str) -> Response:
+        """Unload an adapter from the pipeline: its workers stop serving it, without a restart."""
+        pipeline = self.get_object()
+        adapter_actions.unload_adapter(self.actor, pipeline, adapter)
+        return Response(PipelineAdaptersSerializer(Pipeline.objects.get(pk=pipeline.pk)).data)
 
     def _fresh(self, pipeline: Pipeline) -> Any:
         """The pipeline as it is now, instance counts included (it was just changed)."""
