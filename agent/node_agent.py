@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from agent.adapter_files import AdapterFiles
 from agent.control_plane_client import ControlPlaneClient, NodeReport
 from agent.downloads import ModelDownloader
 from agent.heartbeats import Heartbeats, NodeRegistry
@@ -65,7 +66,7 @@ from runtime.cluster.discovery import Discovery
 from runtime.errors import BackgroundTaskFailed
 from runtime.fleet_contract.engine_names import engines_on_this_node
 from runtime.fleet_contract.signing import SigningKey, agent_signing_key
-from runtime.fleet_contract.tasks import LogTailRequest, StartInstance, StopInstance
+from runtime.fleet_contract.tasks import LogTailRequest, SetAdapters, StartInstance, StopInstance
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +166,14 @@ class NodeAgent:
             interval_s=heartbeat_s,
         )
         downloads = ReportedDownloads(client, downloader, reports.report)
+        self.adapters = AdapterFiles(downloader)
         self._intake = TaskIntake(
             instances=instances,
             supervisor=self.supervisor,
             reports=reports,
             attempts=attempts,
             starts=starts,
-            starter=InstanceStarter(self.supervisor, downloads, inventory, reports),
+            starter=InstanceStarter(self.supervisor, downloads, inventory, reports, self.adapters),
             tasks=self._tasks,
         )
         self._ownership = OwnershipChecks(
@@ -247,6 +249,19 @@ class NodeAgent:
 
     async def refuse_start(self, instance_id: int, reason: str, attempt: int | None = None) -> None:
         await self._intake.refuse_start(instance_id, reason, attempt)
+
+    async def set_adapters(self, request: SetAdapters) -> None:
+        """Fetch the pipeline's adapters and write its adapter file, in the background (a download may take
+        long; the task is re-sent, and a copy finds the set applied)."""
+        self._tasks.spawn(
+            self._apply_adapters(request), name=f"adapter set {request.generation} of pipeline {request.pipeline}"
+        )
+
+    async def _apply_adapters(self, request: SetAdapters) -> None:
+        try:
+            await self.adapters.apply(request.pipeline, request.adapters, request.generation)
+        except OSError as exc:
+            log.warning("pipeline %s: cannot write its adapter file: %s", request.pipeline, exc)
 
 
 @dataclass(frozen=True, kw_only=True)

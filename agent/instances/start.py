@@ -4,6 +4,8 @@
 
     a worker of an older attempt runs? ──► stop it (its "stopped" is not news: agent/instances/reports.py)
     a model source? ──► fetch it (agent/reported_downloads.py) ──► failed, permanent unless retryable
+    the pipeline has had adapters? ──► fetch them, write its adapter file (agent/adapter_files.py; an adapter
+        that cannot be fetched is left out and logged, the start goes on) ──► --lora-file
     GPUs given? ──► the node has them, with the UUIDs the control plane placed on ──► failed otherwise
     launch (agent/workers/supervisor.py) ──► starting ──► ready | failed, reported as the worker goes
 
@@ -16,6 +18,7 @@ import logging
 
 import msgspec
 
+from agent.adapter_files import AdapterFiles
 from agent.control_plane_client import InstanceReport
 from agent.errors import DownloadError, WorkerError
 from agent.gpu_check import GpuMismatch, check_gpus, named_by_uuid
@@ -24,6 +27,7 @@ from agent.inventory import Inventory
 from agent.reported_downloads import ReportedDownloads
 from agent.workers.supervisor import Supervisor
 from runtime.errors import ConfigError
+from runtime.fleet_contract.engine_names import LORA_ENGINES
 from runtime.fleet_contract.tasks import StartInstance
 
 log = logging.getLogger(__name__)
@@ -38,8 +42,10 @@ class InstanceStarter:
         downloads: ReportedDownloads,
         inventory: Inventory,
         reports: InstanceReporter,
+        adapters: AdapterFiles,
     ) -> None:
         self._supervisor = supervisor
+        self._adapters = adapters
         self._downloads = downloads
         self._inventory = inventory
         self._reports = reports
@@ -61,6 +67,14 @@ class InstanceStarter:
                 self._reports.report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
             spec = msgspec.structs.replace(spec, model_path=str(path))
+        if spec.adapter_generation > 0 and spec.engine in LORA_ENGINES:
+            try:
+                lora_file = await self._adapters.apply(spec.pipeline, spec.adapters, spec.adapter_generation)
+            except OSError as exc:
+                reason = f"cannot write the adapter file: {exc}"
+                self._reports.report(instance_id, InstanceReport(state="failed", reason=reason))
+                return
+            spec = msgspec.structs.replace(spec, lora_file=str(lora_file))
         if spec.gpu_indexes:
             inventory = await asyncio.to_thread(self._inventory.read, self._supervisor.gpu_memory_in_use())
             try:

@@ -8,11 +8,13 @@ configured with (``ENGINE_FLAGS``), never a second ``in=``/``out=``, a model, ``
 flags by which the agent says what a worker is. Each refusal says exactly what was refused and why.
 """
 
+import re
 from collections.abc import Collection, Sequence
 
 from agent.errors import TaskNotAllowed
 from runtime.fleet_contract.engine_names import ENGINE_LABELS, FLEET_ENGINES
 from runtime.fleet_contract.tasks import StartInstance
+from runtime.lora import MAX_NAME_LENGTH
 
 #: The ``flotilla run`` flags a task's engine args may carry, each with a value: those that configure the
 #: engine. The others are the agent's to set (the model, ``--model-name``, ``--labels``, the pipeline's
@@ -30,6 +32,9 @@ ENGINE_FLAGS = (
     "--extra-engine-args",
 )
 _PYTHON_FILE_ENGINES = ("pystr:", "pytok:")
+#: A pipeline's namespace (it names its adapter file) and an adapter's name (runtime/lora.py).
+_NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_ADAPTER_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/-]{{0,{MAX_NAME_LENGTH - 1}}}")
 
 
 def check_start(request: StartInstance, *, engines: Collection[str], node: str) -> None:
@@ -44,7 +49,26 @@ def check_start(request: StartInstance, *, engines: Collection[str], node: str) 
             f"the task names a model path ({spec.model_path!r}): a worker's model is what the agent fetched "
             "from the task's source"
         )
+    if spec.lora_file is not None:
+        raise TaskNotAllowed(
+            f"the task names an adapter file ({spec.lora_file!r}): a worker's adapter file is the one the agent "
+            "writes from the task's adapters"
+        )
     check_engine_args(spec.engine_args)
+    check_adapters(spec.pipeline, [adapter.name for adapter in spec.adapters])
+
+
+def check_adapters(pipeline: str, names: Sequence[str]) -> None:
+    """Refuse a pipeline namespace that cannot name a file, or an adapter name that is not a served model name
+    (runtime/lora.py). Raises TaskNotAllowed."""
+    if not _NAMESPACE.fullmatch(pipeline):
+        raise TaskNotAllowed(f"pipeline {pipeline!r} is not a namespace (1-64 letters, digits, '-' or '_')")
+    for name in names:
+        if not _ADAPTER_NAME.fullmatch(name):
+            raise TaskNotAllowed(
+                f"adapter name {name!r} is not 1-{MAX_NAME_LENGTH} letters, digits or . _ : / -, starting with a "
+                "letter or digit"
+            )
 
 
 def check_engine(engine: str, *, engines: Collection[str], node: str) -> None:

@@ -1,9 +1,9 @@
 """The control plane's tasks for this node, taken from its Celery queue (``node.<name>``) on the broker.
 
 A Celery worker runs embedded in the agent, in a thread of its own, consuming only this node's queue:
-``flotilla.agent.start_instance``, ``stop_instance`` and ``log_tail`` (runtime/fleet_contract/tasks.py). It is
-Celery's ``WorkController`` (the worker without its command line, signal handlers or logging set-up)
-with the ``solo`` pool: tasks run one at a time in the consumer's own thread, which suits them, as each
+``flotilla.agent.start_instance``, ``stop_instance``, ``set_adapters`` and ``log_tail``
+(runtime/fleet_contract/tasks.py). It is Celery's ``WorkController`` (the worker without its command line,
+signal handlers or logging set-up) with the ``solo`` pool: tasks run one at a time in the consumer's own thread, which suits them, as each
 only decodes its payload and hands it to the agent's asyncio loop (``run_coroutine_threadsafe``). A
 start or a stop returns once the agent has taken it (the work goes on on the loop, and its outcome
 reaches the control plane as state reports); a log tail returns its text, which goes back through the
@@ -38,7 +38,7 @@ from celery.worker import state as worker_state  # type: ignore[import-untyped]
 from kombu.utils.url import maybe_sanitize_url
 
 from agent.errors import AgentError, TaskNotAllowed, WorkerError
-from agent.tasks.checks import check_start
+from agent.tasks.checks import check_adapters, check_start
 from agent.tasks.freshness import TaskFreshness
 from runtime.errors import ConfigError
 from runtime.fleet_contract.broker import celery_redis_settings
@@ -47,9 +47,11 @@ from runtime.fleet_contract.signing import SIGNATURES_FIELD, SigningKey, signatu
 from runtime.fleet_contract.tasks import (
     MAX_LOG_LINES,
     TASK_LOG_TAIL,
+    TASK_SET_ADAPTERS,
     TASK_START_INSTANCE,
     TASK_STOP_INSTANCE,
     LogTailRequest,
+    SetAdapters,
     StartInstance,
     StopInstance,
     TaskStamp,
@@ -84,6 +86,10 @@ class TaskHandler(Protocol):
 
     async def refuse_start(self, instance_id: int, reason: str, attempt: int | None = None) -> None:
         """Report that a start of ``instance_id`` (at ``attempt``, if known) was refused: it fails for good."""
+        ...
+
+    async def set_adapters(self, request: SetAdapters) -> None:
+        """Take a pipeline's adapter set; return once it is under way (agent/adapter_files.py)."""
         ...
 
 
@@ -162,6 +168,7 @@ class TaskConsumer:
         # ``shared=False``: Celery would otherwise add them to every app of the process, its default one too.
         self.app.task(name=TASK_START_INSTANCE, shared=False, ignore_result=True, throws=expected)(self._start_instance)
         self.app.task(name=TASK_STOP_INSTANCE, shared=False, ignore_result=True, throws=expected)(self._stop_instance)
+        self.app.task(name=TASK_SET_ADAPTERS, shared=False, ignore_result=True, throws=expected)(self._set_adapters)
         # Celery logs each result: of a log tail, its start is enough.
         self.app.task(name=TASK_LOG_TAIL, shared=False, throws=expected, resultrepr_maxsize=80)(self._log_tail)
 
@@ -193,6 +200,19 @@ class TaskConsumer:
         self._check_fresh(request, TASK_STOP_INSTANCE)
         log.info("task: stop instance %d (%s)", request.instance_id, request.reason or "no reason given")
         self._hand_off(self._handler.accept_stop(request), TASK_STOP_INSTANCE)
+
+    def _set_adapters(self, *args: object, **kwargs: object) -> None:
+        self._check_signature(args, TASK_SET_ADAPTERS)
+        request = self._decode(args, kwargs, SetAdapters, TASK_SET_ADAPTERS)
+        self._check_node(request.node, TASK_SET_ADAPTERS)
+        self._check_fresh(request, TASK_SET_ADAPTERS)
+        try:
+            check_adapters(request.pipeline, [adapter.name for adapter in request.adapters])
+        except TaskNotAllowed as exc:
+            log.warning("task %s refused: %s", TASK_SET_ADAPTERS, exc)
+            raise
+        log.info("task: adapter set %d of pipeline %s", request.generation, request.pipeline)
+        self._hand_off(self._handler.set_adapters(request), TASK_SET_ADAPTERS)
 
     def _log_tail(self, *args: object, **kwargs: object) -> str:
         self._check_signature(args, TASK_LOG_TAIL)

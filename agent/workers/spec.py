@@ -104,6 +104,9 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
             *([] if (gate := router.disagg_decode_busy) is None else ["--disagg-decode-busy", repr(gate)]),
             "--router-generation", str(router.generation),
         ]  # fmt: skip
+    if spec.lora_file is not None:
+        # The pipeline's adapters: the worker loads what the file lists, and follows its changes.
+        argv += ["--lora-file", spec.lora_file]
     if spec.group in ("prefill", "decode"):
         # Registered with the model: gateways send it only its part of each request.
         argv += ["--disagg-role", spec.group]

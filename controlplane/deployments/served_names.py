@@ -37,7 +37,8 @@ def withdraw_after_commit(name: str) -> None:
 def sync() -> SyncReport:
     """Make etcd's records exactly the pipelines'. Raises DiscoveryUnavailable when etcd does not answer."""
     return sync_prefix(
-        SERVED_NAMES_PREFIX, lambda: {
+        SERVED_NAMES_PREFIX,
+        lambda: {
             key: value
             for pipeline in Pipeline.objects.prefetch_related("adapters")
             for key, value in _records(pipeline).items()

@@ -136,6 +136,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: The pipeline's adapter-set generation ``adapters`` is; 0: the pipeline never loaded an adapter, and its
     #: workers get no ``--lora-file`` (an engine such as vLLM reserves memory for adapters only when given one).
     adapter_generation: int = 0
+    #: The pipeline's adapter file on the node (agent/adapter_files.py), given to the worker as ``--lora-file``;
+    #: the agent's to set, like ``model_path`` (a task naming one is refused).
+    lora_file: str | None = None
 
     @property
     def address(self) -> EndpointAddress:

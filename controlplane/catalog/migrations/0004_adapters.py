@@ -6,27 +6,41 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('catalog', '0003_languagemodel_profile'),
+        ("catalog", "0003_languagemodel_profile"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Adapter',
+            name="Adapter",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=128)),
-                ('source_kind', models.CharField(choices=[('hf', 'Hugging Face repo'), ('folder', 'local folder'), ('gguf', 'GGUF file')], max_length=8)),
-                ('source', models.CharField(max_length=1024)),
-                ('revision', models.CharField(blank=True, max_length=255)),
-                ('filename', models.CharField(blank=True, max_length=255)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='adapters', to='catalog.languagemodel')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(max_length=128)),
+                (
+                    "source_kind",
+                    models.CharField(
+                        choices=[("hf", "Hugging Face repo"), ("folder", "local folder"), ("gguf", "GGUF file")],
+                        max_length=8,
+                    ),
+                ),
+                ("source", models.CharField(max_length=1024)),
+                ("revision", models.CharField(blank=True, max_length=255)),
+                ("filename", models.CharField(blank=True, max_length=255)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="adapters", to="catalog.languagemodel"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.UniqueConstraint(django.db.models.functions.text.Lower('name'), name='adapter_name_unique_ignoring_case')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        django.db.models.functions.text.Lower("name"), name="adapter_name_unique_ignoring_case"
+                    )
+                ],
             },
         ),
     ]

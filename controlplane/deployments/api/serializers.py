@@ -5,6 +5,7 @@ from rest_framework import serializers
 from controlplane.api.fields import JsonObjectField
 from controlplane.catalog.engines import Engine
 from controlplane.catalog.models import LanguageModel
+from controlplane.deployments.adapters import pipeline_max_loras
 from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
 from controlplane.deployments.models import (
     NAMESPACE_PATTERN,
@@ -15,7 +16,6 @@ from controlplane.deployments.models import (
     RouterMode,
     WorkerGroup,
 )
-from controlplane.deployments.adapters import pipeline_max_loras
 from controlplane.deployments.pipelines import (
     MAX_GPUS_PER_REPLICA,
     MAX_HOST_CACHE_GIB,

@@ -13,8 +13,8 @@ from controlplane.deployments import pipelines as pipeline_actions
 from controlplane.deployments.api.filters import PipelineFilter
 from controlplane.deployments.api.serializers import (
     AdapterLoadSerializer,
-    PipelineAdaptersSerializer,
     GroupUpdateSerializer,
+    PipelineAdaptersSerializer,
     PipelineSerializer,
     PipelineUpdateSerializer,
     ScaleSerializer,

@@ -4,21 +4,20 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('catalog', '0004_adapters'),
-        ('deployments', '0011_instance_prior_restarts'),
+        ("catalog", "0004_adapters"),
+        ("deployments", "0011_instance_prior_restarts"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='pipeline',
-            name='adapter_generation',
+            model_name="pipeline",
+            name="adapter_generation",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='pipeline',
-            name='adapters',
-            field=models.ManyToManyField(blank=True, related_name='pipelines', to='catalog.adapter'),
+            model_name="pipeline",
+            name="adapters",
+            field=models.ManyToManyField(blank=True, related_name="pipelines", to="catalog.adapter"),
         ),
     ]
