@@ -5,9 +5,9 @@ A Celery worker runs embedded in the agent, in a thread of its own, consuming on
 (runtime/fleet_contract/tasks.py). It is Celery's ``WorkController`` (the worker without its command line,
 signal handlers or logging set-up) with the ``solo`` pool: tasks run one at a time in the consumer's own
 thread, which suits them, as each only decodes its payload and hands it to the agent's asyncio loop
-(``run_coroutine_threadsafe``). A start or a stop returns once the agent has taken it (the work goes on on the loop, and its outcome
-reaches the control plane as state reports); a log tail returns its text, which goes back through the
-result backend to the control plane waiting on it.
+(``run_coroutine_threadsafe``). A start or a stop returns once the agent has taken it (the work goes on on the
+loop, and its outcome reaches the control plane as state reports); a log tail returns its text, which goes
+back through the result backend to the control plane waiting on it.
 
 The broker vouches for nothing: every agent holds its credentials, so any of them, or whoever took one,
 can send any node a task. So the consumer takes a task only when it is signed with this node's key
