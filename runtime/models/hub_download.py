@@ -36,6 +36,9 @@ from runtime.config import env_bool, env_float, env_str
 from runtime.errors import ModelError, ModelUnreachable
 from runtime.models.source import HF_FOLDER_FILES, HubModel
 
+#: What makes a repo a PEFT (LoRA) adapter's folder.
+ADAPTER_CONFIG = "adapter_config.json"
+
 #: The GGUF quantization picked in a repo of several, as llama.cpp's ``-hf`` picks it.
 DEFAULT_QUANT = "Q4_K_M"
 # Weight formats a serving engine never loads when safetensors are there; Meta's "original/" holds a
@@ -118,10 +121,10 @@ class RepoFiles:
 def pick_files(model: HubModel, files: Sequence[str], caller: HubCaller) -> RepoFiles:
     """What to fetch of ``model``'s repo, which holds ``files``. Raises HubError (NOT_FOUND or REFUSED).
 
-    A named file is fetched alone. Otherwise a repo with config.json or tokenizer.json is a model folder,
-    fetched without its GGUF files (and without other weight formats when it has safetensors); a repo of
-    one GGUF file gives that file; a repo of several needs one named, or a quantization tag
-    (``caller.quant_tags``, DEFAULT_QUANT when none is given).
+    A named file is fetched alone. Otherwise a repo with config.json or tokenizer.json is a model folder (one with
+    adapter_config.json a LoRA adapter's), fetched without its GGUF files (and without other weight formats when it
+    has safetensors); a repo of one GGUF file gives that file; a repo of several needs one named, or a quantization
+    tag (``caller.quant_tags``, DEFAULT_QUANT when none is given).
     """
     repo = model.repo_id
     wanted = model.file
@@ -134,7 +137,8 @@ def pick_files(model: HubModel, files: Sequence[str], caller: HubCaller) -> Repo
                 f"Hugging Face repo {repo!r}{_at(model.revision)} has no file {wanted!r}{listing}",
             )
         return RepoFiles([wanted], file=wanted)
-    if wanted is None and any(name in files for name in HF_FOLDER_FILES):
+    # A PEFT adapter's repo (adapter_config.json) is a folder too: a LoRA adapter is fetched as models are.
+    if wanted is None and any(name in files for name in (*HF_FOLDER_FILES, ADAPTER_CONFIG)):
         ignore = ["*.gguf"]
         if any(name.endswith(".safetensors") for name in files):
             ignore += SKIPPED_WITH_SAFETENSORS
