@@ -61,6 +61,20 @@ def put_now(what: str, put: dict[str, bytes], delete: Iterable[str] = ()) -> boo
     return True
 
 
+def read_prefix(prefix: str) -> dict[str, bytes] | None:
+    """The records under ``prefix`` now; None when no etcd is configured or none answers (logged at debug: a
+    page that shows them says it could not)."""
+    endpoints = etcd_endpoints()
+    if not endpoints:
+        return None
+    try:
+        records = asyncio.run(_each_endpoint(endpoints, lambda client: _read(client, prefix)))
+    except DiscoveryUnavailable as exc:
+        log.debug("reading %s: %s", prefix, exc)
+        return None
+    return {key: value for key, (value, _) in records.items()}
+
+
 def sync_prefix(prefix: str, read_wanted: Callable[[], dict[str, bytes]]) -> SyncReport:
     """Make the keys under ``prefix`` what ``read_wanted()`` (the database's records, read after etcd's) says.
     Raises DiscoveryUnavailable when etcd does not answer; does nothing when no etcd is configured."""

@@ -3,6 +3,7 @@ from django.urls import path, register_converter
 
 from controlplane.api.base import ID_PATTERN
 from controlplane.dashboard import (
+    adapters,
     alerts,
     api_keys,
     batches,
@@ -40,6 +41,8 @@ urlpatterns = [
     path("models/", views.models_page, name="models"),
     path("models/<row_id:pk>/", views.model_page, name="model"),
     path("models/<row_id:pk>/delete/", edits.model_delete, name="model-delete"),
+    path("models/<row_id:pk>/adapters/", adapters.model_adapter_add, name="model-adapter-add"),
+    path("models/<row_id:pk>/adapters/delete/", adapters.model_adapter_delete, name="model-adapter-delete"),
     path("pipelines/", views.pipelines_page, name="pipelines"),
     path("pipelines/<row_id:pk>/", views.pipeline_page, name="pipeline"),
     path("pipelines/<row_id:pk>/edit/", edits.pipeline_edit, name="pipeline-edit"),
@@ -47,6 +50,8 @@ urlpatterns = [
     path("pipelines/<row_id:pk>/scale/", controls.pipeline_scale, name="pipeline-scale"),
     path("pipelines/<row_id:pk>/planner/", controls.pipeline_planner, name="pipeline-planner"),
     path("pipelines/<row_id:pk>/stop/", controls.pipeline_stop, name="pipeline-stop"),
+    path("pipelines/<row_id:pk>/adapters/load/", adapters.pipeline_adapter_load, name="pipeline-adapter-load"),
+    path("pipelines/<row_id:pk>/adapters/unload/", adapters.pipeline_adapter_unload, name="pipeline-adapter-unload"),
     path("pipelines/<row_id:pk>/start/", controls.pipeline_start, name="pipeline-start"),
     path("instances/<row_id:pk>/restart/", controls.instance_restart, name="instance-restart"),
     path("instances/<row_id:pk>/log/", views.instance_log, name="instance-log"),

@@ -21,7 +21,7 @@ from controlplane.alerts.models import Alert
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
-from controlplane.dashboard import audit_log, gateway, logs, partials, planner_panel, queries
+from controlplane.dashboard import adapters, audit_log, gateway, logs, partials, planner_panel, queries
 from controlplane.dashboard.access import AUDIT_ROLE, can_act, has_role, role_required
 from controlplane.dashboard.fleet_health import fleet_health
 from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
@@ -134,6 +134,7 @@ def model_page(request: HttpRequest, pk: int) -> HttpResponseBase:
     document = json.dumps(model.profile, indent=2) if model.profile is not None else ""
     pipelines = list(model.pipelines.order_by("name").only("pk", "name"))
     context = {"model": model, "form": form, "document": document, "pipelines": pipelines}
+    context["adapters"] = list(model.adapters.prefetch_related("pipelines"))
     return render_page(request, "dashboard/model.html", context, status=status)
 
 
@@ -168,6 +169,7 @@ def pipeline_page(request: HttpRequest, pk: int) -> HttpResponse:
     context |= partials.instances_context(pipeline)
     context["planner"] = planner_panel.panel(pipeline)
     context["routed"] = traffic_queries.router_view(pipeline.pk)
+    context["adapters"] = adapters.adapter_rows(pipeline)
     return render_page(request, "dashboard/pipeline.html", context)
 
 
