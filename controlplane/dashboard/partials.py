@@ -106,6 +106,15 @@ def render_instance(instance_id: int, *, can_act: bool) -> str:
     return render_to_string("dashboard/partials/instance.html", {"instance": instance, "can_act": can_act})
 
 
+def render_instance_detail(instance_id: int) -> str:
+    """``<div id="detail-<pk>">``: an instance page's state, placement decision, restart history and timeline
+    (controlplane/dashboard/instance_page.py; no controls). Raises ``Instance.DoesNotExist``."""
+    from controlplane.dashboard.instance_page import detail_context, instance_for_page  # it imports the views
+
+    instance = instance_for_page().get(pk=instance_id)
+    return render_to_string("dashboard/partials/instance_detail.html", detail_context(instance))
+
+
 def render_instance_load(instance_id: int, load: Mapping[str, Any]) -> str:
     """``<div id="load-<instance pk>">``: a worker's latest load (a ``WorkerLoad`` as a dict: kv_usage,
     prefix_hit_rate, running, waiting, active_requests, and tokens_per_s and ``at`` (epoch seconds) when

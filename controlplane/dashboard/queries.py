@@ -62,13 +62,16 @@ _CPU_INSTANCES = Q(state__in=LIVE_STATES, group__gpus_per_replica=0)
 
 
 def nodes_with_gpus() -> QuerySet[Node]:
-    """Nodes with their GPUs in index order and ``cpu_instances``, the CPU instances placed on each (two
-    queries, however many nodes)."""
+    """Nodes with their GPUs in index order, ``placed_instances`` (those not stopped) and ``cpu_instances``, the
+    CPU instances placed on each (three queries, however many nodes)."""
     # _CPU_INSTANCES, seen from the nodes.
     on_cpu = Q(instances__state__in=LIVE_STATES, instances__group__gpus_per_replica=0)
     cpu_instances = Count("instances", filter=on_cpu)
     gpus = Prefetch("gpus", queryset=Gpu.objects.order_by("index"))
-    return Node.objects.prefetch_related(gpus).annotate(cpu_instances=cpu_instances).order_by("name")
+    # Each links to its instance's page from the node's row.
+    placed = Instance.objects.exclude(state=InstanceState.STOPPED).select_related("pipeline", "group").order_by("id")
+    instances = Prefetch("instances", queryset=placed, to_attr="placed_instances")
+    return Node.objects.prefetch_related(gpus, instances).annotate(cpu_instances=cpu_instances).order_by("name")
 
 
 def pipelines_with_groups() -> QuerySet[Pipeline]:

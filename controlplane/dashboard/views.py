@@ -4,6 +4,7 @@ Every page may be read by every role. The two pages with a form (models, pipelin
 for operators and admins only; the buttons' POSTs are in controls.py.
 """
 
+import dataclasses
 import json
 from typing import Any
 
@@ -198,12 +199,23 @@ def audit_page(request: HttpRequest) -> HttpResponse:
 @require_GET
 def instance_log(request: HttpRequest, pk: int) -> HttpResponse:
     """The tail of an instance's worker log (or why there is none), for the pipeline page's log pane."""
+    """With ``pane=text`` (the instance page's followed log), only the text, filtered by ``grep`` (a substring,
+    ignoring case), and bad input is a 400 with its reason (swapped in all the same, see base.html)."""
     instance = get_object_or_404(queries.instances_with_places(), pk=pk)
+    text_pane = request.GET.get("pane") == "text"
+    grep = ""
     try:
         lines = logs.parse_lines(request.GET.get("lines"))
+        grep = logs.parse_grep(request.GET.get("grep"))
     except ValueError as exc:
         tail = logs.LogTail(instance, logs.DEFAULT_LINES, problem=str(exc), status=400)
     else:
         tail = logs.log_tail(instance, lines)
-    # The page shows the reason as text: the status stays 200 so that htmx swaps it in.
-    return render(request, "dashboard/partials/instance_log.html", {"tail": tail, "instance": instance})
+        if tail.text is not None and grep:
+            tail = dataclasses.replace(tail, text=logs.filter_lines(tail.text, grep))
+    context = {"tail": tail, "instance": instance, "grep": grep}
+    if text_pane:
+        status = 400 if tail.status == 400 else 200
+        return render(request, "dashboard/partials/instance_log_text.html", context, status=status)
+    # The pipeline page shows the reason as text: the status stays 200 so that htmx swaps it in.
+    return render(request, "dashboard/partials/instance_log.html", context)

@@ -21,9 +21,10 @@ from django.db.models import F
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.database import db_now
 from controlplane.deployments.demand import group_demand
+from controlplane.deployments.instance_events import download_milestone, exit_details, record_event
 from controlplane.deployments.instance_states import LIVE_STATES, PROCESS_STATES, InstanceState, check_transition
 from controlplane.deployments.inventory import fleet_inventory
-from controlplane.deployments.models import Instance, WorkerGroup
+from controlplane.deployments.models import Instance, InstanceEvent, WorkerGroup
 from controlplane.deployments.placement import Unschedulable, place
 from controlplane.errors import Conflict, Forbidden, Invalid, InvalidTransition, Missing
 from controlplane.live.events import row_changed
@@ -92,6 +93,9 @@ def report_instance_state(actor: Actor, node_name: str, instance_id: int, report
         )
     if target == instance.state:
         if details:
+            milestone = download_milestone(instance.download_progress, details.get("download_progress"))
+            if milestone is not None:
+                record_event(instance, InstanceEvent.Kind.DOWNLOAD, f"downloaded {milestone:.0%} of the model")
             Instance.objects.filter(pk=instance.pk).update(**details, updated_at=db_now())  # a stall is measured on it
             for name, value in details.items():
                 setattr(instance, name, value)
@@ -188,8 +192,8 @@ def add_instances(
     WorkerGroup.objects.filter(pk=group.pk).update(next_replica=F("next_replica") + count)
     group.refresh_from_db(fields=["next_replica"])
     first = group.next_replica - count
-    predecessors = [replaces] * count if replaces is not None else list(succeeds)[:count]
-    prior = [instance.replica_restarts + 1 for instance in predecessors]
+    predecessors: list[Instance | None] = [replaces] * count if replaces is not None else list(succeeds)[:count]
+    predecessors += [None] * (count - len(predecessors))
     instances = [
         Instance(
             pipeline_id=group.pipeline_id,
@@ -197,14 +201,20 @@ def add_instances(
             replica=first + offset,
             reason=reason,
             replaces=replaces,
+            previous=predecessor,
             generation=group.generation,
-            prior_restarts=prior[offset] if offset < len(prior) else 0,
+            prior_restarts=predecessor.replica_restarts + 1 if predecessor is not None else 0,
         )
-        for offset in range(count)
+        for offset, predecessor in enumerate(predecessors)
     ]
-    for instance in instances:
+    for instance, predecessor in zip(instances, predecessors, strict=True):
         instance.save()
         record(actor, "instance.create", instance, before=None, after=snapshot(instance))
+        record_event(instance, InstanceEvent.Kind.STATE, reason or "created", after=instance.state)
+        if predecessor is not None:
+            # The replica starts again in a new row: a restart of it, as the Restarts column counts it.
+            why = f"{reason or 'started again'} (the replica ran as {predecessor.name} before)"
+            record_event(instance, InstanceEvent.Kind.RESTART, why, data={"previous": predecessor.pk})
     return instances
 
 
@@ -245,8 +255,22 @@ def transition(instance: Instance, new_state: str, **fields: Any) -> None:
     if updated != 1:
         current = Instance.objects.filter(pk=instance.pk).values_list("state", flat=True).first()
         raise Conflict(f"instance {instance.pk} changed meanwhile (it is {current or 'gone'} now); retry")
+    _record_transition(instance, new_state, fields)
     for name, value in changes.items():
         setattr(instance, name, value)
+
+
+def _record_transition(instance: Instance, new_state: str, fields: dict[str, Any]) -> None:
+    """The timeline's events of a move ``transition`` just wrote (``instance`` still holds the old values):
+    the change of state, and a restart when the move starts a new attempt."""
+    reason = str(fields.get("reason", instance.reason) or "")
+    data = exit_details(reason) if new_state == InstanceState.FAILED else {}
+    record_event(instance, InstanceEvent.Kind.STATE, reason, before=instance.state, after=new_state, data=data)
+    restarts = fields.get("restarts")
+    if isinstance(restarts, int) and restarts > instance.restarts:
+        # Why it restarts is why the attempt before ended: its failure (with the exit code) or a person's restart.
+        why = instance.reason or f"restarted from {instance.state}"
+        record_event(instance, InstanceEvent.Kind.RESTART, why, data={"attempt": restarts, **exit_details(why)})
 
 
 def _failure_streak(instance: Instance) -> int:

@@ -16,6 +16,8 @@ from runtime.config import env_float
 from runtime.fleet_contract.tasks import MAX_LOG_LINES, LogTailRequest
 
 DEFAULT_LOG_LINES = 100
+#: The longest ``grep`` filter (a substring, not a pattern: nothing to compile, nothing to run away).
+MAX_GREP_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,26 @@ def parse_lines(raw: str | None) -> int:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LOG_LINES:
         raise Invalid(f"a whole number from 1 to {MAX_LOG_LINES}, not {raw[:20]!r}", field="lines")
     return int(raw)
+
+
+def parse_grep(raw: str | None) -> str:
+    """The ``grep`` parameter: "" when absent. Raises Invalid naming ``grep`` when it is longer than
+    MAX_GREP_CHARS or holds a control character (a line break cannot occur inside one line)."""
+    if raw is None:
+        return ""
+    if len(raw) > MAX_GREP_CHARS:
+        raise Invalid(f"at most {MAX_GREP_CHARS} characters, not {len(raw)}", field="grep")
+    if any(ord(char) < 32 or ord(char) == 127 for char in raw):
+        raise Invalid("text to find within one line: no line breaks, tabs or other control characters", field="grep")
+    return raw
+
+
+def filter_lines(text: str, grep: str) -> str:
+    """The lines of ``text`` that contain ``grep``, ignoring case (all of them when ``grep`` is "")."""
+    if not grep:
+        return text
+    wanted = grep.casefold()
+    return "".join(line for line in text.splitlines(keepends=True) if wanted in line.casefold())
 
 
 def log_tail(instance: Instance, lines: int) -> LogTail:

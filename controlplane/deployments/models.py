@@ -234,7 +234,13 @@ class Instance(models.Model):
     # The instance this one replaces (a drain, a restart that must not drop the only replica): that one is
     # stopped once this one is ready.
     replaces = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replacements")
+    # The replica's previous row, when this one took its place (a replacement, or the start of a stopped
+    # pipeline): the chain its restart history is read from. Unlike ``replaces``, nothing waits on it.
+    previous = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     download_progress = models.FloatField(null=True, blank=True)  # 0..1 while downloading
+    # The last placement decision and why (controlplane/deployments/placement_record.py): the node and GPUs
+    # chosen, each other node considered and why it was passed over; or why no node fits. {}: never tried.
+    placement = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -264,6 +270,38 @@ class Instance(models.Model):
     def replica_restarts(self) -> int:
         """The restarts of the replica this instance runs: its own, and those of the rows it took over from."""
         return self.prior_restarts + self.restarts
+
+
+class InstanceEvent(models.Model):
+    """One line of an instance's timeline: a change of state, a dispatch, an agent's news, a restart.
+
+    Written by ``controlplane/deployments/instance_events.py`` in the transaction of the change it records,
+    which also keeps only the latest ``KEEP_EVENTS`` of an instance. ``before``/``after`` are states ("" when
+    the event is not a change of state); ``data`` holds what a page lists apart (an exit code, a node).
+    """
+
+    class Kind(models.TextChoices):
+        STATE = "state"
+        PLACED = "placed"
+        UNSCHEDULABLE = "unschedulable"
+        DISPATCH = "dispatch"
+        DOWNLOAD = "download"
+        RESTART = "restart"
+
+    instance = models.ForeignKey(Instance, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField()
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    message = models.TextField(blank=True)
+    before = models.CharField(max_length=12, blank=True)
+    after = models.CharField(max_length=12, blank=True)
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering: ClassVar = ["instance_id", "at", "id"]
+        indexes: ClassVar = [models.Index(fields=["instance", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.instance_id} {self.kind} at {self.at.isoformat()}: {self.message}"
 
 
 class Lease(models.Model):

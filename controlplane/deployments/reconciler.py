@@ -56,6 +56,7 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
+import msgspec
 from django.db.models import Count, Max, Q
 
 from controlplane.accounts.task_keys import node_worker_key_sources
@@ -649,6 +650,7 @@ class Reconciler:
         assert node is not None  # the dispatch query takes placed instances only
         expires_s = self.settings.resend_s(task)
         send: Callable[[], None]
+        spec: dict[str, Any] | None = None
         if task == TASK_STOP_INSTANCE:
             stop = stop_message(instance, grace_s=self.settings.stop_grace_s)
             send = partial(self.dispatcher.stop_instance, node.name, stop, expires_s=expires_s)
@@ -660,7 +662,8 @@ class Reconciler:
                 upkeep.refuse_start(ACTOR, instance, f"cannot be started as it stands: {exc}")
                 return False
             send = partial(self.dispatcher.start_instance, node.name, start, expires_s=expires_s)
-        return upkeep.dispatch_instance(ACTOR, instance, task, send, now)
+            spec = msgspec.to_builtins(start.spec)  # the instance page shows the settings as they were sent
+        return upkeep.dispatch_instance(ACTOR, instance, task, send, now, spec=spec)
 
     @property
     def _lease_ttl(self) -> timedelta:

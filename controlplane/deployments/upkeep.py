@@ -8,6 +8,7 @@ what it read, row locks where it counts); the reconciler (``reconciler.py``) dec
 
 import datetime
 from collections.abc import Callable
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Count, F, Q
@@ -15,11 +16,13 @@ from django.utils import timezone
 
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.deployments.demand import group_demand
+from controlplane.deployments.instance_events import record_event
 from controlplane.deployments.instance_states import LIVE_STATES, InstanceState
 from controlplane.deployments.instances import add_instances, fresh_start, stop_instance, transition
 from controlplane.deployments.inventory import fleet_inventory
-from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
+from controlplane.deployments.models import Instance, InstanceEvent, Pipeline, WorkerGroup
 from controlplane.deployments.placement import Placement, Unschedulable, place
+from controlplane.deployments.placement_record import decision_record
 from controlplane.errors import Conflict
 from controlplane.fleet.models import Node
 
@@ -50,26 +53,44 @@ def place_pending_instances(
     for group in groups.distinct().order_by("pipeline__created_at", "role"):
         waiting = list(group.instances.filter(state=InstanceState.PENDING, node__isnull=True).order_by("replica"))
         # The inventory is read again for each group, so that it includes the groups placed before.
-        result = place(group_demand(group, len(waiting)), fleet_inventory())
+        demand, inventory = group_demand(group, len(waiting)), fleet_inventory()
+        result = place(demand, inventory)
         chosen = result.replicas if isinstance(result, Placement) else result.placed
         nodes = {node.name: node for node in Node.objects.filter(name__in={r.node for r in chosen})}
         for instance, where in zip(waiting, chosen, strict=False):
             before = snapshot(instance)
+            decision = decision_record(demand, inventory, where)
             claimed = Instance.objects.filter(pk=instance.pk, state=InstanceState.PENDING, node__isnull=True).update(
-                node=nodes[where.node], gpu_indexes=list(where.gpu_indexes), reason=""
+                node=nodes[where.node], gpu_indexes=list(where.gpu_indexes), reason="", placement=decision
             )
             if claimed:
                 instance.refresh_from_db()
+                if group.gpus_per_replica == 0:
+                    _note_cpu_sharing(instance, nodes[where.node])
                 record(actor, "instance.place", instance, before=before, after=snapshot(instance))
+                gpus = f" GPUs {', '.join(map(str, where.gpu_indexes))}" if where.gpu_indexes else " (CPU)"
+                record_event(instance, InstanceEvent.Kind.PLACED, f"placed on {where.node}{gpus}", data=decision)
         if isinstance(result, Unschedulable):
             for instance in waiting[len(chosen) :]:
-                if instance.reason != result.reason:
+                if instance.reason != result.reason or not instance.placement:
                     before = snapshot(instance)
-                    Instance.objects.filter(pk=instance.pk, node__isnull=True).update(reason=result.reason)
-                    instance.reason = result.reason
+                    decision = decision_record(demand, inventory, None, result.reason)
+                    Instance.objects.filter(pk=instance.pk, node__isnull=True).update(
+                        reason=result.reason, placement=decision
+                    )
+                    instance.reason, instance.placement = result.reason, decision
                     record(actor, "instance.unschedulable", instance, before=before, after=snapshot(instance))
+                    record_event(instance, InstanceEvent.Kind.UNSCHEDULABLE, result.reason)
         results.append((group, result))
     return results
+
+
+def _note_cpu_sharing(instance: Instance, node: Node) -> None:
+    """Add to a CPU instance's placement record how many CPU instances its node now runs on how many CPUs:
+    placement does not refuse oversubscription, the instance page warns of it (controlplane/dashboard/capacity.py)."""
+    cpu_instances = Instance.objects.filter(node=node, state__in=LIVE_STATES, group__gpus_per_replica=0).count()
+    instance.placement = {**instance.placement, "cpu": {"instances": cpu_instances, "cpus": node.cpu_count}}
+    Instance.objects.filter(pk=instance.pk).update(placement=instance.placement)
 
 
 # An instance restarting in place is stopping for a moment, but still one of its group's replicas.
@@ -235,7 +256,13 @@ def give_up_instance(actor: Actor, instance: Instance, restarts: int) -> bool:
 
 
 def dispatch_instance(
-    actor: Actor, instance: Instance, task: str, send: Callable[[], None], now: datetime.datetime
+    actor: Actor,
+    instance: Instance,
+    task: str,
+    send: Callable[[], None],
+    now: datetime.datetime,
+    *,
+    spec: dict[str, Any] | None = None,
 ) -> bool:
     """Claim the instance's dispatch, ``send`` the task, then record it: of two passes that both see the
     instance due, only the one whose claim lands sends.
@@ -246,6 +273,7 @@ def dispatch_instance(
     ``send`` raises (the broker is unreachable), the claim is taken back, if it is still ours, nothing is
     recorded, and the next pass tries again. A process that dies between the claim and the send leaves a
     claim with no task: the instance is due again after the task's resend interval, as after a lost task.
+    ``spec``, the worker spec a start sends (as JSON), is kept with the timeline's dispatch event.
     Returns False when another pass (or a state change) got there first.
     """
     before = snapshot(instance)
@@ -272,4 +300,12 @@ def dispatch_instance(
     instance.dispatched_at, instance.dispatches = now, dispatches
     with transaction.atomic():
         record(actor, "instance.dispatch", instance, before=before, after=snapshot(instance) | {"task": task})
+        node = instance.node.name if instance.node else "its node"
+        verb = task.rsplit(".", 1)[-1].removesuffix("_instance")  # "start" or "stop"
+        record_event(
+            instance,
+            InstanceEvent.Kind.DISPATCH,
+            f"{verb} sent to {node} (send {dispatches})",
+            data={"task": task} | ({"spec": spec} if spec is not None else {}),
+        )
     return True

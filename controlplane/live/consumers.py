@@ -1,14 +1,15 @@
 """The dashboard's websockets: push-only, for people who are logged in.
 
 ``/ws/fleet/`` (overview, nodes, models, pipelines) joins the ``fleet.<topic>`` groups, all of them or
-those its ``?topics=`` names; ``/ws/pipelines/<pk>/`` joins ``pipeline.<pk>`` once the pipeline is found.
+those its ``?topics=`` names; ``/ws/pipelines/<pk>/`` joins ``pipeline.<pk>`` once the pipeline is found;
+``/ws/instances/<pk>/`` joins its instance's pipeline's group and keeps what is about its instance.
 Each socket receives only the groups it joined (controlplane/live/groups.py). A change notice makes the
 socket render the row's partial, at most once per ``RENDER_WINDOW_S`` per element
 (controlplane/live/debounce.py), with renders shared between the sockets of the process
 (controlplane/live/rendering.py); HTML the bridge rendered is forwarded as it is.
 
 Close codes: 4400 an unknown topic, 4401 not logged in, 4403 a role too low for what the socket hears,
-4404 no such pipeline (htmx's ws extension does not reconnect after these); 1011 when the channel layer
+4404 no such pipeline or instance (htmx's ws extension does not reconnect after these); 1011 when the channel layer
 cannot be reached at connection (it does reconnect, with backoff).
 
 A socket outlives the request that opened it, so it is authorised again as it goes on: every
@@ -37,7 +38,7 @@ from django.contrib.auth import get_user
 
 from controlplane.accounts.models import Role, User
 from controlplane.dashboard.access import ACT_ROLE, AUDIT_ROLE
-from controlplane.deployments.models import Pipeline
+from controlplane.deployments.models import Instance, Pipeline
 from controlplane.live.debounce import PendingRenders
 from controlplane.live.groups import (
     AUDIT_TOPIC,
@@ -46,6 +47,7 @@ from controlplane.live.groups import (
     Changed,
     Html,
     Kind,
+    changed,
     fleet_group,
     pipeline_group,
 )
@@ -304,3 +306,36 @@ class PipelineConsumer(LiveConsumer):
 
     def catch_up(self) -> list[tuple[Kind, int]]:
         return [("pipeline", self.pipeline_id), ("instances", self.pipeline_id)]
+
+
+class InstanceConsumer(LiveConsumer):
+    """``/ws/instances/<pk>/``: one instance's page. It joins its pipeline's group, and of what that group hears
+    keeps only its instance: a change of the instance (or of its pipeline's list of instances, which a stop
+    or a new row changes) renders the page's state, placement, timeline and restarts again, and of the load
+    figures only the instance's are forwarded (others would have no element on the page)."""
+
+    async def groups_to_join(self) -> list[str] | None:
+        instance_id = int(self.scope["url_route"]["kwargs"]["pk"])
+        pipeline_id = await database_sync_to_async(_pipeline_of)(instance_id)
+        if pipeline_id is None:
+            await self.accept()
+            await self.close(code=NOT_FOUND, reason=f"there is no instance {instance_id}")
+            return None
+        self.instance_id = instance_id
+        return [pipeline_group(pipeline_id)]
+
+    def catch_up(self) -> list[tuple[Kind, int]]:
+        return [("instance_detail", self.instance_id)]
+
+    async def live_changed(self, message: Changed) -> None:
+        kind, row_id = message.get("kind"), message.get("id")
+        if kind == "instances" or (kind == "instance" and row_id == self.instance_id):
+            await super().live_changed(changed("instance_detail", self.instance_id))
+
+    async def live_html(self, message: Html) -> None:
+        if message.get("instance") == self.instance_id:
+            await super().live_html(message)
+
+
+def _pipeline_of(instance_id: int) -> int | None:
+    return Instance.objects.filter(pk=instance_id).values_list("pipeline_id", flat=True).first()

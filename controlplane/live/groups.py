@@ -7,6 +7,7 @@
   page without nodes renders no node.
 * ``pipeline.<pk>``: the detail page of one pipeline; it hears about that pipeline's row, its list of
   instances and each instance, and the bridge's load figures of its instances and phases of its groups.
+  An instance's page joins its pipeline's group too, and keeps only what is about its instance.
 
 Two kinds of message travel: ``live.changed`` names a row that changed (each socket renders its
 partial, so a burst of changes to one row costs one render per socket), ``live.html`` carries HTML
@@ -31,6 +32,8 @@ def fleet_group(topic: str) -> str:
 #: pipeline's list of instances (id: the pipeline's); "nodes", "pipelines", "downloads" and "models" are
 #: the fleet's lists (id: ``FLEET_LIST``).
 #: "planner" is a pipeline's planner panel (id: the pipeline's), pushed after each of its decisions.
+#: "instance_detail" is an instance page's state, placement, timeline and restarts: never sent to a group,
+#: an instance page's socket renders it when it hears of its instance ("instance", or its list).
 Kind = Literal[
     "node",
     "nodes",
@@ -43,6 +46,7 @@ Kind = Literal[
     "models",
     "audit",
     "planner",
+    "instance_detail",
 ]
 #: The id of a notice about one of the fleet's lists, of which there is one each.
 FLEET_LIST = 0

@@ -33,6 +33,7 @@ _RENDERERS: dict[Kind, Callable[[int, bool], str]] = {
     "models": lambda _, __: partials.render_model_table(),
     "audit": lambda pk, _: partials.render_audit_entry(pk),
     "planner": lambda pk, can_act: partials.render_pipeline_planner(pk, can_act=can_act),
+    "instance_detail": lambda pk, _: partials.render_instance_detail(pk),
 }
 # The id of the element each kind's partial renders (controlplane/dashboard/partials.py): a prefix and
 # the row's id, or the one id of a fleet list.
@@ -44,6 +45,7 @@ _ELEMENT_PREFIX: dict[Kind, str] = {
     "download": "download",
     "audit": "audit",
     "planner": "planner",
+    "instance_detail": "detail",
 }
 _LIST_ELEMENT: dict[Kind, str] = {
     "nodes": partials.NODE_TABLE_ID,

@@ -6,7 +6,7 @@ from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
 from controlplane.body_limit import ASGIApp
-from controlplane.live.consumers import FleetConsumer, PipelineConsumer
+from controlplane.live.consumers import FleetConsumer, InstanceConsumer, PipelineConsumer
 from controlplane.live.rendering import SharedRenders
 
 
@@ -18,6 +18,7 @@ def websocket_application() -> ASGIApp:
         [
             path("ws/fleet/", FleetConsumer.as_asgi(renders=renders)),
             path("ws/pipelines/<int:pk>/", PipelineConsumer.as_asgi(renders=renders)),
+            path("ws/instances/<int:pk>/", InstanceConsumer.as_asgi(renders=renders)),
         ]
     )
     application: ASGIApp = AllowedHostsOriginValidator(AuthMiddlewareStack(routes))

@@ -336,7 +336,7 @@ def controls(render: Callable[..., str]) -> dict[str, bool]:
 @pytest.mark.parametrize(
     ("render", "most"),
     [
-        (partials.render_node, 2),
+        (partials.render_node, 3),  # the node, its GPUs, its instances (links to their pages)
         (partials.render_pipeline_row, 3),
         (partials.render_instance, 1),
         (partials.render_download, 1),
@@ -382,7 +382,7 @@ def test_no_partial_has_table_markup_so_that_any_of_them_can_share_a_websocket_m
 @pytest.mark.parametrize(
     ("render", "most", "row_id", "rows"),
     [
-        (partials.render_node_table, 2, 'id="node-', 2),
+        (partials.render_node_table, 3, 'id="node-', 2),
         (partials.render_pipeline_table, 3, 'id="pipeline-', 2),
         (partials.render_download_table, 1, 'id="download-', 4),
         (partials.render_model_table, 1, 'id="model-', 2),

@@ -95,7 +95,13 @@ class InstanceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Flotilla
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("lines", int, description=f"how many of the last lines (1-{MAX_LOG_LINES}, default 100)")
+            OpenApiParameter("lines", int, description=f"how many of the last lines (1-{MAX_LOG_LINES}, default 100)"),
+            OpenApiParameter(
+                "grep",
+                str,
+                description=f"only the lines of those that contain this text, ignoring case (at most "
+                f"{log_tail.MAX_GREP_CHARS} characters, one line)",
+            ),
         ],
         responses={
             200: _LOG_REPLY,
@@ -108,9 +114,11 @@ class InstanceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Flotilla
     def log(self, request: Request, pk: str) -> Response:
         """The last lines of the instance's worker log, as its node's agent keeps it."""
         lines = log_tail.parse_lines(request.query_params.get("lines"))
+        grep = log_tail.parse_grep(request.query_params.get("grep"))
         tail = log_tail.log_tail(self.get_object(), lines)
         if tail.problem is not None:
             return Response({"detail": tail.problem}, status=tail.status)
         node = tail.instance.node
         assert node is not None  # a tail with text came from the node's agent
-        return Response({"instance": tail.instance.pk, "node": node.name, "lines": lines, "text": tail.text})
+        text = log_tail.filter_lines(tail.text or "", grep)
+        return Response({"instance": tail.instance.pk, "node": node.name, "lines": lines, "text": text})
