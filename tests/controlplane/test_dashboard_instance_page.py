@@ -210,3 +210,60 @@ def test_the_live_detail_renders_the_same_partial_as_the_page() -> None:
     html = partials.render_instance_detail(instance.pk)
     assert html.startswith(f'<div id="detail-{instance.pk}">')
     assert page(instance).count(f'<div id="detail-{instance.pk}">') == 1
+
+
+LOG = "INFO worker starting\nERROR out of memory\nwarn: an error, in lower case\nINFO ready\n"
+
+
+@pytest.fixture
+def multi_line_log(log_dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch) -> RecordingDispatcher:
+    """The agent's log tail answers four lines."""
+    monkeypatch.setattr(log_dispatcher, "log_tail", lambda node, request, *, timeout_s: LOG)
+    return log_dispatcher
+
+
+def test_the_followed_log_keeps_the_lines_that_contain_the_filter_ignoring_case(
+    multi_line_log: RecordingDispatcher,
+) -> None:
+    instance = placed_instance()
+    response = logged_in(Role.READ_ONLY).get(f"/instances/{instance.pk}/log/", {"pane": "text", "grep": "Error"})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert '<pre class="log">ERROR out of memory\nwarn: an error, in lower case\n</pre>' in html
+    assert "<form" not in html  # the text alone: the page's controls stay as the person left them
+
+
+def test_a_filter_no_line_matches_says_so(multi_line_log: RecordingDispatcher) -> None:
+    instance = placed_instance()
+    html = logged_in(Role.READ_ONLY).get(f"/instances/{instance.pk}/log/", {"pane": "text", "grep": "panic"})
+    assert "No line of the last 100 contains “panic”." in html.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("grep", "message"),
+    [
+        ("x" * 201, "grep: at most 200 characters, not 201"),
+        ("two\nlines", "grep: text to find within one line"),
+    ],
+)
+def test_a_bad_filter_is_a_400_with_its_reason(log_dispatcher: RecordingDispatcher, grep: str, message: str) -> None:
+    instance = placed_instance()
+    response = logged_in(Role.READ_ONLY).get(f"/instances/{instance.pk}/log/", {"pane": "text", "grep": grep})
+    assert response.status_code == 400
+    assert message in response.content.decode()
+    assert log_dispatcher.sent == []  # the agent is not asked
+
+
+def test_the_api_filters_the_log_the_same_way(multi_line_log: RecordingDispatcher) -> None:
+    from rest_framework.test import APIClient
+
+    from tests.controlplane.factories import make_user, person_token
+
+    instance = placed_instance()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {person_token(make_user('reader', Role.READ_ONLY))}")
+    response = client.get(f"/api/v1/instances/{instance.pk}/log/", {"grep": "ready"})
+    assert response.status_code == 200
+    assert response.json()["text"] == "INFO ready\n"
+    refused = client.get(f"/api/v1/instances/{instance.pk}/log/", {"grep": "y" * 300})
+    assert refused.status_code == 400 and "grep" in refused.content.decode()
