@@ -213,6 +213,15 @@ def test_a_read_only_person_sees_a_pipeline_without_any_control(live_fleet: Live
     expect(instance_states(page, pipeline)).to_have_text(["ready"], timeout=READY_TIMEOUT_MS)
     expect(page.locator(f"#instances-{pipeline} [id^='instance-'] [role='cell']").nth(5)).to_have_text("1")
 
+    # The replacement's page: where it went, the restart in its replica's history, its log followed and filtered.
+    page.locator(f"#instances-{pipeline} [id^='instance-'] a").first.click()
+    expect(page.locator("section.placement")).to_contain_text("Placed on")
+    expect(page.locator("section.restarts")).to_contain_text("the replica ran as")
+    expect(page.locator("#log-view")).not_to_contain_text("Loading the log")
+    page.locator("#log-controls input[name='grep']").fill("no line says this")
+    expect(page.locator("#log-view")).to_contain_text("No line of the last 100 contains")
+    expect(page.locator("#live")).to_have_text("live")
+
     # Deactivated meanwhile: the page stops saying "live" and says why.
     deactivate_person(stack.control_plane, READER)
     expect(page.locator("#live")).to_contain_text("deactivated", timeout=20_000)
