@@ -35,6 +35,7 @@ from django.utils.html import format_html
 
 from controlplane.audit.models import AuditEntry
 from controlplane.dashboard import planner_panel, queries
+from controlplane.dashboard.instance_detail import detail_context, instance_for_page
 from controlplane.deployments.models import Instance, Pipeline, WorkerGroup
 
 # The element live audit entries are put at the top of (the overview's recent events).
@@ -109,8 +110,6 @@ def render_instance(instance_id: int, *, can_act: bool) -> str:
 def render_instance_detail(instance_id: int) -> str:
     """``<div id="detail-<pk>">``: an instance page's state, placement decision, restart history and timeline
     (controlplane/dashboard/instance_page.py; no controls). Raises ``Instance.DoesNotExist``."""
-    from controlplane.dashboard.instance_page import detail_context, instance_for_page  # it imports the views
-
     instance = instance_for_page().get(pk=instance_id)
     return render_to_string("dashboard/partials/instance_detail.html", detail_context(instance))
 
