@@ -53,8 +53,9 @@ class Actor:
 
 
 def snapshot(row: models.Model, *, exclude: Iterable[str] = ()) -> JSON:
-    """The row's own fields as JSON-ready values (foreign keys as ids), for an entry's before/after."""
-    skipped = set(exclude)
+    """The row's own fields as JSON-ready values (foreign keys as ids), for an entry's before/after; without
+    the fields its model names in ``audit_exclude`` (derived records that would repeat in every entry)."""
+    skipped = set(exclude) | set(getattr(row, "audit_exclude", ()))
     values: JSON = {}
     for field in row._meta.concrete_fields:
         if field.name in skipped:

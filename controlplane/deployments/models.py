@@ -206,6 +206,9 @@ class Instance(models.Model):
     """
 
     State = InstanceState
+    # The placement record is the decision's explanation, not desired state: kept out of every audit entry's
+    # before and after (where it would repeat, a few KiB on a large fleet); the instance page shows it.
+    audit_exclude: ClassVar[frozenset[str]] = frozenset({"placement"})
 
     pipeline = models.ForeignKey(Pipeline, on_delete=models.CASCADE, related_name="instances")
     group = models.ForeignKey(WorkerGroup, on_delete=models.CASCADE, related_name="instances")

@@ -69,7 +69,12 @@ def place_pending_instances(
                     _note_cpu_sharing(instance, nodes[where.node])
                 record(actor, "instance.place", instance, before=before, after=snapshot(instance))
                 gpus = f" GPUs {', '.join(map(str, where.gpu_indexes))}" if where.gpu_indexes else " (CPU)"
-                record_event(instance, InstanceEvent.Kind.PLACED, f"placed on {where.node}{gpus}", data=decision)
+                record_event(
+                    instance,
+                    InstanceEvent.Kind.PLACED,
+                    f"placed on {where.node}{gpus}",
+                    data={"node": where.node, "gpus": list(where.gpu_indexes)},
+                )
         if isinstance(result, Unschedulable):
             for instance in waiting[len(chosen) :]:
                 if instance.reason != result.reason or not instance.placement:

@@ -267,3 +267,12 @@ def test_the_api_filters_the_log_the_same_way(multi_line_log: RecordingDispatche
     assert response.json()["text"] == "INFO ready\n"
     refused = client.get(f"/api/v1/instances/{instance.pk}/log/", {"grep": "y" * 300})
     assert refused.status_code == 400 and "grep" in refused.content.decode()
+
+
+def test_the_placement_record_stays_out_of_the_audit_log() -> None:
+    from controlplane.audit.models import AuditEntry
+
+    instance = placed_instance()
+    entry = AuditEntry.objects.filter(action="instance.place", target_id=str(instance.pk)).get()
+    assert isinstance(entry.after, dict) and entry.after["node"] == instance.node_id
+    assert "placement" not in entry.after and instance.placement["node"] == "gpu-a"
