@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("deployments", "0011_instance_prior_restarts"),
+        ("deployments", "0012_pipeline_ttft_target"),
     ]
 
     operations = [
