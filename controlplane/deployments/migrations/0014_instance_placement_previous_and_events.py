@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("deployments", "0012_pipeline_ttft_target"),
+        ("deployments", "0013_pipeline_adapters"),
     ]
 
     operations = [
