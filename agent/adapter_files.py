@@ -48,29 +48,32 @@ class AdapterFiles:
         # pipeline -> the set last applied with every adapter fetched: a re-sent copy of it does nothing.
         self._complete: dict[str, tuple[int, list[AdapterSource]]] = {}
 
-    def path(self, pipeline: str) -> Path:
-        """The adapter file of ``pipeline`` (its namespace: letters, digits, '-' and '_')."""
-        return self.folder / f"{pipeline}.json"
+    def path(self, pipeline: str, pipeline_id: int = 0) -> Path:
+        """The adapter file of ``pipeline`` (its namespace: letters, digits, '-' and '_') of row id ``pipeline_id``:
+        a pipeline that takes the namespace of a deleted one has a file of its own, never the other's adapters or
+        its later generations."""
+        return self.folder / f"{pipeline}.{pipeline_id}.json"
 
-    def generation(self, pipeline: str) -> int | None:
+    def generation(self, pipeline: str, pipeline_id: int = 0) -> int | None:
         """The generation the pipeline's file holds; None when it has none (or cannot be read)."""
         try:
-            return msgspec.json.decode(self.path(pipeline).read_bytes(), type=AdapterSet).generation
+            return msgspec.json.decode(self.path(pipeline, pipeline_id).read_bytes(), type=AdapterSet).generation
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             return None
 
-    async def apply(self, pipeline: str, adapters: list[AdapterSource], generation: int) -> Path:
+    async def apply(self, pipeline: str, adapters: list[AdapterSource], generation: int, pipeline_id: int = 0) -> Path:
         """Make the pipeline's file hold ``adapters`` (those that could be fetched) at ``generation``, unless it
         holds a newer generation. Returns the file's path. Raises OSError when the file cannot be written."""
-        async with self._locks[pipeline]:
-            path = self.path(pipeline)
-            held = await asyncio.to_thread(self.generation, pipeline)
+        key = f"{pipeline}.{pipeline_id}"
+        async with self._locks[key]:
+            path = self.path(pipeline, pipeline_id)
+            held = await asyncio.to_thread(self.generation, pipeline, pipeline_id)
             if held is not None and held > generation:
                 log.info(
                     "pipeline %s: its adapter set %d is older than the one applied (%d)", pipeline, generation, held
                 )
                 return path
-            if held == generation and self._complete.get(pipeline) == (generation, adapters):
+            if held == generation and self._complete.get(key) == (generation, adapters):
                 return path
             loaded, failed = [], []
             for adapter in adapters:
@@ -84,9 +87,9 @@ class AdapterFiles:
             content = msgspec.json.encode(AdapterSet(adapters=loaded, generation=generation))
             await asyncio.to_thread(_write_atomically, path, content)
             if failed:
-                self._complete.pop(pipeline, None)  # the next copy of the task tries them again
+                self._complete.pop(key, None)  # the next copy of the task tries them again
             else:
-                self._complete[pipeline] = (generation, adapters)
+                self._complete[key] = (generation, adapters)
             log.info(
                 "pipeline %s: adapter set %d written (%s)%s",
                 pipeline,

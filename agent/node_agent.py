@@ -259,7 +259,7 @@ class NodeAgent:
 
     async def _apply_adapters(self, request: SetAdapters) -> None:
         try:
-            await self.adapters.apply(request.pipeline, request.adapters, request.generation)
+            await self.adapters.apply(request.pipeline, request.adapters, request.generation, request.pipeline_id)
         except OSError as exc:
             log.warning("pipeline %s: cannot write its adapter file: %s", request.pipeline, exc)
 

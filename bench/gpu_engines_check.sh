@@ -33,6 +33,12 @@
 #      SIGTERM after SGLang served requests reaches the worker's handler, not SGLang's; an answer constrained
 #      by a JSON schema parses and has the schema's fields; log probabilities come with each token; the KV
 #      block size is the page size SGLang settled on.
+#   5. LoRA adapters (issue 38), per engine, in the worker process: the engine started as `flotilla run --lora-file`
+#      starts it (LoRA enabled); a tiny random PEFT adapter for MODEL_DIR (tests/engines/peft_adapter.py) is loaded
+#      while base-model requests run (none of them fails); a greedy answer with it differs from the base model's
+#      and the base model's is unchanged; vLLM's KV events of its blocks carry lora_id(name) and are named from the
+#      adapter's root (runtime/lora.py); unloaded while an adapter request runs, that request ends (an error or its
+#      end) and a new one is refused; loaded again, it answers as before (LORA=0 skips this part).
 # It measures nothing: timings of real engines belong in a benchmark of their own.
 set -u -o pipefail
 
@@ -369,5 +375,115 @@ PY
     status=$?
     rm -f "$check"
     [ $status -eq 0 ] || report FAIL sglang behaviour "the SGLang check above stopped early (see its output)"
+done
+# 5. LoRA adapters loaded and unloaded at run time, under load.
+for engine in "${ENGINES[@]}"; do
+    [ "${LORA:-1}" = 0 ] && break
+    case $engine in vllm) package=vllm ;; sglang) package=sglang ;; trtllm) package=tensorrt_llm ;; esac
+    "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$package') is None)" || continue
+    check=$(mktemp --suffix=.py)
+    cat >"$check" <<'PY'
+import asyncio, os, sys, tempfile
+from pathlib import Path
+
+from launcher.options import RunOptions
+from launcher.run import build_model, settled_card
+from runtime.engine import RequestContext
+from runtime.kv.blocks import sequence_block_hashes
+from runtime.kv.events import BlockStored
+from runtime.lora import lora_id, lora_root_hash
+from runtime.protocol import PreprocessedRequest, SamplingOptions, StopConditions
+from tests.engines.peft_adapter import write_peft_adapter
+
+engine_name = os.environ["ENGINE"]
+
+
+def report(status: str, check: str, detail: str) -> None:
+    print(f"{status} {engine_name} lora {check}: {detail}", flush=True)
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, dp_rank: int, events: list) -> None:
+        self.events.extend(events)
+
+
+def request(tokens, request_id, max_tokens=16, lora_name=None):
+    return PreprocessedRequest(
+        request_id=request_id, model="m", token_ids=tokens, sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=max_tokens), eos_token_ids=[], lora_name=lora_name,
+    )
+
+
+async def answer(engine, given):
+    tokens = []
+    async for step in engine.generate(given, RequestContext(given.request_id)):
+        tokens += step.token_ids
+    return tokens
+
+
+async def main() -> int:
+    folder = Path(tempfile.mkdtemp(prefix="flotilla-lora-"))
+    adapter = write_peft_adapter(Path(os.environ["MODEL_DIR"]), folder / "sql", scale=0.5)
+    lora_file = folder / "adapters.json"
+    lora_file.write_text('{"adapters": [], "generation": 0}')
+    options = RunOptions(
+        output=engine_name, model=os.environ["MODEL_DIR"], gpu_memory_utilization=float(os.environ["SHARE"]),
+        extra_engine_args=os.environ["EXTRA_ENGINE_ARGS"] or None, lora_file=lora_file,
+    )
+    model, engine = build_model(options)
+    await engine.start()
+    sink = ListSink()
+    if hasattr(engine, "attach_kv_events"):
+        engine.attach_kv_events(sink)
+    card = settled_card(model.card, engine)
+    prompt = card.tokenizer.encode("Write one sentence about lighthouses.").ids
+    try:
+        report("PASS" if engine.max_loras >= 1 else "FAIL", "enabled", f"max_loras {engine.max_loras}")
+        base = await answer(engine, request(prompt, "b0"))
+        load = [asyncio.create_task(answer(engine, request(prompt, f"b{i}", max_tokens=64))) for i in range(1, 9)]
+        await engine.load_lora("sql", adapter)
+        results = await asyncio.gather(*load, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        report("PASS" if not failures else "FAIL", "load under load", f"{len(results)} base requests, failures {failures[:2]}")
+        sink.events.clear()
+        adapted = await answer(engine, request(prompt, "a1", lora_name="sql"))
+        again = await answer(engine, request(prompt, "b9"))
+        report("PASS" if adapted != base and again == base else "FAIL", "answers", f"base {base[:6]}, adapter {adapted[:6]}, base again {again[:6]}")
+        if engine_name == "vllm":
+            await asyncio.sleep(0.5)
+            stored = [e for e in sink.events if isinstance(e, BlockStored)]
+            ours = [e for e in stored if e.lora_id == lora_id("sql")]
+            size = engine.block_size
+            want = sequence_block_hashes(prompt[: len(prompt) // size * size], size, parent=lora_root_hash(lora_id("sql")))
+            named = [h for e in ours for h in e.block_hashes]
+            ok = bool(ours) and named[: len(want)] == want
+            report("PASS" if ok else "FAIL", "kv events", f"{len(ours)} adapter event(s), names {named[:2]} want {want[:2]}")
+        running = asyncio.create_task(answer(engine, request(prompt, "a2", max_tokens=512, lora_name="sql")))
+        await asyncio.sleep(0.2)
+        await engine.unload_lora("sql")
+        ended = await asyncio.gather(running, return_exceptions=True)
+        try:
+            await answer(engine, request(prompt, "a3", lora_name="sql"))
+            report("FAIL", "unload", f"a request for the unloaded adapter was served (the running one: {type(ended[0]).__name__})")
+        except Exception as exc:
+            report("PASS", "unload", f"the running one ended ({type(ended[0]).__name__}); a new one refused: {exc}")
+        await engine.load_lora("sql", adapter)
+        reloaded = await answer(engine, request(prompt, "a4", lora_name="sql"))
+        report("PASS" if reloaded == adapted else "FAIL", "reload", f"{reloaded[:6]} vs {adapted[:6]}")
+    finally:
+        await engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
+PY
+    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" "$check"
+    status=$?
+    rm -f "$check"
+    [ $status -eq 0 ] || report FAIL "$engine" lora "the LoRA check above stopped early (see its output)"
 done
 exit $failed

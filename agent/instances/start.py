@@ -4,8 +4,9 @@
 
     a worker of an older attempt runs? ──► stop it (its "stopped" is not news: agent/instances/reports.py)
     a model source? ──► fetch it (agent/reported_downloads.py) ──► failed, permanent unless retryable
-    the pipeline has had adapters? ──► fetch them, write its adapter file (agent/adapter_files.py; an adapter
-        that cannot be fetched is left out and logged, the start goes on) ──► --lora-file
+    the pipeline has had adapters, or its engine takes them at no cost? ──► fetch them, write its adapter file
+        (agent/adapter_files.py; an adapter that cannot be fetched is left out and logged, the start goes on)
+        ──► --lora-file
     GPUs given? ──► the node has them, with the UUIDs the control plane placed on ──► failed otherwise
     launch (agent/workers/supervisor.py) ──► starting ──► ready | failed, reported as the worker goes
 
@@ -27,7 +28,7 @@ from agent.inventory import Inventory
 from agent.reported_downloads import ReportedDownloads
 from agent.workers.supervisor import Supervisor
 from runtime.errors import ConfigError
-from runtime.fleet_contract.engine_names import LORA_ENGINES
+from runtime.fleet_contract.engine_names import LORA_AT_NO_COST_ENGINES, LORA_ENGINES
 from runtime.fleet_contract.tasks import StartInstance
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,11 @@ class InstanceStarter:
                 self._reports.report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
             spec = msgspec.structs.replace(spec, model_path=str(path))
-        if spec.adapter_generation > 0 and spec.engine in LORA_ENGINES:
+        if spec.engine in LORA_ENGINES and (spec.adapter_generation > 0 or spec.engine in LORA_AT_NO_COST_ENGINES):
             try:
-                lora_file = await self._adapters.apply(spec.pipeline, spec.adapters, spec.adapter_generation)
+                lora_file = await self._adapters.apply(
+                    spec.pipeline, spec.adapters, spec.adapter_generation, spec.pipeline_id
+                )
             except OSError as exc:
                 reason = f"cannot write the adapter file: {exc}"
                 self._reports.report(instance_id, InstanceReport(state="failed", reason=reason))

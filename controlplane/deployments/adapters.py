@@ -3,8 +3,10 @@ writes an audit entry and bumps the pipeline's ``adapter_generation``.
 
 A pipeline's workers are told the new set by the reconciler (``Reconciler.send_adapter_sets``: a SetAdapters
 task to each node running them, on every pass, since it is idempotent); their agents download the adapters and
-write the pipeline's adapter file, which the workers watch. A pipeline's first load also rolls its worker
-groups over (their generation is bumped): workers started before it had adapters were given no adapter file.
+write the pipeline's adapter file, which the workers watch. A pipeline's first load also rolls its vLLM, SGLang
+and TensorRT-LLM worker groups over (their generation is bumped): those engines must be started with LoRA enabled,
+which a worker started before its pipeline had adapters was not. llama.cpp and mocker workers always get the
+file (``LORA_AT_NO_COST_ENGINES``) and take a first adapter without a restart.
 
 What may be loaded: an adapter of the pipeline's own model, not loaded on another pipeline (its name is served
 once), on a pipeline whose every group runs an engine that takes adapters (``LORA_ENGINES``), no more at once
@@ -23,7 +25,7 @@ from controlplane.deployments.models import Pipeline, WorkerGroup
 from controlplane.deployments.pipelines import pipeline_snapshot
 from controlplane.errors import Conflict, Invalid
 from controlplane.reconcile_requests import request_reconcile
-from runtime.fleet_contract.engine_names import LORA_ENGINES
+from runtime.fleet_contract.engine_names import LORA_AT_NO_COST_ENGINES, LORA_ENGINES
 
 #: How many adapters an engine holds at once when its engine args do not say: vLLM's ``max_loras`` default (1),
 #: the mocker's (4), SGLang's ``max_loras_per_batch`` (8), TensorRT-LLM's LoRA cache (4), llama.cpp's (8).
@@ -95,8 +97,12 @@ def load_adapter(actor: Actor, pipeline: Pipeline, name: str) -> Adapter:
     pipeline.adapters.add(adapter)
     _next_generation(pipeline)
     if first:
-        # Its workers were started without an adapter file: replaced one at a time, the new ones get it.
-        WorkerGroup.objects.filter(pipeline=pipeline).update(generation=F("generation") + 1)
+        # Its vLLM, SGLang and TensorRT-LLM workers were started without LoRA (and without an adapter file):
+        # replaced one at a time, the new ones get both. Those of the engines that take adapters at no cost were
+        # given the file at their start, and load the first one as they run.
+        WorkerGroup.objects.filter(pipeline=pipeline).exclude(engine__in=LORA_AT_NO_COST_ENGINES).update(
+            generation=F("generation") + 1
+        )
     record(actor, "pipeline.load_adapter", pipeline, before=before, after=pipeline_snapshot(pipeline))
     served_names.publish_after_commit(pipeline)
     request_reconcile()

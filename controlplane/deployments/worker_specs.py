@@ -91,6 +91,7 @@ def start_message(instance: Instance) -> StartInstance:
         ),
         adapters=adapter_sources(pipeline),
         adapter_generation=pipeline.adapter_generation,
+        pipeline_id=pipeline.pk,
     )
     source = None if group.engine in ENGINES_WITHOUT_FILES else model_source(model)
     return StartInstance(
@@ -147,6 +148,7 @@ def adapters_message(pipeline: Pipeline, node: str) -> SetAdapters:
     """The SetAdapters task telling node ``node``'s agent the pipeline's adapter set now."""
     return SetAdapters(
         pipeline=pipeline.namespace,
+        pipeline_id=pipeline.pk,
         adapters=adapter_sources(pipeline),
         generation=pipeline.adapter_generation,
         node=node,

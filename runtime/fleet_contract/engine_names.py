@@ -48,6 +48,11 @@ DISAGG_ENGINES = ("mocker", "sglang", "trtllm", "vllm")
 #: Engines that load LoRA adapters at run time (runtime/lora.py's ``LoraEngine``; ``flotilla run --lora``): a
 #: pipeline of another engine cannot load one, and its workers get no ``--lora-file``.
 LORA_ENGINES = ("llamacpp", "mocker", "sglang", "trtllm", "vllm")
+#: Of those, the engines that take a first adapter at run time at no cost to a worker started without one (no
+#: memory set aside, no other kernels): their workers always get an adapter file, so a pipeline's first adapter
+#: loads without a restart. vLLM, SGLang and TensorRT-LLM must be started with LoRA enabled (their own rule), so a
+#: pipeline's first load rolls their workers over, once.
+LORA_AT_NO_COST_ENGINES = ("llamacpp", "mocker")
 
 #: The Python package an engine needs beyond Flotilla's own dependencies (an optional install).
 _ENGINE_PACKAGES = {

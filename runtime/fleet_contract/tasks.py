@@ -134,8 +134,12 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: The pipeline's LoRA adapters when the worker starts; later changes come as SetAdapters tasks.
     adapters: list[AdapterSource] = []
     #: The pipeline's adapter-set generation ``adapters`` is; 0: the pipeline never loaded an adapter, and its
-    #: workers get no ``--lora-file`` (an engine such as vLLM reserves memory for adapters only when given one).
+    #: workers get no ``--lora-file`` (an engine such as vLLM reserves memory for adapters only when given one)
+    #: unless their engine takes adapters at no cost (``LORA_AT_NO_COST_ENGINES``).
     adapter_generation: int = 0
+    #: The pipeline's row id in the control plane: with ``pipeline`` (a namespace that a later pipeline may take
+    #: again) it names the pipeline's adapter file on the node, so no pipeline reads an earlier one's. 0: not said.
+    pipeline_id: int = 0
     #: The pipeline's adapter file on the node (agent/adapter_files.py), given to the worker as ``--lora-file``;
     #: the agent's to set, like ``model_path`` (a task naming one is refused).
     lora_file: str | None = None
@@ -195,6 +199,8 @@ class SetAdapters(TaskStamp, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     holds is ignored."""
 
     pipeline: str
+    #: The pipeline's row id (``WorkerSpec.pipeline_id``).
+    pipeline_id: int = 0
     adapters: list[AdapterSource] = []
     generation: int
     node: str = ""

@@ -53,8 +53,8 @@ def local(name: str, path: Path) -> AdapterSource:
     return AdapterSource(name=name, source=LocalSource(path=str(path)))
 
 
-def held(files: AdapterFiles, pipeline: str) -> AdapterSet:
-    return msgspec.json.decode(files.path(pipeline).read_bytes(), type=AdapterSet)
+def held(files: AdapterFiles, pipeline: str, pipeline_id: int = 0) -> AdapterSet:
+    return msgspec.json.decode(files.path(pipeline, pipeline_id).read_bytes(), type=AdapterSet)
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ async def test_the_file_lists_each_fetched_adapter_by_its_local_path(tmp_path: P
 
     path = await files.apply("chat", adapters, 3)
 
-    assert path == tmp_path / "models" / "adapter-sets" / "chat.json"
+    assert path == tmp_path / "models" / "adapter-sets" / "chat.0.json"
     snapshot = tmp_path / "models" / "models--acme--sql-lora" / "snapshots" / SHA
     assert held(files, "chat") == AdapterSet(
         adapters=[LoraAdapter(name="smol-sql", path=str(snapshot)), LoraAdapter(name="smol-chat", path=str(chat))],
@@ -91,6 +91,19 @@ async def test_an_older_set_never_replaces_a_newer_one(tmp_path: Path) -> None:
     assert held(files, "chat").adapters == [LoraAdapter(name="sql", path=str(sql))]
     await files.apply("chat", [], 3)
     assert held(files, "chat") == AdapterSet(adapters=[], generation=3)
+
+
+async def test_a_pipeline_that_takes_a_deleted_one_s_namespace_has_a_file_of_its_own(tmp_path: Path) -> None:
+    """Namespaces are freed when a pipeline is deleted (``chat`` again for a new ``chat``): the old pipeline's file,
+    at a later generation, must neither be read by the new one's workers nor outrank the new one's sets."""
+    sql = adapter_folder(tmp_path / "adapters", "sql")
+    files = AdapterFiles(ModelDownloader(tmp_path / "models"))
+    old = await files.apply("chat", [local("sql", sql)], 7, pipeline_id=1)
+    new = await files.apply("chat", [], 0, pipeline_id=2)
+    assert new != old
+    assert held(files, "chat", 2) == AdapterSet(adapters=[], generation=0)
+    await files.apply("chat", [local("sql", sql)], 1, pipeline_id=2)
+    assert held(files, "chat", 2).adapters == [LoraAdapter(name="sql", path=str(sql))]
 
 
 async def test_an_adapter_that_cannot_be_fetched_is_left_out_logged_and_tried_again(
@@ -142,7 +155,7 @@ async def test_a_start_of_a_pipeline_that_has_adapters_runs_the_worker_with_its_
         await control_plane.next_state(1, "starting")
         await control_plane.next_state(1, "ready")
         assert launches(tmp_path, 1) == 1
-        lora_file = tmp_path / "models" / "adapter-sets" / "chat.json"
+        lora_file = tmp_path / "models" / "adapter-sets" / "chat.0.json"
         log = (tmp_path / "logs" / "instance-1.log").read_text()
         assert f"out=mocker --lora-file {lora_file} --labels" in log
         assert held(agent.adapters, "chat") == AdapterSet(
@@ -179,8 +192,10 @@ async def test_a_signed_set_adapters_task_rewrites_the_pipelines_file_and_a_forg
     applied = asyncio.Event()
     apply = agent.adapters.apply
 
-    async def apply_and_tell(pipeline: str, adapters: list[AdapterSource], generation: int) -> Path:
-        path = await apply(pipeline, adapters, generation)
+    async def apply_and_tell(
+        pipeline: str, adapters: list[AdapterSource], generation: int, pipeline_id: int = 0
+    ) -> Path:
+        path = await apply(pipeline, adapters, generation, pipeline_id)
         applied.set()
         return path
 
@@ -196,12 +211,12 @@ async def test_a_signed_set_adapters_task_rewrites_the_pipelines_file_and_a_forg
         forged = SetAdapters(pipeline="chat", adapters=[local("evil", tmp_path)], generation=9, node="node-a")
         sender.send(TASK_SET_ADAPTERS, forged, key=None)
         sender.send(TASK_SET_ADAPTERS, msgspec.structs.replace(forged, pipeline="../etc"))
-        task = SetAdapters(pipeline="chat", adapters=[local("sql", sql)], generation=1, node="node-a")
+        task = SetAdapters(pipeline="chat", pipeline_id=4, adapters=[local("sql", sql)], generation=1, node="node-a")
         sender.send(TASK_SET_ADAPTERS, task)
 
         async with asyncio.timeout(20):
             await applied.wait()  # the only task taken: the others were refused before reaching the agent
-        assert held(agent.adapters, "chat") == AdapterSet(
+        assert held(agent.adapters, "chat", 4) == AdapterSet(
             adapters=[LoraAdapter(name="sql", path=str(sql))], generation=1
         )
         refusals = [

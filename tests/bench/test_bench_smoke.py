@@ -527,10 +527,11 @@ def test_gpu_engines_check_sh_parses_and_imports(tmp_path: Path) -> None:
     parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
     assert parsed.returncode == 0, parsed.stderr
     text = script.read_text()
-    # The in-process check, the KV offloading check that restarts the engine, and SGLang's own checks (min_tokens,
-    # a cancel in prefill, SIGTERM, guided JSON, logprobs, the settled page size).
+    # The in-process check, the KV offloading check that restarts the engine, SGLang's own checks (min_tokens,
+    # a cancel in prefill, SIGTERM, guided JSON, logprobs, the settled page size) and the LoRA adapters' (load and
+    # unload under load, answers, KV events).
     embedded = re.findall(r"<<'PY'\n(.*?)\nPY\n", text, re.DOTALL)
-    assert len(embedded) == 3, "the in-process checks (<<'PY' here-documents) are no longer in gpu_engines_check.sh"
+    assert len(embedded) == 4, "the in-process checks (<<'PY' here-documents) are no longer in gpu_engines_check.sh"
     for number, source in enumerate(embedded):
         check = tmp_path / f"check{number}.py"
         check.write_text(source)

@@ -96,7 +96,7 @@ def test_an_adapter_source_is_checked_as_a_models_is(operator: APIClient, tmp_pa
     assert bad_name.status_code == 400 and "letters, digits" in bad_name.json()["name"][0]
 
 
-def test_loading_an_adapter_serves_it_bumps_the_generation_and_rolls_the_workers_once(operator: APIClient) -> None:
+def test_loading_an_adapter_serves_it_and_bumps_the_generation_without_a_restart(operator: APIClient) -> None:
     model = make_model("smol")
     added(operator, model)
     added(operator, model, name="smol-chat")
@@ -110,12 +110,26 @@ def test_loading_an_adapter_serves_it_bumps_the_generation_and_rolls_the_workers
         "loaded": [{"name": "smol-sql", "source": "acme/smol-sql-lora@v1"}],
         "max_loras": 4,
     }
-    # Its workers were started without an adapter file: the first load replaces them, later ones do not.
+    # The mocker's workers were given the adapter file at their start: they load it as they run.
+    assert WorkerGroup.objects.get().generation == 1
+    operator.post(f"/api/v1/pipelines/{pipeline_id}/adapters/", {"adapter": "smol-chat"}, format="json")
+    assert (Pipeline.objects.get().adapter_generation, WorkerGroup.objects.get().generation) == (2, 1)
+    entry = AuditEntry.objects.filter(action="pipeline.load_adapter").first()
+    assert entry is not None and entry.after is not None and entry.after["adapters"] == ["smol-chat", "smol-sql"]
+
+
+def test_a_vllm_pipeline_s_first_load_rolls_its_workers_over_once(operator: APIClient) -> None:
+    """vLLM takes adapters only when started with LoRA enabled (``enable_lora``): its workers, started without,
+    are replaced one at a time by workers given the adapter file; a later load needs no restart."""
+    model = make_model("smol", engine="vllm")
+    added(operator, model)
+    added(operator, model, name="smol-chat")
+    pipeline_id = deployed(operator, engine_args={"max_loras": 2}, gpus_per_replica=1)
+    assert WorkerGroup.objects.get().engine == "vllm"
+    operator.post(f"/api/v1/pipelines/{pipeline_id}/adapters/", {"adapter": "smol-sql"}, format="json")
     assert WorkerGroup.objects.get().generation == 2
     operator.post(f"/api/v1/pipelines/{pipeline_id}/adapters/", {"adapter": "smol-chat"}, format="json")
     assert (Pipeline.objects.get().adapter_generation, WorkerGroup.objects.get().generation) == (2, 2)
-    entry = AuditEntry.objects.filter(action="pipeline.load_adapter").first()
-    assert entry is not None and entry.after is not None and entry.after["adapters"] == ["smol-chat", "smol-sql"]
 
 
 def test_unloading_an_adapter_bumps_the_generation_and_an_unloaded_one_is_a_400(operator: APIClient) -> None:
