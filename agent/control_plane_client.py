@@ -109,6 +109,7 @@ def node_report(
         ],
         machine_id=machine_id,
         engines=sorted(engines),
+        cpu_utilization_percent=inventory.cpu_utilization_percent,
     )
 
 

@@ -1,10 +1,11 @@
-"""The node's inventory, as the heartbeat sends it: host, CPUs, memory, and GPUs.
+"""The node's inventory, as the heartbeat sends it: host, CPUs (and their utilisation), memory, and GPUs.
 
 GPUs come from NVML (``nvidia-ml-py``, imported as ``pynvml``) when its library and a driver are there,
 and are none otherwise: a node without NVIDIA GPUs is a CPU node, not an error. ``--gpus`` declares
 simulated GPUs instead (``parse_gpu_spec``), so that a laptop can act as a GPU node in tests and demos;
 their memory "used" is what the agent's workers on them declared (the supervisor's
-``gpu_memory_in_use()``), since nothing real is allocated.
+``gpu_memory_in_use()``), since nothing real is allocated. CPU utilisation is measured since the previous
+read (agent/cpu_usage.py): the first read, and a machine without ``/proc/stat``, have none.
 """
 
 import logging
@@ -18,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from agent.cpu_usage import CpuMeter
 from runtime.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class NodeInventory(msgspec.Struct, frozen=True, kw_only=True):
     memory_total_bytes: int
     memory_available_bytes: int
     gpus: list[GpuInfo]
+    #: Percent of all CPUs' time busy since the previous read (agent/cpu_usage.py); None: not measured.
+    cpu_utilization_percent: float | None = None
 
 
 def parse_size(text: str, *, what: str = "size") -> int:
@@ -105,11 +109,19 @@ def read_memory(meminfo: Path = Path("/proc/meminfo")) -> tuple[int, int]:
 class Inventory:
     """Reads the node's inventory; owns the NVML session (``close()`` ends it).
 
-    ``simulated_gpus`` (memory per GPU, from ``parse_gpu_spec``) replaces NVML entirely when given.
+    ``simulated_gpus`` (memory per GPU, from ``parse_gpu_spec``) replaces NVML entirely when given. ``cpu_meter``
+    measures the CPU utilisation between reads (one on ``/proc/stat`` unless given).
     """
 
-    def __init__(self, simulated_gpus: list[int] | None = None, *, nvml: ModuleType | None = None) -> None:
+    def __init__(
+        self,
+        simulated_gpus: list[int] | None = None,
+        *,
+        nvml: ModuleType | None = None,
+        cpu_meter: CpuMeter | None = None,
+    ) -> None:
         self._simulated = simulated_gpus
+        self._cpu_meter = cpu_meter or CpuMeter()
         # The module under test may be injected; otherwise pynvml is imported on first use.
         self._nvml = nvml
         self._nvml_ready = False
@@ -131,6 +143,7 @@ class Inventory:
             memory_total_bytes=total,
             memory_available_bytes=available,
             gpus=gpus,
+            cpu_utilization_percent=self._cpu_meter.read(),
         )
 
     def _start_nvml(self) -> Any:

@@ -13,6 +13,7 @@ because 200 nodes heartbeating every 5 s would bury the log. Changes of state or
 """
 
 import datetime
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,18 +29,25 @@ from controlplane.fleet.machines import check_machine, claimed_machine
 from controlplane.fleet.models import Download, Gpu, Node
 from controlplane.reconcile_requests import request_reconcile
 from runtime.fleet_contract.reports import DownloadReport, GpuReport, NodeReport
+from runtime.rate_limited_log import RateLimitedLog
+
+log = logging.getLogger(__name__)
+# A broken agent would say the same every heartbeat (every 5 s): once a minute is enough to find it.
+_implausible_figures = RateLimitedLog(log, period_s=60.0)
 
 # What a heartbeat that changes only usage figures writes.
 _HEARTBEAT_FIELDS = [
     "address", "labels", "cpu_count", "memory_total_bytes", "memory_available_bytes",
-    "agent_version", "last_heartbeat_at", "updated_at",
+    "cpu_utilization_percent", "agent_version", "last_heartbeat_at", "updated_at",
 ]  # fmt: skip
 _GPU_USAGE_SQL = "UPDATE {table} SET memory_used_bytes = %s, utilization_percent = %s WHERE id = %s"
 
 
 def node_snapshot(node: Node, gpus: Sequence[Gpu] | None = None) -> JSON:
     """The node's fields and its GPUs (``gpus``, when already read in index order), for audit entries."""
-    values = snapshot(node, exclude=("updated_at", "last_heartbeat_at", "memory_available_bytes"))
+    values = snapshot(
+        node, exclude=("updated_at", "last_heartbeat_at", "memory_available_bytes", "cpu_utilization_percent")
+    )
     rows = node.gpus.order_by("index") if gpus is None else gpus
     values["gpus"] = [
         {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total_bytes}
@@ -208,6 +216,7 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     node.cpu_count = report.cpu_count
     node.memory_total_bytes = report.memory_total_bytes
     node.memory_available_bytes = report.memory_available_bytes
+    node.cpu_utilization_percent = _cpu_utilization(node.name, report.cpu_utilization_percent)
     node.agent_version = report.agent_version
     node.machine_id = claimed_machine(node, report.machine_id)
     if report.engines is not None:
@@ -216,6 +225,17 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     # SQLite Now() stores text in another format than Django's, and the reconciler's conditional update
     # (mark_node_offline: last_heartbeat_at equal to the value it read) would never match it.
     node.last_heartbeat_at = db_now()
+
+
+def _cpu_utilization(name: str, percent: float | None) -> float | None:
+    """The reported CPU utilisation if it can be one (0..100), else None (not known), logged: a figure the agent
+    got wrong is shown as none, and costs the node nothing else."""
+    if percent is None or 0.0 <= percent <= 100.0:
+        return percent
+    _implausible_figures.warning(
+        f"node {name} reported a CPU utilisation of {percent:g}%, outside 0..100: recorded as not known"
+    )
+    return None
 
 
 def _reported_hardware(report: NodeReport) -> dict[str, Any]:

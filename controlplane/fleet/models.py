@@ -61,6 +61,8 @@ class Node(models.Model):
     cpu_count = models.PositiveIntegerField(default=0)
     memory_total_bytes = models.BigIntegerField(default=0)
     memory_available_bytes = models.BigIntegerField(default=0)
+    # Percent of all its CPUs' time busy between its agent's last two reports, 0..100; None: not reported.
+    cpu_utilization_percent = models.FloatField(null=True, blank=True)
     agent_version = models.CharField(max_length=64, blank=True)
     # The machine the node's agent runs on (controlplane/fleet/machines.py): blank until one is sent.
     machine_id = models.CharField(max_length=128, blank=True)

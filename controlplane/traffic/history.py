@@ -33,6 +33,7 @@ NODE_FIELDS = (
     "gpu_memory_used_bytes",
     "gpu_memory_total_bytes",
     "gpu_utilization_percent",
+    "cpu_utilization_percent",
 )
 
 

@@ -72,8 +72,8 @@ class MetricSample(models.Model):
     set). Request figures come from the request log's rows of the window (``requests_per_s``, ``error_rate``:
     the share of requests answered >= 400 or ended by an error, TTFT and ITL percentiles in seconds,
     ``prefix_hit_rate``: cached / prompt tokens); load figures from the workers' latest load reports
-    (``queue_depth``: requests waiting, ``kv_usage`` 0..1); node figures from the agents' heartbeats (bytes, and
-    GPU utilisation in percent, the mean over the node's GPUs).
+    (``queue_depth``: requests waiting, ``kv_usage`` 0..1); node figures from the agents' heartbeats (bytes, GPU
+    utilisation in percent, the mean over the node's GPUs, and CPU utilisation in percent of all its CPUs).
     """
 
     class Scope(models.TextChoices):
@@ -109,6 +109,7 @@ class MetricSample(models.Model):
     gpu_memory_used_bytes = models.BigIntegerField(null=True, blank=True)
     gpu_memory_total_bytes = models.BigIntegerField(null=True, blank=True)
     gpu_utilization_percent = models.FloatField(null=True, blank=True)
+    cpu_utilization_percent = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering: ClassVar = ["at", "pk"]

@@ -148,6 +148,7 @@ def write_samples(
                 gpu_memory_total_bytes=node.gpu_total,
                 gpu_memory_used_bytes=node.gpu_used,
                 gpu_utilization_percent=sum(utilisation) / len(utilisation) if utilisation else None,
+                cpu_utilization_percent=node.cpu_utilization_percent,
             )
         )
     MetricSample.objects.bulk_create(samples)

@@ -44,6 +44,10 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: control plane places a replica only on a node that reports its engine. None: not said (older agents),
     #: and the node keeps what it had.
     engines: list[str] | None = None
+    #: Percent of all the node's CPUs' time that was busy since its previous report (0..100). None: not measured
+    #: (the first report, a machine without /proc/stat, older agents); left out of the body then, so a control
+    #: plane older than this field never sees it (its serializer would ignore it anyway).
+    cpu_utilization_percent: float | None = None
 
 
 class InstanceReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

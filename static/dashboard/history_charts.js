@@ -19,7 +19,7 @@
     node: [
       ["Memory (GiB)", [["used", "memory_used_bytes", 1 / GIB, "#3366cc"], ["total", "memory_total_bytes", 1 / GIB, "#888888"]]],
       ["GPU memory (GiB)", [["used", "gpu_memory_used_bytes", 1 / GIB, "#7a4bc2"], ["total", "gpu_memory_total_bytes", 1 / GIB, "#888888"]]],
-      ["GPU utilisation %", [["mean", "gpu_utilization_percent", 1, "#2e9e5b"]]],
+      ["Utilisation %", [["CPU", "cpu_utilization_percent", 1, "#d9822b"], ["GPU mean", "gpu_utilization_percent", 1, "#2e9e5b"]]],
     ],
   };
 

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 
 from agent.control_plane_client import (
@@ -190,6 +191,18 @@ async def test_registration_and_heartbeats_carry_the_engines_the_node_runs(
     sent = [(path, body["engines"]) for path, body in stand_in.posts() if isinstance(body, dict)]
     engines = ["echo_full", "llamacpp", "mocker"]
     assert sent == [("/api/v1/agent/register/", engines), ("/api/v1/agent/heartbeat/", engines)]
+
+
+async def test_a_heartbeat_carries_the_cpu_utilisation_once_measured_and_leaves_it_out_before(
+    client: ControlPlaneClient, stand_in: StandIn
+) -> None:
+    first = NodeInventory(hostname="host-a", cpu_count=8, memory_total_bytes=1 << 35, memory_available_bytes=0, gpus=[])
+    measured = msgspec.structs.replace(first, cpu_utilization_percent=37.5)
+    await client.register(node_report(first, name="node-a"))
+    await client.heartbeat(node_report(measured, name="node-a"))
+    sent = [body for _, body in stand_in.posts() if isinstance(body, dict)]
+    assert "cpu_utilization_percent" not in sent[0]  # not null: older control planes never see the field
+    assert sent[1]["cpu_utilization_percent"] == 37.5
 
 
 async def test_registration_refused_for_the_token_or_the_url_says_which(

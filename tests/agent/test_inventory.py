@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from agent.cpu_usage import CpuMeter
 from agent.inventory import GpuInfo, Inventory, NodeInventory, parse_gpu_spec, read_memory
 from runtime.errors import ConfigError
 
@@ -53,11 +54,27 @@ def test_simulated_gpus_report_the_memory_their_workers_declared() -> None:
 def test_the_inventory_travels_as_json_the_control_plane_reads() -> None:
     inventory = Inventory([GIB]).read()
     decoded = msgspec.json.decode(msgspec.json.encode(inventory))
-    assert set(decoded) == {"hostname", "cpu_count", "memory_total_bytes", "memory_available_bytes", "gpus"}
+    assert set(decoded) == {
+        "hostname",
+        "cpu_count",
+        "memory_total_bytes",
+        "memory_available_bytes",
+        "gpus",
+        "cpu_utilization_percent",
+    }
     assert decoded["gpus"][0]["memory_total_bytes"] == GIB
     assert msgspec.json.decode(msgspec.json.encode(inventory), type=NodeInventory) == inventory
     assert inventory.cpu_count >= 1
     assert 0 < inventory.memory_available_bytes <= inventory.memory_total_bytes
+
+
+def test_the_cpu_utilisation_is_measured_between_reads_none_at_the_first(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 0 900 0 0 0 0 0 0\n")
+    inventory = Inventory([GIB], cpu_meter=CpuMeter(stat))
+    assert inventory.read().cpu_utilization_percent is None
+    stat.write_text("cpu  160 0 20 1000 20 0 0 0 0 0\n")  # 80 busy of 200 ticks
+    assert inventory.read().cpu_utilization_percent == 40.0
 
 
 def test_memory_comes_from_meminfo(tmp_path: Path) -> None:

@@ -99,6 +99,7 @@ FULL_NODE = NodeReport(
     ],
     machine_id="3d1219c7c4c5404aaa1f6d2a48adfda4",
     engines=["llamacpp", "mocker"],
+    cpu_utilization_percent=37.5,
 )
 
 

@@ -124,14 +124,28 @@ def test_the_samples_of_a_scope_and_range_are_its_history_oldest_first() -> None
 
 
 @pytest.mark.django_db
+def test_a_node_s_history_has_its_cpu_utilisation_null_where_its_agent_said_none() -> None:
+    now = datetime.datetime(2026, 1, 2, 12, 0, tzinfo=datetime.UTC)
+    node = make_node("gpu-a")
+    for minutes, figure in ((20, None), (10, 12.5)):
+        at = now - datetime.timedelta(minutes=minutes)
+        MetricSample.objects.create(at=at, window_s=10, scope="node", node=node, cpu_utilization_percent=figure)
+    series = sample_history("node", node.pk, 3600, now)["series"]
+    assert series["cpu_utilization_percent"] == [None, 12.5]
+    assert series["gpu_utilization_percent"] == [None, None]
+
+
+@pytest.mark.django_db
 def test_the_history_view_answers_json_and_bad_input_with_a_400() -> None:
     browser = logged_in(Role.READ_ONLY)
     node = make_node("gpu-a")
+    now = datetime.datetime.now(tz=datetime.UTC)
     MetricSample.objects.create(
-        at=datetime.datetime.now(tz=datetime.UTC), window_s=10, scope="node", node=node, gpu_utilization_percent=40
+        at=now, window_s=10, scope="node", node=node, gpu_utilization_percent=40, cpu_utilization_percent=12.5
     )
     answer = browser.get("/metrics/history/", {"scope": "node", "id": str(node.pk), "range": "6h"})
     assert answer.status_code == 200 and answer.json()["series"]["gpu_utilization_percent"] == [40.0]
+    assert answer.json()["series"]["cpu_utilization_percent"] == [12.5]
     assert browser.get("/metrics/history/").json()["source"] == "samples"  # the fleet, the last hour
     for bad in ({"scope": "galaxy"}, {"range": "1y"}, {"scope": "pipeline"}, {"scope": "node", "id": "x"}):
         response = browser.get("/metrics/history/", bad)

@@ -13,6 +13,7 @@ from channels.db import database_sync_to_async
 from nats.aio.client import Client as NATS
 
 from controlplane.deployments.models import Instance
+from controlplane.fleet.models import Node
 from controlplane.live.bridge import InstanceDirectory, read_directory
 from controlplane.traffic.models import MetricSample, RequestRecord
 from controlplane.traffic.recorder import Retention, TrafficRecorder, prune
@@ -119,6 +120,7 @@ async def test_a_window_s_samples_are_written_fleet_wide_per_pipeline_and_per_no
         record("failed", model="beta", status=503, error="service_unavailable"),
     )
     await running.recorder.flush()
+    await Node.objects.filter(name="gpu-a").aupdate(cpu_utilization_percent=37.5)  # as its last heartbeat said
     assert await running.recorder.sample() == 4  # the fleet, alpha, beta, node gpu-a
 
     fleet = await MetricSample.objects.aget(scope=MetricSample.Scope.FLEET)
@@ -131,6 +133,7 @@ async def test_a_window_s_samples_are_written_fleet_wide_per_pipeline_and_per_no
     assert (beta.requests, beta.error_rate, beta.ttft_p50_s, beta.queue_depth) == (1, 1.0, None, None)
     node = await MetricSample.objects.select_related("node").aget(scope=MetricSample.Scope.NODE)
     assert node.node.name == "gpu-a" and node.memory_total_bytes is not None
+    assert node.cpu_utilization_percent == 37.5
 
 
 def test_percentiles_of_a_known_set_interpolate_between_ranks() -> None:

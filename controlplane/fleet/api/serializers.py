@@ -82,6 +82,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "cpu_count",
             "memory_total_bytes",
             "memory_available_bytes",
+            "cpu_utilization_percent",
             "agent_version",
             "machine_id",
             "engines",
@@ -164,6 +165,12 @@ class NodeReportSerializer(serializers.Serializer):
         max_length=MAX_ENGINES_PER_NODE,
         required=False,
         help_text="The engines the agent can run here (the fleet's names); left out: those the node had.",
+    )
+    # Not bounded here: a figure out of 0..100 must not cost the node its heartbeat (it would go offline); the
+    # action ignores such a figure, logged (controlplane/fleet/actions.py).
+    cpu_utilization_percent = serializers.FloatField(
+        required=False,
+        help_text="Percent of all the node's CPUs' time busy since its previous report; outside 0..100: ignored.",
     )
 
     def validate_engines(self, engines: list[str]) -> list[str]:
