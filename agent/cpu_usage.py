@@ -11,6 +11,7 @@ logged once, and the heartbeats go on without it.
 """
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,10 +69,16 @@ class CpuMeter:
         self._path = path
         self._previous: CpuTimes | None = None
         self._unreadable_logged = False
+        # Reads run in worker threads (asyncio.to_thread): two at once must not both take the same previous one.
+        self._lock = threading.Lock()
 
     def read(self) -> float | None:
         """The CPU utilisation in percent since the last call; None on the first call, and when the file cannot be
         read or parsed (logged once)."""
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> float | None:
         try:
             now = parse_cpu_times(self._path.read_text())
         except (OSError, ValueError) as exc:

@@ -54,8 +54,9 @@ class Heartbeats:
         self._interval_s = interval_s
 
     async def node_report(self) -> NodeReport:
-        """The node's inventory now (simulated GPUs' memory used: what the workers on them declared)."""
-        inventory = await asyncio.to_thread(self._inventory.read, self._gpu_memory_in_use())
+        """The node's inventory now (simulated GPUs' memory used: what the workers on them declared; the CPU
+        utilisation since the previous report)."""
+        inventory = await asyncio.to_thread(self._inventory.read, self._gpu_memory_in_use(), measure_cpu=True)
         return node_report(
             inventory,
             name=self._node,

@@ -5,7 +5,7 @@ and are none otherwise: a node without NVIDIA GPUs is a CPU node, not an error. 
 simulated GPUs instead (``parse_gpu_spec``), so that a laptop can act as a GPU node in tests and demos;
 their memory "used" is what the agent's workers on them declared (the supervisor's
 ``gpu_memory_in_use()``), since nothing real is allocated. CPU utilisation is measured since the previous
-read (agent/cpu_usage.py): the first read, and a machine without ``/proc/stat``, have none.
+heartbeat's read (agent/cpu_usage.py): the first, and a machine without ``/proc/stat``, have none.
 """
 
 import logging
@@ -127,8 +127,10 @@ class Inventory:
         self._nvml_ready = False
         self._nvml_tried = False
 
-    def read(self, simulated_used: Mapping[int, int] | None = None) -> NodeInventory:
+    def read(self, simulated_used: Mapping[int, int] | None = None, *, measure_cpu: bool = False) -> NodeInventory:
         """The inventory now. ``simulated_used``: bytes the agent's workers declared per simulated GPU.
+        ``measure_cpu``: with the CPU utilisation since the last read that measured it (the heartbeats' reads;
+        a start's check of its GPUs does not, so that the heartbeats' figure spans the time between them).
 
         Never raises for missing or failing NVML: GPUs that cannot be read are left out (and logged).
         """
@@ -143,7 +145,7 @@ class Inventory:
             memory_total_bytes=total,
             memory_available_bytes=available,
             gpus=gpus,
-            cpu_utilization_percent=self._cpu_meter.read(),
+            cpu_utilization_percent=self._cpu_meter.read() if measure_cpu else None,
         )
 
     def _start_nvml(self) -> Any:

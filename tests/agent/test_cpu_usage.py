@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.control_plane_client import HeartbeatReply, NodeReport
 from agent.cpu_usage import CpuMeter, CpuTimes, parse_cpu_times, utilization_percent
+from agent.heartbeats import Heartbeats
+from agent.inventory import Inventory
 
 # A Linux 6.x /proc/stat, trimmed: the aggregate line, then one per CPU, then other counters.
 PROC_STAT = """\
@@ -95,3 +98,44 @@ def test_a_missing_or_strange_proc_stat_gives_no_figure_logged_once(
     assert meter.read() is None
     stat.write_text(stat_line(user=10, idle=30))
     assert meter.read() == 25.0
+
+
+class RecordingRegistry:
+    """The control plane as the heartbeats see it: it keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[NodeReport] = []
+
+    async def register(self, report: NodeReport) -> None:
+        self.sent.append(report)
+
+    async def heartbeat(self, report: NodeReport) -> HeartbeatReply | None:
+        self.sent.append(report)
+        return None
+
+
+async def test_the_heartbeats_report_the_utilisation_between_them_whatever_else_reads_the_inventory(
+    tmp_path: Path,
+) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(stat_line(user=0, idle=0))
+    inventory = Inventory([1 << 30], cpu_meter=CpuMeter(stat))
+    registry = RecordingRegistry()
+    heartbeats = Heartbeats(
+        client=registry,
+        inventory=inventory,
+        gpu_memory_in_use=dict,
+        node="node-a",
+        address="",
+        version="",
+        machine_id="",
+        engines=(),
+        interval_s=3600,
+    )
+    await heartbeats.register()
+    stat.write_text(stat_line(user=90, idle=10))
+    inventory.read()  # a start checking its GPUs meanwhile
+    stat.write_text(stat_line(user=100, idle=300))
+    report = await heartbeats.node_report()
+    assert registry.sent[0].cpu_utilization_percent is None  # the first report has none
+    assert report.cpu_utilization_percent == 25.0  # 100 busy of the 400 ticks since the registration's read

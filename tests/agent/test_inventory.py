@@ -68,13 +68,15 @@ def test_the_inventory_travels_as_json_the_control_plane_reads() -> None:
     assert 0 < inventory.memory_available_bytes <= inventory.memory_total_bytes
 
 
-def test_the_cpu_utilisation_is_measured_between_reads_none_at_the_first(tmp_path: Path) -> None:
+def test_the_cpu_utilisation_is_measured_between_heartbeats_reads_none_at_the_first(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 0 900 0 0 0 0 0 0\n")
     inventory = Inventory([GIB], cpu_meter=CpuMeter(stat))
-    assert inventory.read().cpu_utilization_percent is None
-    stat.write_text("cpu  160 0 20 1000 20 0 0 0 0 0\n")  # 80 busy of 200 ticks
-    assert inventory.read().cpu_utilization_percent == 40.0
+    assert inventory.read(measure_cpu=True).cpu_utilization_percent is None
+    stat.write_text("cpu  130 0 0 970 0 0 0 0 0 0\n")
+    assert inventory.read().cpu_utilization_percent is None  # a start's GPU check: not a heartbeat's read
+    stat.write_text("cpu  160 0 20 1000 20 0 0 0 0 0\n")  # 80 busy of 200 ticks since the first read
+    assert inventory.read(measure_cpu=True).cpu_utilization_percent == 40.0
 
 
 def test_memory_comes_from_meminfo(tmp_path: Path) -> None:
