@@ -4,9 +4,10 @@
 decodes them within the contract's bounds (a batch that breaks one is refused whole, logged at most every 30 s),
 finds each record's pipeline and instance (from the worker's endpoint id, through the bridge's
 ``InstanceDirectory``; else the pipeline by served name) and bulk-inserts the rows every ``flush_s`` (1 s).
-Every ``sample_s`` (10 s) it writes the MetricSamples of the window (controlplane/traffic/sampling.py): one
-fleet-wide, one per pipeline that served or reported load, one per node; and past ``retention`` it deletes old
-rows (``FLOTILLA_REQUEST_LOG_RETENTION``, ``FLOTILLA_METRICS_RETENTION``: seconds, 86400 by default).
+Every ``sample_s`` (``FLOTILLA_METRICS_SAMPLE_S``, 10 s) it writes the MetricSamples of the window
+(controlplane/traffic/sampling.py): one fleet-wide, one per pipeline that served or reported load, one per node;
+and past ``retention`` it deletes old rows (``FLOTILLA_REQUEST_LOG_RETENTION``, ``FLOTILLA_METRICS_RETENTION``:
+seconds, 86400 by default).
 
 A record is counted in the window it was received in, not by its arrival time: a gateway's batch is at most a
 second late. The database lost meanwhile: the rows of that flush and that window's samples are dropped and
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_S = 1.0
 DEFAULT_SAMPLE_S = 10.0
+#: The shortest sample window: samples are written after a flush, and flushes come every ``DEFAULT_FLUSH_S``.
+MIN_SAMPLE_S = DEFAULT_FLUSH_S
 DEFAULT_RETENTION_S = 86_400.0
 PRUNE_EVERY_S = 60.0
 
@@ -62,6 +65,12 @@ class Retention:
             env_float("FLOTILLA_REQUEST_LOG_RETENTION", DEFAULT_RETENTION_S, minimum=60.0),
             env_float("FLOTILLA_METRICS_RETENTION", DEFAULT_RETENTION_S, minimum=60.0),
         )
+
+
+def sample_window_s() -> float:
+    """Seconds per metric sample: ``FLOTILLA_METRICS_SAMPLE_S`` (default 10, at least 1). Shorter windows make
+    more rows and noisier percentiles; tests shorten it to see a sample within seconds. Raises ConfigError."""
+    return env_float("FLOTILLA_METRICS_SAMPLE_S", DEFAULT_SAMPLE_S, minimum=MIN_SAMPLE_S)
 
 
 def to_row(record: contract.RequestRecord, watched: Watched | None) -> RequestRecord:

@@ -500,3 +500,10 @@ def test_the_bridge_exits_1_naming_the_nats_it_cannot_reach(caplog: pytest.LogCa
 def test_a_malformed_nats_address_is_refused_naming_the_flag() -> None:
     with pytest.raises(CommandError, match="--nats: 'http://x' is not of the form nats://host:port"):
         call_command("live_bridge", "--nats", "http://x")
+
+
+def test_a_sample_window_under_a_second_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOTILLA_METRICS_SAMPLE_S", "0.5")
+    with pytest.raises(CommandError, match="FLOTILLA_METRICS_SAMPLE_S") as raised:
+        call_command("live_bridge", "--nats", f"nats://127.0.0.1:{free_port()}", "--nats-timeout", "0.5")
+    assert raised.value.returncode == 2

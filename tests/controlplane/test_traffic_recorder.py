@@ -16,7 +16,7 @@ from controlplane.deployments.models import Instance
 from controlplane.fleet.models import Node
 from controlplane.live.bridge import InstanceDirectory, read_directory
 from controlplane.traffic.models import MetricSample, RequestRecord
-from controlplane.traffic.recorder import Retention, TrafficRecorder, prune
+from controlplane.traffic.recorder import Retention, TrafficRecorder, prune, sample_window_s
 from controlplane.traffic.sampling import percentile
 from runtime.cluster.nats_connection import connect_nats, flush
 from runtime.fleet_contract import request_records as contract
@@ -155,3 +155,10 @@ def test_rows_past_their_retention_are_pruned_and_younger_ones_kept() -> None:
     assert prune(now, Retention(requests_s=86_400, samples_s=2 * 86_400)) == (1, 0)
     assert list(RequestRecord.objects.values_list("request_id", flat=True)) == ["1h"]
     assert MetricSample.objects.count() == 2
+
+
+def test_the_sample_window_is_10_s_unless_the_environment_shortens_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLOTILLA_METRICS_SAMPLE_S", raising=False)
+    assert sample_window_s() == 10.0
+    monkeypatch.setenv("FLOTILLA_METRICS_SAMPLE_S", "1")
+    assert sample_window_s() == 1.0

@@ -30,7 +30,7 @@ from controlplane.live.bridge import (
     read_directory,
 )
 from controlplane.live.publisher import layer_address
-from controlplane.traffic.recorder import Retention, TrafficRecorder
+from controlplane.traffic.recorder import Retention, TrafficRecorder, sample_window_s
 from runtime.cluster.nats_connection import close_nats, connect_nats
 from runtime.config import env_float, env_str
 from runtime.errors import ConfigError, RequestPlaneUnavailable
@@ -86,17 +86,21 @@ class Command(BaseCommand):
             )
             interval = options["interval"] or env_float("FLOTILLA_LIVE_INTERVAL_S", DEFAULT_INTERVAL_S, minimum=0.01)
             retention = Retention.from_environment()
+            sample_s = sample_window_s()
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=2) from exc
         try:
-            asyncio.run(run_bridge(servers, timeout, interval, retention))
+            asyncio.run(run_bridge(servers, timeout, interval, retention, sample_s))
         except (RequestPlaneUnavailable, BridgeError) as exc:
             raise CommandError(str(exc)) from exc
 
 
-async def run_bridge(servers: list[str], nats_timeout: float, interval: float, retention: Retention) -> None:
-    """Run the bridge until SIGTERM/SIGINT. Raises RequestPlaneUnavailable when NATS does not answer within
-    ``nats_timeout`` at start, BridgeError when it is lost that long later."""
+async def run_bridge(
+    servers: list[str], nats_timeout: float, interval: float, retention: Retention, sample_s: float
+) -> None:
+    """Run the bridge until SIGTERM/SIGINT, writing the metric samples every ``sample_s`` seconds. Raises
+    RequestPlaneUnavailable when NATS does not answer within ``nats_timeout`` at start, BridgeError when it is
+    lost that long later."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -110,7 +114,9 @@ async def run_bridge(servers: list[str], nats_timeout: float, interval: float, r
     directory = InstanceDirectory(database_sync_to_async(read_directory))
     bridge = LiveBridge(nc, layer, directory, supervisor, interval=interval)
     # The request log and the metric samples share the bridge's NATS connection and directory.
-    recorder = TrafficRecorder(nc, directory, supervisor, loads=bridge.latest_loads, retention=retention)
+    recorder = TrafficRecorder(
+        nc, directory, supervisor, loads=bridge.latest_loads, sample_s=sample_s, retention=retention
+    )
     watching = asyncio.create_task(watch.watch(), name="NATS watch")
     stop = asyncio.create_task(stopping.wait(), name="stop")
     try:
