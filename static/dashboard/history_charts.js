@@ -41,15 +41,20 @@
   function draw(element, data) {
     const charts = CHARTS[element.dataset.scope === "node" ? "node" : "requests"];
     const boxes = element.querySelector(".history-charts");
-    boxes.replaceChildren();
-    for (const [title, series] of charts) {
+    // Every box goes in before any chart is drawn: a chart takes the width of its box when drawn, and a box
+    // alone in the row would be the row's whole width, then overlap the boxes that join it.
+    const plots = charts.map(([title]) => {
       const box = document.createElement("figure");
       box.className = "history-chart";
       const caption = document.createElement("figcaption");
       caption.textContent = title;
       const plot = document.createElement("div");
       box.append(caption, plot);
-      boxes.append(box);
+      return [box, plot];
+    });
+    boxes.replaceChildren(...plots.map(([box]) => box));
+    for (const [index, [, series]] of charts.entries()) {
+      const plot = plots[index][1];
       const columns = series.map(([, field, scale]) =>
         (data.series[field] || []).map((value) => (value === null || value === undefined ? null : value * scale)),
       );

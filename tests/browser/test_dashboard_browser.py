@@ -66,6 +66,13 @@ KV_USAGE_MOVED = """
 """
 # Every instance's charts have this many points (one a second), for a screenshot worth looking at.
 CHARTS_FILLED = "(count) => Object.values(window.__points).filter((points) => points.size >= count).length >= 3"
+# Every history chart drawn in a section is no wider than its box: none overlaps the next.
+CHARTS_FIT = """
+(section) => [...section.querySelectorAll("figure.history-chart")].every((figure) => {
+  const canvas = figure.querySelector("canvas");
+  return !canvas || canvas.getBoundingClientRect().width <= figure.getBoundingClientRect().width + 1;
+})
+"""
 # A name nothing serves: the gateway refuses it (404), and the request log keeps it under that name.
 UNSERVED = "no-such-model"
 
@@ -158,10 +165,12 @@ def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
         # The fleet's history: the TTFT chart draws once a sample counted requests (its charts read again every 10 s).
         history = overview.locator("section.history[data-scope='fleet'] figure.history-chart")
         expect(history.filter(has_text="TTFT").locator("canvas").first).to_be_visible(timeout=15_000)
+        assert overview.locator("section.history[data-scope='fleet']").evaluate(CHARTS_FIT)
         screenshot(overview, "overview")
         overview.goto(base + "/nodes/")
         expect(overview.locator("[id^='node-']")).to_have_count(2)
         expect(overview.locator("section.history[data-scope='node'] canvas").first).to_be_visible()
+        assert all(section.evaluate(CHARTS_FIT) for section in overview.locator("section.history").all())
         screenshot(overview, "nodes")
         overview.close()
 
@@ -306,6 +315,7 @@ def test_a_read_only_person_sees_a_pipeline_without_any_control(live_fleet: Live
     page.locator("#log-controls input[name='grep']").fill("no line says this")
     expect(page.locator("#log-view")).to_contain_text("No line of the last 100 contains")
     expect(page.locator("#live")).to_have_text("live")
+    page.evaluate("window.scrollTo(0, 0)")  # the log's filter scrolled it down: the placement first
     screenshot(page, "instance")
 
     # Deactivated meanwhile: the page stops saying "live" and says why.
