@@ -19,11 +19,11 @@ from controlplane.alerts.models import Alert, Rule, Silence
 from controlplane.alerts.notify import active_silences, silenced_by
 from controlplane.audit.records import Actor
 from controlplane.dashboard.access import ACT_ROLE, can_act, role_required
+from controlplane.dashboard.alert_counts import BADGE_EVERY_S, firing_count
 from controlplane.dashboard.forms import ActionForm
 from controlplane.dashboard.views import render_page
 from controlplane.errors import Conflict, Invalid
 
-BADGE_EVERY_S = 10
 RECENT_RESOLVED = 20
 DURATIONS = [(60, "1 hour"), (240, "4 hours"), (1440, "1 day"), (10080, "1 week")]
 
@@ -56,10 +56,6 @@ class SilenceForm(ActionForm):
             return None
 
 
-def firing_count() -> int:
-    return Alert.objects.filter(resolved_at=None).count()
-
-
 def render_badge() -> str:
     """``<span id="alerts-badge">``: the count of firing alerts, refreshing itself."""
     return render_to_string("dashboard/partials/alerts_badge.html", {"count": firing_count(), "every_s": BADGE_EVERY_S})
@@ -69,6 +65,19 @@ def render_badge() -> str:
 @require_GET
 def alerts_badge(request: HttpRequest) -> HttpResponse:
     return HttpResponse(render_badge())
+
+
+def render_summary() -> str:
+    """``<p id="overview-alerts">``: the Overview's line of firing alerts, refreshing itself as the badge does."""
+    return render_to_string(
+        "dashboard/partials/overview_alerts.html", {"count": firing_count(), "every_s": BADGE_EVERY_S}
+    )
+
+
+@login_required
+@require_GET
+def alerts_summary(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(render_summary())
 
 
 @login_required

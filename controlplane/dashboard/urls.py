@@ -83,6 +83,7 @@ urlpatterns = [
     path("playground/", playground.playground_page, name="playground"),
     path("alerts/", alerts.alerts_page, name="alerts"),
     path("alerts/badge/", alerts.alerts_badge, name="alerts-badge"),
+    path("alerts/summary/", alerts.alerts_summary, name="alerts-summary"),
     path("alerts/silences/", alerts.silence_create, name="silence-create"),
     path("alerts/silences/<row_id:pk>/expire/", alerts.silence_expire, name="silence-expire"),
 ]

@@ -18,12 +18,12 @@ from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_http_methods
 
 from controlplane.accounts.models import Role
-from controlplane.alerts.models import Alert
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
 from controlplane.dashboard import adapters, audit_log, gateway, logs, partials, planner_panel, queries
 from controlplane.dashboard.access import AUDIT_ROLE, can_act, has_role, role_required
+from controlplane.dashboard.alert_counts import BADGE_EVERY_S, firing_count
 from controlplane.dashboard.fleet_health import fleet_health
 from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
 from controlplane.dashboard.overview import overview
@@ -53,8 +53,12 @@ def render_page(request: HttpRequest, template: str, context: dict[str, Any], *,
 def overview_page(request: HttpRequest) -> HttpResponse:
     """Nodes and GPUs, pipelines with ready/desired replicas, gateway traffic and the latest audit events."""
     summary = overview(with_events=has_role(request, AUDIT_ROLE))
-    firing_alerts = Alert.objects.filter(resolved_at=None).count()
-    context = {"overview": summary, "gateway_every_s": GATEWAY_EVERY_S, "firing_alerts": firing_alerts}
+    context = {
+        "overview": summary,
+        "gateway_every_s": GATEWAY_EVERY_S,
+        "firing_alerts": firing_count(),
+        "alerts_every_s": BADGE_EVERY_S,
+    }
     return render_page(request, "dashboard/overview.html", context)
 
 

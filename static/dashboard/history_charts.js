@@ -7,19 +7,20 @@
 (() => {
   const REFRESH_S = 10;
   const GIB = 1024 ** 3;
-  // scope -> its charts: [title, [[label, field, scale, colour]...]]
+  // scope -> its charts: [title, [[label, field, scale, colour]...], the least top of its y axis (so that a chart
+  // of zeros reads 0..1 or 0..100, not 0..0.001)]
   const CHARTS = {
     requests: [
-      ["Requests/s and error %", [["requests/s", "requests_per_s", 1, "#3366cc"], ["errors %", "error_rate", 100, "#b3261e"]]],
-      ["TTFT (s)", [["p50", "ttft_p50_s", 1, "#2e9e5b"], ["p95", "ttft_p95_s", 1, "#d9822b"], ["p99", "ttft_p99_s", 1, "#b3261e"]]],
-      ["ITL (s)", [["p50", "itl_p50_s", 1, "#2e9e5b"], ["p95", "itl_p95_s", 1, "#d9822b"]]],
-      ["Queue depth", [["waiting", "queue_depth", 1, "#d9822b"]]],
-      ["KV use and prefix hits %", [["KV use %", "kv_usage", 100, "#3366cc"], ["prefix hits %", "prefix_hit_rate", 100, "#2e9e5b"]]],
+      ["Requests/s and error %", [["requests/s", "requests_per_s", 1, "#3366cc"], ["errors %", "error_rate", 100, "#b3261e"]], 1],
+      ["TTFT (s)", [["p50", "ttft_p50_s", 1, "#2e9e5b"], ["p95", "ttft_p95_s", 1, "#d9822b"], ["p99", "ttft_p99_s", 1, "#b3261e"]], 0.1],
+      ["ITL (s)", [["p50", "itl_p50_s", 1, "#2e9e5b"], ["p95", "itl_p95_s", 1, "#d9822b"]], 0.1],
+      ["Queue depth", [["waiting", "queue_depth", 1, "#d9822b"]], 1],
+      ["KV use and prefix hits %", [["KV use %", "kv_usage", 100, "#3366cc"], ["prefix hits %", "prefix_hit_rate", 100, "#2e9e5b"]], 100],
     ],
     node: [
-      ["Memory (GiB)", [["used", "memory_used_bytes", 1 / GIB, "#3366cc"], ["total", "memory_total_bytes", 1 / GIB, "#888888"]]],
-      ["GPU memory (GiB)", [["used", "gpu_memory_used_bytes", 1 / GIB, "#7a4bc2"], ["total", "gpu_memory_total_bytes", 1 / GIB, "#888888"]]],
-      ["Utilisation %", [["CPU", "cpu_utilization_percent", 1, "#d9822b"], ["GPU mean", "gpu_utilization_percent", 1, "#2e9e5b"]]],
+      ["Memory (GiB)", [["used", "memory_used_bytes", 1 / GIB, "#3366cc"], ["total", "memory_total_bytes", 1 / GIB, "#888888"]], 1],
+      ["GPU memory (GiB)", [["used", "gpu_memory_used_bytes", 1 / GIB, "#7a4bc2"], ["total", "gpu_memory_total_bytes", 1 / GIB, "#888888"]], 1],
+      ["Utilisation %", [["CPU", "cpu_utilization_percent", 1, "#d9822b"], ["GPU mean", "gpu_utilization_percent", 1, "#2e9e5b"]], 100],
     ],
   };
 
@@ -53,7 +54,7 @@
       return [box, plot];
     });
     boxes.replaceChildren(...plots.map(([box]) => box));
-    for (const [index, [, series]] of charts.entries()) {
+    for (const [index, [, series, floor]] of charts.entries()) {
       const plot = plots[index][1];
       const columns = series.map(([, field, scale]) =>
         (data.series[field] || []).map((value) => (value === null || value === undefined ? null : value * scale)),
@@ -67,7 +68,7 @@
         height: 140,
         cursor: { drag: { x: false, y: false } },
         legend: { live: false },
-        scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, 0.001)] } },
+        scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(max, floor)] } },
         axes: [{ size: 30 }, { size: 50 }],
         series: [{}, ...series.map(([label, , , stroke]) => ({ label, stroke, width: 1.5, spanGaps: false }))],
       };

@@ -35,12 +35,17 @@ def test_the_badge_refreshes_itself_with_the_count() -> None:
     assert Client().get("/alerts/badge/").status_code == 302  # anonymous: the login page
 
 
-def test_the_overview_shows_the_firing_count() -> None:
+def test_the_overview_shows_the_firing_count_and_its_line_refreshes_itself() -> None:
     browser = logged_in(Role.READ_ONLY)
-    assert "No alert firing" in browser.get("/").content.decode()
+    page = browser.get("/").content.decode()
+    assert "No alert firing" in page
+    assert 'hx-get="/alerts/summary/" hx-trigger="every 10s"' in page  # not drawn once and left stale
     make_alert("gpu-a")
     make_alert("gpu-b")
     assert "2 alerts firing" in browser.get("/").content.decode()
+    line = browser.get("/alerts/summary/").content.decode()
+    assert line.startswith('<p id="overview-alerts" class="error"') and "2 alerts firing" in line
+    assert Client().get("/alerts/summary/").status_code == 302  # anonymous: the login page
 
 
 def test_an_operator_silences_an_alert_from_its_row_and_it_shows_silenced() -> None:
