@@ -60,6 +60,16 @@ report() {  # report STATUS ENGINE CHECK DETAIL
     return 0
 }
 
+run_check() {  # run_check [VAR=VALUE ...]: the Python check in $check, its output shown; a FAIL line it prints counts
+    local out
+    out=$(mktemp)
+    env "$@" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" "$check" 2>&1 | tee "$out"
+    local status=${PIPESTATUS[0]}
+    grep -q "^FAIL " "$out" && failed=1
+    rm -f "$out"
+    return "$status"
+}
+
 for engine in "${ENGINES[@]}"; do
     case $engine in
         vllm) package=vllm ;;
@@ -153,8 +163,7 @@ async def main() -> int:
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))
 PY
-    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout 900 "$PYTHON" "$check"
+    run_check ENGINE="$engine" MODEL_DIR="$MODEL_DIR" SHARE="$SHARE"
     status=$?
     rm -f "$check"
     [ $status -eq 0 ] || report FAIL "$engine" in-process "the check above stopped early (see its output)"
@@ -266,8 +275,7 @@ async def main() -> int:
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))
 PY
-    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE OFFLOAD_ARGS=$offload PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout 900 "$PYTHON" "$check"
+    run_check ENGINE="$engine" MODEL_DIR="$MODEL_DIR" SHARE="$SHARE" OFFLOAD_ARGS="$offload"
     status=$?
     rm -f "$check"
     [ $status -eq 0 ] || report FAIL "$engine" offload "the offload check above stopped early (see its output)"
@@ -371,7 +379,7 @@ async def main() -> int:
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))
 PY
-    MODEL_DIR=$MODEL_DIR SHARE=$SHARE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" "$check"
+    run_check MODEL_DIR="$MODEL_DIR" SHARE="$SHARE"
     status=$?
     rm -f "$check"
     [ $status -eq 0 ] || report FAIL sglang behaviour "the SGLang check above stopped early (see its output)"
@@ -439,7 +447,8 @@ async def main() -> int:
     if hasattr(engine, "attach_kv_events"):
         engine.attach_kv_events(sink)
     card = settled_card(model.card, engine)
-    prompt = card.tokenizer.encode("Write one sentence about lighthouses.").ids
+    # Several KV blocks long, so that the adapter's blocks are stored and named.
+    prompt = card.tokenizer.encode("The keeper climbed the stairs of the lighthouse at dusk. " * 12).ids
     try:
         report("PASS" if engine.max_loras >= 1 else "FAIL", "enabled", f"max_loras {engine.max_loras}")
         base = await answer(engine, request(prompt, "b0"))
@@ -481,7 +490,7 @@ async def main() -> int:
 if __name__ == "__main__":
     sys.exit(asyncio.run(main()))
 PY
-    ENGINE=$engine MODEL_DIR=$MODEL_DIR SHARE=$SHARE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" "$check"
+    run_check ENGINE="$engine" MODEL_DIR="$MODEL_DIR" SHARE="$SHARE"
     status=$?
     rm -f "$check"
     [ $status -eq 0 ] || report FAIL "$engine" lora "the LoRA check above stopped early (see its output)"

@@ -48,6 +48,21 @@ _FIELDS = {
 }
 
 
+def _without_lora_name(keys: list[Any], lora_name: object) -> list[Any]:
+    """A block's extra keys less its LoRA adapter's name. vLLM puts the adapter's name first in each block's keys
+    (``to_event_extra_keys``, vllm/v1/core/kv_cache_utils.py); Flotilla names an adapter's blocks from the adapter's
+    root hash instead (runtime/lora.py, ``EngineBlockNames.stored`` given ``lora_id``), as its routers name the
+    adapter's requests, so the name must not be hashed in a second time."""
+    if not isinstance(lora_name, str):
+        return keys
+    stripped: list[Any] = []
+    for block in keys:
+        if isinstance(block, list | tuple) and block and block[0] == lora_name:
+            block = block[1:] or None
+        stripped.append(block)
+    return stripped
+
+
 def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
     """Flotilla's event for one decoded event (a tagged list as SGLang sends it, or a map with its ``type`` as
     vLLM 0.32 sends it), or None for one that names nothing Flotilla can route on (unknown parent, another
@@ -56,7 +71,7 @@ def translate_event(event: Any, names: EngineBlockNames) -> KvEvent | None:
     if isinstance(event, dict):
         # vLLM's per-block extra keys: its images' (identifier, offset) pairs among them (image_blocks.py).
         if isinstance(keys := event.get("extra_keys"), list):
-            extra_keys = keys
+            extra_keys = _without_lora_name(keys, event.get("lora_name"))
         fields_of = _FIELDS.get(event.get("type"))  # type: ignore[arg-type]
         if fields_of is None:
             return None

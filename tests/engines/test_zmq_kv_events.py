@@ -5,6 +5,8 @@ from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.zmq_kv_events import translate_batch
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import AllCleared, BlockRemoved, BlockStored
+from runtime.kv.image_blocks import keyed_sequence_hashes
+from runtime.lora import lora_id, lora_root_hash
 
 TOKENS = list(range(500, 564))  # two blocks of 32
 
@@ -29,6 +31,27 @@ def test_vllm_map_events_are_renamed_with_the_routers_hash() -> None:
     removed = translate_batch([1.7, [{"type": "BlockRemoved", "block_hashes": [72], "medium": "GPU"}], 0], names)
     assert removed == [BlockRemoved(block_hashes=[expected[1]])]
     assert translate_batch([1.8, [{"type": "AllBlocksCleared"}, {"type": "Unknown"}], 0], names) == [AllCleared()]
+
+
+def test_an_adapters_blocks_are_named_from_its_root_without_vllms_lora_name_key() -> None:
+    """vLLM 0.32 publishes an adapter's blocks with ``lora_id`` (its ``lora_int_id``: ``lora_id(name)`` here),
+    ``lora_name``, and the adapter's name first in each block's ``extra_keys`` (``to_event_extra_keys``,
+    vllm/v1/core/kv_cache_utils.py). A router names the adapter's requests from its root hash alone
+    (runtime/lora.py): so must the worker, or the adapter's pool never finds a hit (the GPU smoke test found it)."""
+    names = EngineBlockNames(32)
+    adapter = {
+        **stored([81, 82], None, TOKENS), "lora_id": lora_id("sql"), "lora_name": "sql",
+        "extra_keys": [("sql",), ("sql",)],
+    }  # fmt: skip
+    [event] = translate_batch([2.0, [adapter], 0], names)
+    root = lora_root_hash(lora_id("sql"))
+    assert event == BlockStored(
+        block_hashes=sequence_block_hashes(TOKENS, 32, parent=root), parent_hash=root, lora_id=lora_id("sql")
+    )
+    # An image's pair after the name is kept.
+    image = {**adapter, "block_hashes": [91], "token_ids": TOKENS[:32], "extra_keys": [("sql", ("img", 3))]}
+    [with_image] = translate_batch([2.1, [image], 0], EngineBlockNames(32))
+    assert with_image.block_hashes == keyed_sequence_hashes(TOKENS[:32], 32, [[("img", 3)]], root)
 
 
 def test_the_offloading_connectors_host_copies_are_stored_and_removed_on_the_cpu_tier() -> None:
