@@ -2,11 +2,15 @@
 instance whose leader (rank 0) serves.
 
 Such a rank takes no requests: it registers no endpoint, opens no HTTP port and reads no input, so ``in=`` is
-ignored (every node runs the same command but for ``--node-rank``). It starts the engine's processes for this
-node, which join the leader's ``torch.distributed`` group at ``--leader-addr``, and watches them: it exits 1
-when one of them dies (the leader's instance cannot go on without them, and a supervisor restarting the node
-is the way back) or when the leader stops answering at ``--leader-addr`` for about 10 s (launcher/leader_watch.py:
-the engine's processes would wait for it for ever), 0 on SIGTERM, 130 on Ctrl-C.
+ignored (every node runs the same command but for ``--node-rank``), but for one use: with SGLang's attention DP
+across nodes, this node's dp ranks' KV events are relayed to the leader's worker on the NATS subjects of the
+pipeline ``in=dyn://...`` names (engines/sglang/dp_relay.py, in a thread with its own event loop).
+
+It starts the engine's processes for this node, which join the leader's ``torch.distributed`` group at
+``--leader-addr``, and watches them: it exits 1 when one of them dies (the leader's instance cannot go on without
+them, and a supervisor restarting the node is the way back) or when the leader stops answering at
+``--leader-addr`` for about 10 s (launcher/leader_watch.py: the engine's processes would wait for it for ever),
+0 on SIGTERM, 130 on Ctrl-C.
 
 It runs without an event loop, in the main thread, as vLLM's own ``run_headless`` does: a signal interrupts
 whatever the start is waiting for (the leader may not be up yet).
@@ -90,6 +94,8 @@ def build_follower(options: RunOptions) -> Follower:
         from engines.sglang.engine import parse_engine_args
         from engines.sglang.follower import SglangFollower
         from engines.shared.gpu_engine_args import GpuPlacement
+        from runtime.cluster.addressing import EndpointAddress
+        from runtime.settings import nats_servers
 
         if importlib.util.find_spec("sglang") is None:
             raise ConfigError(SGLANG_MISSING)
@@ -101,8 +107,11 @@ def build_follower(options: RunOptions) -> Follower:
             gpu_memory_fraction=options.gpu_memory_utilization,
         )
         nodes.local_share(options.tensor_parallel_size * int(engine_args.get("pp_size", 1)))
+        # Its dp ranks' KV events (attention DP across nodes) are relayed on the pipeline the leader serves.
+        relay_to = EndpointAddress.parse(options.worker_address) if options.worker_address is not None else None
+        servers = nats_servers() if relay_to is not None else None
         path = _folder(resolve_model(options.model), "sglang")
-        return SglangFollower(path, placement, engine_args, nodes)
+        return SglangFollower(path, placement, engine_args, nodes, relay_to=relay_to, nats_servers=servers)
     raise ConfigError(f"out={options.output} does not span nodes: --node-rank is for out=vllm and out=sglang")
 
 
@@ -125,7 +134,10 @@ def run_follower(options: RunOptions) -> int:
         nodes.node_rank,
         nodes.num_nodes,
         nodes.leader,
-        "" if options.input == "text" else f", so in={options.input} is ignored here",
+        # An SGLang rank relays its dp ranks' KV events on the pipeline in=dyn://... names: that is not ignored.
+        ""
+        if options.input == "text" or (options.output == "sglang" and options.worker_address)
+        else f", so in={options.input} is ignored here",
     )
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, LEADER_GONE_SIGNAL)}
     why_gone: list[str] = []

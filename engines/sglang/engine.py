@@ -29,7 +29,9 @@ size is SGLang's ``page_size``: Flotilla sets 16 where the extra arguments do no
 default, 1, would name every token as a block), and takes the one SGLang settled on once started (it rewrites
 it for some attention backends), which the model card then advertises. With data parallelism (``dp_size``,
 attention DP or plain replicas) each rank has its own cache and publisher (on the base port plus its rank):
-each of this node's ranks is subscribed to and reported as that dp rank, and routed to by it.
+each of this node's ranks is subscribed to and reported as that dp rank, and routed to by it. Across nodes, the
+ranks on the other nodes publish on theirs: each node relays its ranks' events over NATS and this worker hears
+them as its own ranks' (engines/sglang/dp_relay.py).
 
 Load: each SGLang scheduler publishes a load snapshot per dp rank (running and waiting requests, KV
 tokens used of the pool, token usage, prefix cache hit rate) to shared memory, which its tokenizer
@@ -57,6 +59,7 @@ from engines.sglang.disagg import (
     disagg_engine_args,
     new_room,
 )
+from engines.sglang.dp_relay import RelayListener
 from engines.sglang.hicache import hicache_tiers, host_total_blocks
 from engines.sglang.lora import SglangAdapters, lora_server_args
 from engines.sglang.requests import generate_arguments, sampling_params, token_logprobs
@@ -70,6 +73,7 @@ from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
 from runtime.kv.events import BlockStored, KvEventSink, Medium, WorkerLoad
+from runtime.kv.publisher import KvEventPublisher
 from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
 
 if TYPE_CHECKING:
@@ -142,7 +146,8 @@ SET_BY_FLOTILLA = {
 }
 #: SGLang's page size (tokens per KV block, the router's block size) where the arguments do not say.
 DEFAULT_PAGE_SIZE = 16
-_KV_TOPIC = "flotilla-kv"
+#: The topic of the KV event publishers Flotilla starts SGLang with (its own and, relayed, a follower's).
+KV_TOPIC = "flotilla-kv"
 #: With ``enable_dp_attention`` on one node, SGLang's processes talk over TCP on ports derived from
 #: ServerArgs.port (default 30000): port + 233 to port + 239 (PortArgs.init_new). Two such workers on
 #: one node would wait on each other's ports at the default, so each gets a free base. SGLang refuses
@@ -211,9 +216,7 @@ def engine_kwargs(
         # tp_size counts the GPUs of every node; SGLang starts tp_size / nnodes of them here, from base_gpu_id.
         kwargs |= {"nnodes": nodes.num_nodes, "node_rank": nodes.node_rank, "dist_init_addr": str(nodes.leader)}
     if kv_events_endpoint is not None:
-        kwargs["kv_events_config"] = json.dumps(
-            {"publisher": "zmq", "endpoint": kv_events_endpoint, "topic": _KV_TOPIC}
-        )
+        kwargs["kv_events_config"] = json.dumps({"publisher": "zmq", "endpoint": kv_events_endpoint, "topic": KV_TOPIC})
     return kwargs
 
 
@@ -297,6 +300,29 @@ def local_dp_ranks(engine_args: dict[str, Any], nodes: NodeGroup | None = None) 
     return range(nodes.node_rank * local, (nodes.node_rank + 1) * local)
 
 
+def relays_dp_events(engine_args: dict[str, Any], nodes: NodeGroup) -> bool:
+    """Whether dp ranks publish their KV events on nodes other than the leader's: across nodes with at least a
+    rank per node (with fewer, each rank spans nodes and its first, the leader's, publishes)."""
+    dp_size = max(int(engine_args.get("dp_size", 1) or 1), 1)
+    return nodes.spans_nodes and dp_size >= nodes.num_nodes
+
+
+def remote_dp_ranks(engine_args: dict[str, Any], nodes: NodeGroup) -> range:
+    """The dp ranks whose caches run on the other nodes of the leader's group, each relayed to it by its node
+    (engines/sglang/dp_relay.py); none where every rank's events are published on the leader's node."""
+    if not nodes.is_leader or not relays_dp_events(engine_args, nodes):
+        return range(0)
+    local = local_dp_ranks(engine_args, nodes)
+    return range(local.stop, local.stop + len(local) * (nodes.num_nodes - 1))
+
+
+def relayed_dp_ranks(engine_args: dict[str, Any], nodes: NodeGroup) -> range:
+    """The dp ranks a node above rank 0 relays to the leader: those whose publishers run on it."""
+    if nodes.is_leader or not relays_dp_events(engine_args, nodes):
+        return range(0)
+    return local_dp_ranks(engine_args, nodes)
+
+
 def rank_endpoints(port: int, ranks: Sequence[int]) -> dict[int, str]:
     """Where each rank's publisher binds: SGLang adds the rank to the port of a tcp endpoint
     (``ZmqEventPublisher.offset_endpoint_port``; the replica's dp rank with plain DP, its attention-DP rank
@@ -312,6 +338,11 @@ def settled_page_size(engine: Any) -> int | None:
     )
     page_size = getattr(server_args, "page_size", None)
     return int(page_size) if isinstance(page_size, int) and page_size > 0 else None
+
+
+def _relay_ended(task: "asyncio.Task[None]") -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("the relayed KV events of the other nodes' dp ranks are no longer heard: %r", exc)
 
 
 class SglangEngine:
@@ -348,8 +379,12 @@ class SglangEngine:
         self._engine: Any = None
         #: The dp ranks of this node, each a KV cache with its own event publisher (local_dp_ranks).
         self.dp_ranks = local_dp_ranks(engine_args, self.nodes)
-        self._names = {rank: EngineBlockNames(self.block_size) for rank in self.dp_ranks}
+        #: The dp ranks on the other nodes, whose events their nodes relay over NATS (engines/sglang/dp_relay.py).
+        self.remote_ranks = remote_dp_ranks(engine_args, self.nodes)
+        self._names = {rank: EngineBlockNames(self.block_size) for rank in self._event_ranks}
         self._sink: KvEventSink | None = None
+        self.relay: RelayListener | None = None
+        self._relay_task: asyncio.Task[None] | None = None
         self._subscribers: list[ZmqSubscriber] = []
         self._aborts: Aborts | None = None
         self._active = 0
@@ -400,7 +435,7 @@ class SglangEngine:
             def on_batch(batch: Any, rank: int = rank) -> None:  # in the subscriber's thread
                 loop.call_soon_threadsafe(self._publish_batch, rank, batch)
 
-            self._subscribers.append(ZmqSubscriber(endpoint, _KV_TOPIC, on_batch))
+            self._subscribers.append(ZmqSubscriber(endpoint, KV_TOPIC, on_batch))
         log.info(
             "SGLang loaded %s (tp %d, KV pages of %d tokens)",
             self.model_path.name, self.placement.tensor_parallel_size, self.block_size,
@@ -415,7 +450,12 @@ class SglangEngine:
         log.info("SGLang settled on KV pages of %d tokens (it was given %d): blocks are named by %d", settled,
                  self.block_size, settled)  # fmt: skip
         self.block_size = settled
-        self._names = {rank: EngineBlockNames(settled) for rank in self.dp_ranks}
+        self._names = {rank: EngineBlockNames(settled) for rank in self._event_ranks}
+
+    @property
+    def _event_ranks(self) -> list[int]:
+        """Every dp rank whose KV events this worker names: its node's and, relayed, the other nodes'."""
+        return [*self.dp_ranks, *self.remote_ranks]
 
     async def close(self) -> None:
         for task in list(self._prefills):
@@ -425,6 +465,9 @@ class SglangEngine:
             await self._aborts.close()
         for subscriber in self._subscribers:
             subscriber.close()
+        if self._relay_task is not None:
+            self._relay_task.cancel()
+            await asyncio.gather(self._relay_task, return_exceptions=True)
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -446,7 +489,22 @@ class SglangEngine:
             self._sink.publish(rank, events)
 
     def attach_kv_events(self, sink: KvEventSink) -> None:
+        """Publish KV events to ``sink``; where dp ranks run on other nodes, also hear their events, relayed over
+        the NATS connection of the worker's publisher (the one sink that has one: a worker serving in=dyn://)."""
         self._sink = sink
+        if not self.remote_ranks:
+            return
+        if not isinstance(sink, KvEventPublisher):
+            log.warning(
+                "the KV events of dp ranks %d-%d (on the other nodes) are relayed over NATS, which only a worker "
+                "serving in=dyn:// hears: routers will not know their caches",
+                self.remote_ranks.start, self.remote_ranks.stop - 1,
+            )  # fmt: skip
+            return
+        assert self.nodes.leader is not None  # a group that spans nodes has one (NodeGroup checks)
+        self.relay = RelayListener(sink.nc, sink.address, self.nodes.leader, self.remote_ranks, self._publish_batch)
+        self._relay_task = asyncio.get_running_loop().create_task(self.relay.run(), name="SGLang relayed KV events")
+        self._relay_task.add_done_callback(_relay_ended)
 
     def load(self) -> list[WorkerLoad]:
         """SGLang's own load snapshots (a read of shared memory, as ``/v1/loads`` does); the requests in
@@ -459,7 +517,7 @@ class SglangEngine:
             except Exception as exc:  # a torn or missing shared-memory file: the next report reads again
                 log.debug("SGLang's load snapshots could not be read: %r", exc)
         reports = load_reports(
-            snapshots, page_size=self.block_size, active=self._active, per_rank=len(self.dp_ranks) > 1
+            snapshots, page_size=self.block_size, active=self._active, per_rank=len(self._event_ranks) > 1
         )
         if offloads_to := hicache_tiers(self.engine_args):
             for report in reports:

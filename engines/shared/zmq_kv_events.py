@@ -100,23 +100,42 @@ def translate_batch(batch: Any, names: EngineBlockNames) -> list[KvEvent]:
     return [translated for event in batch[1] if (translated := translate_event(event, names)) is not None]
 
 
-def decode_message(frames: list[bytes]) -> Any:
-    """The decoded batch of one ZMQ message (topic, sequence number, payload). Raises ValueError."""
+def message_payload(frames: list[bytes]) -> bytes:
+    """The payload (the msgpack batch, undecoded) of one ZMQ message (topic, sequence number, payload).
+    Raises ValueError."""
     if len(frames) != 3:
         raise ValueError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    return frames[2]
+
+
+def decode_payload(payload: bytes) -> Any:
+    """The decoded batch of one message's payload. Raises ValueError."""
     try:
-        return msgspec.msgpack.decode(frames[2])
+        return msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"not a msgpack KV event batch: {exc}") from None
 
 
+def decode_message(frames: list[bytes]) -> Any:
+    """The decoded batch of one ZMQ message (topic, sequence number, payload). Raises ValueError."""
+    return decode_payload(message_payload(frames))
+
+
 class ZmqSubscriber:
-    """Reads one SGLang publisher's messages in a thread and hands each decoded batch to ``on_batch``
-    (called in that thread). ``close()`` stops it within a poll interval."""
+    """Reads one SGLang publisher's messages in a thread and hands each batch, as ``decode`` makes it of the
+    message's frames (decoded by default; ``message_payload`` for the raw bytes), to ``on_batch`` (called in that
+    thread). ``close()`` stops it within a poll interval."""
 
     POLL_MS = 200
 
-    def __init__(self, endpoint: str, topic: str, on_batch: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str,
+        on_batch: Callable[[Any], None],
+        *,
+        decode: Callable[[list[bytes]], Any] = decode_message,
+    ) -> None:
         import zmq  # SGLang depends on pyzmq; Flotilla does not
 
         self._zmq = zmq
@@ -126,6 +145,7 @@ class ZmqSubscriber:
         # the wildcard form and connects here.
         self._socket.connect(endpoint.replace("*", "127.0.0.1"))
         self._on_batch = on_batch
+        self._decode = decode
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sglang-kv-events", daemon=True)
         self._thread.start()
@@ -136,7 +156,7 @@ class ZmqSubscriber:
                 continue
             frames = self._socket.recv_multipart()
             try:
-                self._on_batch(decode_message(frames))
+                self._on_batch(self._decode(frames))
             except ValueError as exc:
                 log.warning("SGLang KV event message skipped: %s", exc)
 

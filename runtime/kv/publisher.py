@@ -59,6 +59,9 @@ class KvEventPublisher:
         max_part_hashes: int | None = None,
     ) -> None:
         self._nc = nc
+        #: The endpoint it publishes for, and its NATS connection: an engine whose ranks run on other nodes hears
+        #: their events over it (engines/sglang/dp_relay.py).
+        self.address = address
         self._instance_id = instance_id
         self._source = source
         self.interval = interval
@@ -77,6 +80,10 @@ class KvEventPublisher:
         self.batches_published = 0
         self.batches_lost = 0
         self.state_answers = 0
+
+    @property
+    def nc(self) -> NATS:
+        return self._nc
 
     # -- KvEventSink -------------------------------------------------------------------------------
 
