@@ -39,6 +39,13 @@
 #      and the base model's is unchanged; vLLM's KV events of its blocks carry lora_id(name) and are named from the
 #      adapter's root (runtime/lora.py); unloaded while an adapter request runs, that request ends (an error or its
 #      end) and a new one is refused; loaded again, it answers as before (LORA=0 skips this part).
+# Not checked here (one machine): SGLang's attention DP across nodes (engines/sglang/dp_relay.py). A two-node run
+# would start the leader (`flotilla run in=dyn://NS.backend.generate out=sglang MODEL_DIR --num-nodes 2
+# --leader-addr A:P --extra-engine-args '{"dp_size": 4, "enable_dp_attention": true}'` with tp 4 in all) and rank 1
+# (the same command with --node-rank 1, NATS_SERVER reaching the same NATS) and check that: rank 1 logs that it
+# relays dp ranks 2 and 3; a request routed to rank 2 or 3 puts KV events of those ranks, named with runtime/kv/
+# blocks.py's hashes, on flotilla.NS.backend.kv_events, and the leader's cache_state(2) holds them; with NATS
+# restarted, later events of ranks 2 and 3 arrive again while both nodes serve on.
 # It measures nothing: timings of real engines belong in a benchmark of their own.
 set -u -o pipefail
 
