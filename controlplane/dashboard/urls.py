@@ -46,6 +46,7 @@ urlpatterns = [
     path("models/<row_id:pk>/adapters/delete/", adapters.model_adapter_delete, name="model-adapter-delete"),
     path("pipelines/", views.pipelines_page, name="pipelines"),
     path("pipelines/<row_id:pk>/", views.pipeline_page, name="pipeline"),
+    path("pipelines/<row_id:pk>/router-view/", views.pipeline_router_view, name="pipeline-router-view"),
     path("pipelines/<row_id:pk>/edit/", edits.pipeline_edit, name="pipeline-edit"),
     path("pipelines/<row_id:pk>/delete/", edits.pipeline_delete, name="pipeline-delete"),
     path("pipelines/<row_id:pk>/scale/", controls.pipeline_scale, name="pipeline-scale"),

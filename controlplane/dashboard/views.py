@@ -27,6 +27,7 @@ from controlplane.dashboard.alert_counts import BADGE_EVERY_S, firing_count
 from controlplane.dashboard.fleet_health import fleet_health
 from controlplane.dashboard.forms import AuditFilterForm, ModelForm, PipelineForm
 from controlplane.dashboard.overview import overview
+from controlplane.deployments.models import Pipeline
 from controlplane.errors import InvalidDocument
 from controlplane.traffic import queries as traffic_queries
 from runtime.errors import ConfigError
@@ -35,6 +36,8 @@ from runtime.errors import ConfigError
 GATEWAY_READING_KEY = "dashboard:gateway-reading"
 #: How often an open overview reads the gateway's traffic (and the fleet's health) again.
 GATEWAY_EVERY_S = 5
+#: How often an open pipeline page reads its router view (its last requests) again.
+ROUTER_VIEW_EVERY_S = 5
 
 
 def render_page(request: HttpRequest, template: str, context: dict[str, Any], *, status: int = 200) -> HttpResponse:
@@ -174,8 +177,22 @@ def pipeline_page(request: HttpRequest, pk: int) -> HttpResponse:
     context |= partials.instances_context(pipeline)
     context["planner"] = planner_panel.panel(pipeline)
     context["routed"] = traffic_queries.router_view(pipeline.pk)
+    context["every_s"] = ROUTER_VIEW_EVERY_S
     context["adapters"] = adapters.adapter_rows(pipeline)
     return render_page(request, "dashboard/pipeline.html", context)
+
+
+@login_required
+@require_GET
+def pipeline_router_view(request: HttpRequest, pk: int) -> HttpResponse:
+    """The pipeline page's router view (its last requests and where each went), which refreshes itself with this."""
+    pipeline = get_object_or_404(Pipeline, pk=pk)
+    routed = traffic_queries.router_view(pipeline.pk)
+    return render(
+        request,
+        "dashboard/partials/router_view.html",
+        {"pipeline": pipeline, "routed": routed, "every_s": ROUTER_VIEW_EVERY_S},
+    )
 
 
 @login_required

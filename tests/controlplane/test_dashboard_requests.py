@@ -99,3 +99,11 @@ def test_the_pipeline_page_shows_the_routers_view_of_its_last_requests() -> None
     view = page.split('id="router-view"', 1)[1].split("</section>", 1)[0]
     assert "<code>2a</code>" in view and "4 / 5" in view and "1.00" in view
     assert view.count("<tr>") == 2  # the header and its one request
+    # It refreshes itself (a request routed since shows without a reload), and its refresh is the same view.
+    assert f'hx-get="/pipelines/{pipeline.pk}/router-view/" hx-trigger="every 5s"' in page
+    add("later", 2, pipeline=pipeline, router_mode="kv", endpoint_instance_id=0x2B, overlap_blocks=1, prompt_blocks=5)
+    refreshed = logged_in(Role.READ_ONLY, username="reader-2").get(f"/pipelines/{pipeline.pk}/router-view/")
+    assert refreshed.status_code == 200
+    body = refreshed.content.decode()
+    assert body.startswith('<section id="router-view"') and "<code>2b</code>" in body and body.count("<tr>") == 3
+    assert logged_in(Role.READ_ONLY, username="reader-3").get("/pipelines/999999/router-view/").status_code == 404
