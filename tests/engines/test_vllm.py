@@ -1,6 +1,7 @@
 """out=vllm with vLLM's CPU build on SmolLM2 (safetensors, float32): greedy answers through `flotilla run in=http`
 with the official openai client, the same text as the engine gives for the same token ids, cancellation
-aborting the request in vLLM, the memory share reaching vLLM's config, and bad engine arguments refused.
+aborting the request in vLLM, the memory share reaching vLLM's config, bad engine arguments refused, and LoRA
+adapters loaded and unloaded at run time (the in-process engine runs with LoRA enabled).
 
 vLLM's CPU build is ~3.4 GB with its torch and Python 3.11-only, so it has a venv of its own: `make test-vllm`
 (part of `make test`) builds that venv once (`make vllm`) and runs the tests marked vllm there; the main venv
@@ -21,10 +22,12 @@ import pytest
 import pytest_asyncio
 
 from runtime.engine import RequestContext
-from runtime.errors import RequestRejected
+from runtime.errors import EngineError, RequestRejected
 from runtime.kv.blocks import sequence_block_hashes
 from runtime.kv.events import BlockStored, KvEvent
+from runtime.lora import lora_id
 from runtime.protocol import EngineOutput, GuidedDecoding, PreprocessedRequest, SamplingOptions, StopConditions
+from tests.engines.peft_adapter import write_peft_adapter
 from tests.engines.vllm_model import ENGINE_ARGS, KV_CACHE_ENV, VLLM_MARKS
 from tests.process_trees import Leftovers, descendants, running, wait_ended
 from tests.servers import Server, launch_server, wait_until_live
@@ -68,6 +71,10 @@ async def engine(launched_server: Server, vllm_model_folder: Path) -> AsyncItera
         max_model_len=2048,
         gpu_memory_utilization=0.35,
         extra=read_extra_args(ENGINE_ARGS),
+        # LoRA enabled, for the adapter tests at the end: without an adapter its answers are still vLLM's own
+        # server's (the comparisons above), and one engine start fewer keeps the vLLM step short.
+        lora=True,
+        max_loras=2,
     )
     started = VllmEngine(settings)
     await started.start()
@@ -458,3 +465,79 @@ def command_line(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+# LoRA adapters (vLLM's CPU build runs them: its PunicaWrapperCPU), on this module's engine, started with LoRA
+# enabled: an adapter loaded at run time changes the greedy answer, its KV events carry its lora id, and once
+# unloaded it is refused. The adapter is a tiny random PEFT one (tests/engines/peft_adapter.py).
+
+
+def lora_request(token_ids: list[int], lora_name: str | None = None) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        request_id=f"lora-{os.urandom(4).hex()}",
+        model=MODEL,
+        token_ids=token_ids,
+        sampling=SamplingOptions(temperature=0.0),
+        stop_conditions=StopConditions(max_tokens=8, ignore_eos=True),
+        lora_name=lora_name,
+    )
+
+
+async def lora_answer(engine: object, req: PreprocessedRequest) -> list[int]:
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    return [token async for out in engine.generate(req, RequestContext(req.request_id)) for token in out.token_ids]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_an_adapter_loaded_at_run_time_changes_the_answer_tags_its_blocks_and_is_refused_once_unloaded(
+    engine: object, vllm_model_folder: Path, tmp_path: Path
+) -> None:
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    assert engine.max_loras == 2  # vLLM's settled config
+    heard: list[KvEvent] = []
+    arrived = asyncio.Event()
+
+    class Sink:
+        def publish(self, dp_rank: int, events: list[KvEvent]) -> None:
+            heard.extend(events)
+            arrived.set()
+
+    engine.attach_kv_events(Sink())
+    ids = prompt_ids(vllm_model_folder, "The quick brown fox jumps over the lazy dog. " * 8)  # full KV blocks
+    base = await lora_answer(engine, lora_request(ids))
+
+    folder = write_peft_adapter(vllm_model_folder, tmp_path / "tiny")
+    await engine.load_lora("tiny", folder)
+    await engine.load_lora("tiny", folder)  # the same again: nothing to do
+    adapted = await lora_answer(engine, lora_request(ids, "tiny"))
+    assert len(adapted) == len(base) == 8
+    assert adapted != base
+    assert await lora_answer(engine, lora_request(ids)) == base  # the base model is untouched beside it
+
+    async with asyncio.timeout(30):  # vLLM publishes from its engine core process, over ZMQ
+        while not any(isinstance(event, BlockStored) and event.lora_id == lora_id("tiny") for event in heard):
+            arrived.clear()
+            await arrived.wait()
+
+    await engine.unload_lora("tiny")
+    with pytest.raises(EngineError, match="'tiny' is not loaded"):
+        await lora_answer(engine, lora_request(ids, "tiny"))
+    await engine.load_lora("tiny", folder)  # and back, without a restart
+    assert await lora_answer(engine, lora_request(ids, "tiny")) == adapted
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_an_adapter_vllm_cannot_load_is_an_engine_error_naming_it(engine: object, tmp_path: Path) -> None:
+    from engines.vllm.engine import VllmEngine
+
+    assert isinstance(engine, VllmEngine)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{}")
+    with pytest.raises(EngineError, match="'broken'"):
+        await engine.load_lora("broken", broken)
+    assert "broken" not in engine.adapters.book  # type: ignore[union-attr]
