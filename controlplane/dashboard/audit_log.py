@@ -2,10 +2,14 @@
 
 from django.core.paginator import Page, Paginator
 from django.db.models import Q, QuerySet
+from django.http import QueryDict
+from django.urls import reverse
 
 from controlplane.audit.models import AuditEntry
 
 PAGE_SIZE = 50
+#: How often the log's first page asks for newer entries (seconds).
+POLL_S = 5
 
 
 def target_types() -> list[str]:
@@ -33,3 +37,19 @@ def filtered_entries(
 def page_of(entries: QuerySet[AuditEntry], number: str | None) -> Page[AuditEntry]:
     """Page ``number`` (1 when it is missing or not a number; the last when it is past the end)."""
     return Paginator(entries, PAGE_SIZE).get_page(number)
+
+
+def filters_of(query: QueryDict) -> QueryDict:
+    """The filters of a request to the log: its query without the page and the poll's ``after``."""
+    filters = query.copy()
+    for name in ("page", "after"):
+        filters.pop(name, None)
+    return filters
+
+
+def poll_url(query: QueryDict, *, newest: int) -> str:
+    """The URL that asks for the entries newer than ``newest`` (an entry's id; 0: any) with ``query``'s
+    filters."""
+    filters = filters_of(query)
+    filters["after"] = str(newest)
+    return f"{reverse('dashboard:audit-newer')}?{filters.urlencode()}"

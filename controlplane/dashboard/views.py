@@ -205,14 +205,19 @@ def nodes_page(request: HttpRequest) -> HttpResponse:
 @role_required(AUDIT_ROLE)
 @require_GET
 def audit_page(request: HttpRequest) -> HttpResponse:
-    """The audit log, filtered by actor, kind of action and object, newest first, a page at a time."""
+    """The audit log, filtered by actor, kind of action and object, newest first, a page at a time; the first
+    page polls for newer entries."""
     form = AuditFilterForm(request.GET or None, target_types=audit_log.target_types())
     filters = form.cleaned_data if form.is_bound and form.is_valid() else {}
     entries = audit_log.filtered_entries(**{name: value for name, value in filters.items() if value})
     page = audit_log.page_of(entries, request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
-    context = {"form": form, "page": page, "query": query.urlencode()}
+    context: dict[str, Any] = {"form": form, "page": page, "query": query.urlencode(), "poll": None}
+    # The first page takes in new entries as they come (with the same filters); older pages stay as they are.
+    if page.number == 1 and (not form.is_bound or form.is_valid()):
+        newest = page.object_list[0].pk if page.object_list else 0
+        context |= {"poll": audit_log.poll_url(request.GET, newest=newest), "poll_s": audit_log.POLL_S}
     return render_page(request, "dashboard/audit.html", context)
 
 
