@@ -21,7 +21,7 @@ from controlplane.accounts.models import Role
 from controlplane.audit.records import Actor
 from controlplane.catalog import actions as catalog_actions
 from controlplane.catalog.models import LanguageModel
-from controlplane.dashboard import adapters, audit_log, gateway, logs, partials, planner_panel, queries
+from controlplane.dashboard import adapters, audit_log, gateway, hub_search, logs, partials, planner_panel, queries
 from controlplane.dashboard.access import AUDIT_ROLE, can_act, has_role, role_required
 from controlplane.dashboard.alert_counts import BADGE_EVERY_S, firing_count
 from controlplane.dashboard.fleet_health import fleet_health
@@ -36,6 +36,8 @@ from runtime.errors import ConfigError
 GATEWAY_READING_KEY = "dashboard:gateway-reading"
 #: How often an open overview reads the gateway's traffic (and the fleet's health) again.
 GATEWAY_EVERY_S = 5
+#: The Add-model form's fields that a link may fill (``/models/?source=…``).
+ADD_FORM_PREFILL = ("name", "source_kind", "source", "revision", "filename", "engine")
 #: How often an open pipeline page reads its router view (its last requests) again.
 ROUTER_VIEW_EVERY_S = 5
 
@@ -99,7 +101,7 @@ def _gateway_answer(request: HttpRequest, context: dict[str, Any]) -> HttpRespon
 @require_http_methods(["GET", "POST"])
 def models_page(request: HttpRequest) -> HttpResponseBase:
     """The catalog, the add-a-model form, and each model's downloads per node."""
-    form = ModelForm(initial={"source_kind": LanguageModel.SourceKind.HUGGING_FACE})
+    form = ModelForm(initial={"source_kind": LanguageModel.SourceKind.HUGGING_FACE, **_add_form_values(request)})
     status = 200
     if request.method == "POST":
         if not can_act(request):
@@ -112,7 +114,14 @@ def models_page(request: HttpRequest) -> HttpResponseBase:
         status = 400
     models = queries.models_with_pipeline_counts()
     context = {"models": models, "downloads": queries.downloads_with_names(), "form": form}
+    context["search_form"] = hub_search.HubSearchForm()
     return render_page(request, "dashboard/models.html", context, status=status)
+
+
+def _add_form_values(request: HttpRequest) -> dict[str, str]:
+    """The Add-model form's values given in the query (hub_search's "Add this model" link): shown, not trusted;
+    the form checks them when it is sent."""
+    return {name: request.GET[name][:1024] for name in ADD_FORM_PREFILL if request.GET.get(name)}
 
 
 @login_required
@@ -143,6 +152,7 @@ def model_page(request: HttpRequest, pk: int) -> HttpResponseBase:
     pipelines = list(model.pipelines.order_by("name").only("pk", "name"))
     context = {"model": model, "form": form, "document": document, "pipelines": pipelines}
     context["adapters"] = list(model.adapters.prefetch_related("pipelines"))
+    context["estimate"] = hub_search.model_estimate_context(model)
     return render_page(request, "dashboard/model.html", context, status=status)
 
 

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 #: How much of a file the hub sends between two looks at whether to hold it.
@@ -45,11 +46,20 @@ class Hold:
 
 
 class FakeHub:
-    """Repos by id, each file's content given as bytes or a path; ``hold()`` a file's first transfer."""
+    """Repos by id, each file's content given as bytes or a path; ``hold()`` a file's first transfer.
+
+    ``cards`` adds fields to a repo's info and search result (downloads, likes, tags, pipeline_tag, gguf …);
+    ``GET /api/models?search=…`` lists the repos whose id holds the search (ignoring case), as the hub does.
+    ``answers`` replaces the answer to a path (without its query) with a status and body, for broken hubs.
+    """
 
     def __init__(self) -> None:
         self.url = ""
         self.repos: dict[str, dict[str, bytes | Path]] = {}
+        self.cards: dict[str, dict[str, object]] = {}
+        self.answers: dict[str, tuple[int, bytes]] = {}
+        #: The query strings of the searches asked.
+        self.searches: list[str] = []
         self.served: list[Served] = []
         self._holds: dict[str, Hold] = {}
         self._closing = threading.Event()
@@ -94,7 +104,15 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body)
 
         def _answer(self, head: bool) -> None:
-            path = self.path.split("?")[0]
+            path, _, query = self.path.partition("?")
+            json_type = {"Content-Type": "application/json"}
+            if path in hub.answers:
+                status, body = hub.answers[path]
+                self._send(status, body, json_type, head=head)
+                return
+            if path == "/api/models":
+                self._search(query, head=head)
+                return
             api = path.startswith("/api/models/")
             parts = path.removeprefix("/api/models/").lstrip("/").split("/")
             repo = "/".join(parts[:2])
@@ -102,19 +120,30 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if files is None:
                 self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, head=head)
                 return
-            json_type = {"Content-Type": "application/json"}
             if api and "tree" in parts:  # /api/models/{repo}/tree/{revision}
                 tree = [{"type": "file", "path": n, "size": hub.size(c), "oid": hub.etag(n)} for n, c in files.items()]
                 self._send(200, json.dumps(tree).encode(), json_type, head=head)
             elif api:  # /api/models/{repo}[/revision/{revision}]
                 siblings = [{"rfilename": name, "size": hub.size(content)} for name, content in files.items()]
-                info = {"id": repo, "sha": SHA, "siblings": siblings}
+                info = {"id": repo, "sha": SHA, "siblings": siblings, **hub.cards.get(repo, {})}
                 self._send(200, json.dumps(info).encode(), json_type, head=head)
             elif parts[2:3] == ["resolve"] and "/".join(parts[4:]) in files:  # /{repo}/resolve/{rev}/{file}
                 name = "/".join(parts[4:])
                 self._file(name, parts[3], files[name], head=head)
             else:
                 self._send(404, b"{}", {"X-Error-Code": "EntryNotFound"}, head=head)
+
+        def _search(self, query: str, *, head: bool) -> None:
+            hub.searches.append(query)
+            params = parse_qs(query)
+            wanted = params.get("search", [""])[0].lower()
+            limit = int(params.get("limit", ["1000"])[0])
+            found = [
+                {"id": repo, "siblings": [{"rfilename": name} for name in files], **hub.cards.get(repo, {})}
+                for repo, files in hub.repos.items()
+                if wanted in repo.lower()
+            ]
+            self._send(200, json.dumps(found[:limit]).encode(), {"Content-Type": "application/json"}, head=head)
 
         def _file(self, name: str, revision: str, content: bytes | Path, *, head: bool) -> None:
             size = hub.size(content)
