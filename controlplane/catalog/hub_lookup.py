@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import httpx
 
+from controlplane.catalog.errors import HubLookupFailed
 from controlplane.catalog.memory import config_subset
 from runtime.models.hub_download import HubCaller, HubError, HubSettings, pick_files
 from runtime.models.source import HubModel
@@ -39,10 +40,6 @@ CATALOG = HubCaller(
     cache="the nodes' models folders",
     who=" for the control plane",
 )
-
-
-class HubLookupFailed(Exception):
-    """The hub could not answer a lookup; the message says why and what to do."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ in all the same (base.html).
 """
 
 import re
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
@@ -19,6 +20,7 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
+from controlplane.catalog.errors import HubLookupFailed
 from controlplane.catalog.memory import context_tokens, estimate_memory_bytes, kv_shape
 from controlplane.catalog.models import LanguageModel
 from controlplane.dashboard.access import can_act
@@ -66,13 +68,10 @@ def hub_search(request: HttpRequest) -> HttpResponse:
     context: dict[str, Any] = {"form": form, "results": None, "problem": ""}
     if not form.is_valid():
         return render(request, "dashboard/partials/hub_search.html", context, status=400)
-    # Imported here: huggingface_hub (which hub_lookup's file picking imports) takes ~0.35 s to import, which
-    # every control-plane process would pay at start for a box a person may never use.
-    from controlplane.catalog import hub_lookup
-
     try:
+        hub_lookup = _hub_lookup()
         context["results"] = hub_lookup.search(_hub_settings(), form.cleaned_data["q"])
-    except (ConfigError, hub_lookup.HubLookupFailed) as exc:
+    except (ConfigError, HubLookupFailed) as exc:
         context["problem"] = str(exc)
     return render(request, "dashboard/partials/hub_search.html", context)
 
@@ -85,12 +84,10 @@ def hub_details(request: HttpRequest) -> HttpResponse:
     context: dict[str, Any] = {"form": form, "facts": None, "problem": "", "can_act": can_act(request)}
     if not form.is_valid():
         return render(request, "dashboard/partials/hub_details.html", context, status=400)
-    from controlplane.catalog import hub_lookup  # see hub_search
-
     repo, revision, file = (form.cleaned_data[name] for name in ("repo", "revision", "file"))
     try:
-        facts = hub_lookup.repo_facts(_hub_settings(), repo, revision or None, file or None)
-    except (ConfigError, hub_lookup.HubLookupFailed) as exc:
+        facts = _hub_lookup().repo_facts(_hub_settings(), repo, revision or None, file or None)
+    except (ConfigError, HubLookupFailed) as exc:
         context["problem"] = str(exc)
         return render(request, "dashboard/partials/hub_details.html", context)
     context["facts"] = facts
@@ -131,8 +128,22 @@ def _fit_context(
     }
 
 
+def _hub_lookup() -> ModuleType:
+    """catalog/hub_lookup.py, imported on first use: huggingface_hub (which its file picking imports) takes
+    ~0.35 s to import, which every control-plane process would pay at start for a box a person may never use.
+    Raises HubLookupFailed when huggingface_hub refuses this environment (it reads its variables on import)."""
+    try:
+        from controlplane.catalog import hub_lookup
+    except ValueError as exc:  # HF_HUB_ETAG_TIMEOUT=0.5: huggingface_hub wants whole seconds
+        raise HubLookupFailed(
+            f"huggingface_hub cannot start with the control plane's environment ({exc}): check its HF_HUB_* "
+            "variables (HF_HUB_ETAG_TIMEOUT and HF_HUB_DOWNLOAD_TIMEOUT are whole seconds)"
+        ) from exc
+    return hub_lookup
+
+
 def _hub_settings() -> "HubSettings":
-    from runtime.models.hub_download import HubSettings  # see hub_search
+    from runtime.models.hub_download import HubSettings  # see _hub_lookup
 
     return HubSettings.from_environment()
 

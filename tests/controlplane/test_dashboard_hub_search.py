@@ -57,7 +57,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
         yield fake
 
 
-def point_at(monkeypatch: pytest.MonkeyPatch, endpoint: str, *, timeout_s: float = 5.0) -> None:
+def point_at(monkeypatch: pytest.MonkeyPatch, endpoint: str, *, timeout_s: int = 5) -> None:
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", str(timeout_s))
     for name in ("HF_TOKEN", "HF_TOKEN_FILE", "HF_HUB_OFFLINE"):
@@ -136,7 +136,7 @@ def test_a_hub_that_does_not_answer_in_time_is_a_sentence(monkeypatch: pytest.Mo
     with socket.socket() as silent:  # accepts connections (the backlog) and never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
-        point_at(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.3)
+        point_at(monkeypatch, f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=1)
         status, page = search(logged_in(Role.OPERATOR), "big")
     assert status == 200 and "did not answer" in page and "HF_ENDPOINT" in page
 
@@ -298,3 +298,8 @@ def test_a_weightless_catalog_model_shows_no_estimate() -> None:
 def test_the_query_is_sent_encoded(hub: FakeHub) -> None:
     search(logged_in(Role.OPERATOR), "a&b=c")
     assert parse_qs(hub.searches[0])["search"] == ["a&b=c"]
+
+
+def test_the_models_page_has_the_search_box_for_every_role() -> None:
+    page = logged_in(Role.READ_ONLY).get("/models/").content.decode()
+    assert 'hx-get="/models/hub-search/"' in page and 'id="hub-details"' in page
