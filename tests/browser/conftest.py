@@ -13,12 +13,15 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
 
+from tests.agent.fake_hub import running_hub
 from tests.browser.chromium import TIMEOUT_MS, VIEWPORT, create_person, launch, log_in
 from tests.browser.live_bridge import LiveBridge
 from tests.fleet.stack import FleetStack
 from tests.infra import EtcdServer, NatsServer, RedisServer
 
 OPERATOR, READER = "olive-operator", "rita-reader"
+#: The one repo of the fleet's stand-in hub.
+HUB_REPO = "acme/smol-chat-GGUF"
 PASSWORD = "browser-tests-password-not-secret"
 
 
@@ -48,6 +51,13 @@ def live_fleet(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Itera
     # read these), rather than every 10 s and 15 s: the walk's seconds of traffic then show in the history
     # charts and fire the TTFT alert.
     stack.control_plane.env |= {"FLOTILLA_METRICS_SAMPLE_S": "1", "FLOTILLA_ALERT_EVERY_S": "1"}
+    # The Models page's Hugging Face search asks a hub on loopback that holds one GGUF repo (the machine has no
+    # network); the walk's models are local files, which no agent fetches from it.
+    hub_running = running_hub()
+    hub = hub_running.__enter__()
+    hub.repos[HUB_REPO] = {"smol-Q4_K_M.gguf": b"q" * 4096}
+    hub.cards[HUB_REPO] = {"downloads": 42, "tags": ["gguf"], "gguf": {"context_length": 8192}}
+    stack.control_plane.env |= {"HF_ENDPOINT": hub.url, "HF_HUB_ETAG_TIMEOUT": "5"}
     bridge = LiveBridge(stack.control_plane, servers[2].url, directory / "live-bridge.log")
     try:
         stack.start()
@@ -60,6 +70,7 @@ def live_fleet(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Itera
         stack.stop()
         for server in servers:
             server.stop()
+        hub_running.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from playwright.sync_api import BrowserContext, Locator, Page, expect
 
 from tests.agent.control_plane_server import wait_for
 from tests.browser.chromium import deactivate_person
-from tests.browser.conftest import READER, LiveFleet
+from tests.browser.conftest import HUB_REPO, READER, LiveFleet
 from tests.browser.traffic import Traffic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -102,6 +102,13 @@ def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
     page.get_by_role("button", name="Add the model").click()
     expect(page.locator("#flash")).to_contain_text(f"Model {MODEL} added.")
     expect(page.locator("main").get_by_role("cell", name=MODEL, exact=True)).to_be_visible()
+    # The catalog helps choose: a search of the hub, a repo's download size and where it would fit.
+    page.locator("#hub input[name='q']").fill("smol")
+    page.locator("#hub").get_by_role("button", name="Search").click()
+    expect(page.locator("#hub-repos")).to_contain_text(HUB_REPO)
+    page.locator("#hub-repos").get_by_role("button", name="Details").first.click()
+    expect(page.locator("#hub-details")).to_contain_text("smol-Q4_K_M.gguf")
+    expect(page.locator("#hub-add")).to_be_visible()
     screenshot(page, "models")
 
     # Deploy it with 2 replicas of 1 simulated GPU each; the page it lands on is the pipeline's.
