@@ -206,8 +206,14 @@ def test_an_operator_deploys_scales_loads_and_stops_a_model_watching_it_live(
     assert {instance["state"] for instance in stack.instances(pipeline)} == {"stopped"}
 
     page.get_by_role("navigation").get_by_role("link", name="Audit log").click()
-    expect(page.locator("#audit-log")).to_contain_text("pipeline.stop")
+    audit = page.locator("#audit-log")
+    expect(audit).to_contain_text("pipeline.stop")
+    expect(audit).to_contain_text("scaled aggregated 2 → 3")  # each entry's summary of its before and after
     screenshot(page, "audit")
+    # An entry opens its before and after, linked to what it is about.
+    audit.get_by_role("link", name="pipeline.stop").first.click()
+    expect(page.locator("#audit-diff")).to_contain_text("stopped")
+    expect(page.locator("#audit-target")).to_have_text(SERVED)
 
 
 def an_alert_fires_and_is_silenced(live_fleet: LiveFleet, page: Page) -> None:
