@@ -298,7 +298,7 @@ async def run(options: RunOptions) -> int:
             )
             return 0
         if options.input == "http":
-            from launcher.inputs.http import admission_limits, serve_http
+            from launcher.inputs.http import serve_http
 
             registry = ModelRegistry()
             registry.add(model)
@@ -308,18 +308,7 @@ async def run(options: RunOptions) -> int:
 
                 watching = await serve_local_adapters(registry, model, engine, options.loras, options.lora_file)
             try:
-                stopped_by = await serve_http(
-                    registry,
-                    host=options.http_host,
-                    port=options.http_port,
-                    max_body_bytes=options.max_body_bytes,
-                    body_timeout_s=options.body_timeout_s,
-                    send_timeout_s=options.send_timeout_s,
-                    image_limits=options.image_limits,
-                    limits=admission_limits(options),
-                    reuse_port=options.reuse_port,
-                    allowed_origins=options.allowed_origins,
-                )
+                stopped_by = await serve_http(registry, options)
             finally:
                 if watching is not None:
                     watching.cancel()
@@ -379,7 +368,7 @@ async def run_ingress(options: RunOptions) -> int:
     from frontend_gateway.models.served_names import ServedNames
     from frontend_gateway.models.watcher import ModelWatcher
     from frontend_gateway.routing.protocol import RouterMode, RouterSettings
-    from launcher.inputs.http import admission_limits, serve_http
+    from launcher.inputs.http import serve_http
     from launcher.startup import connect_runtime
 
     if options.input != "http":
@@ -433,17 +422,9 @@ async def run_ingress(options: RunOptions) -> int:
     try:
         stopped_by = await serve_http(
             registry,
-            host=options.http_host,
-            port=options.http_port,
-            max_body_bytes=options.max_body_bytes,
-            body_timeout_s=options.body_timeout_s,
-            send_timeout_s=options.send_timeout_s,
-            image_limits=options.image_limits,
-            limits=admission_limits(options),
-            allowed_origins=options.allowed_origins,
+            options,
             metrics=metrics,
             stop=stop,
-            reuse_port=options.reuse_port,
             api_keys=api_keys,
             meter=meter,
             served_names=served_names,

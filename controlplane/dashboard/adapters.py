@@ -11,6 +11,7 @@ instances by their worker id. It is what the fleet does, not what it was told: a
 failed on a node is loaded and served by none of that node's instances.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -118,26 +119,33 @@ def model_adapter_delete(request: HttpRequest, pk: int) -> HttpResponseBase:
 @role_required(ACT_ROLE)
 @require_POST
 def pipeline_adapter_load(request: HttpRequest, pk: int) -> HttpResponseBase:
-    pipeline = get_object_or_404(Pipeline, pk=pk)
-    name = request.POST.get("adapter", "")
-    try:
-        adapter_actions.load_adapter(Actor.person(request.user), pipeline, name)
-    except (Invalid, Conflict) as exc:
-        messages.error(request, f"Adapter not loaded: {exc}")
-    else:
-        messages.success(request, f"Adapter {name} loaded on {pipeline.name}: its workers load it now.")
-    return redirect("dashboard:pipeline", pk=pipeline.pk)
+    return _on_pipeline_adapter(
+        request, pk, adapter_actions.load_adapter, "loaded", "{name} loaded on {pipeline}: its workers load it now."
+    )
 
 
 @role_required(ACT_ROLE)
 @require_POST
 def pipeline_adapter_unload(request: HttpRequest, pk: int) -> HttpResponseBase:
+    return _on_pipeline_adapter(
+        request, pk, adapter_actions.unload_adapter, "unloaded", "{name} unloaded from {pipeline}."
+    )
+
+
+def _on_pipeline_adapter(
+    request: HttpRequest,
+    pk: int,
+    action: Callable[[Actor, Pipeline, str], object],
+    done: str,
+    success: str,
+) -> HttpResponseBase:
+    """Load or unload (``action``) the posted adapter on pipeline ``pk``, and say how it went."""
     pipeline = get_object_or_404(Pipeline, pk=pk)
     name = request.POST.get("adapter", "")
     try:
-        adapter_actions.unload_adapter(Actor.person(request.user), pipeline, name)
+        action(Actor.person(request.user), pipeline, name)
     except (Invalid, Conflict) as exc:
-        messages.error(request, f"Adapter not unloaded: {exc}")
+        messages.error(request, f"Adapter not {done}: {exc}")
     else:
-        messages.success(request, f"Adapter {name} unloaded from {pipeline.name}.")
+        messages.success(request, "Adapter " + success.format(name=name, pipeline=pipeline.name))
     return redirect("dashboard:pipeline", pk=pipeline.pk)

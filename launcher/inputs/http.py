@@ -18,8 +18,6 @@ from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
 from frontend_gateway.models.served_names import ServedNames
-from frontend_gateway.openai_api.image_limits import ImageLimits
-from frontend_gateway.slow_clients import DEFAULT_BODY_TIMEOUT_S, DEFAULT_SEND_TIMEOUT_S
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 
@@ -100,46 +98,41 @@ def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.soc
 
 async def serve_http(
     models: ModelRegistry,
+    options: RunOptions,
     *,
-    host: str,
-    port: int,
-    max_body_bytes: int,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
-    image_limits: ImageLimits | None = None,
-    limits: AdmissionLimits | None = None,
     metrics: GatewayMetrics | None = None,
     stop: asyncio.Event | None = None,
-    reuse_port: bool = False,
     banner: TextIO | None = sys.stdout,
     api_keys: KeyTable | None = None,
     meter: Meter | None = None,
     served_names: ServedNames | None = None,
     max_concurrent_per_key: int | None = None,
     control_plane: ControlPlaneProxy | None = None,
-    allowed_origins: tuple[str, ...] = (),
 ) -> int | None:
     """Serve until SIGINT/SIGTERM or ``stop``; return the signal that stopped it, if one did.
 
-    A first signal shuts down gracefully (streams in flight finish); a second one cuts them.
+    A first signal shuts down gracefully (streams in flight finish); a second one cuts them. ``options`` gives
+    the address and the HTTP limits (``--http-host``/``--http-port``, body size and deadlines, images, admission,
+    CORS origins); the keywords are what only the distributed ingress has.
     """
     files = raise_open_file_limit()
     log.debug("open-file limit %d", files)
-    sock = bind_socket(host, port, reuse_port=reuse_port)
+    host, port = options.http_host, options.http_port
+    sock = bind_socket(host, port, reuse_port=options.reuse_port)
     app = GatewayApp(
         models,
-        max_body_bytes=max_body_bytes,
-        body_timeout_s=body_timeout_s,
-        send_timeout_s=send_timeout_s,
-        image_limits=image_limits,
-        limits=limits,
+        max_body_bytes=options.max_body_bytes,
+        body_timeout_s=options.body_timeout_s,
+        send_timeout_s=options.send_timeout_s,
+        image_limits=options.image_limits,
+        limits=admission_limits(options),
         metrics=metrics,
         api_keys=api_keys,
         meter=meter,
         served_names=served_names,
         max_concurrent_per_key=max_concurrent_per_key,
         control_plane=control_plane,
-        allowed_origins=allowed_origins,
+        allowed_origins=options.allowed_origins,
     )
     config = uvicorn.Config(
         app,
