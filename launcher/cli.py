@@ -20,7 +20,7 @@ from launcher.proctitle import run_title, set_title
 from launcher.run_parser import build_run_parser
 from launcher.worker_tree import mark_own_tree, start_guard
 from runtime.cluster.addressing import EndpointAddress
-from runtime.config import env_str
+from runtime.config import check_hub_variables, env_str
 from runtime.errors import ConfigError, FlotillaError, ModelError, ModelUnreachable, TemplateError
 from runtime.fleet_contract.engine_names import DISAGG_ENGINES, GPU_ONLY_ENGINES, LORA_ENGINES
 from runtime.fleet_contract.router_settings import (
@@ -324,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(TOP_HELP, end="")
         return EXIT_OK if args else EXIT_CONFIG
+    try:
+        check_hub_variables()  # before any command imports huggingface_hub, which would raise at import
+    except ConfigError as exc:
+        print(f"flotilla: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     if args[0] == "up":
         from launcher.stack.up import main as up
 

@@ -44,6 +44,26 @@ def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int
     return value
 
 
+#: Variables huggingface_hub reads as whole numbers as it is imported: any other value makes every import of it
+#: raise (huggingface_hub 2.4), so a command that downloads models would die with a traceback.
+HUB_WHOLE_NUMBER_VARIABLES = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+
+
+def check_hub_variables() -> None:
+    """Raise ConfigError for a variable of HUB_WHOLE_NUMBER_VARIABLES that huggingface_hub would fail on."""
+    for name in HUB_WHOLE_NUMBER_VARIABLES:
+        raw = os.environ.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{name}={raw!r} is not a whole number of seconds: huggingface_hub, which downloads models, reads "
+                "it as one and cannot start otherwise (set it to 1 or more, or unset it)"
+            ) from None
+
+
 def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
     """Return ``$NAME`` as a finite float no smaller than ``minimum``; raise ConfigError otherwise."""
     raw = os.environ.get(name)

@@ -246,3 +246,23 @@ def test_image_limits_come_from_their_flags_or_variables(monkeypatch: pytest.Mon
     parsed = options("in=http", "--max-image-bytes", "1000", "--image-domains", "Images.Example.com, cdn.org.")
     domains = ("images.example.com", "cdn.org")
     assert parsed.image_limits == ImageLimits(max_bytes=1000, fetch_timeout_s=2.5, domains=domains)
+
+
+@pytest.mark.parametrize("command", [["run", "in=text", "out=echo_full"], ["agent", "--help"], ["up", "--help"]])
+def test_a_hub_variable_huggingface_hub_cannot_read_stops_every_command_with_one_line(command: list[str]) -> None:
+    # huggingface_hub 2.4 raises at import on HF_HUB_ETAG_TIMEOUT=0.5; the agent imported it on `--help` already.
+    result = flotilla(*command, env={"HF_HUB_ETAG_TIMEOUT": "0.5"}, timeout=60)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "flotilla: HF_HUB_ETAG_TIMEOUT='0.5' is not a whole number of seconds: huggingface_hub, which downloads "
+        "models, reads it as one and cannot start otherwise (set it to 1 or more, or unset it)"
+    )
+
+
+def test_whole_seconds_in_the_hub_variables_pass() -> None:
+    result = flotilla(
+        "agent", "--help", env={"HF_HUB_ETAG_TIMEOUT": "3", "HF_HUB_DOWNLOAD_TIMEOUT": " 20 "}, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--control-plane" in result.stdout
