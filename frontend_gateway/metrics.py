@@ -152,8 +152,9 @@ class GatewayMetrics:
         )
         self.slow_clients_dropped = Counter(
             f"{prefix}_slow_clients_dropped",
-            "Clients dropped for slowness: body (its request body did not arrive within --body-timeout: a 408) "
-            "or send (it took none of its response for --send-timeout: its connection aborted).",
+            "Clients dropped for slowness: head (its request headers did not arrive within --header-timeout), "
+            "body (its request body did not arrive within --body-timeout: a 408) or send (it took none of its "
+            "response for --send-timeout: its connection aborted).",
             ["reason"],
             registry=r,
         )
@@ -196,7 +197,7 @@ class GatewayMetrics:
         self.api_key_records_skipped.labels(reason=reason).inc()
 
     def slow_client_dropped(self, reason: str) -> None:
-        """Count a client dropped for slowness; ``reason`` is "body" or "send"."""
+        """Count a client dropped for slowness; ``reason`` is "head", "body" or "send"."""
         self.slow_clients_dropped.labels(reason=reason).inc()
 
     def request_records_dropped_count(self, reason: str, count: int) -> None:

@@ -48,7 +48,14 @@ class SlowClients:
         #: A client that takes none of its response for this many seconds is dropped.
         self.send_timeout_s = send_timeout_s
         # One log per reason: a burst of stalled bodies must not hide that streams are dropped too.
-        self._logs = {reason: RateLimitedLog(log, period_s=60.0) for reason in ("body", "send")}
+        self._logs = {reason: RateLimitedLog(log, period_s=60.0) for reason in ("head", "body", "send")}
+
+    def dropped_head(self, client: str, head_timeout_s: float) -> None:
+        """Count and log a client whose request head did not arrive in time (head_deadline.py drops it)."""
+        self._metrics.slow_client_dropped("head")
+        self._logs["head"].warning(
+            f"dropped {client}: its request headers did not arrive within {head_timeout_s:g} s (--header-timeout)"
+        )
 
     async def body_within_deadline(self, scope: Scope, read: Coroutine[Any, Any, bytes]) -> bytes:
         """What ``read`` (of the request's body) returns; raises RequestTimeout (408, the connection then

@@ -188,6 +188,7 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
         http_port=namespace.http_port,
         max_body_bytes=namespace.max_body_bytes,
         allowed_origins=namespace.allowed_origins,
+        header_timeout_s=namespace.header_timeout,
         body_timeout_s=namespace.body_timeout,
         send_timeout_s=namespace.send_timeout,
         image_limits=ImageLimits(

@@ -38,6 +38,7 @@ class RunOptions:
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()  # in=http: web origins whose pages may call the API (CORS)
+    header_timeout_s: float = 30.0  # in=http: a request's headers arrive whole within this, else dropped
     body_timeout_s: float = 60.0  # in=http: a request body arrives whole within this, else 408
     send_timeout_s: float = 60.0  # in=http: a client that takes none of its response this long is dropped
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # in=http: chat requests' images

@@ -258,6 +258,14 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
         "API from a browser (CORS), e.g. the dashboard's for its playground; none by default",
     )
     parser.add_flag(
+        "--header-timeout",
+        env="FLOTILLA_HEADER_TIMEOUT_S",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds a request's headers may take to arrive whole (from the connection, or from the request's "
+        "first byte), else the connection is closed, with a 408 if they had begun (default 30)",
+    )
+    parser.add_flag(
         "--body-timeout",
         env="FLOTILLA_BODY_TIMEOUT_S",
         type=_positive_seconds,

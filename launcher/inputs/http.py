@@ -14,6 +14,7 @@ from frontend_gateway.access.api_keys import KeyTable
 from frontend_gateway.access.quotas import Meter
 from frontend_gateway.admission import AdmissionLimits
 from frontend_gateway.control_plane_proxy import ControlPlaneProxy
+from frontend_gateway.head_deadline import head_deadline_protocol
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
@@ -134,10 +135,14 @@ async def serve_http(
         control_plane=control_plane,
         allowed_origins=options.allowed_origins,
     )
+    head_timeout_s = options.header_timeout_s
     config = uvicorn.Config(
         app,
         loop="none",  # the caller's loop (uvloop, installed by the CLI)
-        http="httptools",
+        # httptools, with a deadline on each request's headers (uvicorn keeps none)
+        http=head_deadline_protocol(
+            head_timeout_s, lambda client: app.slow_clients.dropped_head(client, head_timeout_s)
+        ),
         lifespan="on",
         log_level="warning",
         access_log=False,

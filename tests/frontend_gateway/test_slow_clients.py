@@ -29,7 +29,14 @@ DEADLINE_S = 1.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("slow_clients") / "server.log"
-    deadlines = ["--body-timeout", str(DEADLINE_S), "--send-timeout", str(DEADLINE_S)]
+    deadlines = [
+        "--header-timeout",
+        str(DEADLINE_S),
+        "--body-timeout",
+        str(DEADLINE_S),
+        "--send-timeout",
+        str(DEADLINE_S),
+    ]
     # One slot: a request that held it after its client was dropped would keep the next one waiting.
     args = ["out=echo_full", "--model-name", "echo", "--max-inflight", "1", *deadlines]
     started = start_server(args, log, env={"FLOTILLA_TOKEN_ECHO_DELAY_MS": "0"})
@@ -105,6 +112,68 @@ def test_a_client_that_trickles_its_body_gets_a_408_at_the_deadline_too(server: 
             sock.sendall(b" ")
             assert time.monotonic() - started < 10, "no answer to a trickled body"
         assert_408(read_to_end(sock))
+
+
+def trickle_until_answered(sock: socket.socket, byte: bytes = b"x") -> bytes:
+    """Send ``byte`` every 0.1 s (each well within the deadline) until the server answers or closes."""
+    started = time.monotonic()
+    while not select.select([sock], [], [], 0.1)[0]:
+        sock.sendall(byte)
+        assert time.monotonic() - started < 10, "no answer to a trickled request"
+    return read_to_end(sock)
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole chunked response (as uvicorn sends the app's answers), and not a byte more."""
+    sock.settimeout(10)
+    received = b""
+    while not received.endswith(b"\r\n0\r\n\r\n"):
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed after {received[:300]!r}"
+        received += chunk
+    assert b"transfer-encoding: chunked" in received.partition(b"\r\n\r\n")[0].lower()
+    return received
+
+
+def assert_head_408(response: bytes) -> None:
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), response[:300]
+    assert b"connection: close" in head.lower()
+    error = msgspec.json.decode(body)["error"]
+    assert error["code"] == "request_timeout"
+    assert error["message"] == "the request's headers did not arrive within 1 s; the connection is closed"
+
+
+def test_a_client_that_trickles_its_headers_gets_a_408_at_the_deadline_and_its_connection_closed(
+    server: Server,
+) -> None:
+    before = dropped(server, "head")
+    with connect(server) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+        assert_head_408(trickle_until_answered(sock))
+    assert dropped(server, "head") == before + 1
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_deadline_without_a_word(server: Server) -> None:
+    before = dropped(server, "head")
+    with connect(server) as sock:
+        started = time.monotonic()
+        assert read_to_end(sock) == b""
+        assert time.monotonic() - started >= DEADLINE_S * 0.9
+    assert dropped(server, "head") == before + 1
+
+
+def test_each_request_on_a_kept_alive_connection_has_a_head_deadline_of_its_own(server: Server) -> None:
+    body = msgspec.json.encode(chat("hi"))
+    with connect(server) as sock:
+        # A first request, whole and answered, on a connection older than the deadline by the time it ends...
+        time.sleep(DEADLINE_S * 0.6)
+        sock.sendall(request_head(len(body)) + body)
+        time.sleep(DEADLINE_S * 0.6)
+        assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+        # ...then a second one whose headers trickle: its deadline runs from its own first byte.
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+        assert_head_408(trickle_until_answered(sock))
 
 
 def chat(content: str, stream: bool = False) -> dict[str, object]:
