@@ -472,6 +472,7 @@ def control_plane(env: dict[str, str], workers: int, keep_alive: int, log_path: 
         sys.executable, "-m", "uvicorn", "controlplane.asgi:application",
         "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
         "--log-level", "warning", "--no-access-log", "--timeout-keep-alive", str(keep_alive),
+        "--http", "controlplane.http_protocol:HeadDeadlineProtocol",
     ]  # fmt: skip
     with running_server(command, port=port, ready_path="/admin/login/", log_path=log_path, env=env, cwd=ROOT) as server:
         yield server

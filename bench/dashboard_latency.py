@@ -386,6 +386,7 @@ def main() -> int:
             uvicorn = [
                 sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "warning", "--no-access-log",
+                "--http", "controlplane.http_protocol:HeadDeadlineProtocol",
             ]  # fmt: skip
             with (
                 running_server(

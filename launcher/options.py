@@ -13,6 +13,7 @@ from runtime.fleet_contract.router_settings import (
     DEFAULT_QUEUED_PREFILL_WEIGHT,
     PipelineRouter,
 )
+from runtime.http_head_deadline import DEFAULT_HEAD_TIMEOUT_S
 from runtime.lora import LoraAdapter
 from runtime.protocol import DisaggRole
 
@@ -38,7 +39,7 @@ class RunOptions:
     http_port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()  # in=http: web origins whose pages may call the API (CORS)
-    header_timeout_s: float = 30.0  # in=http: a request's headers arrive whole within this, else dropped
+    header_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S  # in=http: a request's headers arrive within this
     body_timeout_s: float = 60.0  # in=http: a request body arrives whole within this, else 408
     send_timeout_s: float = 60.0  # in=http: a client that takes none of its response this long is dropped
     image_limits: ImageLimits = field(default_factory=ImageLimits)  # in=http: chat requests' images

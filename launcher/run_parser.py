@@ -30,6 +30,7 @@ from runtime.fleet_contract.router_settings import (
     DEFAULT_HOST_HIT_WEIGHT,
     DEFAULT_QUEUED_PREFILL_WEIGHT,
 )
+from runtime.http_head_deadline import DEFAULT_HEAD_TIMEOUT_S
 from runtime.protocol import DISAGG_ROLES
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ def _add_http_flags(parser: EnvArgumentParser) -> None:
         "--header-timeout",
         env="FLOTILLA_HEADER_TIMEOUT_S",
         type=_positive_seconds,
-        default=30.0,
+        default=DEFAULT_HEAD_TIMEOUT_S,
         help="seconds a request's headers may take to arrive whole (from the connection, or from the request's "
         "first byte), else the connection is closed, with a 408 if they had begun (default 30)",
     )

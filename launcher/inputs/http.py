@@ -8,19 +8,20 @@ import socket
 import sys
 from typing import TextIO
 
+import msgspec
 import uvicorn
 
 from frontend_gateway.access.api_keys import KeyTable
 from frontend_gateway.access.quotas import Meter
 from frontend_gateway.admission import AdmissionLimits
 from frontend_gateway.control_plane_proxy import ControlPlaneProxy
-from frontend_gateway.head_deadline import head_deadline_protocol
 from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
 from frontend_gateway.models.served_names import ServedNames
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
+from runtime.http_head_deadline import head_deadline_protocol
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ print(r.choices[0].message.content)'
 
   Models: {base}/v1/models   Health: {base}/health   Metrics: {base}/metrics   (Ctrl-C stops)
 """
+
+
+def timeout_error_body(message: str) -> bytes:
+    """A 408 ``request_timeout`` error in OpenAI's shape (the head deadline's, runtime/http_head_deadline.py)."""
+    return msgspec.json.encode({"error": {"message": message, "type": "request_timeout", "code": "request_timeout"}})
 
 
 def admission_limits(options: RunOptions) -> AdmissionLimits:
@@ -141,7 +147,7 @@ async def serve_http(
         loop="none",  # the caller's loop (uvloop, installed by the CLI)
         # httptools, with a deadline on each request's headers (uvicorn keeps none)
         http=head_deadline_protocol(
-            head_timeout_s, lambda client: app.slow_clients.dropped_head(client, head_timeout_s)
+            head_timeout_s, lambda client: app.slow_clients.dropped_head(client, head_timeout_s), timeout_error_body
         ),
         lifespan="on",
         log_level="warning",

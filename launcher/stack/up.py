@@ -546,7 +546,7 @@ class Stack:
             )
         port = url.rsplit(":", 1)[1]
         uvicorn_argv = [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1"]
-        uvicorn_argv += ["--port", port, "--no-access-log"]
+        uvicorn_argv += ["--port", port, "--no-access-log", "--http", "controlplane.http_protocol:HeadDeadlineProtocol"]
         child = self._launch(self._child("the control plane", "controlplane", uvicorn_argv, env), answers=True)
         # Any answer will do (401 without a token): Django is serving.
         await self._wait_ready(child, lambda: self._http_answers(f"{url}/api/v1/models/"), SERVICE_START_S)

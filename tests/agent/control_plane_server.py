@@ -91,6 +91,8 @@ class ControlPlaneServer:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--http",
+            "controlplane.http_protocol:HeadDeadlineProtocol",
         ]
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(

@@ -10,15 +10,15 @@ starts when a connection opens (its first request) or when a later request's fir
 must be complete, its headers parsed, within ``head_timeout_s``; bytes trickled in do not extend it. At the
 deadline a client that has begun a head gets a 408 and the connection is closed. A connection that has sent
 nothing at all is closed without a word (a browser's preconnect, or a scan). An idle keep-alive connection
-between requests is still uvicorn's own business (``timeout_keep_alive``). Each drop is counted in
-``flotilla_frontend_slow_clients_dropped_total{reason="head"}`` and logged, at most once a minute.
+between requests is still uvicorn's own business (``timeout_keep_alive``). Each drop is told to the caller's
+``on_drop``: the gateway counts it in ``flotilla_frontend_slow_clients_dropped_total{reason="head"}``, and
+both it and the control plane (controlplane/http_protocol.py) log it, at most once a minute.
 """
 
 import asyncio
 import logging
 from collections.abc import Callable
 
-import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
@@ -27,21 +27,27 @@ log = logging.getLogger(__name__)
 DEFAULT_HEAD_TIMEOUT_S = 30.0
 
 
-def timeout_response(head_timeout_s: float) -> bytes:
-    """The 408 sent to a client whose head did not arrive in time, with an OpenAI-shaped error body."""
-    message = f"the request's headers did not arrive within {head_timeout_s:g} s; the connection is closed"
-    body = msgspec.json.encode({"error": {"message": message, "type": "request_timeout", "code": "request_timeout"}})
+def timeout_message(head_timeout_s: float) -> str:
+    """What the 408's body says."""
+    return f"the request's headers did not arrive within {head_timeout_s:g} s; the connection is closed"
+
+
+def timeout_response(error_body: bytes) -> bytes:
+    """The 408 sent to a client whose head did not arrive in time, with ``error_body`` (JSON)."""
     head = (
         b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        b"content-length: %d\r\n\r\n" % len(body)
+        b"content-length: %d\r\n\r\n" % len(error_body)
     )
-    return head + body
+    return head + error_body
 
 
-def head_deadline_protocol(head_timeout_s: float, on_drop: Callable[[str], None]) -> type[HttpToolsProtocol]:
+def head_deadline_protocol(
+    head_timeout_s: float, on_drop: Callable[[str], None], error_body: Callable[[str], bytes]
+) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, holding each request's head to ``head_timeout_s`` (module docstring).
-    ``on_drop`` is told who was dropped ("host:port") before the connection is closed."""
-    response = timeout_response(head_timeout_s)
+    ``on_drop`` is told who was dropped ("host:port") before the connection is closed; ``error_body`` makes
+    the 408's JSON body from its message, in the caller's shape of errors."""
+    response = timeout_response(error_body(timeout_message(head_timeout_s)))
 
     class HeadDeadlineProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None

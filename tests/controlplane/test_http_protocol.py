@@ -1,0 +1,59 @@
+"""The control plane's servers hold each request's headers to a deadline (controlplane/http_protocol.py),
+on a real uvicorn started as `flotilla up`, the systemd unit and the tests start it."""
+
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.agent.control_plane_server import ControlPlaneServer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneServer]:
+    server = ControlPlaneServer(Path(tmp_path_factory.mktemp("head_deadline")), broker_url="redis://127.0.0.1:1/0")
+    server.env["FLOTILLA_API_HEADER_TIMEOUT_S"] = "1"
+    server.start()
+    yield server
+    server.stop()
+
+
+def connect(server: ControlPlaneServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(10)
+    return sock
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_headers_trickled_past_the_deadline_get_a_408_in_the_apis_shape_and_the_connection_closed(
+    control_plane: ControlPlaneServer,
+) -> None:
+    with connect(control_plane) as sock:
+        sock.sendall(b"GET /api/v1/models/ HTTP/1.1\r\nHost: test\r\nX-Slow: ")
+        started = time.monotonic()
+        while not select.select([sock], [], [], 0.1)[0]:  # a byte every 0.1 s: the head never ends
+            sock.sendall(b"x")
+            assert time.monotonic() - started < 10, "no answer to trickled headers"
+        head, _, body = read_to_end(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(body) == {"detail": "the request's headers did not arrive within 1 s; the connection is closed"}
+    assert "its request headers did not arrive within 1 s (FLOTILLA_API_HEADER_TIMEOUT_S)" in control_plane.log()
+
+
+def test_a_silent_connection_is_closed_and_requests_in_time_are_served(control_plane: ControlPlaneServer) -> None:
+    with connect(control_plane) as sock:
+        assert read_to_end(sock) == b""
+    assert httpx.get(control_plane.url + "/api/v1/models/", timeout=10).status_code == 401  # Django answered
