@@ -10,7 +10,10 @@ checking run on a thread: a large image costs tens of milliseconds that every st
 Without ``--image-domains`` an image URL must name a public host: one that resolves to a loopback, private,
 link-local or otherwise reserved address (the gateway's own machine, etcd, the control plane, a cloud's
 metadata service) is refused, redirects included, so that a client cannot make the gateway probe the
-fleet's network. Naming hosts in ``--image-domains`` allows those, whatever their addresses.
+fleet's network. The addresses checked are the ones connected to: the client's connections resolve each host
+once, check every address, and connect to a checked one (``_PublicAddressesOnly``), so a name that resolves
+to a public address for the check and to a private one a moment later (DNS rebinding) gets nowhere. Naming
+hosts in ``--image-domains`` allows those, whatever their addresses.
 
 Models whose card does not say ``vision`` take text only: a request with an image part is refused naming the
 part before any image is fetched (``refuse_images``).
@@ -25,10 +28,12 @@ import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 from PIL import Image, UnidentifiedImageError
 
@@ -175,8 +180,16 @@ class ImageLoader:
         client = self._client
         if client is None:
             # Redirects are followed, each checked as the URL was (an allowed host may send elsewhere).
+            transport = httpx.AsyncHTTPTransport()
+            if not limits.domains:
+                transport._pool = httpcore.AsyncConnectionPool(
+                    ssl_context=httpx.create_ssl_context(), network_backend=_PublicAddressesOnly()
+                )
             client = self._client = httpx.AsyncClient(
-                follow_redirects=True, timeout=None, event_hooks={"request": [self._check_redirect]}
+                transport=transport,
+                follow_redirects=True,
+                timeout=None,
+                event_hooks={"request": [self._check_redirect]},
             )
         try:
             async with asyncio.timeout(limits.fetch_timeout_s):
@@ -219,11 +232,17 @@ class ImageLoader:
 
 async def _check_public(url: httpx.URL) -> None:
     """Raises _NotAllowed unless every address ``url``'s host resolves to is a public one."""
-    host = url.host
+    await _public_addresses(url.host, url.port or 443)
+
+
+async def _public_addresses(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to, each checked to be public; raises _NotAllowed if one is not, or if
+    it does not resolve."""
     try:
-        found = await asyncio.get_running_loop().getaddrinfo(host, url.port or 443, type=socket.SOCK_STREAM)
+        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise _NotAllowed(f"the image host {host!r} cannot be resolved ({exc.strerror or exc})") from None
+    addresses = []
     for *_, address in found:
         ip = ipaddress.ip_address(address[0])
         if not ip.is_global or ip.is_multicast:
@@ -231,6 +250,44 @@ async def _check_public(url: httpx.URL) -> None:
                 f"the image host {host!r} is at {ip}, not a public address: the gateway fetches images only from "
                 "public hosts unless --image-domains (FLOTILLA_IMAGE_DOMAINS) names the host"
             )
+        addresses.append(str(ip))
+    return addresses
+
+
+class _PublicAddressesOnly(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend for image fetches without ``--image-domains``: a connection resolves its host
+    once, checks every address (``_public_addresses``) and connects to one of those very addresses, never
+    resolving again. TLS still names the host (httpcore gives the URL's host as the server name)."""
+
+    def __init__(self) -> None:
+        self._backend = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        failed: httpcore.ConnectError | None = None
+        for address in await _public_addresses(host, port):
+            try:
+                return await self._backend.connect_tcp(address, port, timeout, local_address, socket_options)
+            except httpcore.ConnectError as exc:  # the next address, as a resolver's caller would try
+                failed = exc
+        raise failed or httpcore.ConnectError(f"{host!r} resolved to no address")
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's interface)
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise _NotAllowed("an image URL may not lead to a Unix socket")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
 
 
 class _NotAllowed(Exception):

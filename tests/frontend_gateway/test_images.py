@@ -1,9 +1,11 @@
 """Chat requests' image parts: data URIs decoded, http(s) URLs fetched within limits, each checked to be an image;
 text-only models refuse them naming the part; a vision model's engine gets each image at its placeholder."""
 
+import asyncio
 import base64
 import hashlib
 import io
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,7 +45,10 @@ def data_uri(data: bytes, media_type: str = "image/png") -> str:
 
 
 class _Pages(BaseHTTPRequestHandler):
+    served = 0  # GETs answered, every page
+
     def do_GET(self) -> None:
+        _Pages.served += 1
         if self.path == "/red.png":
             self._send(200, RED)
         elif self.path == "/big.png":
@@ -279,3 +284,30 @@ async def test_text_holding_the_placeholder_itself_is_refused(text_card: ModelCa
     client = await call(GatewayApp(registry), "/v1/chat/completions", body)
     error = msgspec.json.decode(client.content)["error"]
     assert client.status == 400 and "placed 2 image tokens for 1 images" in error["message"]
+
+
+async def test_a_host_that_rebinds_to_a_private_address_after_the_check_is_not_connected_to(
+    pages: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DNS rebinding: the name is public when checked and loopback a moment later, when httpx would have
+    resolved it again to connect. The connection goes only to an address that was checked."""
+    port = int(pages.rsplit(":", 1)[1])
+    # Public for the checks (the URL's, then the request hook's), loopback for every resolution after them.
+    answers = iter(["93.184.215.14", "93.184.215.14"])
+    loop = asyncio.get_running_loop()
+    resolved: list[str] = []
+
+    async def rebinding(host: str, *args: Any, **kwargs: Any) -> list[Any]:
+        if host != "rebind.example":
+            return await real(host, *args, **kwargs)
+        address = next(answers, "127.0.0.1")
+        resolved.append(address)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    real = loop.getaddrinfo
+    monkeypatch.setattr(loop, "getaddrinfo", rebinding)
+    served = _Pages.served
+    error = await refused(f"http://rebind.example:{port}/red.png")
+    assert "is at 127.0.0.1, not a public address" in error.message
+    assert resolved == ["93.184.215.14", "93.184.215.14", "127.0.0.1"]  # the connection's own: refused
+    assert _Pages.served == served  # the loopback server saw nothing
