@@ -224,6 +224,16 @@ SMOKES = [
         marks=[SERIAL],
     ),
     Smoke(
+        "planner_sim",
+        "planner_sim.py",
+        "--seeds 2 --trend-gains 0.3/0.1",
+        [
+            rf"^the bench's settings +{NUMBER} +\[{NUMBER} \.\. {NUMBER}\] +{NUMBER} s +\(max {NUMBER} s\)$",
+            rf"^trend 0.3/0.1 +{NUMBER} ",
+            rf"^oracle \(the offered rate\) +{NUMBER} ",
+        ],
+    ),
+    Smoke(
         "worker_start",
         "worker_start.py",
         "--rounds 1",
