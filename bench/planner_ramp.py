@@ -25,10 +25,12 @@ The workers: 4,096-token prompts in chunks of 512 tokens per step (``max_num_bat
 chunked-prefill default of old) so that one worker holds a few requests per second, and the whole run stays
 within what this 2-core machine's client and gateway stream without becoming the bottleneck.
 
-Floors (issue 37): TTFT p90 within the target in >= 95% of the 10 s windows (the share of requests within
-it is shown too); worker-seconds <= 0.7x a static provisioning for the peak (ceil(4) workers the whole
-time); <= 10 s from the load crossing one worker's capacity to the scale-up decision; <= 1 change of
-direction per minute in the steady parts. NVIDIA Dynamo's planner is not run here (see docs/benchmarks.md).
+Floors (issue 37): TTFT p90 within the target in >= 95% of the 10 s windows, and (the issue's words, "for
+>= 95% of requests") >= 95% of the requests sent in a window whose p90 was within it (the share of requests
+whose own TTFT is within it is shown too); worker-seconds <= 0.7x a static provisioning for the peak
+(ceil(4) workers the whole time); <= 10 s from the load crossing one worker's capacity to the scale-up
+decision; <= 1 change of direction per minute in the steady parts. NVIDIA Dynamo's planner is not run here
+(see docs/benchmarks.md).
 """
 
 import argparse
@@ -373,6 +375,9 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
         )
     counted = [row for row in rows if row["requests"]]
     windows_ok = sum(1 for row in counted if row["ttft_p90_s"] <= target) / len(counted)
+    # The issue's words, "TTFT p90 within the target for >= 95% of requests": the requests sent in a window
+    # whose p90 met the target, as a share of all (each window weighs its requests, not one).
+    in_good_windows = sum(row["requests"] for row in counted if row["ttft_p90_s"] <= target) / len(sent)
     within = sum(1 for _, r in sent if ttft_or_inf(r) <= target) / len(sent)
     errors = sum(1 for _, r in sent if r.error is not None)
     used = worker_seconds(measured["samples"], duration)
@@ -385,6 +390,7 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
     first = reactions[1]
     checks = {
         "ttft_p90_windows": (windows_ok, windows_ok >= FLOOR_WINDOWS),
+        "requests_in_windows_within_target": (in_good_windows, in_good_windows >= FLOOR_WINDOWS),
         "worker_seconds_vs_static_peak": (used / static, used / static <= FLOOR_WORKER_SECONDS),
         "scale_up_reaction_s": (first, first is not None and first <= FLOOR_REACTION_S),
         "reversals_per_minute_steady": (per_minute, per_minute <= FLOOR_REVERSALS_PER_MIN),
@@ -397,6 +403,10 @@ def report(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]
     print(
         f"TTFT p90 within target in {windows_ok:.0%} of {len(counted)} 10 s windows (>= 95%): "
         f"{verdict(checks['ttft_p90_windows'][1])}"
+    )
+    print(
+        f"requests sent in a 10 s window whose TTFT p90 was within target: {in_good_windows:.1%} (>= 95%): "
+        f"{verdict(checks['requests_in_windows_within_target'][1])}"
     )
     print(
         f"worker-seconds {used:.0f} vs {static:.0f} static for the peak ({math.ceil(PEAK)} workers): "
