@@ -49,8 +49,16 @@ def find_binaries(names: tuple[str, ...]) -> dict[str, str]:
     return {name: path for name, path in found.items() if path is not None}
 
 
-def etcd_server(binary: str, port: int, peer_port: int, data_dir: Path) -> ServerSpec:
-    """A one-member etcd on ``127.0.0.1:port``."""
+#: How much of its history etcd keeps. It keeps every revision until its history is compacted, which it does
+#: not do by default: a stack left running would fill etcd's space quota (2 GiB, then every write is refused)
+#: with registrations and liveness claims. No reader here resumes a watch from older than a moment ago (a
+#: broken watch lists its prefix again), so an hour is ample.
+ETCD_HISTORY = "1h"
+
+
+def etcd_server(binary: str, port: int, peer_port: int, data_dir: Path, history: str = ETCD_HISTORY) -> ServerSpec:
+    """A one-member etcd on ``127.0.0.1:port`` that compacts its history older than ``history`` (a duration:
+    ``1h``, ``10m``, ``2s``)."""
     url = f"http://127.0.0.1:{port}"
     peer = f"http://127.0.0.1:{peer_port}"
     argv = [
@@ -62,6 +70,8 @@ def etcd_server(binary: str, port: int, peer_port: int, data_dir: Path) -> Serve
         f"--listen-peer-urls={peer}",
         f"--initial-advertise-peer-urls={peer}",
         f"--initial-cluster=flotilla={peer}",
+        "--auto-compaction-mode=periodic",
+        f"--auto-compaction-retention={history}",
     ]
 
     async def ready() -> bool:

@@ -10,7 +10,8 @@ its own lease, ``flotilla/liveness/<worker id in hex>``, signed anew every ``REF
      "signatures": {<key id>: <HMAC>}}
 
 Only while it is asked: each put is an etcd revision, kept until etcd compacts its history (which it does
-not by default), so a claim every few seconds from every worker for ever would fill etcd's quota in weeks.
+not by default; `flotilla up`'s etcd compacts hourly), so a claim every few seconds from every worker for
+ever would fill an uncompacted etcd's quota in weeks.
 The reconciler asks the workers of offline nodes only (``ask_for_claims``: ``flotilla/liveness-asked/<worker
 id>``, under a lease it keeps alive while the node is offline, and deletes once it is back); each worker
 watches its own request (``claim_while_asked``). Someone else's request only makes a worker write claims
