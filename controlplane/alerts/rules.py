@@ -65,22 +65,54 @@ def crash_loops(settings: AlertSettings, now: datetime.datetime) -> list[Firing]
         )
         .values("target_id")
         .annotate(count=Count("id"))
-        .filter(count__gte=settings.crash_restarts)
     )
     counts = {int(row["target_id"]): int(row["count"]) for row in restarts if row["target_id"].isdigit()}
-    for instance in instances.filter(pk__in=counts, gave_up=False):
-        minutes = settings.crash_window_s / 60
+    if not counts:
+        return firing
+    live = list(instances.filter(gave_up=False))
+    chains = _replica_chains({instance.pk: instance.previous_id for instance in live})
+    minutes = settings.crash_window_s / 60
+    for instance in live:
+        chain = chains[instance.pk]
+        restarted = sum(counts.get(pk, 0) for pk in chain)
+        if restarted < settings.crash_restarts:
+            continue
+        earlier = " (with the rows it replaced)" if restarted > counts.get(instance.pk, 0) else ""
         firing.append(
             Firing(
                 Rule.CRASH_LOOP,
                 "instance",
                 str(instance.pk),
                 instance.name,
-                f"{instance.name} was restarted {counts[instance.pk]} times in the last {minutes:g} minutes"
+                f"{instance.name} was restarted {restarted} times in the last {minutes:g} minutes{earlier}"
                 + (f"; last failure: {instance.reason}" if instance.reason else ""),
             )
         )
     return firing
+
+
+#: How far back a replica's rows are followed (``Instance.previous``) when its restarts are counted.
+CHAIN_DEPTH = 10
+
+
+def _replica_chains(previous_of: dict[int, int | None]) -> dict[int, list[int]]:
+    """Each given instance's row and the rows it took the place of (``previous``, newest first, at most
+    ``CHAIN_DEPTH``): a replica replaced on another node (a drain, an eviction) keeps its restarts."""
+    known = dict(previous_of)
+    chains = {pk: [pk] for pk in previous_of}
+    for _ in range(CHAIN_DEPTH - 1):
+        missing = {known[chain[-1]] for chain in chains.values() if known.get(chain[-1]) is not None} - known.keys()
+        if missing:
+            known |= dict(Instance.objects.filter(pk__in=missing).values_list("pk", "previous_id"))
+        grew = False
+        for chain in chains.values():
+            before = known.get(chain[-1])
+            if before is not None and before in known and before not in chain:
+                chain.append(before)
+                grew = True
+        if not grew:
+            break
+    return chains
 
 
 def unschedulable(settings: AlertSettings, now: datetime.datetime) -> list[Firing]:

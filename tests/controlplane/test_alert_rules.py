@@ -13,6 +13,7 @@ from controlplane.alerts.models import Rule, Severity
 from controlplane.apikeys import actions as key_actions
 from controlplane.apikeys.models import KeyUsage
 from controlplane.audit.records import Actor
+from controlplane.deployments import instances as instance_actions
 from controlplane.deployments import upkeep
 from controlplane.deployments.instance_states import InstanceState
 from controlplane.deployments.models import Instance
@@ -47,6 +48,25 @@ def test_an_instance_restarted_three_times_in_the_window_is_a_crash_loop() -> No
     # Restarts older than the window do not count.
     later = timezone.now() + datetime.timedelta(seconds=601)
     assert rules.crash_loops(SETTINGS, later) == []
+
+
+def test_a_replica_that_crash_loops_on_across_a_new_row_counts_the_restarts_of_the_rows_it_replaced() -> None:
+    instance = placed_instance()
+    for _ in range(2):
+        instance = crash(instance)
+    # Drained to a new row (its node's GPU given up by a person, say): the replica runs on as that row.
+    [successor] = instance_actions.add_instances(RECONCILER, instance.group, 1, reason="drain", replaces=instance)
+    upkeep.place_pending_instances(RECONCILER)  # waits: the only GPU is the old row's
+    Instance.objects.filter(pk=instance.pk).update(state=InstanceState.STOPPED, node=None, gpu_indexes=[])
+    upkeep.place_pending_instances(RECONCILER)
+    successor.refresh_from_db()
+    assert rules.crash_loops(SETTINGS, timezone.now()) == []  # two restarts: not yet
+    successor = crash(successor)
+    [firing] = rules.crash_loops(SETTINGS, timezone.now())
+    assert (firing.subject_id, firing.subject_name) == (str(successor.pk), successor.name)
+    assert "restarted 3 times in the last 10 minutes (with the rows it replaced)" in firing.message
+    # The old rows' restarts age out of the window like the row's own.
+    assert rules.crash_loops(SETTINGS, timezone.now() + datetime.timedelta(seconds=601)) == []
 
 
 def test_an_instance_the_reconciler_gave_up_on_is_a_critical_crash_loop() -> None:
