@@ -21,6 +21,7 @@ class AlertSettings:
     webhook_secret: str = ""  # FLOTILLA_ALERT_WEBHOOK_SECRET (or _FILE): signs the body (HMAC-SHA256)
     webhook_timeout_s: float = 5.0  # FLOTILLA_ALERT_WEBHOOK_TIMEOUT_S
     emails: tuple[str, ...] = ()  # FLOTILLA_ALERT_EMAILS: comma-separated; sent only where EMAIL_HOST is set
+    keep_s: float = 30 * 24 * 3600.0  # FLOTILLA_ALERT_KEEP_S: resolved alerts and ended silences kept this long
 
     @classmethod
     def from_env(cls) -> "AlertSettings":
@@ -41,4 +42,5 @@ class AlertSettings:
             webhook_secret=env_str("FLOTILLA_ALERT_WEBHOOK_SECRET") or "",
             webhook_timeout_s=env_float("FLOTILLA_ALERT_WEBHOOK_TIMEOUT_S", cls.webhook_timeout_s, minimum=0.1),
             emails=emails,
+            keep_s=env_float("FLOTILLA_ALERT_KEEP_S", cls.keep_s, minimum=60.0),
         )

@@ -14,7 +14,7 @@ from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
 
 from controlplane.alerts.config import AlertSettings
-from controlplane.alerts.models import Alert, Rule
+from controlplane.alerts.models import Alert, Notified, Rule, Silence
 from controlplane.alerts.notify import NotifyReport, notify
 from controlplane.alerts.rules import RULES, Firing, RuleFunction
 from runtime.errors import ConfigError
@@ -29,6 +29,7 @@ class PassReport:
     firing: int = 0
     failed_rules: list[str] = field(default_factory=list)
     notified: NotifyReport | None = None
+    pruned: int = 0  # resolved alerts and ended silences deleted, past FLOTILLA_ALERT_KEEP_S
 
 
 def run_pass(
@@ -50,7 +51,27 @@ def run_pass(
     report = record_firings(firing, now, skip_resolving=failed)
     report.failed_rules = sorted(failed)
     report.notified = notify(settings, now)
+    report.pruned = prune(settings, now)
     return report
+
+
+def prune(settings: AlertSettings, now: datetime.datetime) -> int:
+    """Delete the alerts resolved, and the silences ended, more than ``keep_s`` ago (the table would grow for
+    ever otherwise); returns how many rows went. A resolution still unsent that long is given up, logged."""
+    before = now - datetime.timedelta(seconds=settings.keep_s)
+    old = Alert.objects.filter(resolved_at__lt=before)
+    unsent = old.exclude(webhook_sent=Notified.RESOLVED).exclude(webhook_sent=Notified.NOTHING).count()
+    if unsent and settings.webhook_url:
+        log.warning(
+            "%d resolved alert(s) never sent as resolved by webhook are deleted after %g s", unsent, settings.keep_s
+        )
+    alerts, _ = old.delete()
+    silences, _ = Silence.objects.filter(ends_at__lt=before).delete()
+    if alerts or silences:
+        log.info(
+            "deleted %d resolved alert(s) and %d ended silence(s) older than %g s", alerts, silences, settings.keep_s
+        )
+    return alerts + silences
 
 
 @transaction.atomic

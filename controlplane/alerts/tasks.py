@@ -25,5 +25,6 @@ def evaluate_alerts() -> dict[str, Any] | None:
         "resolved": report.resolved,
         "firing": report.firing,
         "failed_rules": report.failed_rules,
+        "pruned": report.pruned,
         "errors": report.notified.errors if report.notified else [],
     }

@@ -223,3 +223,27 @@ def test_a_rule_that_fails_leaves_its_alerts_firing(receiver: Receiver) -> None:
     report = run_pass(settings, rules={Rule.NODE_OFFLINE: broken})
     assert report.failed_rules == ["node_offline"] and report.resolved == []
     assert Alert.objects.get().firing
+
+
+def test_alerts_resolved_and_silences_ended_past_the_keep_time_are_deleted_and_the_rest_kept() -> None:
+    fleet, settings = Fleet(), AlertSettings(keep_s=3600)
+    start = timezone.now()
+    fleet.firing = [NODE_DOWN]
+    a_pass(fleet, settings, start)
+    fleet.firing = []
+    a_pass(fleet, settings, start + datetime.timedelta(minutes=1))  # resolved a minute in
+    fleet.firing = [NODE_DOWN]
+    a_pass(fleet, settings, start + datetime.timedelta(minutes=2))  # firing again: a new row, never resolved
+    Silence.objects.create(rule=Rule.NODE_OFFLINE, ends_at=start, comment="maintenance", created_by_name="alice")
+    Silence.objects.create(
+        rule=Rule.NODE_OFFLINE, ends_at=start + datetime.timedelta(days=1), comment="longer", created_by_name="alice"
+    )
+
+    report = a_pass(fleet, settings, start + datetime.timedelta(minutes=30))
+    assert report.pruned == 0 and Alert.objects.count() == 2 and Silence.objects.count() == 2
+
+    report = a_pass(fleet, settings, start + datetime.timedelta(minutes=62))
+    assert report.pruned == 2  # the alert resolved 61 minutes before, the silence ended 62 minutes before
+    [left] = Alert.objects.all()
+    assert left.firing  # a firing alert is never deleted, however old
+    assert [silence.comment for silence in Silence.objects.all()] == ["longer"]
