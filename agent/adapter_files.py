@@ -13,7 +13,8 @@ rename), and only when its content changes, so a worker never reads half a file 
 An adapter comes from a Hugging Face repo, downloaded as models are (agent/downloads.py: the same folder, lock
 and ``HF_TOKEN``), or from a local path, checked: a PEFT folder (``adapter_config.json``) or a GGUF file. One
 that cannot be fetched is left out of the file and logged at warning with the reason; the others are written,
-the worker keeps running, and the next re-sent task tries again.
+the worker keeps running, and the next re-sent task tries again. Meanwhile the node's heartbeat tells the
+control plane which adapters it could not fetch and why (``failures``), and the pipeline's Adapters panel says so.
 """
 
 import asyncio
@@ -27,6 +28,7 @@ import msgspec
 
 from agent.downloads import ModelDownloader
 from agent.errors import DownloadError, LocalModelInvalid, LocalModelMissing
+from runtime.fleet_contract.reports import AdapterFailure
 from runtime.fleet_contract.tasks import AdapterSource, LocalSource
 from runtime.lora import AdapterSet, LoraAdapter
 
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 
 #: The folder of the adapter files, inside the models folder.
 FOLDER = "adapter-sets"
+#: What a heartbeat says of adapters that could not be fetched, at most (the control plane takes no more).
+MAX_FAILURES_REPORTED = 64
+MAX_REASON = 500
 #: What makes a folder a PEFT adapter.
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -47,6 +52,19 @@ class AdapterFiles:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # pipeline -> the set last applied with every adapter fetched: a re-sent copy of it does nothing.
         self._complete: dict[str, tuple[int, list[AdapterSource]]] = {}
+        # pipeline -> (its row id, adapter -> why it could not be fetched) as of its last set applied: the
+        # heartbeat tells the control plane, whose Adapters panel shows it.
+        self._failures: dict[str, tuple[int, dict[str, str]]] = {}
+
+    def failures(self) -> list[AdapterFailure]:
+        """The adapters left out of their pipelines' files, with why, as the last set of each pipeline had them
+        (at most ``MAX_FAILURES_REPORTED``, each reason at most ``MAX_REASON`` characters)."""
+        found = [
+            AdapterFailure(pipeline_id=pipeline_id, adapter=name, reason=reason[:MAX_REASON])
+            for pipeline_id, failed in self._failures.values()
+            for name, reason in sorted(failed.items())
+        ]
+        return sorted(found, key=lambda f: (f.pipeline_id, f.adapter))[:MAX_FAILURES_REPORTED]
 
     def path(self, pipeline: str, pipeline_id: int = 0) -> Path:
         """The adapter file of ``pipeline`` (its namespace: letters, digits, '-' and '_') of row id ``pipeline_id``:
@@ -75,21 +93,23 @@ class AdapterFiles:
                 return path
             if held == generation and self._complete.get(key) == (generation, adapters):
                 return path
-            loaded, failed = [], []
+            loaded, failed = [], {}
             for adapter in adapters:
                 try:
                     local = await self._fetch(adapter)
                 except DownloadError as exc:
                     log.warning("pipeline %s: adapter %s left out of its workers' set: %s", pipeline, adapter.name, exc)
-                    failed.append(adapter.name)
+                    failed[adapter.name] = str(exc)
                     continue
                 loaded.append(LoraAdapter(name=adapter.name, path=str(local)))
             content = msgspec.json.encode(AdapterSet(adapters=loaded, generation=generation))
             await asyncio.to_thread(_write_atomically, path, content)
             if failed:
                 self._complete.pop(key, None)  # the next copy of the task tries them again
+                self._failures[key] = (pipeline_id, failed)
             else:
                 self._complete[key] = (generation, adapters)
+                self._failures.pop(key, None)
             log.info(
                 "pipeline %s: adapter set %d written (%s)%s",
                 pipeline,

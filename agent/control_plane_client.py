@@ -33,8 +33,8 @@ from agent.errors import AgentError
 from agent.inventory import NodeInventory
 from runtime.backoff import Backoff
 from runtime.errors import ConfigError
+from runtime.fleet_contract.reports import AdapterFailure, GpuReport
 from runtime.fleet_contract.reports import DownloadReport as DownloadReport
-from runtime.fleet_contract.reports import GpuReport
 from runtime.fleet_contract.reports import InstanceReport as InstanceReport
 from runtime.fleet_contract.reports import NodeReport as NodeReport
 
@@ -86,6 +86,7 @@ def node_report(
     version: str = "",
     machine_id: str = "",
     engines: Collection[str] = (),
+    adapter_failures: list[AdapterFailure] | None = None,
 ) -> NodeReport:
     """The API's report of ``inventory`` for node ``name`` on machine ``machine_id``, which runs ``engines``."""
     return NodeReport(
@@ -110,6 +111,7 @@ def node_report(
         machine_id=machine_id,
         engines=sorted(engines),
         cpu_utilization_percent=inventory.cpu_utilization_percent,
+        adapter_failures=adapter_failures,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from agent.control_plane_client import HeartbeatReply, NodeNotRegistered, NodeReport, TokenRejected, node_report
 from agent.inventory import Inventory
+from runtime.fleet_contract.reports import AdapterFailure
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ class Heartbeats:
         machine_id: str,
         engines: Collection[str],
         interval_s: float,
+        adapter_failures: Callable[[], list[AdapterFailure]] = list,
     ) -> None:
-        """``gpu_memory_in_use``: bytes the workers declared per GPU index (the supervisor's)."""
+        """``gpu_memory_in_use``: bytes the workers declared per GPU index (the supervisor's);
+        ``adapter_failures``: the adapters the node could not fetch now (agent/adapter_files.py)."""
         self._client = client
         self._inventory = inventory
         self._gpu_memory_in_use = gpu_memory_in_use
@@ -52,6 +55,7 @@ class Heartbeats:
         self._machine_id = machine_id
         self._engines = engines
         self._interval_s = interval_s
+        self._adapter_failures = adapter_failures
 
     async def node_report(self) -> NodeReport:
         """The node's inventory now (simulated GPUs' memory used: what the workers on them declared; the CPU
@@ -64,6 +68,7 @@ class Heartbeats:
             version=self._version,
             machine_id=self._machine_id,
             engines=self._engines,
+            adapter_failures=self._adapter_failures(),
         )
 
     async def register(self) -> None:

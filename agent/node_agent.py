@@ -164,6 +164,7 @@ class NodeAgent:
             machine_id=machine_id,
             engines=self.engines,
             interval_s=heartbeat_s,
+            adapter_failures=lambda: self.adapters.failures(),
         )
         downloads = ReportedDownloads(client, downloader, reports.report)
         self.adapters = AdapterFiles(downloader)

@@ -25,9 +25,11 @@ from controlplane.catalog import adapters as catalog_adapters
 from controlplane.catalog.models import LanguageModel
 from controlplane.dashboard.access import ACT_ROLE, role_required
 from controlplane.deployments import adapters as adapter_actions
+from controlplane.deployments.instance_states import LIVE_STATES
 from controlplane.deployments.models import Instance, Pipeline
 from controlplane.errors import Conflict, Invalid
 from controlplane.etcd_records import read_prefix
+from controlplane.fleet.models import Node
 from runtime.cluster.discovery import MODELS_PREFIX
 from runtime.lora import LoraInfo
 
@@ -46,21 +48,37 @@ class AdapterRow:
     loaded: bool
     #: The names of the pipeline's instances whose workers registered it; None: etcd could not be read.
     served_by: list[str] | None = field(default_factory=list)
+    #: "node: why" for each node of the pipeline's instances that could not fetch it (its agent's heartbeat).
+    failed_on: list[str] = field(default_factory=list)
 
 
 def adapter_rows(pipeline: Pipeline) -> list[AdapterRow]:
     """Each adapter of the pipeline's model: loaded here or not, and which instances serve it."""
     loaded = set(pipeline.adapters.values_list("pk", flat=True))
     served = served_adapters(pipeline)
+    failed = adapter_failures(pipeline)
     return [
         AdapterRow(
             name=adapter.name,
             source=adapter.source_display,
             loaded=adapter.pk in loaded,
             served_by=None if served is None else sorted(served.get(adapter.name, [])),
+            failed_on=failed.get(adapter.name, []),
         )
         for adapter in pipeline.model.adapters.all()
     ]
+
+
+def adapter_failures(pipeline: Pipeline) -> dict[str, list[str]]:
+    """Adapter name -> "node: why" for each node running an instance of the pipeline whose agent could not fetch
+    it. A node's word counts only for pipelines it runs an instance of: what it says of others is not shown."""
+    nodes = Node.objects.filter(instances__pipeline=pipeline, instances__state__in=LIVE_STATES).distinct()
+    found: dict[str, list[str]] = {}
+    for node in nodes.order_by("name"):
+        for failure in node.adapter_failures:
+            if isinstance(failure, dict) and failure.get("pipeline_id") == pipeline.pk:
+                found.setdefault(str(failure.get("adapter")), []).append(f"{node.name}: {failure.get('reason', '')}")
+    return found
 
 
 def served_adapters(pipeline: Pipeline) -> dict[str, list[str]] | None:

@@ -38,16 +38,22 @@ _implausible_figures = RateLimitedLog(log, period_s=60.0)
 # What a heartbeat that changes only usage figures writes.
 _HEARTBEAT_FIELDS = [
     "address", "labels", "cpu_count", "memory_total_bytes", "memory_available_bytes",
-    "cpu_utilization_percent", "agent_version", "last_heartbeat_at", "updated_at",
+    "cpu_utilization_percent", "agent_version", "adapter_failures", "last_heartbeat_at", "updated_at",
 ]  # fmt: skip
+# What a node's audit entries leave out: usage figures and news that change with every heartbeat.
+_NOT_AUDITED = (
+    "updated_at",
+    "last_heartbeat_at",
+    "memory_available_bytes",
+    "cpu_utilization_percent",
+    "adapter_failures",
+)
 _GPU_USAGE_SQL = "UPDATE {table} SET memory_used_bytes = %s, utilization_percent = %s WHERE id = %s"
 
 
 def node_snapshot(node: Node, gpus: Sequence[Gpu] | None = None) -> JSON:
     """The node's fields and its GPUs (``gpus``, when already read in index order), for audit entries."""
-    values = snapshot(
-        node, exclude=("updated_at", "last_heartbeat_at", "memory_available_bytes", "cpu_utilization_percent")
-    )
+    values = snapshot(node, exclude=_NOT_AUDITED)
     rows = node.gpus.order_by("index") if gpus is None else gpus
     values["gpus"] = [
         {"index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "memory_total_bytes": gpu.memory_total_bytes}
@@ -221,6 +227,11 @@ def _apply_report(node: Node, report: NodeReport) -> None:
     node.machine_id = claimed_machine(node, report.machine_id)
     if report.engines is not None:
         node.engines = list(report.engines)
+    if report.adapter_failures is not None:
+        # As the node says; shown only beside its own instances' pipelines (controlplane/dashboard/adapters.py).
+        node.adapter_failures = [
+            {"pipeline_id": f.pipeline_id, "adapter": f.adapter, "reason": f.reason} for f in report.adapter_failures
+        ]
     # The database's time, the clock the reconciler measures silence on. Read, not written as Now(): on
     # SQLite Now() stores text in another format than Django's, and the reconciler's conditional update
     # (mark_node_offline: last_heartbeat_at equal to the value it read) would never match it.

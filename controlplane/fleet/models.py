@@ -69,6 +69,9 @@ class Node(models.Model):
     # The engines its agent says it can run (runtime.fleet_contract.engine_names.engines_on_this_node()), sorted;
     # placement puts a replica only where its engine is. Until the agent says: ENGINES_BEFORE_REPORTS (see there why).
     engines = models.JSONField(default=engines_before_reports, blank=True)
+    # The LoRA adapters its agent could not fetch for its pipelines' workers, as its last heartbeat said:
+    # [{"pipeline_id", "adapter", "reason"}], only for pipelines with an instance placed here (the Adapters panel).
+    adapter_failures = models.JSONField(default=list, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -25,6 +25,15 @@ class GpuReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     utilization_percent: int = 0
 
 
+class AdapterFailure(msgspec.Struct, frozen=True, kw_only=True):
+    """A LoRA adapter the node could not fetch for a pipeline's workers (agent/adapter_files.py): left out of
+    their adapter file, tried again with the next copy of the pipeline's set."""
+
+    pipeline_id: int
+    adapter: str
+    reason: str
+
+
 class NodeReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A node's inventory: sent at registration and with every heartbeat."""
 
@@ -48,6 +57,9 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: (the first report, a machine without /proc/stat, older agents); left out of the body then, so a control
     #: plane older than this field never sees it (its serializer would ignore it anyway).
     cpu_utilization_percent: float | None = None
+    #: The adapters this node could not fetch for its pipelines' workers, as of now ([]: none). None: not said
+    #: (older agents): the node keeps what it had.
+    adapter_failures: list[AdapterFailure] | None = None
 
 
 class InstanceReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

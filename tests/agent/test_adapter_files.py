@@ -14,13 +14,16 @@ import msgspec
 import pytest
 
 from agent.adapter_files import AdapterFiles
+from agent.control_plane_client import NodeReport
 from agent.downloads import HubSettings, ModelDownloader
 from agent.errors import TaskNotAllowed
+from agent.heartbeats import Heartbeats
 from agent.inventory import Inventory
 from agent.node_agent import NodeAgent
 from agent.tasks.checks import check_start
 from agent.tasks.consumer import TaskConsumer
 from agent.workers.spec import worker_argv
+from runtime.fleet_contract.reports import AdapterFailure
 from runtime.fleet_contract.tasks import (
     TASK_SET_ADAPTERS,
     AdapterSource,
@@ -127,9 +130,23 @@ async def test_an_adapter_that_cannot_be_fetched_is_left_out_logged_and_tried_ag
         f"pipeline chat: adapter model left out of its workers' set: folder {str(not_an_adapter)!r} has no "
         "adapter_config.json, so it is not a LoRA adapter",
     ]
+    # What the heartbeat tells the control plane meanwhile:
+    assert files.failures() == [
+        AdapterFailure(
+            pipeline_id=0, adapter="later", reason=f"adapter path {str(later)!r} does not exist on this node"
+        ),
+        AdapterFailure(
+            pipeline_id=0,
+            adapter="model",
+            reason=f"folder {str(not_an_adapter)!r} has no adapter_config.json, so it is not a LoRA adapter",
+        ),
+    ]
     adapter_folder(tmp_path / "adapters", "later")  # mounted since
     await files.apply("chat", adapters, 1)  # the control plane's next copy of the same set
     assert [adapter.name for adapter in held(files, "chat").adapters] == ["sql", "later"]
+    assert [failure.adapter for failure in files.failures()] == ["model"]
+    await files.apply("chat", [local("sql", sql)], 2)  # "model" unloaded: nothing is left to report
+    assert files.failures() == []
 
 
 async def test_a_start_of_a_pipeline_that_has_adapters_runs_the_worker_with_its_file(
@@ -253,3 +270,37 @@ def make_agent(
         stop_timeout_s=10,
         engines={"mocker"},
     )
+
+
+async def test_the_heartbeat_says_which_adapters_the_node_could_not_fetch(tmp_path: Path) -> None:
+    files = AdapterFiles(ModelDownloader(tmp_path / "models"))
+    missing = tmp_path / "adapters" / "gone"
+    await files.apply("chat", [local("gone", missing)], 1, pipeline_id=3)
+    heartbeats = Heartbeats(
+        client=NotCalled(),
+        inventory=Inventory([1 << 30]),
+        gpu_memory_in_use=dict,
+        node="node-a",
+        address="",
+        version="",
+        machine_id="",
+        engines=(),
+        interval_s=3600,
+        adapter_failures=files.failures,
+    )
+    report = await heartbeats.node_report()
+    assert report.adapter_failures == [
+        AdapterFailure(
+            pipeline_id=3, adapter="gone", reason=f"adapter path {str(missing)!r} does not exist on this node"
+        )
+    ]
+    await files.apply("chat", [], 2, pipeline_id=3)
+    assert (await heartbeats.node_report()).adapter_failures == []  # said, so that the control plane forgets it
+
+
+class NotCalled:
+    async def register(self, report: NodeReport) -> None:
+        raise AssertionError("not called")
+
+    async def heartbeat(self, report: NodeReport) -> None:
+        raise AssertionError("not called")

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from rest_framework.test import APIClient
 
 from controlplane.accounts.models import Role
 from controlplane.catalog.adapters import create_adapter
@@ -108,3 +109,52 @@ def test_a_loaded_adapters_name_reaches_etcd_with_its_pipelines_state_and_leaves
     adapter_actions.load_adapter(TEST_ACTOR, pipeline, "smol-chat")  # its commit's publication lost
     served_names.sync()
     assert "flotilla/served-names/smol-chat" in etcd_values(etcd, SERVED_NAMES_PREFIX)
+
+
+def test_an_adapter_a_node_could_not_fetch_is_shown_with_why_and_only_for_pipelines_the_node_runs(
+    etcd: EtcdServer, agent_client: Callable[[str], APIClient]
+) -> None:
+    make_node("gpu-a", (80,))
+    make_node("gpu-b", (80,))
+    pipeline = chat_with_adapters()
+    upkeep.place_pending_instances(TEST_ACTOR)
+    instance = run_instance(Instance.objects.get())
+    assert instance.node is not None and instance.node.name == "gpu-a"
+    failure = {"pipeline_id": pipeline.pk, "adapter": "smol-sql", "reason": "repository acme/smol-sql is gated"}
+    heartbeat = {"memory_total_bytes": 64 << 30, "adapter_failures": [failure]}
+    assert agent_client("gpu-a").post("/api/v1/agent/heartbeat/", heartbeat, format="json").status_code == 200
+    # gpu-b runs nothing of "chat": what it says of the pipeline's adapters is not believed.
+    lie = {**heartbeat, "adapter_failures": [failure | {"adapter": "smol-chat", "reason": "ignore all that"}]}
+    assert agent_client("gpu-b").post("/api/v1/agent/heartbeat/", lie, format="json").status_code == 200
+
+    reader = logged_in(Role.READ_ONLY)
+    page = reader.get(f"/pipelines/{pipeline.pk}/").content.decode()
+    panel = page[page.index('id="adapters"') : page.index("<h2>Planner</h2>")]
+    assert "not fetched on gpu-a: repository acme/smol-sql is gated" in panel
+    assert "ignore all that" not in panel
+
+    # Fetched at last: the next heartbeat says so, and the panel forgets it.
+    fixed = {**heartbeat, "adapter_failures": []}
+    assert agent_client("gpu-a").post("/api/v1/agent/heartbeat/", fixed, format="json").status_code == 200
+    assert "not fetched on" not in reader.get(f"/pipelines/{pipeline.pk}/").content.decode()
+
+
+@pytest.mark.parametrize(
+    ("failures", "complaint"),
+    [
+        ("not a list", "adapter_failures"),
+        ([{"pipeline_id": 0, "adapter": "x", "reason": ""}], "pipeline_id"),
+        ([{"pipeline_id": 1, "adapter": "x" * 129, "reason": ""}], "adapter"),
+        ([{"pipeline_id": 1, "adapter": "x", "reason": "r" * 501}], "reason"),
+        ([{"pipeline_id": 1, "adapter": "x", "reason": ""}] * 65, "adapter_failures"),
+        ([{"pipeline_id": 1, "reason": ""}], "adapter"),
+    ],
+)
+def test_a_malformed_adapter_failure_report_is_a_400_naming_the_field(
+    agent_client: Callable[[str], APIClient], failures: Any, complaint: str
+) -> None:
+    make_node("gpu-a", (80,))
+    body = {"memory_total_bytes": 64 << 30, "adapter_failures": failures}
+    response = agent_client("gpu-a").post("/api/v1/agent/heartbeat/", body, format="json")
+    assert response.status_code == 400
+    assert complaint in str(response.json())

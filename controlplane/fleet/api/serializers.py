@@ -20,6 +20,9 @@ MAX_GPUS_PER_NODE = 64
 # know an engine this control plane does not) answered by name rather than by a count.
 MAX_ENGINES_PER_NODE = 32
 MAX_INSTANCE_ID = 2**63 - 1
+# What a heartbeat may say of adapters it could not fetch (the agent sends at most as many: agent/adapter_files.py).
+MAX_ADAPTER_FAILURES = 64
+MAX_ADAPTER_FAILURE_REASON = 500
 
 
 # What people read.
@@ -142,6 +145,12 @@ class GpuReportSerializer(serializers.Serializer):
     utilization_percent = serializers.IntegerField(min_value=0, max_value=100, default=0)
 
 
+class AdapterFailureSerializer(serializers.Serializer):
+    pipeline_id = serializers.IntegerField(min_value=1)
+    adapter = serializers.CharField(max_length=128)
+    reason = serializers.CharField(max_length=MAX_ADAPTER_FAILURE_REASON, allow_blank=True)
+
+
 class NodeReportSerializer(serializers.Serializer):
     """A node's inventory; ``name``, when given, must be the token's node."""
 
@@ -171,6 +180,14 @@ class NodeReportSerializer(serializers.Serializer):
     cpu_utilization_percent = serializers.FloatField(
         required=False,
         help_text="Percent of all the node's CPUs' time busy since its previous report; outside 0..100: ignored.",
+    )
+
+    adapter_failures = AdapterFailureSerializer(
+        many=True,
+        required=False,
+        max_length=MAX_ADAPTER_FAILURES,
+        help_text="The LoRA adapters the node could not fetch for its pipelines' workers, and why ([]: none); "
+        "left out: those the node had.",
     )
 
     def validate_engines(self, engines: list[str]) -> list[str]:
