@@ -4,7 +4,7 @@
   ``~/.local/share/flotilla``).
 * ``FLOTILLA_SECRET_KEY`` / ``FLOTILLA_SECRET_KEY_FILE``: see controlplane/secret_key.py.
 * ``DATABASE_URL``: ``postgres://…`` for PostgreSQL; SQLite in the data directory when unset.
-* ``FLOTILLA_DEBUG``, ``FLOTILLA_ALLOWED_HOSTS`` (comma-separated).
+* ``FLOTILLA_DEBUG``, ``FLOTILLA_ALLOWED_HOSTS`` (comma-separated); ``FLOTILLA_LOG`` (controlplane/logging_config.py).
 * ``FLOTILLA_API_MAX_BODY_BYTES``, ``FLOTILLA_API_BODY_TIMEOUT_S``, ``FLOTILLA_API_THREADS``,
   ``FLOTILLA_API_AGENT_THREADS``, ``FLOTILLA_API_LOG_TAIL_THREADS``: how requests are read and run (below).
 * Behind a TLS proxy, cookies, HSTS, login throttling, passwords: see controlplane/web_security.py.
@@ -15,6 +15,7 @@ from pathlib import Path
 from controlplane.catalog.local_roots import local_model_roots
 from controlplane.database import database_config
 from controlplane.live.layer import channel_layers
+from controlplane.logging_config import logging_settings
 from controlplane.secret_key import default_data_dir, load_secret_key
 from controlplane.web_security import web_security
 from runtime.config import env_bool, env_float, env_int, env_str
@@ -23,6 +24,8 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("FLOTILLA_DATA_DIR") or default_data_dir())
 
 DEBUG = env_bool("FLOTILLA_DEBUG", False)
+# FLOTILLA_LOG, as Flotilla's other processes read it; a failing request's traceback included (logging_config.py).
+LOGGING = logging_settings(env_str("FLOTILLA_LOG"))
 SECRET_KEY = load_secret_key(DATA_DIR, debug=DEBUG)
 ALLOWED_HOSTS = [host.strip() for host in (env_str("FLOTILLA_ALLOWED_HOSTS") or "localhost,127.0.0.1").split(",")]
 

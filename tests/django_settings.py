@@ -38,3 +38,7 @@ from controlplane.settings import *  # noqa: E402, F403  (after the environment 
 # hundreds of passwords. What the tests check is which password is accepted, not how it is stretched: a fast
 # hasher keeps that. Processes the tests start (a real control plane) keep the real settings' hashers.
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# pytest owns this process's logging (its capture, caplog's levels): the real settings' LOGGING, which sends every
+# record at info to stderr, is for the processes the tests start (a real control plane keeps it).
+LOGGING_CONFIG = None

@@ -1,9 +1,11 @@
-"""The control plane's servers hold each request's headers to a deadline (controlplane/http_protocol.py),
-on a real uvicorn started as `flotilla up`, the systemd unit and the tests start it."""
+"""The control plane's own server process, started as `flotilla up`, the systemd unit and the tests start it
+(uvicorn): each request's headers are held to a deadline (controlplane/http_protocol.py), and a request that
+fails leaves its traceback in the process's log (controlplane/logging_config.py)."""
 
 import json
 import select
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,3 +59,25 @@ def test_a_silent_connection_is_closed_and_requests_in_time_are_served(control_p
     with connect(control_plane) as sock:
         assert read_to_end(sock) == b""
     assert httpx.get(control_plane.url + "/api/v1/models/", timeout=10).status_code == 401  # Django answered
+
+
+def test_a_request_that_fails_leaves_its_traceback_in_the_log(
+    control_plane: ControlPlaneServer, tmp_path: Path
+) -> None:
+    # A copy of the module's database, then a table dropped under it: every list of models now fails (a 500).
+    broken = ControlPlaneServer(
+        tmp_path / "broken", broker_url="redis://127.0.0.1:1/0", template=control_plane.database
+    )
+    token = broken.person_token("olga", "operator")
+    with sqlite3.connect(broken.database) as database:
+        database.execute("DROP TABLE catalog_languagemodel")
+    broken.start()
+    try:
+        with broken.client(token) as client:
+            assert client.get("/api/v1/models/").status_code == 500
+        log = broken.log()
+    finally:
+        broken.stop()
+    # With DEBUG off (the default), Django's own logging kept this from every handler.
+    assert "ERROR django.request: Internal Server Error: /api/v1/models/" in log
+    assert "Traceback (most recent call last)" in log and "no such table: catalog_languagemodel" in log

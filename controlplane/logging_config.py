@@ -1,0 +1,37 @@
+"""The control plane's logging, from ``FLOTILLA_LOG`` as every Flotilla process reads it (runtime/logging.py).
+
+Django's own default sends a failing request's traceback to the console only when DEBUG is on, and to the
+site's admins by email otherwise: with DEBUG off (always, outside development) and no admins, a 500's
+traceback went nowhere. Here every record at or over its level goes to stderr (the journal under systemd,
+``logs/controlplane.log`` under ``flotilla up``), Django's included, in the format of Flotilla's other
+processes. The Celery worker takes the root logger over with its own handler, as Celery does.
+"""
+
+import logging
+from typing import Any
+
+from runtime.logging import parse_log_spec
+
+FORMAT = "%(asctime)s %(levelname)-5s %(name)s: %(message)s"
+#: Libraries that say too much at info: kept at warning unless FLOTILLA_LOG names them.
+NOISY = ("httpx", "httpcore", "filelock", "huggingface_hub")
+
+
+def logging_settings(spec: str | None) -> dict[str, Any]:
+    """Django's ``LOGGING`` (a ``logging.config.dictConfig`` dictionary) for the FLOTILLA_LOG ``spec``. Raises
+    ConfigError naming a bad directive."""
+    root, targets = parse_log_spec(spec or "info")
+    loggers: dict[str, dict[str, Any]] = {
+        # Django's records reach the root handler, whatever DEBUG says (its default handlers are dropped).
+        "django": {"handlers": [], "level": logging.INFO, "propagate": True},
+        **{name: {"level": max(root, logging.WARNING)} for name in NOISY if name not in targets},
+        **{name: {"level": level} for name, level in targets.items()},
+    }
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"flotilla": {"format": FORMAT}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "flotilla"}},
+        "root": {"handlers": ["stderr"], "level": root},
+        "loggers": loggers,
+    }
