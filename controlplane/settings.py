@@ -138,6 +138,8 @@ API_MAX_BODY_BYTES = env_int("FLOTILLA_API_MAX_BODY_BYTES", 1024 * 1024, minimum
 # how long a runner's hold on a batch lasts unrenewed (it renews it every second): a runner that died is
 # followed by another this long after.
 FILES_MAX_BYTES = env_int("FLOTILLA_FILES_MAX_BYTES", 200 * 1024 * 1024, minimum=1024)
+# All the files one key keeps (its uploads and its batches' outputs): without a bound, one key could fill the disk.
+FILES_MAX_BYTES_PER_KEY = env_int("FLOTILLA_FILES_MAX_BYTES_PER_KEY", 10 * 1024**3, minimum=1024)
 FILES_UPLOAD_TIMEOUT_S = env_float("FLOTILLA_FILES_UPLOAD_TIMEOUT_S", 600.0, minimum=1.0)
 BATCH_GATEWAY_URL = env_str("FLOTILLA_GATEWAY_URL")
 BATCH_CONCURRENCY = env_int("FLOTILLA_BATCH_CONCURRENCY", 16, minimum=1)

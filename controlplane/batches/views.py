@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from django.conf import settings
 from django.db import transaction
-from django.db.models import ProtectedError
+from django.db.models import ProtectedError, Sum
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 
@@ -56,10 +56,33 @@ def _upload(request: HttpRequest, key: ApiKey) -> HttpResponse:
     uploaded = request.FILES.get("file")
     if uploaded is None:
         raise OpenAIError(HTTPStatus.BAD_REQUEST, "no file: send it as the multipart field 'file'", param="file")
-    file = StoredFile(api_key=key, purpose=purpose, filename=(uploaded.name or "upload.jsonl")[:255])
-    file.bytes = storage.save(file.id, uploaded.chunks())
-    file.save()
+    file = _reserve(key, purpose, (uploaded.name or "upload.jsonl")[:255], uploaded.size or 0)
+    try:
+        file.bytes = storage.save(file.id, uploaded.chunks())
+    except BaseException:
+        file.delete()  # the room it held is the key's again
+        raise
+    file.save(update_fields=["bytes"])
     return JsonResponse(file_object(file))
+
+
+@transaction.atomic
+def _reserve(key: ApiKey, purpose: str, filename: str, size: int) -> StoredFile:
+    """The row of a file of ``size`` bytes the key may keep; a 413 when its files (uploads and batches' outputs)
+    would hold more than ``FLOTILLA_FILES_MAX_BYTES_PER_KEY`` with it. The row is written before the file, in
+    a transaction that holds the key's row, so two uploads at once cannot both take the last room."""
+    ApiKey.objects.select_for_update().filter(pk=key.pk).exists()
+    held = StoredFile.objects.filter(api_key=key).aggregate(total=Sum("bytes"))["total"] or 0
+    limit = settings.FILES_MAX_BYTES_PER_KEY
+    if held + size > limit:
+        raise OpenAIError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"this key's files would hold {held + size:,} bytes with this one, over its limit of {limit:,} "
+            f"(it holds {held:,}): delete files it no longer needs (DELETE /v1/files/{{id}})",
+            code="storage_limit_exceeded",
+            param="file",
+        )
+    return StoredFile.objects.create(api_key=key, purpose=purpose, filename=filename, bytes=size)
 
 
 def _list_files(request: HttpRequest, key: ApiKey) -> HttpResponse:
