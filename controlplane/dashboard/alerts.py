@@ -25,6 +25,8 @@ from controlplane.dashboard.views import render_page
 from controlplane.errors import Conflict, Invalid
 
 RECENT_RESOLVED = 20
+#: Seconds between the page's refreshes of its tables (the rules run every FLOTILLA_ALERT_EVERY_S, 15 s).
+REFRESH_S = 5
 DURATIONS = [(60, "1 hour"), (240, "4 hours"), (1440, "1 day"), (10080, "1 week")]
 
 
@@ -98,7 +100,10 @@ def _page(request: HttpRequest, form: SilenceForm, *, status: int = 200) -> Http
         "form": form,
         "durations": DURATIONS,
         "can_silence": can_act(request),
+        "refresh_s": REFRESH_S,
     }
+    if request.headers.get("HX-Request") and request.method == "GET":  # the tables' own refresh
+        return render_page(request, "dashboard/partials/alerts_tables.html", context, status=status)
     return render_page(request, "dashboard/alerts.html", context, status=status)
 
 

@@ -26,6 +26,20 @@ def test_the_page_shows_firing_and_resolved_alerts_and_the_nav_counts_the_firing
     assert 'hx-get="/alerts/badge/" hx-trigger="every 10s"' in page and ">1</span>" in page
 
 
+def test_the_pages_tables_refresh_themselves_and_leave_the_new_silence_form_alone() -> None:
+    browser = logged_in(Role.OPERATOR)
+    page = browser.get("/alerts/").content.decode()
+    live = page[page.index('<div id="alerts-live"') : page.index('id="silence-form"')]
+    assert 'hx-get="/alerts/" hx-swap="innerHTML"' in live
+    assert "hx-trigger=\"every 5s[!document.querySelector('#alerts-live :focus')]\"" in live  # not while typing
+    assert "No alert is firing." in live
+    make_alert("gpu-a")
+    tables = browser.get("/alerts/", HTTP_HX_REQUEST="true").content.decode()
+    assert "<html" not in tables and 'id="silence-form"' not in tables  # the tables alone
+    firing = tables[tables.index('id="firing-alerts"') : tables.index("<h2>Silences</h2>")]
+    assert "node gpu-a is offline" in firing and "csrfmiddlewaretoken" in firing  # its Silence button works
+
+
 def test_the_badge_refreshes_itself_with_the_count() -> None:
     browser = logged_in(Role.READ_ONLY)
     assert ">0</span>" in browser.get("/alerts/badge/").content.decode()
