@@ -24,8 +24,11 @@ def logging_settings(spec: str | None) -> dict[str, Any]:
     loggers: dict[str, dict[str, Any]] = {
         # Django's records reach the root handler, whatever DEBUG says (its default handlers are dropped).
         "django": {"handlers": [], "level": logging.INFO, "propagate": True},
+        # A request's 500 is an error; its 4xx (a wrong token, a missing page) is the client's, which Django logs
+        # as a warning each: a scanner or a poll without a token would fill the log.
+        "django.request": {"level": logging.ERROR},
         **{name: {"level": max(root, logging.WARNING)} for name in NOISY if name not in targets},
-        **{name: {"level": level} for name, level in targets.items()},
+        **{name: {"level": level} for name, level in targets.items()},  # FLOTILLA_LOG's say last
     }
     return {
         "version": 1,
