@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 FOLDER = "adapter-sets"
 #: What a heartbeat says of adapters that could not be fetched, at most (the control plane takes no more).
 MAX_FAILURES_REPORTED = 64
+#: An adapter file of a pipeline no worker here runs is deleted once it is this old (seconds).
+UNUSED_AGE_S = 600.0
 MAX_REASON = 500
 #: What makes a folder a PEFT adapter.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -56,6 +58,37 @@ class AdapterFiles:
         # heartbeat tells the control plane, whose Adapters panel shows it.
         self._failures: dict[str, tuple[int, dict[str, str]]] = {}
 
+    def forget_unused(self, in_use: set[str], now: float, min_age_s: float = UNUSED_AGE_S) -> list[Path]:
+        """Delete the adapter files of the pipelines no worker here runs (``in_use``: ``pipeline.pipeline_id``
+        keys, as ``key``) untouched for ``min_age_s``, and forget what was said of their adapters; returns the
+        files deleted. A deleted pipeline's file would stay for ever otherwise; one placed here again gets its file
+        with its start. The age spares a file written for a start whose worker is not running yet."""
+        deleted = []
+        try:
+            paths = sorted(self.folder.glob("*.json"))
+        except OSError:
+            paths = []
+        for path in paths:
+            key = path.name.removesuffix(".json")
+            try:
+                if key in in_use or now - path.stat().st_mtime < min_age_s:
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            deleted.append(path)
+            log.info("adapter file %s deleted: no worker here runs its pipeline", path)
+        for key in list(self._failures):
+            if key not in in_use and not (self.folder / f"{key}.json").exists():
+                del self._failures[key]
+                self._complete.pop(key, None)
+        return deleted
+
+    @staticmethod
+    def key(pipeline: str, pipeline_id: int) -> str:
+        """The name of a pipeline's file (and of its entries here), without ``.json``."""
+        return f"{pipeline}.{pipeline_id}"
+
     def failures(self) -> list[AdapterFailure]:
         """The adapters left out of their pipelines' files, with why, as the last set of each pipeline had them
         (at most ``MAX_FAILURES_REPORTED``, each reason at most ``MAX_REASON`` characters)."""
@@ -70,7 +103,7 @@ class AdapterFiles:
         """The adapter file of ``pipeline`` (its namespace: letters, digits, '-' and '_') of row id ``pipeline_id``:
         a pipeline that takes the namespace of a deleted one has a file of its own, never the other's adapters or
         its later generations."""
-        return self.folder / f"{pipeline}.{pipeline_id}.json"
+        return self.folder / f"{self.key(pipeline, pipeline_id)}.json"
 
     def generation(self, pipeline: str, pipeline_id: int = 0) -> int | None:
         """The generation the pipeline's file holds; None when it has none (or cannot be read)."""
@@ -82,7 +115,7 @@ class AdapterFiles:
     async def apply(self, pipeline: str, adapters: list[AdapterSource], generation: int, pipeline_id: int = 0) -> Path:
         """Make the pipeline's file hold ``adapters`` (those that could be fetched) at ``generation``, unless it
         holds a newer generation. Returns the file's path. Raises OSError when the file cannot be written."""
-        key = f"{pipeline}.{pipeline_id}"
+        key = self.key(pipeline, pipeline_id)
         async with self._locks[key]:
             path = self.path(pipeline, pipeline_id)
             held = await asyncio.to_thread(self.generation, pipeline, pipeline_id)

@@ -186,6 +186,7 @@ class NodeAgent:
             stop=self._intake.accept_stop,
             reconcile_s=reconcile_s,
             listing_lag_s=listing_lag_s,
+            adapters=self.adapters,
         )
         self._startup = StartupReconciliation(
             node=node,

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import msgspec
 
+from agent.adapter_files import AdapterFiles
 from agent.control_plane_client import (
     AgentInstance,
     ControlPlaneRefused,
@@ -61,6 +62,7 @@ class OwnershipChecks:
         stop: Callable[[StopInstance], Awaitable[None]],
         reconcile_s: float,
         listing_lag_s: float,
+        adapters: AdapterFiles | None = None,
     ) -> None:
         self._node = node
         self._client = client
@@ -70,6 +72,7 @@ class OwnershipChecks:
         self._stop = stop
         self._reconcile_s = reconcile_s
         self._listing_lag_s = listing_lag_s
+        self._adapters = adapters  # their files of pipelines no worker here runs are deleted after each comparison
         self._recheck_s: float | None = None  # set: compare again after this long, not ``reconcile_s``
         self._recheck_context = ""  # and why the comparison that asked for it was made
 
@@ -112,6 +115,9 @@ class OwnershipChecks:
             return
         await self.stop_disowned(rows, accepted, asked_at, context)
         self.report_missing(rows, accepted, asked_at, context)
+        if self._adapters is not None:
+            in_use = {AdapterFiles.key(pipeline, pipeline_id) for pipeline, pipeline_id in self._supervisor.pipelines()}
+            await asyncio.to_thread(self._adapters.forget_unused, in_use, time.time())
 
     async def stop_disowned(self, rows: list[AgentInstance], accepted: int, asked_at: float, context: str) -> None:
         """Stop the workers ``rows`` disowns, of those started (or starting) before start number ``accepted``

@@ -235,6 +235,10 @@ class Supervisor:
         """The instance ids supervised here."""
         return list(self._workers)
 
+    def pipelines(self) -> set[tuple[str, int]]:
+        """The (pipeline namespace, pipeline id) of every worker supervised here."""
+        return {(worker.spec.pipeline, worker.spec.pipeline_id) for worker in self._workers.values()}
+
     def gpu_memory_in_use(self) -> dict[int, int]:
         """Bytes the running workers declared per GPU index (what simulated GPUs report as used)."""
         used: dict[int, int] = {}

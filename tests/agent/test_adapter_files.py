@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -304,3 +305,24 @@ class NotCalled:
 
     async def heartbeat(self, report: NodeReport) -> None:
         raise AssertionError("not called")
+
+
+async def test_the_files_of_pipelines_no_worker_here_runs_are_deleted_once_old_and_their_failures_forgotten(
+    tmp_path: Path,
+) -> None:
+    sql = adapter_folder(tmp_path / "adapters", "sql")
+    files = AdapterFiles(ModelDownloader(tmp_path / "models"))
+    running = await files.apply("chat", [local("sql", sql)], 1, pipeline_id=1)
+    deleted = await files.apply("gone", [local("missing", tmp_path / "nowhere")], 1, pipeline_id=2)
+    young = await files.apply("new", [], 1, pipeline_id=3)
+    old = time.time() - 3600
+    for path in (running, deleted):
+        os.utime(path, (old, old))
+    assert [failure.pipeline_id for failure in files.failures()] == [2]
+
+    in_use = {AdapterFiles.key("chat", 1)}
+    assert files.forget_unused(in_use, time.time(), min_age_s=600) == [deleted]
+    assert running.exists() and young.exists() and not deleted.exists()
+    assert files.failures() == []  # what was said of the deleted pipeline's adapters is not said again
+    # Placed here again, it gets its file back with its start.
+    assert await files.apply("gone", [local("sql", sql)], 2, pipeline_id=2) == deleted and deleted.exists()
