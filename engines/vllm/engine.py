@@ -42,6 +42,7 @@ from typing import Any, Literal
 from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.kv_tiers import tier_loads
 from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
+from engines.vllm.deferred_abort import PulledStream
 from engines.vllm.lora import VllmAdapters, lora_engine_args
 from engines.vllm.settings import MISSING_PACKAGE, VllmSettings, offload_tiers
 from runtime.engine import RequestContext
@@ -268,8 +269,12 @@ class VllmEngine:
         stream = engine.generate(
             prompt, params, request_id, data_parallel_rank=request.dp_rank, lora_request=lora_request
         )
+        # A decode request pulls its prompt's KV first: stopped before its first output, it is aborted only once
+        # that output comes (deferred_abort.py says why).
+        decoding = handoff is not None and handoff.kind == VLLM_HANDOFF
+        pulled = PulledStream(stream, engine.abort, request_id) if decoding else None
         try:
-            async for output in stream:
+            async for output in pulled or stream:
                 if context.stopped:
                     return
                 completion = output.outputs[0]
@@ -306,10 +311,13 @@ class VllmEngine:
             raise RequestRejected(f"vLLM refused the request: {exc}") from exc
         finally:
             context.stop()
-            await stream.aclose()
-            if not finished:
-                # Frees its KV blocks now; aclose() alone would leave vLLM to notice at its next output.
-                await engine.abort(request_id)
+            if pulled is not None:
+                pulled.close(finished)
+            else:
+                await stream.aclose()
+                if not finished:
+                    # Frees its KV blocks now; aclose() alone would leave vLLM to notice at its next output.
+                    await engine.abort(request_id)
 
     def load(self) -> list[WorkerLoad]:
         """vLLM's scheduler stats at its last step (``instance_id`` 0), one report per dp rank (each engine core's
