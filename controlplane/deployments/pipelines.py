@@ -10,7 +10,7 @@ instances and sends their tasks (``upkeep``, run by ``reconciler``).
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,13 +241,21 @@ def _record_remote_code(actor: Actor, pipeline: Pipeline, change: RemoteCodeChan
 
 @transaction.atomic
 def scale_pipeline(
-    actor: Actor, pipeline: Pipeline, replicas: int, role: str | None = None, *, reason: str = ""
+    actor: Actor,
+    pipeline: Pipeline,
+    replicas: int,
+    role: str | None = None,
+    *,
+    reason: str = "",
+    stop_first: Collection[int] = (),
 ) -> WorkerGroup:
     """Set a worker group's replica count; a running pipeline gets new pending instances or stops some.
 
     ``role`` picks the group and may be left out when the pipeline has one. ``reason`` (the planner's,
-    say) is kept in the audit entry and on the instances it stops. Raises Invalid naming ``replicas`` or
-    ``role``.
+    say) is kept in the audit entry and on the instances it stops. A scale-down stops those that serve
+    nothing yet first, then, among instances in the same state, those whose workers ``stop_first`` names
+    (endpoint instance ids: the planner's least busy), then the latest replicas. Raises Invalid naming
+    ``replicas`` or ``role``.
     """
     if not 0 <= replicas <= MAX_REPLICAS:
         raise Invalid(f"replicas must be between 0 and {MAX_REPLICAS}", field="replicas")
@@ -260,7 +268,7 @@ def scale_pipeline(
         live = _live_instances(group)
         if len(live) < replicas:
             add_instances(actor, group, replicas - len(live))
-        for instance in _to_stop(live, len(live) - replicas):
+        for instance in _to_stop(live, len(live) - replicas, set(stop_first)):
             stop_instance(actor, instance, f"scaled down to {replicas} by {actor.name}{': ' if reason else ''}{reason}")
     after = pipeline_snapshot(pipeline)
     if reason:
@@ -345,10 +353,18 @@ def _live_instances(group: WorkerGroup) -> list[Instance]:
     return list(group.instances.select_related("pipeline", "group").filter(state__in=LIVE_STATES))
 
 
-def _to_stop(live: list[Instance], count: int) -> list[Instance]:
+def _to_stop(live: list[Instance], count: int, preferred: Collection[int] = ()) -> list[Instance]:
     if count <= 0:
         return []
-    ranked = sorted(live, key=lambda i: (_STOP_ORDER[i.state], i.node_id is not None, -i.replica))
+    ranked = sorted(
+        live,
+        key=lambda i: (
+            _STOP_ORDER[i.state],
+            i.endpoint_instance_id not in preferred,
+            i.node_id is not None,
+            -i.replica,
+        ),
+    )
     return ranked[:count]
 
 

@@ -92,7 +92,14 @@ def _act(actor: Actor, pipeline: Pipeline, decision: Decision) -> tuple[bool, st
         if isinstance(fits, Unschedulable):
             return False, f"; not acted: {decision.change} more replica(s) cannot be placed: {fits.reason}"
     try:
-        scale_pipeline(actor, pipeline, decision.desired, decision.role, reason=decision.reason)
+        scale_pipeline(
+            actor,
+            pipeline,
+            decision.desired,
+            decision.role,
+            reason=decision.reason,
+            stop_first=decision.drain_instances,
+        )
     except (Invalid, Conflict) as exc:
         return False, f"; not acted: {exc}"
     return True, ""
