@@ -24,7 +24,7 @@ install: $(VENV)/.installed
 
 # etcd (discovery) and NATS (request plane) from Debian's packages, for distributed serving and its tests;
 # Redis (Celery's broker between the control plane and the agents); PostgreSQL 15, on which the
-# control-plane tests run a second time.
+# control-plane tests run a second time; Prometheus, which the planner may read latencies from.
 system-deps:
 	@command -v etcd >/dev/null && command -v nats-server >/dev/null || { \
 		echo "installing etcd-server and nats-server (Debian packages)"; \
@@ -41,6 +41,9 @@ system-deps:
 	@test -x /usr/lib/postgresql/15/bin/initdb || { \
 		echo "installing postgresql (Debian package; its service is not needed: tests start their own)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql >/dev/null; }
+	@command -v prometheus >/dev/null || { \
+		echo "installing prometheus (Debian package: the planner's test reads latencies from a real one; its service is not needed)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq prometheus >/dev/null; }
 
 # Start etcd and NATS (with JetStream) on loopback, in the foreground, for local distributed runs.
 services: system-deps

@@ -10,6 +10,7 @@ instance.
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -128,6 +129,42 @@ def histogram_from_exposition(text: str, name: str, labels: Mapping[str, str]) -
         for bounds, total in series.values():
             found = found + HistogramSnapshot(tuple(sorted(bounds.items())), total[0])
     return found
+
+
+def ingress_histograms_selector(prefix: str = "flotilla_frontend") -> str:
+    """A PromQL selector of every series of the four ingress histograms the planner reads (every model, every
+    ingress a Prometheus scrapes)."""
+    names = "|".join((TTFT, ITL, INPUT_TOKENS, OUTPUT_TOKENS))
+    return f'{{__name__=~"{prefix}_({names})_(bucket|sum|count)"}}'
+
+
+def exposition_from_query(result: Any) -> str:
+    """A Prometheus instant query's vector (its ``data.result``: ``[{"metric": {...}, "value": [t, "v"]}]``) as
+    text exposition, so that ``ingress_snapshot`` reads what Prometheus holds as it reads one ingress's
+    ``/metrics``. Each ingress Prometheus scrapes keeps its own series (its ``instance`` label), which
+    ``histogram_from_exposition`` adds up. Raises PlannerError for a result of another shape."""
+    if not isinstance(result, list):
+        raise PlannerError("the query's result is not a vector")
+    families: dict[str, list[str]] = {}
+    for sample in result:
+        try:
+            labels = dict(sample["metric"])
+            name = labels.pop("__name__")
+            value = float(sample["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise PlannerError(f"a sample of the query's result is malformed: {str(sample)[:200]}") from exc
+        family = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+        shown = ",".join(f'{key}="{_escaped(str(text))}"' for key, text in sorted(labels.items()))
+        families.setdefault(family, []).append(f"{name}{{{shown}}} {value!r}")
+    lines = []
+    for family, samples in sorted(families.items()):
+        lines.append(f"# TYPE {family} histogram")
+        lines.extend(samples)
+    return "\n".join(lines) + "\n"
+
+
+def _escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 @dataclass(frozen=True)

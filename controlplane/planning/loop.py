@@ -12,7 +12,9 @@ What it reads, and what it does when a source fails (it never stops for one):
   its address (runtime/cluster/nats_connection.py) and retried for ever; meanwhile the reports go stale
   (``LoadBook``) and load mode, with no report, holds.
 * the gateway's ``/metrics`` (``FLOTILLA_GATEWAY_URL``): TTFT, ITL, prompt and completion lengths over the
-  interval (planner/measure.py). Unreadable, it is logged with its URL (at most every 30 s) and the
+  interval (planner/measure.py). Or, given a Prometheus (``FLOTILLA_PLANNER_PROMETHEUS_URL``), the same
+  histograms as it holds them, for every ingress it scrapes (several ingresses behind one Prometheus), read
+  with one instant query each turn. Unreadable, either is logged with its URL (at most every 30 s) and the
   pipelines are planned in load mode on the workers' reports; the predictor is fed its own prediction
   meanwhile, so it is not taught a false zero.
 * the database: a turn that fails on it is logged and the next one tries again.
@@ -47,7 +49,14 @@ from controlplane.planning.actions import Seen, apply_decisions
 from controlplane.planning.observe import GroupView, LoadBook, PipelineView, observe
 from planner.core import Planner
 from planner.errors import PlannerError, ProfileError, SettingsError
-from planner.measure import IngressSnapshot, IngressStats, ingress_snapshot, ingress_stats
+from planner.measure import (
+    IngressSnapshot,
+    IngressStats,
+    exposition_from_query,
+    ingress_histograms_selector,
+    ingress_snapshot,
+    ingress_stats,
+)
 from planner.profile import Profile
 from planner.settings import Targets
 from planner.targets_json import targets_from_dict
@@ -102,6 +111,32 @@ async def scrape_gateway(client: httpx.AsyncClient, url: str) -> str:
     return response.text
 
 
+async def query_prometheus(client: httpx.AsyncClient, url: str) -> str:
+    """The ingress histograms ``url``'s Prometheus holds now, as exposition text (planner/measure.py). Raises
+    ScrapeFailed naming the URL."""
+    where = f"{url}/api/v1/query"
+    try:
+        response = await client.get(where, params={"query": ingress_histograms_selector()}, timeout=SCRAPE_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise ScrapeFailed(f"{where} could not be read: {exc or type(exc).__name__}") from exc
+    if len(response.content) > MAX_METRICS_BYTES:
+        raise ScrapeFailed(f"{where} answered more than {MAX_METRICS_BYTES} bytes")
+    try:
+        answer = response.json()
+    except ValueError:
+        raise ScrapeFailed(f"{where} answered HTTP {response.status_code}, not JSON") from None
+    if response.status_code != 200 or not isinstance(answer, dict) or answer.get("status") != "success":
+        error = answer.get("error") if isinstance(answer, dict) else None
+        raise ScrapeFailed(f"{where} answered HTTP {response.status_code}: {str(error)[:200] or 'no error given'}")
+    data = answer.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "vector":
+        raise ScrapeFailed(f"{where} answered something other than an instant vector")
+    try:
+        return exposition_from_query(data.get("result"))
+    except PlannerError as exc:
+        raise ScrapeFailed(f"{where}: {exc}") from exc
+
+
 @dataclasses.dataclass
 class TurnReport:
     """What one turn did, for the command's log and the tests."""
@@ -119,12 +154,14 @@ class PlannerLoop:
         self,
         *,
         gateway_url: str | None,
+        prometheus_url: str | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
         http: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
         holder: str | None = None,
     ) -> None:
         self.gateway_url = gateway_url
+        self.prometheus_url = prometheus_url  # set: read in place of the gateway's /metrics
         self.interval_s = interval_s
         self.book = LoadBook(stale_s=max(5.0, 2 * interval_s))
         self.planners: dict[int, Planner] = {}
@@ -184,17 +221,25 @@ class PlannerLoop:
         """Let go of the lease (a waiting planner takes it at its next turn)."""
         await sync_to_async(_release)(self.holder)
 
+    @property
+    def source(self) -> str:
+        """Where the latency histograms come from, as the reasons say it."""
+        return "Prometheus" if self.prometheus_url is not None else "the gateway"
+
     async def _scrape(self, report: TurnReport) -> str | None:
-        if self.gateway_url is None:
-            return None
         try:
+            if self.prometheus_url is not None:
+                return await query_prometheus(self._http, self.prometheus_url)
+            if self.gateway_url is None:
+                return None
             return await scrape_gateway(self._http, self.gateway_url)
         except ScrapeFailed as exc:
             # The next reading starts a fresh interval: one spanning the outage would average over it.
             self._snapshots.clear()
             report.problems.append(str(exc))
             self._gateway_failures.warning(
-                f"planner: the gateway's metrics are unreadable ({exc}); planning in load mode on the workers' reports"
+                f"planner: {self.source}'s metrics are unreadable ({exc}); planning in load mode on the workers' "
+                "reports"
             )
             return None
 
@@ -225,9 +270,12 @@ class PlannerLoop:
         if not targets.enabled:
             return 0  # off: nothing recorded (the predictor still learns, for when it is turned on)
         if stats is None:
-            why = "no gateway URL set" if self.gateway_url is None else "gateway metrics unreadable"
-            if metrics is not None:
-                why = "first reading of the gateway"
+            if self.prometheus_url is None and self.gateway_url is None:
+                why = "no gateway URL set"
+            elif metrics is not None:
+                why = f"first reading of {self.source}"
+            else:
+                why = "Prometheus unreadable" if self.prometheus_url is not None else "gateway metrics unreadable"
             decisions = [dataclasses.replace(d, reason=f"{why}: load mode; {d.reason}") for d in decisions]
         rows = await sync_to_async(apply_decisions)(
             pipeline.id, decisions, _seen(targets, stats, planner), timezone.now()

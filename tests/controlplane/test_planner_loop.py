@@ -173,6 +173,23 @@ async def test_an_unreachable_gateway_is_said_and_the_planner_goes_on_in_load_mo
     await loop.release()
 
 
+async def test_an_unreachable_prometheus_is_said_and_the_planner_goes_on_in_load_mode(
+    worker: NATS, planner_nc: NATS
+) -> None:
+    pipeline, endpoint_id = await sync_to_async(ready_pipeline)()
+    prometheus = f"http://127.0.0.1:{free_port()}"
+    loop = await started(planner_nc, gateway_url=None, prometheus_url=prometheus)
+    await report_load(loop, worker, endpoint_id, kv_usage=0.95)
+
+    report = await loop.turn()
+
+    assert any(f"{prometheus}/api/v1/query could not be read" in problem for problem in report.problems)
+    assert report.acted == 1
+    decision = await PlannerDecision.objects.aget(pipeline=pipeline)
+    assert decision.reason.startswith("Prometheus unreadable: load mode; ")
+    await loop.release()
+
+
 async def test_without_reports_load_mode_holds(planner_nc: NATS) -> None:
     pipeline, _ = await sync_to_async(ready_pipeline)()
     loop = await started(planner_nc)

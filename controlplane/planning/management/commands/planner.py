@@ -3,10 +3,12 @@
     manage.py planner                              # every $FLOTILLA_PLANNER_INTERVAL_S (default 10) seconds
     manage.py planner --interval 5 --nats nats://10.0.0.1:4222 --gateway http://10.0.0.2:8080
     manage.py planner --once                       # one turn, then exit (what it decided on stdout)
+    manage.py planner --prometheus http://10.0.0.3:9090   # latencies from Prometheus (every ingress it scrapes)
 
 One process plans at a time (the ``planner`` lease); a second one waits and takes over when the first
-stops or dies. NATS (``--nats``, $NATS_SERVER) and the gateway (``--gateway``, $FLOTILLA_GATEWAY_URL) may be
-missing or come and go: each is logged with its address and the loop goes on. A bad setting exits 2 (its
+stops or dies. NATS (``--nats``, $NATS_SERVER) and the gateway (``--gateway``, $FLOTILLA_GATEWAY_URL), or the
+Prometheus that replaces it (``--prometheus``, $FLOTILLA_PLANNER_PROMETHEUS_URL), may be missing or come and
+go: each is logged with its address and the loop goes on. A bad setting exits 2 (its
 supervisor does not restart it for that); SIGTERM or Ctrl-C stops it between turns (exit 0).
 """
 
@@ -55,6 +57,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--gateway", default=None, help="the gateway's base URL, for its /metrics (default: $FLOTILLA_GATEWAY_URL)"
         )
+        parser.add_argument(
+            "--prometheus",
+            default=None,
+            help="a Prometheus server's base URL: the ingresses' latency histograms are read there (every ingress "
+            "it scrapes) in place of the gateway's /metrics (default: $FLOTILLA_PLANNER_PROMETHEUS_URL)",
+        )
 
     configures_logging = False
 
@@ -71,15 +79,25 @@ class Command(BaseCommand):
             gateway = options["gateway"].rstrip("/") if options["gateway"] else gateway_url()
             if gateway is not None and not gateway.startswith(("http://", "https://")):
                 raise ConfigError(f"--gateway must be the gateway's http(s) base URL, not {gateway[:100]!r}")
+            prometheus = options["prometheus"] or env_str("FLOTILLA_PLANNER_PROMETHEUS_URL") or None
+            if prometheus is not None:
+                prometheus = prometheus.rstrip("/")
+                if not prometheus.startswith(("http://", "https://")):
+                    raise ConfigError(
+                        f"--prometheus (FLOTILLA_PLANNER_PROMETHEUS_URL) must be a Prometheus server's http(s) base "
+                        f"URL, not {prometheus[:100]!r}"
+                    )
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=2) from exc
-        if gateway is None:
+        if gateway is None and prometheus is None:
             log.warning("planner: no gateway URL (FLOTILLA_GATEWAY_URL, --gateway): planning in load mode only")
-        asyncio.run(self._run(servers, gateway, interval, once=options["once"]))
+        asyncio.run(self._run(servers, gateway, prometheus, interval, once=options["once"]))
 
-    async def _run(self, servers: list[str], gateway: str | None, interval: float, *, once: bool) -> None:
+    async def _run(
+        self, servers: list[str], gateway: str | None, prometheus: str | None, interval: float, *, once: bool
+    ) -> None:
         async with httpx.AsyncClient() as http:
-            loop = PlannerLoop(gateway_url=gateway, interval_s=interval, http=http)
+            loop = PlannerLoop(gateway_url=gateway, prometheus_url=prometheus, interval_s=interval, http=http)
             if once:
                 await self._once(loop, servers)
                 return
@@ -89,7 +107,8 @@ class Command(BaseCommand):
                 running.add_signal_handler(signum, stopping.set)
             # NATS may be down: the loop plans without reports (load mode holds) while this keeps trying.
             connecting = asyncio.create_task(_connect(loop, servers), name="NATS")
-            log.info("planner: every %g s; NATS at %s; gateway %s", interval, ", ".join(servers), gateway or "none")
+            source = f"Prometheus {prometheus}" if prometheus else f"gateway {gateway or 'none'}"
+            log.info("planner: every %g s; NATS at %s; latencies from %s", interval, ", ".join(servers), source)
             try:
                 await run_loop(loop, stopping)
             finally:
