@@ -49,6 +49,14 @@ class Server:
         return stop_process(self.process, signal.SIGINT, timeout=20)
 
 
+def read_until_closed(client: socket.socket) -> bytes:
+    """All a server sends on ``client`` until it closes the connection (within the socket's own timeout)."""
+    answer = b""
+    while chunk := client.recv(65536):
+        answer += chunk
+    return answer
+
+
 def stop_process(process: subprocess.Popen[bytes], signum: int, timeout: float = 10) -> int:
     """Send ``signum``, wait up to ``timeout`` s, then kill; return the exit code."""
     if process.poll() is None:

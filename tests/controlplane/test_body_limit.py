@@ -17,7 +17,7 @@ from django.core.handlers.wsgi import WSGIRequest
 from rest_framework.test import APIClient
 
 from controlplane.body_limit import limit_body
-from tests.servers import free_port
+from tests.servers import free_port, read_until_closed
 
 
 async def call(
@@ -203,16 +203,9 @@ def test_a_client_that_sends_headers_and_then_too_little_body_gets_a_408_at_the_
         with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
             client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n" + b"x" * 10)
             started = time.monotonic()
-            answer = _read_until_closed(client)
+            answer = read_until_closed(client)
             waited = time.monotonic() - started
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 "), answer
     assert json.loads(body) == {"detail": "the request body did not arrive within 0.5 s"}
     assert 0.4 < waited < 3
-
-
-def _read_until_closed(client: socket.socket) -> bytes:
-    answer = b""
-    while chunk := client.recv(65536):
-        answer += chunk
-    return answer

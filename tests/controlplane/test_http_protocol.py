@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.agent.control_plane_server import ControlPlaneServer
+from tests.servers import read_until_closed
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +34,6 @@ def connect(server: ControlPlaneServer) -> socket.socket:
     return sock
 
 
-def read_to_end(sock: socket.socket) -> bytes:
-    received = b""
-    while chunk := sock.recv(65536):
-        received += chunk
-    return received
-
-
 def test_headers_trickled_past_the_deadline_get_a_408_in_the_apis_shape_and_the_connection_closed(
     control_plane: ControlPlaneServer,
 ) -> None:
@@ -49,7 +43,7 @@ def test_headers_trickled_past_the_deadline_get_a_408_in_the_apis_shape_and_the_
         while not select.select([sock], [], [], 0.1)[0]:  # a byte every 0.1 s: the head never ends
             sock.sendall(b"x")
             assert time.monotonic() - started < 10, "no answer to trickled headers"
-        head, _, body = read_to_end(sock).partition(b"\r\n\r\n")
+        head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 ")
     assert json.loads(body) == {"detail": "the request's headers did not arrive within 1 s; the connection is closed"}
     assert "its request headers did not arrive within 1 s (FLOTILLA_API_HEADER_TIMEOUT_S)" in control_plane.log()
@@ -57,7 +51,7 @@ def test_headers_trickled_past_the_deadline_get_a_408_in_the_apis_shape_and_the_
 
 def test_a_silent_connection_is_closed_and_requests_in_time_are_served(control_plane: ControlPlaneServer) -> None:
     with connect(control_plane) as sock:
-        assert read_to_end(sock) == b""
+        assert read_until_closed(sock) == b""
     assert httpx.get(control_plane.url + "/api/v1/models/", timeout=10).status_code == 401  # Django answered
 
 

@@ -23,7 +23,7 @@ from controlplane.deployments.dispatch import NodeDidNotAnswer
 from controlplane.deployments.models import Instance
 from runtime.fleet_contract.tasks import LogTailRequest
 from tests.controlplane.factories import agent_token, make_node, make_user, person_token, placed_instance
-from tests.servers import free_port
+from tests.servers import free_port, read_until_closed
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgresql]  # the server's threads see the rows
 
@@ -123,13 +123,6 @@ def stalled_post(port: int, path: str, *, sent: bytes = b"") -> socket.socket:
     head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
     client.sendall(head.encode() + sent)
     return client
-
-
-def read_until_closed(client: socket.socket) -> bytes:
-    answer = b""
-    while chunk := client.recv(65536):
-        answer += chunk
-    return answer
 
 
 def wait_for(what: str, condition: Callable[[], bool]) -> None:
