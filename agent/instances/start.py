@@ -4,6 +4,7 @@
 
     a worker of an older attempt runs? ──► stop it (its "stopped" is not news: agent/instances/reports.py)
     a model source? ──► fetch it (agent/reported_downloads.py) ──► failed, permanent unless retryable
+    a projector (llama.cpp's mmproj)? ──► fetch it the same way ──► --mmproj
     the pipeline has had adapters, or its engine takes them at no cost? ──► fetch them, write its adapter file
         (agent/adapter_files.py; an adapter that cannot be fetched is left out and logged, the start goes on)
         ──► --lora-file
@@ -68,6 +69,16 @@ class InstanceStarter:
                 self._reports.report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
             spec = msgspec.structs.replace(spec, model_path=str(path))
+        if request.projector is not None:
+            try:
+                projector = await self._downloads.fetch_projector(instance_id, request.projector)
+            except DownloadError as exc:
+                reason = f"the projector: {exc}"
+                self._reports.report(
+                    instance_id, InstanceReport(state="failed", reason=reason, permanent=not exc.retryable)
+                )
+                return
+            spec = msgspec.structs.replace(spec, projector_path=str(projector))
         if spec.engine in LORA_ENGINES and (spec.adapter_generation > 0 or spec.engine in LORA_AT_NO_COST_ENGINES):
             try:
                 lora_file = await self._adapters.apply(

@@ -49,6 +49,13 @@ def check_start(request: StartInstance, *, engines: Collection[str], node: str) 
             f"the task names a model path ({spec.model_path!r}): a worker's model is what the agent fetched "
             "from the task's source"
         )
+    if spec.projector_path is not None:
+        raise TaskNotAllowed(
+            f"the task names a projector path ({spec.projector_path!r}): a worker's projector is what the agent "
+            "fetched from the task's projector"
+        )
+    if request.projector is not None and spec.engine != "llamacpp":
+        raise TaskNotAllowed(f"the task gives a projector to out={spec.engine}: only out=llamacpp takes one")
     if spec.lora_file is not None:
         raise TaskNotAllowed(
             f"the task names an adapter file ({spec.lora_file!r}): a worker's adapter file is the one the agent "

@@ -86,6 +86,8 @@ def worker_argv(spec: WorkerSpec, node: str, command: Sequence[str] = DEFAULT_CO
         argv.append(spec.model_path)
     if spec.model_name is not None:
         argv += ["--model-name", spec.model_name]
+    if spec.projector_path is not None:
+        argv += ["--mmproj", spec.projector_path]
     argv += spec.engine_args
     if (router := spec.router) is not None:
         # Registered with the model: gateways route the pipeline so, whatever their own flags say.

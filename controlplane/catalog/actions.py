@@ -31,6 +31,7 @@ MODEL_FIELDS = frozenset(
         "source",
         "revision",
         "filename",
+        "projector",
         "engine",
         "default_engine_args",
         "size_bytes",
@@ -40,7 +41,7 @@ MODEL_FIELDS = frozenset(
     }
 )
 # Where a model's files come from: trusting its remote code trusts these (catalog/remote_code.py).
-_SOURCE_FIELDS = ("source_kind", "source", "revision", "filename")
+_SOURCE_FIELDS = ("source_kind", "source", "revision", "filename", "projector")
 # What an estimate is made of: a change to any of them makes a new one.
 _ESTIMATE_INPUTS = frozenset({"size_bytes", "config", "context_length", "source", "source_kind", "engine"})
 # huggingface_hub's own rule for a repo id: "name" or "owner/name".
@@ -63,6 +64,7 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     check_model(model)
     remote_code = check_model_change(actor, before=None, after=model.default_engine_args, source_changed=False)
     _check_local_root(model)
+    _check_projector_root(model)
     _fill_from_local_files(model)
     if model.memory_bytes is None:
         _estimate(model)
@@ -97,6 +99,8 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
     if "source" in changes or "source_kind" in changes:
         _check_local_root(model)
         _fill_from_local_files(model)
+    if "projector" in changes or "source_kind" in changes:
+        _check_projector_root(model)
     if "memory_bytes" in changes:
         model.memory_estimated = False
         if model.memory_bytes is None:  # "forget my figure": estimate instead
@@ -166,6 +170,28 @@ def check_model(model: LanguageModel) -> None:
             f"{model.engine} loads GGUF files: use a gguf source, or a Hugging Face filename ending in .gguf",
             field="engine",
         )
+    check_projector(model)
+
+
+def check_projector(model: LanguageModel) -> None:
+    """Raise Invalid (field ``projector``) unless the model's projector, when it has one, is a GGUF file its
+    engine takes: llama.cpp's, a file of the model's Hugging Face repo or an absolute path on the nodes."""
+    projector = model.projector
+    if not projector:
+        return
+    if model.engine != "llamacpp":
+        raise Invalid(
+            f"only llamacpp takes a multimodal projector, not {model.engine}: leave projector empty", field="projector"
+        )
+    if not projector.lower().endswith(".gguf"):
+        raise Invalid(f"a projector is a GGUF file (llama.cpp's mmproj-*.gguf), not {projector!r}", field="projector")
+    if model.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
+        if not _FILENAME.match(projector) or ".." in projector.split("/"):
+            raise Invalid(f"{projector!r} is not a file name inside the repo", field="projector")
+    elif not projector.startswith("/") or "\x00" in projector:
+        raise Invalid(
+            f"with a {model.source_kind} source a projector is an absolute path on the nodes", field="projector"
+        )
 
 
 def check_source(kind: str, source: str, revision: str, filename: str) -> None:
@@ -196,6 +222,15 @@ def _check_local_root(model: LanguageModel) -> None:
     """
     if model.source_kind != LanguageModel.SourceKind.HUGGING_FACE:
         check_local_source(model.source, settings.LOCAL_MODEL_ROOTS)
+
+
+def _check_projector_root(model: LanguageModel) -> None:
+    """A local projector lies under the local model roots, as a local source does; raise Invalid otherwise."""
+    if model.projector and model.source_kind != LanguageModel.SourceKind.HUGGING_FACE:
+        try:
+            check_local_source(model.projector, settings.LOCAL_MODEL_ROOTS)
+        except Invalid as exc:
+            raise Invalid(str(exc), field="projector") from exc
 
 
 def _estimate(model: LanguageModel) -> None:

@@ -21,6 +21,7 @@ class LanguageModel(models.Model):
 
     ``source`` depends on ``source_kind``: a Hugging Face repo id (with ``revision`` and, for a repo of
     GGUF files, the ``filename`` to use), or an absolute path on the nodes to a folder or a GGUF file.
+    ``projector`` gives a llama.cpp model images: its multimodal projector, a file of the repo or a path.
     ``memory_bytes`` is the memory one replica needs (GPU memory, split evenly over its GPUs; system
     memory for CPU engines): the operator's figure, or when they give none an estimate from
     ``size_bytes``, ``config`` and ``context_length`` (``memory_estimated``; catalog/memory.py says how).
@@ -37,6 +38,9 @@ class LanguageModel(models.Model):
     source = models.CharField(max_length=1024)
     revision = models.CharField(max_length=255, blank=True)
     filename = models.CharField(max_length=255, blank=True)
+    # llama.cpp's multimodal projector (an "mmproj" GGUF), with which the model takes images: a file of the
+    # same Hugging Face repo at the same revision, or for a local source an absolute path on the nodes.
+    projector = models.CharField(max_length=1024, blank=True)
     engine = models.CharField(max_length=16, choices=Engine.choices)
     default_engine_args = models.JSONField(default=dict, blank=True)
     size_bytes = models.BigIntegerField(null=True, blank=True)

@@ -112,6 +112,13 @@ class ModelForm(ActionForm):
     filename = forms.CharField(
         max_length=255, required=False, help_text="Hugging Face only: the GGUF file to use in a repo of several."
     )
+    projector = forms.CharField(
+        max_length=1024,
+        required=False,
+        label="Projector (images)",
+        help_text="llamacpp only: the mmproj-*.gguf that lets the model take images; a file of the repo, or an "
+        "absolute path on the nodes for a local source.",
+    )
     engine = forms.ChoiceField(help_text="The engines some node runs, with the nodes that run each.")
     default_engine_args = JsonObjectField(label="Default engine args (JSON)")
 

@@ -97,6 +97,7 @@ def start_message(instance: Instance) -> StartInstance:
     return StartInstance(
         spec=spec,
         source=source,
+        projector=projector_source(model) if group.engine == "llamacpp" else None,
         attempt=instance.restarts,
         incarnation=instance.incarnation,
         node=instance.node.name,
@@ -167,6 +168,16 @@ def model_source(model: LanguageModel) -> ModelSource:
     if model.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
         return HubSource(repo_id=model.source, revision=model.revision or "main", file=model.filename or None)
     return LocalSource(path=model.source)
+
+
+def projector_source(model: LanguageModel) -> ModelSource | None:
+    """Where a node gets the model's multimodal projector (llama.cpp's mmproj): a file of the model's repo at its
+    revision, or a path on the node; None when the model has none."""
+    if not model.projector:
+        return None
+    if model.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
+        return HubSource(repo_id=model.source, revision=model.revision or "main", file=model.projector)
+    return LocalSource(path=model.projector)
 
 
 def gpu_memory_bytes(memory_bytes: int | None, gpus: int) -> int:

@@ -143,6 +143,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: The pipeline's adapter file on the node (agent/adapter_files.py), given to the worker as ``--lora-file``;
     #: the agent's to set, like ``model_path`` (a task naming one is refused).
     lora_file: str | None = None
+    #: The llama.cpp multimodal projector on the node (``--mmproj``), fetched from StartInstance's ``projector``;
+    #: the agent's to set, like ``model_path`` (a task naming one is refused).
+    projector_path: str | None = None
 
     @property
     def address(self) -> EndpointAddress:
@@ -163,10 +166,12 @@ class TaskStamp(msgspec.Struct, frozen=True, kw_only=True):
 
 class StartInstance(TaskStamp, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Run ``spec`` on the agent's node. ``source`` is fetched first and its local path becomes the spec's
-    ``model_path``; None for engines that need no model files (``echo_full``)."""
+    ``model_path``; None for engines that need no model files (``echo_full``). ``projector`` (llama.cpp's
+    multimodal projector, a GGUF file) is fetched next and becomes its ``projector_path``."""
 
     spec: WorkerSpec
     source: ModelSource | None = None
+    projector: ModelSource | None = None
     attempt: int = 0
     #: The instance row's random id ("" from a control plane that does not say): see the module's doc.
     incarnation: str = ""

@@ -155,3 +155,42 @@ async def test_a_restarted_agent_resumes_the_downloads_the_control_plane_still_w
 
 async def _waited(event: threading.Event) -> bool:
     return await asyncio.to_thread(event.wait, 30)
+
+
+async def test_a_projector_of_the_models_repo_is_fetched_after_it_and_given_to_the_worker(
+    tmp_path: Path, child: Path, readiness: SocketReadiness, hub: FakeHub
+) -> None:
+    projector = os.urandom(5000)
+    hub.repos[REPO]["mmproj-f16.gguf"] = projector
+    control_plane = StandInControlPlane()
+    control_plane.instances = [AgentInstance(id=1, state="pending", attempt=0, model=AgentModel(id=7))]
+    agent, downloader = make_agent(tmp_path, child, readiness, control_plane, hub)
+    await agent.start()
+    try:
+        request = msgspec.structs.replace(
+            start(1, engine="llamacpp"),
+            source=HubSource(REPO, file=FILE),
+            projector=HubSource(REPO, file="mmproj-f16.gguf"),
+        )
+        await agent.accept_start(request)
+        states = []
+        while not states or states[-1] != "ready":
+            instance_id, report = await control_plane.next()
+            assert instance_id == 1 and report.state != "failed", report
+            states.append(report.state)
+        assert "downloading" in states
+        argv = (tmp_path / "logs" / "instance-1.log").read_text().split("argv: ", 1)[1].split()
+        given = argv[argv.index("--mmproj") + 1]
+        assert given.endswith("/mmproj-f16.gguf") and _contents(given) == projector
+        assert _contents(argv[argv.index("out=llamacpp") + 1]) == hub.repos[REPO][FILE]
+        # The model's download figures are its own file's: the projector's bytes are not counted as the model's.
+        done = [report for model_id, report in control_plane.downloads if model_id == 7 and report.state == "done"]
+        assert [report.bytes_done for report in done] == [SIZE]
+    finally:
+        await agent.supervisor.stop_all()
+        await agent.close()
+        await downloader.close()
+
+
+def _contents(path: str) -> bytes:
+    return Path(path).read_bytes()

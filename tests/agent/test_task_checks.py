@@ -8,7 +8,7 @@ from agent.errors import TaskNotAllowed
 from agent.tasks.checks import ENGINE_FLAGS, check_engine_args, check_start
 from launcher.run_parser import build_run_parser
 from runtime.fleet_contract.engine_names import FLEET_ENGINES, IMPLEMENTED_ENGINES
-from runtime.fleet_contract.tasks import StartInstance, WorkerSpec
+from runtime.fleet_contract.tasks import LocalSource, StartInstance, WorkerSpec
 
 HERE = frozenset({"mocker", "echo_full", "llamacpp"})
 START = StartInstance(
@@ -56,6 +56,15 @@ def test_an_engine_that_is_not_the_fleets_or_not_on_this_node_is_refused() -> No
 
 def test_a_model_path_is_the_agents_to_set_not_the_tasks() -> None:
     assert "names a model path ('/etc/shadow')" in refusal(with_spec(model_path="/etc/shadow"))
+
+
+def test_a_projector_path_is_the_agents_to_set_and_only_llamacpp_takes_a_projector() -> None:
+    assert "names a projector path ('/etc/shadow')" in refusal(with_spec(projector_path="/etc/shadow"))
+    projector = LocalSource(path="/models/mmproj.gguf")
+    llamacpp = msgspec.structs.replace(with_spec(engine="llamacpp", engine_args=[]), projector=projector)
+    check_start(llamacpp, engines=HERE, node="gpu-a")
+    mocker = msgspec.structs.replace(START, projector=projector)
+    assert refusal(mocker) == "the task gives a projector to out=mocker: only out=llamacpp takes one"
 
 
 @pytest.mark.parametrize(

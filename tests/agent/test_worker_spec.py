@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -52,6 +53,21 @@ def test_the_worker_command_line_is_flotilla_run_with_its_address_model_and_labe
         "node": "gpu-a",
         "instance": "42",
     }
+
+
+def test_a_projector_the_agent_fetched_is_given_to_the_worker_as_mmproj(tmp_path: Path) -> None:
+    projector = tmp_path / "mmproj.gguf"
+    projector.write_bytes(b"GGUF")
+    spec = msgspec.structs.replace(
+        SPEC, engine="llamacpp", engine_args=["--threads", "2"], projector_path=str(projector)
+    )
+    argv = worker_argv(spec, "gpu-a", command=["flotilla"])
+    assert argv[4:11] == [
+        "/models/smollm.gguf", "--model-name", "smollm", "--mmproj", str(projector), "--threads", "2",
+    ]  # fmt: skip
+    # The worker's parser takes what the agent wrote (its projector for out=llamacpp).
+    assert run_options(argv[2:]).mmproj == projector
+    assert "--mmproj" not in worker_argv(SPEC, "gpu-a", command=["flotilla"])
 
 
 def test_a_spec_label_cannot_pose_as_the_agents_own() -> None:

@@ -55,11 +55,21 @@ def post_raw(client: APIClient, path: str, body: bytes, content_type: str = "app
         ({"size_bytes": "lots"}, "size_bytes"),
         ({"memory_bytes": 2**70}, "memory_bytes"),
         ({"memory_bytes": 1.5}, "memory_bytes"),
+        ({"projector": "mmproj.gguf"}, "projector"),  # the good model is the mocker's: no projector
+        ({"projector": ["mmproj.gguf"]}, "projector"),
+        ({"projector": "x" * 1025}, "projector"),
     ],
 )
 def test_bad_model_fields_are_named(operator: APIClient, change: dict[str, Any], field: str) -> None:
     body = errors(operator.post("/api/v1/models/", GOOD_MODEL | change, format="json"))
     assert field in body
+
+
+def test_a_llamacpp_model_takes_a_projector_of_its_repo_and_shows_it(operator: APIClient) -> None:
+    body = GOOD_MODEL | {"engine": "llamacpp", "filename": "model.Q4_0.gguf", "projector": "mmproj-model-f16.gguf"}
+    created = operator.post("/api/v1/models/", body, format="json")
+    assert created.status_code == 201, created.content
+    assert operator.get(f"/api/v1/models/{created.json()['id']}/").json()["projector"] == "mmproj-model-f16.gguf"
 
 
 def test_a_model_without_its_required_fields_names_each(operator: APIClient) -> None:

@@ -61,6 +61,28 @@ def test_a_taken_name_is_a_conflict() -> None:
         ({"source_kind": "folder", "source": "/models/smol", "revision": "main"}, "revision", "only a Hugging Face"),
         ({"engine": "llamacpp"}, "engine", "llamacpp loads GGUF files"),
         ({"no_such_field": 1}, "no_such_field", "no field"),
+        # A multimodal projector: llama.cpp's only, a GGUF file, inside the repo or under the local model roots.
+        ({"projector": "mmproj-f16.gguf"}, "projector", "only llamacpp takes a multimodal projector"),
+        (
+            {"source": "org/repo-GGUF", "filename": "m.Q4_0.gguf", "engine": "llamacpp", "projector": "mmproj.bin"},
+            "projector",
+            "a projector is a GGUF file",
+        ),
+        (
+            {"source": "org/repo-GGUF", "filename": "m.Q4_0.gguf", "engine": "llamacpp", "projector": "../mm.gguf"},
+            "projector",
+            "not a file name inside the repo",
+        ),
+        (
+            {"source_kind": "gguf", "source": "/models/m.gguf", "engine": "llamacpp", "projector": "mmproj.gguf"},
+            "projector",
+            "absolute path on the nodes",
+        ),
+        (
+            {"source_kind": "gguf", "source": "/models/m.gguf", "engine": "llamacpp", "projector": "/etc/mmproj.gguf"},
+            "projector",
+            "outside the local model folders",
+        ),
     ],
 )
 def test_sources_that_do_not_suit_their_kind_or_engine_name_the_field(fields: dict, field: str, message: str) -> None:
@@ -77,6 +99,8 @@ def test_sources_that_do_not_suit_their_kind_or_engine_name_the_field(fields: di
         {"source": "org/repo-GGUF", "filename": "model.Q4_K_M.gguf", "engine": "llamacpp"},
         {"source_kind": "folder", "source": "/srv/models/smol", "engine": "vllm"},
         {"source": "gpt2", "revision": "refs/pr/1"},
+        {"source": "org/repo-GGUF", "filename": "m.Q4_0.gguf", "engine": "llamacpp", "projector": "mmproj-f16.gguf"},
+        {"source_kind": "gguf", "source": "/models/m.gguf", "engine": "llamacpp", "projector": "/models/mmproj.gguf"},
     ],
 )
 def test_sources_that_suit_their_kind_and_engine_are_accepted(fields: dict) -> None:
@@ -91,3 +115,15 @@ def test_a_model_name_the_field_would_refuse_is_invalid_for_every_caller() -> No
         )
     assert refused.value.field == "name"
     assert not LanguageModel.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_projector_moved_outside_the_local_model_folders_is_refused_and_the_model_keeps_its_own() -> None:
+    model = make_model(
+        "vision", source_kind="gguf", source="/models/m.gguf", engine="llamacpp", projector="/models/mmproj.gguf"
+    )
+    with pytest.raises(Invalid, match="outside the local model folders") as refused:
+        actions.update_model(TEST_ACTOR, model, projector="/etc/mmproj.gguf")
+    assert refused.value.field == "projector"
+    model.refresh_from_db()
+    assert model.projector == "/models/mmproj.gguf"

@@ -18,15 +18,16 @@ from controlplane.deployments.worker_specs import (
 )
 from controlplane.fleet.actions import register_node
 from runtime.fleet_contract.router_settings import PipelineRouter
-from runtime.fleet_contract.tasks import LocalSource, StartInstance, decode_task_argument
+from runtime.fleet_contract.tasks import HubSource, LocalSource, StartInstance, decode_task_argument
 from tests.controlplane.factories import TEST_ACTOR, GiB, make_model, make_node, node_report
 
 MOCKER_SETTINGS = ["--extra-engine-args", '{"speedup_ratio":10}']
 
 
-def placed(engine: str | None = None, **model_fields: object) -> Instance:
+def placed(engine: str | None = None, model_engine: str = "mocker", **model_fields: object) -> Instance:
+    """The one instance of a pipeline of model ``llama`` (on ``model_engine``), its group on ``engine``."""
     make_node("gpu-a", (80, 80, 80, 80))
-    model = make_model("llama", **model_fields)
+    model = make_model("llama", engine=model_engine, **model_fields)
     group = GroupSpec(gpus_per_replica=2, engine=engine, engine_args={"--context-length": 2048, "dp_size": 2})
     deploy_pipeline(
         TEST_ACTOR,
@@ -79,6 +80,41 @@ def test_a_start_message_survives_the_json_trip_to_the_agent() -> None:
 @pytest.mark.django_db
 def test_an_engine_that_needs_no_files_gets_no_source() -> None:
     assert start_message(placed(engine="echo_full")).source is None
+
+
+@pytest.mark.parametrize(
+    ("source", "projector", "sent"),
+    [
+        (
+            {"source_kind": "hf", "source": "org/vision-GGUF", "revision": "v2", "filename": "m.Q4_K_M.gguf"},
+            "mmproj-f16.gguf",
+            HubSource(repo_id="org/vision-GGUF", revision="v2", file="mmproj-f16.gguf"),
+        ),
+        (
+            {"source_kind": "gguf", "source": "/models/m.gguf"},
+            "/models/mmproj.gguf",
+            LocalSource(path="/models/mmproj.gguf"),
+        ),
+    ],
+)
+@pytest.mark.django_db
+def test_a_llamacpp_models_projector_is_sent_as_a_file_of_its_repo_or_a_path(
+    source: dict[str, str], projector: str, sent: HubSource | LocalSource
+) -> None:
+    message = start_message(placed(model_engine="llamacpp", projector=projector, memory_bytes=GiB, **source))
+    assert message.projector == sent
+    assert message.spec.projector_path is None  # the agent's to set once it has the file
+    assert "--mmproj" not in message.spec.engine_args
+
+
+@pytest.mark.django_db
+def test_a_group_running_another_engine_than_llamacpp_gets_no_projector() -> None:
+    instance = placed(
+        engine="mocker", model_engine="llamacpp", source_kind="gguf", source="/models/m.gguf",
+        projector="/models/mmproj.gguf", memory_bytes=GiB,
+    )  # fmt: skip
+    # The model is llama.cpp's; this group runs the mocker on its files (a rehearsal), which takes no projector.
+    assert start_message(instance).projector is None
 
 
 @pytest.mark.django_db

@@ -8,12 +8,16 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.agent.control_plane_server import add_mocker_model, json_of, wait_for
+from tests.engines.image_requests import data_uri
+from tests.engines.tiny_projector import IMAGE_TOKENS, write_projector
 from tests.fleet.stack import MOCKER_ARGS, NODE_EVICT_S, NODE_TIMEOUT_S, NODES, FleetStack, running
+from tests.servers import llama_cpp_available
 
 # serial: eviction and heartbeat deadlines on a whole fleet, which a second core's load would stretch.
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(180)]
@@ -116,6 +120,39 @@ def test_a_pipeline_of_prefill_and_decode_groups_computes_prompts_on_one_and_ans
     assert reply is not None and reply.status_code == 200, reply
     assert reply.headers["x-flotilla-prefill-instance"] == by_role["prefill"]
     assert reply.headers["x-flotilla-instance"] == by_role["decode"]
+
+
+@pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is not installed (make install builds it)")
+def test_a_llamacpp_model_registered_with_its_projector_answers_an_image_through_the_fleet(
+    fleet: FleetStack, tmp_path: Path
+) -> None:
+    """The projector crosses from the catalog to the agent (as a path here; a file of the model's repo on the hub
+    is fetched the same way) and the worker is started with it: the model takes images."""
+    projector = write_projector(tmp_path / "mmproj-tiny.gguf")
+    body = {
+        "name": "smol-vision-model", "source_kind": "gguf", "source": str(fleet.smollm2), "engine": "llamacpp",
+        "projector": str(projector),
+    }  # fmt: skip
+    model = json_of(fleet.operator.post("/api/v1/models/", json=body))
+    group = {"replicas": 1, "gpus_per_replica": 0, "engine_args": {"threads": 1}}
+    created = fleet.operator.post(
+        "/api/v1/pipelines/", json={"name": "smol-vision", "model": model["name"], "groups": [group]}
+    )
+    pipeline = json_of(created)["id"]
+    fleet.wait_ready(pipeline, 1, timeout_s=120)
+    wait_for("the gateway to list it", lambda: "smol-vision" in fleet.served_models())
+    content = [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image_url", "image_url": {"url": data_uri((0, 0, 255))}},
+    ]
+    chat = {"model": "smol-vision", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+    assert fleet.gateway is not None
+    reply = httpx.post(fleet.gateway.api_url + "/chat/completions", json=chat, timeout=60)
+    assert reply.status_code == 200, reply.text
+    text_only = {**chat, "messages": [{"role": "user", "content": "What is it?"}]}
+    without = httpx.post(fleet.gateway.api_url + "/chat/completions", json=text_only, timeout=60)
+    assert reply.json()["usage"]["prompt_tokens"] - without.json()["usage"]["prompt_tokens"] == IMAGE_TOKENS
+    json_of(fleet.operator.post(f"/api/v1/pipelines/{pipeline}/stop/"))
 
 
 def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: FleetStack) -> None:

@@ -26,6 +26,13 @@ class ModelSerializer(serializers.ModelSerializer):
     config = JsonObjectField(
         required=False, max_bytes=64 * 1024, help_text="The model's config.json (layers, heads...) for the estimate"
     )
+    projector = serializers.CharField(
+        max_length=1024,
+        required=False,
+        allow_blank=True,
+        help_text="out=llamacpp: the multimodal projector GGUF (mmproj) that lets the model take images: a file of "
+        "the same Hugging Face repo, or for a local source an absolute path on the nodes",
+    )
     source_display = serializers.CharField(read_only=True)
 
     class Meta:
@@ -37,6 +44,7 @@ class ModelSerializer(serializers.ModelSerializer):
             "source",
             "revision",
             "filename",
+            "projector",
             "source_display",
             "engine",
             "default_engine_args",
