@@ -19,7 +19,7 @@ pipeline of one mocker worker through the REST API. Then:
    second and the planner's decisions read from the API.
 
     .venv/bin/python bench/planner_ramp.py [--ramp-s 180] [--interval 3] [--cooldown 3] [--reversal 12]
-                                           [--down-window 9]
+                                           [--down-window 9] [--noise-tolerance 0]
 
 The workers: 4,096-token prompts in chunks of 512 tokens per step (``max_num_batched_tokens`` 512, vLLM's
 chunked-prefill default of old) so that one worker holds a few requests per second, and the whole run stays
@@ -301,6 +301,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cooldown", type=float, default=None, help="stability.cooldown_s (default: --interval)")
     parser.add_argument("--reversal", type=float, default=12.0, help="stability.reversal_s")
     parser.add_argument("--down-window", type=float, default=9.0, help="stability.down_window_s")
+    parser.add_argument(
+        "--noise-tolerance", type=float, default=0.0, help="stability.noise_tolerance (standard errors of the rate)"
+    )
     return parser.parse_args()
 
 
@@ -311,7 +314,12 @@ def targets(args: argparse.Namespace) -> dict[str, Any]:
     cooldown = args.interval if args.cooldown is None else args.cooldown
     return {
         "default": {"ttft_s": args.ttft, "itl_s": args.itl, "percentile": 90, "min_replicas": 1, "max_replicas": 8},
-        "stability": {"cooldown_s": cooldown, "reversal_s": args.reversal, "down_window_s": args.down_window},
+        "stability": {
+            "cooldown_s": cooldown,
+            "reversal_s": args.reversal,
+            "down_window_s": args.down_window,
+            "noise_tolerance": args.noise_tolerance,
+        },
     }
 
 

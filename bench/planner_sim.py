@@ -11,6 +11,8 @@ no latency: the SLA sizing runs on the profile alone). Rows:
 
 * **the bench's settings**: the trend predictor and the live bench's stability windows;
 * **constant predictor**: the last interval's rate;
+* **noise tolerance Z** (``--noise-tolerances``): the bench's settings with ``stability.noise_tolerance`` Z,
+  growth waiting until the need is over the replicas with the rate Z standard errors lower;
 * **trend A/B** (``--trend-gains``): Holt's predictor with other gains (level ``A``, slope ``B``; the
   planner's are 0.6/0.4), to show what smoothing the arrivals' noise trades;
 * **oracle**: the planner told the offered rate itself (no arrival noise), through the same sizing and
@@ -69,6 +71,7 @@ def simulate(
     predictor: PredictorName = "trend",
     observed: Callable[[list[float], float, float], float] | None = None,
     gains: tuple[float, float] | None = None,
+    tolerance: float = 0.0,
 ) -> Outcome:
     """One ramp: the planner decides every interval on what ``observed`` says of it (default: the arrivals
     counted over the interval, as the ingress's histograms count requests)."""
@@ -78,7 +81,12 @@ def simulate(
     targets = Targets(
         default=GroupTargets(ttft_s=1.0, itl_s=0.25),
         predictor=predictor,
-        stability=Stability(cooldown_s=interval, reversal_s=args.reversal, down_window_s=args.down_window),
+        stability=Stability(
+            cooldown_s=interval,
+            reversal_s=args.reversal,
+            down_window_s=args.down_window,
+            noise_tolerance=tolerance,
+        ),
     )
     profile = Profile.from_dict(profile_for(rate, ISL, OSL, 1.0, 0.25))
     planner = Planner(predictor) if gains is None else _GainsPlanner(gains)
@@ -126,6 +134,9 @@ def main() -> None:
     parser.add_argument(
         "--trend-gains", default="0.4/0.2,0.3/0.1", help="other gains of Holt's predictor to try, LEVEL/SLOPE,..."
     )
+    parser.add_argument(
+        "--noise-tolerances", default="1,1.5", help="stability.noise_tolerance values to try, comma-separated"
+    )
     args = parser.parse_args()
     seeds = range(1, args.seeds + 1)
     rate = args.rate
@@ -137,6 +148,9 @@ def main() -> None:
     print(f"{'':<28}{'worker-seconds / static peak':>30}{'short of the load':>22}")
     show("the bench's settings", [simulate(rate, args, seed) for seed in seeds])
     show("constant predictor", [simulate(rate, args, seed, predictor="constant") for seed in seeds])
+    for tolerance in (float(x) for x in filter(None, args.noise_tolerances.split(","))):
+        outcomes = [simulate(rate, args, seed, tolerance=tolerance) for seed in seeds]
+        show(f"noise tolerance {tolerance:g}", outcomes)
     for pair in filter(None, args.trend_gains.split(",")):
         alpha, beta = (float(x) for x in pair.split("/"))
         show(f"trend {alpha:g}/{beta:g}", [simulate(rate, args, seed, gains=(alpha, beta)) for seed in seeds])

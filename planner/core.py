@@ -5,6 +5,7 @@ it last changed and in which direction. Time is passed in (``now``, seconds on a
 the same inputs give the same decisions, and tests run in simulated time.
 """
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -117,9 +118,19 @@ class Planner:
         else:
             hit = observation.prefix_hit_rate or 0.0
             demand = Demand(demand.request_rate, demand.isl, demand.osl, min(max(hit, 0.0), 1.0))
-            sizing = sla_sizing(group, demand, profile, group_targets, observation, stability.scale_down_margin)
+            noise = stability.noise_tolerance * self._rate_error(demand.request_rate, observation.interval_s)
+            sizing = sla_sizing(
+                group, demand, profile, group_targets, observation, stability.scale_down_margin, rate_noise=noise
+            )
             mode = "sla"
         return _Draft(group, mode, sizing, sizing.wanted, min_replicas=group_targets.min_replicas)
+
+    def _rate_error(self, rate: float, interval_s: float) -> float:
+        """The standard error of a predicted request ``rate`` (requests/s) from arrivals counted over intervals of
+        ``interval_s``: Poisson counts, through the predictor's smoothing."""
+        if rate <= 0 or interval_s <= 0:
+            return 0.0
+        return math.sqrt(self._rate.noise_factor * rate / interval_s)
 
     def _bound(self, now: float, targets: Targets, draft: _Draft) -> _Draft:
         """``draft`` held within its group's bounds (all but the budget, which spans the groups), in the order

@@ -10,6 +10,7 @@ Kalman filter on a local linear trend. Here there are two, without dependencies:
   so one jump is not extrapolated for long, and the prediction never falls below zero.
 """
 
+import functools
 from typing import Protocol
 
 from planner.settings import PredictorName
@@ -17,6 +18,10 @@ from planner.settings import PredictorName
 
 class Predictor(Protocol):
     """One series (request rate, mean ISL or mean OSL), one value per interval."""
+
+    #: The forecast's variance over one observation's, for independent noise on steady values: how much of
+    #: an interval's noise reaches the prediction (1: all of it; a smoothing predictor passes less).
+    noise_factor: float
 
     def observe(self, value: float) -> None: ...
 
@@ -27,6 +32,8 @@ class Predictor(Protocol):
 
 class ConstantPredictor:
     """The next value is the last one."""
+
+    noise_factor = 1.0
 
     def __init__(self) -> None:
         self._last: float | None = None
@@ -46,6 +53,7 @@ class TrendPredictor:
         self.alpha, self.beta, self.damping = alpha, beta, damping
         self._level: float | None = None
         self._slope = 0.0
+        self.noise_factor = _holt_noise_factor(alpha, beta, damping)
 
     def observe(self, value: float) -> None:
         if self._level is None:
@@ -60,6 +68,21 @@ class TrendPredictor:
         if self._level is None:
             return None
         return max(0.0, self._level + self.damping * self._slope)
+
+
+@functools.cache
+def _holt_noise_factor(alpha: float, beta: float, damping: float, steps: int = 2000) -> float:
+    """The sum of the squared weights Holt's forecast gives past observations (its response to one impulse):
+    the forecast's variance over an observation's, for independent noise (0.6/0.4 damped 0.95: 0.84; 0.3/0.1: 0.24)."""
+    level, slope, total = 1.0, 0.0, 0.0  # the impulse, as the first observation after a level of 0
+    level, slope = alpha, beta * alpha
+    for _ in range(steps):
+        forecast = level + damping * slope
+        total += forecast * forecast
+        new_level = (1 - alpha) * forecast
+        slope = beta * (new_level - level) + (1 - beta) * damping * slope
+        level = new_level
+    return total
 
 
 def make_predictor(name: PredictorName) -> Predictor:

@@ -80,6 +80,10 @@ class LoadThresholds:
             )
 
 
+#: The most standard errors ``Stability.noise_tolerance`` may ask for: past 3, a group trails a ramp by seconds.
+MAX_NOISE_TOLERANCE = 3.0
+
+
 @dataclass(frozen=True)
 class Stability:
     """How the planner avoids flapping.
@@ -92,6 +96,10 @@ class Stability:
     * ``down_window_s``: a group shrinks only to the most replicas its load asked for over this window (as
       Kubernetes' HPA stabilization window): one quiet interval in noisy traffic does not remove a replica.
     * ``max_step_down``: replicas removed per decision at most (each removal drains its requests first).
+    * ``noise_tolerance``: SLA mode grows a group only when the need is over its replicas by more than this many
+      standard errors of the predicted request rate (arrivals counted over an interval are Poisson: at 2.5
+      requests/s over 3 s, ±36%). 0: as soon as the predicted need is over. A latency over its target still grows
+      the group through the profile's correction, whatever the noise.
     """
 
     scale_down_margin: float = 0.15
@@ -99,6 +107,7 @@ class Stability:
     reversal_s: float = 60.0
     down_window_s: float = 180.0
     max_step_down: int = 1
+    noise_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.scale_down_margin < 1:
@@ -110,6 +119,11 @@ class Stability:
                 raise SettingsError(f"{name} must be 0 or more seconds", field=name)
         if self.max_step_down < 1:
             raise SettingsError(f"max_step_down must be 1 or more, not {self.max_step_down}", field="max_step_down")
+        if not 0 <= self.noise_tolerance <= MAX_NOISE_TOLERANCE:
+            raise SettingsError(
+                f"noise_tolerance must be in [0, {MAX_NOISE_TOLERANCE:g}] standard errors, not {self.noise_tolerance}",
+                field="noise_tolerance",
+            )
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ completion length ``osl``:
   context over a completion), so the group needs ``r · osl / decode(isl + osl/2)``;
 * an aggregated replica does both in turn: the sum of the two.
 
-Replicas are the need rounded up (up as soon as the need is over the current count); down only when the
-need fits in fewer replicas with the stability margin to spare. When the measured latency is over the target
+Replicas are the need rounded up (up as soon as the need is over the current count, or with a noise tolerance
+once it is over by more than the predicted rate's noise); down only when the need fits in fewer replicas with
+the stability margin to spare. When the measured latency is over the target
 although the profile says the group is large enough, the profile is optimistic for this traffic: its
 capacity is discounted by target/measured (at most by half) until the latency is back.
 """
@@ -55,8 +56,11 @@ def sla_sizing(
     targets: GroupTargets,
     observation: Observation,
     margin: float,
+    *,
+    rate_noise: float = 0.0,
 ) -> Sizing:
-    """The replicas ``group`` needs for ``demand`` at ``targets``, by ``profile``."""
+    """The replicas ``group`` needs for ``demand`` at ``targets``, by ``profile``. It grows only when the need is
+    over its replicas with the request rate ``rate_noise`` requests/s lower (the noise tolerance)."""
     role, current = group.role, group.replicas
     prefill_tokens = demand.request_rate * demand.isl * (1 - demand.prefix_hit_rate)
     decode_tokens = demand.request_rate * demand.osl
@@ -88,7 +92,16 @@ def sla_sizing(
 
     per_replica = f"{amount(1 / cost)} req/s each" if cost > 0 else "no work per request"
     up = math.ceil(need - EPSILON)
-    if up > current:
+    # The need with the rate at the low end of its noise: what growing must be sure of (unless the latency is
+    # over its target already: then the discounted capacity says more than the rate's noise).
+    low = need * max(0.0, demand.request_rate - rate_noise) / demand.request_rate if demand.request_rate > 0 else need
+    if up > current and discount == 1.0 and math.ceil(low - EPSILON) <= current:
+        wanted = current
+        verdict = (
+            f"needs {replicas(need, role)} at {per_replica}: within the rate's noise "
+            f"(±{amount(rate_noise)} req/s) of {replicas(current)}"
+        )
+    elif up > current:
         wanted = up
         verdict = f"needs {replicas(up, role)} at {per_replica}"
     else:

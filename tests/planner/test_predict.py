@@ -1,6 +1,9 @@
 """Predicting the next interval's request rate and lengths."""
 
 import random
+import statistics
+
+import pytest
 
 from planner import Planner
 from planner.predict import ConstantPredictor, TrendPredictor
@@ -58,3 +61,18 @@ def test_on_a_ramp_sla_mode_sizes_for_the_next_interval_not_the_last() -> None:
     assert by_trend.desired == 4
     demand = trend.demand()
     assert demand is not None and 31.0 < demand.request_rate <= 32.5
+
+
+def test_each_predictor_says_how_much_of_an_intervals_noise_reaches_its_forecast() -> None:
+    assert ConstantPredictor().noise_factor == 1.0
+    trend = TrendPredictor()
+    # Measured: the forecast's variance over many steady intervals of independent unit noise.
+    rng = random.Random(7)
+    forecasts = []
+    for _ in range(50_000):
+        trend.observe(rng.gauss(0.0, 1.0) + 100.0)
+        forecasts.append(trend.predict() or 0.0)
+    measured = statistics.pvariance(forecasts[100:])
+    assert trend.noise_factor == pytest.approx(measured, rel=0.05)
+    assert 0.8 < trend.noise_factor < 0.9  # the default gains smooth a little
+    assert TrendPredictor(0.3, 0.1).noise_factor < 0.3  # slower gains, much more

@@ -32,6 +32,8 @@ def test_a_group_override_replaces_the_pipeline_targets_for_that_group_only() ->
         (lambda: LoadThresholds(kv_usage_down=0.9, kv_usage_up=0.8), "need 0 <= kv_usage_down < kv_usage_up <= 1"),
         (lambda: Stability(scale_down_margin=1.0), "scale_down_margin must be in [0, 1)"),
         (lambda: Stability(max_step_down=0), "max_step_down must be 1 or more"),
+        (lambda: Stability(noise_tolerance=-0.5), "noise_tolerance must be in [0, 3] standard errors"),
+        (lambda: Stability(noise_tolerance=float("nan")), "noise_tolerance must be in [0, 3] standard errors"),
     ],
 )
 def test_settings_that_cannot_be_planned_with_are_refused_saying_which(

@@ -3,7 +3,7 @@
 import math
 from dataclasses import replace
 
-from planner import GroupObservation, Planner, Profile
+from planner import GroupObservation, Planner, Profile, Stability
 from tests.planner.factories import FLAT_PROFILE, flat_profile, group, observation, targets
 
 
@@ -105,3 +105,39 @@ def test_no_traffic_shrinks_every_group_toward_its_minimum_one_replica_at_a_time
 def test_the_profile_fixture_is_the_documented_shape() -> None:
     assert Profile.from_dict(FLAT_PROFILE).to_dict() == FLAT_PROFILE
     assert GroupObservation("decode", 1).reporting == 0
+
+
+def test_with_a_noise_tolerance_a_need_within_the_rates_noise_of_the_replicas_does_not_grow_the_group() -> None:
+    # The aggregated replica holds 5 req/s. 5.5 req/s over 10 s is 55 arrivals, ±7.4 (Poisson): the constant
+    # predictor passes it all, so one standard error is 0.74 req/s, and 5.5 is within one of 5.0.
+    tolerant = targets(stability=Stability(cooldown_s=0, reversal_s=0, down_window_s=0, noise_tolerance=1.0))
+    obs = observation(group("aggregated", 1), rate=5.5)
+    (held,) = Planner().decide(100.0, tolerant, obs, flat_profile())
+    assert (held.desired, held.wanted) == (1, 1)
+    assert "needs 1.1 replicas at 5.0 req/s each: within the rate's noise (±0.74 req/s) of 1 replica" in held.reason
+    (grown,) = Planner().decide(100.0, targets(), obs, flat_profile())  # without the tolerance
+    assert grown.desired == 2
+    # 6 req/s is over 5.0 by more than its noise (0.77): the group grows.
+    (sure,) = Planner().decide(100.0, tolerant, observation(group("aggregated", 1), rate=6.0), flat_profile())
+    assert sure.desired == 2
+
+
+def test_a_latency_over_target_grows_the_group_whatever_the_noise_tolerance() -> None:
+    tolerant = targets(stability=Stability(cooldown_s=0, reversal_s=0, down_window_s=0, noise_tolerance=3.0))
+    # 4.8 req/s needs 0.96 of a replica: enough by the profile, but TTFT is 0.8 s over 0.5 s, so the capacity
+    # is taken at 62% and the need is 1.5: the measured latency is no noise, and a second replica is asked for.
+    obs = observation(group("aggregated", 1), rate=4.8, ttft=0.8)
+    (decision,) = Planner().decide(100.0, tolerant, obs, flat_profile())
+    assert decision.desired == 2
+    assert "its capacity taken at 62%" in decision.reason
+
+
+def test_a_smoothing_predictor_narrows_the_noise_tolerated() -> None:
+    # Holt's predictor at its gains passes 0.84 of an interval's variance: the standard error at 5.5 req/s over
+    # 10 s is 0.68 req/s, not 0.74.
+    tolerant = targets(
+        predictor="trend", stability=Stability(cooldown_s=0, reversal_s=0, down_window_s=0, noise_tolerance=1.0)
+    )
+    planner = Planner("trend")
+    (decision,) = planner.decide(100.0, tolerant, observation(group("aggregated", 1), rate=5.5), flat_profile())
+    assert decision.desired == 1 and "(±0.68 req/s)" in decision.reason
