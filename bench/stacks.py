@@ -7,6 +7,7 @@ that fails raises RuntimeError with the tail of every log.
 * ``flotilla_stack``: etcd + NATS (``network_path.infrastructure``), N ``flotilla run in=dyn://MODEL
   out=mocker`` workers and ``flotilla run in=http out=dyn --router-mode …``. Ready once the ingress
   lists the model and each worker has answered a probe (the ``x-flotilla-instance`` header names it).
+  ``worker_stack`` is the same with workers of any engine (``StackWorker``).
 * ``dynamo_stack``: NATS, ``python -m dynamo.mocker --num-workers N`` and ``python -m dynamo.frontend
   --router-mode …`` with the file discovery backend, the TCP request plane and the NATS event plane
   (/work/shared/ENVIRONMENT.md). Ready once the frontend lists the model and N ``generate`` instances
@@ -126,16 +127,18 @@ def _logs(directory: Path) -> str:
     )
 
 
-def _wait(condition: Any, processes: Sequence[ServerProcess], directory: Path, what: str) -> None:
+def _wait(
+    condition: Any, processes: Sequence[ServerProcess], directory: Path, what: str, timeout_s: float = _READY_TIMEOUT_S
+) -> None:
     """Poll ``condition()`` until true; RuntimeError with every log's tail if a process exits or time runs out."""
-    deadline = time.monotonic() + _READY_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(httpx.TransportError):
             if condition():
                 return
         exited = [p.log_path.stem for p in processes if p.process.poll() is not None]
         if exited or time.monotonic() > deadline:
-            reason = f"{', '.join(exited)} exited" if exited else f"not ready after {_READY_TIMEOUT_S:.0f}s"
+            reason = f"{', '.join(exited)} exited" if exited else f"not ready after {timeout_s:.0f}s"
             raise RuntimeError(f"{what}: {reason}\n{_logs(directory)}")
         time.sleep(0.1)  # polling other processes: there is no event to await
 
@@ -169,6 +172,16 @@ def _log_dir(log_dir: Path | None) -> Iterator[Path]:
             yield Path(temp)
 
 
+@dataclass(frozen=True)
+class StackWorker:
+    """One worker of ``worker_stack``: its disaggregation role ("" for an aggregated worker), its ``flotilla run``
+    arguments after its input (the engine, the model and their flags), and environment variables of its own."""
+
+    role: str
+    args: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
 @contextlib.contextmanager
 def flotilla_stack(
     *,
@@ -195,23 +208,65 @@ def flotilla_stack(
 
     Raises ValueError for an unknown router mode or mocker setting, RuntimeError if it does not come up.
     """
-    if router_mode not in ROUTER_MODES:
-        raise ValueError(f"router_mode {router_mode!r} is not one of {', '.join(ROUTER_MODES)}")
     settings = check_mocker_settings(mocker_settings)
-    with _log_dir(log_dir) as directory, infrastructure(directory) as servers, contextlib.ExitStack() as stack:
-        env = {**servers, "FLOTILLA_LOG": "warning", "FLOTILLA_MODEL_PATH": str(smollm2_path())}
+    with _log_dir(log_dir) as directory:
         settings_path = directory / "mocker.json"
         settings_path.write_text(json.dumps(settings))
-        processes: list[ServerProcess] = []
         roles = [("decode", disagg[1]), ("prefill", disagg[0])] if disagg else [("", workers)]
-        for role, count in roles:
+        mockers = [
+            StackWorker(role, ("out=mocker", str(smollm2_path()), "--extra-engine-args", str(settings_path)))
+            for role, count in roles
+            for _ in range(count)
+        ]
+        with worker_stack(
+            mockers,
+            directory=directory,
+            model=model,
+            router_mode=router_mode,
+            use_kv_events=use_kv_events,
+            overlap_weight=overlap_weight,
+            ingress_args=ingress_args,
+            ingresses=ingresses,
+            block_size=int(settings.get("block_size", 64)),
+        ) as stack:
+            yield stack
+
+
+@contextlib.contextmanager
+def worker_stack(
+    workers: Sequence[StackWorker],
+    *,
+    directory: Path,
+    model: str = MODEL,
+    router_mode: str = "kv",
+    use_kv_events: bool = True,
+    overlap_weight: float = 1.0,
+    ingress_args: Sequence[str] = (),
+    ingresses: int = 1,
+    block_size: int = 64,
+    ready_timeout_s: float = _READY_TIMEOUT_S,
+) -> Iterator[Stack]:
+    """etcd, NATS, ``workers`` (any engine: each ``flotilla run in=dyn://MODEL[.ROLE.generate] ARGS --model-name
+    MODEL``, logging to ``directory``) and ``ingresses`` ingress processes; yields the Stack once every worker
+    has answered through the ingress (``ready_timeout_s`` for each wait: a GPU engine's start takes minutes).
+
+    Raises ValueError for an unknown router mode, RuntimeError if it does not come up.
+    """
+    if router_mode not in ROUTER_MODES:
+        raise ValueError(f"router_mode {router_mode!r} is not one of {', '.join(ROUTER_MODES)}")
+    directory.mkdir(parents=True, exist_ok=True)
+    with infrastructure(directory) as servers, contextlib.ExitStack() as stack:
+        env = {**servers, "FLOTILLA_LOG": "warning"}
+        processes: list[ServerProcess] = []
+        numbers: dict[str, int] = {}
+        for worker in workers:
+            role = worker.role
             where = [f"in=dyn://{model}.{role}.generate", "--disagg-role", role] if role else [f"in=dyn://{model}"]
-            for number in range(count):
-                command = flotilla(
-                    where[0], "out=mocker", "--model-name", model, "--extra-engine-args", str(settings_path), *where[1:]
-                )
-                processes.append(_spawn(command, directory / f"worker-{role or 'agg'}-{number}.log", env))
-                stack.callback(processes[-1].stop)
+            number = numbers[role] = numbers.get(role, -1) + 1
+            command = flotilla(where[0], *worker.args, "--model-name", model, *where[1:])
+            log_path = directory / f"worker-{role or 'agg'}-{number}.log"
+            processes.append(_spawn(command, log_path, {**env, **worker.env}))
+            stack.callback(processes[-1].stop)
         fronts: list[ServerProcess] = []
         ports = [free_port() for _ in range(ingresses)]
         for number, port in enumerate(ports):
@@ -226,15 +281,15 @@ def flotilla_stack(
                     port, directory / ("ingress.log" if ingresses == 1 else f"ingress-{number}.log"), env,
                 )
             )  # fmt: skip
-        instance_ids = _worker_banners(processes, directory)
+        instance_ids = _worker_banners(processes, directory, ready_timeout_s)
         for ingress in fronts:
-            _wait_routed(ingress, model, instance_ids, processes, directory)
+            _wait_routed(ingress, model, instance_ids, processes, directory, ready_timeout_s)
         yield Stack(
             name="flotilla",
             base_url=fronts[0].base_url,
             port=ports[0],
             model=model,
-            block_size=int(settings.get("block_size", 64)),
+            block_size=block_size,
             worker_ids=tuple(instance_ids),
             ingress_pids=tuple(ingress.process.pid for ingress in fronts),
             worker_pids=tuple(p.process.pid for p in processes),
@@ -244,10 +299,16 @@ def flotilla_stack(
 
 
 def _wait_routed(
-    ingress: ServerProcess, model: str, instance_ids: Sequence[str], workers: list[ServerProcess], directory: Path
+    ingress: ServerProcess,
+    model: str,
+    instance_ids: Sequence[str],
+    workers: list[ServerProcess],
+    directory: Path,
+    timeout_s: float = _READY_TIMEOUT_S,
 ) -> None:
     """Wait until ``ingress`` lists ``model`` and has routed a probe to each of ``instance_ids``."""
-    _wait(lambda: model in _models(ingress.base_url), [*workers, ingress], directory, "flotilla: model")
+    everyone = [*workers, ingress]
+    _wait(lambda: model in _models(ingress.base_url), everyone, directory, "flotilla: model", timeout_s)
     answered: set[str] = set()
 
     def every_worker_answered() -> bool:
@@ -260,10 +321,10 @@ def _wait_routed(
                 answered.add(prefill)
         return answered >= set(instance_ids)
 
-    _wait(every_worker_answered, [*workers, ingress], directory, "flotilla: a worker never answered")
+    _wait(every_worker_answered, everyone, directory, "flotilla: a worker never answered", timeout_s)
 
 
-def _worker_banners(processes: list[ServerProcess], directory: Path) -> list[str]:
+def _worker_banners(processes: list[ServerProcess], directory: Path, timeout_s: float = _READY_TIMEOUT_S) -> list[str]:
     """Each worker's instance id (hex), from the banner it prints once registered."""
     ids: dict[int, str] = {}
 
@@ -274,7 +335,7 @@ def _worker_banners(processes: list[ServerProcess], directory: Path) -> list[str
                     ids[number] = line.split()[2]
         return len(ids) == len(processes)
 
-    _wait(every_banner, processes, directory, "flotilla: a worker never registered")
+    _wait(every_banner, processes, directory, "flotilla: a worker never registered", timeout_s)
     return [ids[number] for number in range(len(processes))]
 
 

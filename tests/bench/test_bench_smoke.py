@@ -377,6 +377,13 @@ SMOKES = [
         skip=no_dynamo,
     ),
     Smoke(
+        "gpu_disagg_stack_check",
+        "gpu_disagg_stack_check.py",
+        "--engine mocker",
+        [r"^PASS disagg-stack remote: prefilled by \w+, decoded by \w+", r"^PASS disagg-stack token-exact: "],
+        timeout=120,
+    ),
+    Smoke(
         "disagg_vs_dynamo",
         "disagg_vs_dynamo.py",
         "--requests 4 --concurrency 2 --tokens 64 --max-tokens 4 --rounds 1 --stacks flotilla",
