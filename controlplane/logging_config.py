@@ -10,11 +10,7 @@ processes. The Celery worker takes the root logger over with its own handler, as
 import logging
 from typing import Any
 
-from runtime.logging import parse_log_spec
-
-FORMAT = "%(asctime)s %(levelname)-5s %(name)s: %(message)s"
-#: Libraries that say too much at info: kept at warning unless FLOTILLA_LOG names them.
-NOISY = ("httpx", "httpcore", "filelock", "huggingface_hub")
+from runtime.logging import LOG_FORMAT, NOISY_LIBRARIES, parse_log_spec
 
 
 def logging_settings(spec: str | None) -> dict[str, Any]:
@@ -27,13 +23,13 @@ def logging_settings(spec: str | None) -> dict[str, Any]:
         # A request's 500 is an error; its 4xx (a wrong token, a missing page) is the client's, which Django logs
         # as a warning each: a scanner or a poll without a token would fill the log.
         "django.request": {"level": logging.ERROR},
-        **{name: {"level": max(root, logging.WARNING)} for name in NOISY if name not in targets},
+        **{name: {"level": max(root, logging.WARNING)} for name in NOISY_LIBRARIES if name not in targets},
         **{name: {"level": level} for name, level in targets.items()},  # FLOTILLA_LOG's say last
     }
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"flotilla": {"format": FORMAT}},
+        "formatters": {"flotilla": {"format": LOG_FORMAT}},
         "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "flotilla"}},
         "root": {"handlers": ["stderr"], "level": root},
         "loggers": loggers,

@@ -13,6 +13,11 @@ from runtime.errors import ConfigError
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
 
+#: The format of every Flotilla process's log lines.
+LOG_FORMAT = "%(asctime)s %(levelname)-5s %(name)s: %(message)s"
+#: Libraries that say too much at info: kept at warning unless FLOTILLA_LOG names them.
+NOISY_LIBRARIES = ("httpx", "httpx2", "httpcore", "filelock", "huggingface_hub")
+
 _LEVELS = {
     "trace": TRACE,
     "debug": logging.DEBUG,
@@ -54,11 +59,11 @@ def configure_logging(spec: str | None, verbosity: int = 0) -> None:
     elif verbosity == 1:
         root = min(root, logging.DEBUG)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-5s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=root, handlers=[handler], force=True)
     for name, level in targets.items():
         logging.getLogger(name).setLevel(level)
     # Third-party chatter stays at warning unless asked for by name.
-    for noisy in ("httpx", "httpx2", "httpcore", "filelock", "huggingface_hub"):
+    for noisy in NOISY_LIBRARIES:
         if noisy not in targets:
             logging.getLogger(noisy).setLevel(max(root, logging.WARNING))

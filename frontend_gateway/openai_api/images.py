@@ -172,11 +172,8 @@ class ImageLoader:
         limits = self.limits
         shown = _shown(url)
         _check_url(url, param, limits.domains)
-        if not limits.domains:
-            try:
-                await _check_public(httpx.URL(url))
-            except _NotAllowed as exc:
-                raise InvalidRequest(str(exc), param=param) from None
+        # The host's addresses are checked by the request hook (_check_redirect, for the URL and each redirect)
+        # and again by the connection itself (_PublicAddressesOnly), which connects only to those it checked.
         client = self._client
         if client is None:
             # Redirects are followed, each checked as the URL was (an allowed host may send elsewhere).
