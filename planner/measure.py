@@ -7,9 +7,10 @@ dp rank (runtime/kv/events.py); ``replica_loads`` folds the latest reports into 
 instance.
 """
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -109,14 +110,18 @@ def counter_rate(before: float, after: float, seconds: float) -> float:
     return counter_increase(before, after) / seconds
 
 
-def histogram_from_exposition(text: str, name: str, labels: Mapping[str, str]) -> HistogramSnapshot:
-    """The histogram ``name`` (its full name, without ``_bucket``) whose labels include ``labels``, from a
-    Prometheus text exposition; series that match are added (EMPTY when none does)."""
-    found = EMPTY
+#: A series' labels, ``le`` aside, sorted: which ingress (and model) a histogram's series is.
+SeriesKey = tuple[tuple[str, str], ...]
+
+
+def histograms_by_series(text: str, name: str, labels: Mapping[str, str]) -> dict[SeriesKey, HistogramSnapshot]:
+    """Each series of the histogram ``name`` (its full name, without ``_bucket``) whose labels include ``labels``,
+    from a Prometheus text exposition, by its other labels (one per ingress where a Prometheus adds ``instance``)."""
+    found: dict[SeriesKey, HistogramSnapshot] = {}
     for family in text_string_to_metric_families(text):
         if family.name != name or family.type != "histogram":
             continue
-        series: dict[tuple[tuple[str, str], ...], tuple[dict[float, float], list[float]]] = {}
+        series: dict[SeriesKey, tuple[dict[float, float], list[float]]] = {}
         for sample in family.samples:
             if any(sample.labels.get(k) != v for k, v in labels.items()):
                 continue
@@ -126,8 +131,17 @@ def histogram_from_exposition(text: str, name: str, labels: Mapping[str, str]) -
                 bounds[float(sample.labels["le"])] = float(sample.value)
             elif sample.name == f"{name}_sum":
                 total[0] = float(sample.value)
-        for bounds, total in series.values():
-            found = found + HistogramSnapshot(tuple(sorted(bounds.items())), total[0])
+        for key, (bounds, total) in series.items():
+            found[key] = found.get(key, EMPTY) + HistogramSnapshot(tuple(sorted(bounds.items())), total[0])
+    return found
+
+
+def histogram_from_exposition(text: str, name: str, labels: Mapping[str, str]) -> HistogramSnapshot:
+    """The histogram ``name`` whose labels include ``labels``, from a Prometheus text exposition; series that
+    match are added (EMPTY when none does)."""
+    found = EMPTY
+    for snapshot in histograms_by_series(text, name, labels).values():
+        found = found + snapshot
     return found
 
 
@@ -169,13 +183,19 @@ def _escaped(text: str) -> str:
 
 @dataclass(frozen=True)
 class IngressSnapshot:
-    """The ingress histograms of one model at one moment (``at_s``: the caller's clock, in seconds)."""
+    """The ingress histograms of one model at one moment (``at_s``: the caller's clock, in seconds).
+
+    ``sources`` holds each ingress's own four histograms (by its series' labels: ``instance`` and ``job`` where a
+    Prometheus scrapes several), of which the fields are the sum. ``ingress_stats`` measures an interval
+    ingress by ingress, so that one ingress restarted (its counters back at zero) counts what it saw since, not
+    what every ingress saw since it started. Empty: one source, the fields."""
 
     at_s: float
     ttft: HistogramSnapshot = EMPTY
     itl: HistogramSnapshot = EMPTY
     input_tokens: HistogramSnapshot = EMPTY
     output_tokens: HistogramSnapshot = EMPTY
+    sources: Mapping[SeriesKey, "IngressSnapshot"] = field(default_factory=dict)
 
     def __add__(self, other: "IngressSnapshot") -> "IngressSnapshot":
         """Two ingresses' snapshots of the same model taken together (the later moment is kept)."""
@@ -189,15 +209,44 @@ class IngressSnapshot:
 
 
 def ingress_snapshot(text: str, model: str, at_s: float, prefix: str = "flotilla_frontend") -> IngressSnapshot:
-    """``model``'s histograms in one ingress's ``/metrics`` text."""
+    """``model``'s histograms in an ingress's ``/metrics`` text, or in several ingresses' as a Prometheus holds
+    them (each its own source)."""
     labels = {"model": model}
-    return IngressSnapshot(
-        at_s,
-        ttft=histogram_from_exposition(text, f"{prefix}_{TTFT}", labels),
-        itl=histogram_from_exposition(text, f"{prefix}_{ITL}", labels),
-        input_tokens=histogram_from_exposition(text, f"{prefix}_{INPUT_TOKENS}", labels),
-        output_tokens=histogram_from_exposition(text, f"{prefix}_{OUTPUT_TOKENS}", labels),
-    )
+    names = {
+        "ttft": f"{prefix}_{TTFT}",
+        "itl": f"{prefix}_{ITL}",
+        "input_tokens": f"{prefix}_{INPUT_TOKENS}",
+        "output_tokens": f"{prefix}_{OUTPUT_TOKENS}",
+    }
+    sources: dict[SeriesKey, IngressSnapshot] = {}
+    for attribute, name in names.items():
+        for key, snapshot in histograms_by_series(text, name, labels).items():
+            where = tuple((k, v) for k, v in key if k != "model")
+            source = sources.get(where, IngressSnapshot(at_s))
+            grown = getattr(source, attribute) + snapshot
+            sources[where] = dataclasses.replace(source, **{attribute: grown})
+    whole = IngressSnapshot(at_s)
+    for part in sources.values():
+        whole = whole + part
+    return dataclasses.replace(whole, sources=sources)
+
+
+def _interval(before: IngressSnapshot, after: IngressSnapshot) -> IngressSnapshot:
+    """What the ingresses observed between two snapshots, source by source where both name their sources (a
+    source first seen in ``after`` gives its baseline: nothing of it is counted yet)."""
+    if not (before.sources and after.sources):
+        return IngressSnapshot(
+            after.at_s,
+            histogram_delta(before.ttft, after.ttft),
+            histogram_delta(before.itl, after.itl),
+            histogram_delta(before.input_tokens, after.input_tokens),
+            histogram_delta(before.output_tokens, after.output_tokens),
+        )
+    seen = IngressSnapshot(after.at_s)
+    for key, now in after.sources.items():
+        if (then := before.sources.get(key)) is not None:
+            seen = seen + _interval(then, now)
+    return seen
 
 
 @dataclass(frozen=True)
@@ -221,15 +270,15 @@ def ingress_stats(before: IngressSnapshot, after: IngressSnapshot, percentile: f
     if seconds <= 0:
         raise PlannerError(f"the second snapshot must be later than the first ({before.at_s} → {after.at_s})")
     q = percentile / 100
-    inputs = histogram_delta(before.input_tokens, after.input_tokens)
+    seen = _interval(before, after)
     return IngressStats(
         interval_s=seconds,
-        request_rate=inputs.count / seconds,
-        mean_isl=histogram_mean(inputs),
-        mean_osl=histogram_mean(histogram_delta(before.output_tokens, after.output_tokens)),
+        request_rate=seen.input_tokens.count / seconds,
+        mean_isl=histogram_mean(seen.input_tokens),
+        mean_osl=histogram_mean(seen.output_tokens),
         percentile=percentile,
-        ttft_s=histogram_quantile(q, histogram_delta(before.ttft, after.ttft)),
-        itl_s=histogram_quantile(q, histogram_delta(before.itl, after.itl)),
+        ttft_s=histogram_quantile(q, seen.ttft),
+        itl_s=histogram_quantile(q, seen.itl),
     )
 
 

@@ -142,3 +142,53 @@ def test_an_observation_carries_the_interval_and_its_groups() -> None:
     assert obs.group("aggregated") is not None and obs.group("decode") is None
     with pytest.raises(PlannerError, match="later"):
         ingress_stats(before, before)
+
+
+def _as_scraped(expositions: dict[str, GatewayMetrics]) -> str:
+    """Several ingresses' /metrics as a Prometheus holds them: each series with its ``instance`` label, each
+    family's series together (the shape planner.measure.exposition_from_query gives a query's answer)."""
+    families: dict[str, list[str]] = {}
+    for instance, metrics in expositions.items():
+        family = ""
+        for line in metrics.exposition().decode().splitlines():
+            if line.startswith("# TYPE "):
+                family = line
+                families.setdefault(family, [])
+            elif line.strip() and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                if "{" in name:
+                    labelled = name.replace("{", f'{{instance="{instance}",', 1)
+                else:
+                    labelled = f'{name}{{instance="{instance}"}}'
+                families[family].append(f"{labelled} {value}")
+    return "".join(f"{family}\n" + "".join(f"{line}\n" for line in lines) for family, lines in families.items())
+
+
+def test_an_ingress_restarted_among_several_counts_what_it_saw_since_not_what_every_ingress_saw() -> None:
+    first, second = GatewayMetrics(), GatewayMetrics()
+    _serve(first, 300, ttft=0.03, isl=100, osl=10)
+    _serve(second, 200, ttft=0.03, isl=100, osl=10)
+    before = ingress_snapshot(_as_scraped({"a:8080": first, "b:8080": second}), "smol", at_s=0.0)
+    assert before.input_tokens.count == 500  # the sum, as before
+    # Over 10 s: the first serves 30 more; the second restarts (its counters from zero) and serves 20.
+    _serve(first, 30, ttft=0.03, isl=100, osl=10)
+    restarted = GatewayMetrics()
+    _serve(restarted, 20, ttft=0.03, isl=100, osl=10)
+    after = ingress_snapshot(_as_scraped({"a:8080": first, "b:8080": restarted}), "smol", at_s=10.0)
+    stats = ingress_stats(before, after)
+    # 50 requests in 10 s. Summed, the counters went down (530 -> 350) and all 350 would have been taken as new.
+    assert stats.request_rate == pytest.approx(5.0)
+    assert stats.mean_isl == pytest.approx(100.0)
+
+
+def test_an_ingress_first_seen_gives_its_baseline_and_counts_from_the_next_interval() -> None:
+    first, joined = GatewayMetrics(), GatewayMetrics()
+    _serve(first, 10, ttft=0.03, isl=100, osl=10)
+    before = ingress_snapshot(_as_scraped({"a:8080": first}), "smol", at_s=0.0)
+    _serve(first, 10, ttft=0.03, isl=100, osl=10)
+    _serve(joined, 400, ttft=0.03, isl=100, osl=10)  # served before Prometheus first scraped it
+    middle = ingress_snapshot(_as_scraped({"a:8080": first, "c:8080": joined}), "smol", at_s=10.0)
+    assert ingress_stats(before, middle).request_rate == pytest.approx(1.0)  # the first's 10, none of the 400
+    _serve(joined, 20, ttft=0.03, isl=100, osl=10)
+    after = ingress_snapshot(_as_scraped({"a:8080": first, "c:8080": joined}), "smol", at_s=20.0)
+    assert ingress_stats(middle, after).request_rate == pytest.approx(2.0)
