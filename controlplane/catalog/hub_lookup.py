@@ -73,6 +73,16 @@ class RepoFacts:
     gguf_files: list[str] = field(default_factory=list)
     gguf_context_length: int | None = None
     pick_problem: str = ""
+    #: Its llama.cpp multimodal projectors (``mmproj`` GGUF files), which give the model images.
+    projector_files: list[str] = field(default_factory=list)
+
+    @property
+    def projector(self) -> str | None:
+        """The projector to serve a GGUF file of the repo with: the f16 one where there are several (llama.cpp's
+        own conversions publish it beside smaller ones), else the first; None without one."""
+        if not self.projector_files:
+            return None
+        return next((name for name in self.projector_files if "f16" in name.lower()), self.projector_files[0])
 
 
 def endpoint_of(hub: HubSettings) -> str:
@@ -103,6 +113,7 @@ def repo_facts(hub: HubSettings, repo: str, revision: str | None = None, file: s
     sha = info.get("sha") if isinstance(info.get("sha"), str) else None
     pinned = sha or revision or "main"
     gguf_files = sorted(name for name in sizes if name.endswith(".gguf"))
+    projectors = [name for name in gguf_files if "mmproj" in name.rsplit("/", 1)[-1].lower()]
     gguf = info.get("gguf")
     gguf_context = gguf.get("context_length") if isinstance(gguf, dict) else None
     facts = RepoFacts(
@@ -114,6 +125,7 @@ def repo_facts(hub: HubSettings, repo: str, revision: str | None = None, file: s
         config={},
         gguf_files=gguf_files,
         gguf_context_length=gguf_context if isinstance(gguf_context, int) and gguf_context > 0 else None,
+        projector_files=projectors,
     )
     try:
         plan = pick_files(HubModel(repo, file or None, revision or None), sorted(sizes), CATALOG)

@@ -96,7 +96,9 @@ def hub_details(request: HttpRequest) -> HttpResponse:
         context |= estimate_context(facts.size_bytes, facts.config, facts.gguf_context_length, serving_engines(is_gguf))
         # The form offers first the engine that fits somewhere (the first the dashboard lists, else).
         engine = next((fit.engine for fit in context["fits"] if fit.fits), context["fits"][0].engine)
-        context["add_url"] = _add_url(repo, revision, facts.file, engine)
+        # A GGUF file served by llama.cpp takes the repo's projector (images), which the form then names.
+        context["projector"] = projector = facts.projector if is_gguf and engine == "llamacpp" else None
+        context["add_url"] = _add_url(repo, revision, facts.file, engine, projector)
     return render(request, "dashboard/partials/hub_details.html", context)
 
 
@@ -148,8 +150,8 @@ def _hub_settings() -> "HubSettings":
     return HubSettings.from_environment()
 
 
-def _add_url(repo: str, revision: str, file: str | None, engine: str) -> str:
-    """The Models page with its Add-model form filled with this repo (and its GGUF file)."""
+def _add_url(repo: str, revision: str, file: str | None, engine: str, projector: str | None = None) -> str:
+    """The Models page with its Add-model form filled with this repo (and its GGUF file and projector)."""
     name = _NOT_IN_NAME.sub("-", repo.rsplit("/", 1)[-1]).strip("-._")[:100] or "model"
     fields = {"source_kind": LanguageModel.SourceKind.HUGGING_FACE, "source": repo, "name": name}
     if revision:
@@ -158,4 +160,6 @@ def _add_url(repo: str, revision: str, file: str | None, engine: str) -> str:
         fields["filename"] = file
     if engine:
         fields["engine"] = engine
+    if projector:
+        fields["projector"] = projector
     return f"{reverse('dashboard:models')}?{urlencode(fields)}#add-model"

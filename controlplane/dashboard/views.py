@@ -37,7 +37,7 @@ GATEWAY_READING_KEY = "dashboard:gateway-reading"
 #: How often an open overview reads the gateway's traffic (and the fleet's health) again.
 GATEWAY_EVERY_S = 5
 #: The Add-model form's fields that a link may fill (``/models/?source=…``).
-ADD_FORM_PREFILL = ("name", "source_kind", "source", "revision", "filename", "engine")
+ADD_FORM_PREFILL = ("name", "source_kind", "source", "revision", "filename", "projector", "engine")
 #: How often an open pipeline page reads its router view (its last requests) again.
 ROUTER_VIEW_EVERY_S = 5
 

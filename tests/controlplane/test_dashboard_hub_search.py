@@ -52,6 +52,11 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
             "tags": ["safetensors", "text-generation"],
         }
         fake.repos["org/Big-Model-GGUF"] = {"big-Q4_K_M.gguf": b"q" * 3000, "big-Q8_0.gguf": b"q" * 6000}
+        fake.repos["org/Vision-GGUF"] = {
+            "vision-Q4_K_M.gguf": b"v" * 3000,
+            "mmproj-vision-Q8_0.gguf": b"p" * 500,
+            "mmproj-vision-f16.gguf": b"p" * 900,
+        }
         fake.cards["org/Big-Model-GGUF"] = {"tags": ["gguf"], "gguf": {"context_length": 32768}}
         point_at(monkeypatch, fake.url)
         yield fake
@@ -228,6 +233,22 @@ def test_the_add_link_fills_the_add_model_form(hub: FakeHub) -> None:
     assert values["engine"] == ["llamacpp"] and values["name"] == ["Big-Model-GGUF"]
     form = client.get(link.split("#")[0]).content.decode()
     assert 'value="org/Big-Model-GGUF"' in form and 'value="big-Q8_0.gguf"' in form and 'value="Big-Model-GGUF"' in form
+
+
+def test_a_vision_repos_projector_is_shown_and_named_in_the_add_model_form_for_llamacpp(hub: FakeHub) -> None:
+    make_node("gpu-a", (80,))
+    client = logged_in(Role.OPERATOR)
+    _, page = details(client, repo="org/Vision-GGUF", file="vision-Q4_K_M.gguf")
+    assert "mmproj-vision-Q8_0.gguf, mmproj-vision-f16.gguf" in page  # both listed, f16 chosen
+    assert "the Add-model form names mmproj-vision-f16.gguf" in page
+    link = page.split('id="hub-add" class="button" href="')[1].split('"')[0]
+    values = parse_qs(urlparse(link).query)
+    assert values["engine"] == ["llamacpp"] and values["projector"] == ["mmproj-vision-f16.gguf"]
+    form = client.get(link.split("#")[0]).content.decode()
+    assert 'value="mmproj-vision-f16.gguf"' in form
+    # A repo without one names none.
+    _, plain = details(client, repo="org/Big-Model-GGUF", file="big-Q8_0.gguf")
+    assert "hub-projectors" not in plain and "projector=" not in plain
 
 
 def test_read_only_people_see_the_details_but_no_add_link(hub: FakeHub) -> None:
