@@ -153,6 +153,8 @@ def test_a_llamacpp_model_registered_with_its_projector_answers_an_image_through
     without = httpx.post(fleet.gateway.api_url + "/chat/completions", json=text_only, timeout=60)
     assert reply.json()["usage"]["prompt_tokens"] - without.json()["usage"]["prompt_tokens"] == IMAGE_TOKENS
     json_of(fleet.operator.post(f"/api/v1/pipelines/{pipeline}/stop/"))
+    # The fleet is left whole for the next test: the replica stopped, not on its way.
+    wait_for("the vision replica to stop", lambda: {i["state"] for i in fleet.instances(pipeline)} == {"stopped"})
 
 
 def test_a_restarted_control_plane_loses_nothing_and_goes_on_reconciling(fleet: FleetStack) -> None:
