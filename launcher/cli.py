@@ -156,9 +156,13 @@ def parse_run_options(parser: EnvArgumentParser, namespace: argparse.Namespace) 
             "--max-concurrent-per-key (FLOTILLA_MAX_CONCURRENT_PER_KEY) caps API keys' requests: give "
             "--api-keys-secret-file too"
         )
-    if namespace.metrics_port is not None and not input_.startswith("dyn://"):
-        where = "in=http serves /metrics on --http-port" if input_ == "http" else f"in={input_} has no /metrics"
-        parser.error(f"--metrics-port (FLOTILLA_METRICS_PORT) is a worker's (in=dyn://...); {where}")
+    if namespace.metrics_port is not None and not (input_.startswith("dyn://") or input_ == "http"):
+        parser.error(
+            f"--metrics-port (FLOTILLA_METRICS_PORT) is a worker's (in=dyn://...) or an ingress's (in=http); "
+            f"in={input_} has no /metrics"
+        )
+    if namespace.metrics_port is not None and input_ == "http" and namespace.metrics_port == namespace.http_port:
+        parser.error(f"--metrics-port {namespace.metrics_port} is --http-port's: give the metrics a port of their own")
     if namespace.disagg_role not in (None, "aggregated"):
         if not input_.startswith("dyn://"):
             parser.error(

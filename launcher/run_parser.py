@@ -451,7 +451,9 @@ def _add_worker_flags(parser: EnvArgumentParser) -> None:
         env="FLOTILLA_METRICS_PORT",
         type=_port,
         help="in=dyn://...: serve the worker's own Prometheus metrics (queues, KV usage, preemptions, lost KV "
-        "event batches: flotilla_worker_*) at http://--http-host:PORT/metrics (default: not served)",
+        "event batches: flotilla_worker_*) at http://--http-host:PORT/metrics (default: not served). in=http: "
+        "serve this process's /metrics there too, beside --http-port's; several ingress processes sharing one "
+        "port (--reuse-port) each give their own, so that a Prometheus reads every one of them",
     )
 
 

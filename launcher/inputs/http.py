@@ -19,6 +19,7 @@ from frontend_gateway.http_app import GatewayApp
 from frontend_gateway.metrics import GatewayMetrics
 from frontend_gateway.models.pipeline import ModelRegistry
 from frontend_gateway.models.served_names import ServedNames
+from launcher.metrics_server import serve_metrics
 from launcher.options import RunOptions
 from runtime.errors import ConfigError
 from runtime.http_head_deadline import head_deadline_protocol
@@ -167,6 +168,10 @@ async def serve_http(
         server.should_exit = True
 
     loop = asyncio.get_running_loop()
+    # --metrics-port: this process's own /metrics, which --http-port gives only when no other process shares it.
+    metrics_server = None
+    if options.metrics_port is not None:
+        metrics_server = await serve_metrics(host, options.metrics_port, app.metrics.exposition)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
@@ -174,6 +179,9 @@ async def serve_http(
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
+        if metrics_server is not None:
+            metrics_server.close()
+            await metrics_server.wait_closed()
     return received[0] if received else None
 
 

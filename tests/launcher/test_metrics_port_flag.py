@@ -1,9 +1,13 @@
-"""``--metrics-port``: a worker's own /metrics, and a clear error where there is no worker to serve it."""
+"""``--metrics-port``: a worker's or an ingress process's own /metrics, and a clear error where there is none."""
 
+from pathlib import Path
+
+import httpx
 import pytest
 
 from launcher.cli import parse_run_options
 from launcher.run_parser import build_run_parser
+from tests.servers import free_port, start_server
 
 
 def test_a_worker_takes_a_metrics_port_from_its_flag_or_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -19,7 +23,7 @@ def test_a_worker_takes_a_metrics_port_from_its_flag_or_variable(monkeypatch: py
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["in=http", "out=dyn", "--metrics-port", "9100"], "in=http serves /metrics on --http-port"),
+        (["in=http", "out=dyn", "--http-port", "9100", "--metrics-port", "9100"], "is --http-port's"),
         (["in=text", "out=echo_full", "--metrics-port", "9100"], "in=text has no /metrics"),
         (["in=dyn://llm.backend.generate", "out=echo_core", "--metrics-port", "70000"], "not a TCP port"),
     ],
@@ -32,3 +36,25 @@ def test_a_metrics_port_outside_a_worker_or_out_of_range_is_refused(
         parse_run_options(parser, parser.parse_intermixed_args(args))
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_ingress_process_serves_its_own_metrics_on_its_metrics_port_too(tmp_path: Path) -> None:
+    """Several ingress processes on one port (--reuse-port) answer /metrics there from whichever takes the scrape;
+    each one's --metrics-port is its own, which a Prometheus reads one by one."""
+    metrics_port = free_port()
+    server = start_server(
+        ["out=echo_full", "--model-name", "echo", "--metrics-port", str(metrics_port)], tmp_path / "ingress.log"
+    )
+    try:
+        body = {"model": "echo", "messages": [{"role": "user", "content": "count me"}], "max_tokens": 4}
+        assert httpx.post(server.api_url + "/chat/completions", json=body, timeout=30).status_code == 200
+        own = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        shared = httpx.get(server.base_url + "/metrics", timeout=10)
+    finally:
+        server.stop()
+    assert own.status_code == 200 and own.headers["content-type"].startswith("text/plain")
+    labels = 'endpoint="chat_completions",model="echo",request_type="unary",status="success"'
+    counted = f"flotilla_frontend_requests_total{{{labels}}} 1.0"
+    assert counted in own.text and counted in shared.text
+    with pytest.raises(httpx.TransportError):  # gone with the process
+        httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2)
