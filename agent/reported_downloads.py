@@ -6,7 +6,7 @@ then done or failed), which it shows per model. The latter needs the control pla
 which the agent learns from its list of the node's instances; when that list cannot be had, the
 download is reported per instance only. A local path is checked, not copied, and reports nothing.
 
-A llama.cpp model's multimodal projector (``fetch_projector``) is fetched the same way after the model,
+A llama.cpp model's multimodal projector is fetched the same way after the model (``of_model=False``),
 reported per instance only.
 """
 
@@ -57,12 +57,14 @@ class ReportedDownloads:
         """Note the model ids of a list of the node's instances, fetched for another reason."""
         self._model_ids.update({row.id: row.model.id for row in rows if row.model is not None})
 
-    async def fetch(self, instance_id: int, source: ModelSource) -> Path:
-        """The model's local path; a hub download reports its progress. Raises DownloadError."""
+    async def fetch(self, instance_id: int, source: ModelSource, *, of_model: bool = True) -> Path:
+        """The local path of a start's model (or, ``of_model`` False, of another of its files: the projector, whose
+        download is reported as the instance's only, the model's figures staying its own files'); a hub download
+        reports its progress. Raises DownloadError."""
         if isinstance(source, LocalSource):
             return await self._downloader.fetch(source)
         self._report(instance_id, InstanceReport(state="downloading", download_progress=0.0))
-        model_id = await self._model_id(instance_id)
+        model_id = await self._model_id(instance_id) if of_model else None
         last = DownloadProgress(0, None)
 
         def on_progress(progress: DownloadProgress) -> None:
@@ -90,20 +92,6 @@ class ReportedDownloads:
             total = last.bytes_total if last.bytes_total is not None else last.bytes_done
             self._client.report_download(model_id, DownloadReport(state="done", bytes_done=total, bytes_total=total))
         return path
-
-    async def fetch_projector(self, instance_id: int, source: ModelSource) -> Path:
-        """A start's multimodal projector's local path (a GGUF file). A hub download reports its progress as the
-        instance's only: the model's download figures (its size on disk among them) are the model's files'.
-        Raises DownloadError."""
-        if isinstance(source, LocalSource):
-            return await self._downloader.fetch(source)
-
-        def on_progress(progress: DownloadProgress) -> None:
-            fraction = min(1.0, progress.bytes_done / progress.bytes_total) if progress.bytes_total else 0.0
-            self._report(instance_id, InstanceReport(state="downloading", download_progress=fraction))
-
-        self._report(instance_id, InstanceReport(state="downloading", download_progress=0.0))
-        return await self._downloader.fetch(source, on_progress)
 
     async def _model_id(self, instance_id: int) -> int | None:
         """The control plane's id of the instance's model (for download reports), if it can be learnt now."""

@@ -74,8 +74,8 @@ class TrendPredictor:
 def _holt_noise_factor(alpha: float, beta: float, damping: float, steps: int = 2000) -> float:
     """The sum of the squared weights Holt's forecast gives past observations (its response to one impulse):
     the forecast's variance over an observation's, for independent noise (0.6/0.4 damped 0.95: 0.84; 0.3/0.1: 0.24)."""
-    level, slope, total = 1.0, 0.0, 0.0  # the impulse, as the first observation after a level of 0
-    level, slope = alpha, beta * alpha
+    # The state just after an impulse of 1 observed on a level of 0.
+    level, slope, total = alpha, beta * alpha, 0.0
     for _ in range(steps):
         forecast = level + damping * slope
         total += forecast * forecast

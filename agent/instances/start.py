@@ -71,7 +71,7 @@ class InstanceStarter:
             spec = msgspec.structs.replace(spec, model_path=str(path))
         if request.projector is not None:
             try:
-                projector = await self._downloads.fetch_projector(instance_id, request.projector)
+                projector = await self._downloads.fetch(instance_id, request.projector, of_model=False)
             except DownloadError as exc:
                 reason = f"the projector: {exc}"
                 self._reports.report(

@@ -186,7 +186,7 @@ def check_projector(model: LanguageModel) -> None:
     if not projector.lower().endswith(".gguf"):
         raise Invalid(f"a projector is a GGUF file (llama.cpp's mmproj-*.gguf), not {projector!r}", field="projector")
     if model.source_kind == LanguageModel.SourceKind.HUGGING_FACE:
-        if not _FILENAME.match(projector) or ".." in projector.split("/"):
+        if not _repo_file(projector):
             raise Invalid(f"{projector!r} is not a file name inside the repo", field="projector")
     elif not projector.startswith("/") or "\x00" in projector:
         raise Invalid(
@@ -202,7 +202,7 @@ def check_source(kind: str, source: str, revision: str, filename: str) -> None:
             raise Invalid(f"{source!r} is not a Hugging Face repo id (owner/name)", field="source")
         if revision and (not _REVISION.match(revision) or ".." in revision):
             raise Invalid(f"{revision!r} is not a branch, tag or commit", field="revision")
-        if filename and (not _FILENAME.match(filename) or ".." in filename.split("/")):
+        if filename and not _repo_file(filename):
             raise Invalid(f"{filename!r} is not a file name inside the repo", field="filename")
     else:
         if not source.startswith("/") or "\x00" in source:
@@ -212,6 +212,11 @@ def check_source(kind: str, source: str, revision: str, filename: str) -> None:
         for field_name, value in (("revision", revision), ("filename", filename)):
             if value:
                 raise Invalid(f"only a Hugging Face source has a {field_name}", field=field_name)
+
+
+def _repo_file(name: str) -> bool:
+    """Whether ``name`` names a file inside a Hugging Face repo (no ``..`` out of it)."""
+    return bool(_FILENAME.match(name)) and ".." not in name.split("/")
 
 
 def _check_local_root(model: LanguageModel) -> None:
@@ -227,10 +232,7 @@ def _check_local_root(model: LanguageModel) -> None:
 def _check_projector_root(model: LanguageModel) -> None:
     """A local projector lies under the local model roots, as a local source does; raise Invalid otherwise."""
     if model.projector and model.source_kind != LanguageModel.SourceKind.HUGGING_FACE:
-        try:
-            check_local_source(model.projector, settings.LOCAL_MODEL_ROOTS)
-        except Invalid as exc:
-            raise Invalid(str(exc), field="projector") from exc
+        check_local_source(model.projector, settings.LOCAL_MODEL_ROOTS, field="projector")
 
 
 def _estimate(model: LanguageModel) -> None:

@@ -38,24 +38,24 @@ def local_model_roots(data_dir: Path) -> list[Path]:
     return roots
 
 
-def check_local_source(source: str, roots: Sequence[Path]) -> Path:
-    """The resolved path of ``source`` when it lies under one of ``roots``; raise Invalid naming ``source``.
+def check_local_source(source: str, roots: Sequence[Path], *, field: str = "source") -> Path:
+    """The resolved path of ``source`` when it lies under one of ``roots``; raise Invalid naming ``field``.
 
     The path need not exist here (it is meant for the nodes): what of it exists is resolved (symbolic
     links followed), the rest is taken as written, and any ``..`` is refused outright.
     """
     shown = ", ".join(str(root) for root in roots) or "none"
     if ".." in Path(source).parts:
-        raise Invalid(f"{source!r} climbs out of its folder with '..': give the path itself", field="source")
+        raise Invalid(f"{source!r} climbs out of its folder with '..': give the path itself", field=field)
     resolved = Path(os.path.realpath(source))
     if not under_roots(resolved, roots):
         if resolved != Path(os.path.normpath(source)):
             raise Invalid(
                 f"{source!r} leads to {str(resolved)!r} (a symbolic link), outside the local model folders "
                 f"({shown}; {VARIABLE} sets them)",
-                field="source",
+                field=field,
             )
-        raise Invalid(f"{source!r} is outside the local model folders ({shown}; {VARIABLE} sets them)", field="source")
+        raise Invalid(f"{source!r} is outside the local model folders ({shown}; {VARIABLE} sets them)", field=field)
     return resolved
 
 
