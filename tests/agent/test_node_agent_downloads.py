@@ -194,3 +194,27 @@ async def test_a_projector_of_the_models_repo_is_fetched_after_it_and_given_to_t
 
 def _contents(path: str) -> bytes:
     return Path(path).read_bytes()
+
+
+async def test_a_projector_the_repo_lacks_fails_the_start_saying_so_and_starts_no_worker(
+    tmp_path: Path, child: Path, readiness: SocketReadiness, hub: FakeHub
+) -> None:
+    control_plane = StandInControlPlane()
+    agent, downloader = make_agent(tmp_path, child, readiness, control_plane, hub)
+    await agent.start()
+    try:
+        request = msgspec.structs.replace(
+            start(1, engine="llamacpp"),
+            source=HubSource(REPO, file=FILE),
+            projector=HubSource(REPO, file="mmproj-missing.gguf"),
+        )
+        await agent.accept_start(request)
+        while (report := (await control_plane.next())[1]).state == "downloading":
+            pass
+        assert report.state == "failed", report
+        assert report.reason.startswith("the projector: ") and "mmproj-missing.gguf" in report.reason, report
+        assert not agent.supervisor.status(1)  # no worker was started without it
+    finally:
+        await agent.supervisor.stop_all()
+        await agent.close()
+        await downloader.close()
