@@ -169,8 +169,19 @@ def test_the_isl_policy_keeps_a_prompt_mostly_cached_on_its_decode_worker_there(
     prefill, _ = cluster.start_each([spec(tmp_path, "prefill"), spec(tmp_path, "decode")])
     wait_until(lambda: served_models(ingress) == [MODEL], 30, "the model did not appear")
     # Dynamo's isl_bounding: local only when what is left to compute is short *and* a small share of the
-    # prompt, so a short prompt nobody holds still goes to the prefill worker.
-    fresh = complete(ingress, list(range(500, 540)))
+    # prompt, so a short prompt nobody holds still goes to the prefill worker. The model appears with the first
+    # worker the ingress hears of: until it has heard of the prefill worker too, prompts stay local ("no_prefill"),
+    # so each try is a prompt of its own (one computed locally would be cached where it decodes).
+    tries = iter(range(20_000, 40_000, 40))  # apart from the conversation below
+    replies: list[httpx.Response] = []
+
+    def reached_the_prefill_worker() -> bool:
+        start = next(tries)
+        replies.append(complete(ingress, list(range(start, start + 40))))
+        return "x-flotilla-prefill-instance" in replies[-1].headers
+
+    wait_until(reached_the_prefill_worker, 15, "no prompt reached the prefill worker")
+    fresh = replies[-1]
     assert fresh.headers["x-flotilla-prefill-instance"] == prefill.instance_id
     conversation = list(range(600, 600 + 12 * BLOCK))
     complete(ingress, conversation)  # the decode worker takes its KV, and publishes the blocks it holds
