@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,10 +71,16 @@ def test_a_target_no_point_meets_exits_1_naming_the_target_and_the_best_measured
     )  # fmt: skip
     assert done.returncode == 1
     assert "no profile written" in done.stderr
-    assert "prefill at ISL 256: no concurrency met the TTFT target of 0.001 s; the best measured was TTFT 0.0" in (
-        done.stderr
+    # The best point's TTFT depends on how busy the machine is (a loaded CI host measured 0.49 s where a quiet one
+    # measures 0.02 s), so the test reads the number rather than expecting one.
+    best = re.search(
+        r"prefill at ISL 256: no concurrency met the TTFT target of 0\.001 s; "
+        r"the best measured was TTFT (\d+\.\d+) s at concurrency ([12]) \([\d,]+ tokens/s\)",
+        done.stderr,
     )
-    assert "at concurrency 1 (" in done.stderr and "decode" not in done.stderr
+    assert best is not None, done.stderr
+    assert float(best.group(1)) > 0.001
+    assert "decode" not in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "profile.json").exists()
 
