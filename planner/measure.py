@@ -116,24 +116,72 @@ SeriesKey = tuple[tuple[str, str], ...]
 
 def histograms_by_series(text: str, name: str, labels: Mapping[str, str]) -> dict[SeriesKey, HistogramSnapshot]:
     """Each series of the histogram ``name`` (its full name, without ``_bucket``) whose labels include ``labels``,
-    from a Prometheus text exposition, by its other labels (one per ingress where a Prometheus adds ``instance``)."""
+    from a Prometheus text exposition, by its other labels (one per ingress where a Prometheus adds ``instance``).
+
+    The text crossed a process boundary (an ingress's or a Prometheus's answer): what is not a histogram the
+    planner can read (not text exposition, a bucket without a bound, a count that is not a finite number at or
+    over 0) raises PlannerError rather than being believed."""
     found: dict[SeriesKey, HistogramSnapshot] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != name or family.type != "histogram":
-            continue
-        series: dict[SeriesKey, tuple[dict[float, float], list[float]]] = {}
-        for sample in family.samples:
-            if any(sample.labels.get(k) != v for k, v in labels.items()):
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != name or family.type != "histogram":
                 continue
-            key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
-            bounds, total = series.setdefault(key, ({}, [0.0]))
-            if sample.name == f"{name}_bucket":
-                bounds[float(sample.labels["le"])] = float(sample.value)
-            elif sample.name == f"{name}_sum":
-                total[0] = float(sample.value)
-        for key, (bounds, total) in series.items():
-            found[key] = found.get(key, EMPTY) + HistogramSnapshot(tuple(sorted(bounds.items())), total[0])
+            series: dict[SeriesKey, tuple[dict[float, float], list[float]]] = {}
+            for sample in family.samples:
+                if any(sample.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                bounds, total = series.setdefault(key, ({}, [0.0]))
+                if sample.name == f"{name}_bucket":
+                    bound = sample.labels.get("le")
+                    if bound is None or math.isnan(float(bound)):
+                        raise PlannerError(f"{sample.name} has a bucket without a bound (le={bound!r})")
+                    bounds[float(bound)] = _count(sample.name, sample.value)
+                elif sample.name == f"{name}_sum":
+                    if not math.isfinite(float(sample.value)):
+                        raise PlannerError(f"{sample.name} is {sample.value!r}, not a finite number")
+                    total[0] = float(sample.value)
+            for key, (bounds, total) in series.items():
+                found[key] = found.get(key, EMPTY) + HistogramSnapshot(tuple(sorted(bounds.items())), total[0])
+    except ValueError as exc:  # the parser's word for text that is not exposition
+        raise PlannerError(f"not Prometheus text exposition: {str(exc)[:200]}") from exc
     return found
+
+
+def _count(name: str, value: float) -> float:
+    count = float(value)
+    if not (math.isfinite(count) and count >= 0):
+        raise PlannerError(f"{name} counts {value!r}, not a finite number at or over 0")
+    return count
+
+
+def check_ingress_exposition(text: str, prefix: str = "flotilla_frontend") -> None:
+    """Raise PlannerError unless the four ingress histograms in ``text`` (every model's) are ones the planner
+    can read: checked once when the text arrives, so that a gateway answering nonsense is one that cannot be
+    read, as one that does not answer."""
+    for name in (TTFT, ITL, INPUT_TOKENS, OUTPUT_TOKENS):
+        histograms_by_series(text, f"{prefix}_{name}", {})
+
+
+def exposition_by_source(texts: Mapping[str, str], label: str = "instance") -> str:
+    """Several ingresses' ``/metrics`` texts (by where each was read) as one text exposition whose series carry
+    ``label`` = where: each ingress is then a source of its own for ``ingress_snapshot``, as each target of a
+    Prometheus is by its ``instance``. Only histograms are kept. Raises PlannerError for a text that is not
+    exposition."""
+    result: list[dict[str, Any]] = []
+    for where, text in texts.items():
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError as exc:
+            raise PlannerError(f"{where}: not Prometheus text exposition: {str(exc)[:200]}") from exc
+        for family in families:
+            if family.type != "histogram":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_sum", "_count")):
+                    metric = {**sample.labels, label: where, "__name__": sample.name}
+                    result.append({"metric": metric, "value": [0, repr(float(sample.value))]})
+    return exposition_from_query(result)
 
 
 def histogram_from_exposition(text: str, name: str, labels: Mapping[str, str]) -> HistogramSnapshot:

@@ -14,9 +14,12 @@ What it reads, and what it does when a source fails (it never stops for one):
 * the gateway's ``/metrics`` (``FLOTILLA_GATEWAY_URL``): TTFT, ITL, prompt and completion lengths over the
   interval (planner/measure.py). Or, given a Prometheus (``FLOTILLA_PLANNER_PROMETHEUS_URL``), the same
   histograms as it holds them, for every ingress it scrapes (several ingresses behind one Prometheus), read
-  with one instant query each turn. Unreadable, either is logged with its URL (at most every 30 s) and the
-  pipelines are planned in load mode on the workers' reports; the predictor is fed its own prediction
-  meanwhile, so it is not taught a false zero.
+  with one instant query each turn. Or, given the ingress processes' own metrics URLs
+  (``FLOTILLA_PLANNER_INGRESS_METRICS``: several processes sharing one port, each with its ``--metrics-port``),
+  each one's ``/metrics``, each a source of its own. Unreadable, or answering what is not text exposition of
+  histograms the planner can read, any of them is logged with its URL (at most every 30 s) and the pipelines
+  are planned in load mode on the workers' reports; the predictor is fed its own prediction meanwhile, so it
+  is not taught a false zero. A reading from some of several ingresses is not used: it would under-count.
 * the database: a turn that fails on it is logged and the next one tries again.
 
 Each pipeline's ``Planner`` (its predictor history and cooldowns) lives in this process; a restart starts
@@ -32,7 +35,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 import msgspec
@@ -52,6 +55,8 @@ from planner.errors import PlannerError, ProfileError, SettingsError
 from planner.measure import (
     IngressSnapshot,
     IngressStats,
+    check_ingress_exposition,
+    exposition_by_source,
     exposition_from_query,
     ingress_histograms_selector,
     ingress_snapshot,
@@ -76,7 +81,8 @@ _decode_load = msgspec.json.Decoder(WorkerLoad).decode
 
 
 class ScrapeFailed(Exception):
-    """The gateway's /metrics could not be read; the message says where and why."""
+    """The latency histograms could not be read (the gateway's, the ingresses' or Prometheus's); the message says
+    where and why."""
 
 
 def read_planned_pipelines() -> list[PipelineView]:
@@ -98,7 +104,8 @@ def read_planned_pipelines() -> list[PipelineView]:
 
 
 async def scrape_gateway(client: httpx.AsyncClient, url: str) -> str:
-    """``<url>/metrics`` as text. Raises ScrapeFailed naming the URL."""
+    """``<url>/metrics`` as text whose ingress histograms the planner can read. Raises ScrapeFailed naming the
+    URL."""
     where = f"{url}/metrics"
     try:
         response = await client.get(where, timeout=SCRAPE_TIMEOUT_S)
@@ -108,7 +115,22 @@ async def scrape_gateway(client: httpx.AsyncClient, url: str) -> str:
         raise ScrapeFailed(f"{where} answered HTTP {response.status_code}")
     if len(response.content) > MAX_METRICS_BYTES:
         raise ScrapeFailed(f"{where} answered more than {MAX_METRICS_BYTES} bytes")
+    try:
+        check_ingress_exposition(response.text)
+    except PlannerError as exc:
+        raise ScrapeFailed(f"{where} answered what the planner cannot read: {exc}") from exc
     return response.text
+
+
+async def scrape_ingresses(client: httpx.AsyncClient, urls: Sequence[str]) -> str:
+    """Each ingress process's ``<url>/metrics``, read at once, as one exposition in which each is a source of its
+    own (its ``instance`` label is its URL). Raises ScrapeFailed naming every URL that failed: a reading of some
+    of them would count part of the traffic as all of it."""
+    answers = await asyncio.gather(*(scrape_gateway(client, url) for url in urls), return_exceptions=True)
+    failed = [str(answer) for answer in answers if isinstance(answer, BaseException)]
+    if failed:
+        raise ScrapeFailed("; ".join(failed))
+    return exposition_by_source({url: str(text) for url, text in zip(urls, answers, strict=True)})
 
 
 async def query_prometheus(client: httpx.AsyncClient, url: str) -> str:
@@ -132,9 +154,11 @@ async def query_prometheus(client: httpx.AsyncClient, url: str) -> str:
     if not isinstance(data, dict) or data.get("resultType") != "vector":
         raise ScrapeFailed(f"{where} answered something other than an instant vector")
     try:
-        return exposition_from_query(data.get("result"))
+        text = exposition_from_query(data.get("result"))
+        check_ingress_exposition(text)
     except PlannerError as exc:
         raise ScrapeFailed(f"{where}: {exc}") from exc
+    return text
 
 
 @dataclasses.dataclass
@@ -155,6 +179,7 @@ class PlannerLoop:
         *,
         gateway_url: str | None,
         prometheus_url: str | None = None,
+        ingress_metrics_urls: Sequence[str] = (),
         interval_s: float = DEFAULT_INTERVAL_S,
         http: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -162,6 +187,8 @@ class PlannerLoop:
     ) -> None:
         self.gateway_url = gateway_url
         self.prometheus_url = prometheus_url  # set: read in place of the gateway's /metrics
+        # Set (and no Prometheus): each ingress process's own /metrics, read in place of the gateway's.
+        self.ingress_metrics_urls = tuple(ingress_metrics_urls)
         self.interval_s = interval_s
         self.book = LoadBook(stale_s=max(5.0, 2 * interval_s))
         self.planners: dict[int, Planner] = {}
@@ -224,12 +251,16 @@ class PlannerLoop:
     @property
     def source(self) -> str:
         """Where the latency histograms come from, as the reasons say it."""
-        return "Prometheus" if self.prometheus_url is not None else "the gateway"
+        if self.prometheus_url is not None:
+            return "Prometheus"
+        return "the ingresses" if self.ingress_metrics_urls else "the gateway"
 
     async def _scrape(self, report: TurnReport) -> str | None:
         try:
             if self.prometheus_url is not None:
                 return await query_prometheus(self._http, self.prometheus_url)
+            if self.ingress_metrics_urls:
+                return await scrape_ingresses(self._http, self.ingress_metrics_urls)
             if self.gateway_url is None:
                 return None
             return await scrape_gateway(self._http, self.gateway_url)
@@ -270,12 +301,14 @@ class PlannerLoop:
         if not targets.enabled:
             return 0  # off: nothing recorded (the predictor still learns, for when it is turned on)
         if stats is None:
-            if self.prometheus_url is None and self.gateway_url is None:
+            if self.prometheus_url is None and self.gateway_url is None and not self.ingress_metrics_urls:
                 why = "no gateway URL set"
             elif metrics is not None:
                 why = f"first reading of {self.source}"
+            elif self.prometheus_url is not None:
+                why = "Prometheus unreadable"
             else:
-                why = "Prometheus unreadable" if self.prometheus_url is not None else "gateway metrics unreadable"
+                why = "ingress metrics unreadable" if self.ingress_metrics_urls else "gateway metrics unreadable"
             decisions = [dataclasses.replace(d, reason=f"{why}: load mode; {d.reason}") for d in decisions]
         rows = await sync_to_async(apply_decisions)(
             pipeline.id, decisions, _seen(targets, stats, planner), timezone.now()

@@ -1,10 +1,12 @@
 """The planner's loop (controlplane/planning/loop.py) against a real NATS: workers' load reports, published by
 the test on the subject workers publish on, make a pipeline in load mode scale through the audited action;
 advisory mode records and does not act; a second planner waits for the lease; what cannot be placed and a
-gateway that does not answer are said in the decision's reason."""
+gateway that does not answer (or answers nonsense) are said in the decision's reason."""
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import msgspec
@@ -199,4 +201,65 @@ async def test_without_reports_load_mode_holds(planner_nc: NATS) -> None:
     decision = await PlannerDecision.objects.aget(pipeline=pipeline)
     assert (decision.desired, decision.acted) == (1, False)
     assert "holding" in decision.reason
+    await loop.release()
+
+
+@pytest.fixture
+def nonsense_gateway() -> Iterator[str]:
+    """A gateway whose /metrics answers 200 with a page that is not Prometheus text: its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html><body>{{ metrics }}</body></html>"
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_a_gateway_answering_what_is_not_metrics_is_said_and_the_planner_goes_on_in_load_mode(
+    worker: NATS, planner_nc: NATS, nonsense_gateway: str
+) -> None:
+    pipeline, endpoint_id = await sync_to_async(ready_pipeline)()
+    loop = await started(planner_nc, gateway_url=nonsense_gateway)
+    await report_load(loop, worker, endpoint_id, kv_usage=0.95)
+
+    report = await loop.turn()  # before: the parser's ValueError left the turn, and the process with it
+
+    assert any(
+        f"{nonsense_gateway}/metrics answered what the planner cannot read: not Prometheus text" in problem
+        for problem in report.problems
+    ), report.problems
+    assert report.acted == 1
+    decision = await PlannerDecision.objects.aget(pipeline=pipeline)
+    assert decision.reason.startswith("gateway metrics unreadable: load mode; ")
+    await loop.release()
+
+
+async def test_an_ingress_process_that_does_not_answer_makes_the_whole_reading_unreadable_naming_it(
+    worker: NATS, planner_nc: NATS, nonsense_gateway: str
+) -> None:
+    """Of two ingress processes (``--ingress-metrics``), one gone: the other's count alone would under-count."""
+    pipeline, endpoint_id = await sync_to_async(ready_pipeline)()
+    gone = f"http://127.0.0.1:{free_port()}"
+    loop = await started(planner_nc, gateway_url="http://127.0.0.1:1", ingress_metrics_urls=[nonsense_gateway, gone])
+    await report_load(loop, worker, endpoint_id, kv_usage=0.95)
+
+    report = await loop.turn()
+
+    problems = " ".join(report.problems)
+    assert f"{gone}/metrics could not be read" in problems and f"{nonsense_gateway}/metrics answered" in problems
+    assert "http://127.0.0.1:1" not in problems  # the gateway's own /metrics is not read in their place
+    assert report.acted == 1
+    decision = await PlannerDecision.objects.aget(pipeline=pipeline)
+    assert decision.reason.startswith("ingress metrics unreadable: load mode; ")
     await loop.release()

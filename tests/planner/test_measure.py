@@ -7,7 +7,9 @@ from planner import GroupObservation, PlannerError
 from planner.measure import (
     HistogramSnapshot,
     IngressSnapshot,
+    check_ingress_exposition,
     counter_rate,
+    exposition_by_source,
     histogram_delta,
     histogram_quantile,
     ingress_snapshot,
@@ -192,3 +194,59 @@ def test_an_ingress_first_seen_gives_its_baseline_and_counts_from_the_next_inter
     _serve(joined, 20, ttft=0.03, isl=100, osl=10)
     after = ingress_snapshot(_as_scraped({"a:8080": first, "c:8080": joined}), "smol", at_s=20.0)
     assert ingress_stats(middle, after).request_rate == pytest.approx(2.0)
+
+
+def test_ingress_processes_read_one_by_one_are_each_a_source_so_a_restart_among_them_counts_right() -> None:
+    """``--ingress-metrics``: each process's own /metrics text, labelled with where it was read."""
+    first, second = GatewayMetrics(), GatewayMetrics()
+    _serve(first, 300, ttft=0.03, isl=100, osl=10)
+    _serve(second, 200, ttft=0.03, isl=100, osl=10)
+    urls = ("http://127.0.0.1:9101", "http://127.0.0.1:9102")
+
+    def read(a: GatewayMetrics, b: GatewayMetrics, at_s: float) -> IngressSnapshot:
+        texts = {urls[0]: a.exposition().decode(), urls[1]: b.exposition().decode()}
+        return ingress_snapshot(exposition_by_source(texts), "smol", at_s=at_s)
+
+    before = read(first, second, 0.0)
+    assert before.input_tokens.count == 500
+    assert sorted(before.sources) == [(("instance", urls[0]),), (("instance", urls[1]),)]
+    _serve(first, 30, ttft=0.03, isl=100, osl=10)
+    restarted = GatewayMetrics()
+    _serve(restarted, 20, ttft=2.0, isl=300, osl=10)
+    stats = ingress_stats(before, read(first, restarted, 10.0))
+    assert stats.request_rate == pytest.approx(5.0)  # 30 + 20 in 10 s, not the 350 a sum would have made of it
+    assert stats.mean_isl == pytest.approx((30 * 100 + 20 * 300) / 50)
+
+
+def test_a_metrics_text_that_is_not_one_of_several_ingresses_is_refused_naming_where_it_was_read() -> None:
+    with pytest.raises(PlannerError, match=r"http://127.0.0.1:9102: not Prometheus text exposition"):
+        exposition_by_source({"http://127.0.0.1:9101": "", "http://127.0.0.1:9102": "<html>{{oops"})
+
+
+TTFT_FAMILY = "flotilla_frontend_time_to_first_token_seconds"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("<html>not metrics {{", "not Prometheus text exposition"),
+        (f'# TYPE {TTFT_FAMILY} histogram\n{TTFT_FAMILY}_bucket{{model="m"}} 1\n', "a bucket without a bound"),
+        (f'# TYPE {TTFT_FAMILY} histogram\n{TTFT_FAMILY}_bucket{{model="m",le="NaN"}} 1\n', "without a bound"),
+        (f'# TYPE {TTFT_FAMILY} histogram\n{TTFT_FAMILY}_bucket{{model="m",le="+Inf"}} NaN\n', "not a finite"),
+        (f'# TYPE {TTFT_FAMILY} histogram\n{TTFT_FAMILY}_bucket{{model="m",le="+Inf"}} -3\n', "not a finite"),
+        (f'# TYPE {TTFT_FAMILY} histogram\n{TTFT_FAMILY}_sum{{model="m"}} +Inf\n', "not a finite number"),
+    ],
+)
+def test_ingress_metrics_the_planner_cannot_read_are_refused_not_believed(text: str, message: str) -> None:
+    """An ingress's answer crosses a process boundary: nonsense is an error the loop reports (and plans in load
+    mode on), never a crash or a count taken on trust."""
+    with pytest.raises(PlannerError, match=message):
+        check_ingress_exposition(text)
+    with pytest.raises(PlannerError, match=message):
+        ingress_snapshot(text, "m", at_s=0.0)
+
+
+def test_the_gateways_own_metrics_pass_the_check() -> None:
+    metrics = GatewayMetrics()
+    _serve(metrics, 3, ttft=0.03, isl=100, osl=10)
+    check_ingress_exposition(metrics.exposition().decode())

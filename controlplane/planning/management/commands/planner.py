@@ -4,11 +4,14 @@
     manage.py planner --interval 5 --nats nats://10.0.0.1:4222 --gateway http://10.0.0.2:8080
     manage.py planner --once                       # one turn, then exit (what it decided on stdout)
     manage.py planner --prometheus http://10.0.0.3:9090   # latencies from Prometheus (every ingress it scrapes)
+    manage.py planner --ingress-metrics http://127.0.0.1:9101,http://127.0.0.1:9102   # from each ingress process
 
 One process plans at a time (the ``planner`` lease); a second one waits and takes over when the first
 stops or dies. NATS (``--nats``, $NATS_SERVER) and the gateway (``--gateway``, $FLOTILLA_GATEWAY_URL), or the
-Prometheus that replaces it (``--prometheus``, $FLOTILLA_PLANNER_PROMETHEUS_URL), may be missing or come and
-go: each is logged with its address and the loop goes on. A bad setting exits 2 (its
+Prometheus that replaces it (``--prometheus``, $FLOTILLA_PLANNER_PROMETHEUS_URL), or the ingress processes' own
+metrics URLs that replace it (``--ingress-metrics``, $FLOTILLA_PLANNER_INGRESS_METRICS: processes sharing one port,
+each with its ``--metrics-port``), may be missing or come and go: each is logged with its address and the loop
+goes on. A bad setting exits 2 (its
 supervisor does not restart it for that); SIGTERM or Ctrl-C stops it between turns (exit 0).
 """
 
@@ -63,6 +66,14 @@ class Command(BaseCommand):
             help="a Prometheus server's base URL: the ingresses' latency histograms are read there (every ingress "
             "it scrapes) in place of the gateway's /metrics (default: $FLOTILLA_PLANNER_PROMETHEUS_URL)",
         )
+        parser.add_argument(
+            "--ingress-metrics",
+            default=None,
+            metavar="URL[,URL...]",
+            help="the base URLs of each ingress process's own /metrics (its --metrics-port), comma-separated: read "
+            "in place of the gateway's when several processes share its port, each counted on its own (default: "
+            "$FLOTILLA_PLANNER_INGRESS_METRICS)",
+        )
 
     configures_logging = False
 
@@ -87,17 +98,38 @@ class Command(BaseCommand):
                         f"--prometheus (FLOTILLA_PLANNER_PROMETHEUS_URL) must be a Prometheus server's http(s) base "
                         f"URL, not {prometheus[:100]!r}"
                     )
+            ingresses = ingress_metrics_urls(
+                options["ingress_metrics"] or env_str("FLOTILLA_PLANNER_INGRESS_METRICS") or ""
+            )
+            if ingresses and prometheus is not None:
+                raise ConfigError(
+                    "--ingress-metrics (FLOTILLA_PLANNER_INGRESS_METRICS) and --prometheus "
+                    "(FLOTILLA_PLANNER_PROMETHEUS_URL) are two sources of the same histograms: give one"
+                )
         except ConfigError as exc:
             raise CommandError(str(exc), returncode=2) from exc
-        if gateway is None and prometheus is None:
+        if gateway is None and prometheus is None and not ingresses:
             log.warning("planner: no gateway URL (FLOTILLA_GATEWAY_URL, --gateway): planning in load mode only")
-        asyncio.run(self._run(servers, gateway, prometheus, interval, once=options["once"]))
+        asyncio.run(self._run(servers, gateway, prometheus, ingresses, interval, once=options["once"]))
 
     async def _run(
-        self, servers: list[str], gateway: str | None, prometheus: str | None, interval: float, *, once: bool
+        self,
+        servers: list[str],
+        gateway: str | None,
+        prometheus: str | None,
+        ingresses: list[str],
+        interval: float,
+        *,
+        once: bool,
     ) -> None:
         async with httpx.AsyncClient() as http:
-            loop = PlannerLoop(gateway_url=gateway, prometheus_url=prometheus, interval_s=interval, http=http)
+            loop = PlannerLoop(
+                gateway_url=gateway,
+                prometheus_url=prometheus,
+                ingress_metrics_urls=ingresses,
+                interval_s=interval,
+                http=http,
+            )
             if once:
                 await self._once(loop, servers)
                 return
@@ -143,3 +175,21 @@ async def _connect(loop: PlannerLoop, servers: list[str]) -> Any:
     await loop.subscribe(nc)
     log.info("planner: taking the workers' load reports from NATS at %s", ", ".join(servers))
     return nc
+
+
+def ingress_metrics_urls(value: str) -> list[str]:
+    """The URLs of ``--ingress-metrics``: comma-separated http(s) base URLs, each once. Raises ConfigError naming
+    the first that is not one."""
+    urls: list[str] = []
+    for part in value.split(","):
+        url = part.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
+            raise ConfigError(
+                f"--ingress-metrics (FLOTILLA_PLANNER_INGRESS_METRICS) takes http(s) base URLs, comma-separated "
+                f"(an ingress process's --metrics-port), not {url[:100]!r}"
+            )
+        if url not in urls:
+            urls.append(url)
+    return urls
