@@ -4,7 +4,7 @@
 
     a worker of an older attempt runs? ──► stop it (its "stopped" is not news: agent/instances/reports.py)
     a model source? ──► fetch it (agent/reported_downloads.py) ──► failed, permanent unless retryable
-    a projector (llama.cpp's mmproj)? ──► fetch it the same way ──► --mmproj
+        and its projector (llama.cpp's mmproj), if it has one, as part of it ──► --mmproj
     the pipeline has had adapters, or its engine takes them at no cost? ──► fetch them, write its adapter file
         (agent/adapter_files.py; an adapter that cannot be fetched is left out and logged, the start goes on)
         ──► --lora-file
@@ -61,24 +61,16 @@ class InstanceStarter:
                 await self._supervisor.stop(instance_id)
         if request.source is not None:
             try:
-                path = await self._downloads.fetch(instance_id, request.source)
+                fetched = await self._downloads.fetch(instance_id, request.source, request.projector)
             except DownloadError as exc:
                 # Only a source that cannot be fetched as written is permanent: a hub that rate-limits or
                 # does not answer, a path not mounted yet, a full disk may be fine on the next try.
                 permanent = not exc.retryable
                 self._reports.report(instance_id, InstanceReport(state="failed", reason=str(exc), permanent=permanent))
                 return
-            spec = msgspec.structs.replace(spec, model_path=str(path))
-        if request.projector is not None:
-            try:
-                projector = await self._downloads.fetch(instance_id, request.projector, of_model=False)
-            except DownloadError as exc:
-                reason = f"the projector: {exc}"
-                self._reports.report(
-                    instance_id, InstanceReport(state="failed", reason=reason, permanent=not exc.retryable)
-                )
-                return
-            spec = msgspec.structs.replace(spec, projector_path=str(projector))
+            spec = msgspec.structs.replace(spec, model_path=str(fetched.path))
+            if fetched.projector is not None:
+                spec = msgspec.structs.replace(spec, projector_path=str(fetched.projector))
         if spec.engine in LORA_ENGINES and (spec.adapter_generation > 0 or spec.engine in LORA_AT_NO_COST_ENGINES):
             try:
                 lora_file = await self._adapters.apply(

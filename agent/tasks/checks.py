@@ -56,6 +56,8 @@ def check_start(request: StartInstance, *, engines: Collection[str], node: str) 
         )
     if request.projector is not None and spec.engine != "llamacpp":
         raise TaskNotAllowed(f"the task gives a projector to out={spec.engine}: only out=llamacpp takes one")
+    if request.projector is not None and request.source is None:
+        raise TaskNotAllowed("the task gives a projector without a model source: a projector is part of a model")
     if spec.lora_file is not None:
         raise TaskNotAllowed(
             f"the task names an adapter file ({spec.lora_file!r}): a worker's adapter file is the one the agent "

@@ -16,7 +16,7 @@ from django.db import IntegrityError, transaction
 from controlplane.audit.records import Actor, record, snapshot
 from controlplane.catalog.engines import GGUF_ONLY_ENGINES
 from controlplane.catalog.local_roots import check_local_source
-from controlplane.catalog.memory import estimate_memory_bytes, read_local_model
+from controlplane.catalog.memory import estimate_memory_bytes, local_file_size, read_local_model
 from controlplane.catalog.models import LanguageModel, validate_model_name
 from controlplane.catalog.remote_code import check_model_change, record_change
 from controlplane.errors import Conflict, Invalid, InvalidDocument
@@ -43,7 +43,9 @@ MODEL_FIELDS = frozenset(
 # Where a model's files come from: trusting its remote code trusts these (catalog/remote_code.py).
 _SOURCE_FIELDS = ("source_kind", "source", "revision", "filename", "projector")
 # What an estimate is made of: a change to any of them makes a new one.
-_ESTIMATE_INPUTS = frozenset({"size_bytes", "config", "context_length", "source", "source_kind", "engine"})
+_ESTIMATE_INPUTS = frozenset(
+    {"size_bytes", "config", "context_length", "source", "source_kind", "engine", "projector", "revision"}
+)
 # huggingface_hub's own rule for a repo id: "name" or "owner/name".
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 _REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$")
@@ -66,6 +68,7 @@ def create_model(actor: Actor, **fields: Any) -> LanguageModel:
     _check_local_root(model)
     _check_projector_root(model)
     _fill_from_local_files(model)
+    _fill_projector_size(model)
     if model.memory_bytes is None:
         _estimate(model)
     try:
@@ -101,6 +104,9 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
         _fill_from_local_files(model)
     if "projector" in changes or "source_kind" in changes:
         _check_projector_root(model)
+    if any(before[name] != getattr(model, name) for name in ("projector", "source_kind", "source", "revision")):
+        model.projector_bytes = None  # another file: its size is read or reported again
+        _fill_projector_size(model)
     if "memory_bytes" in changes:
         model.memory_estimated = False
         if model.memory_bytes is None:  # "forget my figure": estimate instead
@@ -117,14 +123,24 @@ def update_model(actor: Actor, model: LanguageModel, **changes: Any) -> Language
 
 
 @transaction.atomic
-def record_model_size(actor: Actor, model: LanguageModel, size_bytes: int) -> bool:
-    """Learn a model's size on disk from a finished download, when nobody gave it; the memory estimate
-    follows. Returns whether anything changed (a known size is kept)."""
+def record_model_size(
+    actor: Actor, model: LanguageModel, size_bytes: int | None, projector_bytes: int | None = None
+) -> bool:
+    """Learn a model's size on disk, and its projector's, from a finished download, when nobody gave them; the
+    memory estimate follows. Returns whether anything changed (a known size is kept; a projector's size is
+    taken only for a model that has a projector)."""
     model = LanguageModel.objects.select_for_update().get(pk=model.pk)
-    if model.size_bytes is not None or size_bytes <= 0:
+    learn_size = model.size_bytes is None and size_bytes is not None and size_bytes > 0
+    learn_projector = (
+        bool(model.projector) and model.projector_bytes is None and projector_bytes is not None and projector_bytes > 0
+    )
+    if not (learn_size or learn_projector):
         return False
     before = snapshot(model)
-    model.size_bytes = size_bytes
+    if learn_size:
+        model.size_bytes = size_bytes
+    if learn_projector:
+        model.projector_bytes = projector_bytes
     if model.memory_bytes is None or model.memory_estimated:
         _estimate(model)
     model.save()
@@ -239,7 +255,9 @@ def _estimate(model: LanguageModel) -> None:
     if not model.loads_weights:  # its replicas hold no weights: the files' size says nothing of their need
         model.memory_bytes, model.memory_estimated = None, False
         return
-    model.memory_bytes = estimate_memory_bytes(model.size_bytes, model.config or {}, model.context_length)
+    model.memory_bytes = estimate_memory_bytes(
+        model.size_bytes, model.config or {}, model.context_length, model.projector_bytes
+    )
     model.memory_estimated = model.memory_bytes is not None
 
 
@@ -256,6 +274,13 @@ def _fill_from_local_files(model: LanguageModel) -> None:
         model.size_bytes = files.size_bytes
     if not model.config:
         model.config = files.config
+
+
+def _fill_projector_size(model: LanguageModel) -> None:
+    """Take a local projector's size from its file, when this machine sees it (a hub one's is reported by the
+    first node that fetches it)."""
+    if model.projector and model.source_kind != LanguageModel.SourceKind.HUGGING_FACE:
+        model.projector_bytes = local_file_size(model.projector, settings.LOCAL_MODEL_ROOTS)
 
 
 def _check_fields(fields: dict[str, Any]) -> None:

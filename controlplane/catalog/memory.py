@@ -2,11 +2,13 @@
 
 The estimate (``estimate_memory_bytes``) is
 
-    weights on disk × 1.2  +  the KV cache of one sequence of the full context
+    (weights + multimodal projector) on disk × 1.2  +  the KV cache of one sequence of the full context
 
 * The factor 1.2 covers what an engine holds beside its weights: activations of a forward pass, the
   CUDA context and allocator slack (a few hundred MiB to a few GiB on a GPU). Quantized files (GGUF,
-  AWQ) are counted at their size on disk, which is what they load as.
+  AWQ) are counted at their size on disk, which is what they load as. A llama.cpp model's projector (its
+  mmproj GGUF, often a fifth to a third of a quantized model's size) is loaded on the same GPU: it counts as
+  weights once its size is known.
 * The KV cache per token is 2 (keys and values) × layers × KV heads × head dimension × bytes per
   element, from the model's ``config.json`` (``num_hidden_layers``, ``num_key_value_heads`` or else
   ``num_attention_heads``, ``head_dim`` or else ``hidden_size / num_attention_heads``, ``torch_dtype``;
@@ -100,12 +102,15 @@ def context_tokens(config: Mapping[str, Any], context_length: int | None) -> int
 
 
 def estimate_memory_bytes(
-    size_bytes: int | None, config: Mapping[str, Any], context_length: int | None = None
+    size_bytes: int | None,
+    config: Mapping[str, Any],
+    context_length: int | None = None,
+    projector_bytes: int | None = None,
 ) -> int | None:
     """One replica's memory need (see the module docstring); None when the weights' size is unknown."""
     if size_bytes is None:
         return None
-    need = math.ceil(size_bytes * WEIGHTS_FACTOR)
+    need = math.ceil((size_bytes + (projector_bytes or 0)) * WEIGHTS_FACTOR)
     shape = kv_shape(config)
     tokens = context_tokens(config, context_length)
     if shape is not None and tokens is not None:
@@ -120,6 +125,18 @@ def config_subset(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(nested, Mapping):
         kept["text_config"] = {key: nested[key] for key in CONFIG_KEYS if key in nested}
     return kept
+
+
+def local_file_size(path: str, roots: Sequence[Path]) -> int | None:
+    """The size of the file at ``path`` when this machine can read it under ``roots`` (a local projector), or
+    None."""
+    location = Path(path)
+    if not under_roots(location.resolve(), roots):
+        return None
+    try:
+        return location.stat().st_size if location.is_file() else None
+    except OSError:
+        return None
 
 
 def read_local_model(path: str, roots: Sequence[Path]) -> LocalModelFiles | None:

@@ -24,7 +24,8 @@ class LanguageModel(models.Model):
     ``projector`` gives a llama.cpp model images: its multimodal projector, a file of the repo or a path.
     ``memory_bytes`` is the memory one replica needs (GPU memory, split evenly over its GPUs; system
     memory for CPU engines): the operator's figure, or when they give none an estimate from
-    ``size_bytes``, ``config`` and ``context_length`` (``memory_estimated``; catalog/memory.py says how).
+    ``size_bytes``, ``projector_bytes``, ``config`` and ``context_length`` (``memory_estimated``;
+    catalog/memory.py says how).
     None means unknown, which makes placement give each GPU replica whole GPUs to itself.
     """
 
@@ -44,6 +45,9 @@ class LanguageModel(models.Model):
     engine = models.CharField(max_length=16, choices=Engine.choices)
     default_engine_args = models.JSONField(default=dict, blank=True)
     size_bytes = models.BigIntegerField(null=True, blank=True)
+    # The projector's size on disk (a replica loads it beside the weights): read from a local file, or reported
+    # by the first node that fetched it. None: no projector, or not known yet.
+    projector_bytes = models.BigIntegerField(null=True, blank=True)
     memory_bytes = models.BigIntegerField(null=True, blank=True)
     memory_estimated = models.BooleanField(default=False)
     context_length = models.PositiveIntegerField(null=True, blank=True)  # tokens; None: the model's own

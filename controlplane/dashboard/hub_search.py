@@ -115,7 +115,9 @@ def model_estimate_context(model: LanguageModel) -> dict[str, Any]:
     figure, else its estimate), for its own engine; no hub is asked."""
     engines = [model.engine] if model.loads_weights else []
     need = model.memory_bytes if model.loads_weights else None
-    return _fit_context(model.size_bytes, model.config, model.context_length, need, engines)
+    context = _fit_context(model.size_bytes, model.config, model.context_length, need, engines)
+    context["projector_bytes"] = model.projector_bytes if model.projector else None
+    return context
 
 
 def _fit_context(

@@ -182,9 +182,12 @@ def report_download(actor: Actor, node_name: str, model_id: int, report: Downloa
     download.save()
     if old_state != download.state:
         record(actor, "download.state", download, before=before, after=snapshot(download))
-        if download.state == Download.State.DONE and download.bytes_total:
-            # The first finished download tells the catalog a size nobody gave it, for the memory estimate.
-            record_model_size(actor, model, download.bytes_total)
+    if download.state == Download.State.DONE and (
+        model.size_bytes is None or (model.projector and model.projector_bytes is None)
+    ):
+        # A finished download tells the catalog sizes nobody gave it, for the memory estimate: the first one, or
+        # the first after a projector was added to a model the node already held.
+        record_model_size(actor, model, download.bytes_total or None, report.projector_bytes)
     return download
 
 

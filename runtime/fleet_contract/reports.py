@@ -90,3 +90,6 @@ class DownloadReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     bytes_done: int = 0
     bytes_total: int | None = None
     error: str = ""
+    #: With "done", for a llama.cpp model with a multimodal projector: the projector's size on disk, which a
+    #: replica loads beside the weights (the catalog's memory estimate counts it). None: none, or not said.
+    projector_bytes: int | None = None

@@ -183,9 +183,10 @@ async def test_a_projector_of_the_models_repo_is_fetched_after_it_and_given_to_t
         given = argv[argv.index("--mmproj") + 1]
         assert given.endswith("/mmproj-f16.gguf") and _contents(given) == projector
         assert _contents(argv[argv.index("out=llamacpp") + 1]) == hub.repos[REPO][FILE]
-        # The model's download figures are its own file's: the projector's bytes are not counted as the model's.
+        # The model's download figures are its own file's; its "done" comes once the projector is there too, with
+        # the projector's size on disk beside them (the catalog's memory estimate counts it).
         done = [report for model_id, report in control_plane.downloads if model_id == 7 and report.state == "done"]
-        assert [report.bytes_done for report in done] == [SIZE]
+        assert [(report.bytes_done, report.projector_bytes) for report in done] == [(SIZE, len(projector))]
     finally:
         await agent.supervisor.stop_all()
         await agent.close()
@@ -200,6 +201,7 @@ async def test_a_projector_the_repo_lacks_fails_the_start_saying_so_and_starts_n
     tmp_path: Path, child: Path, readiness: SocketReadiness, hub: FakeHub
 ) -> None:
     control_plane = StandInControlPlane()
+    control_plane.instances = [AgentInstance(id=1, state="pending", attempt=0, model=AgentModel(id=7))]
     agent, downloader = make_agent(tmp_path, child, readiness, control_plane, hub)
     await agent.start()
     try:
@@ -214,6 +216,10 @@ async def test_a_projector_the_repo_lacks_fails_the_start_saying_so_and_starts_n
         assert report.state == "failed", report
         assert report.reason.startswith("the projector: ") and "mmproj-missing.gguf" in report.reason, report
         assert not agent.supervisor.status(1)  # no worker was started without it
+        # The model's files on this node are not all there: its download failed, saying which one.
+        ends = [report for model_id, report in control_plane.downloads if report.state in ("done", "failed")]
+        assert [report.state for report in ends] == ["failed"]
+        assert ends[0].error.startswith("the projector: ")
     finally:
         await agent.supervisor.stop_all()
         await agent.close()

@@ -61,8 +61,12 @@ def test_a_model_path_is_the_agents_to_set_not_the_tasks() -> None:
 def test_a_projector_path_is_the_agents_to_set_and_only_llamacpp_takes_a_projector() -> None:
     assert "names a projector path ('/etc/shadow')" in refusal(with_spec(projector_path="/etc/shadow"))
     projector = LocalSource(path="/models/mmproj.gguf")
-    llamacpp = msgspec.structs.replace(with_spec(engine="llamacpp", engine_args=[]), projector=projector)
+    llamacpp = msgspec.structs.replace(
+        with_spec(engine="llamacpp", engine_args=[]), source=LocalSource(path="/models/m.gguf"), projector=projector
+    )
     check_start(llamacpp, engines=HERE, node="gpu-a")
+    alone = msgspec.structs.replace(llamacpp, source=None)
+    assert refusal(alone) == "the task gives a projector without a model source: a projector is part of a model"
     mocker = msgspec.structs.replace(START, projector=projector)
     assert refusal(mocker) == "the task gives a projector to out=mocker: only out=llamacpp takes one"
 

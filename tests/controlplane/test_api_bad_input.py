@@ -380,6 +380,8 @@ def test_reports_on_unknown_instances_are_404_and_impossible_states_409(placed: 
         ({"state": "exploded"}, "state"),
         ({"state": "downloading", "bytes_done": 11, "bytes_total": 10}, "bytes_done"),
         ({"state": "downloading", "bytes_done": -1}, "bytes_done"),
+        ({"state": "done", "projector_bytes": -1}, "projector_bytes"),
+        ({"state": "done", "projector_bytes": "big"}, "projector_bytes"),
     ],
 )
 def test_bad_download_reports_name_the_field(body: dict[str, Any], field: str) -> None:

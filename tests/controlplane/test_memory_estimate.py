@@ -168,3 +168,64 @@ def test_the_api_takes_context_and_config_and_names_bad_ones(
     else:
         assert response.status_code == 400
         assert field in response.json()
+
+
+@pytest.mark.django_db
+def test_a_local_projector_is_measured_and_counted_as_weights_and_another_one_measured_again(tmp_path: Path) -> None:
+    gguf, projector, other = tmp_path / "smol.gguf", tmp_path / "mmproj-f16.gguf", tmp_path / "mmproj-q8.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 996)
+    projector.write_bytes(b"GGUF" + b"\0" * 496)
+    other.write_bytes(b"GGUF" + b"\0" * 246)
+    model = make_model("smol", source_kind="gguf", source=str(gguf), engine="llamacpp", projector=str(projector))
+    # (1000 + 500) x 1.2: a replica loads the projector beside the weights, on the same GPU.
+    assert (model.size_bytes, model.projector_bytes, model.memory_bytes) == (1000, 500, 1800)
+    model = actions.update_model(TEST_ACTOR, model, projector=str(other))
+    assert (model.projector_bytes, model.memory_bytes) == (250, 1500)
+    model = actions.update_model(TEST_ACTOR, model, projector="")
+    assert (model.projector_bytes, model.memory_bytes) == (None, 1200)
+
+
+@pytest.mark.django_db
+def test_the_first_node_that_fetched_a_hub_projector_tells_its_size_with_the_models() -> None:
+    make_node("gpu-a", (80,))
+    model = make_model(
+        "vision", source="org/vision-GGUF", filename="v.Q4_0.gguf", engine="llamacpp", projector="mmproj-f16.gguf"
+    )
+    assert (model.projector_bytes, model.memory_bytes) == (None, None)
+    agent = Actor.agent("gpu-a")
+    done = DownloadReport(state="done", bytes_done=4 * GiB, bytes_total=4 * GiB, projector_bytes=GiB)
+    report_download(agent, "gpu-a", model.pk, done)
+    model.refresh_from_db()
+    assert (model.size_bytes, model.projector_bytes, model.memory_bytes) == (4 * GiB, GiB, 6 * GiB)
+    # A model without a projector takes no projector size from a report.
+    plain = make_model("plain", source="org/plain-GGUF", filename="p.Q4_0.gguf", engine="llamacpp")
+    report_download(agent, "gpu-a", plain.pk, done)
+    plain.refresh_from_db()
+    assert (plain.size_bytes, plain.projector_bytes, plain.memory_bytes) == (4 * GiB, None, math.ceil(4 * GiB * 1.2))
+
+
+@pytest.mark.django_db
+def test_a_projector_size_is_the_nodes_to_report_not_the_operators_to_set(operator: APIClient) -> None:
+    body = {
+        "name": "vision", "source_kind": "hf", "source": "org/vision-GGUF", "filename": "v.Q4_0.gguf",
+        "engine": "llamacpp", "projector": "mmproj-f16.gguf", "size_bytes": GiB, "projector_bytes": GiB,
+    }  # fmt: skip
+    response = operator.post("/api/v1/models/", body, format="json")
+    assert response.status_code == 201, response.json()
+    assert (response.json()["projector_bytes"], response.json()["memory_bytes"]) == (None, math.ceil(GiB * 1.2))
+
+
+@pytest.mark.django_db
+def test_a_projector_added_to_a_model_a_node_holds_is_measured_at_its_next_done() -> None:
+    make_node("gpu-a", (80,))
+    model = make_model("vision", source="org/vision-GGUF", filename="v.Q4_0.gguf", engine="llamacpp")
+    agent = Actor.agent("gpu-a")
+    report_download(agent, "gpu-a", model.pk, DownloadReport(state="done", bytes_done=GiB, bytes_total=GiB))
+    model.refresh_from_db()
+    model = actions.update_model(TEST_ACTOR, model, projector="mmproj-f16.gguf")
+    assert (model.size_bytes, model.projector_bytes) == (GiB, None)
+    # The weights were in the node's cache: no "downloading", the state stays done, and the sizes still come.
+    done = DownloadReport(state="done", bytes_done=GiB, bytes_total=GiB, projector_bytes=GiB // 2)
+    report_download(agent, "gpu-a", model.pk, done)
+    model.refresh_from_db()
+    assert (model.projector_bytes, model.memory_bytes) == (GiB // 2, math.ceil(1.5 * GiB * 1.2))

@@ -3,6 +3,7 @@ served by one gateway. Real processes throughout (tests/fleet/stack.py); the tes
 in order, each leaving it whole."""
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -134,6 +135,10 @@ def test_a_llamacpp_model_registered_with_its_projector_answers_an_image_through
         "projector": str(projector),
     }  # fmt: skip
     model = json_of(fleet.operator.post("/api/v1/models/", json=body))
+    # The control plane sees the files here: the projector counts in the memory estimate, as weights.
+    sizes = fleet.smollm2.stat().st_size + projector.stat().st_size
+    assert model["projector_bytes"] == projector.stat().st_size
+    assert model["memory_bytes"] is not None and model["memory_bytes"] >= math.ceil(sizes * 1.2)
     group = {"replicas": 1, "gpus_per_replica": 0, "engine_args": {"threads": 1}}
     created = fleet.operator.post(
         "/api/v1/pipelines/", json={"name": "smol-vision", "model": model["name"], "groups": [group]}

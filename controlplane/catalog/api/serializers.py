@@ -49,6 +49,7 @@ class ModelSerializer(serializers.ModelSerializer):
             "engine",
             "default_engine_args",
             "size_bytes",
+            "projector_bytes",
             "memory_bytes",
             "memory_estimated",
             "context_length",
@@ -56,7 +57,13 @@ class ModelSerializer(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
-        read_only_fields: ClassVar = ["id", "memory_estimated", "created_at", "updated_at"]
+        read_only_fields: ClassVar = ["id", "projector_bytes", "memory_estimated", "created_at", "updated_at"]
+        extra_kwargs: ClassVar = {
+            "projector_bytes": {
+                "help_text": "The projector's size on disk, counted in the estimate: read from a local file, or "
+                "reported by the first node that fetched it (null: no projector, or not known yet)"
+            }
+        }
 
 
 class AdapterSerializer(serializers.ModelSerializer):

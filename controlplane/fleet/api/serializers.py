@@ -239,6 +239,14 @@ class DownloadReportSerializer(serializers.Serializer):
     bytes_done = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, default=0)
     bytes_total = serializers.IntegerField(min_value=0, max_value=MAX_BYTES, required=False, allow_null=True)
     error = serializers.CharField(max_length=4000, allow_blank=True, default="")
+    projector_bytes = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_BYTES,
+        required=False,
+        allow_null=True,
+        help_text="with done: the size on disk of the model's multimodal projector (llama.cpp's mmproj), which a "
+        "replica loads beside the weights",
+    )
 
     def to_report(self) -> DownloadReport:
         """The report, without ``model``: the model it is about is sent beside it."""
