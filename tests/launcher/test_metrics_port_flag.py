@@ -1,5 +1,8 @@
 """``--metrics-port``: a worker's or an ingress process's own /metrics, and a clear error where there is none."""
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -58,3 +61,18 @@ def test_an_ingress_process_serves_its_own_metrics_on_its_metrics_port_too(tmp_p
     assert counted in own.text and counted in shared.text
     with pytest.raises(httpx.TransportError):  # gone with the process
         httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2)
+
+
+def test_an_ingress_whose_metrics_port_is_taken_exits_2_saying_which_and_what_to_do() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [
+            sys.executable, "-m", "launcher.cli", "run", "in=http", "out=echo_full", "--http-port", str(free_port()),
+            "--metrics-port", str(port),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr and "--metrics-port" in done.stderr
+    assert "Traceback" not in done.stderr
