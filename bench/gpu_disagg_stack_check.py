@@ -11,7 +11,14 @@ each engine given ``--gpu-memory-utilization SHARE``), as a fleet runs them (doc
 1. one aggregated worker answers a greedy completion (temperature 0, 24 tokens): the reference;
 2. a prefill worker and a decode worker. The same completion, sent with ``x-flotilla-disagg: remote`` (the prompt
    must be computed on the prefill worker), names the prefill worker in ``x-flotilla-prefill-instance`` and the
-   decode worker in ``x-flotilla-instance``, and its text is the reference's.
+   decode worker in ``x-flotilla-instance``, and its text is the reference's;
+3. each worker's own ``/metrics`` (``--metrics-port``) counts it: one prompt computed for a decode worker on the
+   prefill worker, one KV handoff taken on the decode worker ("handoff");
+4. vLLM only: the decode worker loaded the prompt's KV through its connector rather than computing it again
+   ("kv-loaded": its ``vllm:external_prefix_cache_hits`` against its ``vllm:prompt_tokens``). A decode worker
+   that ignored the transfer and recomputed the prompt would still answer the same text, which is why the
+   text alone does not show the transfer. SGLang's and TensorRT-LLM's decode workers cannot compute a prompt
+   in their disaggregation modes: the text shows it for them.
 
 Each engine moves the KV its own way, set here in its engine args (``--extra`` adds to them or replaces them):
 
@@ -36,15 +43,22 @@ import importlib.util
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import free_port
 from overload import smollm2_path
+from prometheus_client.parser import text_string_to_metric_families
 from stacks import StackWorker, worker_stack
 
 MODEL = "disagg-check"
-PROMPT = "The history of the lighthouse at Alexandria, told in full: " * 8
+#: 98 tokens with SmolLM2's tokenizer. Not one more than a multiple of the block size: vLLM's ExampleConnector stores
+#: a prompt's KV under its first (n - 1) // block * block tokens and looks it up under those of n - 1 tokens (it
+#: expects the decode side's prompt to carry the first token too), which differ when n - 1 is a whole number of
+#: blocks. At 97 tokens its decode worker found nothing and computed the prompt again: "kv-loaded" caught it.
+PROMPT = "The history of the lighthouse at Alexandria, told in full: " * 8 + "It begins"
 #: The mocker's settings here: its steps ten times faster than a GPU's.
 MOCKER_SETTINGS = {"speedup_ratio": 10.0}
 #: Where vLLM's NIXL side channels listen, one port a worker from here.
@@ -95,6 +109,53 @@ def complete(base_url: str, headers: dict[str, str]) -> httpx.Response:
     return httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=300)
 
 
+def metrics(port: int) -> dict[str, float]:
+    """A worker's /metrics as sample name -> value, summed over labels (an empty dict when it does not answer)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def check_counted(engine: str, ports: dict[str, int], before: dict[str, dict[str, float]]) -> None:
+    """The "handoff" and "kv-loaded" checks, from each worker's own metrics over the one remote completion (their
+    values ``before`` it taken away)."""
+
+    def grown(role: str, now: dict[str, float], name: str) -> float:
+        return now.get(name, 0.0) - before[role].get(name, 0.0)
+
+    deadline = time.monotonic() + 10  # the phase counters come with the load report, once a second
+    while True:
+        decode, prefill = metrics(ports["decode"]), metrics(ports["prefill"])
+        handoffs = grown("decode", decode, "flotilla_worker_kv_handoffs_total")
+        prefills = grown("prefill", prefill, "flotilla_worker_prefills_total")
+        if (handoffs >= 1 and prefills >= 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    counted = handoffs == 1 and prefills == 1
+    detail = f"the prefill worker computed {prefills:g} prompt(s) for a decode worker, the decode worker took "
+    report("PASS" if counted else "FAIL", "handoff", detail + f"{handoffs:g} handoff(s) (1 and 1 expected)")
+    if engine != "vllm":
+        why = "the text shows it" if engine != "mocker" else "the mocker's decode worker is timed, not computed"
+        report("SKIP", "kv-loaded", f"{engine}: no connector counter to read; {why}")
+        return
+    prompt = grown("decode", decode, "vllm:prompt_tokens_total")
+    loaded = grown("decode", decode, "vllm:external_prefix_cache_hits_total")
+    # vLLM computes at least the prompt's last token itself (and a partial last block, for some connectors).
+    ok = prompt > 0 and loaded >= prompt / 2
+    detail = f"the decode worker loaded {loaded:g} of its {prompt:g} prompt tokens through the connector"
+    if not ok:
+        queried = grown("decode", decode, "vllm:external_prefix_cache_queries_total")
+        local = grown("decode", decode, "vllm:prefix_cache_hits_total")
+        detail += f" (asked it for {queried:g}; found {local:g} in its own prefix cache)"
+    report("PASS" if ok else "FAIL", "kv-loaded", detail)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -142,15 +203,20 @@ def check(args: argparse.Namespace, logs: Path) -> int:
         return 1
 
     roles = ("decode", "prefill")  # worker_stack's order: the decode worker's id first
+    metrics_ports = {role: free_port() for role in roles}
     pair = [
         worker(args, role, transfer_settings(args.engine, args.connector, role, store), number + 1)
         for number, role in enumerate(roles)
     ]
+    pair = [StackWorker(one.role, (*one.args, "--metrics-port", str(metrics_ports[one.role])), one.env) for one in pair]
     with worker_stack(pair, directory=logs / "disaggregated", model=MODEL, ready_timeout_s=args.timeout) as stack:
         decode_id, prefill_id = stack.worker_ids
         share = f"{args.share} of the GPU each" if args.share > 0 and args.engine != "mocker" else "no GPU share given"
         report("PASS", "start", f"{args.engine}: a prefill and a decode worker, {share}")
+        before = {role: metrics(port) for role, port in metrics_ports.items()}  # the stack's own probes count
         handed = complete(stack.base_url, {"x-flotilla-disagg": "remote"})
+        if handed.status_code == 200:
+            check_counted(args.engine, metrics_ports, before)
     if handed.status_code != 200:
         report("FAIL", "remote", f"the disaggregated completion answered {handed.status_code}: {handed.text[:500]}")
         return 1

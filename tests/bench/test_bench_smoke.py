@@ -380,7 +380,11 @@ SMOKES = [
         "gpu_disagg_stack_check",
         "gpu_disagg_stack_check.py",
         "--engine mocker",
-        [r"^PASS disagg-stack remote: prefilled by \w+, decoded by \w+", r"^PASS disagg-stack token-exact: "],
+        [
+            r"^PASS disagg-stack remote: prefilled by \w+, decoded by \w+",
+            r"^PASS disagg-stack token-exact: ",
+            r"^PASS disagg-stack handoff: the prefill worker computed 1 prompt\(s\) .* took 1 handoff\(s\)",
+        ],
         timeout=120,
     ),
     Smoke(
