@@ -16,7 +16,12 @@ that only the connector can give it a prompt's KV). With ``nixl`` (the default) 
 2. the decode engine's greedy answer to a prompt it computes itself (the reference);
 3. the prefill engine computes the same prompt as a prefill-only request and ends with a handoff (for NIXL,
    ``kv_transfer_params`` naming its blocks);
-4. the decode engine, given that handoff, answers exactly the reference (token for token).
+4. the decode engine, given that handoff, answers exactly the reference (token for token);
+5. it loaded the prompt's KV through its connector rather than computing it again: the text alone would not
+   show that ("kv-loaded", from its scheduler stats). With ``--connector example`` this says less: ExampleConnector
+   stores what an engine computes whatever its role, so the decode engine's own reference run leaves the prompt's
+   KV in the store (the prefill engine's handoff then says 96 of 98 tokens cached), and what the decode engine
+   loads may be its own. bench/gpu_disagg_stack_check.py, whose reference is another stack, has no such doubt.
 
 It measures nothing; the ingress side of the same path runs on the CPU in tests/distributed/test_disagg_mocker.py.
 """
@@ -39,6 +44,11 @@ from runtime.engine import RequestContext
 from runtime.protocol import KvHandoff, PreprocessedRequest, SamplingOptions, StopConditions
 
 failed = False
+#: 98 tokens with SmolLM2's tokenizer. Not one more than a whole number of blocks: vLLM's ExampleConnector stores a
+#: prompt's KV under its first (n - 1) // block * block tokens and looks it up under those of n - 1 tokens (it expects
+#: the decode side's prompt to carry the first token too), which differ when n - 1 is a whole number of blocks. At
+#: 97 tokens its decode worker found nothing and computed the prompt again: only "kv-loaded" showed it.
+PROMPT = "The history of the lighthouse at Alexandria, told in full: " * 8 + "It begins"
 
 
 def report(status: str, check: str, detail: str) -> None:
@@ -61,6 +71,16 @@ async def answer(engine: Any, req: PreprocessedRequest) -> tuple[list[int], KvHa
         tokens += output.token_ids
         handoff = output.handoff or handoff
     return tokens, handoff
+
+
+async def connector_tokens_since(engine: Any, before: int) -> int:
+    """The connector's tokens an engine was given since ``before``; its stats come after each step, so a second
+    is given for the last one's."""
+    for _ in range(20):
+        if engine.connector_hit_tokens() > before:
+            break
+        await asyncio.sleep(0.1)
+    return int(engine.connector_hit_tokens() - before)
 
 
 def connector(kind: str, role: str, store: str) -> dict[str, Any]:
@@ -102,16 +122,21 @@ async def main() -> int:
     report("PASS", "start", f"a prefill and a decode engine with {args.connector}, {args.share} of the GPU each")
     (model, prefill), (_, decode) = engines["prefill"], engines["decode"]
     try:
-        prompt = model.card.tokenizer.encode("The history of the lighthouse at Alexandria, told in full: " * 8).ids
+        prompt = model.card.tokenizer.encode(PROMPT).ids
         reference, _ = await answer(decode, request(prompt, "reference"))
         report("PASS" if reference else "FAIL", "reference", f"{len(reference)} tokens computed on the decode engine")
         _, handoff = await answer(prefill, request(prompt, "prefill", prefill_only=True))
         has_params = handoff is not None and (bool(handoff.params) or args.connector == "example")
         report("PASS" if has_params else "FAIL", "handoff", f"{handoff}")
         if handoff is not None:
+            before = decode.connector_hit_tokens()
             handed, _ = await answer(decode, request(prompt, "decode", handoff=handoff))
             same = handed == reference
             report("PASS" if same else "FAIL", "token-exact", f"decoded from the handoff equals the reference: {same}")
+            loaded = await connector_tokens_since(decode, before)
+            ok = loaded >= len(prompt) / 2  # vLLM computes at least the last token (some connectors a last block)
+            detail = f"the decode engine loaded {loaded} of the prompt's {len(prompt)} tokens through its connector"
+            report("PASS" if ok else "FAIL", "kv-loaded", detail)
     finally:
         for _, engine in engines.values():
             await engine.close()

@@ -49,16 +49,12 @@ from typing import Any
 
 import httpx
 from _common import free_port
+from gpu_disagg_check import PROMPT
 from overload import smollm2_path
 from prometheus_client.parser import text_string_to_metric_families
 from stacks import StackWorker, worker_stack
 
 MODEL = "disagg-check"
-#: 98 tokens with SmolLM2's tokenizer. Not one more than a multiple of the block size: vLLM's ExampleConnector stores
-#: a prompt's KV under its first (n - 1) // block * block tokens and looks it up under those of n - 1 tokens (it
-#: expects the decode side's prompt to carry the first token too), which differ when n - 1 is a whole number of
-#: blocks. At 97 tokens its decode worker found nothing and computed the prompt again: "kv-loaded" caught it.
-PROMPT = "The history of the lighthouse at Alexandria, told in full: " * 8 + "It begins"
 #: The mocker's settings here: its steps ten times faster than a GPU's.
 MOCKER_SETTINGS = {"speedup_ratio": 10.0}
 #: Where vLLM's NIXL side channels listen, one port a worker from here.

@@ -175,6 +175,12 @@ class VllmEngine:
 
             self._subscribers.append(ZmqSubscriber(endpoint, topic, on_batch))
 
+    def connector_hit_tokens(self) -> int:
+        """Prompt tokens vLLM's KV connector gave this engine (every dp rank) rather than it computing them: loaded
+        from a prefill worker's handoff, or from an offload tier. Counted from its scheduler stats, after each
+        step."""
+        return sum(rank.connector_hits for rank in self._stats.ranks.values())
+
     def prometheus_registry(self) -> Any:
         """The registry of vLLM's own metrics (``vllm:*``, its ``PrometheusStatLogger``'s, in this process, where
         ``AsyncLLM`` runs), as its OpenAI server's /metrics reads it; None before start."""
