@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.kv.blocks import sequence_block_hashes
 from tests.distributed.cluster import Cluster, Worker
@@ -36,6 +37,7 @@ from tests.distributed.kv_pool import (
 from tests.engines.vllm_model import BLOCK_SIZE, ENGINE_ARGS, ENGINE_SETTINGS, KV_CACHE_ENV, VLLM_MARKS
 from tests.infra import EtcdServer, NatsServer
 from tests.launcher.test_stack import Up, stop_stack
+from tests.servers import free_port
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
 
@@ -176,18 +178,34 @@ def test_a_prompt_prefilled_by_one_vllm_worker_is_decoded_by_another_from_its_kv
     # prompt's KV, the decode worker loads it. The decode worker caches no prefix of its own, so a prompt it
     # has answered before is not found there: only the connector can give it the KV.
     store = tmp_path / "kv-store"
+    decode_metrics = free_port()
 
-    def worker_args(role: str, kv_role: str, **settings: object) -> tuple[str, ...]:
+    def worker_args(role: str, kv_role: str, *flags: str, **settings: object) -> tuple[str, ...]:
         connector = {"kv_connector": "ExampleConnector", "kv_role": kv_role}
         connector["kv_connector_extra_config"] = {"shared_storage_path": str(store)}  # type: ignore[assignment]
         engine = json.dumps({**ENGINE_SETTINGS, **settings, "kv_transfer_config": connector})
         return ("out=vllm", str(vllm_model_folder), "--model-name", MODEL, "--disagg-role", role,
-                "--extra-engine-args", engine)  # fmt: skip
+                "--extra-engine-args", engine, *flags)  # fmt: skip
+
+    def loaded_through_the_connector() -> float:
+        """The decode worker's prompt tokens that vLLM's connector gave it, from its own /metrics."""
+        text = httpx.get(f"http://127.0.0.1:{decode_metrics}/metrics", timeout=10).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "vllm:external_prefix_cache_hits_total"
+        )
 
     prefill, decode = cluster.start_each(  # at once: their starts overlap
         [
             (f"dyn://{MODEL}.prefill.generate", worker_args("prefill", "kv_producer")),
-            (f"dyn://{MODEL}.decode.generate", worker_args("decode", "kv_consumer", enable_prefix_caching=False)),
+            (
+                f"dyn://{MODEL}.decode.generate",
+                worker_args(
+                    "decode", "kv_consumer", "--metrics-port", str(decode_metrics), enable_prefix_caching=False
+                ),
+            ),
         ],
         env=KV_CACHE_ENV,
         timeout=START_S,
@@ -211,5 +229,9 @@ def test_a_prompt_prefilled_by_one_vllm_worker_is_decoded_by_another_from_its_kv
     assert handed.headers["x-flotilla-prefill-instance"] == prefill.instance_id
     assert handed.headers["x-flotilla-instance"] == decode.instance_id
     assert "External Cache Hit" in decode.log()  # vLLM's connector loaded what the prefill worker stored
+    # ...the prompt's whole blocks, less at most the one holding its last token: not a match of nothing (which
+    # that line says too, for a prompt under a block) and not a prompt computed again with the same text.
+    loaded = loaded_through_the_connector()
+    assert loaded > 0 and loaded >= handed.json()["usage"]["prompt_tokens"] - 2 * BLOCK_SIZE, loaded
     assert any(store.iterdir())
     assert handed.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
