@@ -6,6 +6,7 @@ import json
 import math
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -181,7 +182,8 @@ def test_the_details_give_the_downloaded_size_the_context_the_kv_shape_and_the_e
     assert "131072 tokens" in page
     assert "320 KiB per token (80 layers × 8 KV heads × 128 dimensions" in page
     need = math.ceil(size * WEIGHTS_FACTOR) + KV_BYTES
-    assert f"<dd>{format_bytes(need)} <span" in page
+    assert f'<dd>{format_bytes(need)} <span class="hint">(weights × 1.2' in page
+    assert "<dt>Projector</dt>" not in page
 
 
 def test_the_details_say_which_gpus_it_fits_on_for_each_engine(hub: FakeHub) -> None:
@@ -308,6 +310,20 @@ def test_a_catalog_models_page_shows_its_size_context_estimate_and_where_it_fits
     page = logged_in(Role.READ_ONLY).get(f"/models/{model.pk}/").content.decode()
     assert "131072 tokens" in page and "4.9 KiB" in page and "320 KiB per token" in page
     assert "gpu-a GPU 0: 80 GiB free" in row(page, "mistralrs")
+
+
+def test_a_catalog_models_projector_is_shown_beside_its_size_and_counted_in_its_need(tmp_path: Path) -> None:
+    gguf, projector = tmp_path / "v.gguf", tmp_path / "mmproj.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 2044)
+    projector.write_bytes(b"GGUF" + b"\0" * 1020)
+    model = make_model("v", source_kind="gguf", source=str(gguf), engine="llamacpp", projector=str(projector))
+    client = logged_in(Role.READ_ONLY)
+    page = client.get(f"/models/{model.pk}/").content.decode()
+    assert f"<dt>Projector</dt><dd>{format_bytes(1024)} <span" in page
+    need = format_bytes(math.ceil(3072 * WEIGHTS_FACTOR))  # (2 KiB + 1 KiB) x 1.2
+    assert f'<dd>{need} <span class="hint">((weights + projector) × 1.2' in page
+    plain = make_model("plain", source_kind="gguf", source=str(gguf), engine="llamacpp")
+    assert "<dt>Projector</dt>" not in client.get(f"/models/{plain.pk}/").content.decode()
 
 
 def test_a_weightless_catalog_model_shows_no_estimate() -> None:
