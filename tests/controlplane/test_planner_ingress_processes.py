@@ -2,6 +2,7 @@
 ``--metrics-port`` (``manage.py planner --ingress-metrics``): real ``flotilla run in=http`` processes, requests
 sent to the shared port, and the interval counts every request once, whichever process took it."""
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -38,8 +39,8 @@ def ingresses(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
     """Two ingress processes on one shared port, each with a metrics port of its own: the shared base URL and
     the two metrics base URLs."""
     shared = free_port()
-    processes, metrics_urls = [], []
-    try:
+    metrics_urls = []
+    with contextlib.ExitStack() as stack:  # each process stopped, even when stopping another fails
         for index in range(2):
             metrics_port = free_port()
             log = tmp_path / f"ingress{index}.log"
@@ -49,14 +50,11 @@ def ingresses(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
             ]  # fmt: skip
             with log.open("wb") as out:
                 process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-            processes.append(process)
+            stack.callback(stop_process, process, signal.SIGINT, timeout=20)
             url = f"http://127.0.0.1:{metrics_port}"
             wait_for(f"{url}/metrics", process, log)
             metrics_urls.append(url)
         yield f"http://127.0.0.1:{shared}", metrics_urls
-    finally:
-        for process in processes:
-            stop_process(process, signal.SIGINT, timeout=20)
 
 
 async def test_the_interval_counts_every_request_once_whichever_process_took_it(
