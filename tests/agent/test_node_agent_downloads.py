@@ -162,17 +162,11 @@ async def test_a_projector_of_the_models_repo_is_fetched_after_it_and_given_to_t
 ) -> None:
     projector = os.urandom(5000)
     hub.repos[REPO]["mmproj-f16.gguf"] = projector
-    control_plane = StandInControlPlane()
-    control_plane.instances = [AgentInstance(id=1, state="pending", attempt=0, model=AgentModel(id=7))]
+    control_plane = knowing_model_7()
     agent, downloader = make_agent(tmp_path, child, readiness, control_plane, hub)
     await agent.start()
     try:
-        request = msgspec.structs.replace(
-            start(1, engine="llamacpp"),
-            source=HubSource(REPO, file=FILE),
-            projector=HubSource(REPO, file="mmproj-f16.gguf"),
-        )
-        await agent.accept_start(request)
+        await agent.accept_start(with_projector("mmproj-f16.gguf"))
         states = []
         while not states or states[-1] != "ready":
             instance_id, report = await control_plane.next()
@@ -197,20 +191,28 @@ def _contents(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
+def knowing_model_7() -> StandInControlPlane:
+    """A control plane whose instance 1 is of model 7, so that downloads are reported per model too."""
+    control_plane = StandInControlPlane()
+    control_plane.instances = [AgentInstance(id=1, state="pending", attempt=0, model=AgentModel(id=7))]
+    return control_plane
+
+
+def with_projector(projector_file: str) -> StartInstance:
+    """Instance 1's start of the repo's GGUF on llama.cpp, with ``projector_file`` of the same repo."""
+    return msgspec.structs.replace(
+        start(1, engine="llamacpp"), source=HubSource(REPO, file=FILE), projector=HubSource(REPO, file=projector_file)
+    )
+
+
 async def test_a_projector_the_repo_lacks_fails_the_start_saying_so_and_starts_no_worker(
     tmp_path: Path, child: Path, readiness: SocketReadiness, hub: FakeHub
 ) -> None:
-    control_plane = StandInControlPlane()
-    control_plane.instances = [AgentInstance(id=1, state="pending", attempt=0, model=AgentModel(id=7))]
+    control_plane = knowing_model_7()
     agent, downloader = make_agent(tmp_path, child, readiness, control_plane, hub)
     await agent.start()
     try:
-        request = msgspec.structs.replace(
-            start(1, engine="llamacpp"),
-            source=HubSource(REPO, file=FILE),
-            projector=HubSource(REPO, file="mmproj-missing.gguf"),
-        )
-        await agent.accept_start(request)
+        await agent.accept_start(with_projector("mmproj-missing.gguf"))
         while (report := (await control_plane.next())[1]).state == "downloading":
             pass
         assert report.state == "failed", report
