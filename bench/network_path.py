@@ -39,42 +39,71 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "echo"
 
 
+#: Tries at etcd and NATS on fresh ports: a port free_port() found may be taken before the server binds it.
+_INFRASTRUCTURE_TRIES = 3
+
+
+class _ServerEnded(RuntimeError):
+    """A server exited before its port opened (its port taken meanwhile, most often): tried again elsewhere."""
+
+
 @contextlib.contextmanager
 def infrastructure(directory: Path) -> Iterator[dict[str, str]]:
-    """etcd and NATS (JetStream) on free loopback ports; yields the environment that points at them."""
+    """etcd and NATS (JetStream) on free loopback ports; yields the environment that points at them.
+
+    A server that exits at start is started again on other ports (up to ``_INFRASTRUCTURE_TRIES`` times): on a
+    busy machine another process may take a port between ``free_port()`` and the server's bind. Raises
+    RuntimeError with the server's log when none starts."""
+    for attempt in range(_INFRASTRUCTURE_TRIES):
+        suffix = f"-{attempt}" if attempt else ""
+        with contextlib.ExitStack() as running:
+            try:
+                env = _start_infrastructure(directory, suffix, running)
+            except _ServerEnded as exc:
+                if attempt + 1 == _INFRASTRUCTURE_TRIES:
+                    raise RuntimeError(f"{exc} ({_INFRASTRUCTURE_TRIES} tries on fresh ports)") from None
+                continue
+            yield env
+            return
+
+
+def _start_infrastructure(directory: Path, suffix: str, running: contextlib.ExitStack) -> dict[str, str]:
+    """Start etcd and NATS (data folders named with ``suffix``), stopped by ``running``; their environment once
+    both accept connections. Raises _ServerEnded, or RuntimeError when one neither starts nor exits in 20 s."""
     etcd_port, peer_port, nats_port = free_port(), free_port(), free_port()
-    processes = [
-        subprocess.Popen(
-            ["etcd", "--data-dir", str(directory / "etcd"), "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-             "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-             "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
-            stdout=subprocess.DEVNULL, stderr=(directory / "etcd.log").open("wb"),
-        ),
-        subprocess.Popen(
-            ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(directory / "nats"),
-             "-l", str(directory / "nats.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        ),
+    etcd_log, nats_log = directory / "etcd.log", directory / "nats.log"
+    etcd = [
+        "etcd", "--data-dir", str(directory / f"etcd{suffix}"),
+        "--listen-client-urls", f"http://127.0.0.1:{etcd_port}", "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+        "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+        "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
     ]  # fmt: skip
-    try:
-        for port in (etcd_port, nats_port):
-            deadline = time.monotonic() + 20
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"port {port} never opened (is etcd/nats-server installed? `make system-deps`)")
-                time.sleep(0.05)
-        yield {
-            "ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_port}",
-            "NATS_SERVER": f"nats://127.0.0.1:{nats_port}",
-        }
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait()
+    nats = ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(directory / f"nats{suffix}")]
+    nats += ["-l", str(nats_log)]
+    started = []
+    for command, port, log in ((etcd, etcd_port, etcd_log), (nats, nats_port, nats_log)):
+        with log.open("ab") as stderr:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        running.callback(_stopped, process)
+        started.append((command[0], process, port, log))
+    for name, process, port, log in started:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-1500:]
+                raise _ServerEnded(f"{name} exited with {process.returncode} before port {port} opened:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {port} never opened (is etcd/nats-server installed? `make system-deps`)")
+            time.sleep(0.05)
+    return {"ETCD_ENDPOINTS": f"http://127.0.0.1:{etcd_port}", "NATS_SERVER": f"nats://127.0.0.1:{nats_port}"}
+
+
+def _stopped(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    process.wait()
 
 
 def flotilla(*args: str) -> list[str]:
