@@ -15,18 +15,12 @@ from pathlib import Path
 
 import httpx
 
+from runtime.ports import free_port
+
 #: Where the benchmarks write their raw numbers: bench/results/ (not committed), or the folder that
 #: FLOTILLA_BENCH_RESULTS names: tests/bench/test_bench_smoke.py points it at a temporary one, so that its
 #: smoke runs leave a real run's numbers alone.
 RESULTS_DIR = Path(os.environ.get("FLOTILLA_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,16 +27,11 @@ import uvloop
 from _common import RESULTS_DIR
 from loadgen import chat_request, closed_loop
 
+from runtime.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
 SHORT, LONG = 1, 257
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def cpu_seconds(pid: int) -> float:

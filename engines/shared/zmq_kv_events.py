@@ -26,9 +26,8 @@ after it is ignored. ``translate_batch`` is pure over the decoded batch;
 """
 
 import logging
-import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -37,6 +36,7 @@ from engines.shared.engine_block_names import EngineBlockNames
 from engines.shared.kv_tiers import tier_of_name
 from runtime.errors import EngineError
 from runtime.kv.events import KvEvent
+from runtime.ports import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -166,23 +166,10 @@ class ZmqSubscriber:
         self._socket.close(linger=0)
 
 
-def loopback_ports_free(ports: Iterable[int]) -> bool:
-    """Whether each of ``ports`` can be bound on the loopback interface now."""
+def free_tcp_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports, outside the kernel's ephemeral range (where the
+    engine's own connections could take them before its publishers bind). Raises EngineError when none are found."""
     try:
-        for port in ports:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", port))
-    except OSError:
-        return False
-    return True
-
-
-def free_tcp_ports(count: int, attempts: int = 20) -> int:
-    """The first of ``count`` consecutive free loopback ports. Raises EngineError when none are found."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first: int = probe.getsockname()[1]
-        if loopback_ports_free(range(first + 1, first + count)):
-            return first
-    raise EngineError(f"no {count} consecutive free ports for an engine's KV event publishers")
+        return free_ports(count)
+    except OSError as exc:
+        raise EngineError(f"no free ports for an engine's KV event publishers: {exc}") from exc

@@ -12,7 +12,6 @@ import ctypes
 import ctypes.util
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from agent.workers.processes import log_tail, until_readable
+from runtime.ports import free_port, ports_free
 
 #: Lines of a dead child's log shown with the report of its death.
 LOG_TAIL_LINES = 25
@@ -145,22 +145,7 @@ class Child:
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on ``host:port`` now."""
-    with socket.socket() as sock:
-        # As servers bind: a port in TIME_WAIT after a stopped server is free for them.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free on ``host`` now."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return ports_free([port], host)
 
 
 def choose_port(wanted: int, taken: set[int]) -> int:
