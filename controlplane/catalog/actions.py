@@ -14,7 +14,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from controlplane.audit.records import Actor, record, snapshot
-from controlplane.catalog.engines import GGUF_ONLY_ENGINES
+from controlplane.catalog.engines import GGUF_ONLY_ENGINES, PROJECTOR_ENGINE
 from controlplane.catalog.local_roots import check_local_source
 from controlplane.catalog.memory import estimate_memory_bytes, local_file_size, read_local_model
 from controlplane.catalog.models import LanguageModel, validate_model_name
@@ -195,7 +195,7 @@ def check_projector(model: LanguageModel) -> None:
     projector = model.projector
     if not projector:
         return
-    if model.engine != "llamacpp":
+    if model.engine != PROJECTOR_ENGINE:
         raise Invalid(
             f"only llamacpp takes a multimodal projector, not {model.engine}: leave projector empty", field="projector"
         )

@@ -16,10 +16,21 @@ Engine = models.TextChoices("Engine", [(name.upper(), (name, label)) for name, l
 #: gets no memory estimate from its weights' size, which its replicas do not hold.
 WEIGHTLESS_ENGINES = frozenset({"mocker", "echo_core", "echo_full"})
 
+#: The engine that loads a multimodal projector (an ``mmproj`` GGUF file) beside a model's weights.
+PROJECTOR_ENGINE = "llamacpp"
+
 #: The engines every install of Flotilla runs (no optional package): an agent of this version reports them all.
 ENGINES_IN_EVERY_INSTALL = frozenset({"mocker", "echo_core", "echo_full"})
 
-__all__ = ["DISAGG_ENGINES", "GGUF_ONLY_ENGINES", "GPU_ONLY_ENGINES", "WEIGHTLESS_ENGINES", "Engine", "install_hint"]
+__all__ = [
+    "DISAGG_ENGINES",
+    "GGUF_ONLY_ENGINES",
+    "GPU_ONLY_ENGINES",
+    "PROJECTOR_ENGINE",
+    "WEIGHTLESS_ENGINES",
+    "Engine",
+    "install_hint",
+]
 
 
 def install_hint(engine: str) -> str:

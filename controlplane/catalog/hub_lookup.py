@@ -73,8 +73,10 @@ class RepoFacts:
     gguf_files: list[str] = field(default_factory=list)
     gguf_context_length: int | None = None
     pick_problem: str = ""
-    #: Its llama.cpp multimodal projectors (``mmproj`` GGUF files), which give the model images.
+    #: Its llama.cpp multimodal projectors (``mmproj`` GGUF files), which give the model images, and their sizes
+    #: (None where the hub gave none).
     projector_files: list[str] = field(default_factory=list)
+    projector_sizes: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def projector(self) -> str | None:
@@ -126,6 +128,7 @@ def repo_facts(hub: HubSettings, repo: str, revision: str | None = None, file: s
         gguf_files=gguf_files,
         gguf_context_length=gguf_context if isinstance(gguf_context, int) and gguf_context > 0 else None,
         projector_files=projectors,
+        projector_sizes={name: sizes[name] for name in projectors},
     )
     try:
         plan = pick_files(HubModel(repo, file or None, revision or None), sorted(sizes), CATALOG)

@@ -20,6 +20,7 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_GET
 
+from controlplane.catalog.engines import PROJECTOR_ENGINE
 from controlplane.catalog.errors import HubLookupFailed
 from controlplane.catalog.memory import context_tokens, estimate_memory_bytes, kv_shape
 from controlplane.catalog.models import LanguageModel
@@ -93,42 +94,70 @@ def hub_details(request: HttpRequest) -> HttpResponse:
     context["facts"] = facts
     if not facts.pick_problem:
         is_gguf = facts.file is not None and facts.file.endswith(".gguf")
-        context |= estimate_context(facts.size_bytes, facts.config, facts.gguf_context_length, serving_engines(is_gguf))
+        # A GGUF file served by llama.cpp takes the repo's projector (images), which llama.cpp loads beside the
+        # weights: its row of the table counts it, and the form names it when it offers llama.cpp.
+        projector = facts.projector if is_gguf else None
+        projector_bytes = facts.projector_sizes.get(projector) if projector else None
+        engines = serving_engines(is_gguf)
+        context |= estimate_context(
+            facts.size_bytes, facts.config, facts.gguf_context_length, engines, projector_bytes=projector_bytes
+        )
         # The form offers first the engine that fits somewhere (the first the dashboard lists, else).
-        engine = next((fit.engine for fit in context["fits"] if fit.fits), context["fits"][0].engine)
-        # A GGUF file served by llama.cpp takes the repo's projector (images), which the form then names.
-        context["projector"] = projector = facts.projector if is_gguf and engine == "llamacpp" else None
-        context["add_url"] = _add_url(repo, revision, facts.file, engine, projector)
+        offered = next((fit for fit in context["fits"] if fit.fits), context["fits"][0])
+        if offered.engine == PROJECTOR_ENGINE:
+            context["need"] = offered.memory_bytes
+        else:
+            projector = None
+            context["projector_bytes"] = None
+        context["projector"] = projector
+        context["add_url"] = _add_url(repo, revision, facts.file, offered.engine, projector)
     return render(request, "dashboard/partials/hub_details.html", context)
 
 
 def estimate_context(
-    size_bytes: int | None, config: dict[str, Any], context_length: int | None, engines: list[str]
+    size_bytes: int | None,
+    config: dict[str, Any],
+    context_length: int | None,
+    engines: list[str],
+    *,
+    projector_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """What partials/model_fit.html shows: the context, the KV shape, the estimate and where it fits."""
+    """What partials/model_fit.html shows: the context, the KV shape, the estimate and where it fits. A projector's
+    size (``projector_bytes``) counts in the need of the engine that loads one, and is shown."""
     need = estimate_memory_bytes(size_bytes, config, context_length)
-    return _fit_context(size_bytes, config, context_length, need, engines)
+    needs = {engine: need for engine in engines}
+    if projector_bytes is not None and PROJECTOR_ENGINE in needs:
+        needs[PROJECTOR_ENGINE] = estimate_memory_bytes(size_bytes, config, context_length, projector_bytes)
+    context = _fit_context(size_bytes, config, context_length, need, needs)
+    context["projector_bytes"] = projector_bytes
+    return context
 
 
 def model_estimate_context(model: LanguageModel) -> dict[str, Any]:
     """The same for a model of the catalog, from what the catalog holds of it (its memory need: the operator's
     figure, else its estimate), for its own engine; no hub is asked."""
-    engines = [model.engine] if model.loads_weights else []
     need = model.memory_bytes if model.loads_weights else None
-    context = _fit_context(model.size_bytes, model.config, model.context_length, need, engines)
+    needs = {model.engine: need} if model.loads_weights else {}
+    context = _fit_context(model.size_bytes, model.config, model.context_length, need, needs)
     context["projector_bytes"] = model.projector_bytes if model.projector else None
     return context
 
 
 def _fit_context(
-    size_bytes: int | None, config: dict[str, Any], context_length: int | None, need: int | None, engines: list[str]
+    size_bytes: int | None,
+    config: dict[str, Any],
+    context_length: int | None,
+    need: int | None,
+    needs: dict[str, int | None],
 ) -> dict[str, Any]:
+    """``need`` is the one the page names; ``needs`` each engine's, where it may fit."""
+    inventory = fleet_inventory()
     return {
         "size_bytes": size_bytes,
         "tokens": context_tokens(config, context_length),
         "shape": kv_shape(config),
         "need": need,
-        "fits": engine_fits(need, engines, fleet_inventory()),
+        "fits": [fit for engine, each in needs.items() for fit in engine_fits(each, [engine], inventory)],
     }
 
 

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from controlplane.catalog.engines import PROJECTOR_ENGINE
 from controlplane.catalog.models import Adapter, LanguageModel
 from controlplane.deployments.kv_tiers import host_tier_args
 from controlplane.deployments.models import Instance, Pipeline
@@ -97,7 +98,7 @@ def start_message(instance: Instance) -> StartInstance:
     return StartInstance(
         spec=spec,
         source=source,
-        projector=projector_source(model) if group.engine == "llamacpp" else None,
+        projector=projector_source(model) if group.engine == PROJECTOR_ENGINE else None,
         attempt=instance.restarts,
         incarnation=instance.incarnation,
         node=instance.node.name,

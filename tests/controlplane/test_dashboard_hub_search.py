@@ -14,6 +14,7 @@ from django.test import Client
 
 from controlplane.accounts.models import Role
 from controlplane.catalog.memory import WEIGHTS_FACTOR
+from controlplane.dashboard.hub_search import estimate_context
 from controlplane.deployments.placement import format_bytes
 from tests.agent.fake_hub import FakeHub, running_hub
 from tests.controlplane.factories import make_model, make_node
@@ -32,6 +33,7 @@ BIG_CONFIG = {
 }
 KV_BYTES = 80 * 8 * 128 * 2 * 2 * 131072
 WEIGHTS = b"w" * 5000
+GIB = 1024**3
 CONFIG_BYTES = json.dumps(BIG_CONFIG).encode()
 
 
@@ -243,6 +245,10 @@ def test_a_vision_repos_projector_is_shown_and_named_in_the_add_model_form_for_l
     _, page = details(client, repo="org/Vision-GGUF", file="vision-Q4_K_M.gguf")
     assert "mmproj-vision-Q8_0.gguf, mmproj-vision-f16.gguf" in page  # both listed, f16 chosen
     assert "the Add-model form names mmproj-vision-f16.gguf" in page
+    # llama.cpp loads the projector beside the weights: the estimate counts the one the form names (900 bytes).
+    assert f"<dt>Projector</dt><dd>{format_bytes(900)} <span" in page
+    need = format_bytes(math.ceil((3000 + 900) * WEIGHTS_FACTOR))
+    assert f'<dd>{need} <span class="hint">((weights + projector) × 1.2' in page
     link = page.split('id="hub-add" class="button" href="')[1].split('"')[0]
     values = parse_qs(urlparse(link).query)
     assert values["engine"] == ["llamacpp"] and values["projector"] == ["mmproj-vision-f16.gguf"]
@@ -251,6 +257,18 @@ def test_a_vision_repos_projector_is_shown_and_named_in_the_add_model_form_for_l
     # A repo without one names none.
     _, plain = details(client, repo="org/Big-Model-GGUF", file="big-Q8_0.gguf")
     assert "hub-projectors" not in plain and "projector=" not in plain
+
+
+def test_a_projector_counts_in_llamacpps_need_only() -> None:
+    make_node("gpu-a", (80,))
+    weights, projector = 60 * GIB, 10 * GIB  # x 1.2: 72 GiB fit one 80 GiB GPU, 84 GiB do not
+    context = estimate_context(weights, {}, None, ["llamacpp", "mistralrs"], projector_bytes=projector)
+    fits = {fit.engine: fit for fit in context["fits"]}
+    assert fits["llamacpp"].memory_bytes == math.ceil(70 * GIB * WEIGHTS_FACTOR)
+    assert fits["mistralrs"].memory_bytes == context["need"] == math.ceil(60 * GIB * WEIGHTS_FACTOR)
+    assert fits["mistralrs"].gpus == ["gpu-a GPU 0: 80 GiB free"]
+    assert fits["llamacpp"].gpus == []  # 84 GiB: not on the 80 GiB GPU
+    assert context["projector_bytes"] == projector
 
 
 def test_read_only_people_see_the_details_but_no_add_link(hub: FakeHub) -> None:
