@@ -258,7 +258,7 @@ async def test_an_ingress_process_that_does_not_answer_makes_the_whole_reading_u
 
     problems = " ".join(report.problems)
     assert f"{gone}/metrics could not be read" in problems and f"{nonsense_gateway}/metrics answered" in problems
-    assert "http://127.0.0.1:1" not in problems  # the gateway's own /metrics is not read in their place
+    assert "http://127.0.0.1:1/metrics" not in problems  # the gateway's own /metrics is not read in their place
     assert report.acted == 1
     decision = await PlannerDecision.objects.aget(pipeline=pipeline)
     assert decision.reason.startswith("ingress metrics unreadable: load mode; ")
