@@ -145,7 +145,7 @@ class Child:
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on ``host:port`` now."""
-    return ports_free([port], host)
+    return ports_free([port], host, reuse_address=True)  # as servers bind: TIME_WAIT is free for them
 
 
 def choose_port(wanted: int, taken: set[int]) -> int:
