@@ -10,6 +10,8 @@ and keepalives let the kernel notice a peer that is gone.
 
 from typing import Any
 
+from runtime.fleet_contract.redis_transport import use_for_redis_urls
+
 #: Seconds to open a connection to Redis.
 REDIS_CONNECT_TIMEOUT_S = 2.0
 #: Seconds one command may wait for Redis's answer. Above kombu's BRPOP poll (1 s), which Redis answers
@@ -19,7 +21,9 @@ REDIS_SOCKET_TIMEOUT_S = 5.0
 
 def celery_redis_settings(broker_transport_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Celery settings (for ``app.conf.update``) that bound the broker's and the result backend's Redis
-    commands; ``broker_transport_options`` adds to the broker's (retry policy and the like)."""
+    commands; ``broker_transport_options`` adds to the broker's (retry policy and the like). A ``redis://``
+    broker gets kombu's transport with a fix, from now on in this process (redis_transport.py)."""
+    use_for_redis_urls()
     timeouts = {
         "socket_timeout": REDIS_SOCKET_TIMEOUT_S,
         "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
