@@ -9,8 +9,10 @@ worker takes no task again while its connection lives: the reconciler stopped ac
 its passes (a CI run, the frozen-Redis fleet test; celery/celery#2415 is the same symptom).
 
 Here the delivery is marked done in any case. The message stays in Redis's unacknowledged index, and kombu
-restores it after the visibility timeout, as it does for any message whose ack was lost; Flotilla's periodic
-tasks expire before then, and its agents' tasks are idempotent.
+restores it after the visibility timeout (an hour), as it does for any message whose ack was lost. Flotilla's tasks
+bear that: the periodic ones expire first, an agent's task is stamped with its validity and a nonce
+(agent/tasks/freshness.py: an old copy is refused), and a batch slice goes on only with a batch that is running and
+that no runner holds.
 
 Every Celery app of Flotilla takes it for its ``redis://`` broker: broker.py's ``celery_redis_settings`` registers it
 under kombu's alias "redis" (``use_for_redis_urls``), so that URLs and logs still say ``redis://``; naming it in
